@@ -1,0 +1,87 @@
+"""fnzero: ZeRO sharding as pure, testable transforms of an explicit training state, on PyTorch.
+
+Training is a pure function `step(state, batch) -> (state, metrics)` over an explicit pytree
+(`TrainState`); ZeRO stages 0-3 are sharding transforms of that state.
+
+    import fnzero, torch.nn.functional as F
+
+    fnzero.init_distributed()                          # torchrun's env; a world of one without it
+    cfg   = fnzero.load_config("ds_config.json")       # path | dict | JSON text | base64 JSON
+    sm    = fnzero.shard(model, config=cfg)            # stage from cfg, or stage=N
+    state = sm.init_state()                            # this rank's TrainState
+
+    def loss_fn(params, batch):
+        logits = sm.apply(params, batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+    step = fnzero.train_step(loss_fn, cfg)
+    state, metrics = step(state, batch)                # loss, lr, grad_norm, loss_scale, skipped
+
+Public API
+----------
+load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/config.md`).
+shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`.
+ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
+train_step                  the pure training step.
+TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
+init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
+optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
+memory                      exact per-rank model-state bytes and the ZeRO formulas.
+Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper.
+tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
+FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
+"""
+
+from __future__ import annotations
+
+import optree as _optree
+import torch as _torch
+
+from . import memory, optim, schedules
+from ._dist import DistInfo, init_distributed
+from ._errors import CheckpointError, ConfigError, DistributedError, FnzeroError, ShardingError
+from ._shard._collectives import Collectives, LocalCollectives, ProcessGroupCollectives, RecordingCollectives
+from ._shard._module import ShardedModule, shard
+from ._shard._plan import ShardPlan, UnitPlan
+from ._state import LossScaleState, Sharding, TrainState
+from ._step import split_micro_batches, train_step
+from .config import Config, load_config
+
+__version__ = "0.1.0"
+
+
+def tree_clone(tree):
+    """A copy of `tree` whose tensors share no storage with the original."""
+    return _optree.tree_map(
+        lambda x: x.clone() if isinstance(x, _torch.Tensor) else x, tree, none_is_leaf=True
+    )
+
+
+__all__ = [
+    "CheckpointError",
+    "Collectives",
+    "Config",
+    "ConfigError",
+    "DistInfo",
+    "DistributedError",
+    "FnzeroError",
+    "LocalCollectives",
+    "LossScaleState",
+    "ProcessGroupCollectives",
+    "RecordingCollectives",
+    "ShardPlan",
+    "ShardedModule",
+    "Sharding",
+    "ShardingError",
+    "TrainState",
+    "UnitPlan",
+    "init_distributed",
+    "load_config",
+    "memory",
+    "optim",
+    "schedules",
+    "shard",
+    "split_micro_batches",
+    "train_step",
+    "tree_clone",
+]

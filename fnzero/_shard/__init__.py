@@ -1,0 +1,1 @@
+"""Sharding: plans, collectives, and running a model over sharded parameters."""

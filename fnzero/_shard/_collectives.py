@@ -1,0 +1,224 @@
+"""The collectives fnzero uses, behind one small interface.
+
+Every method returns a new tensor and leaves its input alone, so the sharding code reads like
+math and tests can swap in a recording or an in-process implementation (`specs/collectives.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Collectives",
+    "LocalCollectives",
+    "ProcessGroupCollectives",
+    "CollectiveRecord",
+    "RecordingCollectives",
+    "default_collectives",
+]
+
+_AVG = "avg"
+_SUM = "sum"
+_MAX = "max"
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """What a data-parallel step needs from a communication backend.
+
+    `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
+    `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
+    `all_reduce(t, op)` with op in {"sum", "max"}. `all_gather_async` returns a handle whose
+    `wait()` gives the gathered tensor: stage 3 uses it to prefetch the next unit.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor: ...
+    def all_gather_async(self, shard: torch.Tensor) -> "PendingTensor": ...
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce(self, t: torch.Tensor, op: str = _SUM) -> torch.Tensor: ...
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+    def barrier(self) -> None: ...
+
+
+class PendingTensor:
+    """A tensor that a collective is still filling; `wait()` returns it."""
+
+    __slots__ = ("_tensor", "_work")
+
+    def __init__(self, tensor: torch.Tensor, work=None):
+        self._tensor = tensor
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+
+class LocalCollectives:
+    """World of one: every collective is the identity (a copy, so results never alias inputs)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, shard):
+        return shard.clone()
+
+    def all_gather_async(self, shard):
+        return PendingTensor(shard.clone())
+
+    def reduce_scatter(self, full):
+        return full.clone()
+
+    def all_reduce(self, t, op=_SUM):
+        return t.clone()
+
+    def broadcast(self, t, src=0):
+        return t.clone()
+
+    def barrier(self):
+        return None
+
+
+_REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
+
+
+def _all_gather_fn():
+    # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ProcessGroupCollectives:
+    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_gather(self, shard):
+        return self.all_gather_async(shard).wait()
+
+    def all_gather_async(self, shard):
+        shard = shard.contiguous()
+        out = shard.new_empty(shard.numel() * self.world_size)
+        work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
+        return PendingTensor(out, work)
+
+    def reduce_scatter(self, full):
+        full = full.contiguous().reshape(-1)
+        assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
+        out = full.new_empty(full.numel() // self.world_size)
+        _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_reduce(self, t, op=_SUM):
+        out = t.clone()
+        dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group)
+        return out
+
+    def broadcast(self, t, src=0):
+        out = t.clone()
+        dist.broadcast(out, src=src, group=self.group)
+        return out
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+
+def default_collectives() -> Collectives:
+    """Collectives over the default process group, or a world of one when none is initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupCollectives()
+    return LocalCollectives()
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective call as seen by this rank: its name, dtype and logical bytes (input side)."""
+
+    op: str
+    dtype: torch.dtype
+    numel: int
+    bytes: int
+
+
+class RecordingCollectives:
+    """Wraps another `Collectives` and records every call: the comms logger and traffic tests use it.
+
+    Logical bytes follow `specs/collectives.md`: all_gather counts the gathered output,
+    reduce_scatter and all_reduce count the full input, so that ring-equivalent bytes sent per rank
+    are `all_reduce * 2(N-1)/N` and `all_gather/reduce_scatter * (N-1)/N`.
+    """
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.records: list[CollectiveRecord] = []
+        self._lock = threading.Lock()
+        # Optional callback: the debug checker uses it to compare call sequences across ranks.
+        self.on_record = None
+
+    def _record(self, op: str, t: torch.Tensor, numel: int) -> None:
+        rec = CollectiveRecord(op, t.dtype, numel, numel * t.element_size())
+        with self._lock:
+            self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    def all_gather(self, shard):
+        self._record("all_gather", shard, shard.numel() * self.world_size)
+        return self.inner.all_gather(shard)
+
+    def all_gather_async(self, shard):
+        self._record("all_gather", shard, shard.numel() * self.world_size)
+        return self.inner.all_gather_async(shard)
+
+    def reduce_scatter(self, full):
+        self._record("reduce_scatter", full, full.numel())
+        return self.inner.reduce_scatter(full)
+
+    def all_reduce(self, t, op=_SUM):
+        self._record("all_reduce", t, t.numel())
+        return self.inner.all_reduce(t, op)
+
+    def broadcast(self, t, src=0):
+        self._record("broadcast", t, t.numel())
+        return self.inner.broadcast(t, src)
+
+    def barrier(self):
+        return self.inner.barrier()
+
+    def reset(self) -> list[CollectiveRecord]:
+        with self._lock:
+            out, self.records = self.records, []
+        return out
+
+    def ring_bytes_sent(self, records=None) -> float:
+        """Ring-equivalent bytes this rank sends for `records` (default: all recorded so far)."""
+        n = self.world_size
+        if n == 1:
+            return 0.0
+        total = 0.0
+        for r in self.records if records is None else records:
+            if r.op == "all_reduce":
+                total += r.bytes * 2 * (n - 1) / n
+            elif r.op in ("all_gather", "reduce_scatter"):
+                total += r.bytes * (n - 1) / n
+            elif r.op == "broadcast":
+                total += r.bytes
+        return total

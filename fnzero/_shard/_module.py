@@ -1,0 +1,273 @@
+"""`fnzero.shard`: a model plus a ShardPlan, with a pure `apply` and the initial state."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from .._policy import ShardPolicy, shard_policy
+from .._state import LossScaleState, Sharding, TrainState
+from ._collectives import Collectives, default_collectives
+from ._plan import ROOT_UNIT, ShardPlan, UnitPlan, make_plan
+from ._runtime import ACTIVE_RUN, ApplyRun, unit_views, wrap_unit_forward
+
+__all__ = ["ShardedModule", "shard", "optimizer_view", "full_unit"]
+
+
+def _placeholder(p: torch.Tensor) -> nn.Parameter:
+    # Shape and dtype stay visible (repr, shape checks); the storage is gone.
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+
+
+def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
+    """A unit's full padded buffer from either the full buffer itself or this rank's shard."""
+    if t.numel() == unit.padded_numel:
+        return t
+    if t.numel() == unit.shard_numel:
+        return comm.all_gather(t)
+    raise ShardingError(
+        f"unit {unit.name!r}: a buffer of {t.numel()} elements is neither the full unit "
+        f"({unit.padded_numel}) nor a shard ({unit.shard_numel})"
+    )
+
+
+def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
+    """What the optimizer updates when params are the master copy (fp32 training): the whole unit at
+    stage 0, this rank's slice of the replicated buffer at stages 1-2 (and for persistent stage-3
+    units), the shard itself at stage 3. Slices are views: no copy.
+
+    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views at stage 0.
+    """
+    out = {}
+    for u in plan.units:
+        t = params[u.name]
+        if plan.stage == 0:
+            if elementwise:
+                out[u.name] = t
+            else:
+                out.update(unit_views(u, t))
+        elif plan.params_sharded(u):
+            out[u.name] = t
+        else:
+            lo, hi = u.shard_range(rank)
+            out[u.name] = t[lo:hi]
+    return out
+
+
+class ShardedModule:
+    """A model whose trainable parameters are laid out by a ShardPlan.
+
+    `apply(params, *args, **kwargs)` runs the model's forward with the parameters in `params` (the
+    `params` field of a TrainState, or the differentiable aliases `train_step` hands to the loss);
+    `init_state()` builds this rank's initial TrainState; `gather(...)` consolidates full parameters
+    in `model.state_dict()` naming. The model is owned by the ShardedModule after `shard`: its
+    parameter storage is released (replaced by meta placeholders) and stage-3 units' forwards are
+    routed through `apply`.
+    """
+
+    def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device):
+        self.module = module
+        self.plan = plan
+        self.comm = comm
+        self.policy = policy
+        self.config = config
+        self.sharding = Sharding(plan, comm, device)
+        self._initial: dict[str, torch.Tensor] | None = None
+        self._frozen: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    # ---------------------------------------------------------------------------------------------
+    def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward with `params` (one flat buffer or shard per unit). Pure: the
+        module's own attributes are restored on return, and nothing in `params` is modified."""
+        plan = self.plan
+        missing = [u.name for u in plan.units if u.name not in params]
+        if missing:
+            raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
+        run = ApplyRun(plan, self.comm, params)
+        tensors: dict[str, torch.Tensor] = {}
+        live = []
+        for u in plan.units:
+            if plan.params_sharded(u) and u.module != "":
+                continue  # gathered when its forward runs
+            full, rt = run.gather_unit(u)
+            live.append((full, rt))
+            tensors.update(unit_views(u, full))
+        tensors.update(self._frozen)
+        tensors.update(self._buffers)
+        token = ACTIVE_RUN.set(run)
+        try:
+            with run.saved_tensor_hooks(), _live_all(run, live):
+                return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        finally:
+            ACTIVE_RUN.reset(token)
+
+    __call__ = apply
+
+    # ---------------------------------------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        """This rank's initial TrainState, built from the model's parameters at `shard` time.
+
+        The initial buffers are handed over, not copied, so a model's memory is held once; call
+        `fnzero.shard` again for a second independent initial state.
+        """
+        from .. import optim as _optim  # local: optim depends on nothing here, but keeps import order simple
+
+        if self._initial is None:
+            raise ShardingError(
+                "init_state() hands the model's initial parameters over to the state and can be called once; "
+                "shard the model again for another initial state (or copy a state with fnzero.tree_clone)"
+            )
+        initial, self._initial = self._initial, None
+        if self.config is None or getattr(self.config, "optimizer", None) is None:
+            raise ShardingError(
+                "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard"
+            )
+        opt = _optim.from_config(self.config)
+        plan, rank = self.plan, self.comm.rank
+        cd = self.policy.compute_dtype or plan.param_dtype
+        params = {name: t.to(cd) for name, t in initial.items()}
+        if cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16):
+            master_dtype = torch.float32 if plan.param_dtype in (torch.float16, torch.bfloat16) else plan.param_dtype
+            master = {
+                k: v.to(master_dtype, copy=True)
+                for k, v in optimizer_view(plan, rank, initial, elementwise=True).items()
+            }
+            opt_target = master
+            if not opt.elementwise and plan.stage == 0:
+                opt_target = {}
+                for u in plan.units:
+                    opt_target.update(unit_views(u, master[u.name]))
+        else:
+            master = None
+            opt_target = optimizer_view(plan, rank, params, opt.elementwise)
+        if not opt.elementwise and plan.stage > 0:
+            raise ShardingError(
+                f"optimizer {self.config.optimizer.type} is not elementwise (it normalises per tensor) and "
+                "cannot update flat shards; use it at ZeRO stage 0"
+            )
+        from .._loss_scale import init_loss_scale
+        from .._policy import step_policy
+
+        sp = step_policy(self.config)
+        return TrainState(
+            params=params,
+            master=master,
+            opt_state=opt.init(opt_target),
+            frozen=dict(self._frozen),
+            buffers=dict(self._buffers),
+            step=torch.zeros((), dtype=torch.int64),
+            loss_scale=init_loss_scale(sp.loss_scale),
+            sharding=self.sharding,
+        )
+
+    # ---------------------------------------------------------------------------------------------
+    def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Consolidated trainable parameters, `model.state_dict()` names (tied names included), on
+        every rank. Given a TrainState, its master weights are used when it has them."""
+        if isinstance(params, TrainState):
+            src = params.master if params.master is not None else params.params
+        else:
+            src = params
+        out = {}
+        for u in self.plan.units:
+            full = full_unit(u, src[u.name].detach(), self.comm)
+            if full.numel() != u.padded_numel:
+                full = self.comm.all_gather(full)
+            for name, t in unit_views(u, full).items():
+                out[name] = t.to(dtype) if dtype is not None else t.clone()
+        return out
+
+    def state_dict(self, state: TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Like `model.state_dict()`: trainable, frozen parameters and buffers, consolidated."""
+        out = self.gather(state, dtype=dtype)
+        for name, t in {**state.frozen, **state.buffers}.items():
+            out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
+        return out
+
+
+class _live_all:
+    def __init__(self, run: ApplyRun, live):
+        self.run, self.live, self.stack = run, live, None
+
+    def __enter__(self):
+        import contextlib
+
+        self.stack = contextlib.ExitStack()
+        for full, rt in self.live:
+            self.stack.enter_context(self.run.live(full, rt))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+def shard(
+    model: nn.Module,
+    stage: int | None = None,
+    config: Any = None,
+    *,
+    wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
+    comm: Collectives | None = None,
+    device: torch.device | str | None = None,
+) -> ShardedModule:
+    """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
+    torch.distributed default group, or one process). `stage` overrides the config's
+    `zero_optimization.stage`. See `specs/sharding.md`.
+
+    >>> import torch, fnzero
+    >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
+    >>> sm = fnzero.shard(torch.nn.Linear(3, 2), stage=0, config=cfg)
+    >>> state = sm.init_state()
+    >>> sm.apply(state.params, torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+    """
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"fnzero.shard expects a torch.nn.Module, got {type(model).__name__}")
+    policy = shard_policy(config, stage)
+    comm = comm if comm is not None else default_collectives()
+    params0 = list(model.parameters())
+    if any(p.device.type == "meta" for p in params0):
+        raise ShardingError("the model has parameters on the meta device (already sharded?); build a fresh model")
+    if device is None:
+        device = params0[0].device if params0 else torch.device("cpu")
+    device = torch.device(device)
+    plan = make_plan(
+        model,
+        comm.world_size,
+        policy.stage,
+        wrap=wrap,
+        persistence_threshold=policy.persistence_threshold,
+    )
+    named = dict(model.named_parameters(remove_duplicate=False))
+    initial = {}
+    with torch.no_grad():
+        for u in plan.units:
+            flat = torch.zeros(u.padded_numel, dtype=plan.param_dtype, device=device)
+            for slot in u.slots:
+                flat[slot.offset : slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
+            if plan.params_sharded(u):
+                lo, hi = u.shard_range(comm.rank)
+                flat = flat[lo:hi].clone()
+            initial[u.name] = flat
+    sm = ShardedModule(model, plan, comm, policy, config, device)
+    sm._initial = initial
+    sm._frozen = {n: named[n].detach().to(device) for n in plan.frozen}
+    sm._buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
+    # Release the model's own storage: the state holds the parameters from now on.
+    placeholders: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for leaf, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in placeholders:
+                placeholders[id(p)] = _placeholder(p)
+            mod._parameters[leaf] = placeholders[id(p)]
+    if plan.stage == 3:
+        for u in plan.units:
+            if plan.params_sharded(u) and u.module != "":
+                wrap_unit_forward(model.get_submodule(u.module), u)
+    return sm

@@ -1,0 +1,215 @@
+"""ShardPlan: which parameters form a unit, where each lives in the unit's flat buffer, which slice
+each rank owns. Pure data, the same on every rank (`specs/sharding.md`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+
+__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules"]
+
+ROOT_UNIT = "<root>"
+"""Name of the unit that holds parameters owned by no unit module (and tied parameters shared by two)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside a unit's flat buffer: elements `[offset, offset + numel)`."""
+
+    name: str  # its state_dict name (the first one, for tied parameters)
+    shape: tuple[int, ...]
+    offset: int
+    aliases: tuple[str, ...] = ()  # other state_dict names of the same tensor (tied weights)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_name(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """A group of parameters gathered and reduced together as one flat buffer.
+
+    `numel` counts real elements; the buffer is padded with zeros to `padded_numel`, a multiple of
+    the world size, and rank r owns `[r * shard_numel, (r + 1) * shard_numel)`.
+    """
+
+    name: str
+    module: str  # module path ('' for the root)
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    persistent: bool  # stage 3: kept gathered (numel below stage3_param_persistence_threshold)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        lo = rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+    def real_range(self, rank: int) -> tuple[int, int]:
+        """The part of rank's shard that holds real (not padding) elements, as buffer offsets."""
+        lo, hi = self.shard_range(rank)
+        return min(lo, self.numel), min(hi, self.numel)
+
+    @property
+    def split_sizes(self) -> list[int]:
+        sizes = [s.numel for s in self.slots]
+        pad = self.padded_numel - self.numel
+        return sizes + [pad] if pad else sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """The sharding of a model's trainable parameters for one world size and ZeRO stage."""
+
+    units: tuple[UnitPlan, ...]
+    world_size: int
+    stage: int
+    frozen: tuple[str, ...]  # requires_grad=False parameters: replicated, outside the optimizer
+    param_dtype: torch.dtype
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    def unit(self, name: str) -> UnitPlan:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    def params_sharded(self, unit: UnitPlan) -> bool:
+        """Whether this unit's parameters are held as a shard (stage 3, not persistent)."""
+        return self.stage == 3 and not unit.persistent
+
+    @property
+    def num_params(self) -> int:
+        """Ψ: trainable parameters, tied ones counted once, padding excluded."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def num_padded(self) -> int:
+        return sum(u.padded_numel for u in self.units)
+
+
+def default_unit_modules(model: nn.Module) -> list[str]:
+    """Default wrap policy: each direct child of the root that holds parameters is a unit, except that
+    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
+
+    For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
+    """
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if not any(True for _ in child.parameters()):
+                continue
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                visit(path + ".", child)
+            else:
+                out.append(path)
+
+    visit("", model)
+    return out
+
+
+def _owner(name: str, unit_modules: list[str]) -> str:
+    best = ""
+    for m in unit_modules:
+        if name.startswith(m + ".") and len(m) > len(best):
+            best = m
+    return best
+
+
+def make_plan(
+    model: nn.Module,
+    world_size: int,
+    stage: int,
+    wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
+    persistence_threshold: int = 0,
+) -> ShardPlan:
+    """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
+
+    `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
+    FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
+    enclosing unit module; parameters under no unit module, and tied parameters whose names fall in
+    different units, go to the root unit, which stays gathered for the whole forward.
+    """
+    if world_size < 1:
+        raise ShardingError(f"world_size must be >= 1, got {world_size}")
+    if stage not in (0, 1, 2, 3):
+        raise ShardingError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if wrap is None:
+        unit_modules = default_unit_modules(model)
+    else:
+        if not callable(wrap) or isinstance(wrap, type):
+            classes = tuple([wrap] if isinstance(wrap, type) else wrap)
+            pred = lambda path, m: isinstance(m, classes)  # noqa: E731
+        else:
+            pred = wrap
+        unit_modules = [p for p, m in model.named_modules() if p and pred(p, m)]
+
+    # Tied parameters: one tensor, several names. Keep the first name, remember the others.
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+
+    dtypes = {p.dtype for p in tensors.values()}
+    if len(dtypes) > 1:
+        raise ShardingError(
+            f"all parameters must share one dtype before sharding, found {sorted(map(str, dtypes))}; "
+            "cast the model (model.to(dtype)) first"
+        )
+    param_dtype = dtypes.pop() if dtypes else torch.float32
+
+    members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = {}
+    frozen: list[str] = []
+    for pid, names in names_of.items():
+        p = tensors[pid]
+        if not p.requires_grad:
+            frozen.append(names[0])
+            continue
+        owners = {_owner(n, unit_modules) for n in names}
+        owner = owners.pop() if len(owners) == 1 else ""
+        members.setdefault(owner, []).append((names[0], tuple(names[1:]), tuple(p.shape)))
+
+    units = []
+    order = [m for m in unit_modules if m in members]
+    if "" in members:
+        order = [""] + order
+    for module in order:
+        offset = 0
+        slots = []
+        for name, aliases, shape in members[module]:
+            slot = ParamSlot(name=name, shape=shape, offset=offset, aliases=aliases)
+            slots.append(slot)
+            offset += slot.numel
+        numel = offset
+        padded = max(world_size, -(-numel // world_size) * world_size)
+        units.append(
+            UnitPlan(
+                name=module or ROOT_UNIT,
+                module=module,
+                slots=tuple(slots),
+                numel=numel,
+                padded_numel=padded,
+                shard_numel=padded // world_size,
+                persistent=stage == 3 and numel < persistence_threshold,
+            )
+        )
+    return ShardPlan(
+        units=tuple(units), world_size=world_size, stage=stage, frozen=tuple(frozen), param_dtype=param_dtype
+    )

@@ -1,0 +1,182 @@
+"""Running a sharded module: turning per-unit flat buffers into the parameters a forward sees.
+
+[Note: stage 3 as a differentiable gather]
+A stage-3 unit's forward calls `_GatherUnit`, whose forward all-gathers the unit's shard into the
+full flat buffer and whose backward reduce-scatters the buffer's gradient. The gradient of the loss
+with respect to the *shard* is therefore the summed, sharded gradient, and autograd does the
+bookkeeping. Tensors that autograd saves for backward and that are views of a gathered buffer are
+not kept: a saved-tensor pack hook records (unit, offset, size, stride) instead, and the unpack hook
+re-gathers the unit once for its backward (cached until `_GatherUnit.backward` runs, which autograd
+schedules after every node that used the unit's parameters). So a unit's full parameters are alive
+only during its forward and its backward, never between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from ._plan import ShardPlan, UnitPlan
+
+__all__ = ["ApplyRun", "unit_views", "swap_tensors", "ACTIVE_RUN"]
+
+ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
+
+
+def unit_views(unit: UnitPlan, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer."""
+    pieces = torch.split(full, unit.split_sizes)
+    out = {}
+    for slot, piece in zip(unit.slots, pieces):
+        t = piece.view(slot.shape)
+        out[slot.name] = t
+        for alias in slot.aliases:
+            out[alias] = t
+    return out
+
+
+@contextlib.contextmanager
+def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit.
+
+    This is what torch.func.functional_call does for the root; units need it for a submodule whose
+    own `forward` is wrapped, where functional_call would recurse into the wrapper.
+    """
+    saved = []
+    try:
+        for name, t in tensors.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            saved.append((owner, leaf, owner._parameters[leaf]))
+            owner._parameters[leaf] = t
+        yield
+    finally:
+        for owner, leaf, old in reversed(saved):
+            owner._parameters[leaf] = old
+
+
+class _UnitRuntime:
+    """Per-apply, per-unit bookkeeping for stage 3: the shard, and the buffer re-gathered for backward."""
+
+    __slots__ = ("unit", "shard", "comm", "bwd_full")
+
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm):
+        self.unit = unit
+        self.shard = shard
+        self.comm = comm
+        self.bwd_full = None
+
+    def regather(self) -> torch.Tensor:
+        if self.bwd_full is None:
+            self.bwd_full = self.comm.all_gather(self.shard.detach())
+        return self.bwd_full
+
+
+class _GatherUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, rt: _UnitRuntime) -> torch.Tensor:
+        ctx.rt = rt
+        return rt.comm.all_gather(shard.detach())
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        rt = ctx.rt
+        rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
+        return rt.comm.reduce_scatter(grad_full), None
+
+
+class _Regather:
+    __slots__ = ("rt", "offset", "size", "stride")
+
+    def __init__(self, rt, offset, size, stride):
+        self.rt, self.offset, self.size, self.stride = rt, offset, size, stride
+
+
+class ApplyRun:
+    """One call of `ShardedModule.apply`: which buffers are gathered right now, and the hooks that
+    keep gathered parameters out of autograd's saved tensors."""
+
+    def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor]):
+        self.plan = plan
+        self.comm = comm
+        self.params = params
+        self._live: dict[int, _UnitRuntime] = {}
+
+    # -- saved-tensor hooks ---------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._live:
+            return t
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+            return t
+        rt = self._live.get(ptr)
+        if rt is None:
+            return t
+        return _Regather(rt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    @staticmethod
+    def _unpack(x: Any) -> torch.Tensor:
+        if isinstance(x, _Regather):
+            return x.rt.regather().as_strided(x.size, x.stride, x.offset)
+        return x
+
+    def saved_tensor_hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    # -- gathering --------------------------------------------------------------------------------
+    def gather_unit(self, unit: UnitPlan) -> tuple[torch.Tensor, _UnitRuntime | None]:
+        """The unit's full flat buffer, differentiable with respect to `self.params[unit.name]`."""
+        p = self.params[unit.name]
+        if not self.plan.params_sharded(unit):
+            return p, None
+        if p.numel() != unit.shard_numel:
+            raise ShardingError(
+                f"unit {unit.name!r}: expected a shard of {unit.shard_numel} elements at stage 3, got "
+                f"{p.numel()}; was this state made by another plan or world size?"
+            )
+        rt = _UnitRuntime(unit, p, self.comm)
+        full = _GatherUnit.apply(p, rt)
+        return full, rt
+
+    @contextlib.contextmanager
+    def live(self, full: torch.Tensor, rt: _UnitRuntime | None):
+        """Mark `full` as a gathered buffer for the duration of a forward region."""
+        if rt is None:
+            yield
+            return
+        ptr = full.untyped_storage().data_ptr()
+        self._live[ptr] = rt
+        try:
+            yield
+        finally:
+            self._live.pop(ptr, None)
+
+    def unit_forward(self, unit: UnitPlan, module: nn.Module, forward, args, kwargs):
+        full, rt = self.gather_unit(unit)
+        prefix = unit.module + "."
+        local = {name[len(prefix):]: t for name, t in unit_views(unit, full).items()}
+        with self.live(full, rt), swap_tensors(module, local):
+            return forward(*args, **kwargs)
+
+
+def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
+    """Route `module`'s forward through the active ApplyRun, which gathers the unit's parameters."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        run = ACTIVE_RUN.get()
+        if run is None:
+            raise ShardingError(
+                f"module {unit.module!r} holds stage-3 sharded parameters; call it through "
+                "ShardedModule.apply(params, ...) rather than directly"
+            )
+        return run.unit_forward(unit, module, inner, args, kwargs)
+
+    forward.__wrapped__ = inner  # type: ignore[attr-defined]
+    module.forward = forward

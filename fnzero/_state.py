@@ -1,0 +1,96 @@
+"""The training state: an explicit, immutable pytree. Behaviour lives in functions elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["TrainState", "LossScaleState", "Sharding"]
+
+
+class Sharding:
+    """Where a state's tensors live: the ShardPlan (pure data, equal on every rank) and the
+    collectives that connect the ranks. Like `jax.Array.sharding`, it travels with the state as
+    static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
+    """
+
+    __slots__ = ("plan", "comm", "device")
+
+    def __init__(self, plan, comm, device: torch.device):
+        self.plan = plan
+        self.comm = comm
+        self.device = torch.device(device)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    # Two states share a sharding when they share plan and communicator; identity is enough for the
+    # communicator (one per process group) and keeps treespec comparison cheap.
+    def __eq__(self, other):
+        return isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
+
+    def __hash__(self):
+        return hash((self.plan, id(self.comm)))
+
+    def __repr__(self):
+        p = self.plan
+        return (
+            f"Sharding(stage={p.stage}, rank={self.rank}/{self.world_size}, units={len(p.units)}, "
+            f"params={p.num_params}, device={self.device})"
+        )
+
+
+@optree.dataclasses.dataclass(frozen=True, eq=False, namespace="")
+class LossScaleState:
+    """fp16 dynamic loss scaling, as data (`specs/loss-scaling.md`).
+
+    `scale`: the current loss scale; `good_steps`: consecutive steps without overflow since the
+    last change; `hysteresis`: overflows still tolerated before the scale is cut. 0-dim CPU tensors.
+    """
+
+    scale: torch.Tensor
+    good_steps: torch.Tensor
+    hysteresis: torch.Tensor
+
+
+@optree.dataclasses.dataclass(frozen=True, eq=False, namespace="")
+class TrainState:
+    """Everything a training step reads and writes, per rank.
+
+    Fields (leaves are tensors; see `specs/sharding.md` for which are shards):
+      params:     unit name -> flat parameter buffer in the compute dtype; the whole padded unit at
+                  stages 0-2 (and for persistent units at stage 3), this rank's shard at stage 3.
+      master:     unit name -> fp32 master weights (this rank's shard at stages 1-3) when the compute
+                  dtype is 16-bit; None when params are already the master copy.
+      opt_state:  the optimizer's state over the master shards.
+      frozen:     requires_grad=False parameters by state_dict name, replicated, never updated.
+      buffers:    module buffers by state_dict name, replicated.
+      step:       applied optimizer steps (0-dim int64, CPU). Skipped fp16 steps do not count.
+      loss_scale: LossScaleState for fp16, else None.
+      sharding:   static metadata (plan + collectives), not a leaf.
+    """
+
+    params: dict[str, torch.Tensor]
+    master: dict[str, torch.Tensor] | None
+    opt_state: Any
+    frozen: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    step: torch.Tensor
+    loss_scale: LossScaleState | None
+    sharding: Sharding = optree.dataclasses.field(pytree_node=False)
+
+    def replace(self, **changes) -> "TrainState":
+        """A copy with some fields changed (the state itself is immutable)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def plan(self):
+        return self.sharding.plan

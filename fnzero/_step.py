@@ -1,0 +1,298 @@
+"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`.
+
+One mechanism serves every ZeRO stage (`specs/sharding.md`, `specs/collectives.md`):
+
+* The loss is differentiated with respect to fresh aliases of `state.params` (one flat buffer or
+  shard per unit), so the input state is never touched.
+* A post-accumulate-grad hook on each alias moves the unit's gradient into this step's accumulator
+  as soon as backward produces it: at stage 2 it is reduce-scattered there, so only one unit's full
+  gradient exists at a time; at stage 3 `_GatherUnit`'s backward already reduced it to a shard.
+* After the last micro-batch: stage 0 all-reduces, stage 1 reduce-scatters the accumulated full
+  gradients. One scalar all-reduce gives the global gradient norm, the fp16 overflow verdict (a
+  non-finite norm on any rank) and the mean loss.
+* The optimizer updates this rank's master slice; stages 1-2 all-gather the new parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import optree
+import torch
+
+from . import optim as _optim
+from . import schedules as _schedules
+from ._errors import ShardingError
+from ._loss_scale import update_loss_scale
+from ._policy import StepPolicy, step_policy
+from ._shard._module import optimizer_view
+from ._shard._plan import ShardPlan, UnitPlan
+from ._shard._runtime import unit_views
+from ._state import TrainState
+
+__all__ = ["train_step", "split_micro_batches"]
+
+
+def split_micro_batches(batch: Any, k: int) -> list[Any]:
+    """`k` micro-batches: a list of length k is taken as given; otherwise every tensor leaf of the
+    pytree is split into k equal parts along dim 0 (other leaves are shared)."""
+    if isinstance(batch, list):
+        if len(batch) != k:
+            raise ShardingError(
+                f"a list batch is read as micro-batches: got {len(batch)}, gradient_accumulation_steps is {k}"
+            )
+        return batch
+    if k == 1:
+        return [batch]
+    leaves, spec = optree.tree_flatten(batch)
+    parts = []
+    for path, leaf in zip(optree.tree_paths(batch), leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % k:
+                raise ShardingError(
+                    f"batch leaf {'.'.join(map(str, path)) or '<root>'} has {leaf.shape[0]} rows, which do not split "
+                    f"into gradient_accumulation_steps={k} equal micro-batches"
+                )
+            parts.append(leaf.split(leaf.shape[0] // k))
+        else:
+            parts.append([leaf] * k)
+    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
+
+
+def _accum_dtype(policy: StepPolicy, param_dtype: torch.dtype) -> torch.dtype:
+    if policy.accum_dtype is not None:
+        return policy.accum_dtype
+    return torch.float32 if param_dtype in (torch.float16, torch.bfloat16) else param_dtype
+
+
+def _reduce_scatter(comm, g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+    cd = policy.comm_dtype
+    if cd is not None and g.dtype != cd:
+        g = g.to(cd)
+    if policy.prescale_gradients and policy.predivide_factor != 1.0:
+        g = g / policy.predivide_factor
+    return comm.reduce_scatter(g)
+
+
+def _all_reduce(comm, g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+    cd = policy.comm_dtype
+    if cd is not None and g.dtype != cd:
+        g = g.to(cd)
+    if policy.prescale_gradients and policy.predivide_factor != 1.0:
+        g = g / policy.predivide_factor
+    return comm.all_reduce(g)
+
+
+def _grad_shape_numel(plan: ShardPlan, u: UnitPlan, reduced: bool) -> int:
+    if plan.params_sharded(u):
+        return u.shard_numel
+    if reduced and plan.stage >= 1:
+        return u.shard_numel
+    return u.padded_numel
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    config: Any,
+    *,
+    donate: bool = False,
+    has_aux: bool = False,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+    """Build the pure step `(state, batch) -> (new_state, metrics)` for `loss_fn(params, batch)`.
+
+    `loss_fn` returns the mean loss of one micro-batch (or `(loss, aux)` with `has_aux=True`); it
+    receives the parameters as `state.params`-shaped aliases and runs the model with
+    `sm.apply(params, ...)`. `batch` is this rank's data for one optimizer step: a list of
+    `gradient_accumulation_steps` micro-batches, or one pytree split along dim 0.
+
+    Metrics: `loss` (mean over micro-batches and ranks), `lr`, `grad_norm` (global, before
+    clipping), `loss_scale`, `skipped` (fp16 overflow), and `aux` when `has_aux`.
+
+    `donate=True` lets the step write into the input state's buffers (like JAX's donate_argnums):
+    no second copy of the model state is allocated, and the input state must not be used again.
+    """
+    policy = step_policy(config)
+    opt = _optim.from_config(config)
+    sched = _schedules.from_config(config)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise ShardingError(f"train_step expects a fnzero.TrainState, got {type(state).__name__}")
+        if (state.loss_scale is None) != (policy.loss_scale is None):
+            raise ShardingError(
+                "the state's loss scaling does not match this step's config (fp16 on one side only); "
+                "build both from the same config"
+            )
+        with torch.enable_grad():
+            return _step(state, batch, loss_fn, policy, opt, sched, donate, has_aux)
+
+    return step
+
+
+def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
+    sh = state.sharding
+    plan, comm = sh.plan, sh.comm
+    n, rank = comm.world_size, comm.rank
+    k = policy.accumulation_steps
+    micro = split_micro_batches(batch, k)
+    scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+    param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
+    accum_dtype = _accum_dtype(policy, param_dtype)
+
+    leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
+    acc: dict[str, torch.Tensor] = {}
+    handles = []
+    for u in plan.units:
+        reduce_in_backward = plan.stage >= 2 and not plan.params_sharded(u)
+
+        def hook(leaf, name=u.name, reduce_now=reduce_in_backward):
+            g = leaf.grad
+            leaf.grad = None
+            if reduce_now:
+                g = _reduce_scatter(comm, g, policy)
+            g = g.to(accum_dtype)
+            prev = acc.get(name)
+            acc[name] = g if prev is None else prev.add_(g)
+
+        handles.append(leaves[u.name].register_post_accumulate_grad_hook(hook))
+
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    auxes = []
+    inputs = list(leaves.values())
+    try:
+        for mb in micro:
+            out = loss_fn(leaves, mb)
+            loss, aux = out if has_aux else (out, None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ShardingError(
+                    f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
+                    f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                )
+            if inputs:
+                scaled = loss * scale if scale != 1.0 else loss
+                if scaled.requires_grad:
+                    scaled.backward(inputs=inputs)
+            loss_sum += loss.detach().to(torch.float64).cpu()
+            auxes.append(aux)
+    finally:
+        for h in handles:
+            h.remove()
+
+    # -- reduce what is still local -----------------------------------------------------------------
+    grads: dict[str, torch.Tensor] = {}
+    for u in plan.units:
+        g = acc.get(u.name)
+        if g is None:  # the unit took no part in the loss
+            g = torch.zeros(_grad_shape_numel(plan, u, reduced=True), dtype=accum_dtype, device=sh.device)
+        elif plan.stage == 0:
+            g = _all_reduce(comm, g, policy).to(accum_dtype)
+        elif plan.stage == 1:
+            g = _reduce_scatter(comm, g, policy).to(accum_dtype)
+        grads[u.name] = g
+    divisor = n * k * scale
+    if policy.prescale_gradients:
+        divisor /= policy.predivide_factor
+    if divisor != 1.0:
+        for g in grads.values():
+            g.mul_(1.0 / divisor)
+
+    # -- one scalar all-reduce: norm, overflow, loss --------------------------------------------------
+    norm_dtype = torch.float64 if accum_dtype == torch.float64 else torch.float32
+    local_sq = torch.zeros((), dtype=norm_dtype, device=sh.device)
+    for g in grads.values():
+        if g.numel():
+            local_sq += torch.linalg.vector_norm(g, dtype=norm_dtype).square()
+    vec = torch.stack([local_sq.to(torch.float64).cpu() if plan.stage > 0 else torch.zeros((), dtype=torch.float64), loss_sum])
+    if n > 1:
+        vec = comm.all_reduce(vec.to(sh.device)).cpu()
+    norm_sq = float(vec[0]) if plan.stage > 0 else float(local_sq)
+    loss_mean = float(vec[1]) / (k * n)
+    overflow = not math.isfinite(norm_sq)
+    grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")
+    step_no = int(state.step)
+
+    metrics: dict[str, Any] = {
+        "loss": loss_mean,
+        "lr": None,
+        "grad_norm": grad_norm,
+        "loss_scale": scale if state.loss_scale is not None else None,
+        "skipped": bool(overflow),
+    }
+    if has_aux:
+        metrics["aux"] = auxes if k > 1 else auxes[0]
+
+    new_ls = update_loss_scale(state.loss_scale, overflow, policy.loss_scale) if state.loss_scale is not None else None
+    if overflow:
+        if state.loss_scale is None:
+            raise ShardingError(
+                f"non-finite gradient norm at step {step_no} (rank {rank}) without fp16 loss scaling; "
+                "the loss or the model produced inf/NaN"
+            )
+        metrics["lr"] = float(sched(step_no))
+        return state.replace(loss_scale=new_ls), metrics
+
+    if policy.clip > 0:
+        coef = policy.clip / (grad_norm + 1e-6)
+        if coef < 1.0:
+            for g in grads.values():
+                g.mul_(coef)
+
+    lr = float(sched(step_no))
+    momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
+    metrics["lr"] = lr
+
+    if state.master is not None:
+        target = state.master
+    else:
+        target = optimizer_view(plan, rank, state.params, opt.elementwise)
+    if not opt.elementwise:
+        grads = _per_param(plan, grads)
+        if state.master is not None:
+            target = _per_param(plan, target)
+    update = opt.update_ if donate else opt.update
+    new_target, new_opt_state = update(grads, state.opt_state, target, lr, momentum=momentum)
+    if not opt.elementwise:
+        new_target = _per_unit(plan, new_target, like=state.master if state.master is not None else state.params)
+
+    cd = param_dtype
+    new_params: dict[str, torch.Tensor] = {}
+    for u in plan.units:
+        t = new_target[u.name]
+        if state.master is not None:
+            t = t.to(cd)
+        if plan.stage == 0 or plan.params_sharded(u):
+            new_params[u.name] = t
+        else:
+            full = comm.all_gather(t)
+            if donate:
+                state.params[u.name].copy_(full)
+                full = state.params[u.name]
+            new_params[u.name] = full
+    new_state = state.replace(
+        params=new_params,
+        master=new_target if state.master is not None else None,
+        opt_state=new_opt_state,
+        step=torch.tensor(step_no + 1, dtype=torch.int64),
+        loss_scale=new_ls,
+    )
+    return new_state, metrics
+
+
+def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for u in plan.units:
+        views = unit_views(u, by_unit[u.name])
+        out.update({s.name: views[s.name] for s in u.slots})
+    return out
+
+
+def _per_unit(plan: ShardPlan, by_param: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for u in plan.units:
+        parts = [by_param[s.name].reshape(-1) for s in u.slots]
+        pad = u.padded_numel - u.numel
+        if pad:
+            parts.append(like[u.name].new_zeros(pad))
+        out[u.name] = torch.cat(parts) if parts else like[u.name].new_zeros(0)
+    return out

@@ -1,0 +1,85 @@
+"""Small models for tests, examples and benchmarks: a GPT and an MLP of any size."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPTConfig", "MLP"]
+
+
+class GPTConfig:
+    def __init__(self, vocab_size=256, seq_len=64, d_model=64, n_layer=2, n_head=4, mlp_ratio=4, tied=False, dropout=0.0):
+        if d_model % n_head:
+            raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
+        self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
+        self.n_layer, self.n_head, self.mlp_ratio, self.tied, self.dropout = n_layer, n_head, mlp_ratio, tied, dropout
+
+
+class _Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, c.mlp_ratio * c.d_model)
+        self.out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        shape = (b, t, self.n_head, d // self.n_head)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (pre-LN, SDPA causal attention, GELU MLP)."""
+
+    def __init__(self, config: GPTConfig | None = None, **kwargs):
+        super().__init__()
+        c = config or GPTConfig(**kwargs)
+        self.config = c
+        self.wte = nn.Embedding(c.vocab_size, c.d_model)
+        self.wpe = nn.Embedding(c.seq_len, c.d_model)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if c.tied:
+            self.head.weight = self.wte.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class MLP(nn.Module):
+    """Linear layers of the given widths with tanh between them."""
+
+    def __init__(self, sizes: list[int], bias: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x

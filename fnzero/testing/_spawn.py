@@ -1,0 +1,154 @@
+"""Real multi-process worlds on loopback for tests: a free port, a hard timeout, and a clear error
+naming the rank that failed, never a hang."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import optree
+import torch
+
+from .._errors import DistributedError
+
+__all__ = ["run_world", "free_port", "WorldError"]
+
+
+class WorldError(DistributedError):
+    """A rank of a spawned world raised, died, or did not finish before the timeout."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Results cross the process boundary as plain bytes: tensors of any dtype (bf16 included) survive.
+def _encode(obj: Any) -> Any:
+    def enc(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            return ("__tensor__", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return x
+
+    return optree.tree_map(enc, obj, is_leaf=lambda x: isinstance(x, torch.Tensor), none_is_leaf=True)
+
+
+def _decode(obj: Any) -> Any:
+    def is_enc(x):
+        return isinstance(x, tuple) and len(x) == 4 and x[0] == "__tensor__"
+
+    def dec(x):
+        if is_enc(x):
+            _, dtype, shape, raw = x
+            dt = getattr(torch, dtype)
+            if not raw:
+                return torch.empty(shape, dtype=dt)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+        return x
+
+    return optree.tree_map(dec, obj, is_leaf=is_enc, none_is_leaf=True)
+
+
+def _child(fn, rank, world_size, port, backend, timeout_s, env, q, args, kwargs):
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        q.put(("ok", rank, _encode(result)))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        q.put(("err", rank, traceback.format_exc()))
+        os._exit(1)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks with torch.distributed initialised
+    (gloo on 127.0.0.1, a free port) and return each rank's result, in rank order.
+
+    `fn` must be importable (a module-level function). If any rank raises or dies, every other rank
+    is stopped and a WorldError shows the failing rank's traceback; if the world does not finish
+    within `timeout` seconds, the ranks are killed and the error names the ones that were late.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, port, backend, max(5.0, timeout), dict(env or {}), q, args, kwargs),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    failure = None
+    try:
+        while len(results) < world_size and failure is None:
+            try:
+                status, rank, payload = q.get(timeout=0.2)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    # Give its message a moment to arrive before reporting a silent death.
+                    try:
+                        status, rank, payload = q.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no message"
+                        break
+                elif time.monotonic() > deadline:
+                    late = [r for r in range(world_size) if r not in results]
+                    failure = f"world of {world_size} did not finish within {timeout:.0f}s; ranks still running: {late}"
+                    break
+                else:
+                    continue
+            if status == "ok":
+                results[rank] = _decode(payload)
+            else:
+                failure = f"rank {rank} raised:\n{payload}"
+    finally:
+        if failure is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        q.close()
+    if failure is not None:
+        raise WorldError(failure)
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,164 @@
+"""Training runs shared by the equivalence tests: the fnzero step on any world (simulated, spawned
+or single), and an independent plain-torch reference (torch.optim.AdamW, loss.backward,
+clip_grad_norm_), both fed the same global batches."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+import fnzero
+from fnzero.testing import GPT, MLP
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+_INIT_LOCK = threading.Lock()  # simulated ranks are threads sharing torch's global RNG
+
+
+def make_model(kind: str, dtype=torch.float64, seed: int = 0):
+    with _INIT_LOCK:
+        return _make_model(kind, dtype, seed)
+
+
+def _make_model(kind, dtype, seed):
+    torch.manual_seed(seed)
+    if kind == "gpt":
+        model = GPT(vocab_size=37, seq_len=8, d_model=12, n_layer=2, n_head=3)
+    elif kind == "gpt_tied":
+        model = GPT(vocab_size=37, seq_len=8, d_model=12, n_layer=1, n_head=2, tied=True)
+    elif kind.startswith("mlp:"):
+        sizes = [int(s) for s in kind[4:].split(",")]
+        model = MLP(sizes)
+    elif kind == "mlp_frozen":
+        model = MLP([5, 7, 3])
+        model.layers[0].weight.requires_grad_(False)
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def in_dim(kind):
+    if kind == "mlp_frozen":
+        return 5, 3
+    sizes = [int(s) for s in kind[4:].split(",")]
+    return sizes[0], sizes[-1]
+
+
+def global_batch(kind: str, step: int, world: int, k: int, micro: int, dtype):
+    """Shape (k, world, micro, ...): micro-batch i of rank r is [i, r]."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind.startswith("gpt"):
+        x = torch.randint(0, 37, (k, world, micro, 8), generator=g)
+        y = torch.randint(0, 37, (k, world, micro, 8), generator=g)
+    else:
+        din, dout = in_dim(kind)
+        x = torch.randn(k, world, micro, din, generator=g).to(dtype)
+        y = torch.randn(k, world, micro, dout, generator=g).to(dtype)
+    return x, y
+
+
+def loss_of(kind, out, y):
+    if kind.startswith("gpt"):
+        return F.cross_entropy(out.flatten(0, -2).float() if out.dtype in (torch.float16, torch.bfloat16) else out.flatten(0, -2), y.flatten())
+    return F.mse_loss(out.to(y.dtype), y)
+
+
+def config(stage, k=1, micro=2, world=1, clip=1.0, precision="fp32", extra=None):
+    c = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": k,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if precision == "fp16":
+        c["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if precision == "bf16":
+        c["bf16"] = {"enabled": True}
+    if extra:
+        c.update(extra)
+    return fnzero.load_config(c, world_size=world)
+
+
+def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torch.float64, precision="fp32",
+                 donate=False, extra=None, return_state=False):
+    world, rank = comm.world_size, comm.rank
+    cfg = config(stage, k, micro, world, clip, precision, extra)
+    model = make_model(kind, dtype)
+    if precision != "fp32":
+        model = model.float()
+    sm = fnzero.shard(model, config=cfg, comm=comm)
+    state = sm.init_state()
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return loss_of(kind, sm.apply(params, x), y)
+
+    step = fnzero.train_step(loss_fn, cfg, donate=donate)
+    losses, metrics = [], []
+    for s in range(steps):
+        x, y = global_batch(kind, s, world, k, micro, dtype if precision == "fp32" else torch.float32)
+        xb, yb = x[:, rank].flatten(0, 1), y[:, rank].flatten(0, 1)
+        state, m = step(state, (xb, yb))
+        losses.append(m["loss"])
+        metrics.append(m)
+    params = sm.gather(state)
+    out = {"losses": losses, "params": params, "metrics": metrics}
+    if return_state:
+        out["state"] = state
+        out["sm"] = sm
+    return out
+
+
+def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.float64):
+    model = make_model(kind, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    losses = []
+    for s in range(steps):
+        x, y = global_batch(kind, s, world, k, micro, dtype)
+        opt.zero_grad()
+        total = 0.0
+        for i in range(k):
+            loss = loss_of(kind, model(x[i].flatten(0, 1)), y[i].flatten(0, 1))
+            (loss / k).backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        losses.append(total / k)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
+
+
+def spawned_equivalence(cases, steps):
+    """World function: run every (kind, stage, k, clip) case on this rank; return rank 0's view."""
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    out = {}
+    for kind, stage, k, clip, precision, dtype_name in cases:
+        dtype = getattr(torch, dtype_name)
+        r = train_fnzero(kind, stage, steps, comm, k=k, clip=clip, dtype=dtype, precision=precision)
+        out[f"{kind}|{stage}|{k}|{clip}|{precision}|{dtype_name}"] = {"losses": r["losses"], "params": r["params"]}
+    return out if comm.rank == 0 else None
+
+
+def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, what=""):
+    assert set(got) >= {n for n in want if n in got}, (set(got), set(want))
+    for name in want:
+        if name not in got:
+            continue
+        g, w = got[name], want[name]
+        assert g.shape == w.shape, f"{what} {name}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        diff = (g.to(torch.float64) - w.to(torch.float64)).abs()
+        scale = w.to(torch.float64).abs()
+        bad = diff > atol + rtol * scale
+        if bad.any():
+            i = int(bad.flatten().nonzero()[0])
+            raise AssertionError(
+                f"{what} {name}: {int(bad.sum())} elements differ; first at flat index {i}: "
+                f"got {g.flatten()[i].item()!r}, want {w.flatten()[i].item()!r} (max abs diff {diff.max().item():.3e})"
+            )

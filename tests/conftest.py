@@ -1,0 +1,25 @@
+"""A strict test environment: warnings are errors (pyproject), deterministic torch, one thread
+per process (the CI machine has two cores and multi-rank tests share them), hypothesis profiles."""
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import the world functions from here
+
+torch.use_deterministic_algorithms(True)
+torch.set_num_threads(1)
+
+settings.register_profile(
+    "default", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.register_profile("thorough", deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,80 @@
+"""fp16 dynamic loss scaling transitions (specs/loss-scaling.md), against a transcription of
+DeepSpeed's DynamicLossScaler.update_scale state machine."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fnzero._loss_scale import init_loss_scale, update_loss_scale
+from fnzero._policy import LossScalePolicy
+
+
+class DeepSpeedScaler:
+    """cur_iter/last_overflow_iter bookkeeping as in DeepSpeed's loss_scaler.py."""
+
+    def __init__(self, p: LossScalePolicy):
+        self.cur_scale = 2.0 ** p.initial_scale_power
+        self.cur_iter, self.last_overflow_iter = 0, -1
+        self.scale_window, self.min_scale = p.window, p.min_scale
+        self.delayed_shift = self.cur_hysteresis = p.hysteresis
+        self.consecutive_hysteresis = p.consecutive_hysteresis
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+
+policies = st.builds(
+    LossScalePolicy,
+    initial_scale_power=st.integers(0, 16),
+    window=st.integers(1, 6),
+    hysteresis=st.integers(1, 4),
+    consecutive_hysteresis=st.booleans(),
+    min_scale=st.sampled_from([1.0, 0.25, 8.0]),
+)
+
+
+@given(policy=policies, overflows=st.lists(st.booleans(), max_size=60))
+def test_matches_deepspeed_scaler(policy, overflows):
+    ref = DeepSpeedScaler(policy)
+    state = init_loss_scale(policy)
+    for o in overflows:
+        ref.update_scale(o)
+        state = update_loss_scale(state, o, policy)
+        assert float(state.scale) == ref.cur_scale
+        assert int(state.hysteresis) == ref.cur_hysteresis
+
+
+def test_named_transitions():
+    p = LossScalePolicy(initial_scale_power=4, window=2, hysteresis=2, min_scale=4.0)
+    s = init_loss_scale(p)
+    assert float(s.scale) == 16
+    s = update_loss_scale(s, True, p)  # first overflow spends hysteresis
+    assert (float(s.scale), int(s.hysteresis)) == (16, 1)
+    s = update_loss_scale(s, True, p)  # second one halves
+    assert float(s.scale) == 8
+    s = update_loss_scale(s, True, p)
+    s = update_loss_scale(s, True, p)  # floor at min_scale
+    assert float(s.scale) == 4
+    s = update_loss_scale(s, False, p)
+    s = update_loss_scale(s, False, p)  # window clean steps double it
+    assert float(s.scale) == 8
+
+
+def test_static_scale_never_moves():
+    p = LossScalePolicy(static_scale=128.0)
+    s = init_loss_scale(p)
+    for o in [True, False, True]:
+        s = update_loss_scale(s, o, p)
+    assert float(s.scale) == 128.0
