@@ -1,0 +1,38 @@
+"""DeepSpeed-compatible configuration for fnzero.
+
+`load_config(src, world_size=None, auto=None)` reads a DeepSpeed JSON config (path, dict, JSON
+text with comments/trailing commas, or base64 text), validates every key strictly, fills
+`"auto"` placeholders from `auto=`, derives the batch triad, and returns a frozen, fully
+resolved `Config`. Every problem is reported at once in one `ConfigError` (`err.errors` lists
+them). Keys, defaults and rules: specs/config.md.
+"""
+
+from __future__ import annotations
+
+from ._load import default_world_size, load_config
+from ._models import Config
+from ._optim_models import (
+    OPTIMIZER_TYPES, AdagradParams, AdamParams, AdamWParams, LambParams, LionParams, OptimizerConfig,
+    OptimizerParams, SGDParams,
+)
+from ._sched_models import (
+    SCHEDULER_TYPES, LRRangeTestParams, OneCycleParams, SchedulerConfig, SchedulerParams, WarmupCosineLRParams,
+    WarmupDecayLRParams, WarmupLRParams,
+)
+from ._sections import (
+    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
+    DataTypesConfig, FlopsProfilerConfig, FP16Config, ParallelWriteConfig, TensorboardConfig, TorchAutocastConfig,
+)
+from ._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "load_config", "default_world_size", "Config",
+    "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "OptimizerConfig", "SchedulerConfig", "AioConfig", "ActivationCheckpointingConfig", "CommsLoggerConfig",
+    "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",
+    "ParallelWriteConfig",
+    "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
+    "OPTIMIZER_TYPES",
+    "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
+    "LRRangeTestParams", "SCHEDULER_TYPES",
+]

@@ -1,0 +1,144 @@
+"""DeepSpeed keys that are aliases, that DeepSpeed removed, or that name features fnzero lacks.
+
+Runs on the raw dict before validation. Aliases are rewritten to the current spelling;
+removed keys and enabled unsupported features become problems (and are dropped so that the
+later checks do not report them a second time); disabled unsupported blocks are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._problems import Problems
+from ._types import describe
+
+__all__ = ["normalize"]
+
+# Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine.
+UNSUPPORTED_BLOCKS = (
+    "pipeline", "tensor_parallel", "hybrid_engine", "compression_training", "quantize_training",
+    "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
+    "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe", "expert_parallel",
+    "weight_quantization", "compile", "datastates", "zenflow",
+)
+# Flags of unsupported features: key -> (value that means "off", what the feature is).
+UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
+    "use_data_before_expert_parallelism": (False, "MoE expert parallelism"),
+    "zero_optimization.zero_quantized_weights": (False, "ZeRO++ quantized weights"),
+    "zero_optimization.zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
+    "zero_optimization.zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
+    "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS"),
+    "zero_optimization.zenflow": (None, "ZenFlow"),
+    "zero_optimization.zeropp_loco_param": (None, "ZeRO++ LoCo"),
+    "fp16.fp16_master_weights_and_grads": (False, "fp16 master weights"),
+    "bf16.bf16_master_weights_and_grads": (False, "bf16 master weights"),
+    "bf16.bf16_optimizer_states": (False, "bf16 optimizer states"),
+    "aio.use_gds": (False, "GPUDirect Storage"),
+    "sparse_gradients": (False, "CSR sparse gradients"),
+}
+# Of those, the keys fnzero's models do not carry (dropped once checked to be off).
+NOT_FIELDS = {
+    "use_data_before_expert_parallelism", "zero_optimization.mics_hierarchical_params_gather",
+    "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "fp16.fp16_master_weights_and_grads",
+    "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
+}
+# Numeric switches: key -> (largest value that means "off", off spelling, what the feature is).
+UNSUPPORTED_SIZES: dict[str, tuple[int, int, str]] = {
+    "zero_optimization.zero_hpz_partition_size": (1, 1, "ZeRO++ hierarchical partitioning (hpZ)"),
+    "zero_optimization.mics_shard_size": (0, -1, "MiCS sharding"),
+}
+# Keys DeepSpeed deprecated and replaced: key -> replacement advice.
+REMOVED = {
+    "zero_optimization.cpu_offload": '`zero_optimization.offload_optimizer: {"device": "cpu"}`',
+    "zero_optimization.cpu_offload_param": '`zero_optimization.offload_param: {"device": "cpu"}`',
+    "zero_optimization.cpu_offload_params": '`zero_optimization.offload_param: {"device": "cpu"}`',
+    "zero_optimization.cpu_offload_use_pin_memory": "`pin_memory` inside `offload_optimizer` / `offload_param`",
+    "zero_optimization.allgather_size": "`zero_optimization.allgather_bucket_size`",
+    "fp32_allreduce": '`communication_data_type: "fp32"`',
+    "allreduce_always_fp32": '`communication_data_type: "fp32"`',
+}
+# Old spelling -> current spelling (same section).
+ALIASES = {
+    "bfloat16": "bf16",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "aio.intra_op_parallelism": "aio.thread_count",
+}
+
+
+def _parent(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    *head, leaf = dotted.split(".")
+    node: Any = raw
+    for part in head:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
+def _is_off(value: Any) -> bool:
+    if value is None or value is False or value == {}:
+        return True
+    return isinstance(value, dict) and value.get("enabled") is False
+
+
+def normalize(raw: dict[str, Any], problems: Problems) -> None:
+    """Rewrite aliases and report removed/unsupported keys, in place."""
+    if isinstance(raw.get("zero_optimization"), bool):
+        stage = 1 if raw["zero_optimization"] else 0
+        problems.add(
+            f"`zero_optimization: {describe(raw['zero_optimization'])}` is a format DeepSpeed removed; "
+            f'write `zero_optimization: {{"stage": {stage}}}`'
+        )
+        del raw["zero_optimization"]
+
+    for old, new in ALIASES.items():
+        parent, leaf = _parent(raw, old)
+        if parent is None or leaf not in parent:
+            continue
+        new_leaf = new.rsplit(".", 1)[-1]
+        if new_leaf in parent and parent[new_leaf] != parent[leaf]:
+            problems.add(f"`{old}` is the old spelling of `{new}` and both are set to different values; keep only `{new}`")
+        else:
+            parent[new_leaf] = parent[leaf]
+        del parent[leaf]
+
+    for key, advice in REMOVED.items():
+        parent, leaf = _parent(raw, key)
+        if parent is not None and leaf in parent:
+            problems.add(f"`{key}` was removed from DeepSpeed; use {advice} instead")
+            del parent[leaf]
+
+    for key in UNSUPPORTED_BLOCKS:
+        if key in raw:
+            if not _is_off(raw[key]):
+                problems.add(
+                    f"`{key}` is a DeepSpeed feature fnzero does not implement; remove the block or set enabled: false"
+                )
+            del raw[key]
+
+    for key, (off, what) in UNSUPPORTED_FLAGS.items():
+        parent, leaf = _parent(raw, key)
+        if parent is None or leaf not in parent:
+            continue
+        value = parent[leaf]
+        if value is off or (off is None and _is_off(value)):
+            if key in NOT_FIELDS:
+                del parent[leaf]  # accepted when off, but not a field of fnzero's models
+            continue
+        if value is True or off is None:
+            problems.add(
+                f"`{key}` ({what}) is a DeepSpeed feature fnzero does not implement; remove it or set it to "
+                f"{describe(off)}"
+            )
+            del parent[leaf]
+        # other wrong types (a string, a number) are left for the type check to report
+
+    for key, (limit, off, what) in UNSUPPORTED_SIZES.items():
+        parent, leaf = _parent(raw, key)
+        if parent is None or leaf not in parent:
+            continue
+        value = parent[leaf]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            problems.add(
+                f"`{key}` is {describe(value)}, which turns on {what}, a DeepSpeed feature fnzero does not "
+                f"implement; remove it or set it to {off}"
+            )
+            del parent[leaf]

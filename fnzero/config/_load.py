@@ -1,0 +1,201 @@
+"""`load_config`: source -> parsed dict -> aliases/auto/unknown keys -> models -> cross-field rules.
+
+Every stage adds to one `Problems` list instead of raising, so a file with five mistakes gets
+one ConfigError listing all five. Cross-field rules run only once every field is valid,
+because they read the validated values.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+from ._auto import fill_auto
+from ._legacy import normalize
+from ._models import Config
+from ._optim_models import OPTIMIZER_PARAMS, OPTIMIZER_TYPES, OptimizerConfig
+from ._parse import read_source
+from ._problems import Problems, config_error
+from ._rules import cross_checks, resolve
+from ._sched_models import SCHEDULER_PARAMS, SCHEDULER_TYPES, SchedulerConfig
+from ._schema import canonical_type, check_unknown
+from ._translate import validate_into
+from ._types import _as_int, describe
+
+__all__ = ["load_config", "default_world_size"]
+
+TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def default_world_size() -> int:
+    """torch.distributed's world size when a process group is up, else 1 (as DeepSpeed does)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_world_size())
+    except (ImportError, RuntimeError):
+        pass
+    return 1
+
+
+def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any] | None = None) -> Config:
+    """Load, validate and resolve a DeepSpeed config.
+
+    `src` is a path (str or os.PathLike), a dict, JSON text (with `//`/`/* */` comments and
+    trailing commas allowed) or base64-encoded JSON text. `world_size` is the data-parallel
+    size used for the batch triad (default: torch.distributed's, else 1). `auto` maps dotted
+    DeepSpeed paths to values that fill `"auto"` placeholders. Raises one `ConfigError` listing
+    every problem found.
+    """
+    if isinstance(src, Config) and auto is None and world_size in (None, src.world_size):
+        return src
+    if isinstance(src, Config):
+        src = src.to_dict()
+    world = _world(world_size)
+    raw, label = read_source(src)
+    problems = Problems()
+    normalize(raw, problems)
+    unresolved = fill_auto(raw, auto, problems)
+    check_unknown(raw, problems)
+    if "optimizer" in raw:
+        raw["optimizer"] = _build_typed(raw["optimizer"], "optimizer", problems)
+    if "scheduler" in raw:
+        raw["scheduler"] = _build_typed(raw["scheduler"], "scheduler", problems)
+    if unresolved & set(TRIAD):
+        raw.update(dict.fromkeys(TRIAD, 1))  # already reported as "auto"; do not also demand a batch size
+    else:
+        raw.update(_batch_triad(raw, world, problems))
+    raw["world_size"] = world
+    cfg = validate_into(Config, raw, (), problems)
+    problems.raise_if_any(label)
+    assert cfg is not None
+    cfg = resolve(cfg)
+    problems.extend(cross_checks(cfg))
+    problems.raise_if_any(label)
+    return cfg
+
+
+def _world(world_size: Any) -> int:
+    if world_size is None:
+        return default_world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise config_error([f"world_size must be a positive integer, got {describe(world_size)}"])
+    return world_size
+
+
+_TABLES = {"optimizer": (OPTIMIZER_PARAMS, OPTIMIZER_TYPES, OptimizerConfig),
+           "scheduler": (SCHEDULER_PARAMS, SCHEDULER_TYPES, SchedulerConfig)}
+
+
+def _build_typed(value: Any, section: str, problems: Problems) -> Any:
+    """`optimizer` / `scheduler` dict -> model with the params model its `type` selects, or None."""
+    table, names, model = _TABLES[section]
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        problems.add(f'`{section}` must be a JSON object {{"type": ..., "params": {{...}}}}, got {describe(value)}')
+        return None
+    if "type" not in value:
+        problems.add(f"`{section}.type` is required; use one of {', '.join(names)}")
+        return None
+    kind = canonical_type(value["type"], table)
+    if kind is None:
+        got = value["type"]
+        lowered = {n.lower(): n for n in names}
+        close = difflib.get_close_matches(got.lower(), list(lowered), n=1, cutoff=0.6) if isinstance(got, str) else []
+        hint = f"; did you mean `{lowered[close[0]]}`?" if close else ""
+        problems.add(
+            f"`{section}.type` {describe(got)} is not implemented by fnzero; "
+            f"use one of {', '.join(names)} (matched case-insensitively){hint}"
+        )
+        return None
+    params = value.get("params")
+    params = {} if params is None else params
+    if not isinstance(params, dict):
+        problems.add(f"`{section}.params` must be a JSON object {{...}}, got {describe(params)}")
+        return None
+    if section == "optimizer":
+        _optimizer_flags(kind, params, value, problems)
+    built = validate_into(table[kind], params, (section, "params"), problems)
+    if built is None:
+        return None
+    rest = {k: v for k, v in value.items() if k not in ("type", "params")}
+    return validate_into(model, {"type": kind, "params": built, **rest}, (section,), problems)
+
+
+def _optimizer_flags(kind: str, params: dict[str, Any], value: dict[str, Any], problems: Problems) -> None:
+    """Specific messages for optimizer switches fnzero rejects (then dropped to avoid a second report)."""
+    if kind == "AdamW" and params.get("adam_w_mode") is False:
+        problems.add(
+            "`optimizer.params.adam_w_mode` is false with type AdamW, which always decouples weight decay; "
+            "use type Adam with adam_w_mode false for L2-style decay, or drop adam_w_mode"
+        )
+        del params["adam_w_mode"]
+    if params.get("amsgrad") is True:
+        problems.add("`optimizer.params.amsgrad` is true, but AMSGrad is not implemented (DeepSpeed's fused Adam rejects it too); set it to false")
+        del params["amsgrad"]
+    if value.get("legacy_fusion") is True:
+        problems.add("`optimizer.legacy_fusion` is true, a DeepSpeed kernel fnzero does not implement; set it to false")
+        del value["legacy_fusion"]
+
+
+def _positive(raw: dict[str, Any], key: str, problems: Problems) -> int | None:
+    if raw.get(key) is None:
+        return None
+    value = raw[key]
+    try:
+        number = _as_int(value)
+    except PydanticCustomError as err:
+        problems.add(f"`{key}` {err.message()}")
+        return 0
+    if number <= 0:
+        problems.add(f"`{key}` must be > 0, got {number}; use a positive integer")
+        return 0
+    return number
+
+
+def _batch_triad(raw: dict[str, Any], world: int, problems: Problems) -> dict[str, int]:
+    """Derive the missing members of train_batch_size = micro x gas x world, as DeepSpeed does, but exactly."""
+    tbs, micro, gas = (_positive(raw, key, problems) for key in TRIAD)
+    placeholder = dict.fromkeys(TRIAD, 1)  # keeps validating the rest after a triad problem
+    if 0 in (tbs, micro, gas):
+        return placeholder
+    if tbs is None and micro is None:
+        problems.add(
+            "set `train_batch_size` or `train_micro_batch_size_per_gpu` (DeepSpeed requires at least one); "
+            "the other and `gradient_accumulation_steps` are derived from it"
+        )
+        return placeholder
+    if tbs is not None and micro is not None and gas is not None:
+        if tbs != micro * gas * world:
+            problems.add(
+                f"train_batch_size {tbs} != {micro} (micro) × {gas} (gas) × {world} (world) = {micro * gas * world}; "
+                "fix one of them or drop one and let fnzero derive it"
+            )
+            return placeholder
+    elif tbs is not None and micro is not None:
+        if tbs % (micro * world):
+            problems.add(
+                f"train_batch_size {tbs} is not divisible by {micro} (micro) × {world} (world) = {micro * world}, "
+                "so gradient_accumulation_steps would not be whole; change train_batch_size or the micro batch"
+            )
+            return placeholder
+        gas = tbs // (micro * world)
+    elif tbs is not None:
+        gas = 1 if gas is None else gas
+        if tbs % (gas * world):
+            problems.add(
+                f"train_batch_size {tbs} is not divisible by {gas} (gas) × {world} (world) = {gas * world}, "
+                "so train_micro_batch_size_per_gpu would not be whole; change train_batch_size or gradient_accumulation_steps"
+            )
+            return placeholder
+        micro = tbs // (gas * world)
+    else:
+        assert micro is not None
+        gas = 1 if gas is None else gas
+        tbs = micro * gas * world
+    return {"train_batch_size": tbs, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}

@@ -1,0 +1,90 @@
+"""`Config`: the top-level, fully resolved fnzero/DeepSpeed configuration.
+
+A `Config` is only ever produced by `load_config`, which fills every default, derives the
+batch triad and resolves dynamic defaults, so every field holds a concrete value and
+`to_json()` prints the whole effective configuration.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from ._optim_models import OptimizerConfig
+from ._sched_models import SchedulerConfig
+from ._sections import (
+    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
+    DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TorchAutocastConfig, canonical_dtype,
+)
+from ._types import Bool, Float, Int, Model
+from ._zero import ZeroConfig
+
+__all__ = ["Config"]
+
+PosInt = Annotated[Int, Field(gt=0)]
+
+
+class Config(Model):
+    """A validated, resolved DeepSpeed config. Build it with `load_config`; it is immutable."""
+
+    train_batch_size: PosInt = Field(description="Samples per optimizer step across all ranks (= micro x gas x world).")
+    train_micro_batch_size_per_gpu: PosInt = Field(description="Samples per forward/backward on one rank.")
+    gradient_accumulation_steps: PosInt = Field(description="Micro-batches accumulated per optimizer step.")
+    gradient_clipping: Annotated[Float, Field(ge=0.0)] = Field(0.0, description="Global gradient-norm clip; 0 = off.")
+    steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
+    wall_clock_breakdown: Bool = Field(False, description="Time forward/backward/step separately.")
+    memory_breakdown: Bool = Field(False, description="Log accelerator memory use.")
+    prescale_gradients: Bool = Field(False, description="Divide gradients before reducing instead of after.")
+    gradient_predivide_factor: Annotated[Float, Field(gt=0.0)] = Field(
+        1.0, description="With prescale_gradients, divide by this before reducing and by world/this after."
+    )
+    sparse_gradients: Literal[False] = Field(False, description="CSR sparse gradients; not implemented, must be false.")
+    dump_state: Bool = Field(False, description="Print the engine state after initialisation.")
+    zero_allow_untested_optimizer: Bool = Field(False, description="Accepted for compatibility; fnzero's optimizers are all supported.")
+    zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")
+    communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")
+    optimizer: OptimizerConfig | None = Field(None, description="Optimizer; null = the caller supplies one.")
+    scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")
+    fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision (legacy key: bfloat16).")
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig, description="torch.autocast.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage and bucketing.")
+    aio: AioConfig = Field(default_factory=AioConfig, description="Async NVMe I/O.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="Activation checkpointing."
+    )
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Internal buffer dtypes.")
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="Collective logging.")
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="Flops profiler.")
+    tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig, description="TensorBoard monitor.")
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig, description="CSV monitor.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
+    # Not a DeepSpeed key: the data-parallel world size the batch triad was resolved against.
+    # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
+    world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")
+
+    _dt = field_validator("communication_data_type", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """Training precision: fp16 or bf16 when that block is enabled, else fp32."""
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    @property
+    def zero_stage(self) -> int:
+        """`zero_optimization.stage`."""
+        return self.zero_optimization.stage
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON types, DeepSpeed key names, every default filled."""
+        return self.model_dump(mode="json")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The resolved config as JSON; `load_config(cfg.to_json(), world_size=cfg.world_size) == cfg`."""
+        return json.dumps(self.to_dict(), indent=indent)

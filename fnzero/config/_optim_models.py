@@ -1,0 +1,141 @@
+"""`optimizer`: the optimizer type and its per-type `params`.
+
+DeepSpeed passes `params` straight to the optimizer constructor, so a misspelt or wrong-type
+parameter surfaces (if at all) as a TypeError deep inside initialisation. Here each type has
+its own model with DeepSpeed's/torch's parameter names and defaults, so the optimizer module
+can call `cfg.optimizer.params.model_dump()` and get exactly its keyword arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, model_validator
+
+from ._types import Bool, Float, Model, Pair
+
+__all__ = [
+    "OptimizerConfig", "OptimizerParams", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES",
+    "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
+]
+
+NonNegFloat = Annotated[Float, Field(ge=0.0)]
+PosFloat = Annotated[Float, Field(gt=0.0)]
+
+
+def _check_betas(betas: tuple[float, float], where: str) -> None:
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"`{where}[{i}]` is {beta!r}; each beta must be in [0, 1), e.g. [0.9, 0.999]")
+
+
+class _AdamBase(Model):
+    lr: NonNegFloat = Field(1e-3, description="Learning rate.")
+    betas: Pair = Field((0.9, 0.999), description="Coefficients for the running averages of the gradient and its square.")
+    eps: NonNegFloat = Field(1e-8, description="Term added to the denominator for numerical stability.")
+    weight_decay: NonNegFloat = Field(0.0, description="Weight decay (decoupled when adam_w_mode is true).")
+    bias_correction: Bool = Field(True, description="Apply Adam's bias correction.")
+    amsgrad: Literal[False] = Field(False, description="AMSGrad variant; not implemented, must be false.")
+    torch_adam: Bool = Field(False, description="DeepSpeed kernel choice (torch vs fused); accepted, no effect in fnzero.")
+    fp32_optimizer_states: Bool = Field(True, description="DeepSpeed CPU-Adam storage choice; accepted, no effect (states are fp32).")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "_AdamBase":
+        _check_betas(self.betas, "betas")
+        return self
+
+
+class AdamParams(_AdamBase):
+    """`optimizer.params` for type Adam. DeepSpeed defaults Adam to decoupled weight decay (AdamW)."""
+
+    adam_w_mode: Bool = Field(True, description="Decoupled (AdamW) weight decay; DeepSpeed's default for Adam is true.")
+
+
+class AdamWParams(_AdamBase):
+    """`optimizer.params` for type AdamW; weight decay is always decoupled."""
+
+    adam_w_mode: Literal[True] = Field(True, description="Always true for AdamW; false is an error (use type Adam).")
+
+
+class SGDParams(Model):
+    """`optimizer.params` for type SGD (torch.optim.SGD names)."""
+
+    lr: NonNegFloat = Field(1e-3, description="Learning rate.")
+    momentum: NonNegFloat = Field(0.0, description="Momentum factor.")
+    dampening: NonNegFloat = Field(0.0, description="Dampening for momentum.")
+    weight_decay: NonNegFloat = Field(0.0, description="L2 penalty.")
+    nesterov: Bool = Field(False, description="Nesterov momentum; needs momentum > 0 and dampening 0.")
+
+    @model_validator(mode="after")
+    def _nesterov(self) -> "SGDParams":
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError(
+                f"nesterov: true needs momentum > 0 and dampening 0, got momentum {self.momentum!r} and "
+                f"dampening {self.dampening!r}; set momentum (e.g. 0.9) and dampening 0, or nesterov false"
+            )
+        return self
+
+
+class AdagradParams(Model):
+    """`optimizer.params` for type Adagrad (DeepSpeed CPU-Adagrad defaults, torch names)."""
+
+    lr: NonNegFloat = Field(1e-2, description="Learning rate.")
+    eps: NonNegFloat = Field(1e-10, description="Term added to the denominator for numerical stability.")
+    weight_decay: NonNegFloat = Field(0.0, description="L2 penalty.")
+    lr_decay: NonNegFloat = Field(0.0, description="Learning-rate decay.")
+    initial_accumulator_value: NonNegFloat = Field(0.0, description="Initial value of the squared-gradient sum.")
+
+
+class LambParams(Model):
+    """`optimizer.params` for type Lamb (DeepSpeed FusedLamb names and defaults)."""
+
+    lr: NonNegFloat = Field(1e-3, description="Learning rate.")
+    betas: Pair = Field((0.9, 0.999), description="Running-average coefficients.")
+    eps: NonNegFloat = Field(1e-8, description="Term added to the denominator for numerical stability.")
+    weight_decay: NonNegFloat = Field(0.0, description="Weight decay.")
+    bias_correction: Bool = Field(True, description="Apply bias correction.")
+    max_grad_norm: NonNegFloat = Field(0.0, description="Per-optimizer gradient-norm clip; 0 = off.")
+    max_coeff: PosFloat = Field(10.0, description="Upper bound of the trust ratio.")
+    min_coeff: NonNegFloat = Field(0.01, description="Lower bound of the trust ratio.")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "LambParams":
+        _check_betas(self.betas, "betas")
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff!r} exceeds max_coeff {self.max_coeff!r}; make min_coeff <= max_coeff")
+        return self
+
+
+class LionParams(Model):
+    """`optimizer.params` for type Lion (DeepSpeed FusedLion defaults)."""
+
+    lr: NonNegFloat = Field(1e-3, description="Learning rate.")
+    betas: Pair = Field((0.9, 0.999), description="Interpolation and running-average coefficients.")
+    weight_decay: NonNegFloat = Field(0.0, description="Decoupled weight decay.")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "LionParams":
+        _check_betas(self.betas, "betas")
+        return self
+
+
+OPTIMIZER_PARAMS: dict[str, type[Model]] = {
+    "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams,
+    "Adagrad": AdagradParams, "Lamb": LambParams, "Lion": LionParams,
+}
+OPTIMIZER_TYPES = tuple(OPTIMIZER_PARAMS)
+OptimizerParams = Union[AdamParams, AdamWParams, SGDParams, AdagradParams, LambParams, LionParams]
+
+
+class OptimizerConfig(Model):
+    """`optimizer`: `type` (matched case-insensitively, stored canonically) and its validated `params`."""
+
+    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion"] = Field(description="Optimizer type.")
+    params: OptimizerParams = Field(description="Per-type parameters; model_dump() gives constructor kwargs.")
+    legacy_fusion: Literal[False] = Field(False, description="DeepSpeed legacy fused-kernel switch; must be false.")
+
+    @model_validator(mode="after")
+    def _params_match_type(self) -> "OptimizerConfig":
+        if type(self.params) is not OPTIMIZER_PARAMS[self.type]:
+            raise ValueError(f"params of type {type(self.params).__name__} do not belong to optimizer type {self.type}")
+        return self

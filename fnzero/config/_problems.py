@@ -1,0 +1,72 @@
+"""Collecting config problems and turning them into one `ConfigError`.
+
+Validation keeps going after the first problem so `fnzero config validate` can print every
+mistake in a file at once; each problem is one self-contained line naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+from fnzero._errors import ConfigError
+
+__all__ = ["Problems", "config_error", "suggest", "join_path"]
+
+
+def join_path(*parts: object) -> str:
+    """Dotted DeepSpeed key path; list indices are written `key[3]`."""
+    out = ""
+    for part in parts:
+        if part == "" or part is None:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out = f"{out}.{part}" if out else str(part)
+    return out
+
+
+def suggest(word: str, candidates: Iterable[str]) -> str:
+    """` did you mean `x`?` for the nearest candidate, or an empty string when none is close."""
+    pool = sorted(set(candidates))
+    match = difflib.get_close_matches(word, pool, n=1, cutoff=0.6)
+    if not match:
+        # Truncated names (`stage3_prefetch_bucket`) score low on ratio but are prefixes.
+        prefixed = [c for c in pool if len(word) >= 4 and (c.startswith(word) or word.startswith(c))]
+        match = prefixed[:1]
+    return f"; did you mean `{match[0]}`?" if match else ""
+
+
+def config_error(errors: list[str], source: str | None = None) -> ConfigError:
+    """One ConfigError carrying every problem; `err.errors` holds them as a list."""
+    head = f"invalid fnzero/DeepSpeed config{f' {source}' if source else ''}"
+    if len(errors) == 1:
+        message = f"{head}: {errors[0]}"
+    else:
+        message = f"{head}: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors)
+    err = ConfigError(message)
+    err.errors = list(errors)  # type: ignore[attr-defined]
+    return err
+
+
+class Problems:
+    """An ordered, de-duplicated list of problem lines."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def add(self, message: str) -> None:
+        if message not in self.items:
+            self.items.append(message)
+
+    def extend(self, messages: Iterable[str]) -> None:
+        for message in messages:
+            self.add(message)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def raise_if_any(self, source: str | None = None) -> None:
+        if self.items:
+            raise config_error(self.items, source)

@@ -1,0 +1,79 @@
+"""Dynamic-default resolution and the cross-field rules DeepSpeed ignores silently.
+
+Each rule returns one message naming the keys involved and how to fix them. DeepSpeed
+either asserts these at runtime, or worse, quietly ignores the setting (offload_param below
+stage 3, nvme without a path); fnzero refuses them at load time.
+"""
+
+from __future__ import annotations
+
+from ._models import Config
+from ._sched_models import WarmupLRParams
+
+__all__ = ["resolve", "cross_checks"]
+
+
+def resolve(cfg: Config) -> Config:
+    """Replace DeepSpeed's dynamic defaults (null) with the concrete value they mean."""
+    zero = cfg.zero_optimization
+    update: dict[str, object] = {}
+    if zero.overlap_comm is None:
+        # DeepSpeed: overlap_comm defaults to true at stage 3 and false below.
+        update["zero_optimization"] = zero.model_copy(update={"overlap_comm": zero.stage == 3})
+    sched = cfg.scheduler
+    if (
+        sched is not None and isinstance(sched.params, WarmupLRParams)
+        and sched.params.warmup_max_lr is None and cfg.optimizer is not None
+    ):
+        # DeepSpeed's WarmupLR warms up to the optimizer's lr when warmup_max_lr is unset.
+        params = sched.params.model_copy(update={"warmup_max_lr": cfg.optimizer.params.lr})
+        update["scheduler"] = sched.model_copy(update={"params": params})
+    return cfg.model_copy(update=update) if update else cfg
+
+
+def cross_checks(cfg: Config) -> list[str]:
+    """Every cross-field problem in a field-valid config."""
+    out: list[str] = []
+    stage = cfg.zero_optimization.stage
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        out.append("`fp16.enabled` and `bf16.enabled` are both true; enable at most one precision")
+    off_opt = cfg.zero_optimization.offload_optimizer
+    off_par = cfg.zero_optimization.offload_param
+    if off_par is not None and off_par.device != "none" and stage < 3:
+        out.append(
+            f"`zero_optimization.offload_param.device` is {off_par.device!r} but `zero_optimization.stage` is {stage}; "
+            "parameter offload needs stage 3 (DeepSpeed silently ignores it below), so set stage 3 or remove offload_param"
+        )
+    if off_opt is not None and off_opt.device != "none" and stage == 0:
+        out.append(
+            f"`zero_optimization.offload_optimizer.device` is {off_opt.device!r} but `zero_optimization.stage` is 0; "
+            "optimizer offload needs stage 1, 2 or 3, so raise the stage or remove offload_optimizer"
+        )
+    if off_opt is not None and off_opt.ratio < 1.0 and stage != 3:
+        out.append(
+            f"`zero_optimization.offload_optimizer.ratio` is {off_opt.ratio!r} but partial offload needs "
+            f"`zero_optimization.stage` 3 (got {stage}); set ratio 1.0 or stage 3"
+        )
+    for name, block in (("offload_optimizer", off_opt), ("offload_param", off_par)):
+        if block is not None and block.device == "nvme" and not block.nvme_path:
+            out.append(
+                f"`zero_optimization.{name}.device` is 'nvme' but `zero_optimization.{name}.nvme_path` is not set; "
+                "add nvme_path (a directory on the NVMe drive)"
+            )
+    sched = cfg.scheduler
+    if sched is not None:
+        params = sched.params
+        if isinstance(params, WarmupLRParams) and params.warmup_max_lr is not None and params.warmup_max_lr < params.warmup_min_lr:
+            out.append(
+                f"`scheduler.params.warmup_max_lr` {params.warmup_max_lr!r} is below `scheduler.params.warmup_min_lr` "
+                f"{params.warmup_min_lr!r}; swap them"
+            )
+        if (
+            sched.type == "OneCycle" and getattr(params, "cycle_momentum", False)
+            and cfg.optimizer is not None and cfg.optimizer.type in ("SGD", "Adagrad")
+        ):
+            out.append(
+                f"`scheduler.params.cycle_momentum` is true but optimizer {cfg.optimizer.type} has no betas to cycle "
+                "(DeepSpeed silently turns it off); set cycle_momentum false"
+            )
+    return out

@@ -1,0 +1,162 @@
+"""Models of the smaller DeepSpeed sections: precision, aio, activation checkpointing, logging, checkpoint.
+
+Defaults follow DeepSpeed's runtime/precision_config.py, swap_tensor/constants.py,
+activation_checkpointing/config.py, comm/constants.py, profiling/constants.py,
+monitor/config.py and runtime/constants.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from ._types import Bool, Float, Int, Model, Str, StrList
+
+__all__ = [
+    "FP16Config", "BF16Config", "TorchAutocastConfig", "AioConfig", "ActivationCheckpointingConfig",
+    "CommsLoggerConfig", "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig",
+    "CheckpointConfig", "ParallelWriteConfig", "DType", "canonical_dtype",
+]
+
+DType = Literal["fp32", "fp16", "bf16"]
+_DTYPE_SPELLINGS = {
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+
+
+def canonical_dtype(value: object) -> object:
+    """DeepSpeed's dtype spellings ("float16", "torch.bfloat16", "BF16") -> fp32/fp16/bf16; others unchanged."""
+    if isinstance(value, str):
+        return _DTYPE_SPELLINGS.get(value.strip().lower(), value)
+    return value
+
+
+PosInt = Annotated[Int, Field(gt=0)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+
+
+class FP16Config(Model):
+    """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
+
+    enabled: Bool = Field(False, description="Train with fp16 compute and fp32 master weights.")
+    auto_cast: Bool = Field(False, description="Cast floating-point inputs to fp16 before forward.")
+    loss_scale: Annotated[Float, Field(ge=0.0)] = Field(0.0, description="Static loss scale; 0 = dynamic scaling.")
+    initial_scale_power: Annotated[Int, Field(ge=0, le=127)] = Field(16, description="Dynamic scaling starts at 2**power.")
+    loss_scale_window: PosInt = Field(1000, description="Overflow-free steps before the scale is raised.")
+    hysteresis: PosInt = Field(2, description="Overflows tolerated before the scale is lowered.")
+    consecutive_hysteresis: Bool = Field(False, description="Refill hysteresis after every overflow-free step.")
+    min_loss_scale: Annotated[Float, Field(gt=0.0)] = Field(1.0, description="Floor of the dynamic loss scale.")
+
+
+class BF16Config(Model):
+    """`bf16` (legacy spelling `bfloat16`): bf16 mixed precision, no loss scaling."""
+
+    enabled: Bool = Field(False, description="Train with bf16 compute and fp32 master weights.")
+    immediate_grad_update: Bool = Field(False, description="DeepSpeed kernel scheduling hint; accepted, no effect.")
+
+
+class TorchAutocastConfig(Model):
+    """`torch_autocast`: run forward under torch.autocast instead of casting the model."""
+
+    enabled: Bool = Field(False, description="Wrap forward in torch.autocast.")
+    dtype: Literal["fp16", "bf16"] | None = Field(None, description="Autocast dtype; null = bf16.")
+    lower_precision_safe_modules: StrList | None = Field(
+        None, description="Fully qualified module class names whose parameters may be held in the low dtype."
+    )
+
+    _dt = field_validator("dtype", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+
+
+class AioConfig(Model):
+    """`aio`: asynchronous NVMe I/O settings used by NVMe offload."""
+
+    block_size: PosInt = Field(1_048_576, description="Bytes per I/O request.")
+    queue_depth: PosInt = Field(8, description="Outstanding I/O requests.")
+    thread_count: PosInt = Field(1, description="I/O threads per request (DeepSpeed's newer name: intra_op_parallelism).")
+    single_submit: Bool = Field(False, description="Submit requests one at a time.")
+    overlap_events: Bool = Field(True, description="Overlap submission and completion.")
+    use_gds: Bool = Field(False, description="NVIDIA GPUDirect Storage; must be false (not implemented).")
+
+
+class ActivationCheckpointingConfig(Model):
+    """`activation_checkpointing`: options for recomputing activations in backward."""
+
+    partition_activations: Bool = Field(False, description="Shard checkpointed activations across ranks.")
+    contiguous_memory_optimization: Bool = Field(False, description="Copy checkpoints into one contiguous buffer.")
+    cpu_checkpointing: Bool = Field(False, description="Keep checkpointed activations in host memory.")
+    number_checkpoints: PosInt | None = Field(None, description="Checkpoints per forward for the contiguous buffer.")
+    synchronize_checkpoint_boundary: Bool = Field(False, description="Synchronize at each checkpoint boundary.")
+    profile: Bool = Field(False, description="Time checkpointed forward/backward.")
+
+
+class CommsLoggerConfig(Model):
+    """`comms_logger`: log collective operations."""
+
+    enabled: Bool = Field(False, description="Record collectives.")
+    verbose: Bool = Field(False, description="Print every collective as it happens.")
+    prof_all: Bool = Field(True, description="Record all collectives (else only prof_ops).")
+    debug: Bool = Field(False, description="Include the calling function in records.")
+    prof_ops: StrList = Field((), description="Collective names to record when prof_all is false.")
+
+
+class DataTypesConfig(Model):
+    """`data_types`: dtypes of internal buffers."""
+
+    grad_accum_dtype: DType | None = Field(None, description="Gradient accumulation dtype; null = the training dtype.")
+
+    _dt = field_validator("grad_accum_dtype", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+
+
+class FlopsProfilerConfig(Model):
+    """`flops_profiler`: count flops of one step."""
+
+    enabled: Bool = Field(False, description="Profile one step.")
+    recompute_fwd_factor: Annotated[Float, Field(ge=0.0)] = Field(0.0, description="Extra forward passes from recomputation.")
+    profile_step: PosInt = Field(1, description="Which step to profile.")
+    module_depth: Annotated[Int, Field(ge=-1)] = Field(-1, description="Module depth to report; -1 = all.")
+    top_modules: PosInt = Field(1, description="How many top modules to report.")
+    detailed: Bool = Field(True, description="Per-module breakdown.")
+    output_file: Str | None = Field(None, description="Write the report here; null = stdout.")
+
+
+class TensorboardConfig(Model):
+    """`tensorboard`: write training scalars for TensorBoard."""
+
+    enabled: Bool = Field(False, description="Write TensorBoard event files.")
+    output_path: Str = Field("", description="Directory for event files; empty = ./runs.")
+    job_name: Str = Field("DeepSpeedJobName", description="Sub-directory name for this run.")
+
+
+class CsvMonitorConfig(Model):
+    """`csv_monitor`: write training scalars as CSV."""
+
+    enabled: Bool = Field(False, description="Write CSV files.")
+    output_path: Str = Field("", description="Directory for CSV files.")
+    job_name: Str = Field("DeepSpeedJobName", description="Sub-directory name for this run.")
+
+
+class ParallelWriteConfig(Model):
+    """`checkpoint.parallel_write`."""
+
+    pipeline_stage: Bool = Field(False, description="Pipeline-stage parallel writes (no pipeline in fnzero: no effect).")
+
+
+class CheckpointConfig(Model):
+    """`checkpoint`: checkpoint tag validation and storage."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
+        "Warn", description="What to do when ranks save under different tags (case-insensitive)."
+    )
+    load_universal: Bool = Field(False, description="Load a DeepSpeed universal checkpoint.")
+    use_node_local_storage: Bool = Field(False, description="Each node writes to its own local storage.")
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig, description="Parallel write options.")
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _tag(cls, value: object) -> object:
+        if isinstance(value, str):
+            return {"ignore": "Ignore", "warn": "Warn", "fail": "Fail"}.get(value.lower(), value)
+        return value

@@ -1,0 +1,153 @@
+"""Scalar field types shared by every config model, and the strict frozen base model.
+
+JSON has one number type, so DeepSpeed users write sizes as `5e8`; those arrive as floats.
+The `Int` type accepts a float only when it is integral, and every type refuses the silent
+coercions pydantic would otherwise do (`true` -> 1, `"3"` -> 3) because such a value in a
+config file is almost always a mistake the user wants to hear about.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+__all__ = ["Model", "Int", "Float", "Bool", "Str", "Pair", "StrList", "INT64_MAX", "describe"]
+
+INT64_MAX = 2**63 - 1
+
+
+class Model(BaseModel):
+    """Base of every config model: frozen, strict, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=False)
+
+
+def describe(value: Any) -> str:
+    """A short JSON-ish rendering of a user value for messages (bounded; never recurses deeply)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        text = value if len(value) <= 40 else value[:37] + "..."
+        return '"' + text.replace('"', '\\"') + '"'
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, (list, tuple)) and len(value) <= 6 and all(
+        v is None or isinstance(v, (bool, int, float, str)) for v in value
+    ):
+        text = "[" + ", ".join(describe(v) for v in value) + "]"
+        if len(text) <= 60:
+            return text
+    if isinstance(value, dict):
+        return "an object" if value else "{}"
+    if isinstance(value, (list, tuple)):
+        return "a list" if value else "[]"
+    return f"a {type(value).__name__}"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (dict, list, tuple)) or value is None:
+        return describe(value)
+    return f"a {type(value).__name__}"
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise PydanticCustomError(
+            "fnz_int", "must be an integer, got the boolean {got}; write a number such as 1", {"got": describe(value)}
+        )
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            value = int(value)
+        else:
+            raise PydanticCustomError(
+                "fnz_int", "must be an integer, got {got}; write a whole number", {"got": describe(value)}
+            )
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            raise PydanticCustomError(
+                "fnz_int", "got {got}, which is out of range for a 64-bit integer; use a smaller value",
+                {"got": describe(value)},
+            )
+        return value
+    hint = "write it without quotes" if isinstance(value, str) and _looks_numeric(value) else "write a JSON number"
+    raise PydanticCustomError(
+        "fnz_int", "must be an integer, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
+    )
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = "write it without quotes" if isinstance(value, str) and _looks_numeric(value) else "write a JSON number"
+        raise PydanticCustomError(
+            "fnz_float", "must be a number, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
+        )
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        raise PydanticCustomError(
+            "fnz_float", "must be a finite number, got {got}; use a value within float range", {"got": describe(value)}
+        )
+    return result
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    hint = "write it without quotes" if isinstance(value, str) and value.lower() in ("true", "false") else "use true or false"
+    raise PydanticCustomError(
+        "fnz_bool", "must be true or false, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
+    )
+
+
+def _as_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise PydanticCustomError(
+        "fnz_str", "must be a string, got {got} ({kind}); put the value in double quotes",
+        {"got": describe(value), "kind": _kind(value)},
+    )
+
+
+def _as_pair(value: Any) -> tuple[Any, ...]:
+    # JSON arrays arrive as lists; the models keep a tuple so they stay hashable and immutable.
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return tuple(value)
+    raise PydanticCustomError(
+        "fnz_pair", "must be a list of two numbers such as [0.9, 0.999], got {got}", {"got": describe(value)}
+    )
+
+
+def _as_str_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise PydanticCustomError(
+        "fnz_str_list", "must be a list of strings, got {got}", {"got": describe(value)}
+    )
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+Int = Annotated[int, BeforeValidator(_as_int)]
+Float = Annotated[float, BeforeValidator(_as_float)]
+Bool = Annotated[bool, BeforeValidator(_as_bool)]
+Str = Annotated[str, BeforeValidator(_as_str)]
+Pair = Annotated[tuple[Float, Float], BeforeValidator(_as_pair)]
+StrList = Annotated[tuple[str, ...], BeforeValidator(_as_str_list)]

@@ -1,0 +1,96 @@
+"""`zero_optimization` and its `offload_optimizer` / `offload_param` blocks.
+
+Defaults follow deepspeed/runtime/zero/config.py and offload_config.py. Keys that only tune
+DeepSpeed's own kernels or bucketing are accepted so existing configs load; what fnzero does
+with each is documented in specs/config.md.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from ._types import Bool, Float, Int, Model, Str
+
+__all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
+
+NonNeg = Annotated[Int, Field(ge=0)]
+Device = Literal["none", "cpu", "nvme"]
+
+
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
+class OffloadOptimizerConfig(Model):
+    """`zero_optimization.offload_optimizer`: keep optimizer state (and its step) off the accelerator."""
+
+    device: Device = Field("none", description="Where optimizer state lives: none, cpu or nvme.")
+    nvme_path: Str | None = Field(None, description="Directory on an NVMe drive; required when device is nvme.")
+    pin_memory: Bool = Field(False, description="Use page-locked host memory for the offloaded state.")
+    buffer_count: NonNeg = Field(4, description="Number of NVMe swap buffers.")
+    fast_init: Bool = Field(False, description="Fast optimizer initialisation when offloading to NVMe.")
+    ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
+        1.0, description="Fraction of optimizer state to offload; below 1.0 only with stage 3."
+    )
+    pipeline_read: Bool = Field(False, description="Overlap NVMe reads with the optimizer step (scheduling hint).")
+    pipeline_write: Bool = Field(False, description="Overlap NVMe writes with the optimizer step (scheduling hint).")
+
+    _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
+
+
+class OffloadParamConfig(Model):
+    """`zero_optimization.offload_param`: keep stage-3 parameter shards off the accelerator."""
+
+    device: Device = Field("none", description="Where parameter shards live: none, cpu or nvme.")
+    nvme_path: Str | None = Field(None, description="Directory on an NVMe drive; required when device is nvme.")
+    pin_memory: Bool = Field(False, description="Use page-locked host memory for the offloaded parameters.")
+    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers.")
+    buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer.")
+    max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory when using NVMe.")
+
+    _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
+
+
+class ZeroConfig(Model):
+    """`zero_optimization`: which ZeRO stage to run and how to bucket its collectives."""
+
+    stage: Annotated[Int, Field(ge=0, le=3)] = Field(
+        0, description="0 off, 1 shard optimizer state, 2 also gradients, 3 also parameters."
+    )
+    contiguous_gradients: Bool = Field(True, description="Copy gradients into one contiguous buffer as produced.")
+    reduce_scatter: Bool = Field(True, description="Average gradients with reduce-scatter instead of all-reduce.")
+    reduce_bucket_size: NonNeg = Field(500_000_000, description="Elements reduced per gradient bucket.")
+    allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
+    allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
+    overlap_comm: Bool | None = Field(
+        None, description="Overlap gradient reduction with backward; null resolves to true at stage 3, else false."
+    )
+    load_from_fp32_weights: Bool = Field(True, description="Rebuild fp32 master weights from the fp32 copy on load.")
+    elastic_checkpoint: Bool = Field(False, description="Legacy elastic checkpoints (accepted, no effect).")
+    offload_optimizer: OffloadOptimizerConfig | None = Field(None, description="Optimizer-state offload; null = none.")
+    offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload (stage 3 only); null = none.")
+    sub_group_size: NonNeg = Field(1_000_000_000, description="Elements per optimizer-step tile.")
+    stage3_max_live_parameters: NonNeg = Field(1_000_000_000, description="Max gathered parameter elements resident.")
+    stage3_max_reuse_distance: NonNeg = Field(1_000_000_000, description="Keep a gathered parameter if reused within this.")
+    stage3_prefetch_bucket_size: NonNeg = Field(50_000_000, description="Elements prefetched ahead of use at stage 3.")
+    stage3_param_persistence_threshold: NonNeg = Field(100_000, description="Parameters smaller than this stay unsharded.")
+    stage3_model_persistence_threshold: NonNeg = Field(
+        sys.maxsize, description="Upper bound on total unsharded parameter elements at stage 3."
+    )
+    stage3_gather_16bit_weights_on_model_save: Bool = Field(
+        False, description="Gather full 16-bit weights when saving the model (alias stage3_gather_fp16_weights_on_model_save)."
+    )
+    ignore_unused_parameters: Bool = Field(True, description="Do not fail on parameters that receive no gradient.")
+    legacy_stage1: Bool = Field(False, description="DeepSpeed's old stage-1 implementation (accepted, no effect).")
+    round_robin_gradients: Bool = Field(False, description="Round-robin gradient copies to host (scheduling hint).")
+    zero_hpz_partition_size: Annotated[Int, Field(ge=0, le=1)] = Field(
+        1, description="ZeRO++ secondary partition size; values above 1 are not implemented."
+    )
+    zero_quantized_weights: Literal[False] = Field(False, description="ZeRO++ weight quantisation; must be false.")
+    zero_quantized_nontrainable_weights: Literal[False] = Field(False, description="Must be false (not implemented).")
+    zero_quantized_gradients: Literal[False] = Field(False, description="ZeRO++ gradient quantisation; must be false.")
+    mics_shard_size: Annotated[Int, Field(le=0)] = Field(-1, description="MiCS sharding; values above 0 are not implemented.")
+    memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")
