@@ -1,0 +1,36 @@
+"""Functional optimizers: pure ``init``/``update`` pairs over pytrees of tensors, optax style.
+
+An `Optimizer` holds no state. ``init(params)`` builds the state (a NamedTuple such as
+`AdamState`, whose first field is the applied-step count); ``update(grads, state, params, lr)``
+returns new params and state and leaves its inputs alone; ``update_`` is the same step allowed
+to write into the given params and state buffers (the fast path of a training loop). The
+learning rate is passed at every step, normally from `fnzero.schedules`. Formulas, state layouts
+and the ``elementwise`` property are in specs/optim.md.
+
+>>> import torch
+>>> from fnzero import optim
+>>> opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+>>> params = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+>>> state = opt.init(params)
+>>> grads = {"w": torch.ones(2, 3), "b": -torch.ones(3)}
+>>> new_params, state = opt.update(grads, state, params, 1e-2)
+>>> new_params["b"].tolist()
+[0.009999999776482582, 0.009999999776482582, 0.009999999776482582]
+>>> int(state.count), params["b"].tolist()  # the inputs are untouched
+(1, [0.0, 0.0, 0.0])
+"""
+
+from ._adagrad import AdagradState, adagrad
+from ._adam import AdamState, adam, adamw
+from ._base import Optimizer, OptState, Params
+from ._config import from_config
+from ._lamb import LambState, lamb
+from ._lion import LionState, lion
+from ._sgd import SGDState, sgd
+
+__all__ = [
+    "Optimizer", "Params", "OptState",
+    "AdamState", "SGDState", "AdagradState", "LambState", "LionState",
+    "adam", "adamw", "sgd", "adagrad", "lamb", "lion",
+    "from_config",
+]

@@ -1,0 +1,160 @@
+"""Adam and AdamW (DeepSpeed FusedAdam / torch.optim.Adam(W) arithmetic).
+
+The in-place step uses torch's fused multi-tensor kernel when it applies, which is the fast
+path on every device torch ships it for, and a `torch._foreach_*` sequence otherwise; both
+compute the torch.optim formulas (see specs/optim.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from . import _validate as check
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+class AdamState(NamedTuple):
+    """count: applied steps so far (0-dim int64); exp_avg, exp_avg_sq: first and second
+    moments, trees shaped and typed like params."""
+
+    count: torch.Tensor
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    *,
+    _allow_fused: bool = True,
+    **ignored: Any,
+) -> Optimizer:
+    """Adam; with ``adam_w_mode=True`` (DeepSpeed's default) weight decay is decoupled (AdamW).
+
+    ``adam_w_mode=False`` is torch.optim.Adam's L2 penalty (``g += weight_decay * p``).
+    ``_allow_fused=False`` forces the `_foreach` path (for tests and comparisons).
+
+    >>> import torch
+    >>> opt = adam(lr=0.1)
+    >>> params = {"w": torch.ones(3)}
+    >>> state = opt.init(params)
+    >>> params, state = opt.update({"w": torch.ones(3)}, state, params, None)
+    >>> [round(x, 4) for x in params["w"].tolist()]
+    [0.9, 0.9, 0.9]
+    """
+    return _make("adam", lr, betas, eps, weight_decay, adam_w_mode, bias_correction, _allow_fused, ignored)
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    *,
+    _allow_fused: bool = True,
+    **ignored: Any,
+) -> Optimizer:
+    """AdamW: `adam` with decoupled weight decay, ``p *= 1 - lr * weight_decay``.
+
+    ``adam_w_mode`` is accepted for DeepSpeed configs and has no effect: DeepSpeed's AdamW type
+    is decoupled whatever it says.
+
+    >>> import torch
+    >>> opt = adamw(lr=0.1, weight_decay=0.5)
+    >>> p, s = opt.update([torch.zeros(1)], opt.init([torch.ones(1)]), [torch.ones(1)], None)
+    >>> round(p[0].item(), 4)
+    0.95
+    """
+    check.flag("adamw", "adam_w_mode", adam_w_mode)
+    return _make("adamw", lr, betas, eps, weight_decay, True, bias_correction, _allow_fused, ignored)
+
+
+def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allow_fused, ignored) -> Optimizer:
+    default_lr = check.number(name, "lr", lr)
+    beta1, beta2 = check.betas(name, betas)
+    eps = check.number(name, "eps", eps)
+    weight_decay = check.number(name, "weight_decay", weight_decay)
+    adam_w_mode = check.flag(name, "adam_w_mode", adam_w_mode)
+    bias_correction = check.flag(name, "bias_correction", bias_correction)
+    check.extra_kwargs(name, ignored)
+
+    def init(params: Params) -> AdamState:
+        with torch.no_grad():
+            return AdamState(
+                zeros_count(),
+                optree.tree_map(torch.zeros_like, params),
+                optree.tree_map(torch.zeros_like, params),
+            )
+
+    @torch.no_grad()
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+        step_lr = default_lr if lr is None else float(lr)
+        b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
+        p, treedef = optree.tree_flatten(params)
+        g = grads_as(leaves_like(treedef, grads, "grads"), p)
+        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
+        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        t = advance(opt_state.count)
+        for gp, gg, gm, gv in groups(p, g, m, v):
+            if allow_fused and bias_correction and _fusable(gp, gg, gm, gv):
+                _fused_step_(gp, gg, gm, gv, opt_state.count, t, step_lr, b1, beta2, eps, weight_decay, adam_w_mode)
+            else:
+                _foreach_step_(gp, gg, gm, gv, t, step_lr, b1, beta2, eps, weight_decay, adam_w_mode, bias_correction)
+        return params, opt_state
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)
+
+
+def _fusable(*lists: list[torch.Tensor]) -> bool:
+    # The fused kernel is only trusted on dense float32/float64 buffers; anything else (views
+    # with gaps, half precision, complex) takes the foreach path, which handles all of them.
+    if lists[0][0].dtype not in _FUSED_DTYPES:
+        return False
+    return all(t.is_contiguous() for lst in lists for t in lst)
+
+
+def _fused_step_(p, g, m, v, count, t, lr, b1, b2, eps, wd, adam_w_mode) -> None:
+    # The kernel reads one step tensor per parameter and does not advance it itself. On CPU the
+    # int64 counter is read directly; elsewhere it wants a tensor on the params' device.
+    dev = p[0].device
+    step = count if dev.type == "cpu" else torch.full((), float(t), dtype=torch.float32, device=dev)
+    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    kernel(
+        p, g, m, v, [], [step] * len(p),
+        lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+    )
+
+
+def _foreach_step_(p, g, m, v, t, lr, b1, b2, eps, wd, adam_w_mode, bias_correction) -> None:
+    if wd != 0.0:
+        if adam_w_mode:
+            torch._foreach_mul_(p, 1.0 - lr * wd)
+        else:
+            g = torch._foreach_add(g, p, alpha=wd)  # a new list: the caller's grads stay intact
+    torch._foreach_lerp_(m, g, 1.0 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - b2)
+    denom = torch._foreach_sqrt(v)
+    if bias_correction:
+        # Fold the corrections into two scalars, as torch does: m_hat/(sqrt(v_hat)+eps) ==
+        # (m/bc1) / (sqrt(v)/sqrt(bc2) + eps).
+        step_size = lr / (1.0 - b1**t)
+        torch._foreach_div_(denom, math.sqrt(1.0 - b2**t))
+    else:
+        step_size = lr
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, m, denom, value=-step_size)

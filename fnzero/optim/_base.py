@@ -1,0 +1,116 @@
+"""The `Optimizer` triple and the pytree plumbing every update rule shares.
+
+An optimizer is data: two pure functions (`init`, `update`), one explicitly in-place function
+(`update_`) and a flag. Nothing is hidden in an object, so a training step can be written as a
+function of (params, opt_state) and the sharding layer can slice the state like any pytree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+__all__ = ["Optimizer", "Params", "OptState"]
+
+Params = Any  # a pytree (optree) of tensors
+OptState = Any  # a pytree whose tensors mirror Params, plus a step count
+
+UpdateFn = Callable[..., tuple[Params, OptState]]
+
+
+class Optimizer(NamedTuple):
+    """A functional optimizer.
+
+    Attributes:
+      init: ``init(params) -> opt_state``; pure. The state's tensors have the params' dtypes.
+      update: ``update(grads, opt_state, params, lr=None, *, momentum=None) -> (params, opt_state)``;
+        pure: its inputs are left untouched and the results share no storage with them.
+        ``lr=None`` means the factory's ``lr``; ``momentum`` (a OneCycle schedule's value)
+        replaces beta1 (Adam, Lamb, Lion) or SGD's ``momentum`` for this step.
+      update_: the same signature and arithmetic, but it may write the result into the
+        ``params`` and ``opt_state`` buffers it is given and returns those same objects. This is
+        the one, named, place where buffers are reused; ``grads`` are never written.
+      elementwise: True when each element's update depends on that element alone (Adam, SGD,
+        Adagrad, Lion), so a flattened parameter may be cut into shards and each shard updated
+        on its own. False for Lamb, whose per-tensor trust ratio needs the whole tensor.
+    """
+
+    init: Callable[[Params], OptState]
+    update: UpdateFn
+    update_: UpdateFn
+    elementwise: bool
+
+
+def pure(update_: UpdateFn) -> UpdateFn:
+    """Make the pure `update` from `update_` by running it on private copies.
+
+    One extra pass over params and state, paid for purity: callers (tests, checkpointing, the
+    sharded engine) can keep the old state alive without defensive copies of their own.
+    """
+
+    def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+        with torch.no_grad():
+            params = optree.tree_map(torch.clone, params)
+            opt_state = optree.tree_map(torch.clone, opt_state)
+        return update_(grads, opt_state, params, lr, momentum=momentum)
+
+    update.__doc__ = update_.__doc__
+    return update
+
+
+def leaves_like(treedef: optree.PyTreeSpec, tree: Params, what: str) -> list[torch.Tensor]:
+    """The leaves of `tree`, which must have the params' structure (checked: a mismatch would
+    otherwise pair the wrong tensors silently)."""
+    leaves, spec = optree.tree_flatten(tree)
+    if spec != treedef:
+        raise ValueError(f"{what} has tree structure {spec}, but params have {treedef}")
+    return leaves
+
+
+def grads_as(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients in the params' dtype (e.g. bf16 grads for fp32 master weights); no copy when
+    they already match, which is the common case."""
+    out = grads
+    for i, (g, p) in enumerate(zip(grads, params)):
+        if g.shape != p.shape:
+            raise ValueError(f"grad leaf {i} has shape {tuple(g.shape)}, its param {tuple(p.shape)}")
+        if g.dtype != p.dtype or g.device != p.device:
+            if out is grads:
+                out = list(grads)
+            out[i] = g.to(device=p.device, dtype=p.dtype)
+    return out
+
+
+def groups(*lists: Sequence[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], ...]]:
+    """Split parallel tensor lists by (device, dtype) of the first list.
+
+    The multi-tensor kernels want one device and dtype per call; the usual model has one group,
+    so this is a single pass that yields the input order unchanged.
+    """
+    first = lists[0]
+    if not first:
+        return
+    key0 = (first[0].device, first[0].dtype)
+    if all((t.device, t.dtype) == key0 for t in first):
+        yield tuple(list(lst) for lst in lists)
+        return
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(first):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    for idx in buckets.values():
+        yield tuple([lst[i] for i in idx] for lst in lists)
+
+
+def zeros_count() -> torch.Tensor:
+    """The step counter: a 0-dim int64 CPU tensor, so `update_` can advance it in place and
+    reading it never waits on an accelerator."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def advance(count: torch.Tensor) -> int:
+    """Count this step in place and return its 1-based number t (bias corrections use t)."""
+    count.add_(1)
+    return int(count)

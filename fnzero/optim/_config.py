@@ -1,0 +1,68 @@
+"""Build the optimizer a fnzero Config names (the `optimizer` block, DeepSpeed's layout)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fnzero._errors import ConfigError
+
+from ._adagrad import adagrad
+from ._adam import adam, adamw
+from ._base import Optimizer
+from ._lamb import lamb
+from ._lion import lion
+from ._sgd import sgd
+
+__all__ = ["from_config"]
+
+# Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
+FACTORIES: dict[str, Callable[..., Optimizer]] = {
+    "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion,
+}
+CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion")
+# The lr each factory uses when a config gives none; schedules need it too (WarmupCosineLR
+# scales it, and it is the constant lr when there is no scheduler).
+DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-3, "adagrad": 1e-2, "lamb": 1e-3, "lion": 1e-4}
+# Optimizers whose torch/DeepSpeed class has `betas`; DeepSpeed's OneCycle only cycles momentum
+# for these and logs that it disabled cycle_momentum for the others (SGD, Adagrad).
+HAS_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
+
+
+def params_dict(params: Any) -> dict[str, Any]:
+    """A `params` block as keyword arguments: a pydantic model (model_dump) or a mapping.
+    Keys set to None mean "not given", so the factory's own default applies."""
+    if params is None:
+        return {}
+    if hasattr(params, "model_dump"):
+        raw = params.model_dump()
+    elif isinstance(params, Mapping):
+        raw = dict(params)
+    else:
+        raise ConfigError(f"`params` must be a mapping or a pydantic model, got {type(params).__name__}")
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def optimizer_kind(cfg: Any) -> str:
+    """The lower-cased optimizer type of `cfg`, checked."""
+    block = getattr(cfg, "optimizer", None)
+    if block is None:
+        raise ConfigError(
+            'the config has no `optimizer` block; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}'
+        )
+    kind = str(getattr(block, "type", "")).lower()
+    if kind not in FACTORIES:
+        raise ConfigError(f"optimizer type {block.type!r} is not supported; use one of {', '.join(CANONICAL)}")
+    return kind
+
+
+def from_config(cfg: Any) -> Optimizer:
+    """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params``.
+
+    >>> from types import SimpleNamespace as NS
+    >>> cfg = NS(optimizer=NS(type="AdamW", params={"lr": 3e-4, "weight_decay": 0.01}))
+    >>> from_config(cfg).elementwise
+    True
+    """
+    kind = optimizer_kind(cfg)
+    return FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))

@@ -1,0 +1,65 @@
+"""Lion (Chen et al. 2023; DeepSpeed FusedLion arithmetic): a sign update of an interpolated
+momentum, with decoupled weight decay."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from . import _validate as check
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+
+__all__ = ["LionState", "lion"]
+
+
+class LionState(NamedTuple):
+    """count: applied steps so far (Lion itself needs none; kept for a uniform state layout);
+    exp_avg: the momentum, a tree like params."""
+
+    count: torch.Tensor
+    exp_avg: Params
+
+
+def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, **ignored: Any) -> Optimizer:
+    """Lion: ``p -= lr * (sign(b1*m + (1-b1)*g) + weight_decay*p)``, then ``m = b2*m + (1-b2)*g``.
+
+    >>> import torch
+    >>> opt = lion(lr=0.1)
+    >>> p, s = opt.update([torch.tensor([3.0, -2.0])], opt.init([torch.zeros(2)]), [torch.zeros(2)], None)
+    >>> [round(x, 6) for x in p[0].tolist()]
+    [-0.1, 0.1]
+    """
+    name = "lion"
+    default_lr = check.number(name, "lr", lr)
+    beta1, beta2 = check.betas(name, betas)
+    weight_decay = check.number(name, "weight_decay", weight_decay)
+    check.extra_kwargs(name, ignored)
+
+    def init(params: Params) -> LionState:
+        with torch.no_grad():
+            return LionState(zeros_count(), optree.tree_map(torch.zeros_like, params))
+
+    @torch.no_grad()
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+        step_lr = default_lr if lr is None else float(lr)
+        b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
+        p, treedef = optree.tree_flatten(params)
+        g = grads_as(leaves_like(treedef, grads, "grads"), p)
+        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
+        advance(opt_state.count)
+        for gp, gg, gm in groups(p, g, m):
+            # The same operation order as the reference (mul then add), so the sign of a value
+            # near zero is decided identically.
+            c = torch._foreach_mul(gm, b1)
+            torch._foreach_add_(c, gg, alpha=1.0 - b1)
+            torch._foreach_sign_(c)
+            if weight_decay != 0.0:
+                torch._foreach_mul_(gp, 1.0 - step_lr * weight_decay)
+            torch._foreach_add_(gp, c, alpha=-step_lr)
+            torch._foreach_mul_(gm, beta2)
+            torch._foreach_add_(gm, gg, alpha=1.0 - beta2)
+        return params, opt_state
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)

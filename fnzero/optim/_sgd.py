@@ -1,0 +1,87 @@
+"""SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD arithmetic)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fnzero._errors import ConfigError
+
+from . import _validate as check
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+
+__all__ = ["SGDState", "sgd"]
+
+
+class SGDState(NamedTuple):
+    """count: applied steps so far; momentum_buffer: a tree like params, or None when the
+    optimizer was built with momentum=0 (plain SGD keeps no per-parameter state)."""
+
+    count: torch.Tensor
+    momentum_buffer: Params | None
+
+
+def sgd(
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    **ignored: Any,
+) -> Optimizer:
+    """Stochastic gradient descent, as torch.optim.SGD.
+
+    >>> import torch
+    >>> opt = sgd(lr=0.5, momentum=0.9)
+    >>> params = (torch.tensor([1.0]),)
+    >>> state = opt.init(params)
+    >>> params, state = opt.update((torch.tensor([1.0]),), state, params, None)
+    >>> params, state = opt.update((torch.tensor([1.0]),), state, params, None)
+    >>> round(params[0].item(), 6)  # 1 - 0.5*1 - 0.5*(0.9*1 + 1)
+    -0.45
+    """
+    name = "sgd"
+    default_lr = check.number(name, "lr", lr)
+    default_mom = check.number(name, "momentum", momentum)
+    dampening = check.number(name, "dampening", dampening, hi=1.0)
+    weight_decay = check.number(name, "weight_decay", weight_decay)
+    nesterov = check.flag(name, "nesterov", nesterov)
+    check.extra_kwargs(name, ignored)
+    if nesterov and (default_mom == 0.0 or dampening != 0.0):
+        raise ConfigError(
+            f"sgd: nesterov=True needs momentum > 0 and dampening=0, got momentum={momentum!r}, dampening={dampening!r}"
+        )
+    has_buffer = default_mom != 0.0
+
+    def init(params: Params) -> SGDState:
+        with torch.no_grad():
+            buf = optree.tree_map(torch.zeros_like, params) if has_buffer else None
+        return SGDState(zeros_count(), buf)
+
+    @torch.no_grad()
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+        step_lr = default_lr if lr is None else float(lr)
+        mom = default_mom if momentum is None else check.momentum_override(name, momentum, hi_open=False)
+        if mom != 0.0 and not has_buffer:
+            raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
+        p, treedef = optree.tree_flatten(params)
+        g = grads_as(leaves_like(treedef, grads, "grads"), p)
+        buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
+        t = advance(opt_state.count)
+        for gp, gg, gb in groups(p, g, buf):
+            if weight_decay != 0.0:
+                gg = torch._foreach_add(gg, gp, alpha=weight_decay)
+            if mom != 0.0:
+                if t == 1:
+                    # torch starts the buffer at the first gradient itself (no dampening).
+                    torch._foreach_copy_(gb, gg)
+                else:
+                    torch._foreach_mul_(gb, mom)
+                    torch._foreach_add_(gb, gg, alpha=1.0 - dampening)
+                gg = torch._foreach_add(gg, gb, alpha=mom) if nesterov else gb
+            torch._foreach_add_(gp, gg, alpha=-step_lr)
+        return params, opt_state
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)
