@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveRecord",
     "RecordingCollectives",
     "default_collectives",
+    "CheckedCollectives",
 ]
 
 _AVG = "avg"
@@ -222,3 +223,60 @@ class RecordingCollectives:
             elif r.op == "broadcast":
                 total += r.bytes
         return total
+
+
+class CheckedCollectives:
+    """Debug wrapper: before each collective, every rank shares a fingerprint of the call it is
+    about to make (op, dtype, element count, call index); a mismatch raises on every rank, naming
+    the first divergent call and what each rank issued, instead of a hang or silent garbage.
+
+    Costs one small all-gather per collective: for debugging, not for production runs.
+    """
+
+    _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5}
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.calls = 0
+
+    def _check(self, op: str, t: torch.Tensor | None) -> None:
+        from .._errors import DistributedError
+
+        dtype_code = hash(str(t.dtype)) % 1_000_003 if t is not None else 0
+        mine = torch.tensor([self.calls, self._OPS[op], dtype_code, t.numel() if t is not None else 0], dtype=torch.int64)
+        if t is not None and t.device.type != "cpu":
+            mine = mine.to(t.device)
+        everyone = self.inner.all_gather(mine).cpu().view(self.world_size, 4)
+        self.calls += 1
+        if not bool((everyone == everyone[0]).all()):
+            names = {v: k for k, v in self._OPS.items()}
+            desc = [f"rank {r}: {names.get(int(row[1]), '?')} of {int(row[3])} elements" for r, row in enumerate(everyone)]
+            raise DistributedError(
+                f"ranks diverged at collective #{self.calls - 1} (this is rank {self.rank}): " + "; ".join(desc)
+            )
+
+    def all_gather(self, shard):
+        self._check("all_gather", shard)
+        return self.inner.all_gather(shard)
+
+    def all_gather_async(self, shard):
+        self._check("all_gather", shard)
+        return self.inner.all_gather_async(shard)
+
+    def reduce_scatter(self, full):
+        self._check("reduce_scatter", full)
+        return self.inner.reduce_scatter(full)
+
+    def all_reduce(self, t, op=_SUM):
+        self._check("all_reduce", t)
+        return self.inner.all_reduce(t, op)
+
+    def broadcast(self, t, src=0):
+        self._check("broadcast", t)
+        return self.inner.broadcast(t, src)
+
+    def barrier(self):
+        self._check("barrier", None)
+        return self.inner.barrier()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from .._errors import ShardingError
 from .._policy import ShardPolicy, shard_policy
 from .._state import LossScaleState, Sharding, TrainState
-from ._collectives import Collectives, default_collectives
+from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
 from ._plan import ROOT_UNIT, ShardPlan, UnitPlan, make_plan
 from ._runtime import ACTIVE_RUN, ApplyRun, unit_views, wrap_unit_forward
 
@@ -213,10 +214,15 @@ def shard(
     wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
     comm: Collectives | None = None,
     device: torch.device | str | None = None,
+    debug_collectives: bool = False,
 ) -> ShardedModule:
     """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
     torch.distributed default group, or one process). `stage` overrides the config's
     `zero_optimization.stage`. See `specs/sharding.md`.
+
+    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
+    bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
+    that every rank is issuing the same one, and names the first divergence.
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
@@ -229,6 +235,11 @@ def shard(
         raise ShardingError(f"fnzero.shard expects a torch.nn.Module, got {type(model).__name__}")
     policy = shard_policy(config, stage)
     comm = comm if comm is not None else default_collectives()
+    logger = getattr(config, "comms_logger", None)
+    if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
+        comm = RecordingCollectives(comm)
+    if debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1":
+        comm = CheckedCollectives(comm)
     params0 = list(model.parameters())
     if any(p.device.type == "meta" for p in params0):
         raise ShardingError("the model has parameters on the meta device (already sharded?); build a fresh model")

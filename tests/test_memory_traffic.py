@@ -1,0 +1,104 @@
+"""Exact model-state memory and collective traffic per stage (specs/sharding.md §Memory,
+specs/collectives.md §Traffic)."""
+
+import pytest
+import torch
+
+import fnzero
+from fnzero import RecordingCollectives
+from fnzero.memory import model_state_bytes, zero_formula
+from fnzero.testing import GPT
+from fnzero.testing._threads import simulated_world
+
+
+def _cfg(stage, world, precision="fp32"):
+    c = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    if precision == "bf16":
+        c["bf16"] = {"enabled": True}
+        c["data_types"] = {"grad_accum_dtype": "bf16"}  # the ZeRO table counts 16-bit gradients
+    return fnzero.load_config(c, world_size=world)
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(vocab_size=50, seq_len=8, d_model=16, n_layer=2, n_head=2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_bytes_follow_zero_formulas(stage, world, precision):
+    model = _model()
+
+    def rank_fn(comm):
+        sm = fnzero.shard(model if comm.rank == 0 else _model(), config=_cfg(stage, world, precision), comm=comm)
+        st = sm.init_state()
+        return model_state_bytes(st), sm.plan
+
+    results = simulated_world(world).run(rank_fn)
+    for got, plan in results:
+        psi_padded = plan.num_padded  # the formulas' Ψ, padding included (< world elements per unit)
+        assert got.total == zero_formula(psi_padded, stage, world, precision != "fp32")
+        assert plan.num_padded - plan.num_params < world * len(plan.units)
+
+
+def _traffic(stage, world):
+    def rank_fn(comm):
+        rec = RecordingCollectives(comm)
+        torch.manual_seed(0)
+        sm = fnzero.shard(_model(), config=_cfg(stage, world), comm=rec)
+        state = sm.init_state()
+
+        def loss_fn(params, batch):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(sm.apply(params, x).flatten(0, 1), y.flatten())
+
+        step = fnzero.train_step(loss_fn, _cfg(stage, world))
+        x = torch.randint(0, 50, (2, 8))
+        state, _ = step(state, (x, x))  # warm
+        rec.reset()
+        state, _ = step(state, (x, x))
+        records = rec.reset()
+        return rec.ring_bytes_sent(records), records, sm.plan
+
+    return simulated_world(world).run(rank_fn)[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_traffic_per_stage(world):
+    """Stages 0-2 send what DDP's all-reduce of the gradients sends; stage 3 at most 1.5x that."""
+    sent = {}
+    for stage in range(4):
+        sent[stage], records, plan = _traffic(stage, world)
+    psi = plan.num_padded
+    ddp = 4 * psi * 2 * (world - 1) / world
+    scalar = 16 * 2 * (world - 1) / world  # one [norm², loss] float64 all-reduce per step
+    for stage in (0, 1, 2):
+        assert sent[stage] == pytest.approx(ddp + scalar), f"stage {stage}"
+    assert ddp < sent[3] <= 1.5 * ddp + scalar
+
+
+def test_stage3_never_all_reduces_gradients():
+    _, records, _ = _traffic(3, 2)
+    big_all_reduces = [r for r in records if r.op == "all_reduce" and r.numel > 2]
+    assert big_all_reduces == []
+    assert {r.op for r in records} == {"all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_debug_collectives_names_the_first_divergence():
+    def rank_fn(comm):
+        from fnzero._shard._collectives import CheckedCollectives
+
+        c = CheckedCollectives(comm)
+        c.all_reduce(torch.ones(3))
+        if comm.rank == 0:
+            c.all_reduce(torch.ones(2))
+        else:
+            c.all_gather(torch.ones(2))
+
+    with pytest.raises(fnzero.DistributedError, match=r"diverged at collective #1.*rank 0: all_reduce of 2.*rank 1: all_gather of 2"):
+        simulated_world(2).run(rank_fn)

@@ -1,0 +1,80 @@
+"""ZeRO stages on real gloo processes on loopback (specs/sharding.md §Equivalence).
+
+One spawned world per world size runs the whole stage × model × precision matrix, so process
+start-up (importing torch) is paid once per world, not per case.
+"""
+
+import pytest
+import torch
+
+import _worlds as W
+from fnzero.testing import run_world
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 10
+STAGES = [0, 1, 2, 3]
+F64_CASES = [(kind, s, 2, 0.5, "fp32", "float64") for kind in ("gpt", "mlp:7,1,3") for s in STAGES]
+F32_CASES = [("gpt", s, 2, 0.5, "fp32", "float32") for s in STAGES]
+MIXED_CASES = [("gpt", s, 2, 0.5, p, "float32") for p in ("bf16", "fp16") for s in STAGES]
+
+# Tolerances, with their reasons:
+RTOL_F64 = 1e-9  # float64: only reduction order differs (~1e-16 per op)
+RTOL_F32_LOSS = 1e-4  # fp32 losses: reduction-order noise, amplified by Adam on near-zero gradients
+# 16-bit compute with fp32 master weights: every matmul rounds to 8 (bf16) / 11 (fp16) mantissa bits,
+# ~4e-3 / 5e-4 relative per value; over 10 steps the loss curve stays within these of the fp32 run.
+RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
+def world_results(request):
+    world = request.param
+    cases = F64_CASES + F32_CASES + MIXED_CASES
+    (out, *_) = run_world(W.spawned_equivalence, world, cases, STEPS, timeout=600)
+    return world, out
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(kind, world, dtype):
+        key = (kind, world, dtype)
+        if key not in cache:
+            cache[key] = W.train_reference(kind, STEPS, world, k=2, clip=0.5, dtype=dtype)
+        return cache[key]
+
+    return get
+
+
+def test_float64_parameters_match_reference(world_results, references):
+    world, out = world_results
+    for kind, stage, k, clip, prec, dt in F64_CASES:
+        ref = references(kind, world, torch.float64)
+        got = out[f"{kind}|{stage}|{k}|{clip}|{prec}|{dt}"]
+        W.assert_close_tree(got["params"], ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"{kind} stage {stage} world {world}")
+        assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_F64)
+
+
+def test_float32_losses_match_reference(world_results, references):
+    world, out = world_results
+    ref = references("gpt", world, torch.float32)
+    for kind, stage, k, clip, prec, dt in F32_CASES:
+        got = out[f"{kind}|{stage}|{k}|{clip}|{prec}|{dt}"]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_F32_LOSS), f"stage {stage}"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_follows_reference_loss_curve(world_results, references, precision):
+    world, out = world_results
+    ref = references("gpt", world, torch.float32)
+    curves = {}
+    for kind, stage, k, clip, prec, dt in MIXED_CASES:
+        if prec != precision:
+            continue
+        got = out[f"{kind}|{stage}|{k}|{clip}|{prec}|{dt}"]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_LOSS[precision]), f"{precision} stage {stage}"
+        curves[stage] = got["losses"]
+    # Sharding itself must not add error: the 16-bit stages agree with each other far more tightly.
+    for stage in STAGES[1:]:
+        assert curves[stage] == pytest.approx(curves[0], rel=RTOL_LOSS[precision] / 10)
