@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable
 
+import optree
 import torch
 from torch import nn
 
@@ -83,8 +84,18 @@ class ShardedModule:
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward with `params` (one flat buffer or shard per unit). Pure: the
-        module's own attributes are restored on return, and nothing in `params` is modified."""
+        module's own attributes are restored on return, and nothing in `params` is modified.
+
+        In 16-bit training, floating-point tensor arguments are cast to the compute dtype (as
+        FSDP's `cast_forward_inputs`), so callers pass the same batch at any precision."""
         plan = self.plan
+        cd = self.policy.compute_dtype
+        if cd is not None:
+            args, kwargs = optree.tree_map(
+                lambda x: x.to(cd) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                (args, kwargs),
+                none_is_leaf=True,
+            )
         missing = [u.name for u in plan.units if u.name not in params]
         if missing:
             raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
