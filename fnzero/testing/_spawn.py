@@ -80,6 +80,8 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, q, args, kwargs)
         q.put(("ok", rank, _encode(result)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         q.put(("err", rank, traceback.format_exc()))
+        q.close()
+        q.join_thread()  # the queue's feeder thread must deliver before the hard exit
         os._exit(1)
 
 
@@ -138,6 +140,16 @@ def run_world(
                 results[rank] = _decode(payload)
             else:
                 failure = f"rank {rank} raised:\n{payload}"
+                # Other ranks usually fail as a consequence (a broken connection); collect them
+                # briefly so the report shows the first failure and what followed.
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:
+                    try:
+                        st2, r2, p2 = q.get(timeout=0.2)
+                    except queue_mod.Empty:
+                        continue
+                    if st2 == "err":
+                        failure += f"\n(then rank {r2} raised:)\n{p2}"
     finally:
         if failure is not None:
             for p in procs:

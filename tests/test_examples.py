@@ -1,0 +1,39 @@
+"""The examples run from a fresh checkout, in short mode (specs: README's run command)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _losses(out):
+    m = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out)
+    assert m, out
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_train_gpt_one_process_loss_falls():
+    out = _run([sys.executable, "examples/train_gpt.py", "--config", "examples/configs/zero0.json", "--steps", "60",
+                "--layers", "2", "--d-model", "64"])
+    first, last = _losses(out)
+    assert last < first - 1.0, out
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_zero3_two_ranks_loss_falls():
+    out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+                "--config", "examples/configs/zero3.json", "--steps", "60", "--layers", "2", "--d-model", "64"])
+    first, last = _losses(out)
+    assert last < first - 1.0, out
+    assert len(re.findall(r"rank \d: model state", out)) == 2

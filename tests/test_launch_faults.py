@@ -1,0 +1,80 @@
+"""Launching and failing (specs/collectives.md §Faults): a rank that raises makes the whole job
+exit non-zero with that rank's error shown, never a hang; two launcher agents (--nnodes 2) on
+loopback train together; the spawn harness reports dead and late ranks."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fnzero.testing import WorldError, free_port, run_world
+
+pytestmark = pytest.mark.multiprocess
+HERE = os.path.dirname(__file__)
+FNZERO = [sys.executable, "-m", "fnzero._cli"]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_failing_rank_fails_the_job_with_its_error():
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*FNZERO, "launch", "--nproc-per-node", "2", os.path.join(HERE, "scripts", "fail_on_rank1.py")],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "injected failure on rank 1" in out
+    assert "unreachable" not in out
+    assert time.monotonic() - t0 < 90
+
+
+def test_two_launcher_agents_train_together():
+    port = str(free_port())
+    script = os.path.join(HERE, "scripts", "train_two_nodes.py")
+    procs = [
+        subprocess.Popen(
+            [*FNZERO, "launch", "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1",
+             "--master-addr", "127.0.0.1", "--master-port", port, script],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+        )
+        for r in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        outs.append(out)
+        assert p.returncode == 0, out
+    lines = sorted(l for o in outs for l in o.splitlines() if l.startswith("RESULT"))
+    assert [l.split()[1:3] for l in lines] == [["rank=0", "world=2"], ["rank=1", "world=2"]]
+    assert len({l.split()[3] for l in lines}) == 1  # the mean loss is agreed across ranks
+
+
+def _raise_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # rank 0 would wait here forever without the harness
+
+
+def _hang():
+    import time as _t
+
+    _t.sleep(60)
+
+
+def test_harness_names_the_failing_rank():
+    with pytest.raises(WorldError, match=r"rank 1 raised:(.|\n)*boom from rank 1"):
+        run_world(_raise_on_rank_1, 2, timeout=60)
+
+
+def test_harness_times_out_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(WorldError, match="did not finish within 5s"):
+        run_world(_hang, 2, timeout=5)
+    assert time.monotonic() - t0 < 30
