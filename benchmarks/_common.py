@@ -1,0 +1,69 @@
+"""Shared helpers for the benchmarks: machine description and CPU contention measurement."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+__all__ = ["machine", "CpuMonitor", "median"]
+
+
+def machine() -> str:
+    import torch
+
+    cpu = "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+            mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores{mem}; {platform.platform()}; "
+            f"python {platform.python_version()}; torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        parts = f.readline().split()[1:]
+    vals = list(map(int, parts))
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return sum(vals[:8]) - idle
+
+
+class CpuMonitor:
+    """Cores used by the whole machine during a window, minus this process tree's own use:
+    how contended the measurement was (0 = the benchmark had the machine to itself)."""
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        self.b0 = _busy_jiffies()
+        self.own0 = _own_cpu()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.monotonic() - self.t0
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = (_busy_jiffies() - self.b0) / hz
+        own = _own_cpu() - self.own0
+        self.other_cores = max(0.0, (busy - own) / wall) if wall > 0 else 0.0
+        return False
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")

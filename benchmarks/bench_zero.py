@@ -1,0 +1,181 @@
+"""ZeRO stages against DDP and FSDP2 on the same GPT, in one invocation (CPU, gloo).
+
+    python benchmarks/bench_zero.py                       # 27.4M GPT, 2 ranks x 1 thread
+    python benchmarks/bench_zero.py --model gpt100m --world 4 --configs z0,z3 --steps 2 --warmup 1
+
+For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
+seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
+pre-model baseline (ru_maxrss), the model-state formula, and ring-equivalent bytes sent per rank
+per step. Ratios are against DDP measured in the same run. The machine is shared: the "other
+cores" column says how much CPU other processes used during the timed window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import CpuMonitor, machine, median  # noqa: E402
+
+MODELS = {
+    "gpt27m": dict(vocab_size=8192, seq_len=128, d_model=512, n_layer=6, n_head=8),
+    "gpt100m": dict(vocab_size=8192, seq_len=128, d_model=768, n_layer=14, n_head=12),
+    "gpt_tiny": dict(vocab_size=512, seq_len=32, d_model=64, n_layer=2, n_head=2),
+}
+LABELS = {
+    "ddp": "DDP (torch AdamW default)",
+    "ddp_fused": "DDP (torch AdamW fused)",
+    "fsdp2": "FSDP2 fully_shard (AdamW default)",
+    "z0": "fnzero ZeRO-0",
+    "z1": "fnzero ZeRO-1",
+    "z2": "fnzero ZeRO-2",
+    "z3": "fnzero ZeRO-3",
+}
+
+
+def _rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fnzero
+    from fnzero.testing import GPT
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pre_model = _current_rss_mib()
+    torch.manual_seed(0)
+    model = GPT(**model_kw)
+    psi = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(rank)
+    seq, vocab = model_kw["seq_len"], model_kw["vocab_size"]
+    batches = [torch.randint(0, vocab, (micro, seq + 1), generator=g) for _ in range(4)]
+    times, losses, sent = [], [], 0.0
+
+    if kind.startswith("z"):
+        stage = int(kind[1])
+        cfg = fnzero.load_config({
+            "train_micro_batch_size_per_gpu": micro,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage},
+            "comms_logger": {"enabled": True},
+        }, world_size=world)
+        sm = fnzero.shard(model, config=cfg)
+        del model
+        state = sm.init_state()
+
+        def loss_fn(params, b):
+            return F.cross_entropy(sm.apply(params, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+
+        step = fnzero.train_step(loss_fn, cfg, donate=True)
+        for i in range(warmup + steps):
+            sm.comm.reset()
+            dist.barrier()
+            t = time.perf_counter()
+            state, m = step(state, batches[i % 4])
+            times.append(time.perf_counter() - t)
+            losses.append(m["loss"])
+            if i == warmup + steps - 1:
+                sent = sm.comm.ring_bytes_sent()
+    else:
+        if kind.startswith("ddp"):
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model)
+            sent = 4 * psi * 2 * (world - 1) / world  # one fp32 all-reduce of the gradients
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            net = model
+            sent = float("nan")
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01, fused=kind == "ddp_fused" or None)
+        for i in range(warmup + steps):
+            b = batches[i % 4]
+            dist.barrier()
+            t = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            times.append(time.perf_counter() - t)
+            losses.append(loss.item())
+    return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib(), "pre_model_mib": pre_model,
+            "psi": psi, "sent": sent, "loss": losses[-1]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="gpt27m", choices=sorted(MODELS))
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--configs", default="ddp,ddp_fused,fsdp2,z0,z1,z2,z3")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args()
+
+    from fnzero.memory import zero_formula
+    from fnzero.testing import run_world
+
+    print(f"machine: {machine()}")
+    print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
+          f"median of {args.steps} steps after {args.warmup} warm-up\n")
+    rows = {}
+    for kind in args.configs.split(","):
+        with CpuMonitor() as mon:
+            res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
+                            timeout=3600)
+        slow = max(res, key=lambda r: r["step_s"])
+        psi = slow["psi"]
+        stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
+        rows[kind] = dict(
+            step_s=slow["step_s"],
+            tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
+            rss=max(r["peak_rss_mib"] for r in res),
+            rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
+            theory=zero_formula(psi, stage, args.world, False) / 2**20,
+            sent_mb=slow["sent"] / 1e6,
+            loss=res[0]["loss"],
+            other=mon.other_cores,
+        )
+        r = rows[kind]
+        print(f"  {LABELS[kind]:34s} {r['step_s']:.3f} s/step  {r['rss_above']:.0f} MiB above baseline  "
+              f"(other cores {r['other']:.2f})", flush=True)
+    base = rows.get("ddp")
+    print(f"\nΨ = {psi:,} params; theory = ZeRO model-state bytes for fp32 Adam at N = {args.world}\n")
+    hdr = ("config", "s/step", "vs DDP", "tok/s", "peak RSS MiB", "RSS-baseline MiB", "vs DDP", "theory MiB",
+           "ring MB sent/step/rank", "other cores", "final loss")
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "---|" * len(hdr))
+    for kind, r in rows.items():
+        ratio = r["step_s"] / base["step_s"] if base else float("nan")
+        mem_ratio = r["rss_above"] / base["rss_above"] if base else float("nan")
+        print(f"| {LABELS[kind]} | {r['step_s']:.3f} | {ratio:.2f} | {r['tok_s']:.0f} | {r['rss']:.0f} | {r['rss_above']:.0f} | "
+              f"{mem_ratio:.2f} | {r['theory']:.0f} | {r['sent_mb']:.1f} | {r['other']:.2f} | {r['loss']:.4f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
