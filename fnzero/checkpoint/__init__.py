@@ -1,0 +1,36 @@
+"""fnzero.checkpoint: sharded, atomic, resumable checkpoints of a TrainState (`specs/checkpoint-format.md`).
+
+    import fnzero
+    fnzero.checkpoint.save("ckpt", state, tag="step_1000", client_state={"epoch": 3})   # every rank
+    state, client_state = fnzero.checkpoint.load("ckpt", like=state)                  # tag: latest
+    fnzero.checkpoint.export("ckpt", "model.safetensors", dtype="bf16")                  # consolidated
+
+A runnable round trip in a world of one:
+
+>>> import tempfile, torch, fnzero
+>>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
+>>> state = fnzero.shard(torch.nn.Linear(3, 2), stage=1, config=cfg).init_state()
+>>> d = tempfile.mkdtemp()
+>>> _ = save(d, state, tag="t0", client_state={"epoch": 3})
+>>> like = fnzero.shard(torch.nn.Linear(3, 2), stage=3, config=cfg).init_state()
+>>> loaded, cs = load(d, like=like)
+>>> cs, torch.equal(loaded.params["<root>"], state.params["<root>"])
+({'epoch': 3}, True)
+
+Public API
+----------
+save(path, state, *, tag, client_state, config, blocking)   -> SaveHandle (`.wait()`)
+load(path, like, *, tag, verify, restore_rng)               -> (state, client_state)
+export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format)   consolidated weights
+export_live(sm, state, out, *, dtype, ...)                  the same from a running job
+info(path, *, verify)                                       tags, world size, stage, sizes, health
+list_tags(path)
+From the shell: `fnzero export CKPT OUT ...` and `fnzero checkpoint info CKPT`.
+"""
+
+from ._export import export, export_live
+from ._info import info
+from ._load import list_tags, load
+from ._save import SaveHandle, save
+
+__all__ = ["save", "load", "export", "export_live", "info", "list_tags", "SaveHandle"]

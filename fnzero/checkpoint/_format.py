@@ -1,0 +1,266 @@
+"""The on-disk index: its schema, (de)serialisation and validation (`specs/checkpoint-format.md`).
+
+Everything read from disk passes through `validate_index` before it is used, so that a hostile or
+damaged checkpoint can only ever produce a `CheckpointError`, never a crash, a huge allocation or a
+read outside the checkpoint directory. File names are never taken from the index: data files are
+named from rank numbers, which is what makes path traversal impossible by construction.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import msgpack
+import torch
+
+from .._errors import CheckpointError
+
+__all__ = [
+    "FORMAT", "VERSION", "ALIGN", "INDEX_NAME", "LATEST_NAME", "DTYPES", "dtype_name", "dtype_of",
+    "data_name", "part_name", "pack", "unpack", "check_tag", "check_client_state", "validate_index",
+]
+
+FORMAT = "fnzero-checkpoint"
+VERSION = 1
+ALIGN = 4096  # every segment starts at a multiple of this, so O_DIRECT readers can use the files
+INDEX_NAME = "index.msgpack"
+LATEST_NAME = "latest"
+MAX_INDEX_BYTES = 1 << 30  # refuse to even read an index larger than this
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+# dtype name on disk -> torch dtype. A closed list: an unknown name is an error, not a getattr.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    try:
+        return _NAMES[dt]
+    except KeyError:
+        raise CheckpointError(f"tensors of dtype {dt} cannot be checkpointed (supported: {sorted(DTYPES)})") from None
+
+
+def dtype_of(name: str, where: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {name!r}")
+    return DTYPES[name]
+
+
+def data_name(rank: int) -> str:
+    return f"rank{rank:05d}.bin"
+
+
+def part_name(rank: int) -> str:
+    return f"rank{rank:05d}.msgpack"
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _no_ext(code, data):
+    raise CheckpointError(f"msgpack extension type {code} is not allowed in a checkpoint index")
+
+
+def unpack(raw: bytes, what: str) -> Any:
+    """Decode msgpack from disk; any failure (garbage, truncation, ext types) is a CheckpointError."""
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError, ...)
+        raise CheckpointError(f"{what} is not a valid msgpack document: {type(e).__name__}: {e}") from None
+
+
+_TAG = re.compile(r"^[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}$")
+
+
+def check_tag(tag: Any, where: str = "tag") -> str:
+    """Tags become directory names: a conservative character set, no separators, no leading dot
+    (our temporary directories start with one), so `..` and absolute paths are impossible."""
+    if not isinstance(tag, str) or not _TAG.match(tag):
+        raise CheckpointError(
+            f"{where} {tag!r} is not a valid checkpoint tag: use 1-200 characters from [A-Za-z0-9_.+=-], "
+            "not starting with '.'"
+        )
+    return tag
+
+
+def check_client_state(obj: Any, path: str = "client_state", depth: int = 0) -> None:
+    """client_state is stored as msgpack: plain data only. Name the first offending path."""
+    if depth > 64:
+        raise CheckpointError(f"{path}: nested deeper than 64 levels (a cycle?)")
+    if obj is None or isinstance(obj, (bool, str, bytes, float)):
+        return
+    if isinstance(obj, int):
+        if not _INT64[0] <= obj <= (1 << 64) - 1:
+            raise CheckpointError(f"{path}: integer {obj} does not fit in 64 bits")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            check_client_state(v, f"{path}[{i}]", depth + 1)
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"{path}: key {k!r} is a {type(k).__name__}; client_state keys must be str")
+            check_client_state(v, f"{path}[{k!r}]", depth + 1)
+        return
+    raise CheckpointError(
+        f"{path}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored in client_state "
+        "(allowed: None, bool, int, float, str, bytes, list, tuple, dict with str keys); "
+        "convert it, e.g. a tensor with .tolist()"
+    )
+
+
+# -- validation of what was read ------------------------------------------------------------------
+def _req(d: dict, key: str, types, where: str):
+    if key not in d:
+        raise CheckpointError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise CheckpointError(f"{where}.{key}: expected {types}, got bool")
+    if not isinstance(v, types):
+        raise CheckpointError(f"{where}.{key}: expected {getattr(types, '__name__', types)}, got {type(v).__name__}")
+    return v
+
+
+def _int(d, key, where, lo=0, hi=_INT64[1]):
+    v = _req(d, key, int, where)
+    if not lo <= v <= hi:
+        raise CheckpointError(f"{where}.{key}: {v} is out of range [{lo}, {hi}]")
+    return v
+
+
+def _name(v, where) -> str:
+    if not isinstance(v, str) or not v or len(v) > 1000 or "\x00" in v:
+        raise CheckpointError(f"{where}: not a valid name: {v!r}")
+    return v
+
+
+def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
+    """Check an index's structure, types and bounds; returns it. `file_sizes` (rank -> bytes on disk)
+    also checks that every segment lies inside its file."""
+    if not isinstance(ix, dict):
+        raise CheckpointError(f"the checkpoint index is a {type(ix).__name__}, expected a map")
+    if ix.get("format") != FORMAT:
+        raise CheckpointError(f"not an fnzero checkpoint index (format field {ix.get('format')!r})")
+    version = _req(ix, "version", int, "index")
+    if version > VERSION:
+        raise CheckpointError(
+            f"checkpoint format version {version} is newer than this fnzero understands ({VERSION}); upgrade fnzero"
+        )
+    if version < 1:
+        raise CheckpointError(f"invalid checkpoint format version {version}")
+    world = _int(ix, "world_size", "index", 1, 1 << 20)
+    _int(ix, "stage", "index", 0, 3)
+    _int(ix, "step", "index", 0)
+    _req(ix, "tag", str, "index")
+    for k in ("config",):
+        if ix.get(k) is not None and not isinstance(ix[k], str):
+            raise CheckpointError(f"index.{k}: expected str or nil")
+    ls = ix.get("loss_scale")
+    if ls is not None:
+        if not isinstance(ls, dict):
+            raise CheckpointError("index.loss_scale: expected a map or nil")
+        _req(ls, "scale", (float, int), "index.loss_scale")
+        _int(ls, "good_steps", "index.loss_scale", *_INT64)
+        _int(ls, "hysteresis", "index.loss_scale", *_INT64)
+    rng = _req(ix, "rng", list, "index")
+    for i, r in enumerate(rng):
+        if not isinstance(r, dict) or not isinstance(r.get("cpu"), bytes):
+            raise CheckpointError(f"index.rng[{i}]: expected a map with a bytes 'cpu' field")
+        cuda = r.get("cuda")
+        if cuda is not None and not (isinstance(cuda, list) and all(isinstance(c, bytes) for c in cuda)):
+            raise CheckpointError(f"index.rng[{i}].cuda: expected a list of bytes or nil")
+    units = _req(ix, "units", list, "index")
+    unit_numel: dict[str, int] = {}
+    for i, u in enumerate(units):
+        w = f"index.units[{i}]"
+        if not isinstance(u, dict):
+            raise CheckpointError(f"{w}: expected a map")
+        name = _name(u.get("name"), f"{w}.name")
+        numel = _int(u, "numel", w)
+        end = 0
+        for j, s in enumerate(_req(u, "slots", list, w)):
+            sw = f"{w}.slots[{j}]"
+            if not isinstance(s, dict):
+                raise CheckpointError(f"{sw}: expected a map")
+            _name(s.get("name"), f"{sw}.name")
+            shape = _shape(_req(s, "shape", list, sw), sw)
+            off = _int(s, "offset", sw)
+            if off != end:
+                raise CheckpointError(f"{sw}: offset {off}, expected {end} (slots must be packed in order)")
+            end = off + math.prod(shape)
+            for a in _req(s, "aliases", list, sw):
+                _name(a, f"{sw}.aliases")
+        if end != numel:
+            raise CheckpointError(f"{w}: slots cover {end} elements but numel is {numel}")
+        unit_numel[name] = numel
+    files = _req(ix, "files", list, "index")
+    if len(files) != world or not all(isinstance(f, int) and 0 <= f <= _INT64[1] for f in files):
+        raise CheckpointError(f"index.files: expected {world} non-negative byte sizes, one per saving rank")
+    tensors = _req(ix, "tensors", dict, "index")
+    for key, t in tensors.items():
+        _validate_tensor(key, t, unit_numel, files, world)
+    if file_sizes is not None:
+        for r, size in enumerate(files):
+            have = file_sizes.get(r)
+            if have is None:
+                raise CheckpointError(f"data file {data_name(r)} of rank {r} is missing")
+            if have != size:
+                raise CheckpointError(
+                    f"data file {data_name(r)} is {have} bytes, the index says {size}: truncated or replaced"
+                )
+    return ix
+
+
+def _shape(shape, where) -> list[int]:
+    if len(shape) > 32 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 48) for d in shape):
+        raise CheckpointError(f"{where}.shape: invalid shape {shape!r}")
+    if math.prod(shape) >= (1 << 48):
+        raise CheckpointError(f"{where}.shape: {shape!r} is implausibly large")
+    return shape
+
+
+def _validate_tensor(key, t, unit_numel, files, world) -> None:
+    w = f"index.tensors[{key!r}]"
+    _name(key, w)
+    if not isinstance(t, dict):
+        raise CheckpointError(f"{w}: expected a map")
+    dt = dtype_of(_req(t, "dtype", str, w), w)
+    esize = torch.empty((), dtype=dt).element_size()
+    unit = t.get("unit")
+    if unit is not None:
+        if unit not in unit_numel:
+            raise CheckpointError(f"{w}: unknown unit {unit!r}")
+        numel = unit_numel[unit]
+    else:
+        numel = math.prod(_shape(_req(t, "shape", list, w), w))
+    segs = _req(t, "segments", list, w)
+    pos = 0
+    for i, s in enumerate(segs):
+        sw = f"{w}.segments[{i}]"
+        if not (isinstance(s, list) and len(s) == 5 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
+            raise CheckpointError(f"{sw}: expected [rank, offset, lo, hi, crc32] integers")
+        rank, off, lo, hi, crc = s
+        if not 0 <= rank < world:
+            raise CheckpointError(f"{sw}: rank {rank} outside the saved world of {world}")
+        if lo != pos or hi < lo or hi > numel:
+            raise CheckpointError(f"{sw}: element range [{lo}, {hi}) does not continue [0, {pos}) within {numel}")
+        if off < 0 or off % ALIGN or off + (hi - lo) * esize > files[rank]:
+            raise CheckpointError(
+                f"{sw}: bytes [{off}, {off + (hi - lo) * esize}) lie outside {data_name(rank)} ({files[rank]} bytes) "
+                "or are misaligned"
+            )
+        if not 0 <= crc < (1 << 32):
+            raise CheckpointError(f"{sw}: invalid crc32 {crc}")
+        pos = hi
+    if pos != numel:
+        raise CheckpointError(f"{w}: segments cover [0, {pos}) of {numel} elements: incomplete checkpoint")

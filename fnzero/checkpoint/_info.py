@@ -1,0 +1,70 @@
+"""`info`: what a checkpoint directory holds and whether each checkpoint is healthy (read-only)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError
+from . import _format as F
+from ._load import Reader, list_tags
+
+__all__ = ["info", "check"]
+
+
+def check(ckpt_dir: str, verify: bool = True) -> Reader:
+    """Open and validate one checkpoint; with `verify`, read every segment and check its crc32."""
+    rd = Reader(ckpt_dir, verify=True)
+    if verify:
+        try:
+            for key, t in rd.tensors.items():
+                dt = F.DTYPES[t["dtype"]]
+                for seg in t["segments"]:  # one segment at a time: bounded memory
+                    lo, hi = seg[2], seg[3]
+                    rd.read(key, lo, hi, torch.empty(hi - lo, dtype=dt))
+        except BaseException:
+            rd.close()
+            raise
+    return rd
+
+
+def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
+    """A summary of checkpoint directory `path`: `latest`, and per tag its step, world size, stage,
+    precision, optimizer, bytes on disk, config JSON and `health` ('ok' or the error a load would
+    raise). `verify=True` also checks every checksum (reads everything)."""
+    root = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(root, F.INDEX_NAME)):  # a single checkpoint directory
+        root, tags = os.path.dirname(root), [os.path.basename(root)]
+    else:
+        tags = list_tags(root)
+    latest = None
+    try:
+        with open(os.path.join(root, F.LATEST_NAME), "rb") as f:
+            latest = f.read(1024).decode("ascii", "replace").strip()
+    except OSError:
+        pass
+    out: dict[str, Any] = {"path": root, "latest": latest, "checkpoints": []}
+    for tag in tags:
+        d = os.path.join(root, tag)
+        entry: dict[str, Any] = {"tag": tag}
+        try:
+            with check(d, verify) as rd:
+                ix = rd.index
+                entry.update(
+                    step=ix["step"], world_size=ix["world_size"], stage=ix["stage"], version=ix["version"],
+                    param_dtype=ix.get("param_dtype"), master_weights=bool(ix.get("has_master")),
+                    optimizer=ix.get("optimizer"), fp16_loss_scale=ix.get("loss_scale"),
+                    num_params=sum(u["numel"] for u in ix["units"]), bytes=sum(ix["files"]),
+                    created=ix.get("created"), config=ix.get("config"),
+                    health="ok (checksums verified)" if verify else "ok",
+                )
+        except CheckpointError as e:
+            entry["health"] = f"BROKEN: {e}"
+        except OSError as e:
+            entry["health"] = f"BROKEN: {type(e).__name__}: {e}"
+        out["checkpoints"].append(entry)
+    if latest is not None and latest not in tags:
+        out["latest_health"] = f"BROKEN: 'latest' names {latest!r}, which is not a committed checkpoint here"
+    return out

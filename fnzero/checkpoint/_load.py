@@ -1,0 +1,280 @@
+"""`load`: read a checkpoint saved at any world size and stage into the layout of `like`.
+
+Range math: every unit-indexed tensor of `like` needs elements `[lo, hi)` of its unit's logical
+buffer (the whole padded buffer, this rank's shard, or one parameter's slot). The real part
+`[lo, min(hi, numel))` is read from the on-disk segments that overlap it, whichever ranks wrote
+them; the padding is zero. No conversion step, and each rank reads only what it holds.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import os
+import zlib
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError
+from .._state import LossScaleState, TrainState
+from . import _format as F
+from ._io import read_into, tensor_bytes
+from ._tree import Leaf, rebuild_state, unit_meta
+
+__all__ = ["load", "Reader", "resolve", "list_tags"]
+
+
+def list_tags(root: str) -> list[str]:
+    """Committed checkpoints under `root` (directories holding an index), oldest first."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint directory {root!r}: {e}") from None
+    for name in names:
+        p = os.path.join(root, name)
+        if not name.startswith(".") and os.path.isfile(os.path.join(p, F.INDEX_NAME)):
+            out.append((os.path.getmtime(os.path.join(p, F.INDEX_NAME)), name))
+    return [n for _, n in sorted(out)]
+
+
+def resolve(path: str | os.PathLike, tag: str | None = None) -> str:
+    """The directory of checkpoint `tag` under `path` (default: the tag named by `path/latest`).
+    `path` may also be a checkpoint directory itself."""
+    root = os.path.abspath(os.fspath(path))
+    if tag is None and os.path.isfile(os.path.join(root, F.INDEX_NAME)):
+        return root
+    if tag is None:
+        lp = os.path.join(root, F.LATEST_NAME)
+        try:
+            with open(lp, "rb") as f:
+                raw = f.read(1024)
+        except FileNotFoundError:
+            if not os.path.isdir(root):
+                raise CheckpointError(f"no checkpoint directory at {root!r}") from None
+            raise CheckpointError(f"{root!r} has no 'latest' file; pass tag= (tags here: {list_tags(root)})") from None
+        try:
+            tag = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{lp} does not hold a tag (not ASCII)") from None
+        F.check_tag(tag, where=f"the tag in {lp}")
+    else:
+        F.check_tag(tag)
+    d = os.path.join(root, tag)
+    if os.path.isdir(d):
+        return d
+    # A save that replaced this tag died between moving the old copy aside and renaming the new in.
+    old = sorted(glob.glob(os.path.join(glob.escape(root), f".{glob.escape(tag)}.*.old")))
+    if old:
+        return old[-1]
+    raise CheckpointError(f"checkpoint {tag!r} not found under {root!r} (tags here: {list_tags(root)})")
+
+
+class Reader:
+    """A validated index plus range reads (checksummed) from the rank data files."""
+
+    def __init__(self, ckpt_dir: str, verify: bool = True):
+        self.dir = ckpt_dir
+        self.verify = verify
+        p = os.path.join(ckpt_dir, F.INDEX_NAME)
+        try:
+            size = os.path.getsize(p)
+        except OSError:
+            raise CheckpointError(f"{ckpt_dir!r} has no {F.INDEX_NAME}: not a committed checkpoint") from None
+        if size > F.MAX_INDEX_BYTES:
+            raise CheckpointError(f"{p} is {size} bytes: implausibly large for an index")
+        with open(p, "rb") as f:
+            raw = f.read()
+        ix = F.unpack(raw, p)
+        sizes = {}
+        files = ix.get("files") if isinstance(ix, dict) else None
+        for r in range(len(files) if isinstance(files, list) and len(files) <= (1 << 20) else 0):
+            try:
+                sizes[r] = os.path.getsize(os.path.join(ckpt_dir, F.data_name(r)))
+            except OSError:
+                pass
+        self.index = F.validate_index(ix, sizes)
+        self.tensors = self.index["tensors"]
+        self._fds: dict[int, int] = {}
+        self._his = {k: [s[3] for s in t["segments"]] for k, t in self.tensors.items()}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _fd(self, rank: int) -> int:
+        fd = self._fds.get(rank)
+        if fd is None:
+            fd = self._fds[rank] = os.open(os.path.join(self.dir, F.data_name(rank)), os.O_RDONLY)
+        return fd
+
+    def dtype(self, key: str) -> torch.dtype:
+        return F.DTYPES[self.tensors[key]["dtype"]]
+
+    def read(self, key: str, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill 1-D contiguous CPU `out` (any dtype; cast on copy) with elements [a, b) of `key`."""
+        t = self.tensors[key]
+        dt = F.DTYPES[t["dtype"]]
+        segs = t["segments"]
+        i = bisect.bisect_right(self._his[key], a)
+        while i < len(segs) and segs[i][2] < b:
+            rank, off, lo, hi, crc = segs[i]
+            x, y = max(a, lo), min(b, hi)
+            dst = out[x - a : y - a]
+            what = f"{F.data_name(rank)} segment {key!r}[{lo}:{hi}]"
+            if x == lo and y == hi and dst.dtype == dt:
+                read_into(self._fd(rank), off, dst, what)
+                self._check(tensor_bytes(dst), crc, what)
+            else:
+                scratch = torch.empty(hi - lo, dtype=dt)
+                read_into(self._fd(rank), off, scratch, what)
+                self._check(tensor_bytes(scratch), crc, what)
+                dst.copy_(scratch[x - lo : y - lo])
+            i += 1
+        return out
+
+    def _check(self, buf, crc: int, what: str) -> None:
+        if self.verify and zlib.crc32(buf) != crc:
+            raise CheckpointError(f"{self.dir}: checksum mismatch in {what}: the file is corrupted")
+
+
+# -- matching the new run against the checkpoint ---------------------------------------------------
+def _shape(s) -> tuple:
+    return tuple(s) if s is not None else None
+
+
+def check_model(ix: dict, like: TrainState) -> None:
+    """Same trainable parameters (names, shapes), same frozen params and buffers; name the first
+    difference."""
+    saved = {}
+    for u in ix["units"]:
+        for s in u["slots"]:
+            for n in (s["name"], *s["aliases"]):
+                saved[n] = _shape(s["shape"])
+    mine = {}
+    for u in unit_meta(like.sharding.plan):
+        for s in u["slots"]:
+            for n in (s["name"], *s["aliases"]):
+                mine[n] = _shape(s["shape"])
+    for kind, name_map in (("frozen", like.frozen), ("buffers", like.buffers)):
+        for n, t in name_map.items():
+            e = ix["tensors"].get(f"{kind}/{n}")
+            saved_shape = _shape(e.get("shape")) if e is not None else None
+            if saved_shape != tuple(t.shape):
+                _mismatch(f"{kind}/{n}", tuple(t.shape), saved_shape)
+    for n, shape in mine.items():
+        if saved.get(n) != shape:
+            _mismatch(f"params/{n}", shape, saved.get(n))
+    for n, shape in saved.items():
+        if n not in mine:
+            _mismatch(f"params/{n}", None, shape)
+    if [(u["name"], u["numel"], [s["name"] for s in u["slots"]]) for u in ix["units"]] != [
+        (u["name"], u["numel"], [s["name"] for s in u["slots"]]) for u in unit_meta(like.sharding.plan)
+    ]:
+        raise CheckpointError(
+            "like= has the same parameters as the checkpoint but groups them into units differently "
+            "(another wrap policy); load with the wrap policy the checkpoint was saved with"
+        )
+
+
+def _mismatch(path, mine, saved):
+    fmt = lambda s: "absent" if s is None else f"shape {list(s)}"  # noqa: E731
+    raise CheckpointError(
+        f"the checkpoint is of another model: first difference at {path!r}: {fmt(mine)} in like=, "
+        f"{fmt(saved)} in the checkpoint"
+    )
+
+
+def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
+    """Which stored tensor fills `leaf`. Master weights and params stand in for each other across
+    precisions: fp32 params -> a 16-bit run's master (and, cast, its params); a 16-bit run's fp32
+    master -> an fp32 run's params (the accurate copy, not the rounded 16-bit params)."""
+    keys = reader.tensors
+    top, _, rest = leaf.key.partition("/")
+    if top == "params" and leaf.unit is not None:
+        own = keys.get(leaf.key)
+        if own is not None and F.DTYPES[own["dtype"]] == leaf.tensor.dtype:
+            return leaf.key
+        if f"master/{rest}" in keys:
+            return f"master/{rest}"
+    if top == "master" and leaf.key not in keys and f"params/{rest}" in keys:
+        return f"params/{rest}"
+    if leaf.key not in keys:
+        raise CheckpointError(
+            f"the checkpoint has no {leaf.key!r}, which like= needs for {leaf.path!r}; was it saved with "
+            f"another optimizer (checkpoint: {reader.index.get('optimizer')}, like=: {type(like.opt_state).__name__})?"
+        )
+    return leaf.key
+
+
+def _restore_rng(ix: dict, rank: int) -> None:
+    states = ix["rng"]
+    if not states:
+        return
+    st = states[rank % len(states)]
+    try:
+        torch.set_rng_state(torch.frombuffer(bytearray(st["cpu"]), dtype=torch.uint8))
+        if st.get("cuda") and torch.cuda.is_available():
+            n = min(len(st["cuda"]), torch.cuda.device_count())
+            for i in range(n):
+                torch.cuda.set_rng_state(torch.frombuffer(bytearray(st["cuda"][i]), dtype=torch.uint8), i)
+    except (RuntimeError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint's RNG state is invalid: {e}") from None
+
+
+def load(
+    path: str | os.PathLike,
+    like: TrainState,
+    *,
+    tag: str | None = None,
+    verify: bool = True,
+    restore_rng: bool = True,
+) -> tuple[TrainState, Any]:
+    """Read checkpoint `path/tag` (default: `latest`) into a state laid out like `like`; returns
+    `(state, client_state)`. Any world size, stage and precision of the same model; every rank calls
+    it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
+    (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
+    if not isinstance(like, TrainState):
+        raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
+    with Reader(resolve(path, tag), verify=verify) as rd:
+        ix = rd.index
+        check_model(ix, like)
+
+        def fill(leaf: Leaf) -> torch.Tensor:
+            key = source_key(rd, leaf, like)
+            t = leaf.tensor
+            entry = rd.tensors[key]
+            out = torch.empty(t.numel(), dtype=t.dtype)  # every element is read or zeroed below
+            if leaf.unit is None:
+                if _shape(entry.get("shape")) != tuple(t.shape):
+                    _mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))
+                rd.read(key, 0, t.numel(), out)
+            else:
+                numel = next(u["numel"] for u in ix["units"] if u["name"] == leaf.unit)
+                lo, hi = leaf.lo, min(leaf.hi, numel)
+                n_real = max(0, hi - lo)
+                if n_real:
+                    rd.read(key, lo, hi, out[:n_real])
+                out[n_real:].zero_()  # padding
+            return out.reshape(t.shape).to(t.device)
+
+        state = rebuild_state(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
+        ls = ix.get("loss_scale")
+        if like.loss_scale is not None and ls is not None:
+            L = like.loss_scale
+            state = state.replace(loss_scale=LossScaleState(
+                scale=torch.tensor(float(ls["scale"]), dtype=L.scale.dtype),
+                good_steps=torch.tensor(ls["good_steps"], dtype=L.good_steps.dtype),
+                hysteresis=torch.tensor(ls["hysteresis"], dtype=L.hysteresis.dtype),
+            ))
+        if restore_rng:
+            _restore_rng(ix, like.sharding.rank)
+        return state, ix.get("client_state")

@@ -1,0 +1,137 @@
+"""A TrainState as named leaves in unit coordinates: the vocabulary shared by save, load and export.
+
+Every tensor of a state is either
+* a *unit leaf*: it holds elements `[lo, hi)` of some unit's logical flat buffer (a whole padded
+  buffer, a rank's shard, or one parameter's slot: Lamb's per-parameter state at stage 0). On disk it
+  is stored under a *key* naming the unit (`opt_state/exp_avg/blocks.0`), as element ranges of that
+  unit's real elements `[0, unit.numel)`, whatever world size or stage wrote it; or
+* a *replicated leaf* (frozen parameters, buffers, optimizer step counts), stored whole under its path.
+
+Paths join field names, NamedTuple field names, dict keys and list indices with '/', which no
+module path or state_dict name contains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .._errors import CheckpointError
+from .._shard._plan import ShardPlan
+from .._state import TrainState
+
+__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta"]
+
+
+@dataclasses.dataclass
+class Leaf:
+    path: str
+    key: str
+    tensor: torch.Tensor
+    unit: str | None = None  # None: replicated
+    lo: int = 0  # unit leaves: tensor element i is unit element lo + i
+    hi: int = 0
+
+
+def _walk(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif obj is None:
+        return
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple: field names are stable
+        for f in obj._fields:
+            yield from _walk(getattr(obj, f), f"{path}/{f}")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str) or "/" in k:
+                raise CheckpointError(f"{path}: dict key {k!r} must be a str without '/' to be checkpointed")
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}/{i}")
+    else:
+        raise CheckpointError(f"{path}: cannot checkpoint a {type(obj).__name__} inside the state")
+
+
+def _rebuild(obj: Any, path: str, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if obj is None:
+        return None
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*[_rebuild(getattr(obj, f), f"{path}/{f}", fn) for f in obj._fields])
+    if isinstance(obj, dict):
+        return type(obj)((k, _rebuild(v, f"{path}/{k}", fn)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, f"{path}/{i}", fn) for i, v in enumerate(obj))
+    raise CheckpointError(f"{path}: cannot checkpoint a {type(obj).__name__} inside the state")
+
+
+_FIELDS = ("params", "master", "opt_state", "frozen", "buffers")
+
+
+def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> Leaf:
+    top = path.split("/", 1)[0]
+    prefix, _, last = path.rpartition("/")
+    if top in ("frozen", "buffers") or not prefix:
+        return Leaf(path, path, t)
+    units = {u.name: u for u in plan.units}
+    u = units.get(last)
+    if u is not None and t.dim() == 1:
+        if t.numel() == u.padded_numel:
+            lo = 0
+        elif t.numel() == u.shard_numel:
+            lo = rank * u.shard_numel
+        else:
+            raise CheckpointError(
+                f"{path}: {t.numel()} elements is neither unit {u.name!r}'s full buffer ({u.padded_numel}) "
+                f"nor its shard ({u.shard_numel}); the state does not match its own plan"
+            )
+        return Leaf(path, path, t, u.name, lo, lo + t.numel())
+    hit = slots.get(last)
+    if hit is not None and tuple(t.shape) == hit[1].shape:
+        u, slot = hit
+        return Leaf(path, f"{prefix}/{u.name}", t, u.name, slot.offset, slot.offset + slot.numel)
+    return Leaf(path, path, t)
+
+
+def _slots(plan: ShardPlan):
+    out = {}
+    for u in plan.units:
+        for s in u.slots:
+            for n in (s.name, *s.aliases):
+                out[n] = (u, s)
+    return out
+
+
+def state_leaves(state: TrainState) -> list[Leaf]:
+    """Every tensor of `state` with its path, disk key and unit coordinates."""
+    plan, rank = state.sharding.plan, state.sharding.rank
+    slots = _slots(plan)
+    out = []
+    for f in _FIELDS:
+        for path, t in _walk(getattr(state, f), f):
+            out.append(_classify(plan, rank, path, t, slots))
+    return out
+
+
+def rebuild_state(like: TrainState, fn: Callable[[Leaf], torch.Tensor], **changes) -> TrainState:
+    """`like` with every tensor replaced by `fn(leaf)` (same structure, same sharding)."""
+    plan, rank = like.sharding.plan, like.sharding.rank
+    slots = _slots(plan)
+    new = {f: _rebuild(getattr(like, f), f, lambda p, t: fn(_classify(plan, rank, p, t, slots))) for f in _FIELDS}
+    return like.replace(**new, **changes)
+
+
+def unit_meta(plan: ShardPlan) -> list[dict]:
+    """The model's trainable-parameter layout as stored in the index (and compared at load)."""
+    return [
+        {
+            "name": u.name,
+            "numel": u.numel,
+            "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "aliases": list(s.aliases)} for s in u.slots],
+        }
+        for u in plan.units
+    ]
