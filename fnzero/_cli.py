@@ -96,7 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("action", choices=["show", "validate"], help="show: the resolved config as JSON; validate: every error at once")
     cp.add_argument("file", help="path to the JSON config")
     cp.add_argument("--world-size", type=int, default=1, help="world size used to resolve the batch triad (default 1)")
+
+    # Subcommands owned by other subpackages register themselves: each `register(sub)` adds its
+    # parsers with `set_defaults(func=handler)`, and `handler(args) -> int` is the exit code.
+    import importlib
+
+    for mod in _PLUGINS:
+        try:
+            module = importlib.import_module(mod)
+        except ImportError:
+            continue
+        module.register(sub)
     return p
+
+
+_PLUGINS = ("fnzero.checkpoint._cli", "fnzero._plan_cli")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["launch", *head])
         return _cmd_launch(args, rest)
     args = parser.parse_args(argv)
+    if getattr(args, "func", None) is not None:
+        return int(args.func(args) or 0)
     if args.command == "report":
         return _cmd_report(args)
     if args.command == "config":

@@ -24,4 +24,7 @@ def report_lines() -> list[str]:
         f"  gloo            {'yes' if dist.is_available() and dist.is_gloo_available() else 'no'}",
         f"  nccl            {'yes' if dist.is_available() and dist.is_nccl_available() else 'no'}",
     ]
+    from . import _ext
+
+    lines += _ext.report_lines()
     return lines

@@ -1,0 +1,146 @@
+/* AVX-512F loops (FMA deliberately not used: the scalar
+ * reference has no FMA and every level must match it bit for bit). Compiled for the baseline
+ * ISA with a per-file target pragma, and only called after cpuid said the CPU has AVX-512F, so the
+ * shipped library runs anywhere (no -march=native). Tails go to the scalar loop. */
+#include "cpu_adam.h"
+#include "kernels.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+#endif
+#include <immintrin.h>
+
+static inline void store16(uint16_t *o, __m512 x, int kind) {
+    if (kind == FNZ_OUT_FP16) {
+        _mm256_storeu_si256((__m256i *)o,
+                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else { /* bf16: u + 0x7FFF + lsb, >> 16, NaN -> 0x7FC0, as fnz_f32_to_bf16 */
+        __m512i u = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+        r = _mm512_srli_epi32(r, 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r)); /* lanes <= 0xFFFF */
+    }
+}
+
+static int64_t adam(const fnz_coef *c, float *p, const float *g, float *m, float *v,
+                    uint16_t *o, int64_t n) {
+    const __m512 gs = _mm512_set1_ps(c->gscale), wd = _mm512_set1_ps(c->wd_l2);
+    const __m512 decay = _mm512_set1_ps(c->decay), omb1 = _mm512_set1_ps(c->omb1);
+    const __m512 b2 = _mm512_set1_ps(c->b2), omb2 = _mm512_set1_ps(c->omb2);
+    const __m512 ibc = _mm512_set1_ps(c->inv_bc2s), eps = _mm512_set1_ps(c->eps);
+    const __m512 nlr = _mm512_set1_ps(c->neg_lr);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 pi = _mm512_loadu_ps(p + i);
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), gs);
+        if (c->l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
+        pi = _mm512_mul_ps(pi, decay);
+        __m512 mi = _mm512_loadu_ps(m + i);
+        mi = _mm512_add_ps(mi, _mm512_mul_ps(omb1, _mm512_sub_ps(gi, mi)));
+        __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i), b2);
+        vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+        __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc), eps);
+        pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nlr, mi), denom));
+        _mm512_storeu_ps(m + i, mi);
+        _mm512_storeu_ps(v + i, vi);
+        _mm512_storeu_ps(p + i, pi);
+        if (o) store16(o + i, pi, c->out_kind);
+    }
+    return i;
+}
+
+static int64_t adagrad(const fnz_coef *c, float *p, const float *g, float *s, uint16_t *o,
+                       int64_t n) {
+    const __m512 gs = _mm512_set1_ps(c->gscale), wd = _mm512_set1_ps(c->wd_l2);
+    const __m512 eps = _mm512_set1_ps(c->eps), nlr = _mm512_set1_ps(c->neg_lr);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 pi = _mm512_loadu_ps(p + i);
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), gs);
+        if (c->l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
+        __m512 si = _mm512_add_ps(_mm512_loadu_ps(s + i), _mm512_mul_ps(gi, gi));
+        __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(si), eps);
+        pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nlr, gi), denom));
+        _mm512_storeu_ps(s + i, si);
+        _mm512_storeu_ps(p + i, pi);
+        if (o) store16(o + i, pi, c->out_kind);
+    }
+    return i;
+}
+
+static int64_t lion(const fnz_coef *c, float *p, const float *g, float *m, uint16_t *o,
+                    int64_t n) {
+    const __m512 gs = _mm512_set1_ps(c->gscale), decay = _mm512_set1_ps(c->decay);
+    const __m512 b1 = _mm512_set1_ps(c->b1), omb1 = _mm512_set1_ps(c->omb1);
+    const __m512 b2 = _mm512_set1_ps(c->b2), omb2 = _mm512_set1_ps(c->omb2);
+    const __m512 nlr = _mm512_set1_ps(c->neg_lr), zero = _mm512_setzero_ps();
+    const __m512 one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), gs);
+        __m512 mi = _mm512_loadu_ps(m + i);
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(mi, b1), _mm512_mul_ps(gi, omb1));
+        /* AVX-512F has no float and/or (that is DQ), so sign() is built from mask blends. */
+        __m512 u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), zero, one);
+        u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, zero, _CMP_LT_OQ), u, mone);
+        u = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), u, t); /* NaN passes */
+        __m512 pi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay), _mm512_mul_ps(nlr, u));
+        _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_mul_ps(mi, b2), _mm512_mul_ps(gi, omb2)));
+        _mm512_storeu_ps(p + i, pi);
+        if (o) store16(o + i, pi, c->out_kind);
+    }
+    return i;
+}
+
+/* The STREAM-like reference (see fnz_loop_stream), vectorised at this level. */
+void fnz_stream_avx512(float *a, const float *b, float *c, float *d, int64_t n) {
+    const __m512 k1 = _mm512_set1_ps(0.5f), k2 = _mm512_set1_ps(0.9f), k3 = _mm512_set1_ps(0.99f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 bi = _mm512_loadu_ps(b + i);
+        _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_mul_ps(k1, bi)));
+        _mm512_storeu_ps(c + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + i), k2), bi));
+        _mm512_storeu_ps(d + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(d + i), k3), bi));
+    }
+    fnz_loop_stream(a + i, b + i, c + i, d + i, n - i);
+}
+
+void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
+                   float *s2, uint16_t *o, int64_t n) {
+    int64_t i = 0;
+    switch (kind) {
+    case FNZ_K_ADAM: i = adam(c, p, g, s1, s2, o, n); break;
+    case FNZ_K_ADAGRAD: i = adagrad(c, p, g, s1, o, n); break;
+    case FNZ_K_LION: i = lion(c, p, g, s1, o, n); break;
+    case FNZ_K_TO16:
+        for (; i + 16 <= n; i += 16) store16(o + i, _mm512_loadu_ps(p + i), c->out_kind);
+        break;
+    default: return;
+    }
+    if (i < n)
+        fnz_loop_scalar(kind, c, p + i, g ? g + i : 0, s1 ? s1 + i : 0, s2 ? s2 + i : 0,
+                        o ? o + i : 0, n - i);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else /* not x86: never dispatched to (fnz_simd_supported says no) */
+void fnz_stream_avx512(float *a, const float *b, float *c, float *d, int64_t n) {
+    fnz_loop_stream(a, b, c, d, n);
+}
+void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
+                   float *s2, uint16_t *o, int64_t n) {
+    fnz_loop_scalar(kind, c, p, g, s1, s2, o, n);
+}
+#endif
