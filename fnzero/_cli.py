@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in _PLUGINS:
         try:
             module = importlib.import_module(mod)
-        except ImportError:
+        except ModuleNotFoundError as e:
+            if e.name != mod:  # a real import error inside the plugin must not be hidden
+                raise
             continue
         module.register(sub)
     return p
