@@ -18,6 +18,7 @@ class ShardPolicy:
     compute_dtype: torch.dtype | None = None  # None: keep the model's dtype (fp32 or fp64 training)
     persistence_threshold: int = 0
     prefetch_numel: int = 0
+    offload_optimizer: str | None = None  # None | "cpu" | "nvme"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +46,19 @@ class StepPolicy:
     comm_dtype: torch.dtype | None = None  # None: the gradient's own dtype
     predivide_factor: float = 1.0
     prescale_gradients: bool = False
+    offload_optimizer: str | None = None  # None | "cpu" | "nvme"
 
 
 def _cfg_precision(cfg) -> str:
     fp16 = getattr(getattr(cfg, "fp16", None), "enabled", False)
     bf16 = getattr(getattr(cfg, "bf16", None), "enabled", False)
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def _offload_device(cfg) -> str | None:
+    oo = getattr(getattr(cfg, "zero_optimization", None), "offload_optimizer", None)
+    dev = getattr(oo, "device", None)
+    return None if dev in (None, "none") else str(dev)
 
 
 def shard_policy(cfg, stage: int | None = None) -> ShardPolicy:
@@ -63,6 +71,7 @@ def shard_policy(cfg, stage: int | None = None) -> ShardPolicy:
         compute_dtype=None if precision == "fp32" else _DTYPES[precision],
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         prefetch_numel=int(z.stage3_prefetch_bucket_size),
+        offload_optimizer=_offload_device(cfg),
     )
 
 
@@ -89,4 +98,5 @@ def step_policy(cfg) -> StepPolicy:
         comm_dtype=_DTYPES[getattr(cfg, "communication_data_type", None)],
         predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
         prescale_gradients=bool(getattr(cfg, "prescale_gradients", False)),
+        offload_optimizer=_offload_device(cfg),
     )

@@ -115,6 +115,11 @@ def train_step(
     policy = step_policy(config)
     opt = _optim.from_config(config)
     sched = _schedules.from_config(config)
+    host_opt = None
+    if policy.offload_optimizer is not None:
+        from ._offload._cpu import host_optimizer_from_config
+
+        host_opt = host_optimizer_from_config(config)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
@@ -125,12 +130,12 @@ def train_step(
                 "build both from the same config"
             )
         with torch.enable_grad():
-            return _step(state, batch, loss_fn, policy, opt, sched, donate, has_aux)
+            return _step(state, batch, loss_fn, policy, opt, sched, donate, has_aux, host_opt)
 
     return step
 
 
-def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
+def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool, host_opt=None):
     sh = state.sharding
     plan, comm = sh.plan, sh.comm
     n, rank = comm.world_size, comm.rank
@@ -190,12 +195,12 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         elif plan.stage == 1:
             g = _reduce_scatter(comm, g, policy).to(accum_dtype)
         grads[u.name] = g
+    # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
+    # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     divisor = n * k * scale
     if policy.prescale_gradients:
         divisor /= policy.predivide_factor
-    if divisor != 1.0:
-        for g in grads.values():
-            g.mul_(1.0 / divisor)
+    inv = 1.0 / divisor
 
     # -- one scalar all-reduce: norm, overflow, loss --------------------------------------------------
     norm_dtype = torch.float64 if accum_dtype == torch.float64 else torch.float32
@@ -203,7 +208,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     for g in grads.values():
         if g.numel():
             local_sq += torch.linalg.vector_norm(g, dtype=norm_dtype).square()
-    vec = torch.stack([local_sq.to(torch.float64).cpu() if plan.stage > 0 else torch.zeros((), dtype=torch.float64), loss_sum])
+    local_sq = local_sq.to(torch.float64).cpu() * (inv * inv)
+    vec = torch.stack([local_sq if plan.stage > 0 else torch.zeros((), dtype=torch.float64), loss_sum])
     if n > 1:
         vec = comm.all_reduce(vec.to(sh.device)).cpu()
     norm_sq = float(vec[0]) if plan.stage > 0 else float(local_sq)
@@ -232,15 +238,21 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         metrics["lr"] = float(sched(step_no))
         return state.replace(loss_scale=new_ls), metrics
 
+    factor = inv
     if policy.clip > 0:
         coef = policy.clip / (grad_norm + 1e-6)
         if coef < 1.0:
-            for g in grads.values():
-                g.mul_(coef)
+            factor *= coef
 
     lr = float(sched(step_no))
     momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
     metrics["lr"] = lr
+
+    if host_opt is not None:
+        return _host_update(state, grads, factor, lr, momentum, host_opt, donate, new_ls), metrics
+    if factor != 1.0:
+        for g in grads.values():
+            g.mul_(factor)
 
     if state.master is not None:
         target = state.master
@@ -277,6 +289,49 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         loss_scale=new_ls,
     )
     return new_state, metrics
+
+
+def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, host_opt, donate: bool, new_ls):
+    """ZeRO-Offload: the host optimizer updates the fp32 master shard with the gradient factor
+    and the 16-bit (or device) copy of the new parameters fused into its pass."""
+    sh = state.sharding
+    plan, comm, rank = sh.plan, sh.comm, sh.rank
+    if state.master is not None:
+        master = state.master
+    else:
+        master = optimizer_view(plan, rank, state.params, True)
+    # Where each unit's new parameters go: the kernel writes them straight into the next
+    # state's buffers (shards at stage 3 / stage 0's full unit), else into a staging shard.
+    out = {}
+    for u in plan.units:
+        p = state.params[u.name]
+        if state.master is None:
+            out[u.name] = None  # fp32 on the host: the master *is* the parameter slice
+        else:
+            numel = master[u.name].numel()
+            out[u.name] = p.new_empty(numel) if not donate or p.numel() != numel else p
+    new_master, new_opt = host_opt.update(
+        grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
+        out={k: v for k, v in out.items() if v is not None}, inplace=donate,
+    )
+    new_params = {}
+    for u in plan.units:
+        t = out[u.name] if out[u.name] is not None else new_master[u.name]
+        if plan.stage == 0 or plan.params_sharded(u):
+            new_params[u.name] = t
+        else:
+            full = comm.all_gather(t)
+            if donate:
+                state.params[u.name].copy_(full)
+                full = state.params[u.name]
+            new_params[u.name] = full
+    return state.replace(
+        params=new_params,
+        master=new_master if state.master is not None else None,
+        opt_state=new_opt,
+        step=torch.tensor(int(state.step) + 1, dtype=torch.int64),
+        loss_scale=new_ls,
+    )
 
 
 def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -142,10 +142,21 @@ class ShardedModule:
         plan, rank = self.plan, self.comm.rank
         cd = self.policy.compute_dtype or plan.param_dtype
         params = {name: t.to(cd) for name, t in initial.items()}
-        if cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16):
+        offload = self.policy.offload_optimizer
+        if offload == "nvme":
+            raise ShardingError(
+                "offload_optimizer device 'nvme' is not wired into the training step yet; use device 'cpu' "
+                "(see specs/offload.md)"
+            )
+        host = torch.device("cpu")
+        # A separate fp32 master copy exists for 16-bit training, and for offload when the
+        # parameters live on an accelerator (the master then stays on the host).
+        separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16)
+        separate_master = separate_master or (offload is not None and self.sharding.device.type != "cpu")
+        if separate_master:
             master_dtype = torch.float32 if plan.param_dtype in (torch.float16, torch.bfloat16) else plan.param_dtype
             master = {
-                k: v.to(master_dtype, copy=True)
+                k: v.to(device=host if offload else v.device, dtype=master_dtype, copy=True)
                 for k, v in optimizer_view(plan, rank, initial, elementwise=True).items()
             }
             opt_target = master
