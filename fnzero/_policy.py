@@ -47,6 +47,7 @@ class StepPolicy:
     predivide_factor: float = 1.0
     prescale_gradients: bool = False
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
+    overlap_comm: bool = True  # start gradient collectives from backward hooks
 
 
 def _cfg_precision(cfg) -> str:
@@ -99,4 +100,7 @@ def step_policy(cfg) -> StepPolicy:
         predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
         prescale_gradients=bool(getattr(cfg, "prescale_gradients", False)),
         offload_optimizer=_offload_device(cfg),
+        # Overlap changes only when collectives run, never their results, so fnzero overlaps
+        # unless the config explicitly says `overlap_comm: false`.
+        overlap_comm=getattr(getattr(cfg, "zero_optimization", None), "overlap_comm", None) is not False,
     )

@@ -26,6 +26,7 @@ from . import schedules as _schedules
 from ._errors import ShardingError
 from ._loss_scale import update_loss_scale
 from ._policy import StepPolicy, step_policy
+from ._shard._collectives import start_all_reduce, start_reduce_scatter
 from ._shard._module import optimizer_view
 from ._shard._plan import ShardPlan, UnitPlan
 from ._shard._runtime import unit_views
@@ -66,22 +67,14 @@ def _accum_dtype(policy: StepPolicy, param_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if param_dtype in (torch.float16, torch.bfloat16) else param_dtype
 
 
-def _reduce_scatter(comm, g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+def _prepare_for_comm(g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+    """The gradient as it goes on the wire: communication dtype, and the predivide factor."""
     cd = policy.comm_dtype
     if cd is not None and g.dtype != cd:
         g = g.to(cd)
     if policy.prescale_gradients and policy.predivide_factor != 1.0:
         g = g / policy.predivide_factor
-    return comm.reduce_scatter(g)
-
-
-def _all_reduce(comm, g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
-    cd = policy.comm_dtype
-    if cd is not None and g.dtype != cd:
-        g = g.to(cd)
-    if policy.prescale_gradients and policy.predivide_factor != 1.0:
-        g = g / policy.predivide_factor
-    return comm.all_reduce(g)
+    return g
 
 
 def _grad_shape_numel(plan: ShardPlan, u: UnitPlan, reduced: bool) -> int:
@@ -146,7 +139,29 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     accum_dtype = _accum_dtype(policy, param_dtype)
 
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
-    acc: dict[str, torch.Tensor] = {}
+    acc: dict[str, torch.Tensor] = {}  # this step's gradient per unit (full at stages 0-1, else shard)
+    reduced: dict[str, torch.Tensor] = {}  # stages 0-1: after the final all-reduce / reduce-scatter
+    # Collectives started from backward hooks run while backward computes the next units
+    # (`overlap_comm`); at stage 2 at most two units' full gradients wait in flight.
+    inflight: list[tuple[str, Any, str]] = []
+    overlap = policy.overlap_comm and n > 1
+    last = [False]
+
+    def drain(limit: int) -> None:
+        while len(inflight) > limit:
+            name, pending, kind = inflight.pop(0)
+            g = pending.wait().to(accum_dtype)
+            if kind == "shard":
+                prev = acc.get(name)
+                acc[name] = g if prev is None else prev.add_(g)
+            else:
+                reduced[name] = g
+
+    def launch_final(name: str) -> None:
+        g = _prepare_for_comm(acc[name], policy)
+        start = start_all_reduce if plan.stage == 0 else start_reduce_scatter
+        inflight.append((name, start(comm, g), "final"))
+
     handles = []
     for u in plan.units:
         reduce_in_backward = plan.stage >= 2 and not plan.params_sharded(u)
@@ -155,10 +170,14 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
             g = leaf.grad
             leaf.grad = None
             if reduce_now:
-                g = _reduce_scatter(comm, g, policy)
+                inflight.append((name, start_reduce_scatter(comm, _prepare_for_comm(g, policy)), "shard"))
+                drain(2 if overlap else 0)
+                return
             g = g.to(accum_dtype)
             prev = acc.get(name)
             acc[name] = g if prev is None else prev.add_(g)
+            if overlap and last[0] and plan.stage <= 1:
+                launch_final(name)
 
         handles.append(leaves[u.name].register_post_accumulate_grad_hook(hook))
 
@@ -166,7 +185,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     auxes = []
     inputs = list(leaves.values())
     try:
-        for mb in micro:
+        for i, mb in enumerate(micro):
+            last[0] = i == len(micro) - 1
             out = loss_fn(leaves, mb)
             loss, aux = out if has_aux else (out, None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -180,6 +200,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                     scaled.backward(inputs=inputs)
             loss_sum += loss.detach().to(torch.float64).cpu()
             auxes.append(aux)
+        drain(0)
     finally:
         for h in handles:
             h.remove()
@@ -187,13 +208,15 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     # -- reduce what is still local -----------------------------------------------------------------
     grads: dict[str, torch.Tensor] = {}
     for u in plan.units:
-        g = acc.get(u.name)
-        if g is None:  # the unit took no part in the loss
-            g = torch.zeros(_grad_shape_numel(plan, u, reduced=True), dtype=accum_dtype, device=sh.device)
-        elif plan.stage == 0:
-            g = _all_reduce(comm, g, policy).to(accum_dtype)
-        elif plan.stage == 1:
-            g = _reduce_scatter(comm, g, policy).to(accum_dtype)
+        g = reduced.get(u.name)
+        if g is None:
+            g = acc.get(u.name)
+            if g is None:  # the unit took no part in the loss
+                g = torch.zeros(_grad_shape_numel(plan, u, reduced=True), dtype=accum_dtype, device=sh.device)
+            elif plan.stage == 0:
+                g = comm.all_reduce(_prepare_for_comm(g, policy)).to(accum_dtype)
+            elif plan.stage == 1:
+                g = comm.reduce_scatter(_prepare_for_comm(g, policy)).to(accum_dtype)
         grads[u.name] = g
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.

@@ -21,6 +21,9 @@ __all__ = [
     "RecordingCollectives",
     "default_collectives",
     "CheckedCollectives",
+    "PendingTensor",
+    "start_all_reduce",
+    "start_reduce_scatter",
 ]
 
 _AVG = "avg"
@@ -65,6 +68,31 @@ class PendingTensor:
         return self._tensor
 
 
+class _KeepAlive:
+    """A collective's work handle plus the input it reads, so the input cannot be freed early."""
+
+    __slots__ = ("work", "ref")
+
+    def __init__(self, work, ref):
+        self.work, self.ref = work, ref
+
+    def wait(self):
+        self.work.wait()
+        self.ref = None
+
+
+def start_reduce_scatter(comm, full: torch.Tensor) -> PendingTensor:
+    """`comm.reduce_scatter_async` where the implementation has it, else a completed result."""
+    fn = getattr(comm, "reduce_scatter_async", None)
+    return fn(full) if fn is not None else PendingTensor(comm.reduce_scatter(full))
+
+
+def start_all_reduce(comm, t: torch.Tensor) -> PendingTensor:
+    """`comm.all_reduce_async` (sum) where the implementation has it, else a completed result."""
+    fn = getattr(comm, "all_reduce_async", None)
+    return fn(t) if fn is not None else PendingTensor(comm.all_reduce(t))
+
+
 class LocalCollectives:
     """World of one: every collective is the identity (a copy, so results never alias inputs)."""
 
@@ -80,8 +108,14 @@ class LocalCollectives:
     def reduce_scatter(self, full):
         return full.clone()
 
+    def reduce_scatter_async(self, full):
+        return PendingTensor(full.clone())
+
     def all_reduce(self, t, op=_SUM):
         return t.clone()
+
+    def all_reduce_async(self, t):
+        return PendingTensor(t.clone())
 
     def broadcast(self, t, src=0):
         return t.clone()
@@ -120,16 +154,25 @@ class ProcessGroupCollectives:
         return PendingTensor(out, work)
 
     def reduce_scatter(self, full):
+        return self.reduce_scatter_async(full).wait()
+
+    def reduce_scatter_async(self, full):
         full = full.contiguous().reshape(-1)
         assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
         out = full.new_empty(full.numel() // self.world_size)
-        _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        work = _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        # `full` must outlive the collective: the handle keeps it.
+        return PendingTensor(out, _KeepAlive(work, full))
 
     def all_reduce(self, t, op=_SUM):
         out = t.clone()
         dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group)
         return out
+
+    def all_reduce_async(self, t):
+        out = t.clone()
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return PendingTensor(out, work)
 
     def broadcast(self, t, src=0):
         out = t.clone()
@@ -141,7 +184,16 @@ class ProcessGroupCollectives:
 
 
 def default_collectives() -> Collectives:
-    """Collectives over the default process group, or a world of one when none is initialized."""
+    """Collectives over the default process group, or a world of one when none is initialized.
+
+    Inside `fnzero.testing.simulated_world(n).run(fn)` it is the calling thread's simulated rank,
+    so the same user code runs unchanged there and under `fnzero launch`."""
+    import sys
+
+    # Only fnzero.testing starts simulated worlds: if it was never imported, none is running.
+    sim = sys.modules.get("fnzero.testing._context")
+    if sim is not None and sim.current_comm() is not None:
+        return sim.current_comm()
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupCollectives()
     return LocalCollectives()
@@ -193,9 +245,17 @@ class RecordingCollectives:
         self._record("reduce_scatter", full, full.numel())
         return self.inner.reduce_scatter(full)
 
+    def reduce_scatter_async(self, full):
+        self._record("reduce_scatter", full, full.numel())
+        return start_reduce_scatter(self.inner, full)
+
     def all_reduce(self, t, op=_SUM):
         self._record("all_reduce", t, t.numel())
         return self.inner.all_reduce(t, op)
+
+    def all_reduce_async(self, t):
+        self._record("all_reduce", t, t.numel())
+        return start_all_reduce(self.inner, t)
 
     def broadcast(self, t, src=0):
         self._record("broadcast", t, t.numel())
@@ -269,9 +329,17 @@ class CheckedCollectives:
         self._check("reduce_scatter", full)
         return self.inner.reduce_scatter(full)
 
+    def reduce_scatter_async(self, full):
+        self._check("reduce_scatter", full)
+        return start_reduce_scatter(self.inner, full)
+
     def all_reduce(self, t, op=_SUM):
         self._check("all_reduce", t)
         return self.inner.all_reduce(t, op)
+
+    def all_reduce_async(self, t):
+        self._check("all_reduce", t)
+        return start_all_reduce(self.inner, t)
 
     def broadcast(self, t, src=0):
         self._check("broadcast", t)

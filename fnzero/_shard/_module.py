@@ -14,7 +14,7 @@ from .._policy import ShardPolicy, shard_policy
 from .._state import LossScaleState, Sharding, TrainState
 from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
 from ._plan import ROOT_UNIT, ShardPlan, UnitPlan, make_plan
-from ._runtime import ACTIVE_RUN, ApplyRun, unit_views, wrap_unit_forward
+from ._runtime import ACTIVE_RUN, ApplyRun, GatherSchedule, unit_views, wrap_unit_forward
 
 __all__ = ["ShardedModule", "shard", "optimizer_view", "full_unit"]
 
@@ -78,6 +78,7 @@ class ShardedModule:
         self.config = config
         self.sharding = Sharding(plan, comm, device)
         self._initial: dict[str, torch.Tensor] | None = None
+        self._schedule = GatherSchedule()  # stage-3 prefetch order, learned from the last step
         self._frozen: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -99,7 +100,7 @@ class ShardedModule:
         missing = [u.name for u in plan.units if u.name not in params]
         if missing:
             raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
-        run = ApplyRun(plan, self.comm, params)
+        run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None)
         tensors: dict[str, torch.Tensor] = {}
         live = []
         for u in plan.units:
@@ -113,9 +114,11 @@ class ShardedModule:
         token = ACTIVE_RUN.set(run)
         try:
             with run.saved_tensor_hooks(), _live_all(run, live):
-                return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+                out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
         finally:
             ACTIVE_RUN.reset(token)
+        run.finish_forward()
+        return out
 
     __call__ = apply
 

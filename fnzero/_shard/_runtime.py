@@ -23,7 +23,7 @@ from torch import nn
 from .._errors import ShardingError
 from ._plan import ShardPlan, UnitPlan
 
-__all__ = ["ApplyRun", "unit_views", "swap_tensors", "ACTIVE_RUN"]
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN"]
 
 ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
 
@@ -61,27 +61,62 @@ def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
 
 
 class _UnitRuntime:
-    """Per-apply, per-unit bookkeeping for stage 3: the shard, and the buffer re-gathered for backward."""
+    """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
+    buffer re-gathered for backward."""
 
-    __slots__ = ("unit", "shard", "comm", "bwd_full")
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed")
 
-    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm):
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun"):
         self.unit = unit
         self.shard = shard
         self.comm = comm
+        self.run = run
+        self.pending = None  # forward prefetch in flight
         self.bwd_full = None
+        self.bwd_pending = None  # backward prefetch in flight
+        self.packed = False  # autograd saved a view of this unit's parameters
+
+    def gather(self) -> torch.Tensor:
+        if self.pending is not None:
+            full, self.pending = self.pending.wait(), None
+            return full
+        return self.comm.all_gather(self.shard.detach())
 
     def regather(self) -> torch.Tensor:
         if self.bwd_full is None:
-            self.bwd_full = self.comm.all_gather(self.shard.detach())
+            if self.bwd_pending is not None:
+                self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
+            else:
+                self.bwd_full = self.comm.all_gather(self.shard.detach())
+            self.run.prefetch_backward(self.unit.name)
         return self.bwd_full
+
+
+class GatherSchedule:
+    """The order stage-3 units were gathered in the last forward, to prefetch the next unit.
+
+    A performance cache only: a wrong guess costs one extra gather, never a wrong result, and every
+    rank learns the same order from the same program, so prefetches are issued identically.
+    """
+
+    def __init__(self):
+        self.forward_order: list[str] = []
+        self._next: dict[str, str] = {}
+
+    def record_forward(self, order: list[str]) -> None:
+        if order != self.forward_order:
+            self.forward_order = list(order)
+            self._next = {a: b for a, b in zip(order, order[1:])}
+
+    def next_unit(self, name: str) -> str | None:
+        return self._next.get(name)
 
 
 class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard: torch.Tensor, rt: _UnitRuntime) -> torch.Tensor:
         ctx.rt = rt
-        return rt.comm.all_gather(shard.detach())
+        return rt.gather()
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
@@ -101,11 +136,48 @@ class ApplyRun:
     """One call of `ShardedModule.apply`: which buffers are gathered right now, and the hooks that
     keep gathered parameters out of autograd's saved tensors."""
 
-    def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor]):
+    def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None):
         self.plan = plan
         self.comm = comm
         self.params = params
+        self.schedule = schedule
         self._live: dict[int, _UnitRuntime] = {}
+        self.rts: dict[str, _UnitRuntime] = {}
+        self.order: list[str] = []  # stage-3 units in the order this forward gathered them
+        self._bwd_prev: dict[str, str] | None = None
+
+    # -- prefetch ---------------------------------------------------------------------------------
+    def _runtime(self, unit: UnitPlan) -> _UnitRuntime:
+        rt = self.rts.get(unit.name)
+        if rt is None:
+            rt = self.rts[unit.name] = _UnitRuntime(unit, self.params[unit.name], self.comm, self)
+        return rt
+
+    def prefetch_forward(self, name: str) -> None:
+        """Start gathering the unit that followed `name` in the last forward."""
+        nxt = self.schedule.next_unit(name) if self.schedule is not None else None
+        if nxt is None or nxt in self.rts:
+            return
+        rt = self._runtime(self.plan.unit(nxt))
+        rt.pending = self.comm.all_gather_async(rt.shard.detach())
+
+    def prefetch_backward(self, name: str) -> None:
+        """Start re-gathering the unit whose backward comes next: the one before `name` among the
+        units this forward gathered and autograd kept views of (known once forward is done)."""
+        if self.schedule is None:
+            return
+        if self._bwd_prev is None:
+            packed = [n for n in self.order if self.rts[n].packed]
+            self._bwd_prev = {b: a for a, b in zip(packed, packed[1:])}
+        prev = self._bwd_prev.get(name)
+        rt = self.rts.get(prev) if prev is not None else None
+        if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
+            return
+        rt.bwd_pending = self.comm.all_gather_async(rt.shard.detach())
+
+    def finish_forward(self) -> None:
+        if self.schedule is not None and self.order:
+            self.schedule.record_forward(self.order)
 
     # -- saved-tensor hooks ---------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
@@ -118,6 +190,7 @@ class ApplyRun:
         rt = self._live.get(ptr)
         if rt is None:
             return t
+        rt.packed = True
         return _Regather(rt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     @staticmethod
@@ -140,8 +213,10 @@ class ApplyRun:
                 f"unit {unit.name!r}: expected a shard of {unit.shard_numel} elements at stage 3, got "
                 f"{p.numel()}; was this state made by another plan or world size?"
             )
-        rt = _UnitRuntime(unit, p, self.comm)
+        rt = self._runtime(unit)
+        self.order.append(unit.name)
         full = _GatherUnit.apply(p, rt)
+        self.prefetch_forward(unit.name)
         return full, rt
 
     @contextlib.contextmanager
