@@ -28,6 +28,7 @@ init_distributed            join torchrun's process group (gloo on CPU, NCCL on 
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 memory                      exact per-rank model-state bytes and the ZeRO formulas.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper.
+remat                       activation checkpointing as a function transform (jax.checkpoint-like).
 tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
 FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
 """
@@ -39,6 +40,7 @@ import torch as _torch
 
 from . import memory, optim, schedules
 from ._dist import DistInfo, init_distributed
+from ._remat import remat
 from ._errors import CheckpointError, ConfigError, DistributedError, FnzeroError, ShardingError
 from ._shard._collectives import Collectives, LocalCollectives, ProcessGroupCollectives, RecordingCollectives
 from ._shard._module import ShardedModule, shard
@@ -79,6 +81,7 @@ __all__ = [
     "load_config",
     "memory",
     "optim",
+    "remat",
     "schedules",
     "shard",
     "split_micro_batches",

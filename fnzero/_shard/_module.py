@@ -112,6 +112,7 @@ class ShardedModule:
         tensors.update(self._frozen)
         tensors.update(self._buffers)
         token = ACTIVE_RUN.set(run)
+        run.bindings.append(("tensors", self.module, tensors))
         try:
             with run.saved_tensor_hooks(), _live_all(run, live):
                 out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)

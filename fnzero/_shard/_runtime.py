@@ -52,12 +52,13 @@ def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
         for name, t in tensors.items():
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
-            saved.append((owner, leaf, owner._parameters[leaf]))
-            owner._parameters[leaf] = t
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            saved.append((table, leaf, table[leaf]))
+            table[leaf] = t
         yield
     finally:
-        for owner, leaf, old in reversed(saved):
-            owner._parameters[leaf] = old
+        for table, leaf, old in reversed(saved):
+            table[leaf] = old
 
 
 class _UnitRuntime:
@@ -145,6 +146,10 @@ class ApplyRun:
         self.rts: dict[str, _UnitRuntime] = {}
         self.order: list[str] = []  # stage-3 units in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
+        # Parameter bindings in force right now, outermost first: ("tensors", module, {name: t})
+        # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
+        # snapshots them so recomputation in backward sees the same parameters.
+        self.bindings: list[tuple] = []
 
     # -- prefetch ---------------------------------------------------------------------------------
     def _runtime(self, unit: UnitPlan) -> _UnitRuntime:
@@ -203,7 +208,22 @@ class ApplyRun:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # -- gathering --------------------------------------------------------------------------------
-    def gather_unit(self, unit: UnitPlan) -> tuple[torch.Tensor, _UnitRuntime | None]:
+    @contextlib.contextmanager
+    def rebind(self, bindings: list[tuple]):
+        """Re-establish `bindings` (a snapshot taken in forward) for a recomputation."""
+        with contextlib.ExitStack() as stack:
+            for kind, a, b in bindings:
+                if kind == "tensors":
+                    stack.enter_context(swap_tensors(a, b))
+                else:
+                    unit, module = a, b
+                    full, _ = self.gather_unit(unit, prefetch=False)
+                    prefix = unit.module + "."
+                    local = {n[len(prefix):]: t for n, t in unit_views(unit, full).items()}
+                    stack.enter_context(swap_tensors(module, local))
+            yield
+
+    def gather_unit(self, unit: UnitPlan, prefetch: bool = True) -> tuple[torch.Tensor, _UnitRuntime | None]:
         """The unit's full flat buffer, differentiable with respect to `self.params[unit.name]`."""
         p = self.params[unit.name]
         if not self.plan.params_sharded(unit):
@@ -214,9 +234,11 @@ class ApplyRun:
                 f"{p.numel()}; was this state made by another plan or world size?"
             )
         rt = self._runtime(unit)
-        self.order.append(unit.name)
+        if prefetch:
+            self.order.append(unit.name)
         full = _GatherUnit.apply(p, rt)
-        self.prefetch_forward(unit.name)
+        if prefetch:
+            self.prefetch_forward(unit.name)
         return full, rt
 
     @contextlib.contextmanager
@@ -236,8 +258,12 @@ class ApplyRun:
         full, rt = self.gather_unit(unit)
         prefix = unit.module + "."
         local = {name[len(prefix):]: t for name, t in unit_views(unit, full).items()}
-        with self.live(full, rt), swap_tensors(module, local):
-            return forward(*args, **kwargs)
+        self.bindings.append(("unit", unit, module))
+        try:
+            with self.live(full, rt), swap_tensors(module, local):
+                return forward(*args, **kwargs)
+        finally:
+            self.bindings.pop()
 
 
 def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
