@@ -41,7 +41,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     SLURM_LOCALID are used when torchrun's are absent). The backend defaults to NCCL when CUDA is
     available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
     every collective, so a rank that dies makes the others fail instead of hang.
+
+    Inside `fnzero.testing.simulated_world(n).run(fn)` it returns the calling thread's rank
+    (backend "simulated", CPU) and touches neither torch.distributed nor the environment.
     """
+    import sys
+
+    # A rank of fnzero.testing.simulated_world is a thread with no process group (and only
+    # fnzero.testing, if imported, can have started one).
+    sim = sys.modules.get("fnzero.testing._context")
+    comm = sim.current_comm() if sim is not None else None
+    if comm is not None:
+        return DistInfo(comm.rank, comm.world_size, comm.rank, "simulated", torch.device("cpu"))
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
     rank = _env_int("RANK", "SLURM_PROCID")
     local = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0

@@ -280,6 +280,20 @@ def shard(
         persistence_threshold=policy.persistence_threshold,
     )
     named = dict(model.named_parameters(remove_duplicate=False))
+    frozen = {n: named[n].detach().to(device) for n in plan.frozen}
+    buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
+    # Where each parameter is registered (tied ones in several places), to release its storage.
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for leaf, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, leaf))
+
+    def release(p: torch.Tensor) -> None:
+        ph = _placeholder(p)
+        for mod, leaf in owners.get(id(p), ()):
+            mod._parameters[leaf] = ph
+
     initial = {}
     with torch.no_grad():
         for u in plan.units:
@@ -290,19 +304,18 @@ def shard(
                 lo, hi = u.shard_range(comm.rank)
                 flat = flat[lo:hi].clone()
             initial[u.name] = flat
+            # Release the model's own storage unit by unit, so sharding a model never holds it twice.
+            for slot in u.slots:
+                release(named.pop(slot.name))
+                for alias in slot.aliases:
+                    named.pop(alias, None)
+    for n in plan.frozen:
+        release(named.pop(n))
+    del named
     sm = ShardedModule(model, plan, comm, policy, config, device)
     sm._initial = initial
-    sm._frozen = {n: named[n].detach().to(device) for n in plan.frozen}
-    sm._buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
-    # Release the model's own storage: the state holds the parameters from now on.
-    placeholders: dict[int, nn.Parameter] = {}
-    for mod in model.modules():
-        for leaf, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in placeholders:
-                placeholders[id(p)] = _placeholder(p)
-            mod._parameters[leaf] = placeholders[id(p)]
+    sm._frozen = frozen
+    sm._buffers = buffers
     if plan.stage == 3:
         for u in plan.units:
             if plan.params_sharded(u) and u.module != "":

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import DistributedError
 
-__all__ = ["run_world", "free_port", "WorldError"]
+__all__ = ["run_world", "free_port", "WorldError", "SpawnedWorld", "spawned_world"]
 
 
 class WorldError(DistributedError):
@@ -36,7 +36,7 @@ def _encode(obj: Any) -> Any:
     def enc(x):
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
-            return ("__tensor__", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            return ("__tensor__", str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         return x
 
     return optree.tree_map(enc, obj, is_leaf=lambda x: isinstance(x, torch.Tensor), none_is_leaf=True)
@@ -164,3 +164,47 @@ def run_world(
     if failure is not None:
         raise WorldError(failure)
     return [results[r] for r in range(world_size)]
+
+
+def _call_in_rank(fn: Callable[..., Any]) -> Any:
+    # Runs in the spawned rank: give `fn` the process group's collectives when it takes one
+    # argument, exactly as SimulatedWorld.run does with its thread collectives.
+    from .._shard._collectives import ProcessGroupCollectives
+    from ._threads import wants_comm
+
+    return fn(ProcessGroupCollectives()) if wants_comm(fn) else fn()
+
+
+class SpawnedWorld:
+    """n real gloo processes on loopback behind the SimulatedWorld interface: `run(fn)` calls
+    `fn(comm)` or `fn()` on every rank and returns the results in rank order.
+
+    `fn` must be importable (a module-level function): ranks are spawned, not forked. Each run
+    starts fresh processes (seconds, not milliseconds): use it for the few tests that must see
+    real torch.distributed, and `simulated_world` for the many.
+    """
+
+    backend = "gloo"
+
+    def __init__(self, n: int, timeout: float = 180.0, backend: str = "gloo", env: dict[str, str] | None = None):
+        if n < 1:
+            raise ValueError(f"a world needs at least one rank, got {n}")
+        self.n, self.timeout, self.backend, self.env = n, timeout, backend, env
+
+    @property
+    def world_size(self) -> int:
+        return self.n
+
+    def run(self, fn: Callable[..., Any]) -> list[Any]:
+        return run_world(_call_in_rank, self.n, fn, timeout=self.timeout, backend=self.backend, env=self.env)
+
+    def __enter__(self) -> "SpawnedWorld":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def spawned_world(n: int, timeout: float = 180.0, backend: str = "gloo", env: dict[str, str] | None = None) -> SpawnedWorld:
+    """A SpawnedWorld of n real processes (usable as a context manager)."""
+    return SpawnedWorld(n, timeout, backend, env)

@@ -2,10 +2,14 @@
 
 No ports, no launcher, ~no startup cost, so hypothesis can draw hundreds of sharded cases. Results
 equal a real gloo world's up to summation order: reductions here add contributions in rank order.
+
+Inside `run(fn)` each thread is its rank: `fnzero.init_distributed()` and `fnzero.shard(model)`
+without `comm=` pick it up (`_context.py`), so code written for `fnzero launch` runs unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import traceback
 from typing import Any, Callable
@@ -14,6 +18,7 @@ import torch
 
 from .._errors import DistributedError
 from .._shard._collectives import PendingTensor
+from ._context import RNG_LOCK, rank_context
 
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]
 
@@ -83,24 +88,58 @@ class ThreadCollectives:
         self._x.exchange(self.rank, "barrier", None)
 
 
-class SimulatedWorld:
-    """n ranks as threads. `run(fn)` calls `fn(comm)` on every rank with its ThreadCollectives and
-    returns the results in rank order; an exception on any rank is re-raised naming the rank."""
+def wants_comm(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes the rank's collectives as its one argument (else it is called bare)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins and some C callables: keep the old convention
+        return True
+    # A required positional parameter (or *args) receives the comm; `fn()` and `fn(x=default)` do not.
+    return any(
+        p.kind is p.VAR_POSITIONAL
+        or (p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+        for p in sig.parameters.values()
+    )
 
-    def __init__(self, n: int, timeout: float = 120.0):
+
+class SimulatedWorld:
+    """n ranks as threads. `run(fn)` calls `fn(comm)` (or `fn()` when it takes no argument) on
+    every rank with the rank's collectives current, and returns the results in rank order; an
+    exception on any rank is re-raised naming the rank.
+
+    `wrap_comm(comm) -> comm` wraps every rank's collectives (fault injection, recording).
+    `init_lock` is the lock for torch's process-wide RNG (threads share one generator): hold it,
+    or use `fnzero.testing.seeded(seed)`, while building models so every rank draws the same
+    weights.
+    """
+
+    init_lock = RNG_LOCK
+    backend = "simulated"
+
+    def __init__(self, n: int, timeout: float = 120.0, wrap_comm: Callable[[Any], Any] | None = None):
         if n < 1:
             raise ValueError(f"a world needs at least one rank, got {n}")
         self.n = n
         self.timeout = timeout
+        self.wrap_comm = wrap_comm
 
-    def run(self, fn: Callable[[ThreadCollectives], Any]) -> list[Any]:
+    @property
+    def world_size(self) -> int:
+        return self.n
+
+    def run(self, fn: Callable[..., Any]) -> list[Any]:
         x = _Exchange(self.n, self.timeout)
         results: list[Any] = [None] * self.n
         errors: list[tuple[int, str]] = []
+        pass_comm = wants_comm(fn)
 
         def body(rank):
             try:
-                results[rank] = fn(ThreadCollectives(x, rank))
+                comm = ThreadCollectives(x, rank)
+                if self.wrap_comm is not None:
+                    comm = self.wrap_comm(comm)
+                with rank_context(comm):
+                    results[rank] = fn(comm) if pass_comm else fn()
             except BaseException:  # noqa: BLE001
                 errors.append((rank, traceback.format_exc()))
                 x.barrier.abort()  # release the other ranks instead of leaving them waiting
@@ -122,9 +161,15 @@ class SimulatedWorld:
         return results
 
 
-def simulated_world(n: int, timeout: float = 120.0) -> SimulatedWorld:
-    """A SimulatedWorld of n thread ranks (usable as a context manager)."""
-    return SimulatedWorld(n, timeout)
+def simulated_world(n: int, timeout: float = 120.0, wrap_comm: Callable[[Any], Any] | None = None) -> SimulatedWorld:
+    """A SimulatedWorld of n thread ranks (usable as a context manager).
+
+    >>> import fnzero
+    >>> with simulated_world(2) as world:
+    ...     world.run(lambda: fnzero.init_distributed().rank)
+    [0, 1]
+    """
+    return SimulatedWorld(n, timeout, wrap_comm)
 
 
 SimulatedWorld.__enter__ = lambda self: self  # type: ignore[attr-defined]
