@@ -48,6 +48,7 @@ class StepPolicy:
     prescale_gradients: bool = False
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
     overlap_comm: bool = True  # start gradient collectives from backward hooks
+    timings: bool = False  # wall_clock_breakdown: metrics["timings"] with forward/backward/comm/optimizer
 
 
 def _cfg_precision(cfg) -> str:
@@ -103,4 +104,5 @@ def step_policy(cfg) -> StepPolicy:
         # Overlap changes only when collectives run, never their results, so fnzero overlaps
         # unless the config explicitly says `overlap_comm: false`.
         overlap_comm=getattr(getattr(cfg, "zero_optimization", None), "overlap_comm", None) is not False,
+        timings=bool(getattr(cfg, "wall_clock_breakdown", False)),
     )

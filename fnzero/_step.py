@@ -16,6 +16,7 @@ One mechanism serves every ZeRO stage (`specs/sharding.md`, `specs/collectives.m
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable
 
 import optree
@@ -65,6 +66,29 @@ def _accum_dtype(policy: StepPolicy, param_dtype: torch.dtype) -> torch.dtype:
     if policy.accum_dtype is not None:
         return policy.accum_dtype
     return torch.float32 if param_dtype in (torch.float16, torch.bfloat16) else param_dtype
+
+
+class _Timer:
+    """Wall-clock seconds per phase (`wall_clock_breakdown`); a no-op when off. On accelerators it
+    synchronizes the device at phase boundaries, which is why it is opt-in."""
+
+    def __init__(self, on: bool, device: torch.device):
+        self.on = on
+        self.sync = on and device.type == "cuda"
+        self.totals = {"forward": 0.0, "backward": 0.0, "comm": 0.0, "optimizer": 0.0}
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.totals[phase] += time.perf_counter() - self._t
 
 
 def _prepare_for_comm(g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
@@ -184,22 +208,28 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     loss_sum = torch.zeros((), dtype=torch.float64)
     auxes = []
     inputs = list(leaves.values())
+    timer = _Timer(policy.timings, sh.device)
     try:
         for i, mb in enumerate(micro):
             last[0] = i == len(micro) - 1
+            timer.start()
             out = loss_fn(leaves, mb)
+            timer.stop("forward")
             loss, aux = out if has_aux else (out, None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ShardingError(
                     f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
                     f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
                 )
+            timer.start()
             if inputs:
                 scaled = loss * scale if scale != 1.0 else loss
                 if scaled.requires_grad:
                     scaled.backward(inputs=inputs)
             loss_sum += loss.detach().to(torch.float64).cpu()
+            timer.stop("backward")
             auxes.append(aux)
+        timer.start()
         drain(0)
     finally:
         for h in handles:
@@ -235,6 +265,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     vec = torch.stack([local_sq if plan.stage > 0 else torch.zeros((), dtype=torch.float64), loss_sum])
     if n > 1:
         vec = comm.all_reduce(vec.to(sh.device)).cpu()
+    timer.stop("comm")
     norm_sq = float(vec[0]) if plan.stage > 0 else float(local_sq)
     loss_mean = float(vec[1]) / (k * n)
     overflow = not math.isfinite(norm_sq)
@@ -250,6 +281,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     }
     if has_aux:
         metrics["aux"] = auxes if k > 1 else auxes[0]
+    if timer.on:
+        metrics["timings"] = timer.totals  # filled in place until the step returns
 
     new_ls = update_loss_scale(state.loss_scale, overflow, policy.loss_scale) if state.loss_scale is not None else None
     if overflow:
@@ -271,8 +304,11 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
     metrics["lr"] = lr
 
+    timer.start()
     if host_opt is not None:
-        return _host_update(state, grads, factor, lr, momentum, host_opt, donate, new_ls), metrics
+        new_state = _host_update(state, grads, factor, lr, momentum, host_opt, donate, new_ls)
+        timer.stop("optimizer")
+        return new_state, metrics
     if factor != 1.0:
         for g in grads.values():
             g.mul_(factor)
@@ -287,6 +323,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
             target = _per_param(plan, target)
     update = opt.update_ if donate else opt.update
     new_target, new_opt_state = update(grads, state.opt_state, target, lr, momentum=momentum)
+    timer.stop("optimizer")
+    timer.start()
     if not opt.elementwise:
         new_target = _per_unit(plan, new_target, like=state.master if state.master is not None else state.params)
 
@@ -304,6 +342,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                 state.params[u.name].copy_(full)
                 full = state.params[u.name]
             new_params[u.name] = full
+    timer.stop("comm")
     new_state = state.replace(
         params=new_params,
         master=new_target if state.master is not None else None,

@@ -215,3 +215,13 @@ def test_init_state_hands_over_once():
     sm, state, _ = _setup(cfg)
     with pytest.raises(fnzero.ShardingError, match="once"):
         sm.init_state()
+
+
+def test_wall_clock_breakdown_adds_timings():
+    cfg = _cfg(k=2, wall_clock_breakdown=True)
+    _, state, loss_fn = _setup(cfg)
+    _, m = fnzero.train_step(loss_fn, cfg)(state, _batch(4))
+    assert set(m["timings"]) == {"forward", "backward", "comm", "optimizer"}
+    assert all(v >= 0 for v in m["timings"].values()) and m["timings"]["forward"] > 0
+    _, plain = fnzero.train_step(loss_fn, _cfg(k=2))(state, _batch(4))
+    assert "timings" not in plain
