@@ -18,6 +18,7 @@ class ShardPolicy:
     compute_dtype: torch.dtype | None = None  # None: keep the model's dtype (fp32 or fp64 training)
     persistence_threshold: int = 0
     prefetch_numel: int = 0
+    max_live_numel: int = 10**18
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
 
 
@@ -73,6 +74,7 @@ def shard_policy(cfg, stage: int | None = None) -> ShardPolicy:
         compute_dtype=None if precision == "fp32" else _DTYPES[precision],
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         prefetch_numel=int(z.stage3_prefetch_bucket_size),
+        max_live_numel=int(z.stage3_max_live_parameters),
         offload_optimizer=_offload_device(cfg),
     )
 

@@ -78,7 +78,8 @@ class ShardedModule:
         self.config = config
         self.sharding = Sharding(plan, comm, device)
         self._initial: dict[str, torch.Tensor] | None = None
-        self._schedule = GatherSchedule()  # stage-3 prefetch order, learned from the last step
+        # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
+        self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel)
         self._frozen: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -192,9 +193,11 @@ class ShardedModule:
         )
 
     # ---------------------------------------------------------------------------------------------
-    def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None,
+               rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Consolidated trainable parameters, `model.state_dict()` names (tied names included), on
-        every rank. Given a TrainState, its master weights are used when it has them."""
+        every rank (or only rank 0 with `rank0_only`: the others take part in the gathers and get
+        an empty dict). Given a TrainState, its master weights are used when it has them."""
         if isinstance(params, TrainState):
             src = params.master if params.master is not None else params.params
         else:
@@ -204,6 +207,8 @@ class ShardedModule:
             full = full_unit(u, src[u.name].detach(), self.comm)
             if full.numel() != u.padded_numel:
                 full = self.comm.all_gather(full)
+            if rank0_only and self.comm.rank != 0:
+                continue
             for name, t in unit_views(u, full).items():
                 out[name] = t.to(dtype) if dtype is not None else t.clone()
         return out

@@ -100,9 +100,11 @@ class GatherSchedule:
     rank learns the same order from the same program, so prefetches are issued identically.
     """
 
-    def __init__(self):
+    def __init__(self, prefetch_numel: int = 10**18, max_live_numel: int = 10**18):
         self.forward_order: list[str] = []
         self._next: dict[str, str] = {}
+        self.prefetch_numel = prefetch_numel  # stage3_prefetch_bucket_size: largest unit fetched ahead
+        self.max_live_numel = max_live_numel  # stage3_max_live_parameters: current + prefetched at most
 
     def record_forward(self, order: list[str]) -> None:
         if order != self.forward_order:
@@ -163,7 +165,12 @@ class ApplyRun:
         nxt = self.schedule.next_unit(name) if self.schedule is not None else None
         if nxt is None or nxt in self.rts:
             return
-        rt = self._runtime(self.plan.unit(nxt))
+        cur, unit = self.plan.unit(name), self.plan.unit(nxt)
+        if unit.padded_numel > self.schedule.prefetch_numel or (
+            cur.padded_numel + unit.padded_numel > self.schedule.max_live_numel
+        ):
+            return
+        rt = self._runtime(unit)
         rt.pending = self.comm.all_gather_async(rt.shard.detach())
 
     def prefetch_backward(self, name: str) -> None:
