@@ -1,0 +1,189 @@
+"""The `fnzero` command, run as a user runs it (specs/cli.md).
+
+Starting Python and importing torch costs seconds of CPU, so only a few checks start a fresh
+`python -m fnzero._cli`; the rest go through `run_cli`, which forks a real child process per
+command from one warm interpreter: each gets its own exit status, stdout and stderr.
+"""
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A tiny fork server: import the CLI once, then fork one child per request. Requests and replies
+# are JSON lines; a child's stdout/stderr go to files the parent reads back.
+_SERVER = r"""
+import json, os, sys, time
+import fnzero._cli as cli
+cli.build_parser()  # import every plugin now, so children start warm
+for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, req["out"]), (2, req["err"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        try:
+            code = cli.main(req["argv"])
+        except SystemExit as e:  # argparse errors and --help
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback; traceback.print_exc(); code = 99
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code or 0)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); status = 124 << 8
+            break
+        time.sleep(0.01)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+_server = None
+_tmp = tempfile.mkdtemp(prefix="fnzero_cli_test_")
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}
+
+
+def _stop():
+    if _server is not None and _server.poll() is None:
+        _server.stdin.close()
+        _server.wait(timeout=30)
+        _server.stdout.close()
+
+
+def run_cli(*argv):
+    """(returncode, stdout, stderr) of `fnzero ARGV...` in a freshly forked process."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=_env(), text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        atexit.register(_stop)
+    out, err = os.path.join(_tmp, "out"), os.path.join(_tmp, "err")
+    _server.stdin.write(json.dumps({"argv": [str(a) for a in argv], "out": out, "err": err}) + "\n")
+    _server.stdin.flush()
+    reply = _server.stdout.readline()
+    assert reply, "the CLI fork server died"
+    with open(out) as fo, open(err) as fe:
+        return json.loads(reply)["rc"], fo.read(), fe.read()
+
+
+def run_fresh(*argv):
+    """(returncode, stdout, stderr) of a brand-new `python -m fnzero._cli ARGV...`."""
+    p = subprocess.run([sys.executable, "-m", "fnzero._cli", *map(str, argv)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=180)
+    return p.returncode, p.stdout, p.stderr
+
+
+# -- help -------------------------------------------------------------------------------------------
+
+def test_top_level_help_lists_every_subcommand():
+    rc, out, err = run_fresh("--help")
+    assert rc == 0 and err == ""
+    assert out.startswith("usage: fnzero")
+    for cmd in ("launch", "report", "config", "export", "checkpoint", "plan"):
+        assert f"    {cmd}" in out, out
+
+
+@pytest.mark.parametrize("argv, must_mention", [
+    (["launch"], ["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts"]),
+    (["report"], ["usage: fnzero report"]),
+    (["config"], ["show", "validate", "--world-size"]),
+    (["export"], ["checkpoint", "out", "--dtype", "--max-shard-size", "--format"]),
+    (["checkpoint"], ["info"]),
+    (["checkpoint", "info"], ["--verify", "--json"]),
+    (["plan"], ["--params", "--world-size", "--gpus-per-node", "--config", "--memory-per-device", "--reserve",
+                "--precision", "--json"]),
+])
+def test_help_for_each_subcommand(argv, must_mention):
+    rc, out, err = run_cli(*argv, "--help")
+    assert rc == 0, err
+    assert err == ""
+    assert out.startswith(f"usage: fnzero {' '.join(argv)}"), out
+    for word in must_mention:
+        assert word in out, (word, out)
+    # Every option has a help text: no bare option lines left unexplained.
+    assert "options:" in out
+
+
+def test_no_subcommand_prints_help():
+    rc, out, _ = run_cli()
+    assert rc == 0 and "usage: fnzero" in out
+
+
+def test_unknown_subcommand_fails():
+    rc, out, err = run_fresh("frobnicate")
+    assert rc != 0
+    assert "invalid choice" in err and "frobnicate" in err
+    assert out == ""
+
+
+# -- config -------------------------------------------------------------------------------------------
+
+def test_config_validate_good_file():
+    rc, out, err = run_cli("config", "validate", "examples/configs/zero3.json", "--world-size", "4")
+    assert rc == 0, err
+    assert "valid" in out and "stage 3" in out and "world size 4" in out
+
+
+def test_config_validate_bad_file_lists_every_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimisation": {"stage": 2},'
+                   ' "gradient_clipping": -1, "optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}')
+    rc, out, err = run_cli("config", "validate", str(bad))
+    assert rc == 1
+    assert out == ""
+    assert "3 error(s)" in err, err
+    assert "zero_optimization" in err  # the typo names the nearest valid key
+    assert "gradient_clipping" in err and "lr" in err
+    assert err.count("\n  - ") == 3
+
+
+def test_config_validate_missing_file():
+    rc, out, err = run_cli("config", "validate", "no/such/file.json")
+    assert rc == 1 and out == "" and "error" in err
+
+
+def test_config_show_round_trips():
+    import fnzero
+
+    rc, out, err = run_cli("config", "show", "examples/configs/bf16.json", "--world-size", "2")
+    assert rc == 0, err
+    shown = json.loads(out)
+    again = fnzero.load_config(out, world_size=2)
+    assert again.to_dict() == shown
+    assert again == fnzero.load_config("examples/configs/bf16.json", world_size=2)
+
+
+# -- report, launch -----------------------------------------------------------------------------------
+
+def test_report_mentions_torch_and_cext():
+    rc, out, err = run_cli("report")
+    assert rc == 0, err
+    assert "torch" in out and "cext" in out and "fnzero" in out
+
+
+def test_launch_without_script_is_a_usage_error():
+    rc, out, err = run_cli("launch", "--nproc-per-node", "2")
+    assert rc == 2
+    assert "name the training script" in err
+    assert out == ""
+
+
+def test_launch_multinode_needs_master_addr():
+    rc, _, err = run_cli("launch", "--nnodes", "2", "train.py")
+    assert rc == 2 and "--master-addr" in err

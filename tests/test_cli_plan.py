@@ -1,0 +1,201 @@
+"""`fnzero plan` and `fnzero._plan` (specs/cli.md §plan): every figure checked against the ZeRO formulas."""
+
+import json
+import math
+
+import pytest
+
+from fnzero import _plan
+from fnzero.memory import zero_formula
+from test_cli import run_cli, run_fresh
+
+PSI = 7_000_000_000
+N, GPN = 64, 8
+
+
+def _rows(rep, **where):
+    return [r for r in rep["rows"] if all(r[k] == v for k, v in where.items())]
+
+
+def _one(rep, **where):
+    (row,) = _rows(rep, **where)
+    return row
+
+
+@pytest.fixture(scope="module")
+def rep():
+    rc, out, err = run_fresh("plan", "--params", "7e9", "--world-size", N, "--gpus-per-node", GPN, "--json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_no_offload_rows_are_the_zero_formula(rep):
+    assert rep["num_params"] == PSI and rep["world_size"] == N and rep["nodes"] == 8
+    for prec, mixed in (("fp32", False), ("bf16", True)):
+        for stage in range(4):
+            row = _one(rep, precision=prec, stage=stage, offload_optimizer="none", offload_param="none")
+            assert row["device_bytes"] == round(zero_formula(PSI, stage, N, mixed)), (prec, stage)
+            assert sum(row["device"].values()) == pytest.approx(row["device_bytes"], abs=4)
+            assert row["host_bytes"] == row["nvme_bytes"] == 0
+
+
+def test_offload_rows(rep):
+    # 16-bit: the device keeps 2-byte params; the optimizer's 16 bytes/param (fp32 master, two
+    # moments, fp32 gradient shard) are sharded over the ranks on the offload tier.
+    s2 = _one(rep, precision="bf16", stage=2, offload_optimizer="cpu", offload_param="none")
+    assert s2["device_bytes"] == 2 * PSI
+    assert s2["host_bytes"] == 16 * PSI // N
+    assert s2["host_bytes_per_node"] == 16 * PSI // N * GPN
+    s1 = _one(rep, precision="bf16", stage=1, offload_optimizer="cpu", offload_param="none")
+    assert s1["device_bytes"] == 4 * PSI  # stage 1 keeps the full gradient accumulator
+    s3 = _one(rep, precision="bf16", stage=3, offload_optimizer="cpu", offload_param="none")
+    assert s3["device_bytes"] == 2 * PSI // N and s3["host_bytes"] == 16 * PSI // N
+    both = _one(rep, precision="bf16", stage=3, offload_optimizer="cpu", offload_param="cpu")
+    assert both["device_bytes"] == 0 and both["host_bytes"] == 18 * PSI // N
+    # nvme: master and moments in files (12 bytes/param), the fp32 gradient shard in host memory
+    nv = _one(rep, precision="bf16", stage=3, offload_optimizer="nvme", offload_param="nvme")
+    assert (nv["host_bytes"], nv["nvme_bytes"]) == (4 * PSI // N, 14 * PSI // N)
+    mixed = _one(rep, precision="bf16", stage=3, offload_optimizer="nvme", offload_param="cpu")
+    assert (mixed["host_bytes"], mixed["nvme_bytes"]) == (6 * PSI // N, 12 * PSI // N)
+    assert mixed["nvme"] == {"params": 0, "grads": 0, "master": PSI // N * 4, "optimizer": PSI // N * 8}
+    f2 = _one(rep, precision="fp32", stage=2, offload_optimizer="cpu", offload_param="none")
+    assert f2["device_bytes"] == 4 * PSI and f2["host_bytes"] == 16 * PSI // N
+    # Offloading never adds device memory, and the bytes only move: device + offloaded >= formula's shard.
+    for r in rep["rows"]:
+        base = _one(rep, precision=r["precision"], stage=r["stage"], offload_optimizer="none", offload_param="none")
+        assert r["device_bytes"] <= base["device_bytes"]
+    assert rep["memory_per_device"] is None and all(r["max_params"] is None for r in rep["rows"])
+
+
+def test_param_spellings_agree():
+    seen = set()
+    for spelling in ("7e9", "7B", "7b", "7_000_000_000", "7000000000", "7.0G"):
+        rc, out, err = run_cli("plan", "--params", spelling, "--world-size", 8, "--precision", "bf16", "--json")
+        assert rc == 0, (spelling, err)
+        seen.add(json.loads(out)["num_params"])
+    assert seen == {PSI}
+    assert _plan.parse_count("350M") == 350_000_000 and _plan.parse_count("1.3b") == 1_300_000_000
+    assert _plan.parse_count("125k") == 125_000
+
+
+def test_largest_model_solves_the_formula():
+    rc, out, err = run_cli("plan", "--params", "7B", "--world-size", N, "--memory-per-device", "80GB",
+                           "--reserve", "10GiB", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    budget = 80 * 10**9 - 10 * 2**30
+    assert rep["memory_per_device"] == 80 * 10**9 and rep["reserve"] == 10 * 2**30
+    for r in _rows(rep, offload_optimizer="none", offload_param="none"):
+        mixed = r["precision"] != "fp32"
+        m = r["max_params"]
+        assert zero_formula(m, r["stage"], N, mixed) <= budget < zero_formula(m + 1, r["stage"], N, mixed)
+        assert r["fits"] == (r["device_bytes"] <= budget)
+    assert _one(rep, precision="fp32", stage=0, offload_optimizer="none", offload_param="none")["fits"] is False
+    assert _one(rep, precision="bf16", stage=3, offload_optimizer="none", offload_param="none")["fits"] is True
+    s2 = _one(rep, precision="bf16", stage=2, offload_optimizer="cpu", offload_param="none")
+    assert s2["max_params"] == budget // 2
+    assert _one(rep, precision="bf16", stage=3, offload_optimizer="cpu", offload_param="cpu")["max_params"] is None
+
+
+def test_host_memory_bounds_offloaded_rows():
+    host = 512 * 10**9
+    m = _plan.largest_model(80 * 10**9, stage=3, world_size=N, precision="bf16", offload_optimizer="cpu",
+                            offload_param="cpu", host_memory_per_node=host, gpus_per_node=GPN)
+    assert m == host * N // (18 * GPN)
+
+
+def test_readable_table():
+    rc, out, err = run_cli("plan", "--params", "1.3b", "--world-size", 16, "--memory-per-device", "40GB")
+    assert rc == 0 and err == ""
+    assert "1.30B parameters" in out and "2 node(s) x 8 per node" in out
+    assert "device/rank" in out and "host/node" in out and "largest model" in out
+    assert "fp32 weights" in out and "16-bit (bf16/fp16)" in out
+    assert "opt=cpu param=cpu" in out and "unbounded" in out
+    # 16-bit stage 0: 16 bytes/param unsharded
+    assert _plan.format_bytes(16 * 1_300_000_000) in out
+
+
+def test_config_row_is_marked():
+    rc, out, err = run_cli("plan", "--params", "7B", "--world-size", 8, "--config", "examples/configs/offload_nvme.json",
+                           "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert {r["precision"] for r in rep["rows"]} == {"bf16"}
+    (mine,) = [r for r in rep["rows"] if r["from_config"]]
+    assert (mine["stage"], mine["offload_optimizer"], mine["offload_param"]) == (3, "nvme", "cpu")
+    rc, out, _ = run_cli("plan", "--params", "7B", "--world-size", 8, "--config", "examples/configs/offload_cpu.json")
+    assert rc == 0
+    assert any(line.startswith("*") and "opt=cpu" in line and line.split()[1] == "2" for line in out.splitlines()), out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "abc", "--world-size", "8"], "parameter count 'abc'"),
+    (["--params", "-5", "--world-size", "8"], "--params"),
+    (["--params", "0", "--world-size", "8"], "at least 1"),
+    (["--params", "7B", "--world-size", "0"], "at least 1"),
+    (["--params", "7B", "--world-size", "2.5"], "whole number"),
+    (["--params", "7B", "--world-size", "8", "--memory-per-device", "80XB"], "size '80XB'"),
+    (["--params", "7B", "--world-size", "8", "--memory-per-device", "80GB", "--reserve", "90GB"], "--reserve"),
+    (["--params", "7B", "--world-size", "8", "--precision", "fp8"], "invalid choice"),
+    (["--params", "inf", "--world-size", "8"], "--params"),
+    (["--world-size", "8"], "--params"),
+])
+def test_bad_numbers_exit_2(argv, message):
+    rc, out, err = run_cli("plan", *argv)
+    assert rc == 2
+    assert out == ""
+    assert message in err, err
+
+
+def test_invalid_config_exits_2_with_every_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, '
+                   '"offload_param": {"device": "cpu"}}, "bf16": {"enabled": true}, "fp16": {"enabled": true}}')
+    rc, out, err = run_cli("plan", "--params", "7B", "--world-size", 8, "--config", str(bad))
+    assert rc == 2 and out == ""
+    assert "2 error(s)" in err and "offload_param" in err and "fp16" in err
+
+
+# -- the pure functions ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_breakdown_sums_to_formula(stage, precision, n):
+    e = _plan.estimate(123_456_789, stage=stage, world_size=n, precision=precision)
+    assert float(e.device.total) == pytest.approx(zero_formula(123_456_789, stage, n, precision != "fp32"), rel=1e-12)
+
+
+def test_partial_offload_interpolates():
+    kw = dict(stage=3, world_size=8, precision="bf16")
+    none, full = _plan.estimate(8e9, **kw), _plan.estimate(8e9, offload_optimizer="cpu", **kw)
+    half = _plan.estimate(8e9, offload_optimizer="cpu", ratio=0.5, **kw)
+    assert half.host_bytes == full.host_bytes // 2
+    assert full.device_bytes < half.device_bytes < none.device_bytes
+
+
+@pytest.mark.parametrize("kw", [
+    dict(stage=0, offload_optimizer="cpu"), dict(stage=2, offload_param="cpu"), dict(stage=2, ratio=0.5),
+    dict(stage=4), dict(stage=1, precision="fp8"), dict(stage=1, world_size=0), dict(stage=1, offload_param="disk"),
+])
+def test_estimate_rejects_what_config_rejects(kw):
+    kw = {"world_size": 8, **kw}
+    with pytest.raises(ValueError):
+        _plan.estimate(1e9, **kw)
+
+
+@pytest.mark.parametrize("text", ["", "GB", "1..2", "1e", "nan", "-1", "1 2", "0x10"])
+def test_parse_rejects(text):
+    with pytest.raises(ValueError):
+        _plan.parse_count(text)
+    with pytest.raises(ValueError):
+        _plan.parse_bytes(text)
+
+
+def test_parse_bytes_units():
+    assert _plan.parse_bytes("80GB") == 80 * 10**9 and _plan.parse_bytes("80 GiB") == 80 * 2**30
+    assert _plan.parse_bytes("1.5TB") == 1_500_000_000_000 and _plan.parse_bytes("512") == 512
+    assert _plan.parse_bytes("0", allow_zero=True) == 0
+    with pytest.raises(ValueError):
+        _plan.parse_bytes("0")
+    assert math.isclose(_plan.largest_model(10**9, stage=0, world_size=1, reserve=10**9), 0)
