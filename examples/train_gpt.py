@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import fnzero
 from fnzero.memory import model_state_bytes, peak_rss_bytes
+from fnzero.monitor import Monitor
 from fnzero.testing import GPT, token_batches
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -65,19 +66,18 @@ if dist.rank == 0:
 
 tokens_per_step = per_rank * args.seq_len * dist.world_size
 t0 = time.perf_counter()
-t_last, first_loss = t0, None
-for i in range(args.steps):
-    batch = {k: v.to(dist.device) for k, v in next(batches).items()}
-    state, m = step(state, batch)
-    first_loss = m["loss"] if first_loss is None else first_loss
-    if dist.rank == 0 and ((i + 1) % cfg.steps_per_print == 0 or i == args.steps - 1):
-        now = time.perf_counter()
-        n_steps = cfg.steps_per_print if (i + 1) % cfg.steps_per_print == 0 else (i + 1) % cfg.steps_per_print
-        dt = (now - t_last) / n_steps
-        t_last = now
-        scale = f" scale {m['loss_scale']:.0f}" if m["loss_scale"] is not None else ""
-        print(f"step {i + 1:5d} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | grad norm {m['grad_norm']:.3f}{scale}"
-              f" | {tokens_per_step / dt:,.0f} tok/s | {per_rank * dist.world_size / dt:.1f} samples/s", flush=True)
+first_loss = None
+# Logging happens outside the pure step: the Monitor reads steps_per_print, csv_monitor,
+# tensorboard, memory_breakdown, flops_profiler and wall_clock_breakdown from the config.
+with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens_per_step=tokens_per_step,
+                         total_steps=args.steps) as mon:
+    for i in range(1, args.steps + 1):
+        batch = {k: v.to(dist.device) for k, v in next(batches).items()}
+        if mon.should_profile(i):  # every rank: the forward gathers shards at stage 3
+            mon.profile_flops(loss_fn, state.params, fnzero.split_micro_batches(batch, cfg.gradient_accumulation_steps)[0])
+        state, m = step(state, batch)
+        first_loss = m["loss"] if first_loss is None else first_loss
+        mon.log(i, m, state=state)
 
 elapsed = time.perf_counter() - t0
 msb = model_state_bytes(state)
