@@ -1,0 +1,58 @@
+"""Which simulated rank the calling thread is, and a lock for torch's process-wide RNG.
+
+`fnzero.default_collectives()` and `fnzero.init_distributed()` look this module up in
+`sys.modules` (never importing it), so user code that calls them without `comm=` gets its thread's
+rank inside `simulated_world(n).run(fn)` and the real process group under `fnzero launch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["current_comm", "rank_context", "RNG_LOCK", "seeded"]
+
+# A ContextVar rather than a threading.local: each rank's thread sets it for itself, and code that
+# copies its context (asyncio tasks, contextvars.copy_context().run) keeps the rank.
+_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("fnzero_simulated_comm", default=None)
+
+# torch's default generator is one per process: simulated ranks (threads) that build models with
+# it concurrently would interleave draws and build different weights. Everything that seeds and
+# draws from it in a simulated world holds this lock. Re-entrant so `seeded` can nest.
+RNG_LOCK = threading.RLock()
+
+
+def current_comm() -> Any:
+    """The calling thread's simulated-rank collectives, or None outside a simulated world."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def rank_context(comm: Any) -> Iterator[None]:
+    token = _CURRENT.set(comm)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run the block with torch's CPU RNG seeded to `seed`, alone, then restore the RNG.
+
+    Build models inside it (`with ft.seeded(0): model = MyModel()`) so every rank gets identical
+    weights: in a simulated world the ranks are threads sharing one generator, and this holds
+    `RNG_LOCK` so their draws cannot interleave; in a real process it is just a seeded fork of
+    the RNG. Restoring the previous state keeps the block free of side effects on later draws.
+    """
+    with RNG_LOCK:
+        state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            yield
+        finally:
+            torch.random.set_rng_state(state)

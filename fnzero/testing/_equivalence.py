@@ -1,0 +1,122 @@
+"""`assert_stage_equivalent`: a ZeRO stage on N ranks equals the unsharded step on one process.
+
+Both sides are fnzero: the sharded side runs `cfg` at its stage on a simulated world of N ranks,
+each stepping on its contiguous slice of the global batch; the reference runs the same config at
+stage 0 on one process (LocalCollectives) stepping on the whole global batch. After every step
+each rank's loss, gradient norm and consolidated parameters (`sm.gather(state)`) must match the
+reference's; the first mismatch is reported by step, then rank, then parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+import fnzero
+
+from ._runs import AUTO, build, cast_floats, derive_config, global_rows, model_dtype, precision_of, rank_slice, step_loss
+from ._threads import simulated_world
+from ._trees import assert_trees_close
+
+__all__ = ["assert_stage_equivalent", "default_tolerances"]
+
+
+def default_tolerances(precision: str, float64: bool) -> tuple[float, float, bool]:
+    """`(rtol, atol, compare_params)` for a precision and whether the model is float64.
+
+    float64: the sharded and reference steps differ only in reduction order (~1e-16 per
+    operation), so 1e-9 relative is tight for sharding bugs (which are O(1)) yet far above noise.
+    float32 and 16-bit: Adam divides by sqrt(v), which turns reduction-order noise in a gradient
+    that is truly ~0 (e.g. an attention key bias) into an lr-sized step, so parameters are not
+    compared elementwise by default; losses and gradient norms are (rounding-level tolerances).
+    """
+    if precision == "fp32":
+        return (1e-9, 1e-9, True) if float64 else (1e-4, 1e-6, False)
+    return (5e-3, 1e-4, False) if precision == "fp16" else (3e-2, 1e-3, False)
+
+
+def _trace(model_factory, loss, cfg, comm, batches, dtype, seed):
+    sm, state = build(model_factory, cfg, comm, dtype, seed)
+    step = fnzero.train_step(step_loss(sm, loss), cfg)
+    out = []
+    for b in batches:
+        state, m = step(state, b)
+        out.append({"metrics": {"loss": m["loss"], "grad_norm": m["grad_norm"], "skipped": m["skipped"]},
+                    "params": sm.gather(state)})
+    return out
+
+
+def assert_stage_equivalent(
+    model_factory: Callable[[], Any],
+    loss_fn: Callable[..., Any],
+    cfg: Any,
+    batch: Any,
+    world_size: int = 2,
+    steps: int = 3,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    compare_params: bool | None = None,
+    dtype: Any = AUTO,
+    seed: int = 0,
+    wrap_comm: Callable[[Any], Any] | None = None,
+) -> None:
+    """Assert that `steps` training steps at `cfg`'s ZeRO stage on a simulated world of
+    `world_size` ranks equal the unsharded stage-0 step on one process given the global batch.
+
+    model_factory: zero-arg callable -> nn.Module (a class, a `ModelFactory`); it is called under
+        `seeded(seed)` once per rank and once for the reference, so all copies are identical.
+    loss_fn: `loss_fn(apply, batch) -> scalar`, `apply(*args)` runs the model; it must be a mean
+        over rows (rank r's share of the global batch is weighted 1/world_size, as in DDP).
+    cfg: a Config, dict, path or JSON text; its batch sizes are re-derived from the batch.
+    batch: the global batch (a pytree; tensors split along dim 0), used for every step, or a
+        callable `step -> batch`. Its rows are extended cyclically to a multiple of
+        world_size x gradient_accumulation_steps; rank r gets the r-th contiguous block.
+    dtype: "auto" (float64 for fp32 configs, float32 for 16-bit) converts the model and float
+        batch leaves; None keeps them. rtol/atol/compare_params default by precision
+        (`default_tolerances`). wrap_comm wraps each simulated rank's collectives (fault injection).
+    """
+    base = fnzero.load_config(cfg) if not isinstance(cfg, fnzero.Config) else cfg
+    stage, k, precision = base.zero_optimization.stage, base.gradient_accumulation_steps, precision_of(base)
+    mdtype = model_dtype(base, dtype)
+    d_rtol, d_atol, d_params = default_tolerances(precision, mdtype == torch.float64)
+    rtol = d_rtol if rtol is None else rtol
+    atol = d_atol if atol is None else atol
+    compare_params = d_params if compare_params is None else compare_params
+
+    global_batches, given, rows = [], None, None
+    for s in range(steps):
+        b = batch(s) if callable(batch) else batch
+        b, given, rows = global_rows(cast_floats(b, mdtype), world_size * k)
+        global_batches.append(b)
+    ref_cfg = derive_config(base, 0, 1, rows // k)
+    shard_cfg = derive_config(base, stage, world_size, rows // (k * world_size))
+
+    reference = _trace(model_factory, loss_fn, ref_cfg, fnzero.LocalCollectives(), global_batches, mdtype, seed)
+    world = simulated_world(world_size, wrap_comm=wrap_comm)
+    traces = world.run(
+        lambda comm: _trace(
+            model_factory, loss_fn, shard_cfg, comm,
+            [rank_slice(b, comm.rank, world_size) for b in global_batches], mdtype, seed,
+        )
+    )
+    extended = f" (extended from {given})" if given != rows else ""
+    for s in range(steps):
+        for r in range(world_size):
+            what = (
+                f"ZeRO stage {stage} on {world_size} simulated ranks diverged from the unsharded stage-0 step "
+                f"on one process at step {s} of {steps}, rank {r} ({precision}, {rows} global rows{extended}, "
+                f"accumulation {k})"
+            )
+            got, want = traces[r][s], reference[s]
+            # Report metrics and parameters together: a wrong gradient norm says "the reduction",
+            # the parameter paths say which units it hit.
+            found = []
+            for part in ("metrics", "params") if compare_params else ("metrics",):
+                try:
+                    assert_trees_close(got[part], want[part], rtol, atol, root=part)
+                except AssertionError as e:
+                    found.append(str(e))
+            if found:
+                raise AssertionError(f"{what}: " + "; and ".join(found))
