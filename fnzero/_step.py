@@ -91,13 +91,29 @@ class _Timer:
             self.totals[phase] += time.perf_counter() - self._t
 
 
-def _prepare_for_comm(g: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
-    """The gradient as it goes on the wire: communication dtype, and the predivide factor."""
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _predivisor(policy: StepPolicy, plan: ShardPlan, n: int, param_dtype: torch.dtype, accum_dtype: torch.dtype) -> float:
+    """What gradients are divided by before they are summed across ranks. 16-bit sums over N ranks
+    can overflow where each addend does not, so 16-bit wires carry g/N (stage-3 shards divide in
+    `_GatherUnit.backward` by the same rule); otherwise `gradient_predivide_factor` with
+    `prescale_gradients`, else nothing."""
+    wire = policy.comm_dtype or (param_dtype if plan.stage >= 2 else accum_dtype)
+    if n > 1 and (wire in _HALF or (plan.stage >= 2 and param_dtype in _HALF)):
+        return float(n)
+    if policy.prescale_gradients:
+        return policy.predivide_factor
+    return 1.0
+
+
+def _prepare_for_comm(g: torch.Tensor, policy: StepPolicy, prediv: float = 1.0) -> torch.Tensor:
+    """The gradient as it goes on the wire: communication dtype, divided by the predivisor."""
     cd = policy.comm_dtype
     if cd is not None and g.dtype != cd:
         g = g.to(cd)
-    if policy.prescale_gradients and policy.predivide_factor != 1.0:
-        g = g / policy.predivide_factor
+    if prediv != 1.0:
+        g = g / prediv
     return g
 
 
@@ -162,6 +178,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
     accum_dtype = _accum_dtype(policy, param_dtype)
 
+    prediv = _predivisor(policy, plan, n, param_dtype, accum_dtype)
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
     acc: dict[str, torch.Tensor] = {}  # this step's gradient per unit (full at stages 0-1, else shard)
     reduced: dict[str, torch.Tensor] = {}  # stages 0-1: after the final all-reduce / reduce-scatter
@@ -182,7 +199,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                 reduced[name] = g
 
     def launch_final(name: str) -> None:
-        g = _prepare_for_comm(acc[name], policy)
+        g = _prepare_for_comm(acc[name], policy, prediv)
         start = start_all_reduce if plan.stage == 0 else start_reduce_scatter
         inflight.append((name, start(comm, g), "final"))
 
@@ -194,7 +211,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
             g = leaf.grad
             leaf.grad = None
             if reduce_now:
-                inflight.append((name, start_reduce_scatter(comm, _prepare_for_comm(g, policy)), "shard"))
+                inflight.append((name, start_reduce_scatter(comm, _prepare_for_comm(g, policy, prediv)), "shard"))
                 drain(2 if overlap else 0)
                 return
             g = g.to(accum_dtype)
@@ -244,16 +261,13 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
             if g is None:  # the unit took no part in the loss
                 g = torch.zeros(_grad_shape_numel(plan, u, reduced=True), dtype=accum_dtype, device=sh.device)
             elif plan.stage == 0:
-                g = comm.all_reduce(_prepare_for_comm(g, policy)).to(accum_dtype)
+                g = comm.all_reduce(_prepare_for_comm(g, policy, prediv)).to(accum_dtype)
             elif plan.stage == 1:
-                g = comm.reduce_scatter(_prepare_for_comm(g, policy)).to(accum_dtype)
+                g = comm.reduce_scatter(_prepare_for_comm(g, policy, prediv)).to(accum_dtype)
         grads[u.name] = g
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
-    divisor = n * k * scale
-    if policy.prescale_gradients:
-        divisor /= policy.predivide_factor
-    inv = 1.0 / divisor
+    inv = prediv / (n * k * scale)
 
     # -- one scalar all-reduce: norm, overflow, loss --------------------------------------------------
     norm_dtype = torch.float64 if accum_dtype == torch.float64 else torch.float32

@@ -71,3 +71,30 @@ def test_a_dropped_shard_gradient_is_caught():
     got = simulated_world(2).run(broken)[0]
     with pytest.raises(AssertionError, match="elements differ"):
         W.assert_close_tree(got["params"], ref["params"], rtol=RTOL_F64)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_frozen_parameters_join_the_16bit_forward(precision):
+    """A frozen embedding is cast to the compute dtype with the rest (it used to stay fp32)."""
+    import fnzero
+    from fnzero.testing import GPT
+
+    model = GPT(vocab_size=11, seq_len=4, d_model=8, n_layer=1, n_head=2)
+    model.wte.weight.requires_grad_(False)
+    cfg = W.config(2, precision=precision, world=1)
+    sm = fnzero.shard(model, config=cfg)
+    state = sm.init_state()
+    assert state.frozen["wte.weight"].dtype == state.params["blocks.0"].dtype
+    step = fnzero.train_step(lambda p, b: W.loss_of("gpt", sm.apply(p, b), b), cfg)
+    _, m = step(state, torch.randint(0, 11, (2, 4)))
+    assert m["loss"] > 0 and not m["skipped"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_sums_across_ranks_do_not_overflow(stage):
+    """At the default 2^16 loss scale, 16-bit gradients are divided by N before the cross-rank sum,
+    so four ranks skip no step that one process would not skip."""
+    extra = {"fp16": {"enabled": True}}  # initial_scale_power 16
+    one = simulated_world(1).run(lambda c: W.train_fnzero("gpt", stage, 3, c, dtype=torch.float32, precision="fp16", extra=extra))[0]
+    four = simulated_world(4).run(lambda c: W.train_fnzero("gpt", stage, 3, c, dtype=torch.float32, precision="fp16", extra=extra))[0]
+    assert [m["skipped"] for m in four["metrics"]] == [m["skipped"] for m in one["metrics"]]

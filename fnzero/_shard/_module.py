@@ -285,7 +285,8 @@ def shard(
         persistence_threshold=policy.persistence_threshold,
     )
     named = dict(model.named_parameters(remove_duplicate=False))
-    frozen = {n: named[n].detach().to(device) for n in plan.frozen}
+    # Frozen parameters take part in the 16-bit forward like the trainable ones.
+    frozen = {n: named[n].detach().to(device=device, dtype=policy.compute_dtype or named[n].dtype) for n in plan.frozen}
     buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
     # Where each parameter is registered (tied ones in several places), to release its storage.
     owners: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -125,6 +125,10 @@ class _GatherUnit(torch.autograd.Function):
     def backward(ctx, grad_full: torch.Tensor):
         rt = ctx.rt
         rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
+        if grad_full.dtype in (torch.float16, torch.bfloat16) and rt.comm.world_size > 1:
+            # A 16-bit sum over ranks can overflow where each addend does not: divide first
+            # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).
+            grad_full = grad_full / rt.comm.world_size
         return rt.comm.reduce_scatter(grad_full), None
 
 

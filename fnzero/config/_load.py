@@ -31,7 +31,13 @@ TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumul
 
 
 def default_world_size() -> int:
-    """torch.distributed's world size when a process group is up, else 1 (as DeepSpeed does)."""
+    """torch.distributed's world size when a process group is up, else 1 (as DeepSpeed does).
+    Inside a `fnzero.testing` simulated world, that world's size."""
+    import sys
+
+    sim = sys.modules.get("fnzero.testing._context")
+    if sim is not None and sim.current_comm() is not None:
+        return int(sim.current_comm().world_size)
     try:
         import torch.distributed as dist
 
