@@ -48,7 +48,7 @@ def _current_rss_mib():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
+def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -57,6 +57,9 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
     from fnzero.testing import GPT
 
     torch.set_num_threads(1)
+    if malloc_threshold:
+        # The same allocator setting for every framework measured (what fnzero.init_distributed does).
+        fnzero.memory.return_freed_memory(malloc_threshold)
     rank, world = dist.get_rank(), dist.get_world_size()
     pre_model = _current_rss_mib()
     torch.manual_seed(0)
@@ -132,6 +135,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="ddp,ddp_fused,fsdp2,z0,z1,z2,z3")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=4 << 20,
+                    help="glibc mmap threshold applied in every configuration's ranks, as fnzero.init_distributed "
+                         "does (0: glibc's dynamic default)")
     args = ap.parse_args()
 
     from fnzero.memory import zero_formula
@@ -139,12 +145,13 @@ def main():
 
     print(f"machine: {machine()}")
     print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up\n")
+          f"median of {args.steps} steps after {args.warmup} warm-up, glibc mmap threshold "
+          f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration\n")
     rows = {}
     for kind in args.configs.split(","):
         with CpuMonitor() as mon:
             res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                            timeout=3600)
+                            args.malloc_mmap_threshold, timeout=3600)
         slow = max(res, key=lambda r: r["step_s"])
         psi = slow["psi"]
         stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)

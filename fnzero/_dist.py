@@ -34,7 +34,8 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     malloc_mmap_threshold: int | None = 4 << 20) -> DistInfo:
     """Join the process group described by the environment, or run as a world of one.
 
     Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (SLURM_PROCID/SLURM_NTASKS/

@@ -200,8 +200,11 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
 
     def launch_final(name: str) -> None:
         g = _prepare_for_comm(acc[name], policy, prediv)
-        start = start_all_reduce if plan.stage == 0 else start_reduce_scatter
-        inflight.append((name, start(comm, g), "final"))
+        if plan.stage == 0:
+            # The accumulator is this step's own buffer: reduce it in place.
+            inflight.append((name, start_all_reduce(comm, g, donate=True), "final"))
+        else:
+            inflight.append((name, start_reduce_scatter(comm, g), "final"))
 
     handles = []
     for u in plan.units:

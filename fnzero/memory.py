@@ -17,7 +17,7 @@ import torch
 
 from ._state import TrainState
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "zero_formula", "peak_rss_bytes"]
+__all__ = ["ModelStateBytes", "model_state_bytes", "zero_formula", "peak_rss_bytes", "return_freed_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +79,31 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size so far."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def return_freed_memory(mmap_threshold: int = 4 << 20) -> bool:
+    """Make glibc give large freed blocks back to the OS: allocations of `mmap_threshold` bytes or
+    more are served by mmap and unmapped on free. Returns whether the setting took effect.
+
+    [Note: why] glibc raises its mmap threshold dynamically up to 32 MiB after the first large
+    free, after which freed tensors of a few MiB stay in the heap: a sharded run's resident memory
+    then keeps what the *unsharded* model once used (construction, the first steps) and does not
+    show the savings of the stage. A fixed threshold stops that; smaller blocks (most
+    activations) still come from the heap, so steps do not pay for page faults on every tensor.
+    `fnzero.init_distributed` applies it; pass `malloc_mmap_threshold=None` there to opt out.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+        ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold)) == 1
+        return bool(ok)
+    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
+        return False

@@ -87,10 +87,16 @@ def start_reduce_scatter(comm, full: torch.Tensor) -> PendingTensor:
     return fn(full) if fn is not None else PendingTensor(comm.reduce_scatter(full))
 
 
-def start_all_reduce(comm, t: torch.Tensor) -> PendingTensor:
-    """`comm.all_reduce_async` (sum) where the implementation has it, else a completed result."""
+def start_all_reduce(comm, t: torch.Tensor, donate: bool = False) -> PendingTensor:
+    """`comm.all_reduce_async` (sum) where the implementation has it, else a completed result.
+    `donate=True` lets an implementation reduce `t` in place."""
     fn = getattr(comm, "all_reduce_async", None)
-    return fn(t) if fn is not None else PendingTensor(comm.all_reduce(t))
+    if fn is None:
+        return PendingTensor(comm.all_reduce(t))
+    try:
+        return fn(t, donate=donate)
+    except TypeError:  # an implementation without the donate option
+        return fn(t)
 
 
 class LocalCollectives:
@@ -114,8 +120,8 @@ class LocalCollectives:
     def all_reduce(self, t, op=_SUM):
         return t.clone()
 
-    def all_reduce_async(self, t):
-        return PendingTensor(t.clone())
+    def all_reduce_async(self, t, donate: bool = False):
+        return PendingTensor(t if donate else t.clone())
 
     def broadcast(self, t, src=0):
         return t.clone()
@@ -169,8 +175,9 @@ class ProcessGroupCollectives:
         dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group)
         return out
 
-    def all_reduce_async(self, t):
-        out = t.clone()
+    def all_reduce_async(self, t, donate: bool = False):
+        # donate=True: the caller gives `t` up, so it is reduced in place (no copy of the gradient).
+        out = t if donate else t.clone()
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return PendingTensor(out, work)
 
@@ -253,9 +260,9 @@ class RecordingCollectives:
         self._record("all_reduce", t, t.numel())
         return self.inner.all_reduce(t, op)
 
-    def all_reduce_async(self, t):
+    def all_reduce_async(self, t, donate: bool = False):
         self._record("all_reduce", t, t.numel())
-        return start_all_reduce(self.inner, t)
+        return start_all_reduce(self.inner, t, donate)
 
     def broadcast(self, t, src=0):
         self._record("broadcast", t, t.numel())
@@ -337,9 +344,9 @@ class CheckedCollectives:
         self._check("all_reduce", t)
         return self.inner.all_reduce(t, op)
 
-    def all_reduce_async(self, t):
+    def all_reduce_async(self, t, donate: bool = False):
         self._check("all_reduce", t)
-        return start_all_reduce(self.inner, t)
+        return start_all_reduce(self.inner, t, donate)
 
     def broadcast(self, t, src=0):
         self._check("broadcast", t)
