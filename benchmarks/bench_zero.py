@@ -146,12 +146,18 @@ def main():
     print(f"machine: {machine()}")
     print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
           f"median of {args.steps} steps after {args.warmup} warm-up, glibc mmap threshold "
-          f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration\n")
+          f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration"
+          f"{' with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)' if args.malloc_mmap_threshold else ''}\n")
+    from fnzero.memory import allocator_env
+
+    # Every framework runs under the allocator settings `fnzero launch` uses (huge pages for
+    # mmap-served blocks) unless --malloc-mmap-threshold 0 asks for glibc's defaults.
+    env = {k: v for k, v in allocator_env({}).items()} if args.malloc_mmap_threshold else {}
     rows = {}
     for kind in args.configs.split(","):
         with CpuMonitor() as mon:
             res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                            args.malloc_mmap_threshold, timeout=3600)
+                            args.malloc_mmap_threshold, timeout=3600, env=env)
         slow = max(res, key=lambda r: r["step_s"])
         psi = slow["psi"]
         stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)

@@ -40,6 +40,9 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
         return 2
     argv += rest
+    from .memory import allocator_env
+
+    os.environ.update(allocator_env())  # inherited by every worker torchrun starts
     try:
         torchrun.main(argv)
     except SystemExit as e:  # torchrun exits with the failing worker's code
