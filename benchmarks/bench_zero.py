@@ -48,7 +48,8 @@ def _current_rss_mib():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0):
+def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0,
+           remat: bool = False):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -65,6 +66,9 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
     torch.manual_seed(0)
     model = GPT(**model_kw)
     psi = sum(p.numel() for p in model.parameters())
+    if remat:  # activation checkpointing of every block, the same for every framework
+        for block in model.blocks:
+            block.forward = fnzero.remat(block.forward)
     g = torch.Generator().manual_seed(rank)
     seq, vocab = model_kw["seq_len"], model_kw["vocab_size"]
     batches = [torch.randint(0, vocab, (micro, seq + 1), generator=g) for _ in range(4)]
@@ -135,6 +139,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="ddp,ddp_fused,fsdp2,z0,z1,z2,z3")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--remat", action="store_true", help="activation checkpointing of every block, in every configuration")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=4 << 20,
                     help="glibc mmap threshold applied in every configuration's ranks, as fnzero.init_distributed "
                          "does (0: glibc's dynamic default)")
@@ -145,7 +150,8 @@ def main():
 
     print(f"machine: {machine()}")
     print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
-          f"median of {args.steps} steps after {args.warmup} warm-up, glibc mmap threshold "
+          f"median of {args.steps} steps after {args.warmup} warm-up{', blocks rematerialised' if args.remat else ''}, "
+          f"glibc mmap threshold "
           f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration"
           f"{' with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)' if args.malloc_mmap_threshold else ''}\n")
     from fnzero.memory import allocator_env
@@ -157,7 +163,7 @@ def main():
     for kind in args.configs.split(","):
         with CpuMonitor() as mon:
             res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                            args.malloc_mmap_threshold, timeout=3600, env=env)
+                            args.malloc_mmap_threshold, args.remat, timeout=3600, env=env)
         slow = max(res, key=lambda r: r["step_s"])
         psi = slow["psi"]
         stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)

@@ -18,7 +18,8 @@ import torch
 from ._state import TrainState
 
 __all__ = [
-    "ModelStateBytes", "allocator_env", "model_state_bytes", "peak_rss_bytes", "return_freed_memory", "zero_formula",
+    "ModelStateBytes", "allocator_env", "model_state_bytes", "peak_rss_bytes", "return_freed_memory",
+    "trim_freed_memory", "zero_formula",
 ]
 
 
@@ -126,3 +127,16 @@ def allocator_env(environ: dict | None = None) -> dict:
     if "glibc.malloc.hugetlb" not in tunables:
         env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, "glibc.malloc.hugetlb=1") if t)
     return env
+
+
+def trim_freed_memory() -> None:
+    """Give the heap's free pages back to the OS now (glibc `malloc_trim`; a no-op elsewhere).
+    `shard` calls it after releasing the model's own parameter storage."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -318,6 +318,9 @@ def shard(
     for n in plan.frozen:
         release(named.pop(n))
     del named
+    from ..memory import trim_freed_memory
+
+    trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     sm = ShardedModule(model, plan, comm, policy, config, device)
     sm._initial = initial
     sm._frozen = frozen
