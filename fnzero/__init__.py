@@ -26,6 +26,8 @@ train_step                  the pure training step.
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
+checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`).
+testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
 memory                      exact per-rank model-state bytes and the ZeRO formulas.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper.
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
@@ -61,6 +63,7 @@ def tree_clone(tree):
 
 __all__ = [
     "CheckpointError",
+    "checkpoint",
     "Collectives",
     "Config",
     "ConfigError",

@@ -382,17 +382,23 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
     # Where each unit's new parameters go: the kernel writes them straight into the next
     # state's buffers (shards at stage 3 / stage 0's full unit), else into a staging shard.
     out = {}
+    from ._offload._state import NvmeOptState
+
+    nvme = isinstance(state.opt_state, NvmeOptState)  # the master is on disk
     for u in plan.units:
         p = state.params[u.name]
-        if state.master is None:
+        if state.master is None and not nvme:
             out[u.name] = None  # fp32 on the host: the master *is* the parameter slice
         else:
             numel = master[u.name].numel()
             out[u.name] = p.new_empty(numel) if not donate or p.numel() != numel else p
-    new_master, new_opt = host_opt.update(
-        grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
-        out={k: v for k, v in out.items() if v is not None}, inplace=donate,
-    )
+    if nvme:
+        new_master, new_opt = _nvme_update(state, grads, factor, lr, momentum, host_opt, donate, out)
+    else:
+        new_master, new_opt = host_opt.update(
+            grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
+            out={k: v for k, v in out.items() if v is not None}, inplace=donate,
+        )
     new_params = {}
     for u in plan.units:
         t = out[u.name] if out[u.name] is not None else new_master[u.name]
@@ -411,6 +417,29 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
         step=torch.tensor(int(state.step) + 1, dtype=torch.int64),
         loss_scale=new_ls,
     )
+
+
+def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donate: bool, out):
+    """ZeRO-Infinity: the store streams master and moments through the C kernel in sub-groups and
+    writes the new parameters into `out`."""
+    from ._offload._state import NvmeOptState
+
+    opt_state = state.opt_state
+    store = opt_state.store
+    count = int(opt_state.count)
+    if (store.last_step or 0) != count:
+        raise ShardingError(
+            f"this TrainState is at step {count} but its NVMe optimizer files are at step {store.last_step}: "
+            "with offload_optimizer device nvme the files are updated in place, so only the newest state "
+            "can take a step"
+        )
+    targets = {k: v for k, v in out.items() if v is not None and v.device.type == "cpu"}
+    store.step({k: g.to("cpu") for k, g in grads.items()}, step=count + 1, out=targets, grad_scale=factor,
+               **host_opt.kernel_kwargs(lr, momentum))
+    for k, v in out.items():
+        if v is not None and k not in targets:  # accelerator parameters: copy the host result over
+            v.copy_(store.read(k, "master").to(v.dtype))
+    return None, NvmeOptState(count=torch.tensor(count + 1, dtype=torch.int64), store=store)
 
 
 def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,18 @@ class HostOptimizer:
     kind: str
     hyper: dict
 
+    def kernel_kwargs(self, lr: float, momentum: float | None = None) -> dict:
+        """The C kernel's hyper-parameter keywords for this step (the NVMe store takes the same)."""
+        h = self.hyper
+        if self.kind == "adam":
+            return dict(lr=lr, beta1=h["betas"][0] if momentum is None else momentum, beta2=h["betas"][1],
+                        eps=h["eps"], weight_decay=h["weight_decay"], adamw=h["adam_w_mode"],
+                        bias_correction=h["bias_correction"])  # fmt: skip
+        if self.kind == "adagrad":
+            return dict(lr=lr, lr_decay=h["lr_decay"], eps=h["eps"], weight_decay=h["weight_decay"])
+        return dict(lr=lr, beta1=h["betas"][0] if momentum is None else momentum, beta2=h["betas"][1],
+                    weight_decay=h["weight_decay"])  # fmt: skip
+
     def update(self, grads: dict[str, torch.Tensor], opt_state: Any, master: dict[str, torch.Tensor], lr: float, *,
                momentum: float | None = None, grad_scale: float = 1.0, out: dict[str, torch.Tensor] | None = None,
                inplace: bool = False):

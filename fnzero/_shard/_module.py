@@ -148,11 +148,6 @@ class ShardedModule:
         cd = self.policy.compute_dtype or plan.param_dtype
         params = {name: t.to(cd) for name, t in initial.items()}
         offload = self.policy.offload_optimizer
-        if offload == "nvme":
-            raise ShardingError(
-                "offload_optimizer device 'nvme' is not wired into the training step yet; use device 'cpu' "
-                "(see specs/offload.md)"
-            )
         host = torch.device("cpu")
         # A separate fp32 master copy exists for 16-bit training, and for offload when the
         # parameters live on an accelerator (the master then stays on the host).
@@ -181,16 +176,43 @@ class ShardedModule:
         from .._policy import step_policy
 
         sp = step_policy(self.config)
+        if offload == "nvme":
+            opt_state = self._nvme_init(optimizer_view(plan, rank, initial, elementwise=True))
+            master = None  # on disk, with the moments
+        else:
+            opt_state = opt.init(opt_target)
         return TrainState(
             params=params,
             master=master,
-            opt_state=opt.init(opt_target),
+            opt_state=opt_state,
             frozen=dict(self._frozen),
             buffers=dict(self._buffers),
             step=torch.zeros((), dtype=torch.int64),
             loss_scale=init_loss_scale(sp.loss_scale),
             sharding=self.sharding,
         )
+
+    def _nvme_init(self, master_view: dict[str, torch.Tensor]):
+        """ZeRO-Infinity: the fp32 master shards and zero moments go to files under nvme_path."""
+        from .._offload._cpu import host_optimizer_from_config
+        from .._offload._nvme import NvmeOptimizerStore
+        from .._offload._state import NvmeOptState
+
+        z = self.config.zero_optimization
+        oo = z.offload_optimizer
+        kind = host_optimizer_from_config(self.config).kind
+        aio = self.config.aio.model_dump() if getattr(self.config, "aio", None) is not None else None
+        master = {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in master_view.items()}
+        store = NvmeOptimizerStore.create(
+            oo.nvme_path, master, optimizer=kind, sub_group_size=max(1, int(z.sub_group_size)),
+            buffer_count=max(2, int(oo.buffer_count)), aio=_aio_kwargs(aio), rank=self.comm.rank,
+        )
+        import atexit
+
+        # Scratch files of this run: removed when the process ends (a killed process leaves them;
+        # fnzero._offload.stale_stores finds and removes those).
+        atexit.register(store.close)
+        return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=store)
 
     # ---------------------------------------------------------------------------------------------
     def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None,
@@ -219,6 +241,17 @@ class ShardedModule:
         for name, t in {**state.frozen, **state.buffers}.items():
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
         return out
+
+
+def _aio_kwargs(aio: dict | None) -> dict | None:
+    """The config's aio block in the names the store takes (DeepSpeed renamed thread_count)."""
+    if aio is None:
+        return None
+    keys = {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events"}
+    out = {k: v for k, v in aio.items() if k in keys and v is not None}
+    if "thread_count" not in out and aio.get("intra_op_parallelism") is not None:
+        out["thread_count"] = aio["intra_op_parallelism"]
+    return out
 
 
 class _live_all:
@@ -277,6 +310,14 @@ def shard(
     if device is None:
         device = params0[0].device if params0 else torch.device("cpu")
     device = torch.device(device)
+    op = getattr(getattr(config, "zero_optimization", None), "offload_param", None)
+    op_device = getattr(op, "device", "none") if op is not None else "none"
+    if op_device == "nvme" or (op_device == "cpu" and device.type != "cpu"):
+        raise ShardingError(
+            f"zero_optimization.offload_param device {op_device!r} on {device.type} is not implemented yet "
+            "(parameter shards stay in device memory); remove offload_param. On CPU runs, device 'cpu' is "
+            "what already happens and is accepted"
+        )
     plan = make_plan(
         model,
         comm.world_size,

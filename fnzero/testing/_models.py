@@ -10,6 +10,8 @@ __all__ = ["GPT", "GPTConfig", "MLP"]
 
 
 class GPTConfig:
+    """Sizes of a GPT: vocabulary, context length, width, depth, heads, MLP ratio, tied head."""
+
     def __init__(self, vocab_size=256, seq_len=64, d_model=64, n_layer=2, n_head=4, mlp_ratio=4, tied=False, dropout=0.0):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
