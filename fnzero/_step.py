@@ -345,20 +345,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     if not opt.elementwise:
         new_target = _per_unit(plan, new_target, like=state.master if state.master is not None else state.params)
 
-    cd = param_dtype
-    new_params: dict[str, torch.Tensor] = {}
-    for u in plan.units:
-        t = new_target[u.name]
-        if state.master is not None:
-            t = t.to(cd)
-        if plan.stage == 0 or plan.params_sharded(u):
-            new_params[u.name] = t
-        else:
-            full = comm.all_gather(t)
-            if donate:
-                state.params[u.name].copy_(full)
-                full = state.params[u.name]
-            new_params[u.name] = full
+    new_slices = {k: (t.to(param_dtype) if state.master is not None else t) for k, t in new_target.items()}
+    new_params = _publish_params(state, new_slices, donate)
     timer.stop("comm")
     new_state = state.replace(
         params=new_params,
@@ -368,6 +356,24 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         loss_scale=new_ls,
     )
     return new_state, metrics
+
+
+def _publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donate: bool) -> dict[str, torch.Tensor]:
+    """The next state's parameters from each unit's updated slice (compute dtype): kept as they are
+    at stage 0 and for stage-3 shards; all-gathered into the replicated buffer at stages 1-2 (into
+    the input state's own buffer when donated)."""
+    plan, comm = state.sharding.plan, state.sharding.comm
+    new_params: dict[str, torch.Tensor] = {}
+    for u in plan.units:
+        t = new_slices[u.name]
+        if plan.stage == 0 or plan.params_sharded(u):
+            new_params[u.name] = t
+            continue
+        full = comm.all_gather(t)
+        if donate:
+            full = state.params[u.name].copy_(full)
+        new_params[u.name] = full
+    return new_params
 
 
 def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, host_opt, donate: bool, new_ls):
@@ -399,17 +405,8 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
             grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
             out={k: v for k, v in out.items() if v is not None}, inplace=donate,
         )
-    new_params = {}
-    for u in plan.units:
-        t = out[u.name] if out[u.name] is not None else new_master[u.name]
-        if plan.stage == 0 or plan.params_sharded(u):
-            new_params[u.name] = t
-        else:
-            full = comm.all_gather(t)
-            if donate:
-                state.params[u.name].copy_(full)
-                full = state.params[u.name]
-            new_params[u.name] = full
+    new_slices = {u.name: out[u.name] if out[u.name] is not None else new_master[u.name] for u in plan.units}
+    new_params = _publish_params(state, new_slices, donate)
     return state.replace(
         params=new_params,
         master=new_master if state.master is not None else None,
