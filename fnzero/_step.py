@@ -27,7 +27,7 @@ from . import schedules as _schedules
 from ._errors import ShardingError
 from ._loss_scale import update_loss_scale
 from ._policy import StepPolicy, step_policy
-from ._shard._collectives import start_all_reduce, start_reduce_scatter
+from ._shard._collectives import start_all_gather_into, start_all_reduce, start_reduce_scatter
 from ._shard._module import optimizer_view
 from ._shard._plan import ShardPlan, UnitPlan
 from ._shard._runtime import unit_views
@@ -364,16 +364,20 @@ def _publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], dona
     the input state's own buffer when donated)."""
     plan, comm = state.sharding.plan, state.sharding.comm
     new_params: dict[str, torch.Tensor] = {}
-    for u in plan.units:
+    pending = {}
+    for u in plan.units:  # start every gather first: the backend runs them back to back
         t = new_slices[u.name]
         if plan.stage == 0 or plan.params_sharded(u):
             new_params[u.name] = t
-            continue
-        full = comm.all_gather(t)
-        if donate:
-            full = state.params[u.name].copy_(full)
-        new_params[u.name] = full
-    return new_params
+        elif donate:
+            # Into the input state's own buffer; the shard is copied first since it may be a
+            # view of that very buffer (fp32 training updates the parameters' slice in place).
+            pending[u.name] = start_all_gather_into(comm, t.clone(), state.params[u.name])
+        else:
+            pending[u.name] = comm.all_gather_async(t)
+    for name, p in pending.items():
+        new_params[name] = p.wait()
+    return {u.name: new_params[u.name] for u in plan.units}
 
 
 def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, host_opt, donate: bool, new_ls):

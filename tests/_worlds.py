@@ -162,3 +162,18 @@ def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, wha
                 f"{what} {name}: {int(bad.sum())} elements differ; first at flat index {i}: "
                 f"got {g.flatten()[i].item()!r}, want {w.flatten()[i].item()!r} (max abs diff {diff.max().item():.3e})"
             )
+
+
+def spawned_donate_matches_pure():
+    """World function: at stages 1-2 the donated step gathers new parameters into the input's own
+    buffers; it must equal the pure step exactly. Returns the largest difference per case."""
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    out = {}
+    for stage in (1, 2):
+        for prec, dtype in (("fp32", torch.float64), ("bf16", torch.float32)):
+            a = train_fnzero("gpt", stage, 3, comm, k=2, dtype=dtype, precision=prec, donate=False)
+            b = train_fnzero("gpt", stage, 3, comm, k=2, dtype=dtype, precision=prec, donate=True)
+            out[f"{stage}|{prec}"] = max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
+    return out

@@ -78,3 +78,9 @@ def test_mixed_precision_follows_reference_loss_curve(world_results, references,
     # Sharding itself must not add error: the 16-bit stages agree with each other far more tightly.
     for stage in STAGES[1:]:
         assert curves[stage] == pytest.approx(curves[0], rel=RTOL_LOSS[precision] / 10)
+
+
+def test_donated_step_equals_pure_step_on_real_ranks():
+    """Stages 1-2 with donate=True all-gather straight into the input state's buffers."""
+    for rank_result in run_world(W.spawned_donate_matches_pure, 2, timeout=300):
+        assert all(diff == 0.0 for diff in rank_result.values()), rank_result

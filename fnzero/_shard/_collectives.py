@@ -22,6 +22,7 @@ __all__ = [
     "default_collectives",
     "CheckedCollectives",
     "PendingTensor",
+    "start_all_gather_into",
     "start_all_reduce",
     "start_reduce_scatter",
 ]
@@ -79,6 +80,26 @@ class _KeepAlive:
     def wait(self):
         self.work.wait()
         self.ref = None
+
+
+def start_all_gather_into(comm, shard: torch.Tensor, out: torch.Tensor) -> PendingTensor:
+    """Gather `shard` from every rank into `out` (no overlap with `shard`); implementations
+    without an `out=` option gather into a new tensor that is copied into `out` on wait."""
+    try:
+        return comm.all_gather_async(shard, out=out)
+    except TypeError:
+        pending = comm.all_gather_async(shard)
+        return PendingTensor(_CopyInto(pending, out).wait(), None)
+
+
+class _CopyInto:
+    __slots__ = ("pending", "out")
+
+    def __init__(self, pending, out):
+        self.pending, self.out = pending, out
+
+    def wait(self):
+        return self.out.copy_(self.pending.wait())
 
 
 def start_reduce_scatter(comm, full: torch.Tensor) -> PendingTensor:
@@ -153,9 +174,11 @@ class ProcessGroupCollectives:
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()
 
-    def all_gather_async(self, shard):
+    def all_gather_async(self, shard, out: torch.Tensor | None = None):
+        # `out`: gather straight into this buffer (it must not overlap `shard`).
         shard = shard.contiguous()
-        out = shard.new_empty(shard.numel() * self.world_size)
+        if out is None:
+            out = shard.new_empty(shard.numel() * self.world_size)
         work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
         return PendingTensor(out, work)
 
@@ -244,8 +267,10 @@ class RecordingCollectives:
         self._record("all_gather", shard, shard.numel() * self.world_size)
         return self.inner.all_gather(shard)
 
-    def all_gather_async(self, shard):
+    def all_gather_async(self, shard, out=None):
         self._record("all_gather", shard, shard.numel() * self.world_size)
+        if out is not None:
+            return start_all_gather_into(self.inner, shard, out)
         return self.inner.all_gather_async(shard)
 
     def reduce_scatter(self, full):
@@ -328,8 +353,10 @@ class CheckedCollectives:
         self._check("all_gather", shard)
         return self.inner.all_gather(shard)
 
-    def all_gather_async(self, shard):
+    def all_gather_async(self, shard, out=None):
         self._check("all_gather", shard)
+        if out is not None:
+            return start_all_gather_into(self.inner, shard, out)
         return self.inner.all_gather_async(shard)
 
     def reduce_scatter(self, full):
