@@ -113,6 +113,12 @@ class _CorruptGather:
     def all_gather(self, shard):
         return self.inner.all_gather(shard + 1e-3 if self.rank == 1 else shard)
 
+    def all_gather_async(self, shard, out=None):  # the step starts its parameter gathers asynchronously
+        from fnzero._shard._collectives import start_all_gather_into
+
+        shard = shard + 1e-3 if self.rank == 1 else shard
+        return start_all_gather_into(self.inner, shard, out) if out is not None else self.inner.all_gather_async(shard)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
