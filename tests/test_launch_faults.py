@@ -33,6 +33,9 @@ def test_a_failing_rank_fails_the_job_with_its_error():
     assert time.monotonic() - t0 < 90
 
 
+# Slow and, under load, occasionally stuck in torchrun's own agent shutdown (seen once in CI after
+# both ranks had trained and printed their result): run with `pytest -m slow`.
+@pytest.mark.slow
 def test_two_launcher_agents_train_together():
     port = str(free_port())
     script = os.path.join(HERE, "scripts", "train_two_nodes.py")
@@ -45,10 +48,16 @@ def test_two_launcher_agents_train_together():
         for r in range(2)
     ]
     outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=180)
-        outs.append(out)
-        assert p.returncode == 0, out
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            outs.append(out)
+            assert p.returncode == 0, out
+    finally:
+        for p in procs:  # never leave agents (and their pipes) behind for the next test
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     lines = sorted(l for o in outs for l in o.splitlines() if l.startswith("RESULT"))
     assert [l.split()[1:3] for l in lines] == [["rank=0", "world=2"], ["rank=1", "world=2"]]
     assert len({l.split()[3] for l in lines}) == 1  # the mean loss is agreed across ranks
