@@ -15,7 +15,6 @@ import torch
 
 from .. import _ext
 from .._errors import ConfigError
-from ..optim import AdagradState, AdamState, LionState
 
 __all__ = ["HostOptimizer", "host_optimizer_from_config"]
 
@@ -103,6 +102,3 @@ def host_optimizer_from_config(cfg) -> HostOptimizer:
         hyper["adam_w_mode"] = True
     return HostOptimizer(kind, hyper)
 
-
-# The optimizer states this module reads and writes, re-exported for type checks.
-STATE_TYPES = (AdamState, AdagradState, LionState)
