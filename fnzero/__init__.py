@@ -22,7 +22,8 @@ Public API
 load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/config.md`).
 shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`.
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
-train_step                  the pure training step.
+train_step, TrainStep       the pure training step.
+jit, JittedStep, JitWarning compile a step's forward and backward with torch.compile (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
@@ -48,7 +49,8 @@ from ._shard._collectives import Collectives, LocalCollectives, ProcessGroupColl
 from ._shard._module import ShardedModule, shard
 from ._shard._plan import ShardPlan, UnitPlan
 from ._state import LossScaleState, Sharding, TrainState
-from ._step import split_micro_batches, train_step
+from ._step import TrainStep, split_micro_batches, train_step
+from ._jit import CompileRecord, JittedStep, JitWarning, jit
 from .config import Config, load_config
 
 __version__ = "0.1.0"
@@ -63,6 +65,7 @@ def tree_clone(tree):
 
 __all__ = [
     "CheckpointError",
+    "CompileRecord",
     "checkpoint",
     "Collectives",
     "Config",
@@ -70,6 +73,8 @@ __all__ = [
     "DistInfo",
     "DistributedError",
     "FnzeroError",
+    "JitWarning",
+    "JittedStep",
     "LocalCollectives",
     "LossScaleState",
     "ProcessGroupCollectives",
@@ -79,8 +84,10 @@ __all__ = [
     "Sharding",
     "ShardingError",
     "TrainState",
+    "TrainStep",
     "UnitPlan",
     "init_distributed",
+    "jit",
     "load_config",
     "memory",
     "optim",

@@ -40,6 +40,10 @@ def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, pr
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        if torch.compiler.is_compiling() and not cpu_offload:
+            # Traced by torch.compile: parameters are graph inputs, so the recomputation needs no
+            # rebinding and the checkpoint becomes part of the compiled backward.
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
         run = ACTIVE_RUN.get()
         bindings = list(run.bindings) if run is not None else []
         devices: dict[int, torch.device] = {}

@@ -15,6 +15,7 @@ One mechanism serves every ZeRO stage (`specs/sharding.md`, `specs/collectives.m
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any, Callable
@@ -33,7 +34,7 @@ from ._shard._plan import ShardPlan, UnitPlan
 from ._shard._runtime import unit_views
 from ._state import TrainState
 
-__all__ = ["train_step", "split_micro_batches"]
+__all__ = ["TrainStep", "train_step", "split_micro_batches"]
 
 
 def split_micro_batches(batch: Any, k: int) -> list[Any]:
@@ -131,7 +132,7 @@ def train_step(
     *,
     donate: bool = False,
     has_aux: bool = False,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
+) -> "TrainStep":
     """Build the pure step `(state, batch) -> (new_state, metrics)` for `loss_fn(params, batch)`.
 
     `loss_fn` returns the mean loss of one micro-batch (or `(loss, aux)` with `has_aux=True`); it
@@ -145,27 +146,47 @@ def train_step(
     `donate=True` lets the step write into the input state's buffers (like JAX's donate_argnums):
     no second copy of the model state is allocated, and the input state must not be used again.
     """
-    policy = step_policy(config)
-    opt = _optim.from_config(config)
-    sched = _schedules.from_config(config)
-    host_opt = None
-    if policy.offload_optimizer is not None:
-        from ._offload._cpu import host_optimizer_from_config
+    return TrainStep(loss_fn, config, donate=donate, has_aux=has_aux)
 
-        host_opt = host_optimizer_from_config(config)
 
-    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+class TrainStep:
+    """The pure step built by `train_step`; call it as `step(state, batch)`.
+
+    Its parts are plain attributes (`loss_fn`, `config`, `donate`, `has_aux`) so transforms such as
+    `fnzero.jit` can rebuild it around a different loss function.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], config: Any, *, donate: bool = False, has_aux: bool = False):
+        self.loss_fn = loss_fn
+        self.config = config
+        self.donate = donate
+        self.has_aux = has_aux
+        self.policy = step_policy(config)
+        self.opt = _optim.from_config(config)
+        self.sched = _schedules.from_config(config)
+        self.host_opt = None
+        if self.policy.offload_optimizer is not None:
+            from ._offload._cpu import host_optimizer_from_config
+
+            self.host_opt = host_optimizer_from_config(config)
+
+    def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":
+        """The same step (config, optimizer, schedule) around another loss function."""
+        new = copy.copy(self)
+        new.loss_fn = loss_fn
+        return new
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
             raise ShardingError(f"train_step expects a fnzero.TrainState, got {type(state).__name__}")
-        if (state.loss_scale is None) != (policy.loss_scale is None):
+        if (state.loss_scale is None) != (self.policy.loss_scale is None):
             raise ShardingError(
                 "the state's loss scaling does not match this step's config (fp16 on one side only); "
                 "build both from the same config"
             )
         with torch.enable_grad():
-            return _step(state, batch, loss_fn, policy, opt, sched, donate, has_aux, host_opt)
-
-    return step
+            return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux,
+                         self.host_opt)
 
 
 def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool, host_opt=None):

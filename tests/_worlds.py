@@ -84,7 +84,7 @@ def config(stage, k=1, micro=2, world=1, clip=1.0, precision="fp32", extra=None)
 
 
 def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torch.float64, precision="fp32",
-                 donate=False, extra=None, return_state=False):
+                 donate=False, extra=None, return_state=False, jit=None):
     world, rank = comm.world_size, comm.rank
     cfg = config(stage, k, micro, world, clip, precision, extra)
     model = make_model(kind, dtype)
@@ -98,6 +98,8 @@ def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torc
         return loss_of(kind, sm.apply(params, x), y)
 
     step = fnzero.train_step(loss_fn, cfg, donate=donate)
+    if jit is not None:  # torch.compile options for fnzero.jit
+        step = fnzero.jit(step, **jit)
     losses, metrics = [], []
     for s in range(steps):
         x, y = global_batch(kind, s, world, k, micro, dtype if precision == "fp32" else torch.float32)
@@ -107,6 +109,8 @@ def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torc
         metrics.append(m)
     params = sm.gather(state)
     out = {"losses": losses, "params": params, "metrics": metrics}
+    if jit is not None:
+        out["graph_breaks"] = step.graph_breaks
     if return_state:
         out["state"] = state
         out["sm"] = sm
@@ -177,3 +181,21 @@ def spawned_donate_matches_pure():
             b = train_fnzero("gpt", stage, 3, comm, k=2, dtype=dtype, precision=prec, donate=True)
             out[f"{stage}|{prec}"] = max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
     return out
+
+
+def spawned_jit_matches_eager(backend, steps):
+    """World function: compiled and eager steps at every stage on this rank; returns rank 0's
+    largest parameter and loss differences and the graph breaks per stage."""
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        a = train_fnzero("gpt", stage, steps, comm, k=2)
+        b = train_fnzero("gpt", stage, steps, comm, k=2, jit={"backend": backend})
+        out[stage] = {
+            "param": max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"]),
+            "loss": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            "breaks": b["graph_breaks"],
+        }
+    return out if comm.rank == 0 else None

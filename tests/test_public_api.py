@@ -24,6 +24,6 @@ def test_every_public_name_exists_and_is_documented(name):
 
 def test_top_level_exposes_the_issue_names():
     for n in ["load_config", "Config", "shard", "train_step", "TrainState", "optim", "schedules", "init_distributed",
-              "memory", "checkpoint", "remat"]:
+              "memory", "checkpoint", "remat", "jit"]:
         assert n in fnzero.__all__
     assert callable(fnzero.optim.from_config) and callable(fnzero.schedules.from_config)

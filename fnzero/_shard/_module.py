@@ -101,6 +101,15 @@ class ShardedModule:
         missing = [u.name for u in plan.units if u.name not in params]
         if missing:
             raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
+        if torch.compiler.is_compiling() and not plan.any_sharded_params:
+            # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
+            # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
+            tensors = {}
+            for u in plan.units:
+                tensors.update(unit_views(u, params[u.name]))
+            tensors.update(self._frozen)
+            tensors.update(self._buffers)
+            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None)
         tensors: dict[str, torch.Tensor] = {}
         live = []

@@ -93,6 +93,11 @@ class ShardPlan:
         return self.stage == 3 and not unit.persistent
 
     @property
+    def any_sharded_params(self) -> bool:
+        """Whether some unit's parameters are held as a shard and gathered in forward."""
+        return any(self.params_sharded(u) for u in self.units)
+
+    @property
     def num_params(self) -> int:
         """Ψ: trainable parameters, tied ones counted once, padding excluded."""
         return sum(u.numel for u in self.units)

@@ -1,0 +1,201 @@
+"""`fnzero.jit`: a train step whose forward and backward run as torch.compile graphs.
+
+What is compiled (`specs/jit.md`): the loss function, i.e. the model's forward, and through
+AOTAutograd its backward. That is where a step's FLOPs are. The rest of the step stays eager on
+purpose: the collectives are asynchronous gloo/NCCL work started from gradient hooks while
+backward runs (a graph would serialize them), the loss-scale and clipping decisions are host
+scalars, and the optimizer already runs torch's fused multi-tensor kernels (or fnzero's C kernel
+when offloading).
+
+At stages 0-2 the forward is one graph with no break. At stage 3 every sharded unit's forward
+starts by gathering its parameter shards, which breaks the graph at each unit; each unit's own
+forward is still compiled, and the breaks are reported by name.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from ._errors import FnzeroError
+from ._state import TrainState
+from ._step import TrainStep
+
+__all__ = ["jit", "JittedStep", "JitWarning", "CompileRecord"]
+
+
+class JitWarning(UserWarning):
+    """`fnzero.jit` broke the graph, fell back to eager, or is recompiling too often."""
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One input signature the jitted step has seen: its first call's wall time (trace and
+    compile included) and the graph breaks torch.compile reported while compiling it."""
+
+    signature: tuple
+    first_call_s: float
+    graph_breaks: tuple[str, ...]
+
+
+def _graph_break_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+
+
+def _short_reason(reason: str) -> str:
+    """The first lines of a dynamo graph-break reason: what was unsupported and why."""
+    lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
+    keep = [ln for ln in lines[:2] if not ln.startswith(("Hint:", "Developer debug context"))]
+    return " - ".join(keep) if keep else reason.strip()
+
+
+def _signature(state: TrainState, batch: Any) -> tuple:
+    """What torch.compile specializes on: the batch's structure, shapes and dtypes, and the
+    parameters' shapes and dtypes."""
+    leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+    batch_sig = tuple(
+        (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else type(x).__name__ for x in leaves
+    )
+    params_sig = tuple((k, tuple(v.shape), v.dtype) for k, v in state.params.items())
+    return (str(spec), batch_sig, params_sig, state.sharding.plan.stage)
+
+
+class JittedStep:
+    """A `TrainStep` whose loss function (forward and backward) is compiled with torch.compile.
+
+    Call it like the eager step: `state, metrics = jitted(state, batch)`. It keeps a record per
+    input signature (`compiles`) and the graph breaks seen (`graph_breaks`); `eager` is the
+    original step.
+    """
+
+    def __init__(self, step: TrainStep, *, backend: Any = "inductor", mode: str | None = None,
+                 fullgraph: bool = False, dynamic: bool | None = None, options: dict[str, Any] | None = None):
+        if not isinstance(step, TrainStep):
+            raise FnzeroError(f"fnzero.jit expects a step built by fnzero.train_step, got {type(step).__name__}")
+        self.eager = step
+        self.fullgraph = fullgraph
+        self._compiled_loss = torch.compile(
+            step.loss_fn, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options
+        )
+        self._compiled = step.with_loss_fn(self._compiled_loss)
+        self._records: dict[tuple, CompileRecord] = {}
+        self._warned: set[str] = set()
+        self._fallback_reason: str | None = None
+
+    @property
+    def compiles(self) -> tuple[CompileRecord, ...]:
+        return tuple(self._records.values())
+
+    @property
+    def graph_breaks(self) -> tuple[str, ...]:
+        """Every distinct graph-break reason seen so far, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for r in self._records.values():
+            seen.update(dict.fromkeys(r.graph_breaks))
+        return tuple(seen)
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the step runs eagerly, or None while it runs compiled."""
+        return self._fallback_reason
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, JitWarning, stacklevel=3)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if self._fallback_reason is not None:
+            return self.eager(state, batch)
+        if not isinstance(state, TrainState):
+            return self.eager(state, batch)  # the eager step names the error
+        sig = _signature(state, batch)
+        with warnings.catch_warnings():
+            # Dynamo reads `.grad` of every tensor it wraps, which warns for the non-leaf
+            # parameter views fnzero passes; the warning concerns dynamo's probe, not user code.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            if sig in self._records:
+                return self._compiled(state, batch)
+            return self._first_call(sig, state, batch)
+
+    def _first_call(self, sig: tuple, state: TrainState, batch: Any):
+        plan = state.sharding.plan
+        if self.fullgraph and plan.any_sharded_params:
+            raise FnzeroError(
+                "fnzero.jit(fullgraph=True) cannot compile a ZeRO-3 step into one graph: each sharded unit's "
+                "forward first all-gathers its parameter shards (an asynchronous collective outside the graph). "
+                "Use fullgraph=False (the default): every unit's forward is still compiled, and the breaks are "
+                "listed in .graph_breaks"
+            )
+        before = _graph_break_counts()
+        t0 = time.perf_counter()
+        try:
+            out = self._compiled(state, batch)
+        except Exception as e:  # noqa: BLE001 - a compiler failure becomes an eager fallback
+            if self.fullgraph or not _is_compiler_error(e):
+                raise
+            reason = f"{type(e).__name__}: {_short_reason(str(e))}"
+            self._fallback_reason = reason
+            self._warn_once(f"fnzero.jit: torch.compile could not compile the loss ({reason}); the step runs eagerly")
+            return self.eager(state, batch)
+        seconds = time.perf_counter() - t0
+        after = _graph_break_counts()
+        breaks = tuple(_short_reason(k) for k, v in after.items() if v > before.get(k, 0))
+        breaks = tuple(dict.fromkeys(breaks))
+        self._records[sig] = CompileRecord(sig, seconds, breaks)
+        for b in breaks:
+            self._warn_once(f"fnzero.jit: graph break ({b})")
+        limit = _recompile_limit()
+        if len(self._records) > limit:
+            self._warn_once(
+                f"fnzero.jit: {len(self._records)} distinct batch/parameter signatures; torch.compile stops "
+                f"recompiling after {limit} and runs the rest eagerly. Pad batches to one shape, or pass dynamic=True"
+            )
+        return out
+
+
+def _recompile_limit() -> int:
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+def _is_compiler_error(e: BaseException) -> bool:
+    from torch._dynamo import exc as dynamo_exc
+
+    if isinstance(e, dynamo_exc.TorchRuntimeError):
+        return False  # the user's code failed while being traced: the eager error says it better
+    if isinstance(e, (dynamo_exc.TorchDynamoException,)):
+        return True
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch
+        return False
+    return isinstance(e, InductorError)
+
+
+def jit(step: TrainStep, *, backend: Any = "inductor", mode: str | None = None, fullgraph: bool = False,
+        dynamic: bool | None = None, options: dict[str, Any] | None = None) -> JittedStep:
+    """Compile a step's forward and backward with torch.compile (`specs/jit.md`).
+
+    `backend`, `mode`, `fullgraph`, `dynamic` and `options` are passed to `torch.compile`. The
+    compiled step computes what the eager one does (to floating-point reassociation) at every
+    stage, with accumulation, clipping, loss scaling and offload. A graph break is reported once
+    with its reason (`JitWarning`) and kept in `.graph_breaks`; a compiler failure is reported once
+    and the step continues eagerly (not with `fullgraph=True`, where it raises).
+
+    >>> import torch, fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    >>> sm = fnzero.shard(torch.nn.Linear(4, 1), config=cfg)
+    >>> step = fnzero.jit(fnzero.train_step(lambda p, b: sm.apply(p, b).square().mean(), cfg), backend="eager")
+    >>> state, metrics = step(sm.init_state(), torch.ones(2, 4))
+    >>> step.graph_breaks
+    ()
+    """
+    return JittedStep(step, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
