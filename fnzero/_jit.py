@@ -14,6 +14,7 @@ forward is still compiled, and the breaks are reported by name.
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,17 +44,30 @@ class CompileRecord:
     graph_breaks: tuple[str, ...]
 
 
-def _graph_break_counts() -> dict[str, int]:
+def _graph_break_counts() -> dict[tuple[str, str], int]:
+    """Dynamo's counts of graph breaks it resumed after ("graph_break") and of breaks that made it
+    run a whole frame eagerly ("unimplemented", e.g. a break inside a loop)."""
     from torch._dynamo.utils import counters
 
-    return dict(counters["graph_break"])
+    return {(kind, k): v for kind in ("graph_break", "unimplemented") for k, v in counters[kind].items()}
 
 
 def _short_reason(reason: str) -> str:
-    """The first lines of a dynamo graph-break reason: what was unsupported and why."""
+    """The first lines of a dynamo graph-break reason (what was unsupported, and why), without
+    object addresses so the same break reads the same every time."""
     lines = [ln.strip() for ln in reason.strip().splitlines() if ln.strip()]
     keep = [ln for ln in lines[:2] if not ln.startswith(("Hint:", "Developer debug context"))]
-    return " - ".join(keep) if keep else reason.strip()
+    text = " - ".join(keep) if keep else reason.strip()
+    return re.sub(r" at 0x[0-9a-f]+", "", text)
+
+
+def _describe_breaks(before: dict, after: dict) -> tuple[str, ...]:
+    out = []
+    for (kind, reason), count in after.items():
+        if count > before.get((kind, reason), 0):
+            text = _short_reason(reason)
+            out.append(text if kind == "graph_break" else f"{text} [the enclosing frame runs eagerly]")
+    return tuple(dict.fromkeys(out))
 
 
 def _signature(state: TrainState, batch: Any) -> tuple:
@@ -146,9 +160,7 @@ class JittedStep:
             self._warn_once(f"fnzero.jit: torch.compile could not compile the loss ({reason}); the step runs eagerly")
             return self.eager(state, batch)
         seconds = time.perf_counter() - t0
-        after = _graph_break_counts()
-        breaks = tuple(_short_reason(k) for k, v in after.items() if v > before.get(k, 0))
-        breaks = tuple(dict.fromkeys(breaks))
+        breaks = _describe_breaks(before, _graph_break_counts())
         self._records[sig] = CompileRecord(sig, seconds, breaks)
         for b in breaks:
             self._warn_once(f"fnzero.jit: graph break ({b})")

@@ -110,6 +110,23 @@ class ShardedModule:
             tensors.update(self._frozen)
             tensors.update(self._buffers)
             return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        return self._apply_gathering(params, args, kwargs)
+
+    def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        run, tensors, stack = self._begin_run(params)
+        try:
+            out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        finally:
+            self._end_run(stack)
+        run.finish_forward()
+        return out
+
+    @torch.compiler.disable
+    def _begin_run(self, params: dict[str, torch.Tensor]) -> tuple[ApplyRun, dict[str, torch.Tensor], Any]:
+        """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
+        import contextlib
+
+        plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None)
         tensors: dict[str, torch.Tensor] = {}
         live = []
@@ -121,17 +138,29 @@ class ShardedModule:
             tensors.update(unit_views(u, full))
         tensors.update(self._frozen)
         tensors.update(self._buffers)
+        stack = contextlib.ExitStack()
         token = ACTIVE_RUN.set(run)
+        stack.callback(ACTIVE_RUN.reset, token)
         run.bindings.append(("tensors", self.module, tensors))
         try:
-            with run.saved_tensor_hooks(), _live_all(run, live):
-                out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
-        finally:
-            ACTIVE_RUN.reset(token)
-        run.finish_forward()
-        return out
+            stack.enter_context(run.saved_tensor_hooks())
+            stack.enter_context(_live_all(run, live))
+        except BaseException:
+            stack.close()
+            raise
+        return run, tensors, stack
+
+    @torch.compiler.disable
+    def _end_run(self, stack: Any) -> None:
+        stack.close()
 
     __call__ = apply
+    # Eager under torch.compile (it sets up gathering and saved-tensor hooks); the module's
+    # forward it calls is still compiled (`specs/jit.md`).
+    _apply_gathering = torch.compiler.disable(
+        _apply_gathering, recursive=False,
+        reason="fnzero ZeRO-3: apply gathers the root unit and installs the saved-tensor re-gather hooks (eager)",
+    )
 
     # ---------------------------------------------------------------------------------------------
     def init_state(self) -> TrainState:

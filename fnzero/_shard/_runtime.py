@@ -196,6 +196,9 @@ class ApplyRun:
             self.schedule.record_forward(self.order)
 
     # -- saved-tensor hooks ---------------------------------------------------------------------
+    # Under torch.compile autograd calls these for every tensor a compiled graph saves; dynamo
+    # must not try to trace them (a graph break per saved tensor), hence `disable`.
+    @torch.compiler.disable
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._live:
             return t
@@ -210,6 +213,7 @@ class ApplyRun:
         return _Regather(rt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(x: Any) -> torch.Tensor:
         if isinstance(x, _Regather):
             return x.rt.regather().as_strided(x.size, x.stride, x.offset)
@@ -266,15 +270,41 @@ class ApplyRun:
             self._live.pop(ptr, None)
 
     def unit_forward(self, unit: UnitPlan, module: nn.Module, forward, args, kwargs):
+        stack = self._enter_unit(unit, module)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self._exit_unit(stack)
+
+    # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
+    # frames whole, and compiles the unit's own `forward` called between them.
+    @torch.compiler.disable
+    def _enter_unit(self, unit: UnitPlan, module: nn.Module) -> contextlib.ExitStack:
         full, rt = self.gather_unit(unit)
         prefix = unit.module + "."
         local = {name[len(prefix):]: t for name, t in unit_views(unit, full).items()}
         self.bindings.append(("unit", unit, module))
+        stack = contextlib.ExitStack()
         try:
-            with self.live(full, rt), swap_tensors(module, local):
-                return forward(*args, **kwargs)
+            stack.enter_context(self.live(full, rt))
+            stack.enter_context(swap_tensors(module, local))
+        except BaseException:
+            stack.close()
+            self.bindings.pop()
+            raise
+        return stack
+
+    @torch.compiler.disable
+    def _exit_unit(self, stack: contextlib.ExitStack) -> None:
+        try:
+            stack.close()
         finally:
             self.bindings.pop()
+
+    unit_forward = torch.compiler.disable(
+        unit_forward, recursive=False,
+        reason="fnzero ZeRO-3: a sharded unit all-gathers its parameter shards before its forward (eager)",
+    )
 
 
 def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
@@ -291,4 +321,7 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
         return run.unit_forward(unit, module, inner, args, kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
-    module.forward = forward
+    module.forward = torch.compiler.disable(
+        forward, recursive=False,
+        reason=f"fnzero ZeRO-3: unit {unit.name!r} gathers its parameter shards (an all-gather) before its forward",
+    )
