@@ -7,11 +7,14 @@ math and tests can swap in a recording or an in-process implementation (`specs/c
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from ._direct import start_direct_all_gather, start_direct_reduce_scatter
 
 __all__ = [
     "Collectives",
@@ -170,6 +173,16 @@ class ProcessGroupCollectives:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # On gloo, all-gather and reduce-scatter run as direct point-to-point exchanges
+        # (`_direct.py`: same bytes, 4x faster there); FNZERO_GLOO_DIRECT=0 uses gloo's own.
+        self._direct = (
+            self.world_size > 1
+            and dist.get_backend(group) == "gloo"
+            and os.environ.get("FNZERO_GLOO_DIRECT", "1") != "0"
+        )
+
+    def _use_direct(self, t: torch.Tensor) -> bool:
+        return self._direct and t.device.type == "cpu"
 
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()
@@ -179,6 +192,8 @@ class ProcessGroupCollectives:
         shard = shard.contiguous()
         if out is None:
             out = shard.new_empty(shard.numel() * self.world_size)
+        if self._use_direct(shard):
+            return start_direct_all_gather(shard.reshape(-1), out, self.rank, self.world_size, self.group)
         work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
         return PendingTensor(out, work)
 
@@ -188,6 +203,8 @@ class ProcessGroupCollectives:
     def reduce_scatter_async(self, full):
         full = full.contiguous().reshape(-1)
         assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
+        if self._use_direct(full):
+            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group)
         out = full.new_empty(full.numel() // self.world_size)
         work = _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         # `full` must outlive the collective: the handle keeps it.

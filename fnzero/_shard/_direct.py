@@ -1,0 +1,116 @@
+"""All-gather and reduce-scatter as direct point-to-point exchanges, used on gloo.
+
+torch's gloo all-gather and reduce-scatter are several times slower than gloo's own all-reduce
+of twice the bytes. Measured on 2 ranks over loopback, 27.4M fp32 elements: all_reduce 81 ms,
+all_gather_into_tensor 198 ms, reduce_scatter_tensor 196 ms, while an isend/irecv exchange of the
+same shards in 4 MiB messages takes 50 ms. So on gloo each rank sends its pieces straight to
+every other rank: (N-1)/N of the full buffer per rank, exactly the bytes of the ring algorithms
+(`specs/collectives.md`), with no step waiting on another, so nothing needs a progress thread.
+
+Messages carry a tag drawn from a per-group sequence: every rank starts its collectives in the same
+order (which any collective requires), so tags agree, and two collectives in flight at once (a
+stage-3 prefetch) cannot take each other's messages. Reduce-scatter sums the N pieces in rank
+order, the same on every rank whatever N is.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["start_direct_all_gather", "start_direct_reduce_scatter"]
+
+_CHUNK_BYTES = 4 << 20  # measured: 4 MiB messages ran the exchange 25 % faster than one message
+_TAG_LIMIT = 1 << 30
+_seq: dict[object, int] = {}
+_seq_lock = threading.Lock()
+
+
+def _next_tag(group) -> int:
+    key = "default" if group is None else group
+    with _seq_lock:
+        n = _seq.get(key, 0)
+        _seq[key] = n + 1
+    return 1 + n % _TAG_LIMIT
+
+
+def _global(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def _chunks(t: torch.Tensor):
+    step = max(1, _CHUNK_BYTES // max(1, t.element_size()))
+    return [t[i:i + step] for i in range(0, t.numel(), step)]
+
+
+def _exchange(works: list, send: torch.Tensor | None, recv: torch.Tensor | None, peer: int, group, tag: int) -> None:
+    if send is not None:
+        for c in _chunks(send):
+            works.append(dist.isend(c, peer, group=group, tag=tag))
+    if recv is not None:
+        for c in _chunks(recv):
+            works.append(dist.irecv(c, peer, group=group, tag=tag))
+
+
+class _PendingGather:
+    __slots__ = ("_out", "_works", "_keep")
+
+    def __init__(self, out, works, keep):
+        self._out, self._works, self._keep = out, works, keep
+
+    def wait(self) -> torch.Tensor:
+        if self._works is not None:
+            for w in self._works:
+                w.wait()
+            self._works = self._keep = None
+        return self._out
+
+
+class _PendingReduce:
+    __slots__ = ("_pieces", "_works", "_keep", "_out")
+
+    def __init__(self, pieces, works, keep):
+        self._pieces, self._works, self._keep, self._out = pieces, works, keep, None
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            for w in self._works:
+                w.wait()
+            out = self._pieces[0].clone()
+            for p in self._pieces[1:]:
+                out.add_(p)
+            self._out = out
+            self._pieces = self._works = self._keep = None
+        return self._out
+
+
+def start_direct_all_gather(shard: torch.Tensor, out: torch.Tensor, rank: int, world: int, group) -> _PendingGather:
+    """Gather every rank's `shard` into `out` (rank r's at [r*c, (r+1)*c)), started asynchronously."""
+    c = shard.numel()
+    tag = _next_tag(group)
+    mine = out[rank * c:(rank + 1) * c]
+    mine.copy_(shard)
+    works: list = []
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        _exchange(works, mine, None, _global(group, to), group, tag)
+        _exchange(works, None, out[frm * c:(frm + 1) * c], _global(group, frm), group, tag)
+    return _PendingGather(out, works, shard)
+
+
+def start_direct_reduce_scatter(full: torch.Tensor, rank: int, world: int, group) -> _PendingReduce:
+    """Sum `full` across ranks and keep this rank's piece [rank*c, (rank+1)*c), started
+    asynchronously."""
+    c = full.numel() // world
+    tag = _next_tag(group)
+    pieces: list[torch.Tensor] = []
+    works: list = []
+    for r in range(world):
+        pieces.append(full[rank * c:(rank + 1) * c] if r == rank else full.new_empty(c))
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        _exchange(works, full[to * c:(to + 1) * c], None, _global(group, to), group, tag)
+        _exchange(works, None, pieces[frm], _global(group, frm), group, tag)
+    return _PendingReduce(pieces, works, full)

@@ -1,0 +1,67 @@
+"""On gloo, all-gather and reduce-scatter run as direct point-to-point exchanges
+(specs/collectives.md §Interface.gloo). They must equal gloo's own collectives: exactly for the
+gather, and for the sum up to the order of addition (exactly at N = 2, where both add the same
+two numbers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fnzero.testing import run_world
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _compare_with_gloo():
+    import torch.distributed as dist
+
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    assert comm._direct
+    n, r = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(100 + r)
+    worst = {}
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        for per_rank in (0, 1, 7, 1000, (5 << 20) // 4 + 3):  # the last spans several 4 MiB messages
+            full = torch.randn(per_rank * n, generator=g).to(dtype)
+            shard = torch.randn(per_rank, generator=g).to(dtype)
+            want_ag = torch.empty(per_rank * n, dtype=dtype)
+            dist.all_gather_into_tensor(want_ag, shard)
+            want_rs = torch.empty(per_rank, dtype=dtype)
+            dist.reduce_scatter_tensor(want_rs, full.clone())
+            full_before = full.clone()
+            # Two collectives in flight at once, waited in the opposite order.
+            p_ag, p_rs = comm.all_gather_async(shard), comm.reduce_scatter_async(full)
+            got_rs, got_ag = p_rs.wait(), p_ag.wait()
+            assert torch.equal(got_ag, want_ag), (dtype, per_rank)
+            assert torch.equal(full, full_before), "reduce_scatter must leave its input alone"
+            diff = (got_rs.double() - want_rs.double()).abs().max().item() if per_rank else 0.0
+            worst[f"{dtype}|{per_rank}"] = diff
+            # Gathering into a given buffer (the donated step's path).
+            out = torch.full((per_rank * n,), -1.0, dtype=dtype)
+            assert comm.all_gather_async(shard, out=out).wait() is out and torch.equal(out, want_ag)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_direct_exchanges_equal_gloo_collectives(world):
+    for rank_worst in run_world(_compare_with_gloo, world, timeout=300):
+        for case, diff in rank_worst.items():
+            if world == 2:
+                assert diff == 0.0, case  # a + b == b + a
+            else:
+                tol = {"torch.float64": 1e-12, "torch.float32": 1e-5, "torch.bfloat16": 0.13}[case.split("|")[0]]
+                assert diff <= tol, (case, diff)
+
+
+def _direct_flag():
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    return ProcessGroupCollectives()._direct
+
+
+def test_switch_turns_direct_exchanges_off():
+    assert run_world(_direct_flag, 2, timeout=120) == [True, True]
+    assert run_world(_direct_flag, 2, timeout=120, env={"FNZERO_GLOO_DIRECT": "0"}) == [False, False]
