@@ -44,13 +44,65 @@ class Checksum:
         return zlib.crc32(buf, crc)
 
 
+_WRITE_CHUNK = 16 << 20
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+
+
+def _sync_file_range():
+    """Linux's sync_file_range through libc, or None where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SFR = _sync_file_range()
+_POOL = None
+
+
+def _crc_pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnzero-crc")
+    return _POOL
+
+
 class AlignedWriter:
-    """Appends segments to one data file, each starting at a multiple of ALIGN; fsync on close."""
+    """Appends segments to one data file, each starting at a multiple of ALIGN; fsync on close.
+
+    Write-behind: after each chunk the kernel is asked to start writing it out
+    (`sync_file_range`), and the writer waits for chunks more than two behind. The disk then
+    works while the next chunks are checksummed and copied, instead of all at the final fsync
+    (measured on this VM's disk, 400 MB: 0.45 GB/s against 0.26-0.43 for write-then-fsync), and
+    dirty page cache stays bounded. The final fsync still decides durability.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.f = open(path, "wb", buffering=0)
         self.pos = 0
+        self._started = 0  # writeback requested up to here
+        self._waited = 0  # written out up to here
+        self._sfr = _SFR
+
+    def _write_behind(self) -> None:
+        if self._sfr is None:
+            return
+        fd = self.f.fileno()
+        if self._sfr(fd, self._started, self.pos - self._started, _SFR_WRITE) != 0:
+            self._sfr = None  # not supported here (e.g. a pipe or an odd filesystem): plain writes
+            return
+        self._started = self.pos
+        behind = self.pos - 2 * _WRITE_CHUNK
+        if behind - self._waited >= _WRITE_CHUNK:
+            self._sfr(fd, self._waited, behind - self._waited, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
+            self._waited = behind
 
     def write(self, t: torch.Tensor) -> tuple[int, int]:
         """Write `t`'s bytes at the next aligned offset; return (offset, crc32)."""
@@ -60,14 +112,20 @@ class AlignedWriter:
             self.pos += pad
         off = self.pos
         buf = tensor_bytes(t)
-        crc = 0
-        for i in range(0, len(buf), _CHUNK):
-            piece = buf[i : i + _CHUNK]
-            crc = zlib.crc32(piece, crc)
+        # The checksum runs on another thread while this one writes (zlib and write() both
+        # release the GIL): on this VM that is ~0.2 s per GB off the save.
+        crc_future = _crc_pool().submit(Checksum.of, buf) if len(buf) >= _WRITE_CHUNK else None
+        crc = Checksum.of(buf) if crc_future is None else 0
+        for i in range(0, len(buf), _WRITE_CHUNK):
+            piece = buf[i : i + _WRITE_CHUNK]
             while piece:
                 n = self.f.write(piece)
                 piece = piece[n:]
-        self.pos += len(buf)
+            self.pos = off + min(i + _WRITE_CHUNK, len(buf))
+            self._write_behind()
+        self.pos = off + len(buf)
+        if crc_future is not None:
+            crc = crc_future.result()
         return off, crc
 
     def close(self) -> int:
@@ -104,15 +162,40 @@ def write_atomic(path: str, data: bytes) -> None:
     fsync_dir(d)
 
 
-def read_into(fd: int, offset: int, out: torch.Tensor, what: str) -> None:
-    """Fill contiguous CPU tensor `out` with bytes at `offset` of an open file."""
+def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool = False) -> int | None:
+    """Fill contiguous CPU tensor `out` with bytes at `offset` of an open file; with `checksum`,
+    return the crc32 of what was read, computed on another thread chunk by chunk while the next
+    chunk is read (the two used to take turns: ~0.6x torch.load's throughput)."""
     buf = tensor_bytes(out)
+    step = _WRITE_CHUNK if checksum and len(buf) >= 2 * _WRITE_CHUNK else _CHUNK
+    running = [0]
+    pending = None
+
+    def crc_of(piece):
+        running[0] = zlib.crc32(piece, running[0])
+
     done = 0
     while done < len(buf):
-        n = os.preadv(fd, [buf[done : done + _CHUNK]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{what}: unexpected end of file at byte {offset + done} (truncated checkpoint)")
-        done += n
+        piece = buf[done : done + step]
+        got = 0
+        while got < len(piece):
+            n = os.preadv(fd, [piece[got:]], offset + done + got)
+            if n <= 0:
+                if pending is not None:
+                    pending.result()
+                raise CheckpointError(
+                    f"{what}: unexpected end of file at byte {offset + done + got} (truncated checkpoint)"
+                )
+            got += n
+        if checksum:
+            if step == _CHUNK:
+                crc_of(piece)
+            else:  # one worker runs the chunks in order, so the running crc chains correctly
+                pending = _crc_pool().submit(crc_of, piece)
+        done += len(piece)
+    if pending is not None:
+        pending.result()
+    return running[0] if checksum else None
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.005):

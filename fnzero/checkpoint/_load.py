@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import glob
 import os
-import zlib
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import LossScaleState, TrainState
 from . import _format as F
-from ._io import read_into, tensor_bytes
+from ._io import read_into
 from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags"]
@@ -131,18 +130,16 @@ class Reader:
             dst = out[x - a : y - a]
             what = f"{F.data_name(rank)} segment {key!r}[{lo}:{hi}]"
             if x == lo and y == hi and dst.dtype == dt:
-                read_into(self._fd(rank), off, dst, what)
-                self._check(tensor_bytes(dst), crc, what)
+                self._check(read_into(self._fd(rank), off, dst, what, checksum=self.verify), crc, what)
             else:
                 scratch = torch.empty(hi - lo, dtype=dt)
-                read_into(self._fd(rank), off, scratch, what)
-                self._check(tensor_bytes(scratch), crc, what)
+                self._check(read_into(self._fd(rank), off, scratch, what, checksum=self.verify), crc, what)
                 dst.copy_(scratch[x - lo : y - lo])
             i += 1
         return out
 
-    def _check(self, buf, crc: int, what: str) -> None:
-        if self.verify and zlib.crc32(buf) != crc:
+    def _check(self, got: int | None, crc: int, what: str) -> None:
+        if self.verify and got != crc:
             raise CheckpointError(f"{self.dir}: checksum mismatch in {what}: the file is corrupted")
 
 
