@@ -63,7 +63,47 @@ def test_an_old_state_cannot_step_again(tmp_path):
     simulated_world(1).run(rank_fn)
 
 
-def test_checkpointing_an_nvme_run_says_it_is_not_supported(tmp_path):
-    r = _run(2, "fp32", "nvme", tmp_path / "nvme", world=1, steps=1, keep_state=True)[0]
-    with pytest.raises(fnzero.CheckpointError, match="nvme"):
-        fnzero.checkpoint.save(str(tmp_path / "ckpt"), r["state"])
+def _resume_run(tmp_path, stage, precision, save_with, load_with, world=2, k=2):
+    """Rank function: 2k steps straight with `save_with` offload; and k steps, save, then a fresh
+    run with `load_with` offload that loads the checkpoint and takes the other k steps."""
+    def extra(offload, sub):
+        oo = {"device": offload}
+        if offload == "nvme":
+            oo["nvme_path"] = str(tmp_path / sub)
+        return {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                      "sub_group_size": 1000, "offload_optimizer": oo}}
+
+    def rank_fn(comm):
+        def run(offload, sub, steps, start=0, ckpt_in=None, ckpt_out=None):
+            cfg = W.config(stage, 2, 2, world, 1.0, precision, extra(offload, sub))
+            model = W.make_model("gpt", torch.float32).float()
+            sm = fnzero.shard(model, config=cfg, comm=comm)
+            state = sm.init_state()
+            if ckpt_in is not None:
+                state, _ = fnzero.checkpoint.load(ckpt_in, like=state)
+            step = fnzero.train_step(lambda p, b: W.loss_of("gpt", sm.apply(p, b[0]), b[1]), cfg, donate=True)
+            losses = []
+            for s in range(start, start + steps):
+                x, y = W.global_batch("gpt", s, world, 2, 2, torch.float32)
+                state, m = step(state, (x[:, comm.rank].flatten(0, 1), y[:, comm.rank].flatten(0, 1)))
+                losses.append(m["loss"])
+            if ckpt_out is not None:
+                fnzero.checkpoint.save(ckpt_out, state)
+            return losses, sm.gather(state.params)
+
+        straight = run(save_with, "a", 2 * k)
+        first = run(save_with, "b", k, ckpt_out=str(tmp_path / "ckpt"))
+        resumed = run(load_with, "c", k, start=k, ckpt_in=str(tmp_path / "ckpt"))
+        return straight, first, resumed
+
+    return simulated_world(world).run(rank_fn)
+
+
+@pytest.mark.parametrize("save_with,load_with", [("nvme", "nvme"), ("nvme", "cpu"), ("cpu", "nvme")])
+@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
+def test_nvme_runs_checkpoint_and_resume_bit_for_bit(tmp_path, stage, precision, save_with, load_with):
+    # The store's master and moments go into an ordinary checkpoint (the CPU-offload layout), and
+    # come back into a new run's store: resuming equals training straight through, bit for bit.
+    (straight, first, resumed), _ = _resume_run(tmp_path, stage, precision, save_with, load_with)
+    assert first[0] + resumed[0] == straight[0]
+    W.assert_close_tree(resumed[1], straight[1], rtol=0, atol=0, what=f"{save_with}->{load_with}")

@@ -354,6 +354,15 @@ class NvmeOptimizerStore:
             self._drain()
         self._end()
 
+    def set_step(self, step: int) -> None:
+        """Record that the files now hold the state after `step` steps (after `write`s that
+        restored a checkpoint), so the next `step` call is `step + 1`."""
+        self._check_usable("set_step", write=True)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"NvmeOptimizerStore.set_step: step must be an integer >= 0, got {step!r}")
+        self._manifest["step"] = step if step > 0 else None
+        self._save_manifest("clean", fsync=True)
+
     # -- consistency ----------------------------------------------------------------------------
     def _begin(self, what: str, step: Any) -> None:
         # Marked before the first byte changes: a kill from here to _end leaves a manifest that

@@ -241,6 +241,12 @@ def load(
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
+    from .._offload._checkpoint import is_nvme, like_in_memory, restore_into_store
+
+    if is_nvme(like):
+        # Load as the CPU-offload layout, then write master and moments into like's store.
+        state, client = load(path, like_in_memory(like), tag=tag, verify=verify, restore_rng=restore_rng)
+        return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
         check_model(ix, like)
