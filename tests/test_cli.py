@@ -175,6 +175,7 @@ def test_report_mentions_torch_and_cext():
     rc, out, err = run_cli("report")
     assert rc == 0, err
     assert "torch" in out and "cext" in out and "fnzero" in out
+    assert "direct point-to-point exchanges" in out  # which gloo collectives run (specs/collectives.md)
 
 
 def test_launch_without_script_is_a_usage_error():
