@@ -220,3 +220,39 @@ def test_broken_latest_is_reported_by_info_and_cli(tmp_path, capsys):
     assert "BROKEN" in out and "rank00001.bin" in out
     assert main(["export", d, str(tmp_path / "o")]) == 1
     assert "rank00001.bin of rank 1 is missing" in capsys.readouterr().err
+
+
+def test_checksum_thread_works_in_a_forked_child(tmp_path):
+    # The checksum helper thread is per process: a child forked after a save must not wait on the
+    # parent's (gone) thread.
+    import os
+    import time
+
+    import torch
+
+    from fnzero.checkpoint._io import AlignedWriter, read_into
+
+    big = torch.arange(10 << 20, dtype=torch.float32)  # 40 MiB: checksummed on the thread both ways
+    w = AlignedWriter(str(tmp_path / "a.bin"))
+    off, crc = w.write(big)
+    w.close()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child's exit code is the assertion
+        ok = False
+        try:
+            fd = os.open(str(tmp_path / "a.bin"), os.O_RDONLY)
+            out = torch.empty_like(big)
+            ok = read_into(fd, off, out, "child", checksum=True) == crc and torch.equal(out, big)
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung on the checksum thread")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

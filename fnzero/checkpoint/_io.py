@@ -62,14 +62,18 @@ def _sync_file_range():
 
 _SFR = _sync_file_range()
 _POOL = None
+_POOL_PID = -1
 
 
 def _crc_pool():
-    global _POOL
-    if _POOL is None:
+    # A forked child (a DataLoader worker, say) inherits the pool object but not its thread, and
+    # would wait forever on it: each process makes its own.
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL_PID != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnzero-crc")
+        _POOL_PID = os.getpid()
     return _POOL
 
 
