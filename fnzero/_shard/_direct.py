@@ -69,18 +69,25 @@ class _PendingGather:
 
 
 class _PendingReduce:
-    __slots__ = ("_pieces", "_works", "_keep", "_out")
+    __slots__ = ("_pieces", "_own", "_works", "_keep", "_out")
 
-    def __init__(self, pieces, works, keep):
-        self._pieces, self._works, self._keep, self._out = pieces, works, keep, None
+    def __init__(self, pieces, own, works, keep):
+        self._pieces, self._own, self._works, self._keep, self._out = pieces, own, works, keep, None
 
     def wait(self) -> torch.Tensor:
         if self._out is None:
             for w in self._works:
                 w.wait()
-            out = self._pieces[0].clone()
-            for p in self._pieces[1:]:
-                out.add_(p)
+            p = self._pieces
+            # Sum in rank order into a received buffer (never into the caller's input, and with
+            # no extra copy). Addition of two numbers commutes exactly, so starting from
+            # p[1] + p[0] when rank 0's own piece is first gives the same bits as p[0] + p[1].
+            first = 1 if self._own == 0 else 0
+            out = p[first]
+            if first == 1:
+                out.add_(p[0])
+            for j in range(first + 1, len(p)):
+                out.add_(p[j])
             self._out = out
             self._pieces = self._works = self._keep = None
         return self._out
@@ -113,4 +120,4 @@ def start_direct_reduce_scatter(full: torch.Tensor, rank: int, world: int, group
         to, frm = (rank + k) % world, (rank - k) % world
         _exchange(works, full[to * c:(to + 1) * c], None, _global(group, to), group, tag)
         _exchange(works, None, pieces[frm], _global(group, frm), group, tag)
-    return _PendingReduce(pieces, works, full)
+    return _PendingReduce(pieces, rank, works, full)
