@@ -34,6 +34,8 @@ p.add_argument("--d-model", type=int, default=128)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--heads", type=int, default=4)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--jit", action="store_true",
+               help="compile the step's forward and backward with torch.compile (fnzero.jit; ~30 s the first time)")
 args = p.parse_args()
 
 # -- processes, config, model --------------------------------------------------------------------
@@ -55,6 +57,8 @@ def loss_fn(params, batch):
 
 # donate=True: the old state's buffers are reused by the new one, so the model state exists once.
 step = fnzero.train_step(loss_fn, cfg, donate=True)
+if args.jit:
+    step = fnzero.jit(step)  # same step; graph breaks, if any, are warned once with their reason
 
 # -- data: each rank reads its own stream of windows -----------------------------------------------
 per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
@@ -86,3 +90,7 @@ print(f"rank {dist.rank}: model state {msb.total / 2**20:.2f} MiB (params {msb.p
       f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
 if dist.rank == 0:
     print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first_loss:.3f} -> {m['loss']:.3f}")
+    if args.jit:
+        first = step.compiles[0].first_call_s if step.compiles else float("nan")
+        print(f"jit: first step (trace + compile) {first:.1f}s, graph breaks: {len(step.graph_breaks)}"
+              + (f", fell back to eager: {step.fallback_reason}" if step.fallback_reason else ""))
