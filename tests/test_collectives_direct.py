@@ -65,3 +65,54 @@ def _direct_flag():
 def test_switch_turns_direct_exchanges_off():
     assert run_world(_direct_flag, 2, timeout=120) == [True, True]
     assert run_world(_direct_flag, 2, timeout=120, env={"FNZERO_GLOO_DIRECT": "0"}) == [False, False]
+
+
+def _peer_fails(rank, port, how, q):
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from fnzero._shard._collectives import ProcessGroupCollectives
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    comm = ProcessGroupCollectives()
+    x = torch.ones(1 << 20)
+    comm.reduce_scatter(x)
+    if rank == 1:
+        if how == "stuck":
+            time.sleep(30)
+        os._exit(3)
+    t = time.monotonic()
+    try:
+        comm.reduce_scatter(x)
+        q.put(("no error", time.monotonic() - t))
+    except RuntimeError as e:
+        q.put((str(e), time.monotonic() - t))
+
+
+@pytest.mark.parametrize("how,within", [("dies", 3.0), ("stuck", 15.0)])
+def test_a_failed_peer_raises_instead_of_hanging(how, within):
+    # A peer that dies closes its sockets: the exchange fails at once. A peer that is alive but
+    # never joins: the process group's timeout (5 s here) ends the wait. Never a hang.
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_peer_fails, args=(r, port, how, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        msg, seconds = q.get(timeout=60)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    assert msg != "no error" and seconds < within, (msg, seconds)
