@@ -95,10 +95,9 @@ class JittedStep:
             raise FnzeroError(f"fnzero.jit expects a step built by fnzero.train_step, got {type(step).__name__}")
         self.eager = step
         self.fullgraph = fullgraph
-        self._compiled_loss = torch.compile(
+        self._compiled = step.with_loss_fn(torch.compile(
             step.loss_fn, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options
-        )
-        self._compiled = step.with_loss_fn(self._compiled_loss)
+        ))
         self._records: dict[tuple, CompileRecord] = {}
         self._warned: set[str] = set()
         self._fallback_reason: str | None = None
@@ -126,10 +125,8 @@ class JittedStep:
             warnings.warn(message, JitWarning, stacklevel=3)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
-        if self._fallback_reason is not None:
-            return self.eager(state, batch)
-        if not isinstance(state, TrainState):
-            return self.eager(state, batch)  # the eager step names the error
+        if self._fallback_reason is not None or not isinstance(state, TrainState):
+            return self.eager(state, batch)  # (a wrong state: the eager step names the error)
         sig = _signature(state, batch)
         with warnings.catch_warnings():
             # Dynamo reads `.grad` of every tensor it wraps, which warns for the non-leaf
@@ -183,7 +180,7 @@ def _is_compiler_error(e: BaseException) -> bool:
 
     if isinstance(e, dynamo_exc.TorchRuntimeError):
         return False  # the user's code failed while being traced: the eager error says it better
-    if isinstance(e, (dynamo_exc.TorchDynamoException,)):
+    if isinstance(e, dynamo_exc.TorchDynamoException):
         return True
     try:
         from torch._inductor.exc import InductorError

@@ -8,6 +8,8 @@ ordinary checkpoint loads into an NVMe run, whose store is then overwritten with
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..optim._adagrad import AdagradState
@@ -31,24 +33,24 @@ def _master_in_params(state: TrainState) -> bool:
     return next(iter(state.params.values()), torch.empty(0)).dtype == torch.float32
 
 
+def _in_memory(state: TrainState, tensor: Callable[[str, str], torch.Tensor]) -> TrainState:
+    """`state` in the CPU-offload layout, each unit's master/moment being `tensor(unit, kind)`."""
+    store = state.opt_state.store
+    moments = {kind: {u: tensor(u, kind) for u in store.units} for kind in store.kinds[1:]}
+    new_opt = _STATE_TYPES[store.optimizer](count=state.opt_state.count.clone(), **moments)
+    master = None if _master_in_params(state) else {u: tensor(u, "master") for u in store.units}
+    return state.replace(opt_state=new_opt, master=master)
+
+
 def materialize(state: TrainState) -> TrainState:
     """`state` with the store's moments (and, for 16-bit parameters, its fp32 master) in memory."""
-    opt: NvmeOptState = state.opt_state
-    store = opt.store
-    moments = {kind: {u: store.read(u, kind) for u in store.units} for kind in store.kinds[1:]}
-    new_opt = _STATE_TYPES[store.optimizer](count=opt.count.clone(), **moments)
-    master = None if _master_in_params(state) else {u: store.read(u, "master") for u in store.units}
-    return state.replace(opt_state=new_opt, master=master)
+    return _in_memory(state, state.opt_state.store.read)
 
 
 def like_in_memory(like: TrainState) -> TrainState:
     """The layout `materialize` gives, with uninitialized tensors: what `load` fills."""
-    store = like.opt_state.store
-    empty = {u: torch.empty(n, dtype=torch.float32) for u, n in store.units.items()}
-    moments = {kind: {u: t.clone() for u, t in empty.items()} for kind in store.kinds[1:]}
-    new_opt = _STATE_TYPES[store.optimizer](count=like.opt_state.count.clone(), **moments)
-    master = None if _master_in_params(like) else {u: t.clone() for u, t in empty.items()}
-    return like.replace(opt_state=new_opt, master=master)
+    numel = like.opt_state.store.units
+    return _in_memory(like, lambda unit, kind: torch.empty(numel[unit], dtype=torch.float32))
 
 
 def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:

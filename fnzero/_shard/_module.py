@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable, Iterable
 
@@ -104,18 +105,26 @@ class ShardedModule:
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
             # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
-            tensors = {}
-            for u in plan.units:
-                tensors.update(unit_views(u, params[u.name]))
-            tensors.update(self._frozen)
-            tensors.update(self._buffers)
-            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+            return self._call(self._tensors((u, params[u.name]) for u in plan.units), args, kwargs)
         return self._apply_gathering(params, args, kwargs)
+
+    def _tensors(self, fulls) -> dict[str, torch.Tensor]:
+        """What the module's forward reads, by state_dict name: the views of each (unit, full
+        buffer) in `fulls`, the frozen parameters and the buffers."""
+        tensors: dict[str, torch.Tensor] = {}
+        for u, full in fulls:
+            tensors.update(unit_views(u, full))
+        tensors.update(self._frozen)
+        tensors.update(self._buffers)
+        return tensors
+
+    def _call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
 
     def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
         run, tensors, stack = self._begin_run(params)
         try:
-            out = torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+            out = self._call(tensors, args, kwargs)
         finally:
             self._end_run(stack)
         run.finish_forward()
@@ -124,20 +133,16 @@ class ShardedModule:
     @torch.compiler.disable
     def _begin_run(self, params: dict[str, torch.Tensor]) -> tuple[ApplyRun, dict[str, torch.Tensor], Any]:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
-        import contextlib
-
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None)
-        tensors: dict[str, torch.Tensor] = {}
-        live = []
+        fulls, live = [], []
         for u in plan.units:
             if plan.params_sharded(u) and u.module != "":
                 continue  # gathered when its forward runs
             full, rt = run.gather_unit(u)
             live.append((full, rt))
-            tensors.update(unit_views(u, full))
-        tensors.update(self._frozen)
-        tensors.update(self._buffers)
+            fulls.append((u, full))
+        tensors = self._tensors(fulls)
         stack = contextlib.ExitStack()
         token = ACTIVE_RUN.set(run)
         stack.callback(ACTIVE_RUN.reset, token)
@@ -297,8 +302,6 @@ class _live_all:
         self.run, self.live, self.stack = run, live, None
 
     def __enter__(self):
-        import contextlib
-
         self.stack = contextlib.ExitStack()
         for full, rt in self.live:
             self.stack.enter_context(self.run.live(full, rt))

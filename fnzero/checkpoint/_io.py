@@ -44,7 +44,7 @@ class Checksum:
         return zlib.crc32(buf, crc)
 
 
-_WRITE_CHUNK = 16 << 20
+_PIPELINE_CHUNK = 16 << 20  # write-behind and threaded-checksum granularity, both directions
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
@@ -103,8 +103,8 @@ class AlignedWriter:
             self._sfr = None  # not supported here (e.g. a pipe or an odd filesystem): plain writes
             return
         self._started = self.pos
-        behind = self.pos - 2 * _WRITE_CHUNK
-        if behind - self._waited >= _WRITE_CHUNK:
+        behind = self.pos - 2 * _PIPELINE_CHUNK
+        if behind - self._waited >= _PIPELINE_CHUNK:
             self._sfr(fd, self._waited, behind - self._waited, _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER)
             self._waited = behind
 
@@ -118,14 +118,14 @@ class AlignedWriter:
         buf = tensor_bytes(t)
         # The checksum runs on another thread while this one writes (zlib and write() both
         # release the GIL): on this VM that is ~0.2 s per GB off the save.
-        crc_future = _crc_pool().submit(Checksum.of, buf) if len(buf) >= _WRITE_CHUNK else None
+        crc_future = _crc_pool().submit(Checksum.of, buf) if len(buf) >= _PIPELINE_CHUNK else None
         crc = Checksum.of(buf) if crc_future is None else 0
-        for i in range(0, len(buf), _WRITE_CHUNK):
-            piece = buf[i : i + _WRITE_CHUNK]
+        for i in range(0, len(buf), _PIPELINE_CHUNK):
+            piece = buf[i : i + _PIPELINE_CHUNK]
             while piece:
                 n = self.f.write(piece)
                 piece = piece[n:]
-            self.pos = off + min(i + _WRITE_CHUNK, len(buf))
+            self.pos = off + min(i + _PIPELINE_CHUNK, len(buf))
             self._write_behind()
         self.pos = off + len(buf)
         if crc_future is not None:
@@ -171,7 +171,7 @@ def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool
     return the crc32 of what was read, computed on another thread chunk by chunk while the next
     chunk is read (the two used to take turns: ~0.6x torch.load's throughput)."""
     buf = tensor_bytes(out)
-    step = _WRITE_CHUNK if checksum and len(buf) >= 2 * _WRITE_CHUNK else _CHUNK
+    step = _PIPELINE_CHUNK if checksum and len(buf) >= 2 * _PIPELINE_CHUNK else _CHUNK
     running = [0]
     pending = None
 
