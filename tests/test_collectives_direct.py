@@ -1,7 +1,8 @@
 """On gloo, all-gather and reduce-scatter run as direct point-to-point exchanges
 (specs/collectives.md §Interface.gloo). They must equal gloo's own collectives: exactly for the
 gather, and for the sum up to the order of addition (exactly at N = 2, where both add the same
-two numbers)."""
+two numbers). A donated reduce-scatter, which receives into its input, gives the same bits as
+one that does not."""
 
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ def _compare_with_gloo():
             assert torch.equal(full, full_before), "reduce_scatter must leave its input alone"
             diff = (got_rs.double() - want_rs.double()).abs().max().item() if per_rank else 0.0
             worst[f"{dtype}|{per_rank}"] = diff
+            # A donated input (stage 3's backward): received into, same bits, result not a view of it.
+            got_d = comm.reduce_scatter(full.clone(), donate=True)
+            assert torch.equal(got_d, got_rs), (dtype, per_rank)
+            assert got_d.untyped_storage().nbytes() == per_rank * got_d.element_size()
             # Gathering into a given buffer (the donated step's path).
             out = torch.full((per_rank * n,), -1.0, dtype=dtype)
             assert comm.all_gather_async(shard, out=out).wait() is out and torch.equal(out, want_ag)
     return worst
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_direct_exchanges_equal_gloo_collectives(world):
     for rank_worst in run_world(_compare_with_gloo, world, timeout=300):
         for case, diff in rank_worst.items():

@@ -102,3 +102,36 @@ def test_debug_collectives_names_the_first_divergence():
 
     with pytest.raises(fnzero.DistributedError, match=r"diverged at collective #1.*rank 0: all_reduce of 2.*rank 1: all_gather of 2"):
         simulated_world(2).run(rank_fn)
+
+
+def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monkeypatch):
+    """specs/sharding.md §Stage 3: a unit's re-gathered parameters are gone by the time autograd
+    concatenates their gradients (not after), so the two never sit side by side."""
+    import weakref
+
+    import torch.nn.functional as F
+
+    from fnzero._shard import _runtime
+
+    regathered, checked = {}, []
+    orig_regather, orig_backward = _runtime._UnitRuntime.regather, _runtime._GatherUnit.backward
+
+    def regather(rt):
+        full = orig_regather(rt)
+        regathered[rt.unit.name] = weakref.ref(full)
+        return full
+
+    def backward(ctx, grad_full):
+        ref = regathered.get(ctx.rt.unit.name)
+        checked.append((ctx.rt.unit.name, ref is not None and ref() is None))
+        return orig_backward(ctx, grad_full)
+
+    monkeypatch.setattr(_runtime._UnitRuntime, "regather", regather)
+    monkeypatch.setattr(_runtime._GatherUnit, "backward", staticmethod(backward))
+    cfg = _cfg(3, 1)
+    sm = fnzero.shard(_model(), config=cfg)
+    step = fnzero.train_step(lambda p, b: F.cross_entropy(sm.apply(p, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()), cfg)
+    step(sm.init_state(), torch.randint(0, 50, (2, 9)))
+    blocks = [name for name, _ in checked if name.startswith("blocks.")]
+    assert len(blocks) == 2, checked
+    assert all(freed for name, freed in checked if name in blocks), checked

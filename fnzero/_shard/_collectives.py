@@ -111,6 +111,15 @@ def start_reduce_scatter(comm, full: torch.Tensor) -> PendingTensor:
     return fn(full) if fn is not None else PendingTensor(comm.reduce_scatter(full))
 
 
+def reduce_scatter_donated(comm, full: torch.Tensor) -> torch.Tensor:
+    """`comm.reduce_scatter(full)` for a caller that never reads `full` again: an implementation
+    may receive into its memory instead of allocating (N-1)/N of it anew."""
+    try:
+        return comm.reduce_scatter(full, donate=True)
+    except TypeError:  # an implementation without the donate option
+        return comm.reduce_scatter(full)
+
+
 def start_all_reduce(comm, t: torch.Tensor, donate: bool = False) -> PendingTensor:
     """`comm.all_reduce_async` (sum) where the implementation has it, else a completed result.
     `donate=True` lets an implementation reduce `t` in place."""
@@ -135,8 +144,8 @@ class LocalCollectives:
     def all_gather_async(self, shard):
         return PendingTensor(shard.clone())
 
-    def reduce_scatter(self, full):
-        return full.clone()
+    def reduce_scatter(self, full, donate: bool = False):
+        return full if donate else full.clone()
 
     def reduce_scatter_async(self, full):
         return PendingTensor(full.clone())
@@ -197,7 +206,11 @@ class ProcessGroupCollectives:
         work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
         return PendingTensor(out, work)
 
-    def reduce_scatter(self, full):
+    def reduce_scatter(self, full, donate: bool = False):
+        if donate and self._use_direct(full) and full.is_contiguous():
+            full = full.reshape(-1)
+            assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
+            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group, donate=True).wait()
         return self.reduce_scatter_async(full).wait()
 
     def reduce_scatter_async(self, full):
@@ -290,9 +303,9 @@ class RecordingCollectives:
             return start_all_gather_into(self.inner, shard, out)
         return self.inner.all_gather_async(shard)
 
-    def reduce_scatter(self, full):
+    def reduce_scatter(self, full, donate: bool = False):
         self._record("reduce_scatter", full, full.numel())
-        return self.inner.reduce_scatter(full)
+        return reduce_scatter_donated(self.inner, full) if donate else self.inner.reduce_scatter(full)
 
     def reduce_scatter_async(self, full):
         self._record("reduce_scatter", full, full.numel())
@@ -376,9 +389,9 @@ class CheckedCollectives:
             return start_all_gather_into(self.inner, shard, out)
         return self.inner.all_gather_async(shard)
 
-    def reduce_scatter(self, full):
+    def reduce_scatter(self, full, donate: bool = False):
         self._check("reduce_scatter", full)
-        return self.inner.reduce_scatter(full)
+        return reduce_scatter_donated(self.inner, full) if donate else self.inner.reduce_scatter(full)
 
     def reduce_scatter_async(self, full):
         self._check("reduce_scatter", full)

@@ -69,27 +69,37 @@ class _PendingGather:
 
 
 class _PendingReduce:
-    __slots__ = ("_pieces", "_own", "_works", "_keep", "_out")
+    __slots__ = ("_pieces", "_own", "_works", "_keep", "_fresh", "_later", "_out")
+    # Each work is waited for once: a gloo send waited for twice never returns.
 
-    def __init__(self, pieces, own, works, keep):
-        self._pieces, self._own, self._works, self._keep, self._out = pieces, own, works, keep, None
+    def __init__(self, pieces, own, works, keep, fresh, later=()):
+        self._pieces, self._own, self._works, self._keep = pieces, own, works, keep
+        self._fresh = fresh  # the piece received into new memory: where the result ends up
+        self._later = later  # (sends that free a region, post the receive into it), in order
+        self._out = None
 
     def wait(self) -> torch.Tensor:
         if self._out is None:
+            for sends, post in self._later:
+                for w in sends:
+                    w.wait()
+                post(self._works)
             for w in self._works:
                 w.wait()
             p = self._pieces
-            # Sum in rank order into a received buffer (never into the caller's input, and with
-            # no extra copy). Addition of two numbers commutes exactly, so starting from
-            # p[1] + p[0] when rank 0's own piece is first gives the same bits as p[0] + p[1].
+            # Sum in rank order, never into the caller's input (unless it was donated). Addition
+            # of two numbers commutes exactly, so starting from p[1] + p[0] when rank 0's own
+            # piece is first gives the same bits as p[0] + p[1].
             first = 1 if self._own == 0 else 0
             out = p[first]
             if first == 1:
                 out.add_(p[0])
             for j in range(first + 1, len(p)):
                 out.add_(p[j])
+            if out is not self._fresh:  # a region of the donated input: do not keep all of it alive
+                out = self._fresh.copy_(out)
             self._out = out
-            self._pieces = self._works = self._keep = None
+            self._pieces = self._works = self._keep = self._fresh = self._later = None
         return self._out
 
 
@@ -107,17 +117,46 @@ def start_direct_all_gather(shard: torch.Tensor, out: torch.Tensor, rank: int, w
     return _PendingGather(out, works, shard)
 
 
-def start_direct_reduce_scatter(full: torch.Tensor, rank: int, world: int, group) -> _PendingReduce:
+def start_direct_reduce_scatter(full: torch.Tensor, rank: int, world: int, group, donate: bool = False) -> _PendingReduce:
     """Sum `full` across ranks and keep this rank's piece [rank*c, (rank+1)*c), started
-    asynchronously."""
+    asynchronously.
+
+    With `donate` (the caller never reads `full` again) only the first received piece takes new
+    memory: the piece from rank - k lands in the region just sent to rank + k - 1, once that send
+    is done. That saves (N-2)/N of `full` at N >= 3, at the price of posting those receives in
+    `wait()`, so use it where the result is waited for at once.
+    """
     c = full.numel() // world
     tag = _next_tag(group)
-    pieces: list[torch.Tensor] = []
+    region = [full[r * c:(r + 1) * c] for r in range(world)]
+    pieces: list = [None] * world
+    pieces[rank] = region[rank]
+    frm1 = (rank - 1) % world
     works: list = []
-    for r in range(world):
-        pieces.append(full[rank * c:(rank + 1) * c] if r == rank else full.new_empty(c))
+    if not donate or world < 3:
+        for r in range(world):
+            if r != rank:
+                pieces[r] = full.new_empty(c)
+        for k in range(1, world):
+            to, frm = (rank + k) % world, (rank - k) % world
+            _exchange(works, region[to], None, _global(group, to), group, tag)
+            _exchange(works, None, pieces[frm], _global(group, frm), group, tag)
+        return _PendingReduce(pieces, rank, works, full, pieces[frm1])
+    sends: dict[int, list] = {}
     for k in range(1, world):
-        to, frm = (rank + k) % world, (rank - k) % world
-        _exchange(works, full[to * c:(to + 1) * c], None, _global(group, to), group, tag)
-        _exchange(works, None, pieces[frm], _global(group, frm), group, tag)
-    return _PendingReduce(pieces, rank, works, full)
+        to = (rank + k) % world
+        sends[k] = []
+        _exchange(sends[k], region[to], None, _global(group, to), group, tag)
+    works.extend(sends[world - 1])  # the others are waited for before their region is reused
+    pieces[frm1] = full.new_empty(c)
+    _exchange(works, None, pieces[frm1], _global(group, frm1), group, tag)
+    later = []
+    for k in range(2, world):
+        frm = (rank - k) % world
+        pieces[frm] = region[(rank + k - 1) % world]
+
+        def post(ws, frm=frm):
+            _exchange(ws, None, pieces[frm], _global(group, frm), group, tag)
+
+        later.append((sends[k - 1], post))
+    return _PendingReduce(pieces, rank, works, full, pieces[frm1], later)

@@ -110,10 +110,10 @@ class ShardedModule:
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
         """What the module's forward reads, by state_dict name: the views of each (unit, full
-        buffer) in `fulls`, the frozen parameters and the buffers."""
+        buffer[, stage-3 runtime]) in `fulls`, the frozen parameters and the buffers."""
         tensors: dict[str, torch.Tensor] = {}
-        for u, full in fulls:
-            tensors.update(unit_views(u, full))
+        for u, full, *rt in fulls:
+            tensors.update(unit_views(u, full, *rt))
         tensors.update(self._frozen)
         tensors.update(self._buffers)
         return tensors
@@ -141,7 +141,7 @@ class ShardedModule:
                 continue  # gathered when its forward runs
             full, rt = run.gather_unit(u)
             live.append((full, rt))
-            fulls.append((u, full))
+            fulls.append((u, full, rt))
         tensors = self._tensors(fulls)
         stack = contextlib.ExitStack()
         token = ACTIVE_RUN.set(run)

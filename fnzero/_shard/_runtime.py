@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
+from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
 
 __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN"]
@@ -28,9 +29,17 @@ __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_R
 ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
 
 
-def unit_views(unit: UnitPlan, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer."""
+def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "_UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
+    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer.
+
+    With `rt` (a stage-3 unit gathered in a forward), the re-gathered copy is dropped as soon as
+    autograd starts assembling the unit's flat gradient: every user of its parameters has run by
+    then, and the copy would otherwise sit beside the parameter gradients and their concatenation,
+    the peak of a unit's backward.
+    """
     pieces = torch.split(full, unit.split_sizes)
+    if rt is not None and pieces and pieces[0].grad_fn is not None:
+        pieces[0].grad_fn.register_prehook(rt.release_regathered)
     out = {}
     for slot, piece in zip(unit.slots, pieces):
         t = piece.view(slot.shape)
@@ -83,6 +92,9 @@ class _UnitRuntime:
             return full
         return self.comm.all_gather(self.shard.detach())
 
+    def release_regathered(self, grad_outputs):
+        self.bwd_full = None
+
     def regather(self) -> torch.Tensor:
         if self.bwd_full is None:
             if self.bwd_pending is not None:
@@ -129,7 +141,9 @@ class _GatherUnit(torch.autograd.Function):
             # A 16-bit sum over ranks can overflow where each addend does not: divide first
             # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).
             grad_full = grad_full / rt.comm.world_size
-        return rt.comm.reduce_scatter(grad_full), None
+        # Autograd made `grad_full` for this node alone (the concatenation of the parameter
+        # gradients), so the exchange may receive into it.
+        return reduce_scatter_donated(rt.comm, grad_full), None
 
 
 class _Regather:
@@ -232,9 +246,9 @@ class ApplyRun:
                     stack.enter_context(swap_tensors(a, b))
                 else:
                     unit, module = a, b
-                    full, _ = self.gather_unit(unit, prefetch=False)
+                    full, rt = self.gather_unit(unit, prefetch=False)
                     prefix = unit.module + "."
-                    local = {n[len(prefix):]: t for n, t in unit_views(unit, full).items()}
+                    local = {n[len(prefix):]: t for n, t in unit_views(unit, full, rt).items()}
                     stack.enter_context(swap_tensors(module, local))
             yield
 
@@ -282,7 +296,7 @@ class ApplyRun:
     def _enter_unit(self, unit: UnitPlan, module: nn.Module) -> contextlib.ExitStack:
         full, rt = self.gather_unit(unit)
         prefix = unit.module + "."
-        local = {name[len(prefix):]: t for name, t in unit_views(unit, full).items()}
+        local = {name[len(prefix):]: t for name, t in unit_views(unit, full, rt).items()}
         self.bindings.append(("unit", unit, module))
         stack = contextlib.ExitStack()
         try:
