@@ -2,6 +2,7 @@
 
     python benchmarks/bench_zero.py                       # 27.4M GPT, 2 ranks x 1 thread
     python benchmarks/bench_zero.py --model gpt100m --world 4 --configs z0,z3 --steps 2 --warmup 1
+    python benchmarks/bench_zero.py --configs z3,z3_nvme,z3_nvme_params       # ZeRO-Infinity
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
 seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
@@ -17,6 +18,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,7 +38,13 @@ LABELS = {
     "z1": "fnzero ZeRO-1",
     "z2": "fnzero ZeRO-2",
     "z3": "fnzero ZeRO-3",
+    "z3_nvme": "fnzero ZeRO-3, optimizer on NVMe",
+    "z3_nvme_params": "fnzero ZeRO-3, optimizer + params on NVMe",
 }
+# Model-state bytes per rank *in memory* beside the ZeRO formula, for Ψ params, N ranks, fp32:
+# NVMe holds the master and moments (12Ψ/N), and with offload_param the parameter shards as well.
+# The store's staging buffers (4 x 3 x 2^20 x 4 bytes = 48 MiB) come on top.
+IN_MEMORY = {"z3_nvme": 8, "z3_nvme_params": 4}
 
 
 def _rss_mib():
@@ -49,7 +57,7 @@ def _current_rss_mib():
 
 
 def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0,
-           remat: bool = False):
+           remat: bool = False, nvme_dir: str | None = None):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -76,10 +84,17 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
 
     if kind.startswith("z"):
         stage = int(kind[1])
+        zero = {"stage": stage}
+        if "nvme" in kind:
+            # The store's staging buffers: buffer_count x 3 kinds x sub_group_size x 4 bytes.
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4}
+            zero["sub_group_size"] = 1 << 20
+        if kind.endswith("params"):
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
         cfg = fnzero.load_config({
             "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": zero,
             "comms_logger": {"enabled": True},
         }, world_size=world)
         sm = fnzero.shard(model, config=cfg)
@@ -139,6 +154,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="ddp,ddp_fused,fsdp2,z0,z1,z2,z3")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--nvme-dir", default=tempfile.gettempdir(),
+                    help="where the z3_nvme* configurations keep their scratch files")
     ap.add_argument("--remat", action="store_true", help="activation checkpointing of every block, in every configuration")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=4 << 20,
                     help="glibc mmap threshold applied in every configuration's ranks, as fnzero.init_distributed "
@@ -163,7 +180,7 @@ def main():
     for kind in args.configs.split(","):
         with CpuMonitor() as mon:
             res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                            args.malloc_mmap_threshold, args.remat, timeout=3600, env=env)
+                            args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
         slow = max(res, key=lambda r: r["step_s"])
         psi = slow["psi"]
         stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
@@ -172,7 +189,8 @@ def main():
             tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
             rss=max(r["peak_rss_mib"] for r in res),
             rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
-            theory=zero_formula(psi, stage, args.world, False) / 2**20,
+            theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
+                    else zero_formula(psi, stage, args.world, False)) / 2**20,
             sent_mb=slow["sent"] / 1e6,
             loss=res[0]["loss"],
             other=mon.other_cores,
@@ -181,7 +199,8 @@ def main():
         print(f"  {LABELS[kind]:34s} {r['step_s']:.3f} s/step  {r['rss_above']:.0f} MiB above baseline  "
               f"(other cores {r['other']:.2f})", flush=True)
     base = rows.get("ddp")
-    print(f"\nΨ = {psi:,} params; theory = ZeRO model-state bytes for fp32 Adam at N = {args.world}\n")
+    print(f"\nΨ = {psi:,} params; theory = ZeRO model-state bytes for fp32 Adam at N = {args.world} "
+          "(for NVMe configurations, the part held in memory)\n")
     hdr = ("config", "s/step", "vs DDP", "tok/s", "peak RSS MiB", "RSS-baseline MiB", "vs DDP", "theory MiB",
            "ring MB sent/step/rank", "other cores", "final loss")
     print("| " + " | ".join(hdr) + " |")

@@ -20,6 +20,7 @@ class ShardPolicy:
     prefetch_numel: int = 0
     max_live_numel: int = 10**18
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
+    offload_param: str | None = None  # None | "cpu" | "nvme"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,8 @@ def _cfg_precision(cfg) -> str:
     return "fp16" if fp16 else "bf16" if bf16 else "fp32"
 
 
-def _offload_device(cfg) -> str | None:
-    oo = getattr(getattr(cfg, "zero_optimization", None), "offload_optimizer", None)
+def _offload_device(cfg, block: str = "offload_optimizer") -> str | None:
+    oo = getattr(getattr(cfg, "zero_optimization", None), block, None)
     dev = getattr(oo, "device", None)
     return None if dev in (None, "none") else str(dev)
 
@@ -76,6 +77,7 @@ def shard_policy(cfg, stage: int | None = None) -> ShardPolicy:
         prefetch_numel=int(z.stage3_prefetch_bucket_size),
         max_live_numel=int(z.stage3_max_live_parameters),
         offload_optimizer=_offload_device(cfg),
+        offload_param=_offload_device(cfg, "offload_param"),
     )
 
 

@@ -16,6 +16,7 @@ One mechanism serves every ZeRO stage (`specs/sharding.md`, `specs/collectives.m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from typing import Any, Callable
@@ -416,9 +417,13 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
     from ._offload._state import NvmeOptState
 
     nvme = isinstance(state.opt_state, NvmeOptState)  # the master is on disk
+    # `offload_param: nvme`: these units' parameters are the master file itself (placeholders here).
+    in_store = {u.name for u in plan.units if nvme and state.opt_state.holds_params and plan.params_sharded(u)}
     for u in plan.units:
         p = state.params[u.name]
-        if state.master is None and not nvme:
+        if u.name in in_store:
+            out[u.name] = None
+        elif state.master is None and not nvme:
             out[u.name] = None  # fp32 on the host: the master *is* the parameter slice
         else:
             numel = master[u.name].numel()
@@ -430,7 +435,10 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
             grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
             out={k: v for k, v in out.items() if v is not None}, inplace=donate,
         )
-    new_slices = {u.name: out[u.name] if out[u.name] is not None else new_master[u.name] for u in plan.units}
+    new_slices = {
+        u.name: state.params[u.name] if u.name in in_store else out[u.name] if out[u.name] is not None else new_master[u.name]
+        for u in plan.units
+    }
     new_params = _publish_params(state, new_slices, donate)
     return state.replace(
         params=new_params,
@@ -444,8 +452,6 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
 def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donate: bool, out):
     """ZeRO-Infinity: the store streams master and moments through the C kernel in sub-groups and
     writes the new parameters into `out`."""
-    from ._offload._state import NvmeOptState
-
     opt_state = state.opt_state
     store = opt_state.store
     count = int(opt_state.count)
@@ -461,7 +467,7 @@ def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donat
     for k, v in out.items():
         if v is not None and k not in targets:  # accelerator parameters: copy the host result over
             v.copy_(store.read(k, "master").to(v.dtype))
-    return None, NvmeOptState(count=torch.tensor(count + 1, dtype=torch.int64), store=store)
+    return None, dataclasses.replace(opt_state, count=torch.tensor(count + 1, dtype=torch.int64))
 
 
 def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

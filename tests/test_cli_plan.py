@@ -122,7 +122,7 @@ def test_config_row_is_marked():
     rep = json.loads(out)
     assert {r["precision"] for r in rep["rows"]} == {"bf16"}
     (mine,) = [r for r in rep["rows"] if r["from_config"]]
-    assert (mine["stage"], mine["offload_optimizer"], mine["offload_param"]) == (3, "nvme", "cpu")
+    assert (mine["stage"], mine["offload_optimizer"], mine["offload_param"]) == (3, "nvme", "nvme")
     rc, out, _ = run_cli("plan", "--params", "7B", "--world-size", 8, "--config", "examples/configs/offload_cpu.json")
     assert rc == 0
     assert any(line.startswith("*") and "opt=cpu" in line and line.split()[1] == "2" for line in out.splitlines()), out

@@ -11,12 +11,20 @@ from fnzero.memory import model_state_bytes
 from fnzero.testing._threads import simulated_world
 
 
+def _zero(stage, offload, path, sub_group=1000):
+    """The zero_optimization block: offload "cpu", "nvme", or "nvme+params" (optimizer state and
+    stage-3 parameter shards on NVMe)."""
+    oo = {"device": offload.split("+")[0]}
+    z = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group, "offload_optimizer": oo}
+    if offload.startswith("nvme"):
+        oo["nvme_path"] = str(path)
+    if offload == "nvme+params":
+        z["offload_param"] = {"device": "nvme", "nvme_path": str(path)}
+    return {"zero_optimization": z}
+
+
 def _run(stage, precision, offload, tmp_path, world=2, steps=3, sub_group=1000, keep_state=False):
-    oo = {"device": offload}
-    if offload == "nvme":
-        oo["nvme_path"] = str(tmp_path)
-    extra = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                   "sub_group_size": sub_group, "offload_optimizer": oo}}
+    extra = _zero(stage, offload, tmp_path, sub_group)
     def rank_fn(comm):
         r = W.train_fnzero("gpt", stage, steps, comm, k=2, dtype=torch.float32, precision=precision,
                            extra=extra, donate=True, return_state=True)
@@ -67,11 +75,7 @@ def _resume_run(tmp_path, stage, precision, save_with, load_with, world=2, k=2):
     """Rank function: 2k steps straight with `save_with` offload; and k steps, save, then a fresh
     run with `load_with` offload that loads the checkpoint and takes the other k steps."""
     def extra(offload, sub):
-        oo = {"device": offload}
-        if offload == "nvme":
-            oo["nvme_path"] = str(tmp_path / sub)
-        return {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                                      "sub_group_size": 1000, "offload_optimizer": oo}}
+        return _zero(stage, offload, tmp_path / sub)
 
     def rank_fn(comm):
         def run(offload, sub, steps, start=0, ckpt_in=None, ckpt_out=None):
@@ -99,11 +103,41 @@ def _resume_run(tmp_path, stage, precision, save_with, load_with, world=2, k=2):
     return simulated_world(world).run(rank_fn)
 
 
-@pytest.mark.parametrize("save_with,load_with", [("nvme", "nvme"), ("nvme", "cpu"), ("cpu", "nvme")])
-@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize("save_with,load_with,stage,precision", [
+    (a, b, stage, precision)
+    for stage, precision in [(2, "fp32"), (3, "bf16")]
+    for a, b in [("nvme", "nvme"), ("nvme", "cpu"), ("cpu", "nvme")]
+] + [("nvme+params", "cpu", 3, "fp32"), ("cpu", "nvme+params", 3, "bf16"), ("nvme+params", "nvme+params", 3, "bf16")])
 def test_nvme_runs_checkpoint_and_resume_bit_for_bit(tmp_path, stage, precision, save_with, load_with):
     # The store's master and moments go into an ordinary checkpoint (the CPU-offload layout), and
     # come back into a new run's store: resuming equals training straight through, bit for bit.
     (straight, first, resumed), _ = _resume_run(tmp_path, stage, precision, save_with, load_with)
     assert first[0] + resumed[0] == straight[0]
     W.assert_close_tree(resumed[1], straight[1], rtol=0, atol=0, what=f"{save_with}->{load_with}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nvme_param_offload_equals_in_memory_params_bit_for_bit(precision, tmp_path):
+    # specs/offload.md §Parameters: shards read from the master file, rounded to the compute dtype,
+    # are the bits the fused copy-out would have kept in memory.
+    held = _run(3, precision, "nvme", tmp_path / "a")[0]
+    (r0, _) = _run(3, precision, "nvme+params", tmp_path / "b", keep_state=True)
+    assert r0["losses"] == held["losses"]
+    W.assert_close_tree(r0["compute_params"], held["compute_params"], rtol=0, atol=0, what=f"params on nvme {precision}")
+    state, plan = r0["state"], r0["state"].sharding.plan
+    sharded = [u for u in plan.units if plan.params_sharded(u)]
+    assert sharded and all(state.params[u.name].untyped_storage().nbytes() <= 4 for u in sharded)
+    assert model_state_bytes(state).params <= 4 * len(plan.units)  # the 2-4Ψ/N of parameters left memory
+    assert state.opt_state.holds_params
+
+
+@pytest.mark.parametrize("zero,match", [
+    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer is device 'cpu'"),
+    ({}, "offload_optimizer is not set"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/elsewhere"}}, "differs from offload_optimizer.nvme_path"),
+])
+def test_param_offload_to_nvme_says_what_it_needs(tmp_path, zero, match):
+    cfg = W.config(3, extra={"zero_optimization": {"stage": 3, **zero,
+                                                   "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    with pytest.raises(fnzero.ShardingError, match=match):
+        fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg)

@@ -8,6 +8,7 @@ ordinary checkpoint loads into an NVMe run, whose store is then overwritten with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -17,6 +18,7 @@ from ..optim._adam import AdamState
 from ..optim._lion import LionState
 from .._shard._module import optimizer_view
 from .._state import TrainState
+from ._params import is_placeholder
 from ._state import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
@@ -34,12 +36,17 @@ def _master_in_params(state: TrainState) -> bool:
 
 
 def _in_memory(state: TrainState, tensor: Callable[[str, str], torch.Tensor]) -> TrainState:
-    """`state` in the CPU-offload layout, each unit's master/moment being `tensor(unit, kind)`."""
+    """`state` in the CPU-offload layout, each unit's master/moment being `tensor(unit, kind)`;
+    parameters held in the store (`offload_param: nvme`) are its master in the compute dtype."""
     store = state.opt_state.store
     moments = {kind: {u: tensor(u, kind) for u in store.units} for kind in store.kinds[1:]}
     new_opt = _STATE_TYPES[store.optimizer](count=state.opt_state.count.clone(), **moments)
     master = None if _master_in_params(state) else {u: tensor(u, "master") for u in store.units}
-    return state.replace(opt_state=new_opt, master=master)
+    params = {
+        u: (master[u] if master is not None else tensor(u, "master")).to(p.dtype) if is_placeholder(p) else p
+        for u, p in state.params.items()
+    }
+    return state.replace(params=params, opt_state=new_opt, master=master)
 
 
 def materialize(state: TrainState) -> TrainState:
@@ -67,4 +74,7 @@ def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
             store.write(u, kind, getattr(loaded.opt_state, kind)[u])
     count = int(loaded.opt_state.count)
     store.set_step(count)
-    return loaded.replace(master=None, opt_state=NvmeOptState(count=torch.tensor(count, dtype=torch.int64), store=store))
+    # Parameters held in the store go back to placeholders: their values are the master just written.
+    params = {u: like.params[u] if is_placeholder(like.params[u]) else p for u, p in loaded.params.items()}
+    return loaded.replace(params=params, master=None,
+                          opt_state=dataclasses.replace(like.opt_state, count=torch.tensor(count, dtype=torch.int64)))

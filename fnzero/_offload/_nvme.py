@@ -237,11 +237,11 @@ class NvmeOptimizerStore:
         dtype, converted a chunk at a time), multiplied by `grad_scale` in the kernel. `step`: this
         step, counted from 1. `hyper`: the kernel's own keywords (adam: lr, beta1, beta2, eps,
         weight_decay, adamw, bias_correction; adagrad: lr, lr_decay, eps, weight_decay; lion: lr,
-        beta1, beta2, weight_decay). `out[unit]` (fp32, bf16 or fp16) receives the new parameters
-        in the same pass. Equals the in-memory kernel on whole shards bit for bit."""
+        beta1, beta2, weight_decay). `out[unit]` (fp32, bf16 or fp16; any subset of the units)
+        receives the new parameters in the same pass. Equals the in-memory kernel on whole shards bit for bit."""
         self._check_usable("step", write=True)
         grads = self._check_tensors("grads", grads, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
-        outs = self._check_tensors("out", out, (torch.float32, torch.bfloat16, torch.float16)) if out is not None else {}
+        outs = self._check_tensors("out", out, (torch.float32, torch.bfloat16, torch.float16), subset=True) if out is not None else {}
         kw = dict(hyper, grad_scale=grad_scale, num_threads=num_threads, use_cext=self._use_cext)
         if self.optimizer in _TAKES_STEP:
             kw["step"] = step
@@ -424,11 +424,13 @@ class NvmeOptimizerStore:
             raise KeyError(f"NvmeOptimizerStore: no unit {unit!r} (units: {list(self._units)[:8]}...)")
         return self._units[unit]
 
-    def _check_tensors(self, what: str, tensors: Any, dtypes: tuple) -> dict[str, torch.Tensor]:
-        if not isinstance(tensors, dict) or set(tensors) != set(self._units):
-            got = set(tensors) if isinstance(tensors, dict) else type(tensors).__name__
-            raise ValueError(f"NvmeOptimizerStore.step: {what} must have exactly the store's units {sorted(self._units)}, "
-                             f"got {sorted(got) if isinstance(got, set) else got}")  # fmt: skip
+    def _check_tensors(self, what: str, tensors: Any, dtypes: tuple, subset: bool = False) -> dict[str, torch.Tensor]:
+        names = set(tensors) if isinstance(tensors, dict) else None
+        if names is None or not (names <= set(self._units) if subset else names == set(self._units)):
+            got = sorted(names) if names is not None else type(tensors).__name__
+            which = "only units of the store" if subset else "exactly the store's units"
+            raise ValueError(f"NvmeOptimizerStore.step: {what} must have {which} {sorted(self._units)}, "
+                             f"got {got}")  # fmt: skip
         flat = {}
         for name, t in tensors.items():
             flat[name] = _flat(name, what, t)

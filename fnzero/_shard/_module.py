@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Callable, Iterable
 
@@ -83,6 +84,8 @@ class ShardedModule:
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel)
         self._frozen: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        # `offload_param: nvme`: the NVMe store that stage-3 shards are read from (set by init_state).
+        self._param_store = None
 
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -134,7 +137,8 @@ class ShardedModule:
     def _begin_run(self, params: dict[str, torch.Tensor]) -> tuple[ApplyRun, dict[str, torch.Tensor], Any]:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
-        run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None)
+        run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
+                       shard_store=self._param_store)
         fulls, live = [], []
         for u in plan.units:
             if plan.params_sharded(u) and u.module != "":
@@ -222,6 +226,16 @@ class ShardedModule:
         if offload == "nvme":
             opt_state = self._nvme_init(optimizer_view(plan, rank, initial, elementwise=True))
             master = None  # on disk, with the moments
+            if self.policy.offload_param == "nvme":
+                from .._offload._params import placeholder
+
+                # The shards are read from the store's master file when gathered (`_params.py`).
+                params = {
+                    u.name: placeholder(u.shard_numel, cd, self.sharding.device) if plan.params_sharded(u) else params[u.name]
+                    for u in plan.units
+                }
+                opt_state = dataclasses.replace(opt_state, holds_params=True)
+                self._param_store = opt_state.store
         else:
             opt_state = opt.init(opt_target)
         return TrainState(
@@ -269,7 +283,13 @@ class ShardedModule:
             src = params
         out = {}
         for u in self.plan.units:
-            full = full_unit(u, src[u.name].detach(), self.comm)
+            shard = src[u.name].detach()
+            if self._param_store is not None:
+                from .._offload._params import is_placeholder, read_shard
+
+                if is_placeholder(shard):
+                    shard = read_shard(self._param_store, u.name, shard)
+            full = full_unit(u, shard, self.comm)
             if full.numel() != u.padded_numel:
                 full = self.comm.all_gather(full)
             if rank0_only and self.comm.rank != 0:
@@ -284,6 +304,28 @@ class ShardedModule:
         for name, t in {**state.frozen, **state.buffers}.items():
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
         return out
+
+
+def _check_param_offload(config, stage: int) -> None:
+    """`offload_param: nvme` reads parameter shards from the optimizer's NVMe master file
+    (`_offload/_params.py`), so it needs that file, at the same place."""
+    z = config.zero_optimization
+    oo, op = z.offload_optimizer, z.offload_param
+    if stage != 3:
+        raise ShardingError(f"zero_optimization.offload_param device 'nvme' needs stage 3 (this run is stage {stage})")
+    if oo is None or oo.device != "nvme":
+        got = "not set" if oo is None else f"device {oo.device!r}"
+        raise ShardingError(
+            "zero_optimization.offload_param device 'nvme' reads parameter shards from the optimizer's "
+            f"master file on NVMe, but offload_optimizer is {got}; set offload_optimizer "
+            f'{{"device": "nvme", "nvme_path": "{op.nvme_path}"}}'
+        )
+    if op.nvme_path and os.path.realpath(op.nvme_path) != os.path.realpath(oo.nvme_path):
+        raise ShardingError(
+            f"zero_optimization.offload_param.nvme_path {op.nvme_path!r} differs from offload_optimizer.nvme_path "
+            f"{oo.nvme_path!r}; fnzero keeps parameter shards in the optimizer's master file, so give both the "
+            "same directory"
+        )
 
 
 def _aio_kwargs(aio: dict | None) -> dict | None:
@@ -353,12 +395,14 @@ def shard(
     device = torch.device(device)
     op = getattr(getattr(config, "zero_optimization", None), "offload_param", None)
     op_device = getattr(op, "device", "none") if op is not None else "none"
-    if op_device == "nvme" or (op_device == "cpu" and device.type != "cpu"):
+    if op_device == "cpu" and device.type != "cpu":
         raise ShardingError(
-            f"zero_optimization.offload_param device {op_device!r} on {device.type} is not implemented yet "
-            "(parameter shards stay in device memory); remove offload_param. On CPU runs, device 'cpu' is "
-            "what already happens and is accepted"
+            f"zero_optimization.offload_param device 'cpu' on {device.type} is not implemented yet "
+            "(parameter shards stay in device memory); remove offload_param, or use device 'nvme' with "
+            "offload_optimizer on nvme. On CPU runs, device 'cpu' is what already happens and is accepted"
         )
+    if op_device == "nvme":
+        _check_param_offload(config, policy.stage)
     plan = make_plan(
         model,
         comm.world_size,

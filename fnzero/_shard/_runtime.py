@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
+from .._offload._params import is_placeholder, read_shard
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
 
@@ -74,23 +75,30 @@ class _UnitRuntime:
     """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
     buffer re-gathered for backward."""
 
-    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed")
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "store")
 
-    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun"):
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", store=None):
         self.unit = unit
         self.shard = shard
         self.comm = comm
         self.run = run
+        self.store = store  # `offload_param: nvme`: where a placeholder shard's values are read from
         self.pending = None  # forward prefetch in flight
         self.bwd_full = None
         self.bwd_pending = None  # backward prefetch in flight
         self.packed = False  # autograd saved a view of this unit's parameters
 
+    def shard_values(self) -> torch.Tensor:
+        """What this rank contributes to a gather: the shard, or its values read from NVMe."""
+        if self.store is not None:
+            return read_shard(self.store, self.unit.name, self.shard)
+        return self.shard.detach()
+
     def gather(self) -> torch.Tensor:
         if self.pending is not None:
             full, self.pending = self.pending.wait(), None
             return full
-        return self.comm.all_gather(self.shard.detach())
+        return self.comm.all_gather(self.shard_values())
 
     def release_regathered(self, grad_outputs):
         self.bwd_full = None
@@ -100,7 +108,7 @@ class _UnitRuntime:
             if self.bwd_pending is not None:
                 self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
             else:
-                self.bwd_full = self.comm.all_gather(self.shard.detach())
+                self.bwd_full = self.comm.all_gather(self.shard_values())
             self.run.prefetch_backward(self.unit.name)
         return self.bwd_full
 
@@ -157,11 +165,13 @@ class ApplyRun:
     """One call of `ShardedModule.apply`: which buffers are gathered right now, and the hooks that
     keep gathered parameters out of autograd's saved tensors."""
 
-    def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None):
+    def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
+                 shard_store=None):
         self.plan = plan
         self.comm = comm
         self.params = params
         self.schedule = schedule
+        self.shard_store = shard_store  # `offload_param: nvme` (`_offload/_params.py`)
         self._live: dict[int, _UnitRuntime] = {}
         self.rts: dict[str, _UnitRuntime] = {}
         self.order: list[str] = []  # stage-3 units in the order this forward gathered them
@@ -175,7 +185,9 @@ class ApplyRun:
     def _runtime(self, unit: UnitPlan) -> _UnitRuntime:
         rt = self.rts.get(unit.name)
         if rt is None:
-            rt = self.rts[unit.name] = _UnitRuntime(unit, self.params[unit.name], self.comm, self)
+            p = self.params[unit.name]
+            store = self.shard_store if self.shard_store is not None and is_placeholder(p) else None
+            rt = self.rts[unit.name] = _UnitRuntime(unit, p, self.comm, self, store)
         return rt
 
     def prefetch_forward(self, name: str) -> None:
@@ -189,7 +201,7 @@ class ApplyRun:
         ):
             return
         rt = self._runtime(unit)
-        rt.pending = self.comm.all_gather_async(rt.shard.detach())
+        rt.pending = self.comm.all_gather_async(rt.shard_values())
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
@@ -203,7 +215,7 @@ class ApplyRun:
         rt = self.rts.get(prev) if prev is not None else None
         if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
             return
-        rt.bwd_pending = self.comm.all_gather_async(rt.shard.detach())
+        rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
 
     def finish_forward(self) -> None:
         if self.schedule is not None and self.order:
