@@ -37,3 +37,22 @@ def test_plot_stages_short_mode_draws_equal_curves_and_exact_memory(tmp_path):
         assert want <= got <= want * 1.01, (s, got, want)
     states = [res[s]["model_state"] for s in "0123"]
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 1.9
+
+
+@pytest.mark.multiprocess
+def test_bench_zero_nvme_configurations_train_the_same_model(tmp_path):
+    # ZeRO-Infinity rows of bench_zero.py: optimizer (and parameters) on NVMe give the in-memory
+    # run's loss exactly (specs/offload.md §Parameters), and the script prints the table.
+    js = tmp_path / "zero.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_zero.py"), "--model", "gpt_tiny", "--world", "2",
+           "--steps", "2", "--warmup", "1", "--configs", "z3,z3_nvme,z3_nvme_params", "--nvme-dir", str(tmp_path),
+           "--json", str(js)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    import json
+
+    rows = json.loads(js.read_text())["rows"]
+    assert sorted(rows) == ["z3", "z3_nvme", "z3_nvme_params"]
+    assert rows["z3_nvme"]["loss"] == rows["z3"]["loss"] == rows["z3_nvme_params"]["loss"]
+    assert "optimizer + params on NVMe" in p.stdout
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("fnzero-rank")]  # scratch files removed
