@@ -82,6 +82,28 @@ def test_ring_traffic_per_stage(world):
     assert ddp < sent[3] <= 1.5 * ddp + scalar
 
 
+def test_stage3_keeps_the_last_forward_unit_for_backward():
+    """specs/collectives.md §Per stage: the unit gathered last in forward (the head) is needed first
+    in backward, so from the second step on (when the order is known) it is not gathered again."""
+    def rank_fn(comm):
+        rec = RecordingCollectives(comm)
+        sm = fnzero.shard(_model(), config=_cfg(3, 2), comm=rec)
+        state = sm.init_state()
+        step = fnzero.train_step(
+            lambda p, b: torch.nn.functional.cross_entropy(sm.apply(p, b[0]).flatten(0, 1), b[1].flatten()), _cfg(3, 2))
+        x = torch.randint(0, 50, (2, 8))
+        counts = []
+        for _ in range(3):
+            rec.reset()
+            state, _ = step(state, (x, x))
+            counts.append(sum(r.op == "all_gather" for r in rec.reset()))
+        return counts, len(sm.plan.units)
+
+    counts, units = simulated_world(2).run(rank_fn)[0]
+    assert counts[1] == counts[2] == counts[0] - 1, counts
+    assert counts[1] >= units  # every unit is still gathered for its forward
+
+
 def test_stage3_never_all_reduces_gradients():
     _, records, _ = _traffic(3, 2)
     big_all_reduces = [r for r in records if r.op == "all_reduce" and r.numel > 2]

@@ -176,6 +176,10 @@ class ApplyRun:
         self.rts: dict[str, _UnitRuntime] = {}
         self.order: list[str] = []  # stage-3 units in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
+        # The unit gathered last in the previous forward is needed again first in backward: its
+        # saved views are kept rather than re-gathered (FSDP2 likewise leaves the root gathered
+        # after forward). A performance cache: a wrong guess only costs a gather or a buffer kept.
+        self.keep = schedule.forward_order[-1] if schedule is not None and schedule.forward_order else None
         # Parameter bindings in force right now, outermost first: ("tensors", module, {name: t})
         # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
@@ -203,10 +207,19 @@ class ApplyRun:
         rt = self._runtime(unit)
         rt.pending = self.comm.all_gather_async(rt.shard_values())
 
-    def prefetch_backward(self, name: str) -> None:
+    def prefetch_backward(self, name: str, after: bool = False) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
-        units this forward gathered and autograd kept views of (known once forward is done)."""
+        units this forward gathered and autograd kept views of (known once forward is done).
+        `after`: `name` was not re-gathered (the kept unit); take the last re-gathered unit before it."""
         if self.schedule is None:
+            return
+        if after:
+            i = self.order.index(name)
+            packed = [n for n in self.order[:i] if self.rts[n].packed]
+            prev = packed[-1] if packed else None
+            rt = self.rts.get(prev) if prev is not None else None
+            if rt is not None and rt.bwd_full is None and rt.bwd_pending is None:
+                rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
             return
         if self._bwd_prev is None:
             packed = [n for n in self.order if self.rts[n].packed]
@@ -220,6 +233,10 @@ class ApplyRun:
     def finish_forward(self) -> None:
         if self.schedule is not None and self.order:
             self.schedule.record_forward(self.order)
+            # The kept unit's backward re-gathers nothing, so start the re-gather of the unit
+            # after it here, as its own re-gather would have.
+            if self.keep is not None and self.keep in self.rts and not self.rts[self.keep].packed:
+                self.prefetch_backward(self.keep, after=True)
 
     # -- saved-tensor hooks ---------------------------------------------------------------------
     # Under torch.compile autograd calls these for every tensor a compiled graph saves; dynamo
@@ -233,7 +250,7 @@ class ApplyRun:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
             return t
         rt = self._live.get(ptr)
-        if rt is None:
+        if rt is None or rt.unit.name == self.keep:
             return t
         rt.packed = True
         return _Regather(rt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
