@@ -144,6 +144,9 @@ def _check(num_params, stage, world_size, precision, offload_optimizer, offload_
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
     if offload_param != "none" and stage != 3:
         raise ValueError("parameter offload needs ZeRO stage 3")
+    if offload_param == "nvme" and offload_optimizer != "nvme":
+        # What `fnzero.shard` enforces: the shards are read from the optimizer's NVMe master file.
+        raise ValueError("parameter offload to nvme needs offload_optimizer on nvme too")
     if not 0.0 <= ratio <= 1.0 or (ratio < 1.0 and stage != 3):
         raise ValueError(f"offload ratio must be in [0, 1], and below 1 only at stage 3; got {ratio!r} at stage {stage}")
 

@@ -177,6 +177,7 @@ def test_partial_offload_interpolates():
 @pytest.mark.parametrize("kw", [
     dict(stage=0, offload_optimizer="cpu"), dict(stage=2, offload_param="cpu"), dict(stage=2, ratio=0.5),
     dict(stage=4), dict(stage=1, precision="fp8"), dict(stage=1, world_size=0), dict(stage=1, offload_param="disk"),
+    dict(stage=3, offload_optimizer="cpu", offload_param="nvme"),  # shard refuses it (specs/offload.md §Parameters)
 ])
 def test_estimate_rejects_what_config_rejects(kw):
     kw = {"world_size": 8, **kw}
