@@ -59,6 +59,8 @@ def valid_configs(draw):
     if stage > 0 and draw(st.booleans()):
         src["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": draw(st.booleans())}
     if stage == 3 and draw(st.booleans()):
+        # Parameters on NVMe live in the optimizer's master file there (specs/offload.md §Parameters).
+        src["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/local_nvme"}
         src["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/local_nvme"}
     if draw(st.booleans()):
         src["optimizer"] = draw(optimizers())

@@ -313,6 +313,14 @@ def test_nvme_without_path():
     fails(cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), "`zero_optimization.offload_param.nvme_path`")
 
 
+def test_nvme_params_need_the_optimizer_on_nvme_at_the_same_path():
+    fails(cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                 "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}),
+          "`zero_optimization.offload_optimizer.device` is 'cpu'", "same nvme_path")
+    fails(cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                                 "offload_param": {"device": "nvme", "nvme_path": "/b"}}), "differs from")
+
+
 def test_partial_offload_needs_stage3():
     fails(cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}), "ratio", "stage` 3")
 
