@@ -10,12 +10,16 @@ Run (from the repository root, after the README's setup):
     fnzero launch --nproc-per-node 8 examples/train_gpt.py --config examples/configs/bf16.json
 
 The training step is a pure function `step(state, batch) -> (state, metrics)`; logging happens
-outside it.
+outside it. At the end the run saves a checkpoint under --checkpoint-dir and exports the weights as
+safetensors; run the same command again and it resumes from that checkpoint (at any world size)
+and trains --steps more.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -34,6 +38,10 @@ p.add_argument("--d-model", type=int, default=128)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--heads", type=int, default=4)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--checkpoint-dir", default="runs/train_gpt",
+               help="save a checkpoint here at the end, and resume from it when it exists ('' = neither)")
+p.add_argument("--export", default="model.safetensors",
+               help="file name, inside --checkpoint-dir, for the exported bf16 weights ('' = no export)")
 p.add_argument("--jit", action="store_true",
                help="compile the step's forward and backward with torch.compile (fnzero.jit; ~30 s the first time)")
 args = p.parse_args()
@@ -60,9 +68,22 @@ step = fnzero.train_step(loss_fn, cfg, donate=True)
 if args.jit:
     step = fnzero.jit(step)  # same step; graph breaks, if any, are warned once with their reason
 
-# -- data: each rank reads its own stream of windows -----------------------------------------------
+# -- resume: a checkpoint loads into this run's layout, whatever world size or stage saved it -------
+start = 0
+if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "latest")):
+    try:
+        state, client = fnzero.checkpoint.load(args.checkpoint_dir, like=state)
+    except fnzero.FnzeroError as e:
+        sys.exit(f"cannot resume from {args.checkpoint_dir}: {e}\n(a different model? pass another --checkpoint-dir)")
+    start = int(client["step"])
+    if dist.rank == 0:
+        print(f"resumed from {args.checkpoint_dir} at step {start}")
+
+# -- data: each rank reads its own stream of windows (where the previous run stopped) --------------
 per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
 batches = token_batches(per_rank, args.seq_len, seed=args.seed * 1000 + dist.rank)
+for _ in range(start):
+    next(batches)
 
 if dist.rank == 0:
     print(f"fnzero {fnzero.__version__}: GPT {sm.plan.num_params / 1e6:.2f}M params, ZeRO stage {sm.plan.stage}, "
@@ -75,7 +96,7 @@ first_loss = None
 # tensorboard, memory_breakdown, flops_profiler and wall_clock_breakdown from the config.
 with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens_per_step=tokens_per_step,
                          total_steps=args.steps) as mon:
-    for i in range(1, args.steps + 1):
+    for i in range(start + 1, start + args.steps + 1):
         batch = {k: v.to(dist.device) for k, v in next(batches).items()}
         if mon.should_profile(i):  # every rank: the forward gathers shards at stage 3
             mon.profile_flops(loss_fn, state.params, fnzero.split_micro_batches(batch, cfg.gradient_accumulation_steps)[0])
@@ -84,12 +105,19 @@ with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens
         mon.log(i, m, state=state)
 
 elapsed = time.perf_counter() - t0
+if args.checkpoint_dir:  # every rank writes its shards; loadable at any world size
+    fnzero.checkpoint.save(args.checkpoint_dir, state, client_state={"step": start + args.steps}, config=cfg)
+    if args.export:
+        fnzero.checkpoint.export_live(sm, state, os.path.join(args.checkpoint_dir, args.export), dtype="bf16")
 msb = model_state_bytes(state)
 print(f"rank {dist.rank}: model state {msb.total / 2**20:.2f} MiB (params {msb.params / 2**20:.2f}, "
       f"master {msb.master / 2**20:.2f}, optimizer {msb.optimizer / 2**20:.2f}, grads {msb.grads / 2**20:.2f}); "
       f"peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
 if dist.rank == 0:
     print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first_loss:.3f} -> {m['loss']:.3f}")
+    if args.checkpoint_dir:
+        print(f"saved checkpoint {args.checkpoint_dir} (step {start + args.steps})"
+              + (f", weights {os.path.join(args.checkpoint_dir, args.export)}" if args.export else ""))
     if args.jit:
         first = step.compiles[0].first_call_s if step.compiles else float("nan")
         print(f"jit: first step (trace + compile) {first:.1f}s, graph breaks: {len(step.graph_breaks)}"

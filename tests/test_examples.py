@@ -25,7 +25,7 @@ def _losses(out):
 
 def test_train_gpt_one_process_loss_falls():
     out = _run([sys.executable, "examples/train_gpt.py", "--config", "examples/configs/zero0.json", "--steps", "60",
-                "--layers", "2", "--d-model", "64"])
+                "--layers", "2", "--d-model", "64", "--checkpoint-dir", ""])
     first, last = _losses(out)
     assert last < first - 1.0, out
 
@@ -33,7 +33,8 @@ def test_train_gpt_one_process_loss_falls():
 @pytest.mark.multiprocess
 def test_train_gpt_zero3_two_ranks_loss_falls():
     out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
-                "--config", "examples/configs/zero3.json", "--steps", "60", "--layers", "2", "--d-model", "64"])
+                "--config", "examples/configs/zero3.json", "--steps", "60", "--layers", "2", "--d-model", "64",
+                "--checkpoint-dir", ""])
     first, last = _losses(out)
     assert last < first - 1.0, out
     assert len(re.findall(r"rank \d: model state", out)) == 2
@@ -41,7 +42,27 @@ def test_train_gpt_zero3_two_ranks_loss_falls():
 
 def test_train_gpt_jitted_one_process_loss_falls_without_graph_breaks():
     out = _run([sys.executable, "examples/train_gpt.py", "--config", "examples/configs/zero0.json", "--steps", "40",
-                "--layers", "1", "--d-model", "32", "--heads", "2", "--jit"], timeout=420)
+                "--layers", "1", "--d-model", "32", "--heads", "2", "--jit", "--checkpoint-dir", ""], timeout=420)
     first, last = _losses(out)
     assert last < first - 0.5, out
     assert re.search(r"jit: first step \(trace \+ compile\) [0-9.]+s, graph breaks: 0$", out, re.M), out
+
+
+@pytest.mark.multiprocess
+def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
+    import json
+    import struct
+
+    ckpt = str(tmp_path / "run")
+    small = ["--layers", "2", "--d-model", "64", "--checkpoint-dir", ckpt]
+    out1 = _run([sys.executable, "examples/train_gpt.py", "--config", "examples/configs/zero0.json", "--steps", "30", *small])
+    assert f"saved checkpoint {ckpt} (step 30)" in out1, out1
+    # The 1-process stage-0 checkpoint resumes on 2 ranks at stage 3 and goes on from step 30.
+    out2 = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+                 "--config", "examples/configs/zero3.json", "--steps", "30", *small])
+    assert f"resumed from {ckpt} at step 30" in out2 and f"(step 60)" in out2, out2
+    assert _losses(out2)[0] < _losses(out1)[0] - 1.0, (out1, out2)  # it did not start over
+    with open(tmp_path / "run" / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert header["wte.weight"]["dtype"] == "BF16" and header["wte.weight"]["shape"] == [256, 64]
