@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
+from .._offload._params import is_placeholder, placeholder, read_shard
 from .._policy import ShardPolicy, shard_policy
 from .._state import LossScaleState, Sharding, TrainState
 from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
@@ -227,8 +228,6 @@ class ShardedModule:
             opt_state = self._nvme_init(optimizer_view(plan, rank, initial, elementwise=True))
             master = None  # on disk, with the moments
             if self.policy.offload_param == "nvme":
-                from .._offload._params import placeholder
-
                 # The shards are read from the store's master file when gathered (`_params.py`).
                 params = {
                     u.name: placeholder(u.shard_numel, cd, self.sharding.device) if plan.params_sharded(u) else params[u.name]
@@ -284,11 +283,8 @@ class ShardedModule:
         out = {}
         for u in self.plan.units:
             shard = src[u.name].detach()
-            if self._param_store is not None:
-                from .._offload._params import is_placeholder, read_shard
-
-                if is_placeholder(shard):
-                    shard = read_shard(self._param_store, u.name, shard)
+            if self._param_store is not None and is_placeholder(shard):
+                shard = read_shard(self._param_store, u.name, shard)
             full = full_unit(u, shard, self.comm)
             if full.numel() != u.padded_numel:
                 full = self.comm.all_gather(full)
@@ -304,28 +300,6 @@ class ShardedModule:
         for name, t in {**state.frozen, **state.buffers}.items():
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
         return out
-
-
-def _check_param_offload(config, stage: int) -> None:
-    """`offload_param: nvme` reads parameter shards from the optimizer's NVMe master file
-    (`_offload/_params.py`), so it needs that file, at the same place."""
-    z = config.zero_optimization
-    oo, op = z.offload_optimizer, z.offload_param
-    if stage != 3:
-        raise ShardingError(f"zero_optimization.offload_param device 'nvme' needs stage 3 (this run is stage {stage})")
-    if oo is None or oo.device != "nvme":
-        got = "not set" if oo is None else f"device {oo.device!r}"
-        raise ShardingError(
-            "zero_optimization.offload_param device 'nvme' reads parameter shards from the optimizer's "
-            f"master file on NVMe, but offload_optimizer is {got}; set offload_optimizer "
-            f'{{"device": "nvme", "nvme_path": "{op.nvme_path}"}}'
-        )
-    if op.nvme_path and os.path.realpath(op.nvme_path) != os.path.realpath(oo.nvme_path):
-        raise ShardingError(
-            f"zero_optimization.offload_param.nvme_path {op.nvme_path!r} differs from offload_optimizer.nvme_path "
-            f"{oo.nvme_path!r}; fnzero keeps parameter shards in the optimizer's master file, so give both the "
-            "same directory"
-        )
 
 
 def _aio_kwargs(aio: dict | None) -> dict | None:
@@ -393,16 +367,16 @@ def shard(
     if device is None:
         device = params0[0].device if params0 else torch.device("cpu")
     device = torch.device(device)
-    op = getattr(getattr(config, "zero_optimization", None), "offload_param", None)
-    op_device = getattr(op, "device", "none") if op is not None else "none"
-    if op_device == "cpu" and device.type != "cpu":
+    if policy.offload_param == "cpu" and device.type != "cpu":
         raise ShardingError(
             f"zero_optimization.offload_param device 'cpu' on {device.type} is not implemented yet "
             "(parameter shards stay in device memory); remove offload_param, or use device 'nvme' with "
             "offload_optimizer on nvme. On CPU runs, device 'cpu' is what already happens and is accepted"
         )
-    if op_device == "nvme":
-        _check_param_offload(config, policy.stage)
+    # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
+    # only a stage passed here can still differ from the config's.
+    if policy.offload_param == "nvme" and policy.stage != 3:
+        raise ShardingError(f"zero_optimization.offload_param device 'nvme' needs stage 3 (this run is stage {policy.stage})")
     plan = make_plan(
         model,
         comm.world_size,

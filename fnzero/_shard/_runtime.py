@@ -207,25 +207,18 @@ class ApplyRun:
         rt = self._runtime(unit)
         rt.pending = self.comm.all_gather_async(rt.shard_values())
 
-    def prefetch_backward(self, name: str, after: bool = False) -> None:
+    def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
-        units this forward gathered and autograd kept views of (known once forward is done).
-        `after`: `name` was not re-gathered (the kept unit); take the last re-gathered unit before it."""
+        units this forward gathered and autograd kept views of (known once forward is done)."""
         if self.schedule is None:
-            return
-        if after:
-            i = self.order.index(name)
-            packed = [n for n in self.order[:i] if self.rts[n].packed]
-            prev = packed[-1] if packed else None
-            rt = self.rts.get(prev) if prev is not None else None
-            if rt is not None and rt.bwd_full is None and rt.bwd_pending is None:
-                rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
             return
         if self._bwd_prev is None:
             packed = [n for n in self.order if self.rts[n].packed]
             self._bwd_prev = {b: a for a, b in zip(packed, packed[1:])}
-        prev = self._bwd_prev.get(name)
-        rt = self.rts.get(prev) if prev is not None else None
+        self._start_regather(self._bwd_prev.get(name))
+
+    def _start_regather(self, name: str | None) -> None:
+        rt = self.rts.get(name) if name is not None else None
         if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
             return
         rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
@@ -233,10 +226,11 @@ class ApplyRun:
     def finish_forward(self) -> None:
         if self.schedule is not None and self.order:
             self.schedule.record_forward(self.order)
-            # The kept unit's backward re-gathers nothing, so start the re-gather of the unit
-            # after it here, as its own re-gather would have.
-            if self.keep is not None and self.keep in self.rts and not self.rts[self.keep].packed:
-                self.prefetch_backward(self.keep, after=True)
+            # The kept unit's backward re-gathers nothing, so start the first re-gather (the last
+            # unit autograd kept views of) here, as the kept unit's own re-gather would have.
+            if self.keep in self.rts and not self.rts[self.keep].packed:
+                packed = [n for n in self.order if self.rts[n].packed]
+                self._start_regather(packed[-1] if packed else None)
 
     # -- saved-tensor hooks ---------------------------------------------------------------------
     # Under torch.compile autograd calls these for every tensor a compiled graph saves; dynamo
