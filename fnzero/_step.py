@@ -34,6 +34,7 @@ from ._shard._module import optimizer_view
 from ._shard._plan import ShardPlan, UnitPlan
 from ._shard._runtime import unit_views
 from ._state import TrainState
+from .memory import _trim_heap
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches"]
 
@@ -263,6 +264,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                     f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
                     f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
                 )
+            if sh.device.type == "cpu":
+                _trim_heap()
             timer.start()
             if inputs:
                 scaled = loss * scale if scale != 1.0 else loss

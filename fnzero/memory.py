@@ -100,18 +100,16 @@ def return_freed_memory(mmap_threshold: int = 4 << 20) -> bool:
     `fnzero.init_distributed` applies it; pass `malloc_mmap_threshold=None` there to opt out.
     Mapping fresh pages costs page faults; `fnzero launch` also sets glibc's `malloc.hugetlb`
     tunable (see `allocator_env`) so those mappings use transparent huge pages, 512x fewer faults.
+    While the setting holds, CPU steps also trim the heap between each forward and its backward.
     """
-    if not sys.platform.startswith("linux"):
+    global _TRIM_HEAP
+    libc = _glibc()
+    if libc is None:  # not glibc (musl, ...): nothing to tune
         return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
-        ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold)) == 1
-        return bool(ok)
-    except (OSError, AttributeError):  # not glibc (musl, ...): nothing to tune
-        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
+    ok = ok and libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold)) == 1
+    _TRIM_HEAP = bool(ok)
+    return bool(ok)
 
 
 def allocator_env(environ: dict | None = None) -> dict:
@@ -132,11 +130,39 @@ def allocator_env(environ: dict | None = None) -> dict:
 def trim_freed_memory() -> None:
     """Give the heap's free pages back to the OS now (glibc `malloc_trim`; a no-op elsewhere).
     `shard` calls it after releasing the model's own parameter storage."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+
+def _trim_heap() -> None:
+    """Called on CPU by the step between a micro-batch's forward and its backward, and by stage 3
+    after each unit's forward.
+
+    [Note: why] Forward frees its temporaries (sub-threshold blocks, served from the heap) while
+    the activations around them stay alive, so the heap holds free holes that later allocations
+    do not fully reuse, and the peak sits on top of them. On the 112M GPT at 4 ranks, trimming at
+    these points lowered the stage-3 peak by ~45 MiB (836 -> ~790 MiB above baseline), at about
+    1-2 ms a call. Only under the allocator policy of `return_freed_memory`, so an opt-out stays
+    an opt-out."""
+    if _TRIM_HEAP:
+        trim_freed_memory()
+
+
+_TRIM_HEAP = False
+_LIBC: list = []
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    if not _LIBC:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            libc.malloc_trim  # noqa: B018  (not glibc: musl has no malloc_trim)
+        except (OSError, AttributeError):
+            libc = None
+        _LIBC.append(libc)
+    return _LIBC[0]

@@ -157,3 +157,42 @@ def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monke
     blocks = [name for name, _ in checked if name.startswith("blocks.")]
     assert len(blocks) == 2, checked
     assert all(freed for name, freed in checked if name in blocks), checked
+
+
+def test_stage3_first_regather_starts_with_the_output_gradient():
+    """specs/sharding.md §Stage 3: with the last unit kept, backward's first re-gather is started
+    when the output's gradient arrives, not when forward returns, so it never sits beside the loss
+    computation (logits and their log-softmax on top of every activation). Same count per step."""
+    import torch.nn.functional as F
+
+    def rank_fn(comm):
+        rec = RecordingCollectives(comm)
+        sm = fnzero.shard(_model(), config=_cfg(3, 2), comm=rec)
+        state = sm.init_state()
+        seen = []
+
+        def gathers():
+            return sum(r.op == "all_gather" for r in rec.records)
+
+        def loss_fn(p, b):
+            logits = sm.apply(p, b[0])
+            after_forward = gathers()
+            loss = F.cross_entropy(logits.flatten(0, 1), b[1].flatten())
+            seen.append((after_forward, gathers()))
+            logits.register_hook(lambda g: seen.append(gathers()))  # runs after fnzero's hook
+            return loss
+
+        step = fnzero.train_step(loss_fn, _cfg(3, 2))
+        x = torch.randint(0, 50, (2, 8))
+        totals = []
+        for _ in range(3):
+            rec.reset()
+            state, _ = step(state, (x, x))
+            totals.append(gathers())
+        return seen, totals, len(sm.plan.units)
+
+    seen, totals, units = simulated_world(2).run(rank_fn)[0]
+    (fwd, loss, at_grad) = seen[-2][0], seen[-2][1], seen[-1]
+    assert fwd == loss == units, seen  # forward's gathers only, none started by the loss
+    assert at_grad == fwd + 1, seen  # started with the output's gradient, ahead of the head's backward
+    assert totals[1] == totals[2] == totals[0] - 1, totals

@@ -131,7 +131,7 @@ class ShardedModule:
             out = self._call(tensors, args, kwargs)
         finally:
             self._end_run(stack)
-        run.finish_forward()
+        run.finish_forward(out)
         return out
 
     @torch.compiler.disable

@@ -17,10 +17,12 @@ import contextlib
 import contextvars
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
 from .._errors import ShardingError
+from ..memory import _trim_heap
 from .._offload._params import is_placeholder, read_shard
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
@@ -104,6 +106,8 @@ class _UnitRuntime:
         self.bwd_full = None
 
     def regather(self) -> torch.Tensor:
+        if self.run.deferred_regather == self.unit.name:
+            self.run.deferred_regather = None  # backward got here first (the output was not used)
         if self.bwd_full is None:
             if self.bwd_pending is not None:
                 self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
@@ -176,6 +180,7 @@ class ApplyRun:
         self.rts: dict[str, _UnitRuntime] = {}
         self.order: list[str] = []  # stage-3 units in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
+        self.deferred_regather: str | None = None  # see `finish_forward`
         # The unit gathered last in the previous forward is needed again first in backward: its
         # saved views are kept rather than re-gathered (FSDP2 likewise leaves the root gathered
         # after forward). A performance cache: a wrong guess only costs a gather or a buffer kept.
@@ -223,14 +228,31 @@ class ApplyRun:
             return
         rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
 
-    def finish_forward(self) -> None:
+    @torch.compiler.disable
+    def finish_forward(self, out: Any) -> None:
         if self.schedule is not None and self.order:
             self.schedule.record_forward(self.order)
-            # The kept unit's backward re-gathers nothing, so start the first re-gather (the last
-            # unit autograd kept views of) here, as the kept unit's own re-gather would have.
+            # The kept unit's backward re-gathers nothing, so the first re-gather (the last unit
+            # autograd kept views of) starts when the gradient of the output arrives, as the kept
+            # unit's own re-gather would have: still ahead of the kept unit's backward, but not
+            # during the loss computation that follows forward, which holds the forward's peak
+            # (logits and their log-softmax on top of every activation).
             if self.keep in self.rts and not self.rts[self.keep].packed:
                 packed = [n for n in self.order if self.rts[n].packed]
-                self._start_regather(packed[-1] if packed else None)
+                if not packed:
+                    return
+                outputs = [t for t in optree.tree_leaves(out, none_is_leaf=True)
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                if not outputs:
+                    self._start_regather(packed[-1])
+                    return
+                self.deferred_regather = packed[-1]
+                for t in outputs:
+                    t.register_hook(self._start_deferred_regather)
+
+    def _start_deferred_regather(self, grad: torch.Tensor) -> None:
+        name, self.deferred_regather = self.deferred_regather, None
+        self._start_regather(name)
 
     # -- saved-tensor hooks ---------------------------------------------------------------------
     # Under torch.compile autograd calls these for every tensor a compiled graph saves; dynamo
@@ -311,7 +333,7 @@ class ApplyRun:
         try:
             return forward(*args, **kwargs)
         finally:
-            self._exit_unit(stack)
+            self._exit_unit(stack, unit)
 
     # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
     # frames whole, and compiles the unit's own `forward` called between them.
@@ -332,11 +354,13 @@ class ApplyRun:
         return stack
 
     @torch.compiler.disable
-    def _exit_unit(self, stack: contextlib.ExitStack) -> None:
+    def _exit_unit(self, stack: contextlib.ExitStack, unit: UnitPlan) -> None:
         try:
             stack.close()
         finally:
             self.bindings.pop()
+        if self.params[unit.name].device.type == "cpu":
+            _trim_heap()  # the unit's temporaries were freed around its saved activations
 
     unit_forward = torch.compiler.disable(
         unit_forward, recursive=False,

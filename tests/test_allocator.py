@@ -1,0 +1,65 @@
+"""The host allocator policy (`fnzero.memory.return_freed_memory`, specs/sharding.md §Memory):
+applied by `init_distributed`, and under it CPU steps trim the heap where forward leaves holes."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnzero
+import fnzero.memory as memory
+from fnzero.testing import GPT
+
+glibc_only = pytest.mark.skipif(memory._glibc() is None, reason="the policy is glibc's mallopt/malloc_trim")
+
+
+@glibc_only
+@pytest.mark.parametrize("threshold, applied", [("4 << 20", True), ("None", False)])
+def test_init_distributed_applies_the_policy_unless_opted_out(threshold, applied):
+    code = (
+        "import fnzero, fnzero.memory as m\n"
+        f"fnzero.init_distributed(malloc_mmap_threshold={threshold})\n"
+        "print(m._TRIM_HEAP)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin"}  # no WORLD_SIZE: a world of one
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(applied)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_cpu_step_trims_after_each_stage3_unit_and_before_backward(monkeypatch, stage):
+    events = []
+    monkeypatch.setattr(memory, "_TRIM_HEAP", True)
+    monkeypatch.setattr(memory, "trim_freed_memory", lambda: events.append("trim"))
+    torch.manual_seed(0)
+    cfg = fnzero.load_config({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    })
+    sm = fnzero.shard(GPT(vocab_size=50, seq_len=8, d_model=16, n_layer=2, n_head=2), config=cfg)
+    state = sm.init_state()
+    events.clear()
+
+    def loss_fn(p, b):
+        logits = sm.apply(p, b[:, :-1])
+        events.append("forward")
+        logits.register_hook(lambda g: events.append("backward"))
+        return F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
+
+    fnzero.train_step(loss_fn, cfg)(state, torch.randint(0, 50, (4, 9)))
+    units = len(sm.plan.units) if stage == 3 else 0
+    one = ["trim"] * units + ["forward", "trim", "backward"]
+    assert events == one * 2  # per micro-batch
+
+
+def test_no_trim_without_the_policy(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_TRIM_HEAP", False)
+    monkeypatch.setattr(memory, "trim_freed_memory", lambda: calls.append(1))
+    memory._trim_heap()
+    assert calls == []
