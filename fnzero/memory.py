@@ -136,15 +136,15 @@ def trim_freed_memory() -> None:
 
 
 def _trim_heap() -> None:
-    """Called on CPU by the step between a micro-batch's forward and its backward, and by stage 3
-    after each unit's forward.
+    """Called on CPU by the step between a micro-batch's forward and its backward.
 
     [Note: why] Forward frees its temporaries (sub-threshold blocks, served from the heap) while
-    the activations around them stay alive, so the heap holds free holes that later allocations
-    do not fully reuse, and the peak sits on top of them. On the 112M GPT at 4 ranks, trimming at
-    these points lowered the stage-3 peak by ~45 MiB (836 -> ~790 MiB above baseline), at about
-    1-2 ms a call. Only under the allocator policy of `return_freed_memory`, so an opt-out stays
-    an opt-out."""
+    the activations around them stay alive, so the heap holds free holes that backward does not
+    fully reuse, and backward's peak sits on top of them. On the 112M GPT at 4 ranks this trim
+    lowered the stage-3 peak by ~15 MiB, at 1-2 ms a call. Trimming after every stage-3 unit's
+    forward as well saved ~5 MiB more there but cost each step page faults to map the returned
+    pages again, so it is not done. Only under the allocator policy of `return_freed_memory`,
+    so an opt-out stays an opt-out."""
     if _TRIM_HEAP:
         trim_freed_memory()
 

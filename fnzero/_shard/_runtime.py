@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
-from ..memory import _trim_heap
 from .._offload._params import is_placeholder, read_shard
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
@@ -333,7 +332,7 @@ class ApplyRun:
         try:
             return forward(*args, **kwargs)
         finally:
-            self._exit_unit(stack, unit)
+            self._exit_unit(stack)
 
     # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
     # frames whole, and compiles the unit's own `forward` called between them.
@@ -354,13 +353,11 @@ class ApplyRun:
         return stack
 
     @torch.compiler.disable
-    def _exit_unit(self, stack: contextlib.ExitStack, unit: UnitPlan) -> None:
+    def _exit_unit(self, stack: contextlib.ExitStack) -> None:
         try:
             stack.close()
         finally:
             self.bindings.pop()
-        if self.params[unit.name].device.type == "cpu":
-            _trim_heap()  # the unit's temporaries were freed around its saved activations
 
     unit_forward = torch.compiler.disable(
         unit_forward, recursive=False,
