@@ -56,3 +56,19 @@ def test_bench_zero_nvme_configurations_train_the_same_model(tmp_path):
     assert rows["z3_nvme"]["loss"] == rows["z3"]["loss"] == rows["z3_nvme_params"]["loss"]
     assert "optimizer + params on NVMe" in p.stdout
     assert not [f for f in os.listdir(tmp_path) if f.startswith("fnzero-rank")]  # scratch files removed
+
+
+def test_bench_aio_short_mode_reports_every_round(tmp_path):
+    import shutil
+
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_aio.py"), "--size", "8M", "--rounds", "2",
+           "--dir", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line[:1].isdigit()]
+    assert [r[0] for r in rows if r[1] == "fnzero"] == ["0", "1"]
+    if shutil.which("fio"):
+        assert "fnzero / fio, median of 2 rounds" in p.stdout
+    else:
+        assert "fio: not installed" in p.stdout
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
