@@ -3,6 +3,7 @@
     python benchmarks/bench_zero.py                       # 27.4M GPT, 2 ranks x 1 thread
     python benchmarks/bench_zero.py --model gpt100m --world 4 --configs z0,z3 --steps 2 --warmup 1
     python benchmarks/bench_zero.py --configs z3,z3_nvme,z3_nvme_params       # ZeRO-Infinity
+    python benchmarks/bench_zero.py --configs ddp,z0,z3 --rounds 3           # medians of alternating rounds
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
 seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
@@ -154,6 +155,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="ddp,ddp_fused,fsdp2,z0,z1,z2,z3")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations this many times, in alternating order, and report medians "
+                         "(step-time ratios to DDP are the median of each round's own ratio)")
     ap.add_argument("--nvme-dir", default=tempfile.gettempdir(),
                     help="where the z3_nvme* configurations keep their scratch files")
     ap.add_argument("--remat", action="store_true", help="activation checkpointing of every block, in every configuration")
@@ -176,28 +180,39 @@ def main():
     # Every framework runs under the allocator settings `fnzero launch` uses (huge pages for
     # mmap-served blocks) unless --malloc-mmap-threshold 0 asks for glibc's defaults.
     env = {k: v for k, v in allocator_env({}).items()} if args.malloc_mmap_threshold else {}
-    rows = {}
-    for kind in args.configs.split(","):
-        with CpuMonitor() as mon:
-            res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                            args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
-        slow = max(res, key=lambda r: r["step_s"])
-        psi = slow["psi"]
-        stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
-        rows[kind] = dict(
-            step_s=slow["step_s"],
-            tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
-            rss=max(r["peak_rss_mib"] for r in res),
-            rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
-            theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
-                    else zero_formula(psi, stage, args.world, False)) / 2**20,
-            sent_mb=slow["sent"] / 1e6,
-            loss=res[0]["loss"],
-            other=mon.other_cores,
-        )
-        r = rows[kind]
-        print(f"  {LABELS[kind]:34s} {r['step_s']:.3f} s/step  {r['rss_above']:.0f} MiB above baseline  "
-              f"(other cores {r['other']:.2f})", flush=True)
+    kinds = args.configs.split(",")
+    per_round: list[dict] = []
+    for k in range(args.rounds):
+        # Alternate the order so a slow spell on this shared machine does not always hit the same
+        # configuration, and so each ratio to DDP comes from runs close in time.
+        rows = {}
+        for kind in (kinds if k % 2 == 0 else kinds[::-1]):
+            with CpuMonitor() as mon:
+                res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
+                                args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
+            slow = max(res, key=lambda r: r["step_s"])
+            psi = slow["psi"]
+            stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
+            rows[kind] = dict(
+                step_s=slow["step_s"],
+                tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
+                rss=max(r["peak_rss_mib"] for r in res),
+                rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
+                theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
+                        else zero_formula(psi, stage, args.world, False)) / 2**20,
+                sent_mb=slow["sent"] / 1e6,
+                loss=res[0]["loss"],
+                other=mon.other_cores,
+            )
+            r = rows[kind]
+            print(f"  {f'[round {k}] ' if args.rounds > 1 else ''}{LABELS[kind]:34s} {r['step_s']:.3f} s/step  "
+                  f"{r['rss_above']:.0f} MiB above baseline  (other cores {r['other']:.2f})", flush=True)
+        per_round.append(rows)
+    rows = {kind: {key: median([rr[kind][key] for rr in per_round]) for key in per_round[0][kind]} for kind in kinds}
+    if "ddp" in kinds:
+        for kind in kinds:
+            rows[kind]["vs_ddp"] = median([rr[kind]["step_s"] / rr["ddp"]["step_s"] for rr in per_round])
+            rows[kind]["vs_ddp_each"] = [rr[kind]["step_s"] / rr["ddp"]["step_s"] for rr in per_round]
     base = rows.get("ddp")
     print(f"\nΨ = {psi:,} params; theory = ZeRO model-state bytes for fp32 Adam at N = {args.world} "
           "(for NVMe configurations, the part held in memory)\n")
@@ -206,10 +221,15 @@ def main():
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
     for kind, r in rows.items():
-        ratio = r["step_s"] / base["step_s"] if base else float("nan")
+        ratio = r.get("vs_ddp", float("nan"))
         mem_ratio = r["rss_above"] / base["rss_above"] if base else float("nan")
         print(f"| {LABELS[kind]} | {r['step_s']:.3f} | {ratio:.2f} | {r['tok_s']:.0f} | {r['rss']:.0f} | {r['rss_above']:.0f} | "
               f"{mem_ratio:.2f} | {r['theory']:.0f} | {r['sent_mb']:.1f} | {r['other']:.2f} | {r['loss']:.4f} |")
+    if args.rounds > 1:
+        print(f"\nmedians of {args.rounds} rounds; s/step ratios to DDP per round:")
+        for kind, r in rows.items():
+            if "vs_ddp_each" in r:
+                print(f"  {LABELS[kind]:34s} " + " ".join(f"{x:.2f}" for x in r["vs_ddp_each"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "args": vars(args), "rows": rows}, f, indent=2)
