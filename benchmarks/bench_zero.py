@@ -183,8 +183,8 @@ def main():
     kinds = args.configs.split(",")
     per_round: list[dict] = []
     for k in range(args.rounds):
-        # Alternate the order so a slow spell on this shared machine does not always hit the same
-        # configuration, and so each ratio to DDP comes from runs close in time.
+        # Each round runs every configuration once, so each ratio to DDP comes from runs in the same
+        # round; the order alternates so a slow spell does not always hit the same configuration.
         rows = {}
         for kind in (kinds if k % 2 == 0 else kinds[::-1]):
             with CpuMonitor() as mon:

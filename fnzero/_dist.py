@@ -43,7 +43,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
     every collective, so a rank that dies makes the others fail instead of hang.
     `malloc_mmap_threshold` sets this process's allocator policy (`fnzero.memory.return_freed_memory`);
-    None leaves glibc's defaults.
+    None or 0 leaves glibc's defaults.
 
     Inside `fnzero.testing.simulated_world(n).run(fn)` it returns the calling thread's rank
     (backend "simulated", CPU) and touches neither torch.distributed nor the environment.
@@ -56,7 +56,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     comm = sim.current_comm() if sim is not None else None
     if comm is not None:
         return DistInfo(comm.rank, comm.world_size, comm.rank, "simulated", torch.device("cpu"))
-    if malloc_mmap_threshold is not None:
+    if malloc_mmap_threshold:
         from .memory import return_freed_memory
 
         return_freed_memory(malloc_mmap_threshold)

@@ -264,9 +264,9 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                     f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
                     f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
                 )
+            timer.start()
             if sh.device.type == "cpu":
                 _trim_heap()
-            timer.start()
             if inputs:
                 scaled = loss * scale if scale != 1.0 else loss
                 if scaled.requires_grad:

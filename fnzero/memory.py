@@ -9,6 +9,7 @@ padded model at stages 0-1, this rank's shards at stages 2-3, in the gradient-ac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import sys
 
@@ -86,6 +87,22 @@ def peak_rss_bytes() -> int:
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_TRIM_HEAP = False  # set by `return_freed_memory`; read by `_trim_heap`
+
+
+@functools.cache
+def _glibc():
+    """glibc through ctypes, or None (not Linux, or a libc without malloc_trim such as musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def return_freed_memory(mmap_threshold: int = 4 << 20) -> bool:
@@ -148,21 +165,3 @@ def _trim_heap() -> None:
     if _TRIM_HEAP:
         trim_freed_memory()
 
-
-_TRIM_HEAP = False
-_LIBC: list = []
-
-
-def _glibc():
-    if not sys.platform.startswith("linux"):
-        return None
-    if not _LIBC:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6")
-            libc.malloc_trim  # noqa: B018  (not glibc: musl has no malloc_trim)
-        except (OSError, AttributeError):
-            libc = None
-        _LIBC.append(libc)
-    return _LIBC[0]

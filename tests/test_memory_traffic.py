@@ -127,7 +127,7 @@ def test_debug_collectives_names_the_first_divergence():
 
 
 def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monkeypatch):
-    """specs/sharding.md §Stage 3: a unit's re-gathered parameters are gone by the time autograd
+    """specs/sharding.md §Apply: a unit's re-gathered parameters are gone by the time autograd
     concatenates their gradients (not after), so the two never sit side by side."""
     import weakref
 
@@ -160,7 +160,7 @@ def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monke
 
 
 def test_stage3_first_regather_starts_with_the_output_gradient():
-    """specs/sharding.md §Stage 3: with the last unit kept, backward's first re-gather is started
+    """specs/sharding.md §Apply (the forward→backward turn): with the last unit kept, backward's first re-gather is started
     when the output's gradient arrives, not when forward returns, so it never sits beside the loss
     computation (logits and their log-softmax on top of every activation). Same count per step."""
     import torch.nn.functional as F
@@ -196,3 +196,43 @@ def test_stage3_first_regather_starts_with_the_output_gradient():
     assert fwd == loss == units, seen  # forward's gathers only, none started by the loss
     assert at_grad == fwd + 1, seen  # started with the output's gradient, ahead of the head's backward
     assert totals[1] == totals[2] == totals[0] - 1, totals
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 8)
+        self.c, self.d = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.b(torch.relu(self.a(x))))
+        return {"c": self.c(h), "d": self.d(h)}  # d, gathered last, is the unit kept for backward
+
+
+@pytest.mark.parametrize("used", [("c",), ("d",), ("c", "d")])
+def test_stage3_deferred_regather_with_several_outputs_starts_once(used):
+    """One hook per output tensor (a dict here), whichever reaches the loss: the first re-gather
+    starts exactly once per step, and a step issues the same collectives every time."""
+    def rank_fn(comm):
+        rec = RecordingCollectives(comm)
+        torch.manual_seed(0)
+        cfg = _cfg(3, 2)
+        sm = fnzero.shard(_TwoHeads(), config=cfg, comm=rec)
+        state = sm.init_state()
+
+        def loss_fn(p, b):
+            out = sm.apply(p, b)
+            return sum(out[k].square().mean() for k in used)
+
+        step = fnzero.train_step(loss_fn, cfg)
+        x = torch.randn(2, 4)
+        counts = []
+        for _ in range(3):
+            rec.reset()
+            state, _ = step(state, x)
+            counts.append(sum(r.op == "all_gather" for r in rec.reset()))
+        return counts
+
+    counts = simulated_world(2).run(rank_fn)[0]
+    # Keeping d saves its re-gather only when the loss's backward goes through d.
+    assert counts[1] == counts[2] == counts[0] - ("d" in used), counts

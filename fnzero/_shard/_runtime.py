@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 from typing import Any
 
-import optree
 import torch
 from torch import nn
 
@@ -106,7 +105,7 @@ class _UnitRuntime:
 
     def regather(self) -> torch.Tensor:
         if self.run.deferred_regather == self.unit.name:
-            self.run.deferred_regather = None  # backward got here first (the output was not used)
+            self.run.deferred_regather = None  # backward got here before any hooked output's gradient
         if self.bwd_full is None:
             if self.bwd_pending is not None:
                 self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
@@ -240,15 +239,17 @@ class ApplyRun:
                 packed = [n for n in self.order if self.rts[n].packed]
                 if not packed:
                     return
-                outputs = [t for t in optree.tree_leaves(out, none_is_leaf=True)
+                # torch's pytree also opens containers models register there (HF's ModelOutput).
+                outputs = [t for t in torch.utils._pytree.tree_leaves(out)
                            if isinstance(t, torch.Tensor) and t.requires_grad]
-                if not outputs:
+                if not outputs:  # no tensor to hook: start it now, as before the turn was deferred
                     self._start_regather(packed[-1])
                     return
                 self.deferred_regather = packed[-1]
                 for t in outputs:
                     t.register_hook(self._start_deferred_regather)
 
+    @torch.compiler.disable
     def _start_deferred_regather(self, grad: torch.Tensor) -> None:
         name, self.deferred_regather = self.deferred_regather, None
         self._start_regather(name)
