@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -146,13 +147,9 @@ def main() -> None:
     print(f"{'':6s} {'dd direct':22s} {(dd['write'] or float('nan')) / gib:12.2f} {(dd['read'] or float('nan')) / gib:12.2f}")
     paired = [r for r in rounds if "fio libaio direct" in r]
     if paired:
-        def med(xs):
-            xs = sorted(xs)
-            return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-        ratio = {rw: med([r["fnzero AioHandle"][rw] / r["fio libaio direct"][rw] for r in paired]) for rw in ("write", "read")}
-        each = {rw: ", ".join(f"{r['fnzero AioHandle'][rw] / r['fio libaio direct'][rw] * 100:.0f}" for r in paired)
-                for rw in ("write", "read")}
+        ratios = {rw: [r["fnzero AioHandle"][rw] / r["fio libaio direct"][rw] for r in paired] for rw in ("write", "read")}
+        ratio = {rw: statistics.median(xs) for rw, xs in ratios.items()}
+        each = {rw: ", ".join(f"{x * 100:.0f}" for x in xs) for rw, xs in ratios.items()}
         print(f"\nfnzero / fio, median of {len(paired)} rounds: write {ratio['write'] * 100:.0f}% ({each['write']}), "
               f"read {ratio['read'] * 100:.0f}% ({each['read']}) (target >= 95%)")
 
