@@ -384,7 +384,11 @@ def test_warmuplr_max_lr_resolves_to_optimizer_lr():
 
 def test_overlap_comm_dynamic_default():
     assert load_config(cfg(zero_optimization={"stage": 3})).zero_optimization.overlap_comm is True
-    assert load_config(cfg(zero_optimization={"stage": 2})).zero_optimization.overlap_comm is False
+    # fnzero overlaps at every stage unless told not to (DeepSpeed: only at stage 3).
+    for stage in (0, 1, 2):
+        assert load_config(cfg(zero_optimization={"stage": stage})).zero_optimization.overlap_comm is True
+    off = load_config(cfg(zero_optimization={"stage": 2, "overlap_comm": False}))
+    assert off.zero_optimization.overlap_comm is False
 
 
 def test_config_is_frozen_and_defaults_match_deepspeed():

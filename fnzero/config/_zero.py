@@ -66,7 +66,7 @@ class ZeroConfig(Model):
     allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
     allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
     overlap_comm: Bool | None = Field(
-        None, description="Overlap gradient reduction with backward; null resolves to true at stage 3, else false."
+        None, description="Overlap gradient reduction with backward; null resolves to true (DeepSpeed: true only at stage 3)."
     )
     load_from_fp32_weights: Bool = Field(True, description="Rebuild fp32 master weights from the fp32 copy on load.")
     elastic_checkpoint: Bool = Field(False, description="Legacy elastic checkpoints (accepted, no effect).")
