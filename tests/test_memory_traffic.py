@@ -236,3 +236,64 @@ def test_stage3_deferred_regather_with_several_outputs_starts_once(used):
     counts = simulated_world(2).run(rank_fn)[0]
     # Keeping d saves its re-gather only when the loss's backward goes through d.
     assert counts[1] == counts[2] == counts[0] - ("d" in used), counts
+
+
+class _BackwardProbe:
+    """Records, for each gradient collective, whether autograd's engine was running when it started."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.world_size, self.started = inner, inner.rank, inner.world_size, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _note(self, op, t):
+        if t.dtype != torch.float64:  # the [norm², loss] scalars are float64, after backward by design
+            self.started.append((op, torch._C._current_autograd_node() is not None))
+
+    def all_reduce(self, t, op="sum"):
+        self._note("all_reduce", t)
+        return self.inner.all_reduce(t, op)
+
+    def all_reduce_async(self, t, donate=False):
+        self._note("all_reduce", t)
+        from fnzero._shard._collectives import start_all_reduce
+
+        return start_all_reduce(self.inner, t, donate=donate)
+
+    def reduce_scatter(self, full, donate=False):
+        self._note("reduce_scatter", full)
+        return self.inner.reduce_scatter(full)
+
+    def reduce_scatter_async(self, full):
+        self._note("reduce_scatter", full)
+        from fnzero._shard._collectives import start_reduce_scatter
+
+        return start_reduce_scatter(self.inner, full)
+
+
+@pytest.mark.parametrize("overlap", [None, False])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_collectives_start_inside_backward_unless_overlap_is_off(stage, overlap):
+    """specs/collectives.md §Per stage: with `overlap_comm` unset (true) every unit's gradient
+    collective is started from its gradient hook while backward still runs; explicitly false,
+    stages 0-1 start them only after backward."""
+    zero = {"stage": stage} if overlap is None else {"stage": stage, "overlap_comm": overlap}
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": zero}, world_size=2)
+
+    def rank_fn(comm):
+        probe = _BackwardProbe(comm)
+        sm = fnzero.shard(_model(), config=cfg, comm=probe)
+
+        def loss_fn(params, batch):
+            return torch.nn.functional.cross_entropy(sm.apply(params, batch).flatten(0, 1), batch.flatten())
+
+        fnzero.train_step(loss_fn, cfg)(sm.init_state(), torch.randint(0, 50, (2, 8)))
+        return probe.started, len(sm.plan.units)
+
+    started, units = simulated_world(2).run(rank_fn)[0]
+    op = "all_reduce" if stage == 0 else "reduce_scatter"
+    assert [o for o, _ in started] == [op] * units
+    inside = [b for _, b in started]
+    assert all(inside) if overlap is None or stage == 2 else not any(inside)
