@@ -10,6 +10,11 @@ directory times the first call again ("warm": what a restarted job pays). Compil
 Reported: compiled/eager step-time ratio (below 1 is faster), cold and warm compile seconds, the
 graph breaks torch.compile reported with their reasons, and the largest loss difference between
 the eager and compiled runs (same batches, same initial state).
+
+Baseline, measured first in the same invocation (skip with --no-baseline): plain
+`torch.compile(model)` of the same GPT (forward and backward, loss and torch's fused AdamW eager),
+cold in its own empty cache, compile time measured the same way. Cold compile times move by 20 %
+between days on a shared VM, so each stage's cold compile is also printed as a ratio to it.
 """
 
 from __future__ import annotations
@@ -97,6 +102,45 @@ def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: 
     return out
 
 
+def plain_child(model: str, micro: int, steps: int, warmup: int, threads: int) -> dict:
+    """Plain torch.compile of the bare model: what a torch user pays, with nothing of fnzero."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from fnzero.testing import GPT
+
+    torch.set_num_threads(threads)
+    kw = MODELS[model]
+    torch.manual_seed(0)
+    net = GPT(**kw)
+    compiled = torch.compile(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, kw["vocab_size"], (micro, kw["seq_len"] + 1), generator=g) for _ in range(4)]
+    times = []
+    for i in range(1 + warmup + steps):
+        b = batches[i % len(batches)]
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(compiled(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()).backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    step = median(times[1 + warmup:])
+    return {"first_call_s": times[0], "step_s": step, "compile_s": times[0] - step}
+
+
+def _run_child(args, env, *child: str) -> dict:
+    cmd = [sys.executable, __file__, "--model", args.model, "--micro", str(args.micro), "--steps",
+           str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--child", *child]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not line:
+        sys.exit(f"{' '.join(child)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads(line[0][7:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gpt27m", choices=sorted(MODELS))
@@ -106,9 +150,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--no-baseline", action="store_true", help="skip plain torch.compile's cold compile")
     ap.add_argument("--child", nargs=2, metavar=("STAGE", "PHASE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.child and args.child[0] == "plain":
+        print("RESULT " + json.dumps(plain_child(args.model, args.micro, args.steps, args.warmup, args.threads)))
+        return
     if args.child:
         res = child(args.model, int(args.child[0]), args.micro, args.steps, args.warmup, args.threads, args.child[1])
         print("RESULT " + json.dumps(res))
@@ -119,20 +167,17 @@ def main() -> None:
     print(machine())
     print(f"fnzero {fnzero.__version__}; model {args.model} {MODELS[args.model]}, 1 process x {args.threads} threads, "
           f"micro-batch {args.micro}, fp32 AdamW, {args.steps} timed steps after {args.warmup} warm-up")
+    baseline = None
+    if not args.no_baseline:
+        with tempfile.TemporaryDirectory(prefix="fnzero-inductor-") as cache:
+            baseline = _run_child(args, dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache), "plain", "cold")
+        print(f"baseline: plain torch.compile(model), cold: compile {baseline['compile_s']:.1f} s, "
+              f"step {baseline['step_s']:.3f} s", flush=True)
     rows = []
     for stage in [int(s) for s in args.stages.split(",")]:
         with tempfile.TemporaryDirectory(prefix="fnzero-inductor-") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-            res = {}
-            for phase in ("cold", "warm"):
-                cmd = [sys.executable, __file__, "--model", args.model, "--micro", str(args.micro), "--steps",
-                       str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-                       "--child", str(stage), phase]
-                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                if p.returncode or not line:
-                    sys.exit(f"stage {stage} {phase} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-                res[phase] = json.loads(line[0][7:])
+            res = {phase: _run_child(args, env, str(stage), phase) for phase in ("cold", "warm")}
         cold, warm = res["cold"], res["warm"]
         row = {
             "stage": stage, "eager_step_s": cold["eager_step_s"], "jit_step_s": cold["jit_step_s"],
@@ -141,11 +186,13 @@ def main() -> None:
             "max_loss_diff": cold["max_loss_diff"], "other_cores": max(cold["other_cores"], warm["other_cores"]),
             "tokens_per_s_eager": cold["tokens_per_step"] / cold["eager_step_s"],
             "tokens_per_s_jit": cold["tokens_per_step"] / cold["jit_step_s"],
+            "cold_vs_plain": cold["compile_s"] / baseline["compile_s"] if baseline else None,
         }
         rows.append(row)
+        vs_plain = f" ({row['cold_vs_plain']:.2f}x plain torch.compile)" if baseline else ""
         print(f"stage {stage}: eager {row['eager_step_s']:.3f} s/step ({row['tokens_per_s_eager']:.0f} tok/s), "
               f"compiled {row['jit_step_s']:.3f} s/step ({row['tokens_per_s_jit']:.0f} tok/s) = "
-              f"{row['ratio']:.3f}x eager; compile cold {row['cold_compile_s']:.1f} s, warm {row['warm_compile_s']:.1f} s; "
+              f"{row['ratio']:.3f}x eager; compile cold {row['cold_compile_s']:.1f} s{vs_plain}, warm {row['warm_compile_s']:.1f} s; "
               f"max |loss diff| {row['max_loss_diff']:.2e}; other cores {row['other_cores']:.2f}", flush=True)
         if row["fallback"]:
             print(f"  fell back to eager: {row['fallback']}")
@@ -155,7 +202,7 @@ def main() -> None:
             print("  no graph break")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "rows": rows}, f, indent=1)
+            json.dump({"machine": machine(), "baseline_plain_torch_compile": baseline, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
