@@ -32,7 +32,7 @@ from ._policy import StepPolicy, step_policy
 from ._shard._collectives import start_all_gather_into, start_all_reduce, start_reduce_scatter
 from ._shard._module import optimizer_view
 from ._shard._plan import ShardPlan, UnitPlan
-from ._shard._runtime import unit_views
+from ._shard._runtime import STEP_RUNS, unit_views
 from ._state import TrainState
 from .memory import _trim_heap
 
@@ -251,12 +251,17 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     loss_sum = torch.zeros((), dtype=torch.float64)
     auxes = []
     inputs = list(leaves.values())
+    runs: list = []  # the loss function's `apply` runs, released when backward is done
     timer = _Timer(policy.timings, sh.device)
     try:
         for i, mb in enumerate(micro):
             last[0] = i == len(micro) - 1
             timer.start()
-            out = loss_fn(leaves, mb)
+            token = STEP_RUNS.set(runs)
+            try:
+                out = loss_fn(leaves, mb)
+            finally:
+                STEP_RUNS.reset(token)
             timer.stop("forward")
             loss, aux = out if has_aux else (out, None)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -279,6 +284,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     finally:
         for h in handles:
             h.remove()
+        for run in runs:
+            run.release()
 
     # -- reduce what is still local -----------------------------------------------------------------
     grads: dict[str, torch.Tensor] = {}

@@ -297,3 +297,34 @@ def test_gradient_collectives_start_inside_backward_unless_overlap_is_off(stage,
     assert [o for o, _ in started] == [op] * units
     inside = [b for _, b in started]
     assert all(inside) if overlap is None or stage == 2 else not any(inside)
+
+
+def test_stage3_step_frees_its_apply_runs_without_the_cycle_collector():
+    """A run and its units' runtimes reference each other; left to the cycle collector they kept
+    the previous state's parameter shards alive into the next step (631 against 461 MiB peak on
+    the 27.4M GPT, donate=False). The step releases every run once backward is done."""
+    import gc
+
+    from fnzero._shard._runtime import ApplyRun
+
+    cfg = _cfg(3, 2)
+
+    def rank_fn(comm):
+        sm = fnzero.shard(_model(), config=cfg, comm=comm)
+
+        def loss_fn(params, batch):
+            return torch.nn.functional.cross_entropy(sm.apply(params, batch).flatten(0, 1), batch.flatten())
+
+        state = sm.init_state()
+        step = fnzero.train_step(loss_fn, cfg)
+        for _ in range(2):
+            state, _ = step(state, torch.randint(0, 50, (2, 8)))
+
+    gc.collect()
+    gc.disable()
+    try:
+        simulated_world(2).run(rank_fn)
+        alive = sum(type(o) is ApplyRun for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0

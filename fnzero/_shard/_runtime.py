@@ -25,9 +25,13 @@ from .._offload._params import is_placeholder, read_shard
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
 
-__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN"]
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS"]
 
 ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
+
+# Inside `fnzero.train_step`: the list every `ApplyRun` created by the loss function is added to,
+# so the step can `release` them once their backward is done (see `ApplyRun.release`).
+STEP_RUNS: contextvars.ContextVar["list[ApplyRun] | None"] = contextvars.ContextVar("fnzero_step_runs", default=None)
 
 
 def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "_UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
@@ -187,6 +191,24 @@ class ApplyRun:
         # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
+        runs = STEP_RUNS.get()
+        if runs is not None:
+            runs.append(self)
+
+    def release(self) -> None:
+        """Drop every reference this run holds, once its backward has run.
+
+        A run and its units' runtimes reference each other, so without this a run is freed by
+        the cycle collector, often only after the next step's forward, and keeps the parameters
+        it was given (the previous state's, when the caller did not donate) alive that long:
+        measured on the 27.4M GPT at stage 3, 2 ranks, 631 MiB peak above baseline against 461.
+        """
+        for rt in self.rts.values():
+            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = None
+        self.rts.clear()
+        self._live.clear()
+        self.bindings.clear()
+        self.params = {}
 
     # -- prefetch ---------------------------------------------------------------------------------
     def _runtime(self, unit: UnitPlan) -> _UnitRuntime:
