@@ -6,6 +6,7 @@ import torch
 
 import fnzero
 from fnzero import RecordingCollectives
+from fnzero._shard._collectives import start_all_reduce, start_reduce_scatter
 from fnzero.memory import model_state_bytes, zero_formula
 from fnzero.testing import GPT
 from fnzero.testing._threads import simulated_world
@@ -238,6 +239,14 @@ def test_stage3_deferred_regather_with_several_outputs_starts_once(used):
     assert counts[1] == counts[2] == counts[0] - ("d" in used), counts
 
 
+def _token_loss(sm):
+    """Cross-entropy of `_model()`'s logits against its own input tokens (the batch is both)."""
+    def loss_fn(params, batch):
+        return torch.nn.functional.cross_entropy(sm.apply(params, batch).flatten(0, 1), batch.flatten())
+
+    return loss_fn
+
+
 class _BackwardProbe:
     """Records, for each gradient collective, whether autograd's engine was running when it started."""
 
@@ -257,8 +266,6 @@ class _BackwardProbe:
 
     def all_reduce_async(self, t, donate=False):
         self._note("all_reduce", t)
-        from fnzero._shard._collectives import start_all_reduce
-
         return start_all_reduce(self.inner, t, donate=donate)
 
     def reduce_scatter(self, full, donate=False):
@@ -267,8 +274,6 @@ class _BackwardProbe:
 
     def reduce_scatter_async(self, full):
         self._note("reduce_scatter", full)
-        from fnzero._shard._collectives import start_reduce_scatter
-
         return start_reduce_scatter(self.inner, full)
 
 
@@ -286,10 +291,7 @@ def test_gradient_collectives_start_inside_backward_unless_overlap_is_off(stage,
         probe = _BackwardProbe(comm)
         sm = fnzero.shard(_model(), config=cfg, comm=probe)
 
-        def loss_fn(params, batch):
-            return torch.nn.functional.cross_entropy(sm.apply(params, batch).flatten(0, 1), batch.flatten())
-
-        fnzero.train_step(loss_fn, cfg)(sm.init_state(), torch.randint(0, 50, (2, 8)))
+        fnzero.train_step(_token_loss(sm), cfg)(sm.init_state(), torch.randint(0, 50, (2, 8)))
         return probe.started, len(sm.plan.units)
 
     started, units = simulated_world(2).run(rank_fn)[0]
@@ -312,11 +314,8 @@ def test_stage3_step_frees_its_apply_runs_without_the_cycle_collector():
     def rank_fn(comm):
         sm = fnzero.shard(_model(), config=cfg, comm=comm)
 
-        def loss_fn(params, batch):
-            return torch.nn.functional.cross_entropy(sm.apply(params, batch).flatten(0, 1), batch.flatten())
-
         state = sm.init_state()
-        step = fnzero.train_step(loss_fn, cfg)
+        step = fnzero.train_step(_token_loss(sm), cfg)
         for _ in range(2):
             state, _ = step(state, torch.randint(0, 50, (2, 8)))
 
