@@ -2,6 +2,7 @@
 
     python benchmarks/bench_jit.py                          # 27.4M GPT, stages 0 and 3, 2 threads
     python benchmarks/bench_jit.py --stages 0,1,2,3 --model gpt_tiny --steps 3
+    python benchmarks/bench_jit.py --stages 0,1,2 --scopes loss,step  # also the whole-step graph
 
 For each stage a fresh process with an empty inductor cache builds the model and times the jitted
 step's first call (trace + compile + one step, "cold"); then eager and compiled steps alternate,
@@ -36,7 +37,8 @@ MODELS = {
 }
 
 
-def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: int, phase: str) -> dict:
+def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: int, phase: str,
+          scope: str = "loss") -> dict:
     import time
     import warnings
 
@@ -65,12 +67,12 @@ def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, kw["vocab_size"], (micro, kw["seq_len"] + 1), generator=g) for _ in range(4)]
     eager = fnzero.train_step(loss_fn, cfg)
-    jitted = fnzero.jit(eager)
+    jitted = fnzero.jit(eager, scope=scope)
 
     # The compiled step's first call is timed alone (trace + compile + one step); then eager and
     # compiled steps alternate on their own states, so neither profits from running second
     # (allocator and cache warm-up showed up as 30 % swings when they ran one after the other).
-    out: dict = {"stage": stage, "phase": phase}
+    out: dict = {"stage": stage, "phase": phase, "scope": scope}
     se, sj = fnzero.tree_clone(state0), fnzero.tree_clone(state0)
     te, tj, le, lj = [], [], [], []
     with CpuMonitor() as mon:
@@ -133,7 +135,8 @@ def plain_child(model: str, micro: int, steps: int, warmup: int, threads: int) -
 
 def _run_child(args, env, *child: str) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--micro", str(args.micro), "--steps",
-           str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--child", *child]
+           str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads), "--scope", args.scope,
+           "--child", *child]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not line:
@@ -149,6 +152,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scopes", default="loss", help="fnzero.jit scopes to measure: loss, step or both (loss,step)")
+    ap.add_argument("--scope", default="loss", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain torch.compile's cold compile")
     ap.add_argument("--child", nargs=2, metavar=("STAGE", "PHASE"), help=argparse.SUPPRESS)
@@ -158,7 +163,8 @@ def main() -> None:
         print("RESULT " + json.dumps(plain_child(args.model, args.micro, args.steps, args.warmup, args.threads)))
         return
     if args.child:
-        res = child(args.model, int(args.child[0]), args.micro, args.steps, args.warmup, args.threads, args.child[1])
+        res = child(args.model, int(args.child[0]), args.micro, args.steps, args.warmup, args.threads, args.child[1],
+                    args.scope)
         print("RESULT " + json.dumps(res))
         return
 
@@ -174,13 +180,16 @@ def main() -> None:
         print(f"baseline: plain torch.compile(model), cold: compile {baseline['compile_s']:.1f} s, "
               f"step {baseline['step_s']:.3f} s", flush=True)
     rows = []
-    for stage in [int(s) for s in args.stages.split(",")]:
+    for stage, scope in [(int(s), c) for s in args.stages.split(",") for c in args.scopes.split(",")]:
+        if scope == "step" and stage == 3:
+            continue  # stage 3 gathers inside the forward: scope="step" compiles the loss only there
+        args.scope = scope
         with tempfile.TemporaryDirectory(prefix="fnzero-inductor-") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
             res = {phase: _run_child(args, env, str(stage), phase) for phase in ("cold", "warm")}
         cold, warm = res["cold"], res["warm"]
         row = {
-            "stage": stage, "eager_step_s": cold["eager_step_s"], "jit_step_s": cold["jit_step_s"],
+            "stage": stage, "scope": scope, "eager_step_s": cold["eager_step_s"], "jit_step_s": cold["jit_step_s"],
             "ratio": cold["jit_step_s"] / cold["eager_step_s"], "cold_compile_s": cold["compile_s"],
             "warm_compile_s": warm["compile_s"], "graph_breaks": cold["graph_breaks"], "fallback": cold["fallback"],
             "max_loss_diff": cold["max_loss_diff"], "other_cores": max(cold["other_cores"], warm["other_cores"]),
@@ -190,7 +199,7 @@ def main() -> None:
         }
         rows.append(row)
         vs_plain = f" ({row['cold_vs_plain']:.2f}x plain torch.compile)" if baseline else ""
-        print(f"stage {stage}: eager {row['eager_step_s']:.3f} s/step ({row['tokens_per_s_eager']:.0f} tok/s), "
+        print(f"stage {stage} scope={scope}: eager {row['eager_step_s']:.3f} s/step ({row['tokens_per_s_eager']:.0f} tok/s), "
               f"compiled {row['jit_step_s']:.3f} s/step ({row['tokens_per_s_jit']:.0f} tok/s) = "
               f"{row['ratio']:.3f}x eager; compile cold {row['cold_compile_s']:.1f} s{vs_plain}, warm {row['warm_compile_s']:.1f} s; "
               f"max |loss diff| {row['max_loss_diff']:.2e}; other cores {row['other_cores']:.2f}", flush=True)

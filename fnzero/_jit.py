@@ -90,15 +90,24 @@ class JittedStep:
     """
 
     def __init__(self, step: TrainStep, *, backend: Any = "inductor", mode: str | None = None,
-                 fullgraph: bool = False, dynamic: bool | None = None, options: dict[str, Any] | None = None):
+                 fullgraph: bool = False, dynamic: bool | None = None, options: dict[str, Any] | None = None,
+                 scope: str = "loss"):
         if not isinstance(step, TrainStep):
             raise FnzeroError(f"fnzero.jit expects a step built by fnzero.train_step, got {type(step).__name__}")
+        if scope not in ("loss", "step"):
+            raise FnzeroError(f"fnzero.jit scope must be 'loss' or 'step', got {scope!r}")
         self.eager = step
         self.fullgraph = fullgraph
-        self._compiled = step.with_loss_fn(torch.compile(
-            step.loss_fn, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options
-        ))
+        self.scope = scope
+        kwargs = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
+        self._compiled = step.with_loss_fn(torch.compile(step.loss_fn, **kwargs))
+        self._whole = None
+        if scope == "step":
+            from ._jit_step import WholeStep
+
+            self._whole = WholeStep(step, kwargs)
         self._records: dict[tuple, CompileRecord] = {}
+        self._runners: dict[tuple, Any] = {}
         self._warned: set[str] = set()
         self._fallback_reason: str | None = None
 
@@ -133,8 +142,23 @@ class JittedStep:
             # parameter views fnzero passes; the warning concerns dynamo's probe, not user code.
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             if sig in self._records:
-                return self._compiled(state, batch)
+                return self._runners[sig](state, batch)
             return self._first_call(sig, state, batch)
+
+    def _runner_for(self, state: TrainState):
+        """The compiled callable for this state: the whole-step graph when asked for and possible,
+        else the step around the compiled loss function."""
+        if self._whole is None:
+            return self._compiled
+        from ._jit_step import whole_step_unsupported
+
+        reason = whole_step_unsupported(self.eager, state)
+        if reason is None:
+            return self._whole
+        if self.fullgraph:
+            raise FnzeroError(f"fnzero.jit(scope='step', fullgraph=True) cannot compile this step as one graph: {reason}")
+        self._warn_once(f"fnzero.jit: scope='step' compiles the loss function only, because {reason}")
+        return self._compiled
 
     def _first_call(self, sig: tuple, state: TrainState, batch: Any):
         plan = state.sharding.plan
@@ -145,20 +169,23 @@ class JittedStep:
                 "Use fullgraph=False (the default): every unit's forward is still compiled, and the breaks are "
                 "listed in .graph_breaks"
             )
+        runner = self._runner_for(state)
         before = _graph_break_counts()
         t0 = time.perf_counter()
         try:
-            out = self._compiled(state, batch)
+            out = runner(state, batch)
         except Exception as e:  # noqa: BLE001 - a compiler failure becomes an eager fallback
             if self.fullgraph or not _is_compiler_error(e):
                 raise
             reason = f"{type(e).__name__}: {_short_reason(str(e))}"
             self._fallback_reason = reason
-            self._warn_once(f"fnzero.jit: torch.compile could not compile the loss ({reason}); the step runs eagerly")
+            what = "step" if runner is self._whole else "loss"
+            self._warn_once(f"fnzero.jit: torch.compile could not compile the {what} ({reason}); the step runs eagerly")
             return self.eager(state, batch)
         seconds = time.perf_counter() - t0
         breaks = _describe_breaks(before, _graph_break_counts())
         self._records[sig] = CompileRecord(sig, seconds, breaks)
+        self._runners[sig] = runner
         for b in breaks:
             self._warn_once(f"fnzero.jit: graph break ({b})")
         limit = _recompile_limit()
@@ -190,7 +217,7 @@ def _is_compiler_error(e: BaseException) -> bool:
 
 
 def jit(step: TrainStep, *, backend: Any = "inductor", mode: str | None = None, fullgraph: bool = False,
-        dynamic: bool | None = None, options: dict[str, Any] | None = None) -> JittedStep:
+        dynamic: bool | None = None, options: dict[str, Any] | None = None, scope: str = "loss") -> JittedStep:
     """Compile a step's forward and backward with torch.compile (`specs/jit.md`).
 
     `backend`, `mode`, `fullgraph`, `dynamic` and `options` are passed to `torch.compile`. The
@@ -198,6 +225,13 @@ def jit(step: TrainStep, *, backend: Any = "inductor", mode: str | None = None, 
     stage, with accumulation, clipping, loss scaling and offload. A graph break is reported once
     with its reason (`JitWarning`) and kept in `.graph_breaks`; a compiler failure is reported once
     and the step continues eagerly (not with `fullgraph=True`, where it raises).
+
+    `scope="loss"` (the default) compiles the loss function (forward and backward); the gradient
+    collectives start from backward hooks and overlap it, and the fused optimizer runs eagerly.
+    `scope="step"` compiles the whole step (forward, backward, collectives, clipping, optimizer)
+    as one graph at stages 0-2; where it cannot (stage 3, offload, an optimizer without a
+    traceable update, a simulated world) it says why once and compiles the loss only, or raises
+    with `fullgraph=True`.
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
@@ -207,4 +241,5 @@ def jit(step: TrainStep, *, backend: Any = "inductor", mode: str | None = None, 
     >>> step.graph_breaks
     ()
     """
-    return JittedStep(step, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
+    return JittedStep(step, backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options,
+                      scope=scope)

@@ -183,16 +183,16 @@ def spawned_donate_matches_pure():
     return out
 
 
-def spawned_jit_matches_eager(backend, steps):
-    """World function: compiled and eager steps at every stage on this rank; returns rank 0's
+def spawned_jit_matches_eager(backend, steps, scope="loss", stages=(0, 1, 2, 3)):
+    """World function: compiled and eager steps at each stage on this rank; returns rank 0's
     largest parameter and loss differences and the graph breaks per stage."""
     from fnzero._shard._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in stages:
         a = train_fnzero("gpt", stage, steps, comm, k=2)
-        b = train_fnzero("gpt", stage, steps, comm, k=2, jit={"backend": backend})
+        b = train_fnzero("gpt", stage, steps, comm, k=2, jit={"backend": backend, "scope": scope})
         out[stage] = {
             "param": max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"]),
             "loss": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),

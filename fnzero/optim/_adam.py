@@ -116,7 +116,36 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
                 _foreach_step_(gp, gg, gm, gv, t, step_lr, b1, beta2, eps, weight_decay, adam_w_mode, bias_correction)
         return params, opt_state
 
-    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
+                     momentum: torch.Tensor | None = None):
+        b1 = beta1 if momentum is None else momentum
+        p, treedef = optree.tree_flatten(params)
+        g = leaves_like(treedef, grads, "grads")
+        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
+        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        if bias_correction:
+            step_size = lr / (1.0 - b1**t)
+            bc2_sqrt = (1.0 - beta2**t).sqrt()
+        else:
+            step_size, bc2_sqrt = lr, None
+        new_p, new_m, new_v = [], [], []
+        for pp, gg, mm, vv in zip(p, g, m, v):
+            gg = gg.to(pp.dtype)
+            if weight_decay != 0.0:
+                if adam_w_mode:
+                    pp = pp * (1.0 - lr * weight_decay)
+                else:
+                    gg = gg + weight_decay * pp
+            mm = mm + (gg - mm) * (1.0 - b1)
+            vv = vv * beta2 + gg * gg * (1.0 - beta2)
+            denom = vv.sqrt() if bc2_sqrt is None else vv.sqrt() / bc2_sqrt
+            new_p.append(pp - step_size * mm / (denom + eps))
+            new_m.append(mm)
+            new_v.append(vv)
+        unflat = lambda xs: optree.tree_unflatten(treedef, xs)  # noqa: E731
+        return unflat(new_p), AdamState(opt_state.count, unflat(new_m), unflat(new_v))
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)
 
 
 def _fusable(*lists: list[torch.Tensor]) -> bool:

@@ -36,12 +36,20 @@ class Optimizer(NamedTuple):
       elementwise: True when each element's update depends on that element alone (Adam, SGD,
         Adagrad, Lion), so a flattened parameter may be cut into shards and each shard updated
         on its own. False for Lamb, whose per-tensor trust ratio needs the whole tensor.
+      graph_update: ``graph_update(grads, opt_state, params, lr, t, momentum=None) ->
+        (params, opt_state)``, or None. The pure update written in plain tensor ops with its
+        scalars as 0-dim tensors (``lr``; ``t``, this step's 1-based number; ``momentum``), so
+        torch.compile traces it into a whole-step graph without recompiling when a schedule
+        changes them (`fnzero.jit(step, scope="step")`). The returned state's count is the input
+        count: the caller advances it (a host counter). Same formulas as ``update``, up to
+        floating-point reassociation.
     """
 
     init: Callable[[Params], OptState]
     update: UpdateFn
     update_: UpdateFn
     elementwise: bool
+    graph_update: UpdateFn | None = None
 
 
 def pure(update_: UpdateFn) -> UpdateFn:

@@ -1,0 +1,165 @@
+"""fnzero.jit(step, scope="step"): the whole step (forward, backward, collectives, clipping, the
+optimizer) as one torch.compile graph at stages 0-2, computing what the eager step computes
+(specs/jit.md §Whole step).
+
+The graph's optimizer is the optimizer's `graph_update` (plain tensor ops with tensor scalars)
+rather than torch's fused kernel, so results agree with eager to floating-point reassociation,
+not bit for bit: float64 bounds it at 1e-10.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnzero
+from fnzero.testing import run_world
+
+import _worlds as W
+
+STEPS = 3
+STEP = {"backend": "aot_eager", "scope": "step", "fullgraph": True}
+
+# Where scope="step" falls back to the loss (stage 3), stage 3's own breaks are warned as usual.
+pytestmark = pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _assert_matches(a, b, what, loss_tol=1e-12):
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= loss_tol, (what, a["losses"], b["losses"])
+    W.assert_close_tree(b["params"], a["params"], rtol=1e-10, atol=1e-12, what=what)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("k", [1, 2])
+def test_whole_step_graph_matches_eager_single_rank(stage, k):
+    a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=k)
+    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=k, jit=STEP)
+    _assert_matches(a, b, f"stage {stage} k {k}")
+    assert b["graph_breaks"] == ()
+    assert [m["grad_norm"] for m in a["metrics"]] == pytest.approx([m["grad_norm"] for m in b["metrics"]], rel=1e-12)
+
+
+def test_whole_step_graph_matches_eager_on_two_real_ranks():
+    # Functional collectives over the gloo group inside the graph: all-reduce (stage 0),
+    # reduce-scatter (1, 2; per micro-batch at 2), the norm/loss all-reduce and the all-gather.
+    (out, _) = run_world(W.spawned_jit_matches_eager, 2, "aot_eager", STEPS, "step", (0, 1, 2), timeout=600)
+    for stage, r in out.items():
+        assert r["param"] < 1e-12 and r["loss"] < 1e-12, (stage, r)
+        assert r["breaks"] == (), (stage, r["breaks"])
+
+
+def test_whole_step_with_inductor_matches_eager():
+    a = W.train_fnzero("gpt", 2, STEPS, fnzero.LocalCollectives(), k=2)
+    b = W.train_fnzero("gpt", 2, STEPS, fnzero.LocalCollectives(), k=2,
+                       jit={"backend": "inductor", "scope": "step", "fullgraph": True})
+    _assert_matches(a, b, "inductor stage 2")
+
+
+class _GraphCounter:
+    """A torch.compile backend that counts the graphs it is given and the collective and
+    optimizer ops in them, then runs them as traced."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def count(self, fragment: str) -> int:
+        return sum(fragment in str(n.target) for gm in self.graphs for n in gm.graph.nodes)
+
+
+def test_the_whole_step_is_one_graph_and_a_schedule_never_recompiles():
+    # WarmupLR changes the learning rate every step; the graph takes it as a tensor.
+    counter = _GraphCounter()
+    extra = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                          "warmup_num_steps": 4}}}
+    a = W.train_fnzero("gpt", 1, 4, fnzero.LocalCollectives(), k=2, extra=extra)
+    b = W.train_fnzero("gpt", 1, 4, fnzero.LocalCollectives(), k=2, extra=extra,
+                       jit={"backend": counter, "scope": "step", "fullgraph": True})
+    _assert_matches(a, b, "warmup schedule")
+    assert len({m["lr"] for m in b["metrics"]}) >= 3
+    assert len(counter.graphs) == 1
+    # forward and backward of both micro-batches, the norm's sqrt and Adam's in one graph
+    assert counter.count("sqrt") >= 2 and counter.count("embedding") >= 2
+
+
+def test_one_cycle_momentum_is_a_traced_scalar():
+    extra = {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+                                                          "cycle_first_step_size": 2, "cycle_momentum": True,
+                                                          "cycle_min_mom": 0.8, "cycle_max_mom": 0.9}}}
+    a = W.train_fnzero("gpt", 0, 4, fnzero.LocalCollectives(), extra=extra)
+    b = W.train_fnzero("gpt", 0, 4, fnzero.LocalCollectives(), extra=extra, jit=STEP)
+    _assert_matches(a, b, "one-cycle momentum")
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_fp16_overflow_skips_and_rescales_as_eager(donate):
+    # Loss scale 2^20 overflows fp16 gradients: steps are skipped and the scale halves until
+    # the gradients fit, then training proceeds; the donated state is left intact on a skip.
+    kw = dict(k=2, dtype=torch.float32, precision="fp16", donate=donate,
+              extra={"fp16": {"enabled": True, "initial_scale_power": 20, "hysteresis": 1}})
+    a = W.train_fnzero("gpt", 1, 8, fnzero.LocalCollectives(), **kw)
+    b = W.train_fnzero("gpt", 1, 8, fnzero.LocalCollectives(), jit=STEP, **kw)
+    skipped = [m["skipped"] for m in a["metrics"]]
+    assert any(skipped) and not all(skipped)
+    assert [m["skipped"] for m in b["metrics"]] == skipped
+    assert [m["loss_scale"] for m in b["metrics"]] == [m["loss_scale"] for m in a["metrics"]]
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-3
+    W.assert_close_tree(b["params"], a["params"], rtol=1e-3, atol=1e-4, what="fp16")
+
+
+def test_bf16_with_fp32_master_and_donation_match_eager():
+    kw = dict(k=2, dtype=torch.float32, precision="bf16", donate=True)
+    a = W.train_fnzero("gpt", 2, 3, fnzero.LocalCollectives(), **kw)
+    b = W.train_fnzero("gpt", 2, 3, fnzero.LocalCollectives(), jit=STEP, **kw)
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-2
+    W.assert_close_tree(b["params"], a["params"], rtol=2e-2, atol=1e-3, what="bf16")
+
+
+def test_aux_outputs_come_back_from_the_graph():
+    sm_cfg = W.config(0, k=2)
+    model = W.make_model("gpt")
+    sm = fnzero.shard(model, config=sm_cfg, comm=fnzero.LocalCollectives())
+
+    def loss_fn(params, batch):
+        logits = sm.apply(params, batch[0])
+        return F.cross_entropy(logits.flatten(0, -2), batch[1].flatten()), {"max_logit": logits.detach().max()}
+
+    x, y = W.global_batch("gpt", 0, 1, 2, 2, torch.float64)
+    batch = (x[:, 0].flatten(0, 1), y[:, 0].flatten(0, 1))
+    eager = fnzero.train_step(loss_fn, sm_cfg, has_aux=True)
+    state0 = sm.init_state()
+    _, m_e = eager(fnzero.tree_clone(state0), batch)
+    _, m_j = fnzero.jit(eager, **STEP)(state0, batch)
+    assert len(m_j["aux"]) == 2
+    for e, j in zip(m_e["aux"], m_j["aux"]):
+        assert float(e["max_logit"]) == pytest.approx(float(j["max_logit"]), rel=1e-12)
+
+
+def test_stage_3_and_untraceable_optimizers_compile_the_loss_only_and_say_why():
+    with pytest.warns(fnzero.JitWarning, match="compiles the loss function only, because stage 3 gathers"):
+        a = W.train_fnzero("gpt", 3, 2, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "scope": "step"})
+    b = W.train_fnzero("gpt", 3, 2, fnzero.LocalCollectives())
+    assert a["losses"] == b["losses"]
+    lamb = {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}
+    with pytest.warns(fnzero.JitWarning, match="Lamb optimizer has no traceable update"):
+        W.train_fnzero("gpt", 0, 1, fnzero.LocalCollectives(), extra=lamb, jit={"backend": "aot_eager", "scope": "step"})
+    with pytest.raises(fnzero.FnzeroError, match=r"scope='step', fullgraph=True\) cannot compile .*Lamb"):
+        W.train_fnzero("gpt", 0, 1, fnzero.LocalCollectives(), extra=lamb, jit=STEP)
+
+
+def test_unknown_scope_is_refused():
+    step = fnzero.train_step(lambda p, b: b, W.config(0))
+    with pytest.raises(fnzero.FnzeroError, match="scope must be 'loss' or 'step', got 'all'"):
+        fnzero.jit(step, scope="all")
+
