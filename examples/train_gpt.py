@@ -42,8 +42,9 @@ p.add_argument("--checkpoint-dir", default="runs/train_gpt",
                help="save a checkpoint here at the end, and resume from it when it exists ('' = neither)")
 p.add_argument("--export", default="model.safetensors",
                help="file name, inside --checkpoint-dir, for the exported bf16 weights ('' = no export)")
-p.add_argument("--jit", action="store_true",
-               help="compile the step's forward and backward with torch.compile (fnzero.jit; ~30 s the first time)")
+p.add_argument("--jit", nargs="?", const="loss", choices=["loss", "step"],
+               help="compile with torch.compile (fnzero.jit; ~30 s the first time): 'loss' (the default) the "
+                    "forward and backward, 'step' the whole step as one graph (stages 0-2)")
 args = p.parse_args()
 
 # -- processes, config, model --------------------------------------------------------------------
@@ -66,7 +67,7 @@ def loss_fn(params, batch):
 # donate=True: the old state's buffers are reused by the new one, so the model state exists once.
 step = fnzero.train_step(loss_fn, cfg, donate=True)
 if args.jit:
-    step = fnzero.jit(step)  # same step; graph breaks, if any, are warned once with their reason
+    step = fnzero.jit(step, scope=args.jit)  # same step; graph breaks, if any, are warned once with their reason
 
 # -- resume: a checkpoint loads into this run's layout, whatever world size or stage saved it -------
 start = 0

@@ -47,6 +47,18 @@ def test_whole_step_graph_matches_eager_single_rank(stage, k):
     assert [m["grad_norm"] for m in a["metrics"]] == pytest.approx([m["grad_norm"] for m in b["metrics"]], rel=1e-12)
 
 
+@pytest.mark.parametrize("opt", [
+    {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.1}},
+    {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+    {"type": "Adagrad", "params": {"lr": 1e-2, "lr_decay": 0.1}},
+], ids=lambda o: o["type"])
+def test_every_elementwise_optimizer_runs_inside_the_graph(opt):
+    extra = {"optimizer": opt}
+    a = W.train_fnzero("gpt", 1, STEPS, fnzero.LocalCollectives(), k=2, extra=extra)
+    b = W.train_fnzero("gpt", 1, STEPS, fnzero.LocalCollectives(), k=2, extra=extra, jit=STEP)
+    _assert_matches(a, b, opt["type"])
+
+
 def test_whole_step_graph_matches_eager_on_two_real_ranks():
     # Functional collectives over the gloo group inside the graph: all-reduce (stage 0),
     # reduce-scatter (1, 2; per micro-batch at 2), the norm/loss all-reduce and the all-gather.

@@ -303,6 +303,66 @@ def test_update_is_pure_and_update_inplace_agrees(name, shapes, dtype):
     assert out1[1].count.dtype == torch.int64 and out1[1].count.dim() == 0 and int(out1[1].count) == 3
 
 
+ALL["sgd_damped"] = lambda: optim.sgd(lr=1e-2, momentum=0.8, dampening=0.3)
+MOMENTUM = {"adamw", "adam_l2", "adam_foreach", "adam_nobc", "lion", "sgd", "sgd_damped"}  # take an override
+
+
+def run_graph_update(opt, params, grads, lrs, moms=None):
+    """`graph_update` driven as the whole-step graph drives it: 0-dim float64 scalars, the count
+    advanced by the caller."""
+    state = opt.init(params)
+    f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
+    for i, (g, lr) in enumerate(zip(grads, lrs)):
+        mom = None if moms is None else f64(moms[i])
+        params, state = opt.graph_update(g, state, params, f64(lr), f64(i + 1), mom)
+        state = state._replace(count=state.count + 1)
+    return params, state
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE + ["sgd_damped"])
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(shapes=shapes_st, dtype=dtype_st, with_momentum=st.booleans())
+def test_graph_update_matches_update(name, shapes, dtype, with_momentum):
+    """The traceable update (fnzero.jit scope="step") computes the same step as `update`: a
+    moving lr, bias corrections from the tensor step number, and a OneCycle momentum."""
+    opt = ALL[name]()
+    assert opt.graph_update is not None
+    params, grads = make_problem(shapes, dtype, 6)
+    lrs = lrs_for(1e-2, 6)
+    moms = [0.85 + 0.01 * i for i in range(6)] if with_momentum and name in MOMENTUM else None
+    want, want_state = run_fnzero(opt, params, grads, lrs, moms)
+    got, got_state = run_graph_update(opt, params, grads, lrs, moms)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert_trees_close(got, want, rtol=tol, atol=tol)
+    assert_trees_close(got_state, want_state, rtol=tol, atol=tol)
+
+
+def test_graph_update_compiles_once_for_every_lr():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+    params, grads = make_problem([(3, 4), (5,)], torch.float64, 4)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(opt.graph_update, backend=backend, fullgraph=True)
+        state = opt.init(params)
+        for i, g in enumerate(grads):
+            lr = torch.tensor(1e-2 * (i + 1), dtype=torch.float64)
+            params, state = compiled(g, state, params, lr, torch.tensor(float(i + 1), dtype=torch.float64))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+
+
+def test_lamb_has_no_graph_update():
+    # Its trust ratio is per tensor; the whole-step graph falls back to the compiled loss for it.
+    assert optim.lamb().graph_update is None
+
+
 @pytest.mark.parametrize("name", ELEMENTWISE)
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(shapes=st.lists(shape_st, min_size=1, max_size=4), dtype=dtype_st)

@@ -14,7 +14,7 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -131,15 +131,16 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
         new_p, new_m, new_v = [], [], []
         for pp, gg, mm, vv in zip(p, g, m, v):
             gg = gg.to(pp.dtype)
+            lr_, b1_, ss, bc2 = scalars_as(pp, lr, b1, step_size, bc2_sqrt)
             if weight_decay != 0.0:
                 if adam_w_mode:
-                    pp = pp * (1.0 - lr * weight_decay)
+                    pp = pp * (1.0 - lr_ * weight_decay)
                 else:
                     gg = gg + weight_decay * pp
-            mm = mm + (gg - mm) * (1.0 - b1)
+            mm = mm + (gg - mm) * (1.0 - b1_)
             vv = vv * beta2 + gg * gg * (1.0 - beta2)
-            denom = vv.sqrt() if bc2_sqrt is None else vv.sqrt() / bc2_sqrt
-            new_p.append(pp - step_size * mm / (denom + eps))
+            denom = vv.sqrt() if bc2 is None else vv.sqrt() / bc2
+            new_p.append(pp - ss * mm / (denom + eps))
             new_m.append(mm)
             new_v.append(vv)
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)  # noqa: E731

@@ -112,6 +112,12 @@ def groups(*lists: Sequence[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor],
         yield tuple([lst[i] for i in idx] for lst in lists)
 
 
+def scalars_as(like: torch.Tensor, *xs):
+    """Tensor scalars (a `graph_update`'s lr, bias corrections...) in `like`'s dtype: two 0-dim
+    tensors promote to the wider dtype, which would turn a 0-dim float32 parameter into float64."""
+    return tuple(x.to(like.dtype) if isinstance(x, torch.Tensor) else x for x in xs)
+
+
 def zeros_count() -> torch.Tensor:
     """The step counter: a 0-dim int64 CPU tensor, so `update_` can advance it in place and
     reading it never waits on an accelerator."""

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
 
 __all__ = ["LionState", "lion"]
 
@@ -62,4 +62,21 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
             torch._foreach_add_(gm, gg, alpha=1.0 - beta2)
         return params, opt_state
 
-    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
+                     momentum: torch.Tensor | None = None):
+        b1 = beta1 if momentum is None else momentum
+        p, treedef = optree.tree_flatten(params)
+        g = leaves_like(treedef, grads, "grads")
+        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
+        new_p, new_m = [], []
+        for pp, gg, mm in zip(p, g, m):
+            gg = gg.to(pp.dtype)
+            lr_, b1_ = scalars_as(pp, lr, b1)
+            c = (mm * b1_ + gg * (1.0 - b1_)).sign()
+            if weight_decay != 0.0:
+                pp = pp * (1.0 - lr_ * weight_decay)
+            new_p.append(pp - lr_ * c)
+            new_m.append(mm * beta2 + gg * (1.0 - beta2))
+        return optree.tree_unflatten(treedef, new_p), LionState(opt_state.count, optree.tree_unflatten(treedef, new_m))
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)

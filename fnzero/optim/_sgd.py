@@ -10,7 +10,7 @@ import torch
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
 
 __all__ = ["SGDState", "sgd"]
 
@@ -84,4 +84,27 @@ def sgd(
             torch._foreach_add_(gp, gg, alpha=-step_lr)
         return params, opt_state
 
-    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
+                     momentum: torch.Tensor | None = None):
+        if momentum is not None and not has_buffer:
+            raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
+        mom = default_mom if momentum is None else momentum
+        p, treedef = optree.tree_flatten(params)
+        g = leaves_like(treedef, grads, "grads")
+        buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
+        new_p, new_buf = [], []
+        for pp, gg, bb in zip(p, g, buf):
+            gg = gg.to(pp.dtype)
+            if weight_decay != 0.0:
+                gg = gg + weight_decay * pp
+            lr_, mom_ = scalars_as(pp, lr, mom)
+            if has_buffer:
+                # torch starts the buffer at the first gradient itself (no dampening).
+                bb = torch.where(t == 1.0, gg, bb * mom_ + gg * (1.0 - dampening))
+                new_buf.append(bb)
+                gg = gg + bb * mom_ if nesterov else bb
+            new_p.append(pp - lr_ * gg)
+        state_buf = optree.tree_unflatten(treedef, new_buf) if has_buffer else None
+        return optree.tree_unflatten(treedef, new_p), SGDState(opt_state.count, state_buf)
+
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)
