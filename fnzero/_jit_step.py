@@ -147,7 +147,8 @@ class WholeStep:
             grads, (_, out) = grad_fn({u: params[u] for u in names}, mb)
             loss, aux = out if has_aux else (out, None)
             for u in names:
-                g = reduce_scatter(grads[u]).to(accum_dtype) if plan.stage == 2 else grads[u].to(accum_dtype)
+                # Stage 2 (and stage-3 units kept whole) reduce each micro-batch's gradient, as eager.
+                g = reduce_scatter(grads[u]).to(accum_dtype) if plan.stage >= 2 else grads[u].to(accum_dtype)
                 acc[u] = g if u not in acc else acc[u] + g
             loss_sum = loss_sum + loss.to(torch.float64)
             auxes.append(aux)

@@ -63,6 +63,11 @@ def test_whole_step_graph_matches_eager_on_two_real_ranks():
     # Functional collectives over the gloo group inside the graph: all-reduce (stage 0),
     # reduce-scatter (1, 2; per micro-batch at 2), the norm/loss all-reduce and the all-gather.
     (out, _) = run_world(W.spawned_jit_matches_eager, 2, "aot_eager", STEPS, "step", (0, 1, 2), timeout=600)
+    # Stage 3 with every unit below the persistence threshold: whole units, reduced per micro-batch.
+    persistent = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}
+    (out[3], _) = run_world(W.spawned_jit_matches_eager, 2, "aot_eager", STEPS, "step", (3,), persistent,
+                            timeout=600)
+    out[3] = out[3][3]
     for stage, r in out.items():
         assert r["param"] < 1e-12 and r["loss"] < 1e-12, (stage, r)
         assert r["breaks"] == (), (stage, r["breaks"])
@@ -156,6 +161,14 @@ def test_aux_outputs_come_back_from_the_graph():
     assert len(m_j["aux"]) == 2
     for e, j in zip(m_e["aux"], m_j["aux"]):
         assert float(e["max_logit"]) == pytest.approx(float(j["max_logit"]), rel=1e-12)
+
+
+def test_stage_3_with_every_unit_persistent_is_one_graph_too():
+    # Below stage3_param_persistence_threshold a unit is kept whole and nothing is gathered.
+    extra = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}
+    a = W.train_fnzero("gpt", 3, STEPS, fnzero.LocalCollectives(), k=2, extra=extra)
+    b = W.train_fnzero("gpt", 3, STEPS, fnzero.LocalCollectives(), k=2, extra=extra, jit=STEP)
+    _assert_matches(a, b, "stage 3, all persistent")
 
 
 def test_stage_3_and_untraceable_optimizers_compile_the_loss_only_and_say_why():
