@@ -24,10 +24,9 @@ import optree
 import torch
 
 from ._errors import ShardingError
-from ._loss_scale import update_loss_scale
 from ._shard._collectives import ProcessGroupCollectives
 from ._state import TrainState
-from ._step import TrainStep, _accum_dtype, _predivisor, _prepare_for_comm, split_micro_batches
+from ._step import TrainStep, _accum_dtype, _predivisor, _prepare_for_comm, loss_scale_after, split_micro_batches
 
 __all__ = ["WholeStep", "whole_step_unsupported"]
 
@@ -97,13 +96,8 @@ class WholeStep:
         }
         if step.has_aux:
             metrics["aux"] = auxes if k > 1 else auxes[0]
-        new_ls = update_loss_scale(state.loss_scale, overflow, policy.loss_scale) if state.loss_scale is not None else None
+        new_ls = loss_scale_after(state, policy, overflow, step_no, comm.rank)
         if overflow:
-            if state.loss_scale is None:
-                raise ShardingError(
-                    f"non-finite gradient norm at step {step_no} (rank {comm.rank}) without fp16 loss scaling; "
-                    "the loss or the model produced inf/NaN"
-                )
             return state.replace(loss_scale=new_ls), metrics  # donated buffers were left as they were
         new_opt = new_opt._replace(count=torch.tensor(count + 1, dtype=torch.int64))
         return state.replace(

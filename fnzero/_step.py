@@ -333,13 +333,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     if timer.on:
         metrics["timings"] = timer.totals  # filled in place until the step returns
 
-    new_ls = update_loss_scale(state.loss_scale, overflow, policy.loss_scale) if state.loss_scale is not None else None
+    new_ls = loss_scale_after(state, policy, overflow, step_no, rank)
     if overflow:
-        if state.loss_scale is None:
-            raise ShardingError(
-                f"non-finite gradient norm at step {step_no} (rank {rank}) without fp16 loss scaling; "
-                "the loss or the model produced inf/NaN"
-            )
         metrics["lr"] = float(sched(step_no))
         return state.replace(loss_scale=new_ls), metrics
 
@@ -388,6 +383,19 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         loss_scale=new_ls,
     )
     return new_state, metrics
+
+
+def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step_no: int, rank: int):
+    """The next loss-scale state (None without fp16 scaling). A non-finite gradient norm without
+    loss scaling cannot be skipped silently: it raises."""
+    if state.loss_scale is None:
+        if overflow:
+            raise ShardingError(
+                f"non-finite gradient norm at step {step_no} (rank {rank}) without fp16 loss scaling; "
+                "the loss or the model produced inf/NaN"
+            )
+        return None
+    return update_loss_scale(state.loss_scale, overflow, policy.loss_scale)
 
 
 def _publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donate: bool) -> dict[str, torch.Tensor]:
