@@ -174,10 +174,17 @@ class JittedStep:
         t0 = time.perf_counter()
         try:
             out = runner(state, batch)
-        except Exception as e:  # noqa: BLE001 - a compiler failure becomes an eager fallback
+        except Exception as e:  # noqa: BLE001 - a compiler failure becomes a fallback
             if self.fullgraph or not _is_compiler_error(e):
                 raise
             reason = f"{type(e).__name__}: {_short_reason(str(e))}"
+            if runner is self._whole:
+                # Nothing ran yet (tracing failed), so the state is intact: compile the loss only.
+                hint = " (with has_aux=True, aux outputs must be tensors to be traced)" if self.eager.has_aux else ""
+                self._warn_once(f"fnzero.jit: scope='step' could not trace the step as one graph ({reason}){hint}; "
+                                "it compiles the loss function only")
+                self._whole = None
+                return self._first_call(sig, state, batch)
             self._fallback_reason = reason
             what = "step" if runner is self._whole else "loss"
             self._warn_once(f"fnzero.jit: torch.compile could not compile the {what} ({reason}); the step runs eagerly")

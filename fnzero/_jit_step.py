@@ -54,7 +54,10 @@ class WholeStep:
 
     def __init__(self, step: TrainStep, compile_kwargs: dict[str, Any]):
         self.step = step
-        self._graph = torch.compile(self._graph_fn, **compile_kwargs)
+        # Always one graph: a break would run the rest of the step eagerly, where the forward's
+        # stage-3-style hooks and functorch's grad do not mix. A step that cannot be traced whole
+        # raises here, and `fnzero.jit` falls back to compiling the loss only.
+        self._graph = torch.compile(self._graph_fn, **dict(compile_kwargs, fullgraph=True))
         self._ctx: dict[str, Any] = {}
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:

@@ -163,6 +163,28 @@ def test_aux_outputs_come_back_from_the_graph():
         assert float(e["max_logit"]) == pytest.approx(float(j["max_logit"]), rel=1e-12)
 
 
+def test_a_step_that_cannot_be_one_graph_compiles_the_loss_only():
+    # functorch's grad takes tensor aux only: a string in the aux cannot be traced into the graph.
+    cfg = W.config(0)
+    sm = fnzero.shard(W.make_model("gpt"), config=cfg, comm=fnzero.LocalCollectives())
+
+    def loss_fn(params, batch):
+        loss = F.cross_entropy(sm.apply(params, batch[0]).flatten(0, -2), batch[1].flatten())
+        return loss, {"note": "not a tensor"}
+
+    x, y = W.global_batch("gpt", 0, 1, 1, 2, torch.float64)
+    batch = (x[:, 0].flatten(0, 1), y[:, 0].flatten(0, 1))
+    eager = fnzero.train_step(loss_fn, cfg, has_aux=True)
+    state0 = sm.init_state()
+    s_e, m_e = eager(fnzero.tree_clone(state0), batch)
+    jitted = fnzero.jit(eager, backend="aot_eager", scope="step")
+    with pytest.warns(fnzero.JitWarning, match="could not trace the step as one graph.*aux outputs must be tensors"):
+        s_j, m_j = jitted(state0, batch)
+    assert jitted.fallback_reason is None and m_j["aux"] == {"note": "not a tensor"}
+    assert m_j["loss"] == m_e["loss"]
+    W.assert_close_tree(s_j.params, s_e.params, rtol=0, atol=0, what="loss-scope fallback")
+
+
 def test_stage_3_with_every_unit_persistent_is_one_graph_too():
     # Below stage3_param_persistence_threshold a unit is kept whole and nothing is gathered.
     extra = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10**9}}
