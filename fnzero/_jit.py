@@ -10,6 +10,10 @@ when offloading).
 At stages 0-2 the forward is one graph with no break. At stage 3 every sharded unit's forward
 starts by gathering its parameter shards, which breaks the graph at each unit; each unit's own
 forward is still compiled, and the breaks are reported by name.
+
+`scope="step"` (`_jit_step.py`) compiles the whole step instead, collectives and optimizer
+included, as one graph at stages 0-2; measured on CPU it runs at the same speed and compiles
+1.5x longer, and on several ranks it gives up overlapping collectives with backward.
 """
 
 from __future__ import annotations
