@@ -18,6 +18,7 @@ overflow skip and the loss scale, exactly as the eager step does.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import optree
@@ -25,6 +26,7 @@ import torch
 
 from ._errors import ShardingError
 from ._shard._collectives import ProcessGroupCollectives
+from ._shard._module import optimizer_view
 from ._state import TrainState
 from ._step import TrainStep, _accum_dtype, _predivisor, _prepare_for_comm, loss_scale_after, split_micro_batches
 
@@ -78,22 +80,22 @@ class WholeStep:
             "group": _group_of(comm),
             "device": sh.device, "has_master": state.master is not None, "donate": step.donate,
         }
-        f64 = dict(dtype=torch.float64, device=sh.device)
-        scalars = torch.tensor([lr, count + 1, 0.0 if momentum is None else float(momentum), scale], **f64)
         if momentum is not None:
             from .optim._validate import momentum_override
 
             momentum_override("the optimizer", momentum)
+        f64 = dict(dtype=torch.float64, device=sh.device)
+        scalars = torch.tensor([lr, count + 1, 0.0 if momentum is None else float(momentum), scale], **f64)
         with torch.enable_grad():
             new_params, new_master, new_opt, stats, auxes = self._graph(
                 state.params, state.master, state.opt_state, scalars, micro, momentum is not None
             )
         norm_sq, loss_sum = (float(x) for x in stats.cpu())
-        overflow = not (norm_sq == norm_sq and norm_sq != float("inf"))
+        overflow = not math.isfinite(norm_sq)
         metrics: dict[str, Any] = {
             "loss": loss_sum / (k * n),
             "lr": lr,
-            "grad_norm": norm_sq**0.5 if not overflow else float("inf"),
+            "grad_norm": math.sqrt(norm_sq) if not overflow else float("inf"),
             "loss_scale": scale if state.loss_scale is not None else None,
             "skipped": overflow,
         }
@@ -136,6 +138,10 @@ class WholeStep:
             g = _prepare_for_comm(g, policy, prediv)
             return g if n == 1 else funcol.reduce_scatter_tensor(g, "sum", 0, group)
 
+        def all_reduce(g):
+            g = _prepare_for_comm(g, policy, prediv)
+            return g if n == 1 else funcol.all_reduce(g, "sum", group)
+
         grad_fn = torch.func.grad_and_value(scaled_loss, has_aux=True)
         acc: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros((), dtype=torch.float64, device=c["device"])
@@ -150,9 +156,7 @@ class WholeStep:
             loss_sum = loss_sum + loss.to(torch.float64)
             auxes.append(aux)
         if plan.stage == 0:
-            red = {u: (_prepare_for_comm(acc[u], policy, prediv) if n == 1 else
-                       funcol.all_reduce(_prepare_for_comm(acc[u], policy, prediv), "sum", group)).to(accum_dtype)
-                   for u in names}
+            red = {u: all_reduce(acc[u]).to(accum_dtype) for u in names}
         elif plan.stage == 1:
             red = {u: reduce_scatter(acc[u]).to(accum_dtype) for u in names}
         else:
@@ -174,13 +178,7 @@ class WholeStep:
             factor = inv * torch.clamp(coef, max=1.0)
         grads = {u: red[u] * factor.to(red[u].dtype) for u in names}
 
-        if c["has_master"]:
-            target = master
-        else:
-            target = {}
-            for u in plan.units:
-                lo, hi = u.shard_range(rank) if plan.stage > 0 else (0, u.padded_numel)
-                target[u.name] = params[u.name][lo:hi]
+        target = master if c["has_master"] else optimizer_view(plan, rank, params)
         new_target, new_opt = step.opt.graph_update(grads, opt_state, target, lr, t,
                                                     momentum if has_momentum else None)
         new_params = {}
