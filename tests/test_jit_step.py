@@ -207,6 +207,6 @@ def test_stage_3_and_untraceable_optimizers_compile_the_loss_only_and_say_why():
 
 def test_unknown_scope_is_refused():
     step = fnzero.train_step(lambda p, b: b, W.config(0))
-    with pytest.raises(fnzero.FnzeroError, match="scope must be 'loss' or 'step', got 'all'"):
+    with pytest.raises(fnzero.FnzeroError, match="scope must be 'loss', 'units' or 'step', got 'all'"):
         fnzero.jit(step, scope="all")
 

@@ -17,7 +17,7 @@ from .._policy import ShardPolicy, shard_policy
 from .._state import LossScaleState, Sharding, TrainState
 from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
 from ._plan import ROOT_UNIT, ShardPlan, UnitPlan, make_plan
-from ._runtime import ACTIVE_RUN, ApplyRun, GatherSchedule, unit_views, wrap_unit_forward
+from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views, wrap_unit_forward
 
 __all__ = ["ShardedModule", "shard", "optimizer_view", "full_unit"]
 
@@ -87,6 +87,7 @@ class ShardedModule:
         self._buffers: dict[str, torch.Tensor] = {}
         # `offload_param: nvme`: the NVMe store that stage-3 shards are read from (set by init_state).
         self._param_store = None
+        self._units_routed = False  # see `_route_units`
 
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -106,11 +107,23 @@ class ShardedModule:
         missing = [u.name for u in plan.units if u.name not in params]
         if missing:
             raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
+        if not torch.compiler.is_compiling() and UNIT_COMPILER.get() is not None:
+            self._route_units()
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
             # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
             return self._call(self._tensors((u, params[u.name]) for u in plan.units), args, kwargs)
         return self._apply_gathering(params, args, kwargs)
+
+    def _route_units(self) -> None:
+        """Once: route every gathered unit module's forward through `UNIT_COMPILER` (stage-3
+        sharded units are routed already, by the wrapper that gathers them)."""
+        if self._units_routed:
+            return
+        for u in self.plan.units:
+            if u.module != "" and not self.plan.params_sharded(u):
+                route_unit_forward(self.module.get_submodule(u.module), u)
+        self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
         """What the module's forward reads, by state_dict name: the views of each (unit, full

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -25,13 +25,21 @@ from .._offload._params import is_placeholder, read_shard
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
 
-__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS"]
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER",
+           "route_unit_forward"]
 
 ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
 
 # Inside `fnzero.train_step`: the list every `ApplyRun` created by the loss function is added to,
 # so the step can `release` them once their backward is done (see `ApplyRun.release`).
 STEP_RUNS: contextvars.ContextVar["list[ApplyRun] | None"] = contextvars.ContextVar("fnzero_step_runs", default=None)
+
+# Set by `fnzero.jit(scope="units")` around an eager step: `(module, forward) -> forward` returns
+# the compiled forward a unit module runs instead of its own (`specs/jit.md`). Unset, units run
+# their own forward.
+UNIT_COMPILER: contextvars.ContextVar["Callable[[nn.Module, Callable], Callable] | None"] = contextvars.ContextVar(
+    "fnzero_unit_compiler", default=None
+)
 
 
 def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "_UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
@@ -399,10 +407,26 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
                 f"module {unit.module!r} holds stage-3 sharded parameters; call it through "
                 "ShardedModule.apply(params, ...) rather than directly"
             )
-        return run.unit_forward(unit, module, inner, args, kwargs)
+        compiler = UNIT_COMPILER.get()
+        return run.unit_forward(unit, module, inner if compiler is None else compiler(module, inner), args, kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = torch.compiler.disable(
         forward, recursive=False,
         reason=f"fnzero ZeRO-3: unit {unit.name!r} gathers its parameter shards (an all-gather) before its forward",
     )
+
+
+def route_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
+    """Let `fnzero.jit(scope="units")` run a gathered (stage 0-2, or persistent) unit's forward as
+    its own compiled graph; otherwise, and inside any torch.compile trace, the forward is unchanged."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return inner(*args, **kwargs)  # (traced through: a whole-loss graph stays one graph)
+        compiler = UNIT_COMPILER.get()
+        return (inner if compiler is None else compiler(module, inner))(*args, **kwargs)
+
+    forward.__wrapped__ = inner  # type: ignore[attr-defined]
+    module.forward = forward

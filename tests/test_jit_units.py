@@ -1,0 +1,133 @@
+"""fnzero.jit(step, scope="units"): each unit module's forward (and its backward) is its own
+torch.compile graph, shared by units of one structure, around the eager step (specs/jit.md
+§Per unit). Results equal the eager step's: bit for bit with aot_eager, within float64
+reassociation with inductor, at every stage, on 1 and 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fnzero
+from fnzero.testing import run_world
+
+import _worlds as W
+
+STEPS = 3
+UNITS = {"backend": "aot_eager", "scope": "units"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _GraphCounter:
+    """A backend that records each forward graph dynamo hands it, then runs it with aot_eager."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.graphs.append(gm)
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+    def count(self, fragment: str) -> int:
+        return sum(any(fragment in str(n.target) for n in gm.graph.nodes) for gm in self.graphs)
+
+
+def _max_param_diff(a, b):
+    return max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_per_unit_graphs_match_eager_bit_for_bit(stage):
+    # float64, accumulation 2, clipping: aot_eager runs the eager aten ops, so any difference
+    # means a unit ran other math, or with another unit's parameters.
+    a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2)
+    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2, jit=dict(UNITS, fullgraph=True))
+    assert a["losses"] == b["losses"]
+    assert _max_param_diff(a, b) == 0.0
+    assert b["graph_breaks"] == ()  # every unit is one graph, stage 3 included
+
+
+def test_repeated_blocks_share_one_graph():
+    # The test GPT's units: wte, wpe (both Embedding, of different input rank), two blocks,
+    # ln_f and head. Five graphs, not six: the second block reuses the first block's.
+    counter = _GraphCounter()
+    b = W.train_fnzero("gpt", 2, 2, fnzero.LocalCollectives(), k=2, jit={"backend": counter, "scope": "units"})
+    a = W.train_fnzero("gpt", 2, 2, fnzero.LocalCollectives(), k=2)
+    assert a["losses"] == b["losses"]
+    assert len(counter.graphs) == 5, [gm.code for gm in counter.graphs]
+    assert counter.count("scaled_dot_product_attention") == 1
+    assert counter.count("embedding") == 2
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_inductor_per_unit_graphs_match_eager(stage):
+    a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2)
+    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2,
+                       jit={"backend": "inductor", "scope": "units"})
+    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-12
+    W.assert_close_tree(b["params"], a["params"], rtol=1e-10, atol=1e-12, what=f"inductor units stage {stage}")
+
+
+def test_per_unit_graphs_match_eager_on_two_real_ranks():
+    (out, _) = run_world(W.spawned_jit_matches_eager, 2, "aot_eager", STEPS, "units", timeout=600)
+    for stage, r in out.items():
+        assert r["param"] == 0.0 and r["loss"] == 0.0, (stage, r)
+        assert r["breaks"] == (), (stage, r["breaks"])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_and_loss_scaling_match_eager(precision):
+    kw = dict(k=2, dtype=torch.float32, precision=precision)
+    a = W.train_fnzero("gpt", 3, 4, fnzero.LocalCollectives(), **kw)
+    b = W.train_fnzero("gpt", 3, 4, fnzero.LocalCollectives(), jit=UNITS, **kw)
+    assert a["losses"] == b["losses"]
+    assert [m["loss_scale"] for m in a["metrics"]] == [m["loss_scale"] for m in b["metrics"]]
+    assert _max_param_diff(a, b) == 0.0
+
+
+def test_routing_leaves_other_scopes_and_eager_steps_as_they_were():
+    # The unit forwards of a module once run with scope="units" are routed for good; outside
+    # that scope the route is the unit's own forward: a whole-loss graph stays one graph, and
+    # the eager step compiles nothing.
+    r = W.train_fnzero("gpt", 0, 1, fnzero.LocalCollectives(), jit=UNITS, return_state=True)
+    sm, state = r["sm"], r["state"]
+    cfg = W.config(0, 1, 2, 1, 1.0, "fp32", None)
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return W.loss_of("gpt", sm.apply(params, x), y)
+
+    batch = tuple(t[0, 0] for t in W.global_batch("gpt", 1, 1, 1, 2, torch.float64))
+    eager = fnzero.train_step(loss_fn, cfg)
+    counter = _GraphCounter()
+    whole = fnzero.jit(eager, backend=counter, fullgraph=True)
+    s1, m1 = eager(fnzero.tree_clone(state), batch)
+    assert counter.graphs == []
+    s2, m2 = whole(fnzero.tree_clone(state), batch)
+    assert m1["loss"] == m2["loss"] and whole.graph_breaks == ()
+    assert len(counter.graphs) == 1 and counter.count("scaled_dot_product_attention") == 1
+
+
+def test_a_model_without_unit_modules_compiles_its_loss_and_says_so():
+    torch.manual_seed(0)
+    cfg = fnzero.load_config({"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    sm = fnzero.shard(torch.nn.Linear(4, 2).double(), config=cfg)
+    step = fnzero.train_step(lambda p, b: (sm.apply(p, b[0]) - b[1]).square().mean(), cfg)
+    counter = _GraphCounter()
+    jitted = fnzero.jit(step, backend=counter, scope="units")
+    batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
+    state = sm.init_state()
+    with pytest.warns(fnzero.JitWarning, match="scope='units' compiles the loss function, because the model has no unit"):
+        _, m = jitted(fnzero.tree_clone(state), batch)
+    _, e = step(state, batch)
+    assert m["loss"] == e["loss"] and len(counter.graphs) == 1
