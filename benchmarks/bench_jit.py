@@ -2,7 +2,7 @@
 
     python benchmarks/bench_jit.py                          # 27.4M GPT, stages 0 and 3, 2 threads
     python benchmarks/bench_jit.py --stages 0,1,2,3 --model gpt_tiny --steps 3
-    python benchmarks/bench_jit.py --stages 0,1,2 --scopes loss,step  # also the whole-step graph
+    python benchmarks/bench_jit.py --stages 0,1,2,3 --scopes loss,units,step  # every scope
 
 For each stage a fresh process with an empty inductor cache builds the model and times the jitted
 step's first call (trace + compile + one step, "cold"); then eager and compiled steps alternate,
@@ -38,7 +38,7 @@ MODELS = {
 
 
 def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: int, phase: str,
-          scope: str = "loss") -> dict:
+          scope: str = "units") -> dict:
     import time
     import warnings
 
@@ -152,8 +152,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--scopes", default="loss", help="fnzero.jit scopes to measure: loss, step or both (loss,step)")
-    ap.add_argument("--scope", default="loss", help=argparse.SUPPRESS)
+    ap.add_argument("--scopes", default="units", help="fnzero.jit scopes to measure, comma-separated: units, loss, step")
+    ap.add_argument("--scope", default="units", help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--no-baseline", action="store_true", help="skip plain torch.compile's cold compile")
     ap.add_argument("--child", nargs=2, metavar=("STAGE", "PHASE"), help=argparse.SUPPRESS)

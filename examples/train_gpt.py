@@ -42,9 +42,10 @@ p.add_argument("--checkpoint-dir", default="runs/train_gpt",
                help="save a checkpoint here at the end, and resume from it when it exists ('' = neither)")
 p.add_argument("--export", default="model.safetensors",
                help="file name, inside --checkpoint-dir, for the exported bf16 weights ('' = no export)")
-p.add_argument("--jit", nargs="?", const="loss", choices=["loss", "step"],
-               help="compile with torch.compile (fnzero.jit; ~30 s the first time): 'loss' (the default) the "
-                    "forward and backward, 'step' the whole step as one graph (stages 0-2)")
+p.add_argument("--jit", nargs="?", const="units", choices=["units", "loss", "step"],
+               help="compile with torch.compile (fnzero.jit; ~30 s the first time): 'units' (the default) each "
+                    "block's forward and backward, compiled once for all blocks; 'loss' the whole forward and "
+                    "backward as one graph; 'step' the whole step as one graph (stages 0-2)")
 args = p.parse_args()
 
 # -- processes, config, model --------------------------------------------------------------------

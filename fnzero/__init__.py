@@ -23,8 +23,9 @@ load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/c
 shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`.
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
 train_step, TrainStep       the pure training step.
-jit, JittedStep, JitWarning compile a step with torch.compile: its forward and backward, or with
-    scope="step" the whole step as one graph at stages 0-2 (`specs/jit.md`).
+jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forward and backward,
+    once per unit structure (default), the loss function as one graph (scope="loss"), or the
+    whole step as one graph at stages 0-2 (scope="step") (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.

@@ -49,6 +49,17 @@ def test_train_gpt_with_its_whole_step_jitted_loss_falls_without_graph_breaks():
 
 
 @pytest.mark.multiprocess
+def test_train_gpt_zero3_two_ranks_jitted_per_unit_without_graph_breaks():
+    # The default scope compiles each unit once; at stage 3 the gathers run between the graphs.
+    out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+                "--config", "examples/configs/zero3.json", "--steps", "40", "--layers", "2", "--d-model", "32",
+                "--heads", "2", "--jit", "--checkpoint-dir", ""], timeout=420)
+    first, last = _losses(out)
+    assert last < first - 0.5, out
+    assert re.search(r"jit: first step \(trace \+ compile\) [0-9.]+s, graph breaks: 0$", out, re.M), out
+
+
+@pytest.mark.multiprocess
 def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
     import json
     import struct

@@ -1,5 +1,7 @@
 """fnzero.jit: compiled steps compute what eager steps compute, at every stage, on 1 and 2 ranks,
-and every graph break or fallback is reported by name (specs/jit.md).
+and every graph break or fallback is reported by name (specs/jit.md). The GPT cases here compile
+the whole loss (`scope="loss"`); `test_jit_units.py` and `test_jit_step.py` cover the other
+scopes. The one-layer cases have no unit module, so every scope compiles their loss function.
 
 Most cases compile with the `aot_eager` backend: it runs dynamo and AOTAutograd exactly as
 inductor does (tracing through fnzero's hooks, stage-3 gathers and saved-tensor re-gathers) but
@@ -44,7 +46,7 @@ def test_compiled_step_matches_eager_single_rank(stage):
     # float64, accumulation 2, clipping 1.0: aot_eager runs the same aten ops, so bit equality
     # is expected; any difference means the compiled step took another path through the math.
     a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2)
-    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2, jit={"backend": "aot_eager"})
+    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2, jit={"backend": "aot_eager", "scope": "loss"})
     assert a["losses"] == b["losses"]
     assert _max_param_diff(a, b) == 0.0
     if stage < 3:
@@ -57,7 +59,7 @@ def test_compiled_step_matches_eager_single_rank(stage):
 def test_inductor_step_matches_eager(stage):
     # Inductor reassociates reductions and fuses elementwise ops: float64 bounds it tightly.
     a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2)
-    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2, jit={"backend": "inductor"})
+    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2, jit={"backend": "inductor", "scope": "loss"})
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-12
     W.assert_close_tree(b["params"], a["params"], rtol=1e-10, atol=1e-12, what=f"inductor stage {stage}")
 
@@ -74,7 +76,7 @@ def test_compiled_mixed_precision_and_loss_scaling_match_eager(precision):
     # fp16: the dynamic loss scale (initial 2^8) multiplies the compiled loss; bf16: fp32 master.
     kw = dict(k=2, dtype=torch.float32, precision=precision)
     a = W.train_fnzero("gpt", 2, 4, fnzero.LocalCollectives(), **kw)
-    b = W.train_fnzero("gpt", 2, 4, fnzero.LocalCollectives(), jit={"backend": "aot_eager"}, **kw)
+    b = W.train_fnzero("gpt", 2, 4, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "scope": "loss"}, **kw)
     assert a["losses"] == b["losses"]
     assert [m["loss_scale"] for m in a["metrics"]] == [m["loss_scale"] for m in b["metrics"]]
     assert _max_param_diff(a, b) == 0.0
@@ -82,10 +84,10 @@ def test_compiled_mixed_precision_and_loss_scaling_match_eager(precision):
 
 def test_fullgraph_compiles_stages_0_to_2_in_one_graph_and_refuses_stage_3():
     for stage in (0, 2):
-        r = W.train_fnzero("gpt", stage, 1, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "fullgraph": True})
+        r = W.train_fnzero("gpt", stage, 1, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "fullgraph": True, "scope": "loss"})
         assert r["graph_breaks"] == ()
     with pytest.raises(fnzero.FnzeroError, match=r"fullgraph=True\) cannot compile a ZeRO-3 step"):
-        W.train_fnzero("gpt", 3, 1, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "fullgraph": True})
+        W.train_fnzero("gpt", 3, 1, fnzero.LocalCollectives(), jit={"backend": "aot_eager", "fullgraph": True, "scope": "loss"})
 
 
 class _Linear:
@@ -190,7 +192,8 @@ def test_each_new_shape_is_one_compile_record():
     assert jitted.compiles[1].signature != jitted.compiles[0].signature
 
 
-def test_remat_inside_a_compiled_step_matches_eager():
+@pytest.mark.parametrize("scope", ["loss", "units"])
+def test_remat_inside_a_compiled_step_matches_eager(scope):
     from fnzero.testing import MLP
 
     def run(jit):
@@ -203,7 +206,7 @@ def test_remat_inside_a_compiled_step_matches_eager():
         sm = fnzero.shard(model, config=cfg)
         step = fnzero.train_step(lambda p, b: F.mse_loss(sm.apply(p, b[0]), b[1]), cfg)
         if jit:
-            step = fnzero.jit(step, backend="aot_eager")
+            step = fnzero.jit(step, backend="aot_eager", scope=scope)
         g = torch.Generator().manual_seed(1)
         s = sm.init_state()
         for _ in range(3):

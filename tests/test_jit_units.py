@@ -110,7 +110,7 @@ def test_routing_leaves_other_scopes_and_eager_steps_as_they_were():
     batch = tuple(t[0, 0] for t in W.global_batch("gpt", 1, 1, 1, 2, torch.float64))
     eager = fnzero.train_step(loss_fn, cfg)
     counter = _GraphCounter()
-    whole = fnzero.jit(eager, backend=counter, fullgraph=True)
+    whole = fnzero.jit(eager, backend=counter, fullgraph=True, scope="loss")
     s1, m1 = eager(fnzero.tree_clone(state), batch)
     assert counter.graphs == []
     s2, m2 = whole(fnzero.tree_clone(state), batch)
@@ -118,16 +118,20 @@ def test_routing_leaves_other_scopes_and_eager_steps_as_they_were():
     assert len(counter.graphs) == 1 and counter.count("scaled_dot_product_attention") == 1
 
 
-def test_a_model_without_unit_modules_compiles_its_loss_and_says_so():
+def test_a_model_without_unit_modules_compiles_its_loss_function():
+    # One nn.Linear is a single root unit: its one graph is the loss function's, by default.
     torch.manual_seed(0)
     cfg = fnzero.load_config({"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     sm = fnzero.shard(torch.nn.Linear(4, 2).double(), config=cfg)
     step = fnzero.train_step(lambda p, b: (sm.apply(p, b[0]) - b[1]).square().mean(), cfg)
     counter = _GraphCounter()
-    jitted = fnzero.jit(step, backend=counter, scope="units")
+    jitted = fnzero.jit(step, backend=counter)
     batch = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64))
     state = sm.init_state()
-    with pytest.warns(fnzero.JitWarning, match="scope='units' compiles the loss function, because the model has no unit"):
-        _, m = jitted(fnzero.tree_clone(state), batch)
+    _, m = jitted(fnzero.tree_clone(state), batch)
     _, e = step(state, batch)
-    assert m["loss"] == e["loss"] and len(counter.graphs) == 1
+    assert m["loss"] == e["loss"] and len(counter.graphs) == 1 and jitted.graph_breaks == ()
+
+
+def test_units_is_the_default_scope():
+    assert fnzero.jit(fnzero.train_step(lambda p, b: b, W.config(0))).scope == "units"
