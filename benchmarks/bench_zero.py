@@ -4,6 +4,7 @@
     python benchmarks/bench_zero.py --model gpt100m --world 4 --configs z0,z3 --steps 2 --warmup 1
     python benchmarks/bench_zero.py --configs z3,z3_nvme,z3_nvme_params       # ZeRO-Infinity
     python benchmarks/bench_zero.py --configs ddp,z0,z3 --rounds 3           # medians of alternating rounds
+    python benchmarks/bench_zero.py --configs ddp,z0,z0_jit,z3,z3_jit         # fnzero.jit on every rank
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
 seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
@@ -41,6 +42,7 @@ LABELS = {
     "z3": "fnzero ZeRO-3",
     "z3_nvme": "fnzero ZeRO-3, optimizer on NVMe",
     "z3_nvme_params": "fnzero ZeRO-3, optimizer + params on NVMe",
+    **{f"z{s}_jit": f"fnzero ZeRO-{s}, fnzero.jit (per unit)" for s in range(4)},
 }
 # Model-state bytes per rank *in memory* beside the ZeRO formula, for Ψ params, N ranks, fp32:
 # NVMe holds the master and moments (12Ψ/N), and with offload_param the parameter shards as well.
@@ -106,6 +108,8 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             return F.cross_entropy(sm.apply(params, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
 
         step = fnzero.train_step(loss_fn, cfg, donate=True)
+        if kind.endswith("_jit"):
+            step = fnzero.jit(step)  # compiled during the first warm-up step, which is not timed
         for i in range(warmup + steps):
             sm.comm.reset()
             dist.barrier()
