@@ -26,3 +26,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Reset dynamo around a test: each test compiles its own closures, and dynamo's per-code
+    cache would otherwise count them as recompilations of one function and hit its limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

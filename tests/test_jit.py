@@ -25,20 +25,13 @@ import _worlds as W
 STEPS = 3
 
 # Stage 3 breaks the graph at each unit by design; the tests read `.graph_breaks` instead.
-pytestmark = pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")]
 
 
 def _max_param_diff(a, b):
     return max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"])
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # Each test compiles its own closures; dynamo's per-code cache would otherwise count them as
-    # recompilations of one function and could hit its limit across the module.
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -22,14 +22,9 @@ STEPS = 3
 STEP = {"backend": "aot_eager", "scope": "step", "fullgraph": True}
 
 # Where scope="step" falls back to the loss (stage 3), stage 3's own breaks are warned as usual.
-pytestmark = pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")]
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _assert_matches(a, b, what, loss_tol=1e-12):

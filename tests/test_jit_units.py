@@ -18,14 +18,9 @@ STEPS = 3
 UNITS = {"backend": "aot_eager", "scope": "units"}
 
 # The loss-scope cases at stage 3 break at each unit by design (test_jit.py checks those breaks).
-pytestmark = pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")
+pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
+              pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")]
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class _GraphCounter:
