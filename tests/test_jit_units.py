@@ -83,6 +83,14 @@ def test_per_unit_graphs_match_eager_on_two_real_ranks():
         assert r["breaks"] == (), (stage, r["breaks"])
 
 
+def test_inductor_per_unit_graphs_match_eager_on_two_real_ranks():
+    # The real compiler on two gloo ranks at stages 0-3 (about 30 s here: five small graphs).
+    (out, _) = run_world(W.spawned_jit_matches_eager, 2, "inductor", STEPS, "units", timeout=600)
+    for stage, r in out.items():
+        assert r["param"] < 1e-12 and r["loss"] < 1e-12, (stage, r)
+        assert r["breaks"] == (), (stage, r["breaks"])
+
+
 @pytest.mark.parametrize("precision,stage", [("fp16", 2), ("fp16", 3), ("bf16", 3)])
 def test_mixed_precision_and_loss_scaling_match_eager(precision, stage):
     kw = dict(k=2, dtype=torch.float32, precision=precision)
