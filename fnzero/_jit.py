@@ -173,15 +173,14 @@ class JittedStep:
         return self._loss
 
     def _first_call(self, sig: tuple, state: TrainState, batch: Any):
-        plan = state.sharding.plan
-        if self.fullgraph and plan.any_sharded_params and self.scope != "units":
+        runner = self._runner_for(state)
+        if self.fullgraph and state.sharding.plan.any_sharded_params and runner is not self._units:
             raise FnzeroError(
                 "fnzero.jit(fullgraph=True) cannot compile a ZeRO-3 step into one graph: each sharded unit's "
                 "forward first all-gathers its parameter shards (an asynchronous collective outside the graph). "
                 "Use fullgraph=False (the default): every unit's forward is still compiled, and the breaks are "
                 "listed in .graph_breaks"
             )
-        runner = self._runner_for(state)
         before = _graph_break_counts()
         t0 = time.perf_counter()
         try:

@@ -407,8 +407,7 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
                 f"module {unit.module!r} holds stage-3 sharded parameters; call it through "
                 "ShardedModule.apply(params, ...) rather than directly"
             )
-        compiler = UNIT_COMPILER.get()
-        return run.unit_forward(unit, module, inner if compiler is None else compiler(module, inner), args, kwargs)
+        return run.unit_forward(unit, module, _forward_to_run(module, inner), args, kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = torch.compiler.disable(
@@ -417,7 +416,13 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
     )
 
 
-def route_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
+def _forward_to_run(module: nn.Module, inner):
+    """The unit's own forward, or the compiled one while `fnzero.jit(scope="units")` runs a step."""
+    compiler = UNIT_COMPILER.get()
+    return inner if compiler is None else compiler(module, inner)
+
+
+def route_unit_forward(module: nn.Module) -> None:
     """Let `fnzero.jit(scope="units")` run a gathered (stage 0-2, or persistent) unit's forward as
     its own compiled graph; otherwise, and inside any torch.compile trace, the forward is unchanged."""
     inner = module.forward
@@ -425,8 +430,7 @@ def route_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
     def forward(*args, **kwargs):
         if torch.compiler.is_compiling():
             return inner(*args, **kwargs)  # (traced through: a whole-loss graph stays one graph)
-        compiler = UNIT_COMPILER.get()
-        return (inner if compiler is None else compiler(module, inner))(*args, **kwargs)
+        return _forward_to_run(module, inner)(*args, **kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = forward
