@@ -55,7 +55,7 @@ def child(model: str, stage: int, micro: int, steps: int, warmup: int, threads: 
     cfg = fnzero.load_config({
         "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "overlap_comm": True},
     })
     sm = fnzero.shard(GPT(**kw), config=cfg)
     state0 = sm.init_state()

@@ -87,7 +87,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
 
     if kind.startswith("z"):
         stage = int(kind[1])
-        zero = {"stage": stage}
+        zero = {"stage": stage, "overlap_comm": True}  # as the examples; DeepSpeed resolves null to stage == 3
         if "nvme" in kind:
             # The store's staging buffers: buffer_count x 3 kinds x sub_group_size x 4 bytes.
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 4}

@@ -152,7 +152,8 @@ def _shift_grads(sharded: bool):
     if not sharded:
         model(x).square().sum().backward()
         return {n: p.grad for n, p in model.named_parameters()}
-    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.0,
+                              "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
                               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
     sm = fnzero.shard(model, config=cfg)
     s0 = sm.init_state()

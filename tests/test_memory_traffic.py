@@ -277,12 +277,12 @@ class _BackwardProbe:
         return start_reduce_scatter(self.inner, full)
 
 
-@pytest.mark.parametrize("overlap", [None, False])
+@pytest.mark.parametrize("overlap", [True, None])
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_gradient_collectives_start_inside_backward_unless_overlap_is_off(stage, overlap):
-    """specs/collectives.md §Per stage: with `overlap_comm` unset (true) every unit's gradient
-    collective is started from its gradient hook while backward still runs; explicitly false,
-    stages 0-1 start them only after backward."""
+    """specs/collectives.md §Per stage: with `overlap_comm` true every unit's gradient collective
+    is started from its gradient hook while backward still runs; unset (false below stage 3, as
+    DeepSpeed resolves it), stages 0-1 start them only after backward."""
     zero = {"stage": stage} if overlap is None else {"stage": stage, "overlap_comm": overlap}
     cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
                               "zero_optimization": zero}, world_size=2)
@@ -298,7 +298,7 @@ def test_gradient_collectives_start_inside_backward_unless_overlap_is_off(stage,
     op = "all_reduce" if stage == 0 else "reduce_scatter"
     assert [o for o, _ in started] == [op] * units
     inside = [b for _, b in started]
-    assert all(inside) if overlap is None or stage == 2 else not any(inside)
+    assert all(inside) if overlap or stage == 2 else not any(inside)
 
 
 def test_stage3_step_frees_its_apply_runs_without_the_cycle_collector():

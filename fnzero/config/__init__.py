@@ -3,14 +3,19 @@
 `load_config(src, world_size=None, auto=None)` reads a DeepSpeed JSON config (path, dict, JSON
 text with comments/trailing commas, or base64 text), validates every key strictly, fills
 `"auto"` placeholders from `auto=`, derives the batch triad, and returns a frozen, fully
-resolved `Config`. Every problem is reported at once in one `ConfigError` (`err.errors` lists
-them). Keys, defaults and rules: specs/config.md.
+resolved `Config` whose defaults are DeepSpeed 0.19.8's. Every problem is reported at once in
+one `ConfigError` (`err.errors` lists them); keys fnzero accepts but does not act on warn once
+(`ConfigWarning`). `hf_auto_values(...)` gives the values HuggingFace's Trainer would put where
+a config says `"auto"` (an `AutoValues`, which fills only those keys). Keys, defaults and
+rules: specs/config.md.
 """
 
 from __future__ import annotations
 
+from ._auto import AutoValues, hf_auto_values
 from ._load import default_world_size, load_config
 from ._models import Config
+from ._noop import ConfigWarning
 from ._optim_models import (
     OPTIMIZER_TYPES, AdagradParams, AdamParams, AdamWParams, LambParams, LionParams, OptimizerConfig,
     OptimizerParams, SGDParams,
@@ -26,7 +31,7 @@ from ._sections import (
 from ._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
-    "load_config", "default_world_size", "Config",
+    "load_config", "default_world_size", "Config", "ConfigWarning", "hf_auto_values", "AutoValues",
     "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "SchedulerConfig", "AioConfig", "ActivationCheckpointingConfig", "CommsLoggerConfig",
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",

@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 from ._auto import fill_auto
 from ._legacy import normalize
 from ._models import Config
+from ._noop import warn_no_effect
 from ._optim_models import OPTIMIZER_PARAMS, OPTIMIZER_TYPES, OptimizerConfig
 from ._parse import read_source
 from ._problems import Problems, config_error
@@ -24,28 +25,11 @@ from ._sched_models import SCHEDULER_PARAMS, SCHEDULER_TYPES, SchedulerConfig
 from ._schema import canonical_type, check_unknown
 from ._translate import validate_into
 from ._types import _as_int, describe
+from ._world import default_world_size
 
 __all__ = ["load_config", "default_world_size"]
 
 TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def default_world_size() -> int:
-    """torch.distributed's world size when a process group is up, else 1 (as DeepSpeed does).
-    Inside a `fnzero.testing` simulated world, that world's size."""
-    import sys
-
-    sim = sys.modules.get("fnzero.testing._context")
-    if sim is not None and sim.current_comm() is not None:
-        return int(sim.current_comm().world_size)
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size())
-    except (ImportError, RuntimeError):
-        pass
-    return 1
 
 
 def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any] | None = None) -> Config:
@@ -54,8 +38,16 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     `src` is a path (str or os.PathLike), a dict, JSON text (with `//`/`/* */` comments and
     trailing commas allowed) or base64-encoded JSON text. `world_size` is the data-parallel
     size used for the batch triad (default: torch.distributed's, else 1). `auto` maps dotted
-    DeepSpeed paths to values that fill `"auto"` placeholders. Raises one `ConfigError` listing
-    every problem found.
+    DeepSpeed paths to values that fill `"auto"` placeholders: a plain dict also sets keys the
+    config lacks and must agree with explicit ones; an `AutoValues` (e.g. from
+    `hf_auto_values(...)`) fills only `"auto"` keys. Raises one `ConfigError` listing every
+    problem found. Keys fnzero accepts but does not act on warn once each (`ConfigWarning`)
+    when set to a non-default value.
+
+    >>> from fnzero.config import load_config
+    >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, world_size=2)
+    >>> cfg.train_batch_size, cfg.gradient_clipping
+    (16, 1.0)
     """
     if isinstance(src, Config) and auto is None and world_size in (None, src.world_size):
         return src
@@ -82,6 +74,7 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     cfg = resolve(cfg)
     problems.extend(cross_checks(cfg))
     problems.raise_if_any(label)
+    warn_no_effect(cfg, stacklevel=2)  # only for a config that loaded: a refused one is not also warned about
     return cfg
 
 

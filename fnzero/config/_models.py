@@ -32,8 +32,12 @@ class Config(Model):
     train_batch_size: PosInt = Field(description="Samples per optimizer step across all ranks (= micro x gas x world).")
     train_micro_batch_size_per_gpu: PosInt = Field(description="Samples per forward/backward on one rank.")
     gradient_accumulation_steps: PosInt = Field(description="Micro-batches accumulated per optimizer step.")
-    gradient_clipping: Annotated[Float, Field(ge=0.0)] = Field(0.0, description="Global gradient-norm clip; 0 = off.")
-    steps_per_print: PosInt = Field(10, description="Log progress every this many optimizer steps.")
+    gradient_clipping: Annotated[Float, Field(ge=0.0)] = Field(
+        1.0, description="Global gradient-norm clip; 0 = off. DeepSpeed's default is 1.0 (clipping on)."
+    )
+    steps_per_print: PosInt | None = Field(
+        None, description="Log progress every this many optimizer steps; null = no periodic progress line."
+    )
     wall_clock_breakdown: Bool = Field(False, description="Time forward/backward/step separately.")
     memory_breakdown: Bool = Field(False, description="Log accelerator memory use.")
     prescale_gradients: Bool = Field(False, description="Divide gradients before reducing instead of after.")
@@ -41,7 +45,7 @@ class Config(Model):
         1.0, description="With prescale_gradients, divide by this before reducing and by world/this after."
     )
     sparse_gradients: Literal[False] = Field(False, description="CSR sparse gradients; not implemented, must be false.")
-    dump_state: Bool = Field(False, description="Print the engine state after initialisation.")
+    dump_state: Bool = Field(False, description="DeepSpeed prints its engine state; no effect in fnzero (warns when true).")
     zero_allow_untested_optimizer: Bool = Field(False, description="Accepted for compatibility; fnzero's optimizers are all supported.")
     zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")
     communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")

@@ -135,17 +135,30 @@ def _looks_like_json(text: str) -> bool:
     return head[:1] in ("{", "[") or head.startswith(("//", "/*"))
 
 
+_JSON_MARKS = frozenset('{}[]":')
+
+
 def _try_base64(text: str) -> str | None:
+    """The decoded text when `text` is base64 of UTF-8 text that is meant as JSON, else None.
+
+    Strict alphabet (a path with `.` in it is never taken for base64). Decoded text counts as
+    JSON when it looks like JSON, or when it is printable text holding JSON punctuation: then
+    a syntax error in it is reported with its line and column, as for a file, rather than
+    the source being taken for a missing path.
+    """
     compact = "".join(text.split())
     if not compact or len(compact) % 4 == 1:
         return None
-    padded = compact + "=" * (-len(compact) % 4)
-    for decode in (base64.urlsafe_b64decode, base64.standard_b64decode):
+    padded = (compact + "=" * (-len(compact) % 4)).encode("ascii", "replace")
+    for altchars in (b"-_", b"+/"):
         try:
-            decoded = decode(padded.encode("ascii")).decode("utf-8")
+            decoded = base64.b64decode(padded, altchars=altchars, validate=True).decode("utf-8")
         except (binascii.Error, ValueError, UnicodeError):
             continue
+        decoded = decoded.removeprefix("\ufeff")  # a byte-order mark, as utf-8-sig drops from files
         if _looks_like_json(decoded):
+            return decoded
+        if decoded.strip() and all(ch.isprintable() or ch in "\t\r\n" for ch in decoded) and _JSON_MARKS & set(decoded):
             return decoded
     return None
 

@@ -55,8 +55,15 @@ class Problems:
 
     def __init__(self) -> None:
         self.items: list[str] = []
+        self._covered: tuple[str, ...] = ()
+
+    def cover(self, paths: Iterable[str]) -> None:
+        """Drop later messages about these dotted paths: one problem already covers them all."""
+        self._covered += tuple(f"`{path}`" for path in paths)
 
     def add(self, message: str) -> None:
+        if self._covered and message.startswith(self._covered):
+            return
         if message not in self.items:
             self.items.append(message)
 

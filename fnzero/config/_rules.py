@@ -20,10 +20,9 @@ def resolve(cfg: Config) -> Config:
     zero = cfg.zero_optimization
     update: dict[str, object] = {}
     if zero.overlap_comm is None:
-        # DeepSpeed defaults it to false below stage 3, where its overlap costs extra bucket
-        # buffers. fnzero's overlap changes only when collectives run, never their results, and at
-        # most two units' gradients wait in flight, so null means true at every stage.
-        update["zero_optimization"] = zero.model_copy(update={"overlap_comm": True})
+        # As DeepSpeed 0.19.8 (`overlap_comm_valid`): true at stage 3, false below. Overlap never
+        # changes results; fnzero's examples set it true at every stage, where it is faster.
+        update["zero_optimization"] = zero.model_copy(update={"overlap_comm": zero.stage == 3})
     sched = cfg.scheduler
     if (
         sched is not None and isinstance(sched.params, WarmupLRParams)

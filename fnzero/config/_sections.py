@@ -1,8 +1,8 @@
 """Models of the smaller DeepSpeed sections: precision, aio, activation checkpointing, logging, checkpoint.
 
-Defaults follow DeepSpeed's runtime/precision_config.py, swap_tensor/constants.py,
-activation_checkpointing/config.py, comm/constants.py, profiling/constants.py,
-monitor/config.py and runtime/constants.py.
+Defaults are DeepSpeed 0.19.8's (pinned by tests/test_config_defaults.py): runtime/precision_config.py,
+swap_tensor/constants.py, activation_checkpointing/config.py, comm/constants.py, profiling/constants.py,
+monitor/config.py, runtime/config.py and runtime/constants.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class FP16Config(Model):
     """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
 
     enabled: Bool = Field(False, description="Train with fp16 compute and fp32 master weights.")
-    auto_cast: Bool = Field(False, description="Cast floating-point inputs to fp16 before forward.")
+    auto_cast: Bool = Field(
+        False, description="DeepSpeed: cast floating-point inputs to fp16. No effect: fnzero always casts them (warns when true)."
+    )
     loss_scale: Annotated[Float, Field(ge=0.0)] = Field(0.0, description="Static loss scale; 0 = dynamic scaling.")
     initial_scale_power: Annotated[Int, Field(ge=0, le=127)] = Field(16, description="Dynamic scaling starts at 2**power.")
     loss_scale_window: PosInt = Field(1000, description="Overflow-free steps before the scale is raised.")
@@ -62,9 +64,13 @@ class TorchAutocastConfig(Model):
     """`torch_autocast`: run forward under torch.autocast instead of casting the model."""
 
     enabled: Bool = Field(False, description="Wrap forward in torch.autocast.")
-    dtype: Literal["fp16", "bf16"] | None = Field(None, description="Autocast dtype; null = bf16.")
+    dtype: Literal["fp16", "bf16"] | None = Field(
+        None, description="Autocast dtype; null = torch.autocast's default for the device (DeepSpeed passes dtype=None)."
+    )
     lower_precision_safe_modules: StrList | None = Field(
-        None, description="Fully qualified module class names whose parameters may be held in the low dtype."
+        None,
+        description="Fully qualified module class names whose parameters communicate in the autocast dtype; "
+        "null = torch.nn.Linear and Conv1d/2d/3d (DeepSpeed's LOWER_PRECISION_SAFE_MODULES).",
     )
 
     _dt = field_validator("dtype", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
@@ -76,8 +82,8 @@ class AioConfig(Model):
     block_size: PosInt = Field(1_048_576, description="Bytes per I/O request.")
     queue_depth: PosInt = Field(8, description="Outstanding I/O requests.")
     thread_count: PosInt = Field(1, description="I/O threads per request (DeepSpeed's newer name: intra_op_parallelism).")
-    single_submit: Bool = Field(False, description="Submit requests one at a time.")
-    overlap_events: Bool = Field(True, description="Overlap submission and completion.")
+    single_submit: Bool = Field(False, description="Submit requests one at a time; no effect in fnzero (warns when true).")
+    overlap_events: Bool = Field(True, description="Overlap submission and completion; fnzero always does (warns when false).")
     use_gds: Bool = Field(False, description="NVIDIA GPUDirect Storage; must be false (not implemented).")
 
 
@@ -96,10 +102,10 @@ class CommsLoggerConfig(Model):
     """`comms_logger`: log collective operations."""
 
     enabled: Bool = Field(False, description="Record collectives.")
-    verbose: Bool = Field(False, description="Print every collective as it happens.")
-    prof_all: Bool = Field(True, description="Record all collectives (else only prof_ops).")
-    debug: Bool = Field(False, description="Include the calling function in records.")
-    prof_ops: StrList = Field((), description="Collective names to record when prof_all is false.")
+    verbose: Bool = Field(False, description="Print every collective as it happens; no effect in fnzero (warns when true).")
+    prof_all: Bool = Field(True, description="Record all collectives (else only prof_ops); fnzero always records all.")
+    debug: Bool = Field(False, description="Include the calling function in records; no effect in fnzero (warns when true).")
+    prof_ops: StrList = Field((), description="Collective names to record when prof_all is false; no effect in fnzero.")
 
 
 class DataTypesConfig(Model):
@@ -148,10 +154,10 @@ class CheckpointConfig(Model):
     """`checkpoint`: checkpoint tag validation and storage."""
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
-        "Warn", description="What to do when ranks save under different tags (case-insensitive)."
+        "Warn", description="What to do when ranks save under different tags (case-insensitive); no effect in fnzero."
     )
-    load_universal: Bool = Field(False, description="Load a DeepSpeed universal checkpoint.")
-    use_node_local_storage: Bool = Field(False, description="Each node writes to its own local storage.")
+    load_universal: Bool = Field(False, description="Load a DeepSpeed universal checkpoint; no effect in fnzero (warns when true).")
+    use_node_local_storage: Bool = Field(False, description="Each node writes to its own local storage; no effect in fnzero.")
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig, description="Parallel write options.")
 
     @field_validator("tag_validation", mode="before")

@@ -1,8 +1,8 @@
 """`zero_optimization` and its `offload_optimizer` / `offload_param` blocks.
 
-Defaults follow deepspeed/runtime/zero/config.py and offload_config.py. Keys that only tune
-DeepSpeed's own kernels or bucketing are accepted so existing configs load; what fnzero does
-with each is documented in specs/config.md.
+Defaults are DeepSpeed 0.19.8's deepspeed/runtime/zero/config.py and offload_config.py (pinned by
+tests/test_config_defaults.py). Keys that only tune DeepSpeed's own kernels or bucketing are
+accepted so existing configs load; what fnzero does with each is documented in specs/config.md.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ class OffloadOptimizerConfig(Model):
 
     device: Device = Field("none", description="Where optimizer state lives: none, cpu or nvme.")
     nvme_path: Str | None = Field(None, description="Directory on an NVMe drive; required when device is nvme.")
-    pin_memory: Bool = Field(False, description="Use page-locked host memory for the offloaded state.")
+    pin_memory: Bool = Field(
+        True, description="Page-locked host memory (DeepSpeed's default true); no effect: fnzero's host buffers are pageable."
+    )
     buffer_count: NonNeg = Field(4, description="Number of NVMe swap buffers.")
-    fast_init: Bool = Field(False, description="Fast optimizer initialisation when offloading to NVMe.")
+    fast_init: Bool = Field(False, description="Fast optimizer initialisation when offloading to NVMe; no effect in fnzero.")
     ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
-        1.0, description="Fraction of optimizer state to offload; below 1.0 only with stage 3."
+        1.0, description="Fraction of optimizer state to offload (stage 3 only); fnzero offloads all (warns below 1.0)."
     )
     pipeline_read: Bool = Field(False, description="Overlap NVMe reads with the optimizer step (scheduling hint).")
     pipeline_write: Bool = Field(False, description="Overlap NVMe writes with the optimizer step (scheduling hint).")
@@ -46,10 +48,12 @@ class OffloadParamConfig(Model):
 
     device: Device = Field("none", description="Where parameter shards live: none, cpu or nvme.")
     nvme_path: Str | None = Field(None, description="Directory on an NVMe drive; required when device is nvme.")
-    pin_memory: Bool = Field(False, description="Use page-locked host memory for the offloaded parameters.")
-    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers.")
-    buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer.")
-    max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory when using NVMe.")
+    pin_memory: Bool = Field(
+        True, description="Page-locked host memory (DeepSpeed's default true); no effect: fnzero's host buffers are pageable."
+    )
+    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers; no effect (shards are read from the optimizer's file).")
+    buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")
+    max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
 
     _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
 
@@ -66,7 +70,7 @@ class ZeroConfig(Model):
     allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
     allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
     overlap_comm: Bool | None = Field(
-        None, description="Overlap gradient reduction with backward; null resolves to true (DeepSpeed: true only at stage 3)."
+        None, description="Overlap gradient reduction with backward; null resolves to `stage == 3`, as DeepSpeed."
     )
     load_from_fp32_weights: Bool = Field(True, description="Rebuild fp32 master weights from the fp32 copy on load.")
     elastic_checkpoint: Bool = Field(False, description="Legacy elastic checkpoints (accepted, no effect).")
@@ -83,7 +87,9 @@ class ZeroConfig(Model):
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
         False, description="Gather full 16-bit weights when saving the model (alias stage3_gather_fp16_weights_on_model_save)."
     )
-    ignore_unused_parameters: Bool = Field(True, description="Do not fail on parameters that receive no gradient.")
+    ignore_unused_parameters: Bool = Field(
+        True, description="DeepSpeed fails on parameters without a gradient when false; fnzero never fails (warns when false)."
+    )
     legacy_stage1: Bool = Field(False, description="DeepSpeed's old stage-1 implementation (accepted, no effect).")
     round_robin_gradients: Bool = Field(False, description="Round-robin gradient copies to host (scheduling hint).")
     zero_hpz_partition_size: Annotated[Int, Field(ge=0, le=1)] = Field(
@@ -92,5 +98,7 @@ class ZeroConfig(Model):
     zero_quantized_weights: Literal[False] = Field(False, description="ZeRO++ weight quantisation; must be false.")
     zero_quantized_nontrainable_weights: Literal[False] = Field(False, description="Must be false (not implemented).")
     zero_quantized_gradients: Literal[False] = Field(False, description="ZeRO++ gradient quantisation; must be false.")
-    mics_shard_size: Annotated[Int, Field(le=0)] = Field(-1, description="MiCS sharding; values above 0 are not implemented.")
+    mics_shard_size: Annotated[Int, Field(le=0)] = Field(
+        -1, description="MiCS sharding (removed in DeepSpeed 0.19.8); values above 0 are not implemented."
+    )
     memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")

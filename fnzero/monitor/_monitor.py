@@ -142,7 +142,8 @@ class Monitor:
         if self._bar is not None:
             self._bar.update(1)
         self._pending = (step, metrics, state)
-        if step % self.steps_per_print == 0 or step == self.total_steps:
+        # steps_per_print null (DeepSpeed's default): no periodic line, only the last step's.
+        if (self.steps_per_print and step % self.steps_per_print == 0) or step == self.total_steps:
             self._print_window()
 
     def should_profile(self, step: int) -> bool:

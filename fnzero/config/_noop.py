@@ -1,0 +1,114 @@
+"""Keys fnzero accepts but does not act on: one `ConfigWarning` each when a user sets one.
+
+DeepSpeed reads these keys and changes what it does (prints, raises, logs, loads another format);
+fnzero's runtime never reads them. Silently accepting a value that asks for behaviour fnzero
+lacks would be the "silent acceptance" STYLE.md tells us to avoid, and refusing it would break
+configs that work with DeepSpeed; so `load_config` accepts the value and warns once, naming the
+key, its value and what fnzero does instead. Default values never warn. specs/config.md marks
+these keys **W**.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ._models import Config
+from ._types import describe
+
+__all__ = ["ConfigWarning", "NO_EFFECT", "warn_no_effect"]
+
+
+class ConfigWarning(UserWarning):
+    """A config key was accepted but has no effect in fnzero (the message says why and what happens instead).
+
+    Silence one with `warnings.filterwarnings("ignore", category=fnzero.config.ConfigWarning)`,
+    or better, remove the key from the config.
+    """
+
+
+def _ratio(cfg: Config) -> float | None:
+    oo = cfg.zero_optimization.offload_optimizer
+    return oo.ratio if oo is not None and oo.ratio < 1.0 else None
+
+
+# dotted key -> (the user's value when it is not the default, else None; why it has no effect).
+NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
+    "fp16.auto_cast": (
+        lambda c: True if c.fp16.auto_cast else None,
+        "in fp16/bf16 training `ShardedModule.apply` always casts floating-point inputs to the compute dtype, "
+        "whatever auto_cast says",
+    ),
+    "dump_state": (
+        lambda c: True if c.dump_state else None,
+        "fnzero prints no engine state; print(cfg.to_json()) shows the resolved config",
+    ),
+    "zero_optimization.ignore_unused_parameters": (
+        lambda c: False if not c.zero_optimization.ignore_unused_parameters else None,
+        "fnzero never fails on a parameter that receives no gradient (its gradient counts as zero)",
+    ),
+    "zero_optimization.offload_optimizer.ratio": (
+        _ratio,
+        "fnzero offloads either all of the optimizer state or none of it (only `fnzero plan` models a partial "
+        "ratio)",
+    ),
+    "torch_autocast.lower_precision_safe_modules": (
+        lambda c: list(c.torch_autocast.lower_precision_safe_modules)
+        if c.torch_autocast.enabled and c.torch_autocast.lower_precision_safe_modules is not None else None,
+        "DeepSpeed reduces those modules' gradients in the autocast dtype; fnzero reduces every gradient in "
+        "the parameters' dtype (more precise, and the same for every module)",
+    ),
+    "comms_logger.verbose": (
+        lambda c: True if c.comms_logger.verbose else None,
+        "the comms logger records collectives in `ShardedModule.comm.records` and prints nothing as they run",
+    ),
+    "comms_logger.debug": (
+        lambda c: True if c.comms_logger.debug else None,
+        "records do not name the calling function",
+    ),
+    "comms_logger.prof_all": (
+        lambda c: False if not c.comms_logger.prof_all else None,
+        "the comms logger records every collective; it cannot restrict itself to prof_ops",
+    ),
+    "comms_logger.prof_ops": (
+        lambda c: list(c.comms_logger.prof_ops) or None,
+        "the comms logger records every collective; it cannot restrict itself to prof_ops",
+    ),
+    "aio.single_submit": (
+        lambda c: True if c.aio.single_submit else None,
+        "fnzero's NVMe I/O thread pool always submits requests in batches",
+    ),
+    "aio.overlap_events": (
+        lambda c: False if not c.aio.overlap_events else None,
+        "fnzero's NVMe I/O thread pool always overlaps submission and completion",
+    ),
+    "checkpoint.tag_validation": (
+        lambda c: c.checkpoint.tag_validation if c.checkpoint.tag_validation != "Warn" else None,
+        "fnzero.checkpoint.save does not compare tags across ranks",
+    ),
+    "checkpoint.load_universal": (
+        lambda c: True if c.checkpoint.load_universal else None,
+        "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",
+    ),
+    "checkpoint.use_node_local_storage": (
+        lambda c: True if c.checkpoint.use_node_local_storage else None,
+        "fnzero.checkpoint.save writes every rank's part under the one path it is given",
+    ),
+}
+
+
+def warn_no_effect(cfg: Config, stacklevel: int = 2) -> list[str]:
+    """Warn once per key of NO_EFFECT that `cfg` sets to a non-default value; returns the messages."""
+    messages: list[str] = []
+    for path, (value_of, why) in NO_EFFECT.items():
+        value = value_of(cfg)
+        if value is None:
+            continue
+        message = (
+            f"`{path}` is {describe(value)}, which has no effect in fnzero: {why}; "
+            "remove the key (or set DeepSpeed's default) to silence this warning"
+        )
+        warnings.warn(message, ConfigWarning, stacklevel=stacklevel + 1)
+        messages.append(message)
+    return messages
