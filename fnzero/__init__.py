@@ -20,7 +20,11 @@ Training is a pure function `step(state, batch) -> (state, metrics)` over an exp
 Public API
 ----------
 load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/config.md`).
-shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`.
+hf_auto_values, AutoValues  fill a Hugging Face-style config's "auto" keys from the Trainer's numbers.
+ConfigWarning               a config key fnzero accepts but does not act on (warned once at load).
+shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`. The model
+    may be built on the meta device (or be a factory), and `init_state(pretrained=dir)` loads
+    safetensors / save_pretrained weights into the shards (`PretrainedWarning`: tensors missing).
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
 train_step, TrainStep       the pure training step.
 jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forward and backward,
@@ -43,17 +47,18 @@ from __future__ import annotations
 import optree as _optree
 import torch as _torch
 
-from . import memory, optim, schedules
+from . import checkpoint, memory, optim, schedules
 from ._dist import DistInfo, init_distributed
 from ._remat import remat
 from ._errors import CheckpointError, ConfigError, DistributedError, FnzeroError, ShardingError
 from ._shard._collectives import Collectives, LocalCollectives, ProcessGroupCollectives, RecordingCollectives
-from ._shard._module import ShardedModule, shard
+from ._shard._construct import shard
+from ._shard._module import PretrainedWarning, ShardedModule
 from ._shard._plan import ShardPlan, UnitPlan
 from ._state import LossScaleState, Sharding, TrainState
 from ._step import TrainStep, split_micro_batches, train_step
 from ._jit import CompileRecord, JittedStep, JitWarning, jit
-from .config import Config, load_config
+from .config import AutoValues, Config, ConfigWarning, hf_auto_values, load_config
 
 __version__ = "0.1.0"
 
@@ -66,19 +71,23 @@ def tree_clone(tree):
 
 
 __all__ = [
+    "AutoValues",
     "CheckpointError",
     "CompileRecord",
     "checkpoint",
     "Collectives",
     "Config",
     "ConfigError",
+    "ConfigWarning",
     "DistInfo",
     "DistributedError",
     "FnzeroError",
+    "hf_auto_values",
     "JitWarning",
     "JittedStep",
     "LocalCollectives",
     "LossScaleState",
+    "PretrainedWarning",
     "ProcessGroupCollectives",
     "RecordingCollectives",
     "ShardPlan",

@@ -21,6 +21,9 @@ class ShardPolicy:
     max_live_numel: int = 10**18
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
     offload_param: str | None = None  # None | "cpu" | "nvme"
+    # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
+    # device's autocast default, as DeepSpeed passes dtype=None); None: off.
+    autocast_dtype: torch.dtype | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ class LossScalePolicy:
 @dataclasses.dataclass(frozen=True)
 class StepPolicy:
     accumulation_steps: int = 1
-    clip: float = 0.0  # 0: off
+    clip: float = 1.0  # 0: off; 1.0 is DeepSpeed's `gradient_clipping` default
     loss_scale: LossScalePolicy | None = None
     accum_dtype: torch.dtype | None = None  # None: fp32 for 16-bit training, the param dtype otherwise
     comm_dtype: torch.dtype | None = None  # None: the gradient's own dtype
@@ -78,7 +81,15 @@ def shard_policy(cfg, stage: int | None = None) -> ShardPolicy:
         max_live_numel=int(z.stage3_max_live_parameters),
         offload_optimizer=_offload_device(cfg),
         offload_param=_offload_device(cfg, "offload_param"),
+        autocast_dtype=_autocast_dtype(cfg),
     )
+
+
+def _autocast_dtype(cfg) -> torch.dtype | str | None:
+    ac = getattr(cfg, "torch_autocast", None)
+    if ac is None or not ac.enabled:
+        return None
+    return _DTYPES[ac.dtype] if ac.dtype is not None else "default"
 
 
 def step_policy(cfg) -> StepPolicy:

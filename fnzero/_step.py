@@ -210,6 +210,11 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     inflight: list[tuple[str, Any, str]] = []
     overlap = policy.overlap_comm and n > 1
     last = [False]
+    # Units whose final collective started from backward, and gradient that reached them after
+    # it: reentrant checkpointing runs an inner backward per region, so a unit used inside and
+    # outside one accumulates more than once. Every rank runs the same graph, hence the same set.
+    launched: set[str] = set()
+    late: dict[str, torch.Tensor] = {}
 
     def drain(limit: int) -> None:
         while len(inflight) > limit:
@@ -222,6 +227,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                 reduced[name] = g
 
     def launch_final(name: str) -> None:
+        launched.add(name)
         g = _prepare_for_comm(acc[name], policy, prediv)
         if plan.stage == 0:
             # The accumulator is this step's own buffer: reduce it in place.
@@ -241,6 +247,9 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                 drain(2 if overlap else 0)
                 return
             g = g.to(accum_dtype)
+            if name in launched:
+                late[name] = g if name not in late else late[name].add_(g)
+                return
             prev = acc.get(name)
             acc[name] = g if prev is None else prev.add_(g)
             if overlap and last[0] and plan.stage <= 1:
@@ -275,12 +284,19 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
             if inputs:
                 scaled = loss * scale if scale != 1.0 else loss
                 if scaled.requires_grad:
-                    scaled.backward(inputs=inputs)
+                    # No `inputs=`: reentrant checkpointing inside a model (its inner backward
+                    # accumulates into the leaves it reaches) refuses it. The aliases are the only
+                    # leaves that require grad in a loss built from `params`.
+                    scaled.backward()
             loss_sum += loss.detach().to(torch.float64).cpu()
             timer.stop("backward")
             auxes.append(aux)
         timer.start()
         drain(0)
+        for name, g in late.items():  # in hook order, the same on every rank
+            g = _prepare_for_comm(g, policy, prediv)
+            g = comm.all_reduce(g) if plan.stage == 0 else comm.reduce_scatter(g)
+            reduced[name].add_(g.to(accum_dtype))
     finally:
         for h in handles:
             h.remove()

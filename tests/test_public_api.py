@@ -27,3 +27,12 @@ def test_top_level_exposes_the_issue_names():
               "memory", "checkpoint", "remat", "jit"]:
         assert n in fnzero.__all__
     assert callable(fnzero.optim.from_config) and callable(fnzero.schedules.from_config)
+
+
+def test_import_fnzero_alone_exposes_checkpoint():
+    # The README's `fnzero.checkpoint.save` must work without anything importing fnzero.testing first.
+    import subprocess
+    import sys
+
+    code = "import sys, fnzero; fnzero.checkpoint.save; fnzero.checkpoint.load; assert 'fnzero.testing' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

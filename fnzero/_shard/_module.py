@@ -1,11 +1,13 @@
-"""`fnzero.shard`: a model plus a ShardPlan, with a pure `apply` and the initial state."""
+"""`ShardedModule`: a model plus a ShardPlan, with a pure `apply` and the initial state (made by
+`fnzero.shard`, `_construct.py`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any
 
 import optree
 import torch
@@ -13,18 +15,13 @@ from torch import nn
 
 from .._errors import ShardingError
 from .._offload._params import is_placeholder, placeholder, read_shard
-from .._policy import ShardPolicy, shard_policy
-from .._state import LossScaleState, Sharding, TrainState
-from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
-from ._plan import ROOT_UNIT, ShardPlan, UnitPlan, make_plan
-from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views, wrap_unit_forward
+from .._policy import ShardPolicy
+from .._state import Sharding, TrainState
+from ._collectives import Collectives
+from ._plan import ShardPlan, UnitPlan
+from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
 
-__all__ = ["ShardedModule", "shard", "optimizer_view", "full_unit"]
-
-
-def _placeholder(p: torch.Tensor) -> nn.Parameter:
-    # Shape and dtype stay visible (repr, shape checks); the storage is gone.
-    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+__all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
 
 
 def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
@@ -88,6 +85,9 @@ class ShardedModule:
         # `offload_param: nvme`: the NVMe store that stage-3 shards are read from (set by init_state).
         self._param_store = None
         self._units_routed = False  # see `_route_units`
+        self.pretrained_report = None  # set by `init_state(pretrained=...)`
+        # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
+        self._backward_runs: list[ApplyRun] = []
 
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +136,14 @@ class ShardedModule:
         return tensors
 
     def _call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
-        return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        ac = self.policy.autocast_dtype
+        if ac is None:
+            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        # `torch_autocast` (DeepSpeed's engine does the same around forward): the parameters stay
+        # in their dtype, autocast-eligible ops compute in the autocast dtype.
+        device_type = self.sharding.device.type
+        with torch.autocast(device_type, dtype=None if ac == "default" else ac):
+            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
 
     def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
         run, tensors, stack = self._begin_run(params)
@@ -144,6 +151,7 @@ class ShardedModule:
             out = self._call(tensors, args, kwargs)
         finally:
             self._end_run(stack)
+        run.bind_in_backward(self.module, tensors, out)
         run.finish_forward(out)
         return out
 
@@ -152,7 +160,7 @@ class ShardedModule:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
-                       shard_store=self._param_store)
+                       shard_store=self._param_store, backward_runs=self._backward_runs)
         fulls, live = [], []
         for u in plan.units:
             if plan.params_sharded(u) and u.module != "":
@@ -186,8 +194,18 @@ class ShardedModule:
     )
 
     # ---------------------------------------------------------------------------------------------
-    def init_state(self) -> TrainState:
+    def init_state(self, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False) -> TrainState:
         """This rank's initial TrainState, built from the model's parameters at `shard` time.
+
+        `pretrained`: a safetensors file, or a directory written by transformers' `save_pretrained`
+        (`model.safetensors`, or shards with `model.safetensors.index.json`), or by `fnzero
+        export`. Its tensors replace the initial values, each rank reading only the bytes of the
+        elements it holds, cast to the training dtype (`specs/checkpoint-format.md` §Pretrained).
+        Every name, shape and file is checked before any data is read: a tensor the model lacks
+        is an error listing them all (unless `allow_unexpected`), a shape mismatch names the
+        tensor, and a truncated file names the file. Parameters the files lack keep the model's
+        own initialisation and are listed in a `PretrainedWarning`; `sm.pretrained_report` says
+        what was loaded and how many bytes this rank read.
 
         The initial buffers are handed over, not copied, so a model's memory is held once; call
         `fnzero.shard` again for a second independent initial state.
@@ -199,11 +217,13 @@ class ShardedModule:
                 "init_state() hands the model's initial parameters over to the state and can be called once; "
                 "shard the model again for another initial state (or copy a state with fnzero.tree_clone)"
             )
-        initial, self._initial = self._initial, None
         if self.config is None or getattr(self.config, "optimizer", None) is None:
             raise ShardingError(
                 "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard"
             )
+        if pretrained is not None:
+            self._load_pretrained(pretrained, allow_unexpected)
+        initial, self._initial = self._initial, None
         opt = _optim.from_config(self.config)
         plan, rank = self.plan, self.comm.rank
         cd = self.policy.compute_dtype or plan.param_dtype
@@ -261,6 +281,25 @@ class ShardedModule:
             sharding=self.sharding,
         )
 
+    def _load_pretrained(self, path, allow_unexpected: bool) -> None:
+        from ..checkpoint._pretrained import load_pretrained
+
+        persistent = {n for n, _ in self.module.named_buffers()} - _non_persistent_buffers(self.module)
+        load = load_pretrained(path, self.plan, self.comm.rank, self._initial, self._frozen, self._buffers,
+                               persistent, allow_unexpected=allow_unexpected)  # checked: nothing read yet
+        try:
+            self.pretrained_report = load.run()
+        except BaseException:
+            self._initial = None  # partly overwritten: never hand it out
+            raise
+        if self.pretrained_report.missing:
+            missing = self.pretrained_report.missing
+            warnings.warn(
+                f"pretrained weights {os.fspath(path)!r} lack {len(missing)} tensor(s), which keep the model's own "
+                f"initialisation: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}",
+                PretrainedWarning, stacklevel=3,
+            )
+
     def _nvme_init(self, master_view: dict[str, torch.Tensor]):
         """ZeRO-Infinity: the fp32 master shards and zero moments go to files under nvme_path."""
         from .._offload._cpu import host_optimizer_from_config
@@ -315,6 +354,18 @@ class ShardedModule:
         return out
 
 
+class PretrainedWarning(UserWarning):
+    """`init_state(pretrained=...)`: some of the model's tensors are not in the files."""
+
+
+def _non_persistent_buffers(model: nn.Module) -> set[str]:
+    out = set()
+    for path, m in model.named_modules():
+        for leaf in getattr(m, "_non_persistent_buffers_set", ()):
+            out.add(f"{path}.{leaf}" if path else leaf)
+    return out
+
+
 def _aio_kwargs(aio: dict | None) -> dict | None:
     """The config's aio block in the names the store takes (DeepSpeed renamed thread_count)."""
     if aio is None:
@@ -338,108 +389,3 @@ class _live_all:
 
     def __exit__(self, *exc):
         return self.stack.__exit__(*exc)
-
-
-def shard(
-    model: nn.Module,
-    stage: int | None = None,
-    config: Any = None,
-    *,
-    wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
-    comm: Collectives | None = None,
-    device: torch.device | str | None = None,
-    debug_collectives: bool = False,
-) -> ShardedModule:
-    """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
-    torch.distributed default group, or one process). `stage` overrides the config's
-    `zero_optimization.stage`. See `specs/sharding.md`.
-
-    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
-    bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
-    that every rank is issuing the same one, and names the first divergence.
-
-    >>> import torch, fnzero
-    >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
-    >>> sm = fnzero.shard(torch.nn.Linear(3, 2), stage=0, config=cfg)
-    >>> state = sm.init_state()
-    >>> sm.apply(state.params, torch.ones(1, 3)).shape
-    torch.Size([1, 2])
-    """
-    if not isinstance(model, nn.Module):
-        raise ShardingError(f"fnzero.shard expects a torch.nn.Module, got {type(model).__name__}")
-    policy = shard_policy(config, stage)
-    comm = comm if comm is not None else default_collectives()
-    logger = getattr(config, "comms_logger", None)
-    if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
-        comm = RecordingCollectives(comm)
-    if debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1":
-        comm = CheckedCollectives(comm)
-    params0 = list(model.parameters())
-    if any(p.device.type == "meta" for p in params0):
-        raise ShardingError("the model has parameters on the meta device (already sharded?); build a fresh model")
-    if device is None:
-        device = params0[0].device if params0 else torch.device("cpu")
-    device = torch.device(device)
-    if policy.offload_param == "cpu" and device.type != "cpu":
-        raise ShardingError(
-            f"zero_optimization.offload_param device 'cpu' on {device.type} is not implemented yet "
-            "(parameter shards stay in device memory); remove offload_param, or use device 'nvme' with "
-            "offload_optimizer on nvme. On CPU runs, device 'cpu' is what already happens and is accepted"
-        )
-    # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
-    # only a stage passed here can still differ from the config's.
-    if policy.offload_param == "nvme" and policy.stage != 3:
-        raise ShardingError(f"zero_optimization.offload_param device 'nvme' needs stage 3 (this run is stage {policy.stage})")
-    plan = make_plan(
-        model,
-        comm.world_size,
-        policy.stage,
-        wrap=wrap,
-        persistence_threshold=policy.persistence_threshold,
-    )
-    named = dict(model.named_parameters(remove_duplicate=False))
-    # Frozen parameters take part in the 16-bit forward like the trainable ones.
-    frozen = {n: named[n].detach().to(device=device, dtype=policy.compute_dtype or named[n].dtype) for n in plan.frozen}
-    buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
-    # Where each parameter is registered (tied ones in several places), to release its storage.
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for leaf, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, leaf))
-
-    def release(p: torch.Tensor) -> None:
-        ph = _placeholder(p)
-        for mod, leaf in owners.get(id(p), ()):
-            mod._parameters[leaf] = ph
-
-    initial = {}
-    with torch.no_grad():
-        for u in plan.units:
-            flat = torch.zeros(u.padded_numel, dtype=plan.param_dtype, device=device)
-            for slot in u.slots:
-                flat[slot.offset : slot.offset + slot.numel].copy_(named[slot.name].reshape(-1))
-            if plan.params_sharded(u):
-                lo, hi = u.shard_range(comm.rank)
-                flat = flat[lo:hi].clone()
-            initial[u.name] = flat
-            # Release the model's own storage unit by unit, so sharding a model never holds it twice.
-            for slot in u.slots:
-                release(named.pop(slot.name))
-                for alias in slot.aliases:
-                    named.pop(alias, None)
-    for n in plan.frozen:
-        release(named.pop(n))
-    del named
-    from ..memory import trim_freed_memory
-
-    trim_freed_memory()  # the model's parameters were freed: do not keep their pages
-    sm = ShardedModule(model, plan, comm, policy, config, device)
-    sm._initial = initial
-    sm._frozen = frozen
-    sm._buffers = buffers
-    if plan.stage == 3:
-        for u in plan.units:
-            if plan.params_sharded(u) and u.module != "":
-                wrap_unit_forward(model.get_submodule(u.module), u)
-    return sm

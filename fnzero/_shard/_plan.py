@@ -12,7 +12,7 @@ from torch import nn
 
 from .._errors import ShardingError
 
-__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules"]
+__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
 
 ROOT_UNIT = "<root>"
 """Name of the unit that holds parameters owned by no unit module (and tied parameters shared by two)."""
@@ -108,11 +108,20 @@ class ShardPlan:
 
 
 def default_unit_modules(model: nn.Module) -> list[str]:
-    """Default wrap policy: each direct child of the root that holds parameters is a unit, except that
-    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
+    """Default wrap policy.
 
+    A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
+    model or any submodule): each module of those classes is a unit, and so is every module
+    outside them that holds parameters but contains no such layer (embeddings, final norm, head),
+    as FSDP's transformer wrap policy, with the rest split off too so no unit is the whole model.
+
+    Otherwise each direct child of the root that holds parameters is a unit, except that
+    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
     For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
     """
+    layer_classes = no_split_classes(model)
+    if layer_classes:
+        return _layer_units(model, layer_classes)
     out: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -123,6 +132,44 @@ def default_unit_modules(model: nn.Module) -> list[str]:
             if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
                 visit(path + ".", child)
             else:
+                out.append(path)
+
+    visit("", model)
+    return out
+
+
+def no_split_classes(model: nn.Module) -> set[str]:
+    """Class names the model declares as layers not to split (`_no_split_modules`, any submodule)."""
+    names: set[str] = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(n for n in declared if isinstance(n, str))
+    present = {type(m).__name__ for m in model.modules()}
+    return names & present
+
+
+def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
+    """Units for a model with named layers: each layer, and each parameter-holding module outside
+    them that contains none (its parameters then stay out of the root unit)."""
+    holds_layer: dict[int, bool] = {}
+
+    def contains_layer(m: nn.Module) -> bool:
+        key = id(m)
+        if key not in holds_layer:
+            holds_layer[key] = type(m).__name__ in layer_classes or any(contains_layer(c) for c in m.children())
+        return holds_layer[key]
+
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if type(child).__name__ in layer_classes:
+                out.append(path)
+            elif contains_layer(child):
+                visit(path + ".", child)
+            elif any(True for _ in child.parameters()):
                 out.append(path)
 
     visit("", model)

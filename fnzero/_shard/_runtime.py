@@ -22,6 +22,7 @@ from torch import nn
 
 from .._errors import ShardingError
 from .._offload._params import is_placeholder, read_shard
+from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._collectives import reduce_scatter_donated
 from ._plan import ShardPlan, UnitPlan
 
@@ -62,32 +63,11 @@ def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "_UnitRuntime | None" = N
     return out
 
 
-@contextlib.contextmanager
-def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
-    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit.
-
-    This is what torch.func.functional_call does for the root; units need it for a submodule whose
-    own `forward` is wrapped, where functional_call would recurse into the wrapper.
-    """
-    saved = []
-    try:
-        for name, t in tensors.items():
-            owner_path, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
-            saved.append((table, leaf, table[leaf]))
-            table[leaf] = t
-        yield
-    finally:
-        for table, leaf, old in reversed(saved):
-            table[leaf] = old
-
-
 class _UnitRuntime:
     """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
     buffer re-gathered for backward."""
 
-    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "store")
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "store", "binder")
 
     def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", store=None):
         self.unit = unit
@@ -99,6 +79,7 @@ class _UnitRuntime:
         self.bwd_full = None
         self.bwd_pending = None  # backward prefetch in flight
         self.packed = False  # autograd saved a view of this unit's parameters
+        self.binder: UnitBinder | None = None  # binds the unit for recomputation in backward (`_backward.py`)
 
     def shard_values(self) -> torch.Tensor:
         """What this rank contributes to a gather: the shard, or its values read from NVMe."""
@@ -151,21 +132,25 @@ class GatherSchedule:
 
 class _GatherUnit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, rt: _UnitRuntime) -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, rt: _UnitRuntime, for_backward: bool = False) -> torch.Tensor:
         ctx.rt = rt
-        return rt.gather()
+        # In backward (a recomputation) the copy re-gathered for backward serves, cached; a new
+        # tensor object over it, since autograd sets this output's history.
+        return rt.regather().detach() if for_backward else rt.gather()
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
         rt = ctx.rt
         rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
+        if rt.binder is not None:
+            rt.binder.unbind()
         if grad_full.dtype in (torch.float16, torch.bfloat16) and rt.comm.world_size > 1:
             # A 16-bit sum over ranks can overflow where each addend does not: divide first
             # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).
             grad_full = grad_full / rt.comm.world_size
         # Autograd made `grad_full` for this node alone (the concatenation of the parameter
         # gradients), so the exchange may receive into it.
-        return reduce_scatter_donated(rt.comm, grad_full), None
+        return reduce_scatter_donated(rt.comm, grad_full), None, None
 
 
 class _Regather:
@@ -180,7 +165,7 @@ class ApplyRun:
     keep gathered parameters out of autograd's saved tensors."""
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
-                 shard_store=None):
+                 shard_store=None, backward_runs: "list[ApplyRun] | None" = None):
         self.plan = plan
         self.comm = comm
         self.params = params
@@ -199,6 +184,11 @@ class ApplyRun:
         # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
+        # Bound again while backward runs, for recomputation inside the model (`_backward.py`);
+        # made by `bind_in_backward`. `backward_runs`: the runs bound right now, shared with the
+        # stage-3 unit wrappers, which find their run there when a recomputation calls them.
+        self.backward: BackwardBinding | None = None
+        self.backward_runs = backward_runs if backward_runs is not None else []
         runs = STEP_RUNS.get()
         if runs is not None:
             runs.append(self)
@@ -211,8 +201,11 @@ class ApplyRun:
         it was given (the previous state's, when the caller did not donate) alive that long:
         measured on the 27.4M GPT at stage 3, 2 ranks, 631 MiB peak above baseline against 461.
         """
+        if self.backward is not None:
+            self.backward.exit()
+            self.backward = None
         for rt in self.rts.values():
-            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = None
+            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = None
         self.rts.clear()
         self._live.clear()
         self.bindings.clear()
@@ -255,6 +248,27 @@ class ApplyRun:
         if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
             return
         rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
+
+    @torch.compiler.disable
+    def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:
+        """Bind this run's parameters again once backward reaches `out` (the apply's result), until
+        that backward ends: recomputation inside the model reads them (`_backward.py`)."""
+        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        binders = []
+        for u in self.plan.units:
+            if self.plan.params_sharded(u) and u.module != "":
+                rt = self._runtime(u)
+                rt.binder = UnitBinder(u, module, lambda u=u, rt=rt: unit_views(u, self._gather_for_backward(u), rt))
+                binders.append(rt.binder)
+        self.backward = BackwardBinding(module, root_tensors, binders, self, self.backward_runs)
+        for t in outputs:
+            t.register_hook(self.backward.enter_until_backward_ends)
+
+    def _gather_for_backward(self, unit: UnitPlan) -> torch.Tensor:
+        with torch.enable_grad():
+            return _GatherUnit.apply(self.params[unit.name], self._runtime(unit), True)
 
     @torch.compiler.disable
     def finish_forward(self, out: Any) -> None:
@@ -337,6 +351,9 @@ class ApplyRun:
                 f"unit {unit.name!r}: expected a shard of {unit.shard_numel} elements at stage 3, got "
                 f"{p.numel()}; was this state made by another plan or world size?"
             )
+        if self.backward is not None and self.backward.active:
+            # A recomputation in backward calls the unit again: the backward copy serves.
+            return self._gather_for_backward(unit), self._runtime(unit)
         rt = self._runtime(unit)
         if prefetch:
             self.order.append(unit.name)
@@ -396,12 +413,15 @@ class ApplyRun:
     )
 
 
-def wrap_unit_forward(module: nn.Module, unit: UnitPlan) -> None:
-    """Route `module`'s forward through the active ApplyRun, which gathers the unit's parameters."""
+def wrap_unit_forward(module: nn.Module, unit: UnitPlan, backward_runs: "list[ApplyRun]") -> None:
+    """Route `module`'s forward through the active ApplyRun, which gathers the unit's parameters.
+    In backward (a recomputation) that is the run bound for it, the last of `backward_runs`."""
     inner = module.forward
 
     def forward(*args, **kwargs):
         run = ACTIVE_RUN.get()
+        if run is None and backward_runs:
+            run = backward_runs[-1]
         if run is None:
             raise ShardingError(
                 f"module {unit.module!r} holds stage-3 sharded parameters; call it through "

@@ -14,6 +14,8 @@ from typing import Any, Iterator
 
 import torch
 
+from .._shard._materialize import GLOBAL_RNG_LOCK
+
 __all__ = ["current_comm", "rank_context", "RNG_LOCK", "seeded"]
 
 # A ContextVar rather than a threading.local: each rank's thread sets it for itself, and code that
@@ -22,8 +24,9 @@ _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("fnzero_simulated
 
 # torch's default generator is one per process: simulated ranks (threads) that build models with
 # it concurrently would interleave draws and build different weights. Everything that seeds and
-# draws from it in a simulated world holds this lock. Re-entrant so `seeded` can nest.
-RNG_LOCK = threading.RLock()
+# draws from it in a simulated world holds this lock, the same one `fnzero.shard` holds while it
+# initialises a meta model. Re-entrant so `seeded` can nest.
+RNG_LOCK = GLOBAL_RNG_LOCK
 
 
 def current_comm() -> Any:

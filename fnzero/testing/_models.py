@@ -54,10 +54,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tied:
             self.head.weight = self.wte.weight
-        self.apply(self._init)
+        self.apply(self._init_weights)
 
     @staticmethod
-    def _init(m):
+    def _init_weights(m):
+        # Named as Hugging Face's hook, so `fnzero.shard` runs it on a GPT built on the meta device.
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:

@@ -1,0 +1,309 @@
+"""Hugging Face transformers models train under fnzero exactly like plain PyTorch
+(`specs/sharding.md` §Models from the ecosystem).
+
+Four architectures built from small configs (nothing is downloaded): GPT-2 (tied embeddings,
+Conv1D), Llama (RoPE with a non-persistent `inv_freq`, RMSNorm, grouped-query attention), a
+BERT-style masked-LM encoder (tied decoder, padding mask) and a T5-style encoder-decoder (shared
+embeddings, relative position bias). Keyword inputs go in, `ModelOutput`s come out, and the
+model's own gradient checkpointing (`gradient_checkpointing_enable()`, reentrant and not) runs
+inside fnzero's sharded forward.
+
+The reference is plain PyTorch on the global batch: torch.optim.AdamW, `loss.backward()` per
+(rank, micro-batch) chunk weighted as DDP weighs it, `clip_grad_norm_`. float64, so the only
+difference is reduction order (~1e-16 per operation): 1e-9 relative is far above that noise and
+far below any sharding bug.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+import transformers
+from optree import tree_leaves as optree_leaves
+
+import fnzero
+from fnzero._shard._collectives import PendingTensor
+from fnzero._shard._plan import default_unit_modules
+from fnzero.testing import simulated_world
+
+import _worlds as W
+
+transformers.logging.set_verbosity_error()  # "use_cache=True is incompatible with ..." per layer
+
+RTOL, ATOL = 1e-9, 1e-12  # float64 reduction order, see the module docstring
+VOCAB, SEQ, LR, CLIP = 64, 8, 1e-2, 0.5
+_BUILD = threading.Lock()
+
+
+def build(kind: str, gc: str = "off") -> torch.nn.Module:
+    """A small float64 model of `kind`, seeded; `gc`: "off", "reentrant" or "non-reentrant"."""
+    with _BUILD:
+        torch.manual_seed(0)
+        t = transformers
+        if kind == "gpt2":
+            m = t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        elif kind == "llama":
+            m = t.LlamaForCausalLM(t.LlamaConfig(hidden_size=16, intermediate_size=36, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                                 max_position_embeddings=32))
+        elif kind == "bert":
+            m = t.BertForMaskedLM(t.BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                               intermediate_size=36, vocab_size=VOCAB, max_position_embeddings=16,
+                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        elif kind == "t5":
+            m = t.T5ForConditionalGeneration(t.T5Config(d_model=16, d_kv=8, d_ff=36, num_layers=2, num_decoder_layers=2,
+                                                        num_heads=2, vocab_size=VOCAB, dropout_rate=0.0,
+                                                        decoder_start_token_id=0, pad_token_id=0))
+        else:
+            raise ValueError(kind)
+        m = m.double().train()
+        if gc != "off":
+            enable_checkpointing(m, reentrant=gc == "reentrant")
+        return m
+
+
+def enable_checkpointing(model, reentrant: bool) -> None:
+    """transformers' layer checkpointing: `activation_checkpointing_enable` since 5.x, which
+    deprecates the older name (still what most scripts call, and the same mechanism)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def chunk(kind: str, step: int, index: int, rows: int = 2) -> dict[str, torch.Tensor]:
+    """The keyword batch of one (rank, micro-batch) chunk."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    ids = torch.randint(1, VOCAB, (rows, SEQ), generator=g)
+    if kind == "bert":
+        mask = torch.ones(rows, SEQ, dtype=torch.int64)
+        mask[0, -2:] = 0  # padding: the attention mask reaches every layer
+        labels = torch.where(torch.rand(rows, SEQ, generator=g) < 0.5, ids, torch.full_like(ids, -100))
+        labels[:, 0] = ids[:, 0]  # at least one position counts in every row
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if kind == "t5":
+        return {"input_ids": ids, "labels": torch.randint(1, VOCAB, (rows, SEQ // 2), generator=g)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def config(stage: int, world: int, k: int, extra: dict | None = None) -> fnzero.Config:
+    return fnzero.load_config({
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": k,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **(extra or {})},
+    }, world_size=world)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind: str, world: int, k: int, steps: int) -> dict[str, torch.Tensor]:
+    model = build(kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(steps):
+        opt.zero_grad()
+        for i in range(world * k):
+            (model(**chunk(kind, s, i)).loss / (world * k)).backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(kind: str, stage: int, world: int, gc: str, *, k: int = 2, steps: int = 2, jit: dict | None = None,
+          extra: dict | None = None) -> list[dict[str, torch.Tensor]]:
+    """fnzero on a simulated world: rank r's micro-batch i is chunk r * k + i, as in `reference`."""
+    cfg = config(stage, world, k, extra)
+
+    def rank(comm):
+        model = build(kind, gc)
+        # Every rank has built its model before any trains: torch.utils.checkpoint forks and
+        # restores torch's global RNG in backward, which would reseed a rank still building.
+        comm.barrier()
+        sm = fnzero.shard(model, config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda params, batch: sm.apply(params, **batch).loss, cfg)
+        if jit is not None:
+            step = fnzero.jit(step, **jit)
+        for s in range(steps):
+            state, _ = step(state, [chunk(kind, s, comm.rank * k + i) for i in range(k)])
+        return sm.gather(state)
+
+    return simulated_world(world).run(rank)
+
+
+def check(kind, stage, world, gc, k=2, steps=2, **kw):
+    want = reference(kind, world, k, steps)
+    for r, got in enumerate(train(kind, stage, world, gc, k=k, steps=steps, **kw)):
+        W.assert_close_tree(got, want, rtol=RTOL, atol=ATOL, what=f"{kind} stage {stage} gc={gc} rank {r}/{world}")
+
+
+KINDS = ["gpt2", "llama", "bert", "t5"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_ranks_with_and_without_checkpointing(kind, stage):
+    for gc in ("off", "reentrant", "non-reentrant"):
+        check(kind, stage, 2, gc)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_and_four_ranks(kind, world):
+    # Every stage at each world size, the checkpointing mode rotating with the stage.
+    modes = ("reentrant", "non-reentrant", "off", "reentrant") if world == 1 else ("non-reentrant", "reentrant", "reentrant", "non-reentrant")
+    for stage, gc in enumerate(modes):
+        check(kind, stage, world, gc, k=1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpointing_under_jit(stage):
+    # Per-unit graphs (the default scope) with the model's checkpoint inside each layer's graph.
+    # One rank: torch.compile is not thread-safe, so it does not run on a thread-simulated world.
+    for gc in ("reentrant", "non-reentrant"):
+        check("llama", stage, 1, gc, jit={"backend": "aot_eager"})
+
+
+def test_default_units_are_the_models_layers():
+    assert default_unit_modules(build("llama")) == [
+        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    # BertForMaskedLM declares nothing itself; its BertModel names BertEmbeddings and BertLayer.
+    assert default_unit_modules(build("bert")) == [
+        "bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "cls"]
+    t5 = default_unit_modules(build("t5"))
+    assert [u for u in t5 if ".block." in u] == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)]
+    # A stage-3 plan gathers one layer at a time: the tied embedding is the only root parameter.
+    sm = fnzero.shard(build("gpt2"), config=config(3, 1, 1))
+    root = sm.plan.unit("<root>")
+    assert [s.name for s in root.slots] == ["transformer.wte.weight"] and root.slots[0].aliases == ("lm_head.weight",)
+
+
+class _Lora(torch.nn.Module):
+    """A frozen linear layer plus a trainable low-rank update, as LoRA adapters do."""
+
+    def __init__(self, base: torch.nn.Linear, r: int = 2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(r, base.in_features, dtype=base.weight.dtype) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, r, dtype=base.weight.dtype) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def _llama_lora(gc="off"):
+    model = build("llama", gc)
+    with _BUILD:
+        torch.manual_seed(1)
+        model.requires_grad_(False)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj = _Lora(layer.self_attn.q_proj)
+            layer.self_attn.v_proj = _Lora(layer.self_attn.v_proj)
+    return model
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_lora_adapters_train_alone(stage):
+    """Only the adapters are trainable: the optimizer holds them and nothing else, the frozen base
+    is unchanged, and the adapters equal plain PyTorch's (with checkpointing on)."""
+    model = _llama_lora()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(2):
+        opt.zero_grad()
+        for i in range(2):
+            (model(**chunk("llama", s, i)).loss / 2).backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    cfg = config(stage, 2, 1)
+
+    def rank(comm):
+        m = _llama_lora("non-reentrant")
+        comm.barrier()
+        sm = fnzero.shard(m, config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: sm.apply(p, **b).loss, cfg)
+        for s in range(2):
+            state, _ = step(state, chunk("llama", s, comm.rank))
+        opt_numel = sum(t.numel() for t in optree_leaves(state.opt_state))
+        return sm.plan, opt_numel, sm.state_dict(state)
+
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all(n.rsplit(".", 1)[-1] in ("a", "b") for n in adapters)
+    for plan, opt_numel, got in simulated_world(2).run(rank):
+        assert {s.name for u in plan.units for s in u.slots} == adapters
+        # Adam's two moments over this rank's slice of the adapters (plus its step count).
+        shard = plan.num_padded // (2 if stage else 1)
+        assert opt_numel - 2 * shard in (0, 1), (opt_numel, shard)
+        W.assert_close_tree(got, want, rtol=RTOL, atol=ATOL, what=f"lora stage {stage}")
+
+
+class _SharedInsideAndOutside(torch.nn.Module):
+    """A unit whose weight is used inside a reentrant checkpoint and again outside it, so
+    reentrant checkpointing accumulates its gradient twice in one backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.out = torch.nn.Linear(6, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.inner(t)), x, use_reentrant=True)
+        return self.out(self.inner(h))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_reaching_a_unit_twice(stage):
+    def batch(s, r):
+        g = torch.Generator().manual_seed(10 * s + r)
+        return torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_(), torch.randn(3, 3, generator=g, dtype=torch.float64)
+
+    torch.manual_seed(0)
+    model = _SharedInsideAndOutside()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(2):
+        opt.zero_grad()
+        for r in range(2):
+            x, y = batch(s, r)
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    want = dict(model.named_parameters())
+    cfg = config(stage, 2, 1)
+
+    def rank(comm):
+        with _BUILD:
+            torch.manual_seed(0)
+            m = _SharedInsideAndOutside()
+        sm = fnzero.shard(m, config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: torch.nn.functional.mse_loss(sm.apply(p, b[0]), b[1]), cfg)
+        for s in range(2):
+            state, _ = step(state, batch(s, comm.rank))
+        return sm.gather(state)
+
+    for got in simulated_world(2, wrap_comm=_InPlace).run(rank):
+        W.assert_close_tree(got, want, rtol=RTOL, atol=ATOL, what=f"stage {stage}")
+
+
+class _InPlace:
+    """Simulated collectives that reduce a donated buffer in place, as gloo and NCCL do: a
+    gradient added to a buffer already on the wire would be lost or corrupt it."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def all_reduce_async(self, t, donate=False):
+        out = self.comm.all_reduce(t)
+        return PendingTensor(t.copy_(out) if donate else out)
