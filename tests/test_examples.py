@@ -77,3 +77,17 @@ def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     assert header["wte.weight"]["dtype"] == "BF16" and header["wte.weight"]["shape"] == [256, 64]
+
+
+@pytest.mark.multiprocess
+def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
+    """examples/finetune_hf.py: save_pretrained shards -> meta model -> ZeRO-3 on 2 ranks with the
+    model's checkpointing and bf16 -> checkpoint -> export -> from_pretrained, same logits."""
+    out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/finetune_hf.py",
+                "--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"])
+    first, last = _losses(out)
+    assert last < first - 0.5, out
+    read = [float(x) for x in re.findall(r"read ([0-9.]+) MiB", out)]
+    assert len(read) == 2 and len(set(read)) == 1, out  # each rank its own half
+    assert "max abs diff 0\n" in out, out
+    assert os.path.exists(tmp_path / "checkpoint" / "latest") and os.path.exists(tmp_path / "tuned" / "config.json")
