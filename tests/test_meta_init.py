@@ -117,9 +117,49 @@ class _NoInit(torch.nn.Module):
         return self.lin(x) * self.scale
 
 
-def test_an_uninitialised_parameter_is_named():
+def test_an_uninitialised_parameter_is_named(tmp_path):
+    sm = fnzero.shard(_NoInit, config=_cfg(3, 1))
     with pytest.raises(fnzero.ShardingError, match=r"uninitialised: scale\b"):
-        fnzero.shard(_NoInit, config=_cfg(3, 1))
+        sm.init_state()
+    # Pretrained weights that supply it make it fine; ones that do not are named as lacking it.
+    from safetensors.torch import save_file
+
+    save_file({"scale": torch.full((3,), 2.0)}, tmp_path / "scale.safetensors")
+    save_file({"lin.bias": torch.zeros(3)}, tmp_path / "bias.safetensors")
+    with pytest.warns(fnzero.PretrainedWarning), pytest.raises(fnzero.ShardingError, match="pretrained weights lack them: scale"):
+        sm.init_state(pretrained=tmp_path / "bias.safetensors")
+    with pytest.warns(fnzero.PretrainedWarning, match="lin.weight"):
+        state = sm.init_state(pretrained=tmp_path / "scale.safetensors")
+    assert torch.equal(sm.gather(state)["scale"], torch.full((3,), 2.0))
+
+
+class _Mixed(torch.nn.Module):
+    """A torch module whose init is not `reset_parameters` (MultiheadAttention's is private), a
+    bool buffer set in the constructor, and a parameter already real in an otherwise meta model."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 2)
+        self.register_buffer("mask", torch.ones(4, dtype=torch.bool))
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_private_resets_bool_buffers_and_real_tensors():
+    with torch.device("meta"):
+        model = _Mixed()
+    real = torch.arange(16.0).reshape(2, 8)
+    model.head.weight = torch.nn.Parameter(real.clone())  # already loaded: the init must keep it
+    sm = fnzero.shard(model, config=_cfg(3, 1), init_seed=1)
+    # The bool buffer was only written by the constructor, on meta: named, not silently garbage.
+    with pytest.raises(fnzero.ShardingError, match=r"uninitialised: mask\b"):
+        sm.init_state()
+    sm._uninitialised.remove("mask")  # (as if pretrained weights had supplied it)
+    got = sm.state_dict(sm.init_state())
+    assert torch.equal(got["head.weight"], real)
+    assert not torch.isnan(got["attn.in_proj_weight"]).any() and float(got["attn.in_proj_weight"].std()) > 0
 
 
 def test_frozen_and_buffer_only_modules():
@@ -141,7 +181,9 @@ def test_frozen_and_buffer_only_modules():
 
 
 def test_a_model_sharded_twice_is_refused():
-    model = torch.nn.Linear(3, 2)
-    fnzero.shard(model, config=_cfg(0, 1))
-    with pytest.raises(fnzero.ShardingError, match="given to fnzero.shard already"):
-        fnzero.shard(model, config=_cfg(0, 1))
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    for model in (torch.nn.Linear(3, 2), meta):
+        fnzero.shard(model, config=_cfg(3, 1))
+        with pytest.raises(fnzero.ShardingError, match="given to fnzero.shard already"):
+            fnzero.shard(model, config=_cfg(3, 1))

@@ -75,12 +75,19 @@ class LazyParameters(dict):
 
 
 class UnitBinder:
-    """Binds one stage-3 unit's gathered views into its modules' lazy tables, and unbinds them."""
+    """Binds one stage-3 unit's gathered views into its modules' lazy tables, and unbinds them.
 
-    def __init__(self, unit: UnitPlan, root: nn.Module, gather: Callable[[], dict[str, torch.Tensor]]):
+    `gather() -> (full, views)`: the unit's full buffer, gathered for backward and differentiable
+    with respect to the shard, and its parameter views by state_dict name. While bound, `full` is
+    also what a recomputation that calls the unit's own (wrapped) forward binds, so a unit is
+    gathered once per recomputation whichever way the model reaches its parameters.
+    """
+
+    def __init__(self, unit: UnitPlan, root: nn.Module, gather: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]):
         self.unit = unit
-        self.gather = gather  # -> the unit's views by state_dict name, gathered for backward
+        self.gather = gather
         self.bound = False
+        self.full: torch.Tensor | None = None
         self.tables: dict[str, tuple[nn.Module, str]] = {}  # state_dict name -> (owner, leaf)
         for slot in unit.slots:
             for name in (slot.name, *slot.aliases):
@@ -88,24 +95,32 @@ class UnitBinder:
                 self.tables[name] = (root.get_submodule(owner) if owner else root, leaf)
         self._placeholders: dict[str, Any] = {}
 
+    def snapshot(self) -> None:
+        """Remember what the tables hold when backward starts (the placeholders), to put back."""
+        self._placeholders = {name: dict.__getitem__(owner._parameters, leaf) for name, (owner, leaf) in self.tables.items()}
+
     def bind(self) -> None:
-        views = self.gather()
+        self.full, views = self.gather()
         self.bound = True
         for name, (owner, leaf) in self.tables.items():
-            table = owner._parameters
-            self._placeholders.setdefault(name, dict.__getitem__(table, leaf))
-            dict.__setitem__(table, leaf, views[name])
+            dict.__setitem__(owner._parameters, leaf, views[name])
 
     def unbind(self) -> None:
         if not self.bound:
             return
-        self.bound = False
+        self.bound, self.full = False, None
         for name, (owner, leaf) in self.tables.items():
             dict.__setitem__(owner._parameters, leaf, self._placeholders[name])
 
 
 class BackwardBinding:
-    """One apply's parameters, bound for the rest of a backward pass (see the Note above)."""
+    """One apply's parameters, bound for the rest of a backward pass (see the Note above).
+
+    Two applies of one model in one loss bind the same tables: the later one wins while both are
+    bound (its parameters are the ones a recomputation sees, the same tensors when both applies
+    were given the same parameters), and bindings always come off in the reverse order they went
+    on, whatever order autograd runs its final callbacks in.
+    """
 
     def __init__(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], binders: list[UnitBinder],
                  run: Any, bound_runs: list):
@@ -113,18 +128,21 @@ class BackwardBinding:
         self.root_tensors = root_tensors
         self.binders = binders
         self.run = run
-        self.bound_runs = bound_runs  # the runs bound right now, where stage-3 unit wrappers look
+        self.bound_runs = bound_runs  # the runs bound right now, in binding order (a stack)
         self._stack: contextlib.ExitStack | None = None
+        self._released = False
 
     @property
     def active(self) -> bool:
         return self._stack is not None
 
     def enter(self) -> None:
-        if self._stack is not None:
+        if self._stack is not None or self._released:
             return
         stack = contextlib.ExitStack()
         stack.enter_context(swap_tensors(self.module, self.root_tensors))
+        for b in self.binders:
+            b.snapshot()
         # Lazy tables on every module that owns a stage-3 unit's parameters.
         by_owner: dict[int, tuple[nn.Module, dict[str, UnitBinder]]] = {}
         for b in self.binders:
@@ -141,13 +159,27 @@ class BackwardBinding:
         self._stack = stack
 
     def exit(self) -> None:
+        if self._stack is None:
+            return
+        # Bindings made after this one come off first (see the class docstring).
+        while self.bound_runs and self.bound_runs[-1] is not self.run:
+            later = getattr(self.bound_runs[-1], "backward", None)
+            if later is None or not later.active:
+                self.bound_runs.pop()
+                continue
+            later.exit()
         stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
+        stack.close()
+
+    def release(self) -> None:
+        """Unbind for good and drop every reference (the output hooks keep this object alive)."""
+        self.exit()
+        self._released = True
+        self.root_tensors, self.binders, self.module, self.run = {}, [], None, None
 
     def enter_until_backward_ends(self, _grad=None) -> None:
         """A tensor hook: bind now, unbind when the backward pass that called it is done."""
-        if self._stack is not None:
+        if self._stack is not None or self._released:
             return
         self.enter()
         torch.autograd.Variable._execution_engine.queue_callback(self.exit)

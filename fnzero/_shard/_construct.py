@@ -67,9 +67,9 @@ def shard(
         comm = RecordingCollectives(comm)
     if debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1":
         comm = CheckedCollectives(comm)
-    params0 = [p for p in model.parameters() if not p.is_meta]
+    params0 = list(model.parameters())
     if device is None:
-        device = params0[0].device if params0 else _default_device()
+        device = _default_device() if meta or not params0 else params0[0].device
     device = torch.device(device)
     if policy.offload_param == "cpu" and device.type != "cpu":
         raise ShardingError(
@@ -89,10 +89,10 @@ def shard(
         persistence_threshold=policy.persistence_threshold,
     )
     if meta:
-        initial, frozen, buffers = initial_from_meta(model, plan, comm.rank, device, policy.compute_dtype,
-                                                     _init_seed(init_seed, comm, device))
+        initial, frozen, buffers, uninitialised = initial_from_meta(
+            model, plan, comm.rank, device, policy.compute_dtype, _init_seed(init_seed, comm, device))
     else:
-        initial, frozen, buffers = initial_from_model(model, plan, comm.rank, device, policy.compute_dtype)
+        initial, frozen, buffers, uninitialised = initial_from_model(model, plan, comm.rank, device, policy.compute_dtype)
     from ..memory import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
@@ -100,6 +100,7 @@ def shard(
     sm._initial = initial
     sm._frozen = frozen
     sm._buffers = buffers
+    sm._uninitialised = uninitialised
     if plan.stage == 3:
         for u in plan.units:
             if plan.params_sharded(u) and u.module != "":

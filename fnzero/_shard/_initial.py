@@ -12,8 +12,9 @@ from ._plan import ShardPlan, UnitPlan
 
 __all__ = ["Initial", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
 
-# (unit name -> flat buffer or this rank's shard, frozen parameters by name, buffers by name)
-Initial = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]
+# (unit name -> flat buffer or this rank's shard, frozen parameters by name, buffers by name,
+#  names of the tensors a meta model's init code left uninitialised)
+Initial = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]
 
 
 def placeholder_param(p: torch.Tensor) -> nn.Parameter:
@@ -74,7 +75,7 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
                     named.pop(alias, None)
     for n in plan.frozen:
         _release(owners, named.pop(n))
-    return initial, frozen, buffers
+    return initial, frozen, buffers, []
 
 
 def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
@@ -94,6 +95,7 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
     initial: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
+    uninitialised: list[str] = []
     for n, b in model.named_buffers():
         if not b.is_meta:
             buffers[n] = b.detach().to(device)
@@ -102,8 +104,9 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
         # A unit's parameters registered outside its region (tied across units, so in the root
         # unit) are initialised with it, by the modules that own them.
         extra = tuple(m for slot in unit.slots for m, _, _ in init.owners.get(id(named[slot.name]), ())) if unit else ()
-        with init.materialized(region, extra) as values:
-            init.check(names, values)
+        with init.materialized(region, extra) as mat:
+            values = mat.values
+            uninitialised += [names[k] for k in values if k in names and mat.untouched(k) and names[k] not in uninitialised]
             with torch.no_grad():
                 if unit is not None:
                     initial[unit.name] = _flat(unit, plan, rank, lambda n: values.get(id(named[n]), named[n]), device)
@@ -119,8 +122,7 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
         if n not in frozen:
             frozen[n] = named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype)
     owners = _owners(model)
-    for p in list(named.values()):  # real parameters of a partly-meta model: release them too
-        if not p.is_meta:
-            _release(owners, p)
+    for p in {id(p): p for p in named.values()}.values():  # marked as given to fnzero
+        _release(owners, p)
     order = [n for n, _ in model.named_buffers()]
-    return initial, frozen, {n: buffers[n] for n in order}
+    return initial, frozen, {n: buffers[n] for n in order}, sorted(uninitialised)

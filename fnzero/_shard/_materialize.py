@@ -9,17 +9,20 @@ region in turn, every rank
 
 1. gives the region's modules real (host) storage, filled with a sentinel (NaN, or the integer
    minimum) so that anything the init code leaves untouched is caught;
-2. runs the model's own init code over them, children before parents as `Module.apply` does:
-   `reset_parameters()` where the module has one (what its constructor ran), then the nearest
-   `_init_weights(module)` above it (Hugging Face's `PreTrainedModel`, or any model with the same
-   hook), with torch's RNG seeded from (seed, region name) inside `fork_rng`;
+2. runs the model's own init code over them as eager construction does: every module's
+   `reset_parameters()` (what its constructor ran), then the nearest `_init_weights(module)` above
+   each (Hugging Face's `PreTrainedModel`, or any model with the same hook), children before
+   parents, with torch's CPU generator seeded from (seed, region name) inside `fork_rng`; real
+   tensors of a partly-meta model are kept as they were;
 3. keeps its own slice of each unit's flat buffer, the frozen parameters and the buffers, and
    puts the meta placeholders back, so at most one region is materialised at a time.
 
 The seed of each region depends only on the seed and the region's name, and every rank computes
 the whole region, so the initial parameters are the same bits at any world size and rank. They
 are not the bits eager construction draws (that consumes one RNG stream across the whole model),
-but the same distributions. A tensor still holding the sentinel after init is an error naming it.
+but the same distributions. A tensor the init code did not write (its version counter did not
+move, or a float still holds NaN) is recorded; `init_state` names it unless pretrained weights
+supply it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import nn
 from .._errors import ShardingError
 from ._plan import ShardPlan
 
-__all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "GLOBAL_RNG_LOCK"]
+__all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "GLOBAL_RNG_LOCK"]
 
 
 # Init code draws from torch's global RNG, which is process-wide: the reseeding and the draws of
@@ -66,11 +69,14 @@ def _region_seed(seed: int, region: str) -> int:
 def _sentinel_fill(t: torch.Tensor) -> None:
     if t.is_floating_point() or t.is_complex():
         t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
+    elif t.dtype == torch.bool:
+        t.fill_(False)  # no sentinel value: the version counter tells (`Region.untouched`)
+    else:
         t.fill_(torch.iinfo(t.dtype).min)
 
 
 def _untouched(t: torch.Tensor) -> bool:
+    """Whether `t` still holds the sentinel somewhere (a float) or everywhere (an integer)."""
     if t.numel() == 0 or t.dtype == torch.bool:
         return False
     if t.is_floating_point() or t.is_complex():
@@ -142,50 +148,74 @@ class MetaInitializer:
         return list(order) + rest
 
     @contextlib.contextmanager
-    def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator[dict[int, torch.Tensor]]:
-        """Give `region`'s modules (and `extra`) real host storage and run their init; yields
-        id(meta tensor) -> its initialised value. The meta tensors are put back on exit."""
+    def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region"]:
+        """Give `region`'s modules (and `extra`) real host storage and run their init; yields the
+        values by id of the meta tensor. The meta tensors are put back on exit."""
         modules = [m for m in self.post_order if self.region_of(m) == region or any(m is e for e in extra)]
-        values: dict[int, torch.Tensor] = {}
+        out = Region()
         swapped: list[tuple[dict, str, Any]] = []
         try:
             for m in modules:
                 for kind in ("_parameters", "_buffers"):
                     for leaf, t in list(getattr(m, kind).items()):
-                        if t is None or not t.is_meta or id(t) in values:
+                        if t is None or not t.is_meta or id(t) in out.values:
                             continue
                         real = torch.empty(t.shape, dtype=t.dtype, device="cpu")
                         _sentinel_fill(real)
                         if isinstance(t, nn.Parameter):
                             real = nn.Parameter(real, requires_grad=t.requires_grad)
-                        values[id(t)] = real
+                        out.values[id(t)] = real
+                        out.versions[id(t)] = real._version
                         for owner, okind, oleaf in self.owners[id(t)]:
                             table = getattr(owner, okind)
                             swapped.append((table, oleaf, table[oleaf]))
                             table[oleaf] = real
+            # Real tensors of a partly-meta model (loaded, or built on a device) are not the init
+            # code's to change: kept aside and written back.
+            fresh = {id(v) for v in out.values.values()}
+            keep = [(t, t.detach().clone()) for m in modules for kind in ("_parameters", "_buffers")
+                    for t in getattr(m, kind).values() if t is not None and not t.is_meta and id(t) not in fresh]
             with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(_region_seed(self.seed, region))
+                # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
+                # every accelerator's generator.
+                torch.default_generator.manual_seed(_region_seed(self.seed, region))
+                # As eager construction: every module's constructor-time reset, then the model's
+                # init pass, each children before parents.
                 for m in modules:
-                    self._init_module(m)
-            yield values
+                    _reset(m)
+                for m in modules:
+                    owner = self.init_owner.get(id(m))
+                    if owner is not None:
+                        owner._init_weights(m)
+                for t, saved in keep:
+                    t.copy_(saved)
+            for key, real in list(out.values.items()):  # an init that replaced a tensor instead
+                owner, kind, leaf = self.owners[key][0]
+                now = getattr(owner, kind)[leaf]
+                if now is not real and now is not None and not now.is_meta:
+                    out.values[key], out.versions[key] = now, -1
+            yield out
         finally:
             for table, leaf, old in reversed(swapped):
                 table[leaf] = old
 
-    def _init_module(self, m: nn.Module) -> None:
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
-        owner = self.init_owner.get(id(m))
-        if owner is not None:
-            owner._init_weights(m)
 
-    def check(self, names: dict[int, str], values: dict[int, torch.Tensor]) -> None:
-        """Raise naming every tensor the init code left untouched."""
-        bad = sorted(names[k] for k, v in values.items() if k in names and _untouched(v))
-        if bad:
-            raise ShardingError(
-                f"model built on the meta device: the model's init code left {len(bad)} tensor(s) uninitialised: "
-                f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}. fnzero initialises a meta model with each "
-                "module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
-                "these modules one of them, or build the model on a real device"
-            )
+class Region:
+    """The materialised tensors of one region: id(meta tensor) -> value, and each value's
+    version counter right after its sentinel fill (init code writes in place, which bumps it)."""
+
+    def __init__(self):
+        self.values: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+
+    def untouched(self, key: int) -> bool:
+        v = self.values[key]
+        if self.versions[key] != -1 and v._version == self.versions[key]:
+            return True
+        return _untouched(v)
+
+
+def _reset(m: nn.Module) -> None:
+    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+    if callable(reset):
+        reset()

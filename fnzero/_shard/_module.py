@@ -86,6 +86,8 @@ class ShardedModule:
         self._param_store = None
         self._units_routed = False  # see `_route_units`
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
+        # A meta model's tensors its init code did not write: pretrained weights must supply them.
+        self._uninitialised: list[str] = []
         # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
         self._backward_runs: list[ApplyRun] = []
 
@@ -223,6 +225,16 @@ class ShardedModule:
             )
         if pretrained is not None:
             self._load_pretrained(pretrained, allow_unexpected)
+        loaded = set(self.pretrained_report.loaded) if pretrained is not None else set()
+        unset = [n for n in self._uninitialised if n not in loaded]
+        if unset:
+            raise ShardingError(
+                f"model built on the meta device: its init code left {len(unset)} tensor(s) uninitialised"
+                f"{' and the pretrained weights lack them' if pretrained is not None else ''}: "
+                f"{', '.join(unset[:8])}{' ...' if len(unset) > 8 else ''}. fnzero initialises a meta model with "
+                "each module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
+                "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
+            )
         initial, self._initial = self._initial, None
         opt = _optim.from_config(self.config)
         plan, rank = self.plan, self.comm.rank
@@ -285,13 +297,15 @@ class ShardedModule:
         from ..checkpoint._pretrained import load_pretrained
 
         persistent = {n for n, _ in self.module.named_buffers()} - _non_persistent_buffers(self.module)
-        load = load_pretrained(path, self.plan, self.comm.rank, self._initial, self._frozen, self._buffers,
+        frozen, buffers = dict(self._frozen), dict(self._buffers)  # entries replaced, not written into
+        load = load_pretrained(path, self.plan, self.comm.rank, self._initial, frozen, buffers,
                                persistent, allow_unexpected=allow_unexpected)  # checked: nothing read yet
         try:
             self.pretrained_report = load.run()
         except BaseException:
             self._initial = None  # partly overwritten: never hand it out
             raise
+        self._frozen, self._buffers = frozen, buffers
         if self.pretrained_report.missing:
             missing = self.pretrained_report.missing
             warnings.warn(

@@ -111,9 +111,8 @@ def default_unit_modules(model: nn.Module) -> list[str]:
     """Default wrap policy.
 
     A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
-    model or any submodule): each module of those classes is a unit, and so is every module
-    outside them that holds parameters but contains no such layer (embeddings, final norm, head),
-    as FSDP's transformer wrap policy, with the rest split off too so no unit is the whole model.
+    model or any submodule): each module of those classes is a unit and the rest of the model is
+    the root unit, as FSDP's transformer wrap policy groups it.
 
     Otherwise each direct child of the root that holds parameters is a unit, except that
     containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
@@ -150,16 +149,10 @@ def no_split_classes(model: nn.Module) -> set[str]:
 
 
 def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
-    """Units for a model with named layers: each layer, and each parameter-holding module outside
-    them that contains none (its parameters then stay out of the root unit)."""
-    holds_layer: dict[int, bool] = {}
-
-    def contains_layer(m: nn.Module) -> bool:
-        key = id(m)
-        if key not in holds_layer:
-            holds_layer[key] = type(m).__name__ in layer_classes or any(contains_layer(c) for c in m.children())
-        return holds_layer[key]
-
+    """Units for a model with named layers: each layer (outermost, in module order). Everything
+    outside them (embeddings, final norm, head) stays in the root unit, gathered for the whole
+    forward, as FSDP's transformer wrap policy leaves it: code outside a module may read its
+    parameters directly (an encoder reading `embed_positions.weight`), which only the root allows."""
     out: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -167,10 +160,8 @@ def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
             path = f"{prefix}{name}"
             if type(child).__name__ in layer_classes:
                 out.append(path)
-            elif contains_layer(child):
+            else:
                 visit(path + ".", child)
-            elif any(True for _ in child.parameters()):
-                out.append(path)
 
     visit("", model)
     return out

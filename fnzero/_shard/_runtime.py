@@ -202,7 +202,7 @@ class ApplyRun:
         measured on the 27.4M GPT at stage 3, 2 ranks, 631 MiB peak above baseline against 461.
         """
         if self.backward is not None:
-            self.backward.exit()
+            self.backward.release()
             self.backward = None
         for rt in self.rts.values():
             rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = None
@@ -260,7 +260,7 @@ class ApplyRun:
         for u in self.plan.units:
             if self.plan.params_sharded(u) and u.module != "":
                 rt = self._runtime(u)
-                rt.binder = UnitBinder(u, module, lambda u=u, rt=rt: unit_views(u, self._gather_for_backward(u), rt))
+                rt.binder = UnitBinder(u, module, lambda u=u, rt=rt: self._bind_for_backward(u, rt))
                 binders.append(rt.binder)
         self.backward = BackwardBinding(module, root_tensors, binders, self, self.backward_runs)
         for t in outputs:
@@ -269,6 +269,10 @@ class ApplyRun:
     def _gather_for_backward(self, unit: UnitPlan) -> torch.Tensor:
         with torch.enable_grad():
             return _GatherUnit.apply(self.params[unit.name], self._runtime(unit), True)
+
+    def _bind_for_backward(self, unit: UnitPlan, rt: _UnitRuntime) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        full = self._gather_for_backward(unit)
+        return full, unit_views(unit, full, rt)
 
     @torch.compiler.disable
     def finish_forward(self, out: Any) -> None:
@@ -352,8 +356,13 @@ class ApplyRun:
                 f"{p.numel()}; was this state made by another plan or world size?"
             )
         if self.backward is not None and self.backward.active:
-            # A recomputation in backward calls the unit again: the backward copy serves.
-            return self._gather_for_backward(unit), self._runtime(unit)
+            # A recomputation in backward calls the unit again: the buffer bound for backward serves.
+            rt = self._runtime(unit)
+            if rt.binder is None:
+                return self._gather_for_backward(unit), rt
+            if not rt.binder.bound:
+                rt.binder.bind()
+            return rt.binder.full, rt
         rt = self._runtime(unit)
         if prefetch:
             self.order.append(unit.name)

@@ -122,7 +122,8 @@ def index_pretrained(path: str | os.PathLike) -> dict[str, TensorEntry]:
             if not os.path.isfile(full):
                 raise CheckpointError(f"{index} lists {file!r}, which is missing from {path}")
             entries.update(_read_header(full))
-        listed_elsewhere = [n for n, f in weight_map.items() if n not in entries or os.path.basename(entries[n].file) != f]
+        listed_elsewhere = [n for n, f in weight_map.items()
+                            if n not in entries or os.path.normpath(entries[n].file) != os.path.normpath(os.path.join(path, f))]
         if listed_elsewhere:
             raise CheckpointError(f"{index}: tensors not in the file it names: {listed_elsewhere[:8]}")
         return entries

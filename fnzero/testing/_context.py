@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from typing import Any, Iterator
 
 import torch
