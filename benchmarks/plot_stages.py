@@ -65,6 +65,12 @@ def worker(stage: int, steps: int, micro: int, seq_len: int, d_model: int, layer
     }
 
 
+def worker_all(stages: tuple[int, ...], *args) -> dict:
+    """Every stage in this one set of processes (`--one-world`): one start-up instead of four, and
+    peak RSS is then the running peak, not each stage's."""
+    return {stage: worker(stage, *args) for stage in stages}
+
+
 def plot(results: dict, world: int, out: str, title: str) -> None:
     import matplotlib
 
@@ -119,6 +125,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "figures", "stages.png"))
     ap.add_argument("--json", help="also write the numbers here")
     ap.add_argument("--from-json", help="redraw from numbers a previous run wrote with --json (no training)")
+    ap.add_argument("--one-world", action="store_true",
+                    help="train every stage in one set of processes (faster start; peak RSS is then cumulative)")
     args = ap.parse_args()
 
     if args.from_json:
@@ -132,9 +140,13 @@ def main() -> None:
     from fnzero.testing import run_world
 
     results = {}
+    shape = (args.steps, args.micro, args.seq_len, args.d_model, args.layers, args.heads)
+    together = run_world(worker_all, args.world, (0, 1, 2, 3), *shape, timeout=3600) if args.one_world else None
     for stage in (0, 1, 2, 3):
-        ranks = run_world(worker, args.world, stage, args.steps, args.micro, args.seq_len, args.d_model, args.layers,
-                          args.heads, timeout=3600)
+        if together is not None:
+            ranks = [r[stage] for r in together]
+        else:
+            ranks = run_world(worker, args.world, stage, *shape, timeout=3600)
         r0 = ranks[0]
         results[stage] = {**r0, "peak_rss_max": max(r["peak_rss"] for r in ranks)}
         print(f"ZeRO-{stage}: loss {r0['losses'][0]:.3f} -> {r0['losses'][-1]:.3f}; model state "

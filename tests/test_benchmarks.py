@@ -19,7 +19,7 @@ def test_plot_stages_short_mode_draws_equal_curves_and_exact_memory(tmp_path):
     out, js = tmp_path / "stages.png", tmp_path / "stages.json"
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "plot_stages.py"), "--world", "2", "--steps", "3",
            "--micro", "2", "--seq-len", "16", "--d-model", "32", "--layers", "2", "--heads", "2",
-           "--out", str(out), "--json", str(js)]
+           "--out", str(out), "--json", str(js), "--one-world"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -82,7 +82,7 @@ def _peer_fails(rank, port, how, q):
     from fnzero._shard._collectives import ProcessGroupCollectives
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
     comm = ProcessGroupCollectives()
     x = torch.ones(1 << 20)
     comm.reduce_scatter(x)
@@ -98,10 +98,10 @@ def _peer_fails(rank, port, how, q):
         q.put((str(e), time.monotonic() - t))
 
 
-@pytest.mark.parametrize("how,within", [("dies", 3.0), ("stuck", 15.0)])
+@pytest.mark.parametrize("how,within", [("dies", 3.0), ("stuck", 10.0)])
 def test_a_failed_peer_raises_instead_of_hanging(how, within):
     # A peer that dies closes its sockets: the exchange fails at once. A peer that is alive but
-    # never joins: the process group's timeout (5 s here) ends the wait. Never a hang.
+    # never joins: the process group's timeout (2 s here) ends the wait. Never a hang.
     import multiprocessing as mp
     import socket
 
@@ -117,9 +117,10 @@ def test_a_failed_peer_raises_instead_of_hanging(how, within):
         msg, seconds = q.get(timeout=60)
     finally:
         for p in procs:
-            p.join(5)
+            p.join(1)  # the stuck peer sleeps on: no reason to wait for it
             if p.is_alive():
                 p.kill()
+                p.join()
     assert msg != "no error" and seconds < within, (msg, seconds)
 
 

@@ -12,7 +12,7 @@ from fnzero.testing import run_world
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 10
+STEPS = 5  # sharding bugs are O(1) from the first step; five steps carry Adam past its bias correction
 STAGES = [0, 1, 2, 3]
 F64_CASES = [(kind, s, 2, 0.5, "fp32", "float64") for kind in ("gpt", "mlp:7,1,3") for s in STAGES]
 F32_CASES = [("gpt", s, 2, 0.5, "fp32", "float32") for s in STAGES]
@@ -22,7 +22,7 @@ MIXED_CASES = [("gpt", s, 2, 0.5, p, "float32") for p in ("bf16", "fp16") for s 
 RTOL_F64 = 1e-9  # float64: only reduction order differs (~1e-16 per op)
 RTOL_F32_LOSS = 1e-4  # fp32 losses: reduction-order noise, amplified by Adam on near-zero gradients
 # 16-bit compute with fp32 master weights: every matmul rounds to 8 (bf16) / 11 (fp16) mantissa bits,
-# ~4e-3 / 5e-4 relative per value; over 10 steps the loss curve stays within these of the fp32 run.
+# ~4e-3 / 5e-4 relative per value; over these steps the loss curve stays within these of the fp32 run.
 RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 
 

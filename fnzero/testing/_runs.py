@@ -116,4 +116,8 @@ def build(model_factory: Callable[[], torch.nn.Module], cfg: fnzero.Config, comm
     if dtype is not None:
         model = model.to(dtype)
     sm = fnzero.shard(model, config=cfg, comm=comm)
+    # Every rank has built its model before any trains: activation checkpointing forks and
+    # restores torch's global generator during backward, which would reseed a simulated rank
+    # (a thread) still building.
+    sm.comm.barrier()
     return sm, sm.init_state()
