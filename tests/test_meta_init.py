@@ -11,8 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fnzero
+import fnzero.testing as ft
 from fnzero.testing import GPT, simulated_world
 
 transformers.logging.set_verbosity_error()
@@ -187,3 +190,15 @@ def test_a_model_sharded_twice_is_refused():
         fnzero.shard(model, config=_cfg(3, 1))
         with pytest.raises(fnzero.ShardingError, match="given to fnzero.shard already"):
             fnzero.shard(model, config=_cfg(3, 1))
+
+
+@given(factory=ft.models(), stage=st.integers(0, 3), world=st.integers(2, 5))
+@settings(max_examples=20, deadline=None)
+def test_drawn_models_initialise_the_same_at_any_world(factory, stage, world):
+    """Odd sizes, padding, tied and frozen parameters: a meta build's gathered initial state is
+    the same bits on one rank at stage 0 and on every rank of any world at any stage."""
+    ref = _initial(factory, 0, 1, seed=4)[0]
+    for r, got in enumerate(_initial(factory, stage, world, seed=4)):
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[n], ref[n]) for n in ref), (stage, world, r)
+        assert not any(t.is_floating_point() and torch.isnan(t).any() for t in got.values())

@@ -13,8 +13,11 @@ import os
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fnzero
+import fnzero.testing as ft
 from fnzero.testing import simulated_world
 
 transformers.logging.set_verbosity_error()
@@ -183,3 +186,43 @@ def test_a_broken_index_or_directory_is_named(hf_dir, tmp_path):
     assert "not a safetensors file" in _rank0_error(tmp_path / "junk.safetensors")
     index = json.loads((d / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 3
+
+
+@given(factory=ft.models(), stage=st.integers(0, 3), world=st.integers(1, 5), fp16_file=st.booleans())
+@settings(max_examples=25, deadline=None)
+def test_drawn_models_load_exactly_at_any_stage_and_world(tmp_path_factory, factory, stage, world, fp16_file):
+    """Odd sizes, padding, tied and frozen parameters: every rank's shards hold exactly the file's
+    values (cast), and the ranks together read the trainable bytes once at stage 3."""
+    from safetensors.torch import save_file
+
+    with ft.seeded(5):
+        source = factory()
+    want = {n: t.detach().to(torch.float16 if fp16_file else t.dtype) for n, t in source.state_dict().items()}
+    path = tmp_path_factory.mktemp("drawn") / "model.safetensors"
+    save_file({n: t.contiguous() for n, t in want.items() if n not in _aliases(source)}, path)
+    cfg = _cfg(stage, world)
+
+    def rank(comm):
+        sm = fnzero.shard(factory, config=cfg, comm=comm, init_seed=9)  # a meta build: other values
+        state = sm.init_state(pretrained=path)
+        return sm.state_dict(state), sm.pretrained_report.bytes_read, sm.plan
+
+    results = simulated_world(world).run(rank)
+    for got, _, _ in results:
+        for n, t in want.items():
+            assert torch.equal(got[n], t.to(got[n].dtype)), n
+    plan = results[0][2]
+    if stage == 3:
+        trainable = sum(u.numel for u in plan.units) * (2 if fp16_file else 8)
+        frozen = sum(want[n].numel() * want[n].element_size() for n in plan.frozen)
+        assert sum(r for _, r, _ in results) == trainable + world * frozen
+
+
+def _aliases(model):
+    """Second and later names of tied parameters (save_pretrained writes each tensor once)."""
+    seen, out = set(), set()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(n)
+        seen.add(id(p))
+    return out
