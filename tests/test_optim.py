@@ -481,10 +481,23 @@ def test_bad_hyper_parameters_are_named(make, message):
 
 
 def test_deepspeed_implementation_flags_are_accepted():
-    optim.adam(torch_adam=True, fused=True, fp32_optimizer_states=True, amsgrad=False, set_grad_none=True)
-    optim.adamw(adam_w_mode=False)  # DeepSpeed's AdamW is decoupled whatever adam_w_mode says
-    optim.sgd(foreach=None, differentiable=False, maximize=False)
-    optim.lamb(amsgrad=False, max_grad_norm=0.0)
+    # Flags that choose DeepSpeed's implementation, not the arithmetic: accepted, same update.
+    p = {"w": torch.linspace(-1, 1, 7, dtype=torch.float64)}
+    g = {"w": torch.linspace(0.5, -0.3, 7, dtype=torch.float64)}
+
+    def one_step(opt):
+        return opt.update(g, opt.init(p), p, 1e-2)[0]["w"]
+
+    pairs = [
+        (optim.adam(torch_adam=True, fused=True, fp32_optimizer_states=True, amsgrad=False, set_grad_none=True),
+         optim.adam()),
+        (optim.adamw(adam_w_mode=False, weight_decay=0.1), optim.adamw(weight_decay=0.1)),  # decoupled regardless
+        (optim.sgd(foreach=None, differentiable=False, maximize=False), optim.sgd()),
+        (optim.lamb(amsgrad=False, max_grad_norm=0.0), optim.lamb()),
+    ]
+    for flagged, plain in pairs:
+        assert torch.equal(one_step(flagged), one_step(plain))
+    assert not torch.equal(one_step(optim.adam()), p["w"])  # the step does move the parameter
 
 
 class _Params:
