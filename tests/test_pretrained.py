@@ -226,3 +226,29 @@ def _aliases(model):
             out.add(n)
         seen.add(id(p))
     return out
+
+
+def test_base_model_weights_load_into_a_model_with_a_head_and_back(hf_dir, tmp_path):
+    """As from_pretrained does with `base_model_prefix`: a LlamaModel file into LlamaForCausalLM
+    (the head keeps its init, named) and a LlamaForCausalLM directory into LlamaModel."""
+    d, model = hf_dir
+    model.model.save_pretrained(tmp_path / "base")
+    with pytest.warns(fnzero.PretrainedWarning, match=r"lack 1 tensor\(s\).*lm_head.weight"):
+        (_, got, report), = _load(tmp_path / "base", 3, 1)
+    for n, p in model.model.named_parameters():
+        assert torch.equal(got["model." + n], p.detach()), n
+
+    def rank(comm):
+        sm = fnzero.shard(lambda: transformers.LlamaModel(LLAMA), config=_cfg(3, 2), comm=comm)
+        return sm.state_dict(sm.init_state(pretrained=d, allow_unexpected=True)), sm.pretrained_report
+
+    for got, report in simulated_world(2).run(rank):
+        assert report.unexpected == ["lm_head.weight"] and report.missing == []
+        for n, p in model.model.named_parameters():
+            assert torch.equal(got[n], p.detach()), n
+
+
+def test_torch_pickles_are_refused_with_a_way_out(tmp_path):
+    torch.save({"w": torch.ones(1)}, tmp_path / "pytorch_model.bin")
+    msg = _rank0_error(tmp_path)
+    assert "pickles are not loaded" in msg and "safe_serialization" in msg

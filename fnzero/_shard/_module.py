@@ -298,8 +298,9 @@ class ShardedModule:
 
         persistent = {n for n, _ in self.module.named_buffers()} - _non_persistent_buffers(self.module)
         frozen, buffers = dict(self._frozen), dict(self._buffers)  # entries replaced, not written into
-        load = load_pretrained(path, self.plan, self.comm.rank, self._initial, frozen, buffers,
-                               persistent, allow_unexpected=allow_unexpected)  # checked: nothing read yet
+        base_prefix = getattr(self.module, "base_model_prefix", "") or ""
+        load = load_pretrained(path, self.plan, self.comm.rank, self._initial, frozen, buffers, persistent,
+                               allow_unexpected=allow_unexpected, base_prefix=str(base_prefix))  # checked: nothing read yet
         try:
             self.pretrained_report = load.run()
         except BaseException:

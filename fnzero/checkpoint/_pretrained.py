@@ -130,7 +130,10 @@ def index_pretrained(path: str | os.PathLike) -> dict[str, TensorEntry]:
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
         return _read_header(single)
-    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    pickles = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.isfile(os.path.join(path, f))]
+    hint = (f" (it has {pickles[0]}: torch pickles are not loaded, since loading one can run code; convert it "
+            "once with transformers: from_pretrained(path).save_pretrained(out, safe_serialization=True))") if pickles else ""
+    raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json{hint}")
 
 
 class _Reader:
@@ -169,13 +172,16 @@ class _Reader:
 
 def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
                     buffers: dict[str, torch.Tensor], persistent: set[str], *,
-                    allow_unexpected: bool = False) -> "PretrainedLoad":
+                    allow_unexpected: bool = False, base_prefix: str = "") -> "PretrainedLoad":
     """Check `path` against the model (names, shapes, files) without reading tensor data; the
     returned load's `run()` then overwrites `initial` (unit -> flat buffer or this rank's shard),
-    `frozen` and `buffers` in place and returns the report."""
+    `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
+    `base_model_prefix` (transformers), for files of the base model loaded into a model with a
+    head, or the other way round."""
     entries = index_pretrained(path)
     slots = {n for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
     known = slots | set(frozen) | set(buffers)
+    entries = _adapt_prefix(entries, known, base_prefix)
     unexpected = sorted(n for n in entries if n not in known)
     if unexpected and not allow_unexpected:
         raise CheckpointError(
@@ -208,6 +214,24 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=missing, unexpected=unexpected,
                               bytes_read=0, files=sorted({e.file for e in entries.values()}))
     return PretrainedLoad(jobs, plan, rank, initial, report)
+
+
+def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str) -> dict[str, TensorEntry]:
+    """As transformers' from_pretrained: a base model's file (no `prefix.`) into a model with a
+    head (names under `prefix.`) gains the prefix; a model-with-head file into the base model
+    loses it. Only when that is what makes the names meet."""
+    if not prefix or not entries:
+        return entries
+    p = prefix + "."
+    file_has = any(n.startswith(p) for n in entries)
+    model_has = any(n.startswith(p) for n in known)
+    if model_has and not file_has:
+        renamed = {p + n: e for n, e in entries.items()}
+    elif file_has and not model_has:
+        renamed = {(n[len(p):] if n.startswith(p) else n): e for n, e in entries.items()}
+    else:
+        return entries
+    return renamed if len(set(renamed) & known) > len(set(entries) & known) else entries
 
 
 class PretrainedLoad:
