@@ -162,3 +162,19 @@ def test_a_model_without_unit_modules_compiles_its_loss_function():
 
 def test_units_is_the_default_scope():
     assert fnzero.jit(fnzero.train_step(lambda p, b: b, W.config(0))).scope == "units"
+
+
+def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
+    # On CUDA autograd runs backward (and so a recomputation inside the model) on its device
+    # thread, where the step's context variable is unset: the run's own compiler must serve, or
+    # the recomputed forward would be eager while the first was compiled (dropout draws differ).
+    from types import SimpleNamespace
+
+    from fnzero._shard._runtime import UNIT_COMPILER, _forward_to_run
+
+    module, inner = torch.nn.Linear(2, 2), (lambda x: x)
+    compiled = lambda m, f: ("compiled", m, f)  # noqa: E731
+    assert UNIT_COMPILER.get() is None
+    assert _forward_to_run(module, inner) is inner
+    assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=None)) is inner
+    assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=compiled)) == ("compiled", module, inner)

@@ -124,7 +124,7 @@ class ShardedModule:
             return
         for u in self.plan.units:
             if u.module != "" and not self.plan.params_sharded(u):
-                route_unit_forward(self.module.get_submodule(u.module))
+                route_unit_forward(self.module.get_submodule(u.module), self._backward_runs)
         self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:

@@ -189,6 +189,9 @@ class ApplyRun:
         # stage-3 unit wrappers, which find their run there when a recomputation calls them.
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
+        # `fnzero.jit(scope="units")`'s unit compiler in force when this run was made, for
+        # recomputations on a thread where the context variable is unset (`_forward_to_run`).
+        self.unit_compiler = UNIT_COMPILER.get()
         runs = STEP_RUNS.get()
         if runs is not None:
             runs.append(self)
@@ -436,7 +439,7 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan, backward_runs: "list[Ap
                 f"module {unit.module!r} holds stage-3 sharded parameters; call it through "
                 "ShardedModule.apply(params, ...) rather than directly"
             )
-        return run.unit_forward(unit, module, _forward_to_run(module, inner), args, kwargs)
+        return run.unit_forward(unit, module, _forward_to_run(module, inner, run), args, kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = torch.compiler.disable(
@@ -445,13 +448,19 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan, backward_runs: "list[Ap
     )
 
 
-def _forward_to_run(module: nn.Module, inner):
-    """The unit's own forward, or the compiled one while `fnzero.jit(scope="units")` runs a step."""
+def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
+    """The unit's own forward, or the compiled one while `fnzero.jit(scope="units")` runs a step.
+
+    A recomputation in backward may run on autograd's device thread, where the step's context
+    variable is not set: it then takes the compiler its run was made under, so the recomputed
+    forward is the same graph as the first one (inductor's dropout draws differ from eager's)."""
     compiler = UNIT_COMPILER.get()
+    if compiler is None and run is not None:
+        compiler = run.unit_compiler
     return inner if compiler is None else compiler(module, inner)
 
 
-def route_unit_forward(module: nn.Module) -> None:
+def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None" = None) -> None:
     """Let `fnzero.jit(scope="units")` run a gathered (stage 0-2, or persistent) unit's forward as
     its own compiled graph; otherwise, and inside any torch.compile trace, the forward is unchanged."""
     inner = module.forward
@@ -459,7 +468,8 @@ def route_unit_forward(module: nn.Module) -> None:
     def forward(*args, **kwargs):
         if torch.compiler.is_compiling():
             return inner(*args, **kwargs)  # (traced through: a whole-loss graph stays one graph)
-        return _forward_to_run(module, inner)(*args, **kwargs)
+        run = backward_runs[-1] if backward_runs else None  # bound while backward recomputes
+        return _forward_to_run(module, inner, run)(*args, **kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
     module.forward = forward
