@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fnzero._errors import ConfigError
-from fnzero.config import AdamParams, Config, load_config
+from fnzero.config import AdamParams, Config, ConfigWarning, load_config
 
 BASE = {"train_batch_size": 8}
 
@@ -281,16 +281,34 @@ def test_sparse_gradients_true():
     fails(cfg(sparse_gradients=True), "`sparse_gradients`", "does not implement")
 
 
-# specs/config.md §Removed by DeepSpeed
-@pytest.mark.parametrize("key,replacement", [("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"),
-                                             ("cpu_offload_params", "offload_param"), ("cpu_offload_use_pin_memory", "pin_memory")])
-def test_removed_zero_keys(key, replacement):
-    fails(cfg(zero_optimization={"stage": 2, key: True}), f"`zero_optimization.{key}` was removed from DeepSpeed", replacement)
+# specs/config.md §Removed by DeepSpeed: keys DeepSpeed 0.19.8 no longer reads are errors; the ones
+# it still reads as deprecated (runtime/zero/config.py) are read as it reads them, with a warning.
+def test_removed_zero_key():
+    fails(cfg(zero_optimization={"stage": 2, "cpu_offload_params": True}),
+          "`zero_optimization.cpu_offload_params` was removed from DeepSpeed", "offload_param")
 
 
-def test_removed_fp32_allreduce_and_bool_zero():
+@pytest.mark.parametrize("key,value,new,want", [
+    ("cpu_offload", True, "offload_optimizer", "cpu"), ("cpu_offload", False, "offload_optimizer", None),
+    ("cpu_offload_param", True, "offload_param", "cpu"),
+])
+def test_deprecated_zero_keys_read_as_deepspeed_reads_them(key, value, new, want):
+    with pytest.warns(ConfigWarning, match=f"`zero_optimization.{key}: {str(value).lower()}` is deprecated"):
+        c = load_config(cfg(zero_optimization={"stage": 3, key: value}))
+    block = getattr(c.zero_optimization, new)
+    assert (block.device if block is not None else None) == want
+    fails(cfg(zero_optimization={"stage": 3, key: True, new: {"device": "cpu"}}), f"give only `zero_optimization.{new}`")
+
+
+def test_deprecated_pin_memory_key_warns_and_does_nothing():
+    with pytest.warns(ConfigWarning, match="cpu_offload_use_pin_memory` is deprecated in DeepSpeed and has no effect"):
+        load_config(cfg(zero_optimization={"stage": 2, "cpu_offload_use_pin_memory": True}))
+
+
+def test_removed_fp32_allreduce_and_deprecated_bool_zero():
     fails(cfg(fp32_allreduce=True), "`fp32_allreduce` was removed", "communication_data_type")
-    fails(cfg(zero_optimization=True), '{"stage": 1}')
+    with pytest.warns(ConfigWarning, match=r'read as `zero_optimization: \{"stage": 1\}`'):
+        assert load_config(cfg(zero_optimization=True)).zero_optimization.stage == 1
 
 
 def test_fp16_weights_alias():

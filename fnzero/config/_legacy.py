@@ -49,14 +49,20 @@ UNSUPPORTED_SIZES: dict[str, tuple[int, int, str]] = {
 }
 # Keys DeepSpeed deprecated and replaced: key -> replacement advice.
 REMOVED = {
-    "zero_optimization.cpu_offload": '`zero_optimization.offload_optimizer: {"device": "cpu"}`',
-    "zero_optimization.cpu_offload_param": '`zero_optimization.offload_param: {"device": "cpu"}`',
     "zero_optimization.cpu_offload_params": '`zero_optimization.offload_param: {"device": "cpu"}`',
-    "zero_optimization.cpu_offload_use_pin_memory": "`pin_memory` inside `offload_optimizer` / `offload_param`",
     "zero_optimization.allgather_size": "`zero_optimization.allgather_bucket_size`",
     "fp32_allreduce": '`communication_data_type: "fp32"`',
     "allreduce_always_fp32": '`communication_data_type: "fp32"`',
 }
+# Keys DeepSpeed 0.19.8 still reads but deprecates (runtime/zero/config.py, json_schema_extra
+# "deprecated"): key -> (the key it sets, its value from the old one (None: set nothing)). As in
+# DeepSpeed, giving both is an error; each use warns (ConfigWarning, after a successful load).
+DEPRECATED: dict[str, tuple[str | None, Any]] = {
+    "zero_optimization.cpu_offload": ("offload_optimizer", lambda v: {"device": "cpu"} if v else None),
+    "zero_optimization.cpu_offload_param": ("offload_param", lambda v: {"device": "cpu"} if v else None),
+    "zero_optimization.cpu_offload_use_pin_memory": (None, None),  # DeepSpeed: set_new_param False
+}
+
 # Old spelling -> current spelling (same section).
 ALIASES = {
     "bfloat16": "bf16",
@@ -79,15 +85,42 @@ def _is_off(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled") is False
 
 
-def normalize(raw: dict[str, Any], problems: Problems) -> None:
-    """Rewrite aliases and report removed/unsupported keys, in place."""
+def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
+    """Rewrite aliases and deprecated keys, report removed/unsupported ones, in place; returns the
+    deprecation messages to warn with once the config has loaded."""
+    deprecations: list[str] = []
     if isinstance(raw.get("zero_optimization"), bool):
+        # DeepSpeed 0.19.8 still reads this (read_zero_config_deprecated), with a warning.
         stage = 1 if raw["zero_optimization"] else 0
-        problems.add(
-            f"`zero_optimization: {describe(raw['zero_optimization'])}` is a format DeepSpeed removed; "
-            f'write `zero_optimization: {{"stage": {stage}}}`'
+        deprecations.append(
+            f"`zero_optimization: {describe(raw['zero_optimization'])}` is a format DeepSpeed deprecates; read as "
+            f'`zero_optimization: {{"stage": {stage}}}` (write that instead)'
         )
-        del raw["zero_optimization"]
+        raw["zero_optimization"] = {"stage": stage}
+        if stage and "allgather_size" in raw:
+            raw["zero_optimization"]["allgather_bucket_size"] = raw.pop("allgather_size")
+    for key, (new, convert) in DEPRECATED.items():
+        parent, leaf = _parent(raw, key)
+        if parent is None or leaf not in parent:
+            continue
+        value = parent.pop(leaf)
+        if new is None:
+            deprecations.append(f"`{key}` is deprecated in DeepSpeed and has no effect; remove it")
+            continue
+        if new in parent:
+            problems.add(f"`{key}` is the deprecated form of `zero_optimization.{new}`; give only `zero_optimization.{new}`")
+            continue
+        if not isinstance(value, bool):
+            problems.add(f"`{key}` must be true or false, got {describe(value)}")
+            continue
+        converted = convert(value)
+        if converted is not None:
+            parent[new] = converted
+        deprecations.append(
+            f"`{key}: {describe(value)}` is deprecated in DeepSpeed; read as "
+            f"{f'`zero_optimization.{new}: {describe(converted)}`' if converted is not None else 'no offload'} "
+            "(write that instead)"
+        )
 
     for old, new in ALIASES.items():
         parent, leaf = _parent(raw, old)
@@ -142,3 +175,4 @@ def normalize(raw: dict[str, Any], problems: Problems) -> None:
                 f"implement; remove it or set it to {off}"
             )
             del parent[leaf]
+    return deprecations

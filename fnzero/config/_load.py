@@ -8,6 +8,7 @@ because they read the validated values.
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic_core import PydanticCustomError
 from ._auto import fill_auto
 from ._legacy import normalize
 from ._models import Config
-from ._noop import warn_no_effect
+from ._noop import ConfigWarning, warn_no_effect
 from ._optim_models import OPTIMIZER_PARAMS, OPTIMIZER_TYPES, OptimizerConfig
 from ._parse import read_source
 from ._problems import Problems, config_error
@@ -56,7 +57,7 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     world = _world(world_size)
     raw, label = read_source(src)
     problems = Problems()
-    normalize(raw, problems)
+    deprecations = normalize(raw, problems)
     unresolved = fill_auto(raw, auto, problems)
     check_unknown(raw, problems)
     if "optimizer" in raw:
@@ -74,7 +75,9 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     cfg = resolve(cfg)
     problems.extend(cross_checks(cfg))
     problems.raise_if_any(label)
-    warn_no_effect(cfg, stacklevel=2)  # only for a config that loaded: a refused one is not also warned about
+    for message in deprecations:  # only for a config that loaded: a refused one is not also warned about
+        warnings.warn(message, ConfigWarning, stacklevel=2)
+    warn_no_effect(cfg, stacklevel=2)
     return cfg
 
 
