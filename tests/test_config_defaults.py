@@ -40,6 +40,7 @@ DEEPSPEED_0_19_8 = {
     "zero_allow_untested_optimizer": False,  # runtime/constants.py ZERO_ALLOW_UNTESTED_OPTIMIZER_DEFAULT
     "zero_force_ds_cpu_optimizer": True,  # runtime/constants.py ZERO_FORCE_DS_CPU_OPTIMIZER_DEFAULT
     "communication_data_type": None,  # runtime/constants.py COMMUNICATION_DATA_TYPE_DEFAULT
+    "seq_parallel_communication_data_type": "fp32",  # runtime/constants.py SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT
     "optimizer": None,  # runtime/constants.py OPTIMIZER_TYPE_DEFAULT
     "scheduler": None,  # runtime/constants.py SCHEDULER_TYPE_DEFAULT
     # runtime/precision_config.py DeepSpeedFP16Config fields

@@ -265,7 +265,14 @@ def test_unsupported_feature_enabled():
           "`wandb` is a DeepSpeed feature fnzero does not implement; remove the block or set enabled: false")
 
 
-@pytest.mark.parametrize("block", ["pipeline", "amp", "elasticity", "comet", "moe", "sparse_attention"])
+def test_pipeline_block_warns_that_it_has_no_effect():
+    # DeepSpeed reads `pipeline` only for a PipelineModule: with any other model it is inert there too.
+    with pytest.warns(ConfigWarning, match="`pipeline` has no effect in fnzero"):
+        load_config(cfg(pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 0}))
+    load_config(cfg(pipeline={}))  # empty: nothing to say
+
+
+@pytest.mark.parametrize("block", ["amp", "elasticity", "comet", "moe", "sparse_attention"])
 def test_unsupported_feature_disabled_is_accepted(block):
     load_config(cfg(**{block: {"enabled": False}}))
     fails(cfg(**{block: {"enabled": True}}), f"`{block}` is a DeepSpeed feature")

@@ -15,8 +15,11 @@ from ._types import describe
 __all__ = ["normalize"]
 
 # Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine.
+# `pipeline` is read by DeepSpeed only for a PipelineModule, so a config with the block trains any
+# other model unchanged there too: fnzero accepts it with a warning (specs/config.md).
+NO_EFFECT_BLOCKS = {"pipeline": "DeepSpeed reads it only for a PipelineModule; fnzero has no pipeline engine yet"}
 UNSUPPORTED_BLOCKS = (
-    "pipeline", "tensor_parallel", "hybrid_engine", "compression_training", "quantize_training",
+    "tensor_parallel", "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
     "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe", "expert_parallel",
     "weight_quantization", "compile", "datastates", "zenflow",
@@ -139,11 +142,17 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
             problems.add(f"`{key}` was removed from DeepSpeed; use {advice} instead")
             del parent[leaf]
 
+    for key, why in NO_EFFECT_BLOCKS.items():
+        if key in raw:
+            if raw[key] not in ({}, None):
+                deprecations.append(f"`{key}` has no effect in fnzero: {why}")
+            del raw[key]
     for key in UNSUPPORTED_BLOCKS:
         if key in raw:
             if not _is_off(raw[key]):
                 problems.add(
-                    f"`{key}` is a DeepSpeed feature fnzero does not implement; remove the block or set enabled: false"
+                    f"`{key}` is a DeepSpeed feature fnzero does not implement; remove the block"
+                    + (" or set enabled: false" if isinstance(raw[key], dict) and "enabled" in raw[key] else "")
                 )
             del raw[key]
 

@@ -49,6 +49,9 @@ class Config(Model):
     zero_allow_untested_optimizer: Bool = Field(False, description="Accepted for compatibility; fnzero's optimizers are all supported.")
     zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")
     communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")
+    seq_parallel_communication_data_type: DType = Field(
+        "fp32", description="Dtype of sequence-parallel (Ulysses) all-to-alls; fnzero has no sequence parallelism."
+    )
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer; null = the caller supplies one.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision.")
@@ -69,7 +72,9 @@ class Config(Model):
     # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
     world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")
 
-    _dt = field_validator("communication_data_type", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+    _dt = field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")(
+        classmethod(lambda cls, v: canonical_dtype(v))
+    )
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

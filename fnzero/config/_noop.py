@@ -59,6 +59,10 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         "DeepSpeed reduces those modules' gradients in the autocast dtype; fnzero reduces every gradient in "
         "the parameters' dtype (more precise, and the same for every module)",
     ),
+    "seq_parallel_communication_data_type": (
+        lambda c: c.seq_parallel_communication_data_type if c.seq_parallel_communication_data_type != "fp32" else None,
+        "fnzero has no sequence (Ulysses) parallelism, whose all-to-alls this dtype is for",
+    ),
     "comms_logger.verbose": (
         lambda c: True if c.comms_logger.verbose else None,
         "the comms logger records collectives in `ShardedModule.comm.records` and prints nothing as they run",
