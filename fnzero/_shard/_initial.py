@@ -87,9 +87,7 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
     names: dict[int, str] = {}
     for n, t in [*model.named_buffers(remove_duplicate=False), *named.items()]:
         names.setdefault(id(t), n)
-    buffer_names: dict[int, list[str]] = {}
-    for n, b in model.named_buffers():  # one name per buffer, as `model.named_buffers()` gives
-        buffer_names.setdefault(id(b), []).append(n)
+    buffer_name = {id(b): n for n, b in model.named_buffers()}  # one name each, as `named_buffers()` gives
     frozen_ids = {id(named[n]): n for n in plan.frozen}
     unit_of_region = {u.module: u for u in plan.units}
     initial: dict[str, torch.Tensor] = {}
@@ -113,8 +111,8 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
                 for key, v in values.items():
                     if key in frozen_ids and frozen_ids[key] not in frozen:
                         frozen[frozen_ids[key]] = v.detach().to(device=device, dtype=compute_dtype or v.dtype)
-                    for n in buffer_names.get(key, ()):
-                        buffers.setdefault(n, v.detach().to(device))
+                    if key in buffer_name:
+                        buffers.setdefault(buffer_name[key], v.detach().to(device))
     missing = [n for n in plan.frozen if n not in frozen and named[n].is_meta]
     if missing:
         raise ShardingError(f"model built on the meta device: frozen parameters {missing} were never materialised")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
-from ._plan import ShardPlan
+from ._plan import ShardPlan, _owner
 
 __all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "GLOBAL_RNG_LOCK"]
 
@@ -90,7 +90,7 @@ class MetaInitializer:
     def __init__(self, model: nn.Module, plan: ShardPlan, seed: int):
         self.model = model
         self.seed = seed
-        self.unit_paths = [u.module for u in plan.units if u.module != ""]
+        unit_paths = [u.module for u in plan.units if u.module != ""]
         modules = dict(model.named_modules(remove_duplicate=False))
         self.paths = {id(m): p for p, m in reversed(list(modules.items()))}  # first path of each module
         # Children before parents, as `Module.apply` visits them.
@@ -114,14 +114,9 @@ class MetaInitializer:
                     if t is not None:
                         self.owners.setdefault(id(t), []).append((m, kind, leaf))
         self.init_owner = self._init_owners()
-
-    def region_of(self, module: nn.Module) -> str:
-        path = self.paths[id(module)]
-        best = ""
-        for u in self.unit_paths:
-            if (path == u or path.startswith(u + ".")) and len(u) > len(best):
-                best = u
-        return best
+        # Each module's region: the innermost unit module at or above it ('' for the root), found
+        # as the plan finds a parameter's unit.
+        self.region = {id(m): _owner(self.paths[id(m)] + ".", unit_paths) for m in self.post_order}
 
     def _init_owners(self) -> dict[int, nn.Module]:
         """For each module, the nearest module at or above it that defines `_init_weights`."""
@@ -142,7 +137,7 @@ class MetaInitializer:
         """Every region, those named in `order` first (in that order)."""
         rest = []
         for m in self.post_order:
-            r = self.region_of(m)
+            r = self.region[id(m)]
             if r not in order and r not in rest:
                 rest.append(r)
         return list(order) + rest
@@ -151,7 +146,7 @@ class MetaInitializer:
     def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region"]:
         """Give `region`'s modules (and `extra`) real host storage and run their init; yields the
         values by id of the meta tensor. The meta tensors are put back on exit."""
-        modules = [m for m in self.post_order if self.region_of(m) == region or any(m is e for e in extra)]
+        modules = [m for m in self.post_order if self.region[id(m)] == region or any(m is e for e in extra)]
         out = Region()
         swapped: list[tuple[dict, str, Any]] = []
         try:

@@ -159,10 +159,7 @@ class _Reader:
             done += got
         self.bytes_read += want
         t = torch.frombuffer(buf, dtype=torch.uint8) if want else torch.empty(0, dtype=torch.uint8)
-        t = t.view(e.dtype)
-        if sys.byteorder != "little" and size > 1:
-            raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
-        return t
+        return t.view(e.dtype)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -178,6 +175,8 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
     `base_model_prefix` (transformers), for files of the base model loaded into a model with a
     head, or the other way round."""
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
     entries = index_pretrained(path)
     slots = {n for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
     known = slots | set(frozen) | set(buffers)
