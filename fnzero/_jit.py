@@ -85,7 +85,7 @@ def _signature(state: TrainState, batch: Any) -> tuple:
         (tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else type(x).__name__ for x in leaves
     )
     params_sig = tuple((k, tuple(v.shape), v.dtype) for k, v in state.params.items())
-    return (str(spec), batch_sig, params_sig, state.sharding.plan.stage)
+    return (str(spec), batch_sig, params_sig, state.sharding.plan.placement)
 
 
 class JittedStep:

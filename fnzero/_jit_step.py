@@ -1,14 +1,15 @@
 """The whole train step as one torch.compile graph: `fnzero.jit(step, scope="step")`.
 
-At stages 0-2 nothing in a step needs the host between reading the batch and returning the new
-state, so the forward, the backward, the gradient collectives, the norm, clipping and the
-optimizer are traced into one graph (`specs/jit.md`):
+Without sharded parameters (stages 0-2) nothing in a step needs the host between reading the
+batch and returning the new state, so the forward, the backward, the gradient collectives, the
+norm, clipping and the optimizer are traced into one graph (`specs/jit.md`):
 
 * gradients come from `torch.func.grad_and_value` over the loss function (dynamo traces the
   functional transform; `ShardedModule.apply` binds the unit views directly while compiling);
-* collectives are torch's traceable functional collectives over the step's process group:
-  all-reduce at stage 0, reduce-scatter at stages 1-2 (per micro-batch at stage 2, as eager), the
-  norm and loss in one all-reduce of two numbers, and the new parameters' all-gather;
+* collectives are torch's traceable functional collectives over the step's process group, chosen
+  by each unit's placement as in the eager step: all-reduce where the optimizer is replicated,
+  reduce-scatter where it is sharded (per micro-batch where gradients are), the norm and loss in
+  one all-reduce of two numbers, and the new parameters' all-gather;
 * clipping is a tensor factor, and the optimizer is its `graph_update` with the learning rate,
   step number and momentum as 0-dim tensors, so a schedule never recompiles.
 
@@ -124,6 +125,7 @@ class WholeStep:
         prediv = _predivisor(policy, plan, n, param_dtype, accum_dtype)
         lr, t, momentum, scale = scalars[0], scalars[1], scalars[2], scalars[3]
         names = [u.name for u in plan.units]
+        placement = {u.name: u.placement for u in plan.units}
         has_aux = step.has_aux
 
         def scaled_loss(p, mb):
@@ -150,28 +152,31 @@ class WholeStep:
             grads, (_, out) = grad_fn({u: params[u] for u in names}, mb)
             loss, aux = out if has_aux else (out, None)
             for u in names:
-                # Stage 2 (and stage-3 units kept whole) reduce each micro-batch's gradient, as eager.
-                g = reduce_scatter(grads[u]).to(accum_dtype) if plan.stage >= 2 else grads[u].to(accum_dtype)
+                # Sharded gradients are reduced per micro-batch, as eager.
+                g = reduce_scatter(grads[u]) if placement[u].grads else grads[u]
+                g = g.to(accum_dtype)
                 acc[u] = g if u not in acc else acc[u] + g
             loss_sum = loss_sum + loss.to(torch.float64)
             auxes.append(aux)
-        if plan.stage == 0:
-            red = {u: all_reduce(acc[u]).to(accum_dtype) for u in names}
-        elif plan.stage == 1:
-            red = {u: reduce_scatter(acc[u]).to(accum_dtype) for u in names}
-        else:
-            red = acc
+        red = {}
+        for u in names:  # whole-unit gradients: reduced by where the optimizer state lives
+            pl = placement[u]
+            red[u] = acc[u] if pl.grads else (reduce_scatter if pl.optimizer else all_reduce)(acc[u]).to(accum_dtype)
         inv = prediv / (n * k * scale)
         norm_dtype = torch.float64 if accum_dtype == torch.float64 else torch.float32
-        local_sq = torch.zeros((), dtype=norm_dtype, device=c["device"])
-        for g in red.values():
+        shard_sq = torch.zeros((), dtype=norm_dtype, device=c["device"])
+        whole_sq = torch.zeros((), dtype=norm_dtype, device=c["device"])
+        for u, g in red.items():
             if g.numel():
-                local_sq = local_sq + torch.linalg.vector_norm(g, dtype=norm_dtype).square()
-        local_sq = local_sq.to(torch.float64) * (inv * inv)
-        vec = torch.stack([local_sq if plan.stage > 0 else torch.zeros_like(local_sq), loss_sum])
+                sq = torch.linalg.vector_norm(g, dtype=norm_dtype).square()
+                if placement[u].optimizer:
+                    shard_sq = shard_sq + sq
+                else:
+                    whole_sq = whole_sq + sq
+        vec = torch.stack([shard_sq.to(torch.float64) * (inv * inv), loss_sum])
         if n > 1:
             vec = funcol.all_reduce(vec, "sum", group)
-        norm_sq = vec[0] if plan.stage > 0 else local_sq
+        norm_sq = vec[0] + whole_sq.to(torch.float64) * (inv * inv)
         factor = inv
         if policy.clip > 0:
             coef = policy.clip / (norm_sq.sqrt() + 1e-6)
@@ -184,7 +189,8 @@ class WholeStep:
         new_params = {}
         for u in names:
             s = new_target[u].to(param_dtype)
-            new_params[u] = s if plan.stage == 0 or n == 1 else funcol.all_gather_tensor(s, 0, group)
+            gather = placement[u].optimizer and n > 1  # parameters are never sharded in this graph
+            new_params[u] = funcol.all_gather_tensor(s, 0, group) if gather else s
         new_master = new_target if c["has_master"] else None
         if c["donate"]:
             # Write into the input state's buffers, unless the step overflowed (then it is skipped

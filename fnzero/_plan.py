@@ -40,6 +40,7 @@ import math
 import re
 from fractions import Fraction
 
+from ._shard._placement import placement_for_stage
 from .memory import zero_formula
 
 __all__ = [
@@ -164,11 +165,12 @@ def estimate(num_params, *, stage: int, world_size: int, precision: str = "fp32"
     n = world_size
     p = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
-    # Each kind's bytes and whether this stage shards it.
-    params = psi * p / (n if stage >= 3 else 1)
-    grads = psi * p / (n if stage >= 2 else 1)
-    master = psi * 4 / (n if stage >= 1 else 1) if mixed else Fraction(0)
-    optimizer = psi * 8 / (n if stage >= 1 else 1)
+    # Each kind's bytes, divided by N where the stage's placement shards it.
+    sharded = placement_for_stage(stage)
+    params = psi * p / (n if sharded.params else 1)
+    grads = psi * p / (n if sharded.grads else 1)
+    master = psi * 4 / (n if sharded.optimizer else 1) if mixed else Fraction(0)
+    optimizer = psi * 8 / (n if sharded.optimizer else 1)
     device = Breakdown(params, grads, master, optimizer)
     tiers = {"cpu": "host", "nvme": "nvme"}
     moved = {"host": Breakdown(), "nvme": Breakdown()}
@@ -184,7 +186,7 @@ def estimate(num_params, *, stage: int, world_size: int, precision: str = "fp32"
         moved[tiers[offload_optimizer]] += dataclasses.replace(off, grads=Fraction(0)).scaled(r)
         moved["host"] += Breakdown(grads=off.grads * r)
         # What stays (ratio < 1, stage 3 only) stays as it was without offload.
-        device = Breakdown(params=params, grads=grads if stage == 1 else grads * (1 - r),
+        device = Breakdown(params=params, grads=grads if not sharded.grads else grads * (1 - r),
                            master=master * (1 - r), optimizer=optimizer * (1 - r))
     if offload_param != "none":
         moved[tiers[offload_param]] += Breakdown(params=params)

@@ -1,16 +1,19 @@
 """`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`.
 
-One mechanism serves every ZeRO stage (`specs/sharding.md`, `specs/collectives.md`):
+One mechanism serves every placement (`specs/sharding.md`, `specs/collectives.md`); each unit's
+`Placement` says what of it is sharded, and the step reads nothing else:
 
 * The loss is differentiated with respect to fresh aliases of `state.params` (one flat buffer or
   shard per unit), so the input state is never touched.
 * A post-accumulate-grad hook on each alias moves the unit's gradient into this step's accumulator
-  as soon as backward produces it: at stage 2 it is reduce-scattered there, so only one unit's full
-  gradient exists at a time; at stage 3 `_GatherUnit`'s backward already reduced it to a shard.
-* After the last micro-batch: stage 0 all-reduces, stage 1 reduce-scatters the accumulated full
-  gradients. One scalar all-reduce gives the global gradient norm, the fp16 overflow verdict (a
-  non-finite norm on any rank) and the mean loss.
-* The optimizer updates this rank's master slice; stages 1-2 all-gather the new parameters.
+  as soon as backward produces it: with gradients sharded it is reduce-scattered there, so only one
+  unit's full gradient exists at a time; with parameters sharded `_GatherUnit`'s backward already
+  reduced it to a shard.
+* After the last micro-batch, whole-unit gradients are reduced: all-reduced where the optimizer
+  state is replicated, reduce-scattered where it is sharded. One scalar all-reduce gives the global
+  gradient norm, the fp16 overflow verdict (a non-finite norm on any rank) and the mean loss.
+* The optimizer updates this rank's master slice; units whose optimizer state is sharded but
+  parameters are not all-gather the new parameters.
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ def _predivisor(policy: StepPolicy, plan: ShardPlan, n: int, param_dtype: torch.
     can overflow where each addend does not, so 16-bit wires carry g/N (stage-3 shards divide in
     `_GatherUnit.backward` by the same rule); otherwise `gradient_predivide_factor` with
     `prescale_gradients`, else nothing."""
-    wire = policy.comm_dtype or (param_dtype if plan.stage >= 2 else accum_dtype)
-    if n > 1 and (wire in _HALF or (plan.stage >= 2 and param_dtype in _HALF)):
+    grads_sharded = plan.placement.grads  # reduced per micro-batch in the compute dtype
+    wire = policy.comm_dtype or (param_dtype if grads_sharded else accum_dtype)
+    if n > 1 and (wire in _HALF or (grads_sharded and param_dtype in _HALF)):
         return float(n)
     if policy.prescale_gradients:
         return policy.predivide_factor
@@ -120,12 +124,18 @@ def _prepare_for_comm(g: torch.Tensor, policy: StepPolicy, prediv: float = 1.0) 
     return g
 
 
-def _grad_shape_numel(plan: ShardPlan, u: UnitPlan, reduced: bool) -> int:
-    if plan.params_sharded(u):
-        return u.shard_numel
-    if reduced and plan.stage >= 1:
+def _grad_shape_numel(u: UnitPlan, reduced: bool) -> int:
+    """A unit's gradient: a shard once reduced where the optimizer state is sharded (from the
+    start where parameters are), else the whole padded unit."""
+    if u.placement.params or (reduced and u.placement.optimizer):
         return u.shard_numel
     return u.padded_numel
+
+
+def _reduce_whole(comm, g: torch.Tensor, placement) -> torch.Tensor:
+    """A whole-unit gradient summed across ranks: all of it where the optimizer state is
+    replicated, this rank's shard where it is sharded."""
+    return comm.reduce_scatter(g) if placement.optimizer else comm.all_reduce(g)
 
 
 def train_step(
@@ -203,10 +213,11 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
 
     prediv = _predivisor(policy, plan, n, param_dtype, accum_dtype)
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
-    acc: dict[str, torch.Tensor] = {}  # this step's gradient per unit (full at stages 0-1, else shard)
-    reduced: dict[str, torch.Tensor] = {}  # stages 0-1: after the final all-reduce / reduce-scatter
+    placement = {u.name: u.placement for u in plan.units}
+    acc: dict[str, torch.Tensor] = {}  # this step's gradient per unit (whole unless grads are sharded)
+    reduced: dict[str, torch.Tensor] = {}  # whole-unit gradients after their final collective
     # Collectives started from backward hooks run while backward computes the next units
-    # (`overlap_comm`); at stage 2 at most two units' full gradients wait in flight.
+    # (`overlap_comm`); with gradients sharded at most two units' full gradients wait in flight.
     inflight: list[tuple[str, Any, str]] = []
     overlap = policy.overlap_comm and n > 1
     last = [False]
@@ -229,17 +240,20 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     def launch_final(name: str) -> None:
         launched.add(name)
         g = _prepare_for_comm(acc[name], policy, prediv)
-        if plan.stage == 0:
+        if placement[name].optimizer:
+            inflight.append((name, start_reduce_scatter(comm, g), "final"))
+        else:
             # The accumulator is this step's own buffer: reduce it in place.
             inflight.append((name, start_all_reduce(comm, g, donate=True), "final"))
-        else:
-            inflight.append((name, start_reduce_scatter(comm, g), "final"))
 
     handles = []
     for u in plan.units:
-        reduce_in_backward = plan.stage >= 2 and not plan.params_sharded(u)
+        # Sharded gradients of a gathered unit are reduce-scattered as backward produces them;
+        # a sharded unit's arrive reduced (`_GatherUnit.backward`); whole ones wait for the end.
+        reduce_in_backward = u.placement.grads and not u.placement.params
+        whole = not u.placement.grads
 
-        def hook(leaf, name=u.name, reduce_now=reduce_in_backward):
+        def hook(leaf, name=u.name, reduce_now=reduce_in_backward, whole=whole):
             g = leaf.grad
             leaf.grad = None
             if reduce_now:
@@ -252,7 +266,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
                 return
             prev = acc.get(name)
             acc[name] = g if prev is None else prev.add_(g)
-            if overlap and last[0] and plan.stage <= 1:
+            if overlap and last[0] and whole:
                 launch_final(name)
 
         handles.append(leaves[u.name].register_post_accumulate_grad_hook(hook))
@@ -295,8 +309,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         drain(0)
         for name, g in late.items():  # in hook order, the same on every rank
             g = _prepare_for_comm(g, policy, prediv)
-            g = comm.all_reduce(g) if plan.stage == 0 else comm.reduce_scatter(g)
-            reduced[name].add_(g.to(accum_dtype))
+            reduced[name].add_(_reduce_whole(comm, g, placement[name]).to(accum_dtype))
     finally:
         for h in handles:
             h.remove()
@@ -310,28 +323,32 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         if g is None:
             g = acc.get(u.name)
             if g is None:  # the unit took no part in the loss
-                g = torch.zeros(_grad_shape_numel(plan, u, reduced=True), dtype=accum_dtype, device=sh.device)
-            elif plan.stage == 0:
-                g = comm.all_reduce(_prepare_for_comm(g, policy, prediv)).to(accum_dtype)
-            elif plan.stage == 1:
-                g = comm.reduce_scatter(_prepare_for_comm(g, policy, prediv)).to(accum_dtype)
+                g = torch.zeros(_grad_shape_numel(u, reduced=True), dtype=accum_dtype, device=sh.device)
+            elif not u.placement.grads:
+                g = _reduce_whole(comm, _prepare_for_comm(g, policy, prediv), u.placement).to(accum_dtype)
         grads[u.name] = g
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     inv = prediv / (n * k * scale)
 
     # -- one scalar all-reduce: norm, overflow, loss --------------------------------------------------
+    # Shards' squares are summed across ranks; a replicated gradient's is already global.
     norm_dtype = torch.float64 if accum_dtype == torch.float64 else torch.float32
-    local_sq = torch.zeros((), dtype=norm_dtype, device=sh.device)
-    for g in grads.values():
+    shard_sq = torch.zeros((), dtype=norm_dtype, device=sh.device)
+    whole_sq = torch.zeros((), dtype=norm_dtype, device=sh.device)
+    for u in plan.units:
+        g = grads[u.name]
         if g.numel():
-            local_sq += torch.linalg.vector_norm(g, dtype=norm_dtype).square()
-    local_sq = local_sq.to(torch.float64).cpu() * (inv * inv)
-    vec = torch.stack([local_sq if plan.stage > 0 else torch.zeros((), dtype=torch.float64), loss_sum])
+            sq = torch.linalg.vector_norm(g, dtype=norm_dtype).square()
+            if u.placement.optimizer:
+                shard_sq += sq
+            else:
+                whole_sq += sq
+    vec = torch.stack([shard_sq.to(torch.float64).cpu() * (inv * inv), loss_sum])
     if n > 1:
         vec = comm.all_reduce(vec.to(sh.device)).cpu()
     timer.stop("comm")
-    norm_sq = float(vec[0]) if plan.stage > 0 else float(local_sq)
+    norm_sq = float(vec[0]) + float(whole_sq.to(torch.float64).cpu() * (inv * inv))
     loss_mean = float(vec[1]) / (k * n)
     overflow = not math.isfinite(norm_sq)
     grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")
@@ -416,14 +433,15 @@ def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step
 
 def _publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donate: bool) -> dict[str, torch.Tensor]:
     """The next state's parameters from each unit's updated slice (compute dtype): kept as they are
-    at stage 0 and for stage-3 shards; all-gathered into the replicated buffer at stages 1-2 (into
-    the input state's own buffer when donated)."""
+    where the optimizer updated the whole unit or parameters are held as shards; all-gathered into
+    the replicated buffer where only the optimizer state is sharded (into the input state's own
+    buffer when donated)."""
     plan, comm = state.sharding.plan, state.sharding.comm
     new_params: dict[str, torch.Tensor] = {}
     pending = {}
     for u in plan.units:  # start every gather first: the backend runs them back to back
         t = new_slices[u.name]
-        if plan.stage == 0 or plan.params_sharded(u):
+        if not u.placement.optimizer or u.placement.params:
             new_params[u.name] = t
         elif donate:
             # Into the input state's own buffer; the shard is copied first since it may be a
@@ -446,7 +464,7 @@ def _host_update(state: TrainState, grads, factor: float, lr: float, momentum, h
     else:
         master = optimizer_view(plan, rank, state.params, True)
     # Where each unit's new parameters go: the kernel writes them straight into the next
-    # state's buffers (shards at stage 3 / stage 0's full unit), else into a staging shard.
+    # state's buffers (parameter shards, or whole units where the optimizer is replicated), else into a staging shard.
     out = {}
     from ._offload._state import NvmeOptState
 

@@ -64,7 +64,7 @@ def model_state_bytes(state: TrainState, grad_dtype: torch.dtype | None = None) 
     esize = torch.empty((), dtype=grad_dtype).element_size()
     grads = 0
     for u in plan.units:
-        grads += (u.shard_numel if plan.stage >= 2 else u.padded_numel) * esize
+        grads += (u.shard_numel if u.placement.grads else u.padded_numel) * esize
     return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads)
 
 

@@ -124,3 +124,32 @@ def test_shard_then_gather_round_trips(numels, world):
     for got in simulated_world(world).run(rank_fn):
         assert torch.equal(got, padded)
     assert unit.padded_numel == max(world, math.ceil(sum(numels) / world) * world)
+
+
+def test_each_stage_is_the_one_before_plus_one_sharded_kind():
+    """specs/sharding.md §Placements: stage 3 = stage 2 + parameters, and so on down; the stage a
+    placement reports is the preset it is."""
+    from fnzero._shard._placement import Placement, placement_for_stage
+
+    kinds = ("optimizer", "grads", "params")
+    for stage in range(4):
+        pl = placement_for_stage(stage)
+        assert [getattr(pl, k) for k in kinds] == [i < stage for i in range(3)]
+        assert pl.stage == stage and placement_for_stage(pl) is pl
+    for kw in ({"grads": True}, {"params": True}, {"optimizer": True, "params": True}):
+        with pytest.raises(ShardingError, match="a rank updates the shard whose gradient it owns"):
+            Placement(**kw)
+    for bad in (4, -1, True, "3"):
+        with pytest.raises(ShardingError, match="ZeRO stage must be 0, 1, 2 or 3"):
+            placement_for_stage(bad)
+
+
+def test_a_plan_from_a_placement_equals_the_plan_from_its_stage_and_persistent_units_drop_params():
+    from fnzero._shard._placement import placement_for_stage
+
+    model = GPT(n_layer=2)
+    for stage in range(4):
+        assert make_plan(model, 2, placement_for_stage(stage)) == make_plan(model, 2, stage)
+    plan = make_plan(model, 2, 3, persistence_threshold=10**9)
+    assert plan.stage == 3 and all(u.persistent and u.placement == placement_for_stage(2) for u in plan.units)
+    assert not plan.any_sharded_params

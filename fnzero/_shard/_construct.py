@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
-from .._policy import shard_policy
+from ._policy import shard_policy
 from ._collectives import CheckedCollectives, Collectives, RecordingCollectives, default_collectives
 from ._initial import initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
@@ -79,12 +79,15 @@ def shard(
         )
     # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
     # only a stage passed here can still differ from the config's.
-    if policy.offload_param == "nvme" and policy.stage != 3:
-        raise ShardingError(f"zero_optimization.offload_param device 'nvme' needs stage 3 (this run is stage {policy.stage})")
+    if policy.offload_param == "nvme" and not policy.placement.params:
+        raise ShardingError(
+            f"zero_optimization.offload_param device 'nvme' needs sharded parameters, stage 3 (this run is "
+            f"stage {policy.placement.stage})"
+        )
     plan = make_plan(
         model,
         comm.world_size,
-        policy.stage,
+        policy.placement,
         wrap=wrap,
         persistence_threshold=policy.persistence_threshold,
     )
@@ -101,10 +104,9 @@ def shard(
     sm._frozen = frozen
     sm._buffers = buffers
     sm._uninitialised = uninitialised
-    if plan.stage == 3:
-        for u in plan.units:
-            if plan.params_sharded(u) and u.module != "":
-                wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
+    for u in plan.units:
+        if u.placement.params and u.module != "":
+            wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
     return sm
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._errors import ShardingError
 from .._offload._params import is_placeholder, placeholder, read_shard
-from .._policy import ShardPolicy
+from ._policy import ShardPolicy
 from .._state import Sharding, TrainState
 from ._collectives import Collectives
 from ._plan import ShardPlan, UnitPlan
@@ -37,21 +37,22 @@ def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
 
 
 def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
-    """What the optimizer updates when params are the master copy (fp32 training): the whole unit at
-    stage 0, this rank's slice of the replicated buffer at stages 1-2 (and for persistent stage-3
-    units), the shard itself at stage 3. Slices are views: no copy.
+    """What the optimizer updates when params are the master copy (fp32 training), by each unit's
+    placement: the whole unit where the optimizer state is replicated, the shard itself where
+    parameters are sharded, else this rank's slice of the replicated buffer. Slices are views.
 
-    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views at stage 0.
+    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views where the
+    optimizer state is replicated.
     """
     out = {}
     for u in plan.units:
         t = params[u.name]
-        if plan.stage == 0:
+        if not u.placement.optimizer:
             if elementwise:
                 out[u.name] = t
             else:
                 out.update(unit_views(u, t))
-        elif plan.params_sharded(u):
+        elif u.placement.params:
             out[u.name] = t
         else:
             lo, hi = u.shard_range(rank)
@@ -253,14 +254,14 @@ class ShardedModule:
                 for k, v in optimizer_view(plan, rank, initial, elementwise=True).items()
             }
             opt_target = master
-            if not opt.elementwise and plan.stage == 0:
+            if not opt.elementwise and not plan.placement.optimizer:
                 opt_target = {}
                 for u in plan.units:
                     opt_target.update(unit_views(u, master[u.name]))
         else:
             master = None
             opt_target = optimizer_view(plan, rank, params, opt.elementwise)
-        if not opt.elementwise and plan.stage > 0:
+        if not opt.elementwise and plan.placement.optimizer:
             raise ShardingError(
                 f"optimizer {self.config.optimizer.type} is not elementwise (it normalises per tensor) and "
                 "cannot update flat shards; use it at ZeRO stage 0"

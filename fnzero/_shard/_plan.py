@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._errors import ShardingError
+from ._placement import Placement, placement_for_stage
 
 __all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
 
@@ -50,7 +51,12 @@ class UnitPlan:
     numel: int
     padded_numel: int
     shard_numel: int
-    persistent: bool  # stage 3: kept gathered (numel below stage3_param_persistence_threshold)
+    placement: Placement  # what of this unit is sharded: the plan's, less parameters when persistent
+
+    @property
+    def persistent(self) -> bool:
+        """Kept gathered though the plan shards parameters (numel below the persistence threshold)."""
+        return not self.placement.params
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         lo = rank * self.shard_numel
@@ -70,11 +76,11 @@ class UnitPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """The sharding of a model's trainable parameters for one world size and ZeRO stage."""
+    """The sharding of a model's trainable parameters for one world size and placement."""
 
     units: tuple[UnitPlan, ...]
     world_size: int
-    stage: int
+    placement: Placement  # the preset every unit starts from (`UnitPlan.placement` may drop params)
     frozen: tuple[str, ...]  # requires_grad=False parameters: replicated, outside the optimizer
     param_dtype: torch.dtype
 
@@ -88,9 +94,14 @@ class ShardPlan:
                 return u
         raise KeyError(name)
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the plan's placement is the preset of (reports and checkpoint index only)."""
+        return self.placement.stage
+
     def params_sharded(self, unit: UnitPlan) -> bool:
-        """Whether this unit's parameters are held as a shard (stage 3, not persistent)."""
-        return self.stage == 3 and not unit.persistent
+        """Whether this unit's parameters are held as a shard and gathered in forward."""
+        return unit.placement.params
 
     @property
     def any_sharded_params(self) -> bool:
@@ -178,11 +189,14 @@ def _owner(name: str, unit_modules: list[str]) -> str:
 def make_plan(
     model: nn.Module,
     world_size: int,
-    stage: int,
+    placement: "Placement | int",
     wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
     persistence_threshold: int = 0,
 ) -> ShardPlan:
     """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
+
+    `placement` says what is sharded (a ZeRO stage number names its preset). With parameters
+    sharded, units under `persistence_threshold` elements keep them gathered.
 
     `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
     FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
@@ -191,8 +205,7 @@ def make_plan(
     """
     if world_size < 1:
         raise ShardingError(f"world_size must be >= 1, got {world_size}")
-    if stage not in (0, 1, 2, 3):
-        raise ShardingError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    placement = placement_for_stage(placement)
     if wrap is None:
         unit_modules = default_unit_modules(model)
     else:
@@ -250,9 +263,9 @@ def make_plan(
                 numel=numel,
                 padded_numel=padded,
                 shard_numel=padded // world_size,
-                persistent=stage == 3 and numel < persistence_threshold,
+                placement=placement.without_params() if numel < persistence_threshold else placement,
             )
         )
     return ShardPlan(
-        units=tuple(units), world_size=world_size, stage=stage, frozen=tuple(frozen), param_dtype=param_dtype
+        units=tuple(units), world_size=world_size, placement=placement, frozen=tuple(frozen), param_dtype=param_dtype
     )

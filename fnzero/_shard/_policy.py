@@ -1,0 +1,69 @@
+"""The sharding policy: what `fnzero.shard` reads from a Config, once, at the edge. Core code
+receives these frozen policies, never the raw config, so it can be driven and tested without a
+config file. The readers of the config's precision and offload blocks are shared with the step's
+policy (`fnzero/train/_policy.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._placement import REPLICATED, Placement, placement_for_stage
+
+__all__ = ["ShardPolicy", "shard_policy", "DTYPES", "config_precision", "offload_device"]
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPolicy:
+    placement: Placement = REPLICATED  # what is sharded (`zero_optimization.stage` names a preset)
+    compute_dtype: torch.dtype | None = None  # None: keep the model's dtype (fp32 or fp64 training)
+    persistence_threshold: int = 0
+    prefetch_numel: int = 0
+    max_live_numel: int = 10**18
+    offload_optimizer: str | None = None  # None | "cpu" | "nvme"
+    offload_param: str | None = None  # None | "cpu" | "nvme"
+    # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
+    # device's autocast default, as DeepSpeed passes dtype=None); None: off.
+    autocast_dtype: torch.dtype | str | None = None
+
+
+def config_precision(cfg) -> str:
+    """fp16 or bf16 when that block of the config is enabled, else fp32."""
+    fp16 = getattr(getattr(cfg, "fp16", None), "enabled", False)
+    bf16 = getattr(getattr(cfg, "bf16", None), "enabled", False)
+    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+
+
+def offload_device(cfg, block: str = "offload_optimizer") -> str | None:
+    """`zero_optimization.<block>.device`, None when absent or "none"."""
+    oo = getattr(getattr(cfg, "zero_optimization", None), block, None)
+    dev = getattr(oo, "device", None)
+    return None if dev in (None, "none") else str(dev)
+
+
+def shard_policy(cfg, stage: "int | Placement | None" = None) -> ShardPolicy:
+    """The config's sharding policy; `stage` (a ZeRO stage or a `Placement`) overrides its stage."""
+    if cfg is None:
+        return ShardPolicy(placement=placement_for_stage(stage or 0))
+    z = cfg.zero_optimization
+    precision = config_precision(cfg)
+    return ShardPolicy(
+        placement=placement_for_stage(z.stage if stage is None else stage),
+        compute_dtype=None if precision == "fp32" else DTYPES[precision],
+        persistence_threshold=int(z.stage3_param_persistence_threshold),
+        prefetch_numel=int(z.stage3_prefetch_bucket_size),
+        max_live_numel=int(z.stage3_max_live_parameters),
+        offload_optimizer=offload_device(cfg),
+        offload_param=offload_device(cfg, "offload_param"),
+        autocast_dtype=_autocast_dtype(cfg),
+    )
+
+
+def _autocast_dtype(cfg) -> torch.dtype | str | None:
+    ac = getattr(cfg, "torch_autocast", None)
+    if ac is None or not ac.enabled:
+        return None
+    return DTYPES[ac.dtype] if ac.dtype is not None else "default"
