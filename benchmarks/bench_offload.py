@@ -2,7 +2,7 @@
 parameters (400 MB master + 800 MB moments), step time and peak RSS, each in a fresh process.
 
 in-memory: the C Adam kernel over the whole shard, state in RAM.
-nvme:      fnzero._offload.NvmeOptimizerStore (state in files under --dir, O_DIRECT where the
+nvme:      fnzero.offload.NvmeOptimizerStore (state in files under --dir, O_DIRECT where the
            file system allows, sub_group_size chunks through buffer_count buffers).
 
 Both hold the gradient (fp32) and a bf16 copy-out of the new parameters, which a training step
@@ -57,7 +57,7 @@ def child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     from fnzero import _ext
-    from fnzero._offload import NvmeOptimizerStore
+    from fnzero.offload import NvmeOptimizerStore
 
     base = status("VmRSS")
     n = args.params

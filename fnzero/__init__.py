@@ -26,6 +26,8 @@ shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_st
     may be built on the meta device (or be a factory), and `init_state(pretrained=dir)` loads
     safetensors / save_pretrained weights into the shards (`PretrainedWarning`: tensors missing).
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
+Placement                   what of a unit is sharded (optimizer state, gradients, parameters); a
+    ZeRO stage names one of four presets, and `shard(..., stage=)` takes either.
 train_step, TrainStep       the pure training step.
 jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forward and backward,
     once per unit structure (default), the loss function as one graph (scope="loss"), or the
@@ -35,8 +37,9 @@ init_distributed            join torchrun's process group (gloo on CPU, NCCL on 
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`).
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
-memory                      exact per-rank model-state bytes and the ZeRO formulas.
-Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper.
+memory                      exact per-rank model-state bytes, the ZeRO formulas and the planner's estimates.
+Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
+    CollectivesBase derives the async and option-taking forms for a custom backend.
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
 tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
 FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
@@ -48,17 +51,15 @@ import optree as _optree
 import torch as _torch
 
 from . import checkpoint, memory, optim, schedules
-from ._dist import DistInfo, init_distributed
-from ._remat import remat
 from ._errors import CheckpointError, ConfigError, DistributedError, FnzeroError, ShardingError
-from ._shard._collectives import Collectives, LocalCollectives, ProcessGroupCollectives, RecordingCollectives
-from ._shard._construct import shard
-from ._shard._module import PretrainedWarning, ShardedModule
-from ._shard._plan import ShardPlan, UnitPlan
 from ._state import LossScaleState, Sharding, TrainState
-from ._step import TrainStep, split_micro_batches, train_step
-from ._jit import CompileRecord, JittedStep, JitWarning, jit
-from .config import AutoValues, Config, ConfigWarning, hf_auto_values, load_config
+from .config import AutoValues, Config, ConfigWarning
+from .sharding import (
+    Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning, ProcessGroupCollectives,
+    RecordingCollectives, ShardedModule, ShardPlan, UnitPlan, init_distributed, shard,
+)
+from .sharding._world_config import hf_auto_values, load_config
+from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 __version__ = "0.1.0"
 
@@ -76,6 +77,7 @@ __all__ = [
     "CompileRecord",
     "checkpoint",
     "Collectives",
+    "CollectivesBase",
     "Config",
     "ConfigError",
     "ConfigWarning",
@@ -87,6 +89,7 @@ __all__ = [
     "JittedStep",
     "LocalCollectives",
     "LossScaleState",
+    "Placement",
     "PretrainedWarning",
     "ProcessGroupCollectives",
     "RecordingCollectives",

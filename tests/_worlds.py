@@ -139,7 +139,7 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
 
 def spawned_equivalence(cases, steps):
     """World function: run every (kind, stage, k, clip) case on this rank; return rank 0's view."""
-    from fnzero._shard._collectives import ProcessGroupCollectives
+    from fnzero.sharding._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
@@ -171,7 +171,7 @@ def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, wha
 def spawned_donate_matches_pure():
     """World function: at stages 1-2 the donated step gathers new parameters into the input's own
     buffers; it must equal the pure step exactly. Returns the largest difference per case."""
-    from fnzero._shard._collectives import ProcessGroupCollectives
+    from fnzero.sharding._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
@@ -186,7 +186,7 @@ def spawned_donate_matches_pure():
 def spawned_jit_matches_eager(backend, steps, scope="loss", stages=(0, 1, 2, 3), extra=None):
     """World function: compiled and eager steps at each stage on this rank; returns rank 0's
     largest parameter and loss differences and the graph breaks per stage."""
-    from fnzero._shard._collectives import ProcessGroupCollectives
+    from fnzero.sharding._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
@@ -194,6 +194,31 @@ def spawned_jit_matches_eager(backend, steps, scope="loss", stages=(0, 1, 2, 3),
         a = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra)
         b = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra, jit={"backend": backend, "scope": scope})
         out[stage] = {
+            "param": max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"]),
+            "loss": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+            "breaks": b["graph_breaks"],
+        }
+    return out if comm.rank == 0 else None
+
+
+def spawned_jit_runs(runs, steps):
+    """World function: like `spawned_jit_matches_eager`, for any mix of cases in one world (a world
+    costs seconds to start). `runs` is a list of (key, backend, scope, stage, extra); dynamo is
+    reset where the backend or scope changes, as a fresh world would have it. Returns rank 0's
+    {key: largest parameter and loss differences, graph breaks}."""
+    import torch._dynamo
+
+    from fnzero.sharding._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    out, last = {}, None
+    for key, backend, scope, stage, extra in runs:
+        if last is not None and (backend, scope) != last:
+            torch._dynamo.reset()
+        last = (backend, scope)
+        a = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra)
+        b = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra, jit={"backend": backend, "scope": scope})
+        out[key] = {
             "param": max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"]),
             "loss": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
             "breaks": b["graph_breaks"],

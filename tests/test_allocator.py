@@ -1,6 +1,7 @@
 """The host allocator policy (`fnzero.memory.return_freed_memory`, specs/sharding.md §Memory):
 applied by `init_distributed`, and under it CPU steps trim the heap between forward and backward."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,19 +11,19 @@ import torch
 import torch.nn.functional as F
 
 import fnzero
-import fnzero.memory as memory
+from fnzero._ext import _heap as heap
 from fnzero.testing import GPT
 
-glibc_only = pytest.mark.skipif(memory._glibc() is None, reason="the policy is glibc's mallopt/malloc_trim")
+glibc_only = pytest.mark.skipif(heap._glibc() is None, reason="the policy is glibc's mallopt/malloc_trim")
 
 
 @glibc_only
 @pytest.mark.parametrize("threshold, applied", [("4 << 20", True), ("None", False), ("0", False)])
 def test_init_distributed_applies_the_policy_unless_opted_out(threshold, applied):
     code = (
-        "import fnzero, fnzero.memory as m\n"
+        "import fnzero\nfrom fnzero._ext._heap import heap_is_tuned\n"
         f"fnzero.init_distributed(malloc_mmap_threshold={threshold})\n"
-        "print(m._TRIM_HEAP)\n"
+        "print(heap_is_tuned())\n"
     )
     # A world of one, whatever launched the test suite.
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK") and not k.startswith("SLURM_")}
@@ -31,11 +32,11 @@ def test_init_distributed_applies_the_policy_unless_opted_out(threshold, applied
     assert out.stdout.strip() == str(applied)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_cpu_step_trims_between_forward_and_backward(monkeypatch, stage):
+@pytest.mark.parametrize("stage, trim_heap", [(0, True), (3, True), (3, False)])
+def test_cpu_step_trims_between_forward_and_backward(monkeypatch, stage, trim_heap):
     events = []
-    monkeypatch.setattr(memory, "_TRIM_HEAP", True)
-    monkeypatch.setattr(memory, "trim_freed_memory", lambda: events.append("trim"))
+    monkeypatch.setattr(heap, "_TUNED", True)
+    monkeypatch.setattr(heap, "trim_freed_memory", lambda: events.append("trim"))
     torch.manual_seed(0)
     cfg = fnzero.load_config({
         "train_micro_batch_size_per_gpu": 2,
@@ -53,13 +54,15 @@ def test_cpu_step_trims_between_forward_and_backward(monkeypatch, stage):
         logits.register_hook(lambda g: events.append("backward"))
         return F.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten())
 
-    fnzero.train_step(loss_fn, cfg)(state, torch.randint(0, 50, (4, 9)))
-    assert events == ["forward", "trim", "backward"] * 2  # per micro-batch
+    step = fnzero.train_step(loss_fn, cfg)
+    step.policy = dataclasses.replace(step.policy, trim_heap=trim_heap)  # the policy's opt-out
+    step(state, torch.randint(0, 50, (4, 9)))
+    assert events == (["forward", "trim", "backward"] if trim_heap else ["forward", "backward"]) * 2  # per micro-batch
 
 
 def test_no_trim_without_the_policy(monkeypatch):
     calls = []
-    monkeypatch.setattr(memory, "_TRIM_HEAP", False)
-    monkeypatch.setattr(memory, "trim_freed_memory", lambda: calls.append(1))
-    memory._trim_heap()
+    monkeypatch.setattr(heap, "_TUNED", False)
+    monkeypatch.setattr(heap, "trim_freed_memory", lambda: calls.append(1))
+    heap.trim_between_passes()
     assert calls == []

@@ -99,7 +99,7 @@ def test_exclude_frozen_and_torch_format(tmp_path):
 
 
 def test_cli_export_and_info(tmp_path, capsys):
-    from fnzero._cli import main
+    from fnzero.cli._main import main
 
     d, want = _trained(tmp_path)
     assert main(["export", d, str(tmp_path / "cli"), "--dtype", "bf16", "--max-shard-size", "4KB", "-q"]) == 0

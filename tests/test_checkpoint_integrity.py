@@ -210,7 +210,7 @@ def test_client_state_must_be_plain_data(tmp_path):
 
 
 def test_broken_latest_is_reported_by_info_and_cli(tmp_path, capsys):
-    from fnzero._cli import main
+    from fnzero.cli._main import main
 
     d, ck, like = _saved(tmp_path)
     assert main(["checkpoint", "info", d]) == 0

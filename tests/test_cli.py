@@ -1,7 +1,7 @@
 """The `fnzero` command, run as a user runs it (specs/cli.md).
 
 Starting Python and importing torch costs seconds of CPU, so only a few checks start a fresh
-`python -m fnzero._cli`; the rest go through `run_cli`, which forks a real child process per
+`python -m fnzero.cli`; the rest go through `run_cli`, which forks a real child process per
 command from one warm interpreter: each gets its own exit status, stdout and stderr.
 """
 
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # are JSON lines; a child's stdout/stderr go to files the parent reads back.
 _SERVER = r"""
 import json, os, sys, time
-import fnzero._cli as cli
+import fnzero.cli._main as cli
 cli.build_parser()  # import every plugin now, so children start warm
 for line in sys.stdin:
     req = json.loads(line)
@@ -83,8 +83,8 @@ def run_cli(*argv):
 
 
 def run_fresh(*argv):
-    """(returncode, stdout, stderr) of a brand-new `python -m fnzero._cli ARGV...`."""
-    p = subprocess.run([sys.executable, "-m", "fnzero._cli", *map(str, argv)], cwd=ROOT, env=_env(),
+    """(returncode, stdout, stderr) of a brand-new `python -m fnzero.cli ARGV...`."""
+    p = subprocess.run([sys.executable, "-m", "fnzero.cli", *map(str, argv)], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=180)
     return p.returncode, p.stdout, p.stderr
 

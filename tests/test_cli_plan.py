@@ -1,11 +1,11 @@
-"""`fnzero plan` and `fnzero._plan` (specs/cli.md §plan): every figure checked against the ZeRO formulas."""
+"""`fnzero plan` and `fnzero.memory._estimate` (specs/cli.md §plan): every figure checked against the ZeRO formulas."""
 
 import json
 import math
 
 import pytest
 
-from fnzero import _plan
+from fnzero.memory import _estimate as _plan
 from fnzero.memory import zero_formula
 from test_cli import run_cli, run_fresh
 

@@ -34,7 +34,7 @@ def test_train_gpt_with_its_whole_step_jitted_loss_falls_without_graph_breaks():
 @pytest.mark.multiprocess
 def test_train_gpt_zero3_two_ranks_jitted_per_unit_without_graph_breaks():
     # The default scope compiles each unit once; at stage 3 the gathers run between the graphs.
-    out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+    out = _run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
                 "--config", "examples/configs/zero3.json", "--steps", "40", "--layers", "2", "--d-model", "32",
                 "--heads", "2", "--jit", "--checkpoint-dir", ""], timeout=420)
     first, last = _losses(out)
@@ -55,7 +55,7 @@ def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
     assert f"saved checkpoint {ckpt} (step 30)" in out1, out1
     assert _losses(out1)[1] < _losses(out1)[0] - 1.0, out1
     # The 1-process stage-0 checkpoint resumes on 2 ranks at stage 3 and goes on from step 30.
-    out2 = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+    out2 = _run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
                  "--config", "examples/configs/zero3.json", "--steps", "30", *small])
     assert f"resumed from {ckpt} at step 30" in out2 and f"(step 60)" in out2, out2
     assert _losses(out2)[0] < _losses(out1)[0] - 1.0, (out1, out2)  # it did not start over
@@ -71,7 +71,7 @@ def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
 def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
     """examples/finetune_hf.py: save_pretrained shards -> meta model -> ZeRO-3 on 2 ranks with the
     model's checkpointing and bf16 -> checkpoint -> export -> from_pretrained, same logits."""
-    out = _run([sys.executable, "-m", "fnzero._cli", "launch", "--nproc-per-node", "2", "examples/finetune_hf.py",
+    out = _run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/finetune_hf.py",
                 "--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"])
     first, last = _losses(out)
     assert last < first - 0.5, out

@@ -25,8 +25,8 @@ import transformers
 from optree import tree_leaves as optree_leaves
 
 import fnzero
-from fnzero._shard._collectives import PendingTensor
-from fnzero._shard._plan import default_unit_modules
+from fnzero.sharding._collectives import PendingTensor
+from fnzero.sharding._plan import default_unit_modules
 from fnzero.testing import simulated_world
 
 import _worlds as W

@@ -220,7 +220,7 @@ def test_jit_rejects_what_is_not_a_train_step():
 def test_docstring_example_runs():
     import doctest
 
-    import fnzero._jit as mod
+    import fnzero.train._jit as mod
 
     # Globals are kept alive: dynamo's cache holds weak references into them until reset.
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)

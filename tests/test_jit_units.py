@@ -76,17 +76,35 @@ def test_inductor_per_unit_graphs_match_eager(stage):
     W.assert_close_tree(b["params"], a["params"], rtol=1e-10, atol=1e-12, what=f"inductor units stage {stage}")
 
 
-def test_per_unit_graphs_match_eager_on_two_real_ranks():
-    (out, _) = run_world(W.spawned_jit_matches_eager, 2, "aot_eager", STEPS, "units", timeout=600)
-    for stage, r in out.items():
+# Both backends on two gloo ranks in one world (a world costs seconds to start). The unit graphs
+# themselves are the same at every stage (gathers, reductions and hooks run around them, eagerly):
+# aot_eager, exact, runs every stage, so each stage's eager machinery meets compiled units on real
+# ranks; inductor runs stage 0 (the unit graphs of stages 0-2, node for node) and stage 3.
+_REAL_RANK_RUNS = ([(("aot_eager", s), "aot_eager", "units", s, None) for s in (0, 1, 2, 3)]
+                   + [(("inductor", s), "inductor", "units", s, None) for s in (0, 3)])
+
+
+@pytest.fixture(scope="module")
+def two_real_ranks():
+    (out, _) = run_world(W.spawned_jit_runs, 2, _REAL_RANK_RUNS, STEPS, timeout=600)
+    return out
+
+
+def _real_rank_results(out, backend):
+    got = {stage: r for (b, stage), r in out.items() if b == backend}
+    assert sorted(got) == sorted(s for (b, s), *_ in _REAL_RANK_RUNS if b == backend)
+    return got
+
+
+def test_per_unit_graphs_match_eager_on_two_real_ranks(two_real_ranks):
+    for stage, r in _real_rank_results(two_real_ranks, "aot_eager").items():
         assert r["param"] == 0.0 and r["loss"] == 0.0, (stage, r)
         assert r["breaks"] == (), (stage, r["breaks"])
 
 
-def test_inductor_per_unit_graphs_match_eager_on_two_real_ranks():
-    # The real compiler on two gloo ranks at stages 0-3 (about 30 s here: five small graphs).
-    (out, _) = run_world(W.spawned_jit_matches_eager, 2, "inductor", STEPS, "units", timeout=600)
-    for stage, r in out.items():
+def test_inductor_per_unit_graphs_match_eager_on_two_real_ranks(two_real_ranks):
+    # The real compiler on two gloo ranks.
+    for stage, r in _real_rank_results(two_real_ranks, "inductor").items():
         assert r["param"] < 1e-12 and r["loss"] < 1e-12, (stage, r)
         assert r["breaks"] == (), (stage, r["breaks"])
 
@@ -170,7 +188,7 @@ def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
     # the recomputed forward would be eager while the first was compiled (dropout draws differ).
     from types import SimpleNamespace
 
-    from fnzero._shard._runtime import UNIT_COMPILER, _forward_to_run
+    from fnzero.sharding._runtime import UNIT_COMPILER, _forward_to_run
 
     module, inner = torch.nn.Linear(2, 2), (lambda x: x)
     compiled = lambda m, f: ("compiled", m, f)  # noqa: E731

@@ -13,7 +13,7 @@ from fnzero.testing import WorldError, free_port, run_world
 
 pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(__file__)
-FNZERO = [sys.executable, "-m", "fnzero._cli"]
+FNZERO = [sys.executable, "-m", "fnzero.cli"]
 
 
 def _env():

@@ -6,7 +6,6 @@ import torch
 
 import fnzero
 from fnzero import RecordingCollectives
-from fnzero._shard._collectives import start_all_reduce, start_reduce_scatter
 from fnzero.memory import model_state_bytes, zero_formula
 from fnzero.testing import GPT
 from fnzero.testing._threads import simulated_world
@@ -114,7 +113,7 @@ def test_stage3_never_all_reduces_gradients():
 
 def test_debug_collectives_names_the_first_divergence():
     def rank_fn(comm):
-        from fnzero._shard._collectives import CheckedCollectives
+        from fnzero.sharding._observed import CheckedCollectives
 
         c = CheckedCollectives(comm)
         c.all_reduce(torch.ones(3))
@@ -134,10 +133,10 @@ def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monke
 
     import torch.nn.functional as F
 
-    from fnzero._shard import _runtime
+    from fnzero.sharding import _runtime
 
     regathered, checked = {}, []
-    orig_regather, orig_backward = _runtime._UnitRuntime.regather, _runtime._GatherUnit.backward
+    orig_regather, orig_backward = _runtime.UnitRuntime.regather, _runtime.GatherUnit.backward
 
     def regather(rt):
         full = orig_regather(rt)
@@ -149,8 +148,8 @@ def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monke
         checked.append((ctx.rt.unit.name, ref is not None and ref() is None))
         return orig_backward(ctx, grad_full)
 
-    monkeypatch.setattr(_runtime._UnitRuntime, "regather", regather)
-    monkeypatch.setattr(_runtime._GatherUnit, "backward", staticmethod(backward))
+    monkeypatch.setattr(_runtime.UnitRuntime, "regather", regather)
+    monkeypatch.setattr(_runtime.GatherUnit, "backward", staticmethod(backward))
     cfg = _cfg(3, 1)
     sm = fnzero.shard(_model(), config=cfg)
     step = fnzero.train_step(lambda p, b: F.cross_entropy(sm.apply(p, b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()), cfg)
@@ -266,7 +265,7 @@ class _BackwardProbe:
 
     def all_reduce_async(self, t, donate=False):
         self._note("all_reduce", t)
-        return start_all_reduce(self.inner, t, donate=donate)
+        return self.inner.all_reduce_async(t, donate=donate)
 
     def reduce_scatter(self, full, donate=False):
         self._note("reduce_scatter", full)
@@ -274,7 +273,7 @@ class _BackwardProbe:
 
     def reduce_scatter_async(self, full):
         self._note("reduce_scatter", full)
-        return start_reduce_scatter(self.inner, full)
+        return self.inner.reduce_scatter_async(full)
 
 
 @pytest.mark.parametrize("overlap", [True, None])
@@ -307,7 +306,7 @@ def test_stage3_step_frees_its_apply_runs_without_the_cycle_collector():
     the 27.4M GPT, donate=False). The step releases every run once backward is done."""
     import gc
 
-    from fnzero._shard._runtime import ApplyRun
+    from fnzero.sharding._runtime import ApplyRun
 
     cfg = _cfg(3, 2)
 

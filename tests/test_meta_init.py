@@ -159,7 +159,7 @@ def test_private_resets_bool_buffers_and_real_tensors():
     # The bool buffer was only written by the constructor, on meta: named, not silently garbage.
     with pytest.raises(fnzero.ShardingError, match=r"uninitialised: mask\b"):
         sm.init_state()
-    sm._uninitialised.remove("mask")  # (as if pretrained weights had supplied it)
+    sm.initial_values().uninitialised.remove("mask")  # (as if pretrained weights had supplied it)
     got = sm.state_dict(sm.init_state())
     assert torch.equal(got["head.weight"], real)
     assert not torch.isnan(got["attn.in_proj_weight"]).any() and float(got["attn.in_proj_weight"].std()) > 0

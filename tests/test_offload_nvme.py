@@ -1,4 +1,4 @@
-"""The NVMe optimizer store (fnzero/_offload/_nvme.py, specs/offload.md §NVMe store): bitwise
+"""The NVMe optimizer store (fnzero/offload/_nvme.py, specs/offload.md §NVMe store): bitwise
 equal to the in-memory kernels, bounded memory, and never silently reading bad files."""
 
 import json
@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import fnzero
 from fnzero import _ext
-from fnzero._offload import NvmeOptimizerStore, NvmeStoreError, stale_stores
-from fnzero._offload import _nvme
+from fnzero.offload import NvmeOptimizerStore, NvmeStoreError, stale_stores
+from fnzero.offload import _nvme
 
 NATIVE = [True, False] if _ext.available() else [False]
 BACKENDS = [pytest.param(True, id="native", marks=pytest.mark.skipif(not _ext.available(), reason="no C extension")),
@@ -110,7 +110,7 @@ def test_extension_disabled_by_environment_uses_both_fallbacks(tmp_path):
     code = """
 import sys, torch
 from fnzero import _ext
-from fnzero._offload import NvmeOptimizerStore
+from fnzero.offload import NvmeOptimizerStore
 assert not _ext.available()
 master = {"a": torch.randn(1500), "b": torch.randn(3), "c": torch.randn(0)}
 ref = {k: [v.clone(), torch.zeros_like(v), torch.zeros_like(v)] for k, v in master.items()}
@@ -269,7 +269,7 @@ def test_a_step_that_fails_part_way_poisons_the_store(tmp_path, monkeypatch):
 _CHILD = """
 import os, sys, torch
 torch.set_num_threads(1)
-from fnzero._offload import NvmeOptimizerStore
+from fnzero.offload import NvmeOptimizerStore
 s = NvmeOptimizerStore.create(sys.argv[1], {"a": torch.randn(1 << 20), "b": torch.randn(12345)}, sub_group_size=1 << 16)
 g = {"a": torch.randn(1 << 20), "b": torch.randn(12345)}
 print(s.path, flush=True)

@@ -10,7 +10,8 @@ import torch
 
 import fnzero
 import fnzero.testing as ft
-from fnzero._shard._plan import UnitPlan
+from fnzero.sharding import CollectivesBase
+from fnzero.sharding._plan import UnitPlan
 
 MLP = ft.ModelFactory("mlp", sizes=(3, 5, 2))
 GPT = ft.ModelFactory("gpt", gpt=tuple(sorted(dict(vocab_size=11, seq_len=4, d_model=6, n_layer=2, n_head=2, mlp_ratio=1, tied=True).items())))
@@ -62,15 +63,16 @@ def test_stage_equivalent_holds(stage):
     ft.assert_stage_equivalent(GPT, GPT.loss, cfg(stage), GPT.batch(3), world_size=2, steps=2)
 
 
-class DropContribution:
+class DropContribution(CollectivesBase):
     """Collectives that zero one rank's contribution to every gradient reduction: the classic
-    'a shard's gradient got lost' bug."""
+    'a shard's gradient got lost' bug. (The async forms come from CollectivesBase, so they go
+    through these too.)"""
 
     def __init__(self, inner, dropped_rank=1):
         self.inner, self.rank, self.world_size = inner, inner.rank, inner.world_size
         self.scale = 0.0 if inner.rank == dropped_rank else 1.0
 
-    def reduce_scatter(self, full):
+    def reduce_scatter(self, full, donate=False):
         return self.inner.reduce_scatter(full * self.scale)
 
     def all_reduce(self, t, op="sum"):
@@ -114,10 +116,8 @@ class _CorruptGather:
         return self.inner.all_gather(shard + 1e-3 if self.rank == 1 else shard)
 
     def all_gather_async(self, shard, out=None):  # the step starts its parameter gathers asynchronously
-        from fnzero._shard._collectives import start_all_gather_into
-
         shard = shard + 1e-3 if self.rank == 1 else shard
-        return start_all_gather_into(self.inner, shard, out) if out is not None else self.inner.all_gather_async(shard)
+        return self.inner.all_gather_async(shard, out=out)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -44,6 +44,9 @@ def best_level() -> str:
     return LEVELS[lib.fnz_simd_best()] if lib is not None else "none"
 
 
+# [Note: why a context variable] Forcing a SIMD level is a test and benchmark override of the
+# process-wide runtime dispatch, read inside every kernel call (`force_simd`); threading it
+# through every optimizer and store call would put a testing knob in every signature.
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnzero_forced_simd", default=None)
 
 

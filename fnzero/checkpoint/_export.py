@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 
 from .._errors import CheckpointError
-from . import _format as F
 from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve
 
@@ -270,7 +269,7 @@ def export_live(
     """Export from a running job (DeepSpeed's `save_16bit_model`): every rank calls it; units are
     gathered one at a time (master weights when present) and rank 0 writes. Returns rank 0's paths,
     None elsewhere."""
-    from .._shard._module import full_unit
+    from ..sharding._module import full_unit
 
     want = parse_dtype(dtype)
     plan, comm = state.sharding.plan, state.sharding.comm

@@ -147,6 +147,8 @@ def _name(v, where) -> str:
 def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
     """Check an index's structure, types and bounds; returns it. `file_sizes` (rank -> bytes on disk)
     also checks that every segment lies inside its file."""
+    # Long: one check per index field, in the order of specs/checkpoint-format.md, so each problem is named
+    # where it is found.
     if not isinstance(ix, dict):
         raise CheckpointError(f"the checkpoint index is a {type(ix).__name__}, expected a map")
     if ix.get("format") != FORMAT:

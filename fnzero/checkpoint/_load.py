@@ -241,7 +241,7 @@ def load(
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
-    from .._offload._checkpoint import is_nvme, like_in_memory, restore_into_store
+    from ..offload._checkpoint import is_nvme, like_in_memory, restore_into_store
 
     if is_nvme(like):
         # Load as the CPU-offload layout, then write master and moments into like's store.

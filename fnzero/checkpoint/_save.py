@@ -228,9 +228,11 @@ def save(
     a background thread and returns at once; the handle's `wait()` gives the same result a blocking
     save would. A save waits for this rank's previous async save to the same directory first.
     """
+    # Long: the atomic-save protocol (write, fsync, rename, then `latest`) is one sequence; split, its
+    # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
-    from .._offload._checkpoint import is_nvme, materialize
+    from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):
         # The store's files change with every step: read them now, in the layout a CPU-offload

@@ -7,13 +7,15 @@ resolved `Config` whose defaults are DeepSpeed 0.19.8's. Every problem is report
 one `ConfigError` (`err.errors` lists them); keys fnzero accepts but does not act on warn once
 (`ConfigWarning`). `hf_auto_values(...)` gives the values HuggingFace's Trainer would put where
 a config says `"auto"` (an `AutoValues`, which fills only those keys). Keys, defaults and
-rules: specs/config.md.
+rules: specs/config.md. This layer never asks torch.distributed: without `world_size` the triad
+is resolved for a world of 1; `fnzero.load_config` and `fnzero.hf_auto_values` pass the running
+world's size.
 """
 
 from __future__ import annotations
 
 from ._auto import AutoValues, hf_auto_values
-from ._load import default_world_size, load_config
+from ._load import load_config, read_config
 from ._models import Config
 from ._noop import ConfigWarning
 from ._optim_models import (
@@ -31,7 +33,7 @@ from ._sections import (
 from ._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
-    "load_config", "default_world_size", "Config", "ConfigWarning", "hf_auto_values", "AutoValues",
+    "load_config", "read_config", "Config", "ConfigWarning", "hf_auto_values", "AutoValues",
     "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "SchedulerConfig", "AioConfig", "ActivationCheckpointingConfig", "CommsLoggerConfig",
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",

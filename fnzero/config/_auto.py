@@ -24,7 +24,6 @@ from ._parse import plain_tree
 from ._problems import Problems, config_error, join_path, suggest
 from ._schema import all_paths
 from ._types import describe
-from ._world import default_world_size
 
 __all__ = ["fill_auto", "find_auto", "auto_message", "AUTO", "AutoValues", "hf_auto_values", "HF_ARGUMENTS"]
 
@@ -150,8 +149,8 @@ def hf_auto_values(
     `eps` adam_epsilon, `micro_batch_size` per_device_train_batch_size, `total_steps` the number of
     optimizer steps (Trainer's num_training_steps), `warmup_steps` a step count, or below 1 a
     ratio of total_steps (rounded up), `hidden_size` the model's hidden size (bucket sizes are
-    derived from it exactly as transformers does). `world_size` defaults to load_config's
-    (torch.distributed's world size, else 1). Keys whose source is None (total_steps,
+    derived from it exactly as transformers does). `world_size` defaults to 1 here
+    (`fnzero.hf_auto_values` defaults it to the running world's size). Keys whose source is None (total_steps,
     hidden_size) are left out, so an `"auto"` that needs them stays an error naming it. The
     result fills only `"auto"` keys (see `AutoValues`); the DeepSpeed key for each argument is
     the table in specs/config.md §"auto".
@@ -167,7 +166,7 @@ def hf_auto_values(
     >>> cfg.train_batch_size, cfg.optimizer.params.lr, cfg.zero_optimization.reduce_bucket_size
     (8, 0.0003, 1048576)
     """
-    world = default_world_size() if world_size is None else world_size
+    world = 1 if world_size is None else world_size
     problems: list[str] = []
     _check_args(
         problems, lr=(lr, "nonneg"), eps=(eps, "nonneg"), weight_decay=(weight_decay, "nonneg"),

@@ -91,6 +91,8 @@ def _is_off(value: Any) -> bool:
 def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
     """Rewrite aliases and deprecated keys, report removed/unsupported ones, in place; returns the
     deprecation messages to warn with once the config has loaded."""
+    # Long: one self-contained branch per deprecated DeepSpeed key, read top to bottom like the table in
+    # specs/config.md.
     deprecations: list[str] = []
     if isinstance(raw.get("zero_optimization"), bool):
         # DeepSpeed 0.19.8 still reads this (read_zero_config_deprecated), with a warning.

@@ -26,9 +26,8 @@ from ._sched_models import SCHEDULER_PARAMS, SCHEDULER_TYPES, SchedulerConfig
 from ._schema import canonical_type, check_unknown
 from ._translate import validate_into
 from ._types import _as_int, describe
-from ._world import default_world_size
 
-__all__ = ["load_config", "default_world_size"]
+__all__ = ["load_config", "read_config"]
 
 TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -38,7 +37,8 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
 
     `src` is a path (str or os.PathLike), a dict, JSON text (with `//`/`/* */` comments and
     trailing commas allowed) or base64-encoded JSON text. `world_size` is the data-parallel
-    size used for the batch triad (default: torch.distributed's, else 1). `auto` maps dotted
+    size used for the batch triad (default 1: this layer never asks torch.distributed;
+    `fnzero.load_config` passes the running world's size). `auto` maps dotted
     DeepSpeed paths to values that fill `"auto"` placeholders: a plain dict also sets keys the
     config lacks and must agree with explicit ones; an `AutoValues` (e.g. from
     `hf_auto_values(...)`) fills only `"auto"` keys. Raises one `ConfigError` listing every
@@ -50,6 +50,11 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     >>> cfg.train_batch_size, cfg.gradient_clipping
     (16, 1.0)
     """
+    return read_config(src, world_size, auto, stacklevel=3)
+
+
+def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None, *, stacklevel: int) -> Config:
+    """`load_config` for callers that wrap it: its warnings point `stacklevel` frames up."""
     if isinstance(src, Config) and auto is None and world_size in (None, src.world_size):
         return src
     if isinstance(src, Config):
@@ -76,14 +81,14 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
     problems.extend(cross_checks(cfg))
     problems.raise_if_any(label)
     for message in deprecations:  # only for a config that loaded: a refused one is not also warned about
-        warnings.warn(message, ConfigWarning, stacklevel=2)
-    warn_no_effect(cfg, stacklevel=2)
+        warnings.warn(message, ConfigWarning, stacklevel=stacklevel)
+    warn_no_effect(cfg, stacklevel=stacklevel)
     return cfg
 
 
 def _world(world_size: Any) -> int:
     if world_size is None:
-        return default_world_size()
+        return 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise config_error([f"world_size must be a positive integer, got {describe(world_size)}"])
     return world_size

@@ -36,6 +36,7 @@ def resolve(cfg: Config) -> Config:
 
 def cross_checks(cfg: Config) -> list[str]:
     """Every cross-field problem in a field-valid config."""
+    # Long: one self-contained rule per cross-key constraint, each naming its keys.
     out: list[str] = []
     stage = cfg.zero_optimization.stage
     if cfg.fp16.enabled and cfg.bf16.enabled:

@@ -84,6 +84,8 @@ def adamw(
 
 
 def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allow_fused, ignored) -> Optimizer:
+    # Long: the three update forms (in place, fused, traced) are closures over one set of checked hyper-
+    # parameters.
     default_lr = check.number(name, "lr", lr)
     beta1, beta2 = check.betas(name, betas)
     eps = check.number(name, "eps", eps)

@@ -50,6 +50,9 @@ class Optimizer(NamedTuple):
     update_: UpdateFn
     elementwise: bool
     graph_update: UpdateFn | None = None
+    # Whether `update` takes the step's extras as keywords (`global_norm=`, the norm of the
+    # gradients it is given over every rank): chains run through `as_optimizer` do.
+    takes_extras: bool = False
 
 
 def pure(update_: UpdateFn) -> UpdateFn:

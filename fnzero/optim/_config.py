@@ -10,11 +10,13 @@ from fnzero._errors import ConfigError
 from ._adagrad import adagrad
 from ._adam import adam, adamw
 from ._base import Optimizer
+from ._chains import CHAINS
+from ._transform import GradientTransformation
 from ._lamb import lamb
 from ._lion import lion
 from ._sgd import sgd
 
-__all__ = ["from_config"]
+__all__ = ["from_config", "chain_from_config"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
@@ -66,3 +68,16 @@ def from_config(cfg: Any) -> Optimizer:
     """
     kind = optimizer_kind(cfg)
     return FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))
+
+
+def chain_from_config(cfg: Any) -> GradientTransformation:
+    """The chain of gradient transformations that ``cfg.optimizer`` names, with its ``params``:
+    the definition the fused optimizer of `from_config` computes.
+
+    >>> from types import SimpleNamespace as NS
+    >>> chain_from_config(NS(optimizer=NS(type="Lamb", params={"lr": 1e-3}))).elementwise
+    False
+    """
+    kind = optimizer_kind(cfg)
+    FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))  # the same checks of every value
+    return CHAINS[kind](**params_dict(getattr(cfg.optimizer, "params", None)))

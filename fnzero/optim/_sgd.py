@@ -42,6 +42,8 @@ def sgd(
     >>> round(params[0].item(), 6)  # 1 - 0.5*1 - 0.5*(0.9*1 + 1)
     -0.45
     """
+    # Long: the three update forms (in place, fused, traced) are closures over one set of checked hyper-
+    # parameters.
     name = "sgd"
     default_lr = check.number(name, "lr", lr)
     default_mom = check.number(name, "momentum", momentum)

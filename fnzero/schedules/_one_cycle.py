@@ -49,6 +49,8 @@ def one_cycle(
     >>> [round(s.momentum(k), 6) for k in range(6)]
     [0.8, 0.85, 0.8, 0.85, 0.9, 0.9]
     """
+    # Long: DeepSpeed's OneCycle: validation and the lr and momentum phases are closures over the same
+    # checked values.
     where = "one_cycle"
     min_lr = number(where, "cycle_min_lr", cycle_min_lr)
     max_lr = number(where, "cycle_max_lr", cycle_max_lr)

@@ -1,25 +1,22 @@
 """Which simulated rank the calling thread is, and a lock for torch's process-wide RNG.
 
-`fnzero.default_collectives()` and `fnzero.init_distributed()` look this module up in
-`sys.modules` (never importing it), so user code that calls them without `comm=` gets its thread's
-rank inside `simulated_world(n).run(fn)` and the real process group under `fnzero launch`.
+Each rank's thread runs inside `providing_collectives(comm)` (`fnzero/sharding/_collectives.py`),
+so user code that calls `fnzero.shard`, `fnzero.init_distributed()` or `fnzero.load_config`
+without naming a world gets its thread's rank inside `simulated_world(n).run(fn)` and the real
+process group under `fnzero launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Iterator
 
 import torch
 
-from .._shard._materialize import GLOBAL_RNG_LOCK
+from ..sharding._collectives import provided_collectives, providing_collectives
+from ..sharding._materialize import GLOBAL_RNG_LOCK
 
 __all__ = ["current_comm", "rank_context", "RNG_LOCK", "seeded"]
-
-# A ContextVar rather than a threading.local: each rank's thread sets it for itself, and code that
-# copies its context (asyncio tasks, contextvars.copy_context().run) keeps the rank.
-_CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("fnzero_simulated_comm", default=None)
 
 # torch's default generator is one per process: simulated ranks (threads) that build models with
 # it concurrently would interleave draws and build different weights. Everything that seeds and
@@ -30,16 +27,13 @@ RNG_LOCK = GLOBAL_RNG_LOCK
 
 def current_comm() -> Any:
     """The calling thread's simulated-rank collectives, or None outside a simulated world."""
-    return _CURRENT.get()
+    return provided_collectives()
 
 
 @contextlib.contextmanager
 def rank_context(comm: Any) -> Iterator[None]:
-    token = _CURRENT.set(comm)
-    try:
+    with providing_collectives(comm):
         yield
-    finally:
-        _CURRENT.reset(token)
 
 
 @contextlib.contextmanager

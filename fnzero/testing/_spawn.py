@@ -7,7 +7,6 @@ import datetime
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -16,19 +15,13 @@ import optree
 import torch
 
 from .._errors import DistributedError
+from ..sharding._dist import free_port
 
 __all__ = ["run_world", "free_port", "WorldError", "SpawnedWorld", "spawned_world"]
 
 
 class WorldError(DistributedError):
     """A rank of a spawned world raised, died, or did not finish before the timeout."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Results cross the process boundary as plain bytes: tensors of any dtype (bf16 included) survive.
@@ -101,6 +94,8 @@ def run_world(
     is stopped and a WorldError shows the failing rank's traceback; if the world does not finish
     within `timeout` seconds, the ranks are killed and the error names the ones that were late.
     """
+    # Long: starting ranks, collecting results and the failure protocol (name the rank, stop the rest)
+    # share one set of processes and queues.
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -169,7 +164,7 @@ def run_world(
 def _call_in_rank(fn: Callable[..., Any]) -> Any:
     # Runs in the spawned rank: give `fn` the process group's collectives when it takes one
     # argument, exactly as SimulatedWorld.run does with its thread collectives.
-    from .._shard._collectives import ProcessGroupCollectives
+    from ..sharding._collectives import ProcessGroupCollectives
     from ._threads import wants_comm
 
     return fn(ProcessGroupCollectives()) if wants_comm(fn) else fn()

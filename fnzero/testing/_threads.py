@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .._errors import DistributedError
-from .._shard._collectives import PendingTensor
+from ..sharding._collectives import CollectivesBase
 from ._context import RNG_LOCK, rank_context
 
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]
@@ -48,8 +48,11 @@ class _Exchange:
         return values
 
 
-class ThreadCollectives:
-    """The `Collectives` interface for one rank of a simulated world."""
+class ThreadCollectives(CollectivesBase):
+    """The `Collectives` interface for one rank of a simulated world (the async forms complete at
+    once, from `CollectivesBase`)."""
+
+    backend = "simulated"  # what `init_distributed` reports inside the world
 
     def __init__(self, exchange: _Exchange, rank: int):
         self._x = exchange
@@ -60,10 +63,7 @@ class ThreadCollectives:
         parts = self._x.exchange(self.rank, f"all_gather:{shard.numel()}:{shard.dtype}", shard.detach().reshape(-1).clone())
         return torch.cat(parts)
 
-    def all_gather_async(self, shard):
-        return PendingTensor(self.all_gather(shard))
-
-    def reduce_scatter(self, full):
+    def reduce_scatter(self, full, donate: bool = False):
         full = full.detach().reshape(-1)
         parts = self._x.exchange(self.rank, f"reduce_scatter:{full.numel()}:{full.dtype}", full.clone())
         n = full.numel() // self.world_size

@@ -1,1 +1,0 @@
-"""Sharding: plans, collectives, and running a model over sharded parameters."""

@@ -1,0 +1,90 @@
+"""`fnzero export` and `fnzero checkpoint info`: registered into the `fnzero` command by `register`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .._errors import CheckpointError
+
+__all__ = ["register"]
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ..checkpoint._export import export
+
+    try:
+        paths = export(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, max_shard_size=args.max_shard_size,
+                       exclude_frozen=args.exclude_frozen, format=args.format, tied=args.tied,
+                       progress=None if not args.quiet else False)
+    except (CheckpointError, OSError) as e:
+        print(f"fnzero export: {e}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+    return str(n)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from ..checkpoint._info import info
+
+    try:
+        rep = info(args.checkpoint, verify=args.verify)
+    except (CheckpointError, OSError) as e:
+        print(f"fnzero checkpoint info: {e}", file=sys.stderr)
+        return 1
+    broken = [c for c in rep["checkpoints"] if not c["health"].startswith("ok")] or ("latest_health" in rep)
+    if args.json:
+        print(json.dumps(rep, indent=2, default=str))
+        return 1 if broken else 0
+    print(f"{rep['path']}  (latest: {rep['latest']})")
+    if not rep["checkpoints"]:
+        print("  no committed checkpoints")
+    for c in rep["checkpoints"]:
+        mark = "*" if c["tag"] == rep["latest"] else " "
+        if "step" in c:
+            prec = f"{c['param_dtype']}{' + fp32 master' if c['master_weights'] else ''}"
+            print(f"{mark} {c['tag']}: step {c['step']}, saved by {c['world_size']} rank(s) at ZeRO stage {c['stage']}, "
+                  f"{c['num_params']:,} params ({prec}), {c['optimizer']}, {_human(c['bytes'])}, format v{c['version']}: "
+                  f"{c['health']}")
+            if args.config and c.get("config"):
+                print("    config: " + c["config"].replace("\n", "\n    "))
+        else:
+            print(f"{mark} {c['tag']}: {c['health']}")
+    if "latest_health" in rep:
+        print(rep["latest_health"])
+    return 1 if broken else 0
+
+
+def register(sub) -> None:
+    ep = sub.add_parser("export", help="consolidated weights (safetensors or torch) from a checkpoint",
+                        description="Write a checkpoint's consolidated weights in model.state_dict() naming.")
+    ep.add_argument("checkpoint", help="checkpoint root (uses 'latest') or one checkpoint directory")
+    ep.add_argument("out", help="output file, or a directory for model.safetensors / pytorch_model.bin")
+    ep.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16 or fp64; integer buffers keep theirs")
+    ep.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    ep.add_argument("--max-shard-size", default=None, help="split into files of at most this size, e.g. 5GB")
+    ep.add_argument("--exclude-frozen", action="store_true", help="leave out requires_grad=False parameters")
+    ep.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    ep.add_argument("--tied", choices=["copy", "first"], default="copy",
+                    help="tied weights: a copy under every name (default) or the first name only")
+    ep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ep.set_defaults(func=_cmd_export)
+
+    cp = sub.add_parser("checkpoint", help="inspect checkpoints")
+    csub = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    ip = csub.add_parser("info", help="tags, world size, stage, sizes, config and health")
+    ip.add_argument("checkpoint", help="checkpoint root or one checkpoint directory")
+    ip.add_argument("--verify", action="store_true", help="also read everything and check every checksum")
+    ip.add_argument("--config", action="store_true", help="print each checkpoint's config JSON")
+    ip.add_argument("--json", action="store_true", help="machine-readable output")
+    ip.set_defaults(func=_cmd_info)

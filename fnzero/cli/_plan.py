@@ -1,0 +1,210 @@
+"""`fnzero plan`: per-rank model-state memory for every ZeRO stage and offload choice, and the
+largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; this module only parses and prints.
+
+    fnzero plan --params 7B --world-size 64 --gpus-per-node 8 --memory-per-device 80GB
+    fnzero plan --params 350M --world-size 8 --config ds_config.json --json
+
+Exit codes: 0 printed; 2 bad arguments or an invalid --config file (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from ..memory import _estimate as _plan
+
+__all__ = ["register", "plan_report"]
+
+_PRECISION_TITLE = {
+    "fp32": "fp32 weights, gradients and Adam state (16 bytes/param before sharding)",
+    "bf16": "16-bit (bf16/fp16) weights and gradients + fp32 master and Adam state (16 bytes/param before sharding)",
+    "fp16": "fp16 weights and gradients + fp32 master and Adam state (16 bytes/param before sharding)",
+}
+
+
+def _arg(parse, **kw):
+    # argparse turns ArgumentTypeError into `fnzero plan: error: ...` on stderr and exit 2.
+    def conv(text):
+        try:
+            return parse(text, **kw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = parse.__name__.replace("parse_", "")
+    return conv
+
+
+def _pos_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _rows(args, config_choice):
+    """(precision, stage, offload_optimizer, offload_param, ratio, from_config) for every row."""
+    if args.precision is not None:
+        precisions = [args.precision]
+    elif config_choice is not None:
+        precisions = [config_choice[0]]
+    else:
+        precisions = ["fp32", "bf16"]  # fp16 has bf16's bytes
+    rows = []
+    for prec in precisions:
+        seen = False
+        for stage, opt, par in _plan.OFFLOAD_CHOICES:
+            mine = config_choice is not None and config_choice[1:] == (stage, opt, par, 1.0)
+            seen |= mine
+            rows.append((prec, stage, opt, par, 1.0, mine))
+        if config_choice is not None and not seen:  # e.g. a partial ratio or parameter-only offload
+            rows.append((prec, *config_choice[1:], True))
+    return rows
+
+
+def plan_report(args) -> dict:
+    """Everything `fnzero plan` prints, as JSON-ready data (bytes are whole numbers)."""
+    nodes = math.ceil(args.world_size / args.gpus_per_node)
+    out = {
+        "num_params": args.params, "world_size": args.world_size, "gpus_per_node": args.gpus_per_node, "nodes": nodes,
+        "memory_per_device": args.memory_per_device, "reserve": args.reserve,
+        "host_memory_per_node": args.host_memory_per_node, "config": args.config, "rows": [],
+    }
+    for prec, stage, opt, par, ratio, mine in _rows(args, args._config_choice):
+        e = _plan.estimate(args.params, stage=stage, world_size=args.world_size, precision=prec,
+                           offload_optimizer=opt, offload_param=par, ratio=ratio)
+        row = {
+            "precision": prec, "stage": stage, "offload_optimizer": opt, "offload_param": par, "ratio": ratio,
+            "from_config": mine,
+            "device_bytes": e.device_bytes, "host_bytes": e.host_bytes, "nvme_bytes": e.nvme_bytes,
+            "host_bytes_per_node": round(e.host.total * args.gpus_per_node),
+            "nvme_bytes_per_node": round(e.nvme.total * args.gpus_per_node),
+            "device": e.device.as_ints(), "host": e.host.as_ints(), "nvme": e.nvme.as_ints(),
+            "device_bytes_per_param": float(_plan.bytes_per_param(e, "device")),
+            "fits": None, "max_params": None,
+        }
+        if args.memory_per_device is not None:
+            budget = args.memory_per_device - args.reserve
+            row["fits"] = e.device_bytes <= budget and (
+                args.host_memory_per_node is None or row["host_bytes_per_node"] <= args.host_memory_per_node)
+            row["max_params"] = _plan.largest_model(
+                args.memory_per_device, stage=stage, world_size=args.world_size, precision=prec,
+                offload_optimizer=opt, offload_param=par, ratio=ratio, reserve=args.reserve,
+                host_memory_per_node=args.host_memory_per_node, gpus_per_node=args.gpus_per_node)
+        out["rows"].append(row)
+    return out
+
+
+def _fmt(n: int) -> str:
+    return _plan.format_bytes(n) if n else "-"
+
+
+def _print_table(rep: dict, stream) -> None:
+    w = rep["world_size"]
+    print(f"fnzero plan: {_plan.format_count(rep['num_params'])} parameters ({rep['num_params']:,}), {w} rank(s) "
+          f"= {rep['nodes']} node(s) x {rep['gpus_per_node']} per node, Adam", file=stream)
+    print("  model states only: activations, gathered stage-3 working sets, buffers and padding are not "
+          "counted (set them aside with --reserve)", file=stream)
+    budget = rep["memory_per_device"]
+    if budget is not None:
+        line = (f"  memory per device {budget / 1e9:g} GB = {_plan.format_bytes(budget)}, reserve "
+                f"{_plan.format_bytes(rep['reserve']) if rep['reserve'] else '0'}")
+        if rep["host_memory_per_node"] is not None:
+            line += f", host memory per node {_plan.format_bytes(rep['host_memory_per_node'])}"
+        print(line, file=stream)
+    head = f"  {'stage':>5}  {'offload':<20} {'device/rank':>12} {'host/rank':>12} {'host/node':>12} {'nvme/rank':>12}"
+    if budget is not None:
+        head += f"  {'fits':<4} {'largest model':>13}"
+    prec = None
+    for r in rep["rows"]:
+        if r["precision"] != prec:
+            prec = r["precision"]
+            print(f"\n{_PRECISION_TITLE[prec]}", file=stream)
+            print(head, file=stream)
+        e = _plan.Estimate(0, r["stage"], w, prec, r["offload_optimizer"], r["offload_param"], r["ratio"],
+                           *(_plan.Breakdown(),) * 3)
+        mark = "*" if r["from_config"] else " "
+        line = (f"{mark} {r['stage']:>5}  {e.label:<20} {_plan.format_bytes(r['device_bytes']):>12} "
+                f"{_fmt(r['host_bytes']):>12} {_fmt(r['host_bytes_per_node']):>12} {_fmt(r['nvme_bytes']):>12}")
+        if budget is not None:
+            mx = r["max_params"]
+            line += f"  {'yes' if r['fits'] else 'no':<4} {_plan.format_count(mx) if mx is not None else 'unbounded':>13}"
+        print(line, file=stream)
+    print("\noffload: opt=cpu moves the fp32 master, Adam moments and gradient shard (16 bytes/param over the ranks) "
+          "to host memory; opt=nvme puts the master and moments (12) on NVMe and the gradient shard (4) in host "
+          "memory; param=X moves the parameter shard to X (stage 3).", file=stream)
+    if budget is not None:
+        print("largest model: the most parameters whose model state fits (memory - reserve) on each device "
+              "(and the host memory per node, when given); 'unbounded': no model state stays on the device.",
+              file=stream)
+    if any(r["from_config"] for r in rep["rows"]):
+        print(f"*: your config ({rep['config']})", file=stream)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    args._config_choice = None
+    if args.memory_per_device is not None and args.reserve >= args.memory_per_device:
+        print(f"fnzero plan: --reserve ({args.reserve:,} bytes) must be below --memory-per-device "
+              f"({args.memory_per_device:,} bytes)", file=sys.stderr)
+        return 2
+    if args.config is not None:
+        from .._errors import ConfigError
+        from ..config import load_config
+
+        try:
+            cfg = load_config(args.config, world_size=args.world_size)
+        except ConfigError as e:
+            errors = getattr(e, "errors", None) or [str(e)]
+            print(f"fnzero plan: {args.config}: {len(errors)} error(s)", file=sys.stderr)
+            for err in errors:
+                print(f"  - {err}", file=sys.stderr)
+            return 2
+        z = cfg.zero_optimization
+        opt = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
+        par = z.offload_param.device if z.offload_param is not None else "none"
+        ratio = z.offload_optimizer.ratio if opt != "none" else 1.0
+        args._config_choice = (cfg.precision, z.stage, opt, par, float(ratio))
+    rep = plan_report(args)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        _print_table(rep, sys.stdout)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="model-state memory per rank for ZeRO stages 0-3 and offload, and the largest model that fits",
+        description="Per-rank model-state memory (parameters, gradients, fp32 master weights, Adam state) for "
+        "every ZeRO stage and offload choice, from the ZeRO formulas (fnzero.memory.zero_formula), and with "
+        "--memory-per-device the largest model each choice fits. Sizes: KB/MB/GB/TB are powers of 1000, "
+        "KiB/MiB/GiB/TiB powers of 1024. Exit status 0, or 2 for bad arguments or an invalid --config.",
+        epilog="example: fnzero plan --params 7B --world-size 64 --gpus-per-node 8 --memory-per-device 80GB",
+    )
+    p.add_argument("--params", required=True, type=_arg(_plan.parse_count), metavar="N",
+                   help="number of model parameters: 7e9, 7B, 350M, 1.3b")
+    p.add_argument("--world-size", required=True, type=_pos_int, metavar="N", help="data-parallel ranks (GPUs) in all")
+    p.add_argument("--gpus-per-node", type=_pos_int, default=None, metavar="N",
+                   help="ranks per node, for the per-node host figures (default: 8, or the world size if smaller)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a DeepSpeed/fnzero JSON config: its precision and its stage/offload row is marked with *")
+    p.add_argument("--memory-per-device", type=_arg(_plan.parse_bytes), default=None, metavar="SIZE",
+                   help="device memory, e.g. 80GB: adds 'fits' and 'largest model' columns")
+    p.add_argument("--reserve", type=_arg(_plan.parse_bytes, allow_zero=True), default=0, metavar="SIZE",
+                   help="device memory set aside for activations and working buffers (default 0)")
+    p.add_argument("--host-memory-per-node", type=_arg(_plan.parse_bytes), default=None, metavar="SIZE",
+                   help="host memory per node: also bounds the largest model for offloaded rows")
+    p.add_argument("--precision", choices=list(_plan.PRECISIONS), default=None,
+                   help="fp32, or bf16/fp16 with fp32 master weights (default: the config's, else both fp32 and 16-bit)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.gpus_per_node is None:
+        args.gpus_per_node = min(8, args.world_size)
+    return _cmd_plan(args)

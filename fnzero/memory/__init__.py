@@ -1,0 +1,28 @@
+"""Memory: what a run's model state costs, measured and predicted.
+
+Measured, from a live `TrainState` (`specs/sharding.md` §Memory):
+    model_state_bytes(state)     this rank's parameters, master weights, optimizer state and the
+                                 step's gradient buffer, unique storage only (`ModelStateBytes`)
+    zero_formula(Ψ, stage, N, mixed)   the ZeRO paper's per-rank bytes, for comparison
+    peak_rss_bytes()             this process's peak resident set size
+
+Predicted, from numbers alone (`fnzero plan`, `specs/cli.md`):
+    estimate(Ψ, stage=, world_size=, precision=, offload_optimizer=, offload_param=, ratio=)
+    largest_model(memory, stage=, world_size=, ...)
+
+The host allocator (glibc; a no-op elsewhere):
+    return_freed_memory(mmap_threshold)   give large freed blocks back to the OS
+    trim_freed_memory()                   give the heap's free pages back now
+    allocator_env(environ)                the environment `fnzero launch` gives its workers
+"""
+
+from __future__ import annotations
+
+from .._ext._heap import allocator_env, return_freed_memory, trim_freed_memory
+from ._estimate import Breakdown, Estimate, estimate, largest_model
+from ._state_bytes import ModelStateBytes, model_state_bytes, peak_rss_bytes, zero_formula
+
+__all__ = [
+    "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "estimate", "largest_model", "model_state_bytes",
+    "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
+]

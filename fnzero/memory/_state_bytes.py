@@ -1,0 +1,82 @@
+"""Per-rank model-state memory, counted exactly from a TrainState (`specs/sharding.md` §Memory).
+
+`model_state_bytes(state)` counts what the state holds (parameters, master weights, optimizer
+state, unique storage only) plus the gradient buffer the step holds: the whole padded unit where
+gradients are replicated (stages 0-1), this rank's shard where they are sharded (stages 2-3), in
+the gradient-accumulation dtype.
+`zero_formula(...)` gives the ZeRO paper's figure for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import sys
+
+import optree
+import torch
+
+from .._state import TrainState
+
+__all__ = ["ModelStateBytes", "model_state_bytes", "peak_rss_bytes", "zero_formula"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStateBytes:
+    params: int
+    master: int
+    optimizer: int
+    grads: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.master + self.optimizer + self.grads
+
+
+def _unique_bytes(tree, seen: set) -> int:
+    total = 0
+    for t in optree.tree_leaves(tree):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue  # scalars (step counts) are not model state
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def model_state_bytes(state: TrainState, grad_dtype: torch.dtype | None = None) -> ModelStateBytes:
+    """Bytes of model state this rank holds. Views share storage and are counted once, so an fp32
+    run whose optimizer updates slices of the parameters shows no separate master copy."""
+    plan = state.sharding.plan
+    seen: set = set()
+    params = _unique_bytes(state.params, seen)
+    master = _unique_bytes(state.master, seen) if state.master is not None else 0
+    optimizer = _unique_bytes(state.opt_state, seen)
+    if grad_dtype is None:
+        any_param = next(iter(state.params.values()), None)
+        grad_dtype = any_param.dtype if any_param is not None else plan.param_dtype
+    esize = torch.empty((), dtype=grad_dtype).element_size()
+    grads = 0
+    for u in plan.units:
+        grads += (u.shard_numel if u.placement.grads else u.padded_numel) * esize
+    return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads)
+
+
+def zero_formula(num_params: int, stage: int, world_size: int, mixed_precision: bool) -> float:
+    """ZeRO model-state bytes per rank for Adam: fp32 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; 16-bit
+    with fp32 master 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
+    p, n = float(num_params), float(world_size)
+    if mixed_precision:
+        table = {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}
+    else:
+        table = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
+    return table[stage]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024

@@ -1,0 +1,80 @@
+"""Checkpoints of ZeRO-Infinity runs: the optimizer state in the NVMe store, seen as the state the
+same run would hold with `offload_optimizer.device: cpu` (`specs/offload.md` §Checkpoints).
+
+Saving reads the store's master weights and moments into memory in that layout, so the checkpoint
+is an ordinary one: it loads into a CPU-offload or plain run at any world size and stage, and an
+ordinary checkpoint loads into an NVMe run, whose store is then overwritten with the loaded values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..optim._adagrad import AdagradState
+from ..optim._adam import AdamState
+from ..optim._lion import LionState
+from ..sharding._module import optimizer_view
+from .._state import TrainState
+from ..sharding._param_store import is_placeholder
+from ._state import NvmeOptState
+
+__all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
+
+_STATE_TYPES = {"adam": AdamState, "adagrad": AdagradState, "lion": LionState}
+
+
+def is_nvme(state: TrainState) -> bool:
+    return isinstance(state.opt_state, NvmeOptState)
+
+
+def _master_in_params(state: TrainState) -> bool:
+    # fp32 parameters are their own master (as in a CPU-offload run, where master is None).
+    return next(iter(state.params.values()), torch.empty(0)).dtype == torch.float32
+
+
+def _in_memory(state: TrainState, tensor: Callable[[str, str], torch.Tensor]) -> TrainState:
+    """`state` in the CPU-offload layout, each unit's master/moment being `tensor(unit, kind)`;
+    parameters held in the store (`offload_param: nvme`) are its master in the compute dtype."""
+    store = state.opt_state.store
+    moments = {kind: {u: tensor(u, kind) for u in store.units} for kind in store.kinds[1:]}
+    new_opt = _STATE_TYPES[store.optimizer](count=state.opt_state.count.clone(), **moments)
+    master = None if _master_in_params(state) else {u: tensor(u, "master") for u in store.units}
+    params = {
+        u: (master[u] if master is not None else tensor(u, "master")).to(p.dtype) if is_placeholder(p) else p
+        for u, p in state.params.items()
+    }
+    return state.replace(params=params, opt_state=new_opt, master=master)
+
+
+def materialize(state: TrainState) -> TrainState:
+    """`state` with the store's moments (and, for 16-bit parameters, its fp32 master) in memory."""
+    return _in_memory(state, state.opt_state.store.read)
+
+
+def like_in_memory(like: TrainState) -> TrainState:
+    """The layout `materialize` gives, with uninitialized tensors: what `load` fills."""
+    numel = like.opt_state.store.units
+    return _in_memory(like, lambda unit, kind: torch.empty(numel[unit], dtype=torch.float32))
+
+
+def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
+    """Write a loaded in-memory state's master and moments into `like`'s store; the NVMe state."""
+    store = like.opt_state.store
+    plan, rank = like.sharding.plan, like.sharding.rank
+    if loaded.master is not None:
+        master = loaded.master
+    else:
+        master = optimizer_view(plan, rank, loaded.params, True)
+    for u in store.units:
+        store.write(u, "master", master[u])
+        for kind in store.kinds[1:]:
+            store.write(u, kind, getattr(loaded.opt_state, kind)[u])
+    count = int(loaded.opt_state.count)
+    store.set_step(count)
+    # Parameters held in the store go back to placeholders: their values are the master just written.
+    params = {u: like.params[u] if is_placeholder(like.params[u]) else p for u, p in loaded.params.items()}
+    return loaded.replace(params=params, master=None,
+                          opt_state=dataclasses.replace(like.opt_state, count=torch.tensor(count, dtype=torch.int64)))

@@ -1,0 +1,534 @@
+"""ZeRO-Infinity optimizer state in files: the fp32 master shards and the optimizer moments of one
+rank live on an NVMe drive and stream through a few bounded buffers, `sub_group_size` elements at
+a time, with the next chunks' reads and the previous chunks' writes in flight while the C kernel
+updates the current one (`specs/offload.md §NVMe store`).
+
+The files are scratch: every `create` makes a new `fnzero-rank{r}-{uuid}` directory, so a run
+never reads what an earlier (perhaps killed) run left behind. A manifest says whether the files
+are consistent ("clean") or were left part-way through a step or a write; per-file headers tie
+each file to its manifest. Checkpoints go through `read`/`write`, not through these files.
+
+[Note: why this file is long] `NvmeOptimizerStore` is one state machine over one set of files
+(manifest states, headers, the locked directory, the in-flight I/O): its ~400 lines check each
+other's invariants, and split across modules each part would reach into the others' state.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import struct
+import uuid
+from typing import Any, Callable
+
+import torch
+
+from .. import _ext
+from .._errors import DistributedError
+
+__all__ = ["NvmeOptimizerStore", "NvmeStoreError", "OPTIMIZERS", "stale_stores"]
+
+# optimizer -> (kernel, its state buffers besides the master, in the kernel's argument order).
+# Names follow fnzero.optim's AdamState / AdagradState / LionState.
+OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
+    "adam": (_ext.adam_step_, ("exp_avg", "exp_avg_sq")),
+    "adagrad": (_ext.adagrad_step_, ("sum",)),
+    "lion": (_ext.lion_step_, ("exp_avg",)),
+}
+_TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
+
+FORMAT = "fnzero-nvme-optimizer-store"
+VERSION = 1
+MAGIC = b"FNZNVME\0"
+HEADER = _ext.ALIGN  # one aligned block, so the data after it keeps O_DIRECT alignment
+_HDR = struct.Struct("<8sII16sQQ16s")  # magic, version, dtype (0 = fp32), store uuid, numel, data bytes, kind
+_ELEM = 4  # fp32
+_PAGE_ELEMS = _ext.ALIGN // _ELEM
+MANIFEST, LOCK, PREFIX = "manifest.json", "lock", "fnzero-rank"
+_AIO_KEYS = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit", "overlap_events",
+             "use_gds"}  # fmt: skip
+
+
+class NvmeStoreError(OSError, DistributedError):
+    """A store file is missing, truncated, replaced, of another store, or was left part-way through
+    a step: the run cannot go on from it. An OSError (errno, filename = the path) and a
+    fnzero.DistributedError."""
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _flat(name: str, what: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"NvmeOptimizerStore: {what}[{name!r}] must be a contiguous CPU tensor")
+    return t.reshape(-1)
+
+
+def _write_json_atomic(path: str, obj: dict, fsync: bool) -> None:
+    # Write-then-rename: a reader sees the old manifest or the new one, never a torn one. Without
+    # fsync this survives kill -9 (the page cache outlives the process), not a power cut; the
+    # files are scratch, so only `create` pays for durability.
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class NvmeOptimizerStore:
+    """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit).
+
+    Make one with `create` (new scratch files) or, to inspect files left behind, `open`
+    (read-only). Not thread-safe; one store per process and directory."""
+
+    # -- construction -------------------------------------------------------------------------
+    def __init__(self, path: str, manifest: dict, *, writable: bool, buffer_count: int = 4, aio: Any = None,
+                 use_cext: bool | None = None):  # fmt: skip
+        self.path = path
+        self._manifest = manifest
+        self.optimizer: str = manifest["optimizer"]
+        self._kernel, moments = OPTIMIZERS[self.optimizer]
+        self.kinds: tuple[str, ...] = ("master", *moments)
+        self._units: dict[str, tuple[int, int]] = {name: (numel, off) for name, numel, off in manifest["units"]}
+        self.sub_group_size: int = manifest["sub_group_size"]
+        self.buffer_count = buffer_count
+        self._writable, self._use_cext = writable, use_cext
+        self._broken: str | None = None  # why the files are inconsistent (a step or write failed part-way)
+        self._bufs: list[dict[str, torch.Tensor]] | None = None
+        self._gbuf: torch.Tensor | None = None
+        self._lock_fd = -1
+        self._handles: dict[str, _ext.AioHandle] = {}
+        self._ino: dict[str, tuple[int, int]] = {}
+        self._engine = _ext.AioEngine.from_config(aio or {}, use_cext=use_cext)
+
+    @classmethod
+    def create(cls, directory: str | os.PathLike, master: dict[str, torch.Tensor], *, optimizer: str = "adam",
+               sub_group_size: int = 10**9, buffer_count: int = 4, aio: Any = None, rank: int = 0,
+               use_cext: bool | None = None) -> NvmeOptimizerStore:  # fmt: skip
+        """New scratch files under `directory`/fnzero-rank{rank}-{uuid}/ holding a copy of `master`
+        (fp32, any shapes, flattened) and zero optimizer state; durable (fsynced) on return, so the
+        caller may drop `master`. `aio`: DeepSpeed's aio block (mapping or object; block_size,
+        queue_depth, thread_count used; single_submit/overlap_events accepted, the thread pool
+        always overlaps). `use_cext`: None = C kernels and I/O when built, False = the fallbacks."""
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"NvmeOptimizerStore: optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+        for name, v, lo in (("sub_group_size", sub_group_size, 1), ("buffer_count", buffer_count, 2), ("rank", rank, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"NvmeOptimizerStore: {name} must be an integer >= {lo}, got {v!r}")
+        if isinstance(aio, dict):
+            if set(aio) - _AIO_KEYS:
+                raise ValueError(f"NvmeOptimizerStore: unknown aio keys {sorted(set(aio) - _AIO_KEYS)}")
+            if aio.get("use_gds"):
+                raise ValueError("NvmeOptimizerStore: aio.use_gds is not implemented")
+            if "intra_op_parallelism" in aio:  # DeepSpeed's newer name for thread_count
+                aio = {**aio, "thread_count": aio.get("thread_count", aio["intra_op_parallelism"])}
+        flat = {}
+        for name, t in master.items():
+            if not isinstance(name, str):
+                raise ValueError(f"NvmeOptimizerStore: unit names must be strings, got {name!r}")
+            flat[name] = _flat(name, "master", t)
+            if flat[name].dtype != torch.float32:
+                raise ValueError(f"NvmeOptimizerStore: master[{name!r}] must be float32, is {flat[name].dtype}")
+        units, off = [], HEADER
+        for name, t in flat.items():  # each unit starts on an aligned block, so whole-chunk I/O can be O_DIRECT
+            units.append([name, t.numel(), off])
+            off += _round_up(t.numel() * _ELEM, _ext.ALIGN)
+        os.makedirs(directory, exist_ok=True)
+        store_id = uuid.uuid4()
+        path = os.path.join(os.fspath(directory), f"{PREFIX}{rank}-{store_id.hex}")
+        os.mkdir(path, 0o700)  # new every time: nothing of an earlier run is ever opened
+        manifest = {"format": FORMAT, "version": VERSION, "uuid": store_id.hex, "rank": rank, "optimizer": optimizer,
+                    "sub_group_size": sub_group_size, "units": units, "file_bytes": off, "state": "creating",
+                    "step": None, "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
+        self = cls(path, manifest, writable=True, buffer_count=buffer_count, aio=aio, use_cext=use_cext)
+        try:
+            self._lock()
+            self._save_manifest(fsync=False)
+            header = _ext.aligned_empty(HEADER, torch.uint8)
+            for kind in self.kinds:
+                h = self._open_file(kind, "w")
+                h.preallocate(off)  # before any data: extending O_DIRECT writes are ~8x slower on ext4
+                # fallocate'd (or sparse) blocks read as zeros: the moments start at zero unwritten.
+                header.zero_()[: _HDR.size].copy_(torch.frombuffer(bytearray(self._header(kind)), dtype=torch.uint8))
+                h.pwrite(header, 0)
+            reqs = [self._handles["master"].submit_write(t, self._units[name][1]) for name, t in flat.items() if t.numel()]
+            for r in reqs:
+                r.wait()
+            for h in self._handles.values():
+                h.sync()
+            self._save_manifest("clean", fsync=True)
+            _fsync_dir(path)
+        except BaseException:
+            self.close(delete=True)
+            raise
+        return self
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, allow_interrupted: bool = False, aio: Any = None,
+             use_cext: bool | None = None) -> NvmeOptimizerStore:  # fmt: skip
+        """A store's directory (one `create` made), read-only, for inspection: `read` works, `step`
+        and `write` do not. Refuses (NvmeStoreError naming the path) files that are missing,
+        truncated, of another store, or left part-way through `create`, a step or a write; with
+        `allow_interrupted` the last two open anyway (their contents mix old and new values)."""
+        path = os.fspath(path)
+        mpath = os.path.join(path, MANIFEST)
+        try:
+            with open(mpath) as f:
+                manifest = json.load(f)
+        except FileNotFoundError:
+            raise NvmeStoreError(errno.ENOENT, "no store manifest here (not a store, or its create was killed "
+                                               "before writing one)", mpath) from None  # fmt: skip
+        except (ValueError, OSError) as e:
+            raise NvmeStoreError(errno.EIO, f"unreadable store manifest: {e}", mpath) from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise NvmeStoreError(errno.EINVAL, f"not a {FORMAT} version {VERSION} manifest", mpath)
+        state = manifest["state"]
+        if state == "creating":
+            raise NvmeStoreError(errno.EIO, "the store's create was interrupted: its files are incomplete", path)
+        if state != "clean" and not allow_interrupted:
+            raise NvmeStoreError(errno.EIO, f"the store was interrupted during {state} (step {manifest['step']}): its "
+                                            "files mix old and new values", path)  # fmt: skip
+        self = cls(path, manifest, writable=False, aio=aio, use_cext=use_cext)
+        try:
+            for kind in self.kinds:
+                self._validate_header(kind, self._open_file(kind, "r"))
+        except BaseException:
+            self.close(delete=False)
+            raise
+        return self
+
+    # -- what is stored -----------------------------------------------------------------------
+    @property
+    def units(self) -> dict[str, int]:
+        """unit name -> number of elements."""
+        return {name: numel for name, (numel, _) in self._units.items()}
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes of the state files (headers and alignment padding included)."""
+        return len(self.kinds) * self._manifest["file_bytes"]
+
+    @property
+    def last_step(self) -> int | None:
+        """The `step` of the last completed `step` call (None before the first)."""
+        return self._manifest["step"]
+
+    def __repr__(self) -> str:
+        return (f"NvmeOptimizerStore({self.path!r}, optimizer={self.optimizer!r}, units={len(self._units)}, "
+                f"sub_group_size={self.sub_group_size}, buffer_count={self.buffer_count})")  # fmt: skip
+
+    # -- the update ---------------------------------------------------------------------------
+    def step(self, grads: dict[str, torch.Tensor], *, step: int, out: dict[str, torch.Tensor] | None = None,
+             grad_scale: float = 1.0, num_threads: int | None = None, **hyper: Any) -> None:  # fmt: skip
+        """One optimizer step over every unit, streamed through the files in chunks.
+
+        `grads[unit]`: the unit's gradient (CPU, contiguous, `numel` elements; fp32, or any float
+        dtype, converted a chunk at a time), multiplied by `grad_scale` in the kernel. `step`: this
+        step, counted from 1. `hyper`: the kernel's own keywords (adam: lr, beta1, beta2, eps,
+        weight_decay, adamw, bias_correction; adagrad: lr, lr_decay, eps, weight_decay; lion: lr,
+        beta1, beta2, weight_decay). `out[unit]` (fp32, bf16 or fp16; any subset of the units)
+        receives the new parameters in the same pass. Equals the in-memory kernel on whole shards bit for bit."""
+        self._check_usable("step", write=True)
+        grads = self._check_tensors("grads", grads, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+        outs = self._check_tensors("out", out, (torch.float32, torch.bfloat16, torch.float16), subset=True) if out is not None else {}
+        kw = dict(hyper, grad_scale=grad_scale, num_threads=num_threads, use_cext=self._use_cext)
+        if self.optimizer in _TAKES_STEP:
+            kw["step"] = step
+        elif isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"NvmeOptimizerStore.step: step must be an integer >= 1, got {step!r}")
+        empty = torch.empty(0)
+        self._kernel(*[empty] * (len(self.kinds) + 1), **kw)  # bad keywords fail here, before any file changes
+        self._check_files()
+        self._begin("step", step)
+        self._pipeline(grads, outs, kw)
+        self._manifest["step"] = int(step)
+        self._end()
+
+    def _pipeline(self, grads: dict[str, torch.Tensor], outs: dict[str, torch.Tensor], kw: dict) -> None:
+        """Chunk i lives in slot i % B from its read until its write completes, so at most B chunks
+        are held: while chunk i computes, the reads of up to B-2 (B-1 once i-1's write lands) later
+        chunks and the write of chunk i-1 are in flight."""
+        sg, nb = self.sub_group_size, self.buffer_count
+        chunks = [(name, s, min(sg, numel - s)) for name, (numel, _) in self._units.items() for s in range(0, numel, sg)]
+        if not chunks:
+            return
+        bufs = self._buffers()
+        reading: list[list[_ext.AioRequest]] = [[] for _ in range(nb)]
+        writing: list[list[_ext.AioRequest]] = [[] for _ in range(nb)]
+        next_read = 0
+
+        def top_up(limit: int, block: bool) -> None:
+            nonlocal next_read
+            while next_read < min(limit, len(chunks)):
+                slot = next_read % nb
+                if not block and not all(r.done() for r in writing[slot]):
+                    return  # the slot's previous chunk is still being written; do not stall the compute
+                for r in writing[slot]:
+                    r.wait()
+                off, n = self._span(*chunks[next_read])
+                reading[slot] = [self._handles[k].submit_read(bufs[slot][k][:n], off) for k in self.kinds]
+                next_read, block = next_read + 1, False
+
+        try:
+            for i, (name, start, n) in enumerate(chunks):
+                slot = i % nb
+                top_up(i + 1, block=True)
+                for r in reading[slot]:
+                    r.wait()
+                top_up(i + nb, block=False)
+                state = [bufs[slot][k][:n] for k in self.kinds]
+                g = grads[name][start : start + n]
+                if g.dtype != torch.float32:
+                    g = self._gbuf[:n].copy_(g)  # type: ignore[index]
+                o = outs[name][start : start + n] if name in outs else None
+                self._kernel(state[0], g, *state[1:], out16=o if o is not None and o.dtype != torch.float32 else None, **kw)
+                if o is not None and o.dtype == torch.float32:
+                    o.copy_(state[0])
+                off, nio = self._span(name, start, n)
+                writing[slot] = [self._handles[k].submit_write(bufs[slot][k][:nio], off) for k in self.kinds]
+                top_up(i + nb, block=False)
+        finally:  # never return while the I/O threads still use the buffers (also on errors)
+            self._drain()
+
+    def _span(self, name: str, start: int, n: int) -> tuple[int, int]:
+        """(file offset, elements to transfer) of a chunk. A unit's last chunk is rounded up into the
+        unit's padding when it starts aligned, so a sub_group_size that is a multiple of 1024 keeps
+        every transfer O_DIRECT (the padding is read and written back unchanged)."""
+        numel, base = self._units[name]
+        off = base + start * _ELEM
+        if start + n == numel and off % _ext.ALIGN == 0:
+            n = _round_up(n, _PAGE_ELEMS)
+        return off, n
+
+    def _buffers(self) -> list[dict[str, torch.Tensor]]:
+        # Kept between steps (like DeepSpeed's pinned swap buffers): B x cap x 4 bytes per state kind.
+        if self._bufs is None:
+            biggest = max((numel for numel, _ in self._units.values()), default=0)
+            cap = _round_up(max(1, min(self.sub_group_size, biggest)), _PAGE_ELEMS)
+            self._bufs = [{k: _ext.aligned_empty(cap) for k in self.kinds} for _ in range(self.buffer_count)]
+            self._gbuf = torch.empty(cap, dtype=torch.float32)
+        return self._bufs
+
+    def release_buffers(self) -> None:
+        """Free the staging buffers (the next `step` allocates them again)."""
+        self._bufs = self._gbuf = None
+
+    # -- whole-unit access (checkpoints, gathers) ---------------------------------------------
+    def read(self, unit: str, which: str = "master", out: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's `which` ("master" or a state name in `kinds`) as a new flat fp32 tensor, or into `out`."""
+        self._check_usable("read", write=False)
+        numel, off = self._where(unit, which)
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32)
+        elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.numel() != numel:
+            raise ValueError(f"NvmeOptimizerStore.read: out must be a float32 tensor of {numel} elements")
+        self._check_files()
+        if numel:
+            self._handles[which].pread(_flat(unit, "out", out), off)
+        return out
+
+    def write(self, unit: str, which: str, value: torch.Tensor) -> None:
+        """Replace the unit's `which` with `value` (any float dtype and shape, `numel` elements)."""
+        self._check_usable("write", write=True)
+        numel, off = self._where(unit, which)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != numel:
+            raise ValueError(f"NvmeOptimizerStore.write: value must be a float tensor of {numel} elements")
+        value = value.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        self._check_files()
+        self._begin("write", self._manifest["step"])
+        try:
+            if numel:
+                self._handles[which].pwrite(value, off)
+        finally:
+            self._drain()
+        self._end()
+
+    def set_step(self, step: int) -> None:
+        """Record that the files now hold the state after `step` steps (after `write`s that
+        restored a checkpoint), so the next `step` call is `step + 1`."""
+        self._check_usable("set_step", write=True)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"NvmeOptimizerStore.set_step: step must be an integer >= 0, got {step!r}")
+        self._manifest["step"] = step if step > 0 else None
+        self._save_manifest("clean", fsync=True)
+
+    # -- consistency ----------------------------------------------------------------------------
+    def _begin(self, what: str, step: Any) -> None:
+        # Marked before the first byte changes: a kill from here to _end leaves a manifest that
+        # makes `open` refuse the files, and an exception leaves this object refusing too.
+        self._broken = f"a {what} (step {step}) failed part-way; its files mix old and new values"
+        self._save_manifest(what)
+
+    def _end(self) -> None:
+        self._save_manifest("clean")
+        self._broken = None
+
+    def _save_manifest(self, state: str | None = None, fsync: bool = False) -> None:
+        if state is not None:
+            self._manifest["state"] = state
+        _write_json_atomic(os.path.join(self.path, MANIFEST), self._manifest, fsync)
+
+    def _check_usable(self, what: str, write: bool) -> None:
+        if not self._handles:
+            raise ValueError(f"NvmeOptimizerStore.{what}: the store at {self.path} is closed")
+        if write and not self._writable:
+            raise ValueError(f"NvmeOptimizerStore.{what}: {self.path} was opened read-only (open() is for inspection)")
+        if self._broken is not None:
+            raise NvmeStoreError(errno.EIO, self._broken, self.path)
+
+    def _check_files(self) -> None:
+        """Each file still there, the one opened, and long enough: otherwise raise naming it
+        (an open fd would keep reading a deleted file, and a truncated one short)."""
+        want = self._manifest["file_bytes"]
+        for kind in self.kinds:
+            p = self._file(kind)
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                raise NvmeStoreError(errno.ENOENT, "store file is missing (deleted while in use?)", p) from None
+            if (st.st_dev, st.st_ino) != self._ino[kind]:
+                raise NvmeStoreError(errno.ESTALE, "store file was replaced while in use", p)
+            if st.st_size < want:
+                raise NvmeStoreError(errno.EIO, f"store file is truncated: {st.st_size} bytes, {want} expected", p)
+
+    def _header(self, kind: str) -> bytes:
+        total = sum(numel for numel, _ in self._units.values())
+        data = self._manifest["file_bytes"] - HEADER
+        return _HDR.pack(MAGIC, VERSION, 0, bytes.fromhex(self._manifest["uuid"]), total, data, kind.encode())
+
+    def _validate_header(self, kind: str, h: _ext.AioHandle) -> None:
+        p, want = self._file(kind), self._manifest["file_bytes"]
+        if h.size < want:
+            raise NvmeStoreError(errno.EIO, f"store file is truncated: {h.size} bytes, {want} expected", p)
+        buf = _ext.aligned_empty(HEADER, torch.uint8)
+        h.pread(buf, 0)
+        if bytes(buf[: _HDR.size].numpy()) != self._header(kind):
+            raise NvmeStoreError(errno.EINVAL, "store file header does not match the manifest (another store's "
+                                               "file, another version, or corrupt)", p)  # fmt: skip
+
+    def _where(self, unit: str, which: str) -> tuple[int, int]:
+        if which not in self.kinds:
+            raise ValueError(f"NvmeOptimizerStore: {self.optimizer} keeps {list(self.kinds)}, not {which!r}")
+        if unit not in self._units:
+            raise KeyError(f"NvmeOptimizerStore: no unit {unit!r} (units: {list(self._units)[:8]}...)")
+        return self._units[unit]
+
+    def _check_tensors(self, what: str, tensors: Any, dtypes: tuple, subset: bool = False) -> dict[str, torch.Tensor]:
+        names = set(tensors) if isinstance(tensors, dict) else None
+        if names is None or not (names <= set(self._units) if subset else names == set(self._units)):
+            got = sorted(names) if names is not None else type(tensors).__name__
+            which = "only units of the store" if subset else "exactly the store's units"
+            raise ValueError(f"NvmeOptimizerStore.step: {what} must have {which} {sorted(self._units)}, "
+                             f"got {got}")  # fmt: skip
+        flat = {}
+        for name, t in tensors.items():
+            flat[name] = _flat(name, what, t)
+            if t.dtype not in dtypes or t.numel() != self._units[name][0]:
+                raise ValueError(f"NvmeOptimizerStore.step: {what}[{name!r}] must be one of {list(dtypes)} with "
+                                 f"{self._units[name][0]} elements; is {t.dtype} with {t.numel()}")  # fmt: skip
+        return flat
+
+    # -- files and lifetime -------------------------------------------------------------------
+    def _file(self, kind: str) -> str:
+        return os.path.join(self.path, f"{kind}.bin")
+
+    def _open_file(self, kind: str, mode: str) -> _ext.AioHandle:
+        p = self._file(kind)
+        try:
+            h = _ext.AioHandle(p, mode, engine=self._engine)
+        except FileNotFoundError:
+            raise NvmeStoreError(errno.ENOENT, "store file is missing", p) from None
+        self._handles[kind] = h
+        st = os.stat(p)
+        self._ino[kind] = (st.st_dev, st.st_ino)
+        return h
+
+    def _lock(self) -> None:
+        # Held for the store's life; the kernel drops it when the process dies, which is how
+        # `stale_stores` tells leftovers of killed runs from live stores.
+        self._lock_fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _drain(self) -> None:
+        first: BaseException | None = None
+        for h in self._handles.values():
+            try:
+                h.wait_all()
+            except OSError as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    def close(self, delete: bool = True) -> None:
+        """Wait for outstanding I/O, close the files; `delete` removes the store's directory
+        (only a writable store's: `open` never deletes). Idempotent."""
+        try:
+            for h in self._handles.values():
+                h.close()
+        finally:
+            self._handles = {}
+            self._engine.close()
+            self.release_buffers()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+            if delete and self._writable:
+                shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> NvmeOptimizerStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # forgotten: free fds and threads, keep the files (`stale_stores` finds them)
+        try:
+            self.close(delete=False)
+        except Exception:
+            pass
+
+
+def stale_stores(directory: str | os.PathLike, *, remove: bool = False) -> list[str]:
+    """Store directories under `directory` whose process is gone (their lock is free): what killed
+    runs left behind. A live store's lock is held, so it is never listed. `remove` deletes them.
+    Only meaningful on a local file system (flock)."""
+    found = []
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        p = os.path.join(os.fspath(directory), name)
+        if not name.startswith(PREFIX) or not os.path.isdir(p):
+            continue
+        try:
+            fd = os.open(os.path.join(p, LOCK), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:  # killed before it took the lock
+            found.append(p)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            found.append(p)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    if remove:
+        for p in found:
+            shutil.rmtree(p, ignore_errors=True)
+    return found

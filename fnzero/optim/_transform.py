@@ -1,0 +1,295 @@
+"""Gradient transformations, optax style: small pure `(init, update)` pairs that compose with `chain`.
+
+A `GradientTransformation` turns gradients into updates: `update(updates, state, params, **extra)
+-> (updates, state)`, pure. Updates are added to the parameters (`apply_updates`), so the chain
+ends in `scale_by_learning_rate`, which makes them `-lr * direction`. Step-level numbers a shard
+cannot compute alone are passed explicitly as `extra` keywords by whoever runs the chain (the
+training step does): `lr` (the schedule's), `momentum` (OneCycle's), `global_norm` (the gradient
+norm over every rank), `loss_scale`. Each transform reads the keywords it knows and ignores the
+rest.
+
+    >>> import torch
+    >>> from fnzero import optim
+    >>> tx = optim.chain(optim.scale_by_adam(), optim.add_decayed_weights(0.1), optim.scale_by_learning_rate(1e-2))
+    >>> params = {"w": torch.ones(2)}
+    >>> updates, state = tx.update({"w": torch.ones(2)}, tx.init(params), params)
+    >>> [round(x, 6) for x in optim.apply_updates(params, updates)["w"].tolist()]
+    [0.989, 0.989]
+
+`fnzero.optim.adamw(...)` and the other built-in optimizers are fused implementations of the
+chains in `chains.py` (checked equal by a property test); `as_optimizer(tx)` runs any chain,
+a user's own included, in `fnzero.train_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+from ._base import Optimizer, Params, zeros_count
+
+__all__ = [
+    "GradientTransformation", "chain", "apply_updates", "scale", "scale_by_learning_rate", "scale_by_adam",
+    "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay", "scale_by_trust_ratio",
+    "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale", "CountState", "ScaleByAdamState",
+    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """init(params) -> state; update(updates, state, params=None, **extra) -> (updates, state).
+
+    `elementwise`: each element's update depends on that element alone, so a flat shard can be
+    updated on its own (False where a transform reads whole tensors: trust ratios)."""
+
+    init: Callable[[Params], Any]
+    update: Callable[..., tuple[Params, Any]]
+    elementwise: bool = True
+
+
+class CountState(NamedTuple):
+    """The state of a transform that only counts its updates."""
+
+    count: torch.Tensor  # updates applied so far (0-dim int64)
+
+
+class ScaleByAdamState(NamedTuple):
+    """`scale_by_adam`: the update count and Adam's two moments, trees like params."""
+
+    count: torch.Tensor
+    mu: Params  # first moment
+    nu: Params  # second moment
+
+
+class TraceState(NamedTuple):
+    """`trace`: the update count and the momentum buffer."""
+
+    count: torch.Tensor
+    trace: Params  # the momentum buffer
+
+
+class ScaleByLionState(NamedTuple):
+    """`scale_by_lion`: the update count and Lion's moment."""
+
+    count: torch.Tensor
+    mu: Params
+
+
+class ScaleByRssState(NamedTuple):
+    """`scale_by_rss`: the update count and the running sum of squared gradients."""
+
+    count: torch.Tensor
+    sum_of_squares: Params
+
+
+def _map(fn, *trees):
+    return optree.tree_map(fn, *trees)
+
+
+def _stateless(fn: Callable[..., Params], elementwise: bool = True) -> GradientTransformation:
+    return GradientTransformation(lambda params: (), lambda u, s, params=None, **extra: (fn(u, params, extra), s),
+                                  elementwise)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply `transforms` in order; the state is the tuple of their states, the extras go to all."""
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None, **extra):
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params, **extra)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update, all(t.elementwise for t in transforms))
+
+
+def apply_updates(params: Params, updates: Params) -> Params:
+    """`params + updates`, leaf by leaf, in each parameter's dtype."""
+    return _map(lambda p, u: p + u.to(p.dtype), params, updates)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """`factor * updates`."""
+    return _stateless(lambda u, p, e: _map(lambda x: x * factor, u))
+
+
+def scale_by_learning_rate(lr: float = 1e-3) -> GradientTransformation:
+    """`-lr * updates`; the step's `lr=` extra (its schedule) replaces the default."""
+
+    def fn(u, p, extra):
+        step_lr = extra.get("lr")
+        step_lr = lr if step_lr is None else float(step_lr)
+        return _map(lambda x: x * -step_lr, u)
+
+    return _stateless(fn)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """`updates + weight_decay * params`: before the adaptive scaling it is an L2 penalty (Adam),
+    after it decoupled weight decay (AdamW)."""
+    if weight_decay == 0.0:
+        return _stateless(lambda u, p, e: u)
+    return _stateless(lambda u, p, e: _map(lambda x, w: x + weight_decay * w.to(x.dtype), u, p))
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_correction: bool = True,
+                  eps_inside_sqrt: bool = False) -> GradientTransformation:
+    """Adam's direction `m_hat / (sqrt(v_hat) + eps)` (eps under the root with `eps_inside_sqrt`;
+    without bias correction m and v as they are). `momentum=` replaces b1 for the step."""
+
+    def init(params):
+        with torch.no_grad():
+            return ScaleByAdamState(zeros_count(), _map(torch.zeros_like, params), _map(torch.zeros_like, params))
+
+    def update(u, s, params=None, **extra):
+        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
+        t = int(s.count) + 1
+        mu = _map(lambda m, g: m + (g.to(m.dtype) - m) * (1.0 - beta1), s.mu, u)
+        nu = _map(lambda v, g: v * b2 + g.to(v.dtype) * g.to(v.dtype) * (1.0 - b2), s.nu, u)
+        bc1 = 1.0 - beta1**t if bias_correction else 1.0
+        bc2 = 1.0 - b2**t if bias_correction else 1.0
+
+        def direction(m, v):
+            denom = (v / bc2 + eps).sqrt() if eps_inside_sqrt else (v / bc2).sqrt() + eps
+            return (m / bc1) / denom
+
+        return _map(direction, mu, nu), ScaleByAdamState(s.count + 1, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
+    """SGD momentum as torch.optim.SGD keeps it: the buffer starts at the first gradient, then
+    `buf = momentum * buf + (1 - dampening) * g`; the update is `buf` (or `g + momentum * buf`)."""
+
+    def init(params):
+        with torch.no_grad():
+            return TraceState(zeros_count(), _map(torch.zeros_like, params))
+
+    def update(u, s, params=None, **extra):
+        mom = momentum if extra.get("momentum") is None else float(extra["momentum"])
+        first = int(s.count) == 0
+        buf = _map(lambda b, g: g.to(b.dtype).clone() if first else b * mom + g.to(b.dtype) * (1.0 - dampening),
+                   s.trace, u)
+        out = _map(lambda g, b: g + b * mom, u, buf) if nesterov else buf
+        return out, TraceState(s.count + 1, buf)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction `sign(b1 * m + (1 - b1) * g)`, then `m = b2 * m + (1 - b2) * g`."""
+
+    def init(params):
+        with torch.no_grad():
+            return ScaleByLionState(zeros_count(), _map(torch.zeros_like, params))
+
+    def update(u, s, params=None, **extra):
+        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
+        out = _map(lambda m, g: torch.sign(m * beta1 + g.to(m.dtype) * (1.0 - beta1)), s.mu, u)
+        mu = _map(lambda m, g: m * b2 + g.to(m.dtype) * (1.0 - b2), s.mu, u)
+        return out, ScaleByLionState(s.count + 1, mu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
+    """Adagrad's direction: `g / (sqrt(sum of g^2) + eps)`, the sum started at the initial value."""
+
+    def init(params):
+        with torch.no_grad():
+            return ScaleByRssState(zeros_count(), _map(lambda p: torch.full_like(p, initial_accumulator_value), params))
+
+    def update(u, s, params=None, **extra):
+        acc = _map(lambda a, g: a + g.to(a.dtype) * g.to(a.dtype), s.sum_of_squares, u)
+        return _map(lambda g, a: g / (a.sqrt() + eps), u, acc), ScaleByRssState(s.count + 1, acc)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_lr_decay(lr_decay: float) -> GradientTransformation:
+    """Adagrad's `lr_decay`: the t-th update (1-based) is divided by `1 + (t - 1) * lr_decay`."""
+
+    def update(u, s, params=None, **extra):
+        t = int(s.count) + 1
+        return _map(lambda x: x / (1.0 + (t - 1) * lr_decay), u), CountState(s.count + 1)
+
+    return GradientTransformation(lambda params: CountState(zeros_count()), update)
+
+
+def scale_by_bias_correction(b1: float, b2: float) -> GradientTransformation:
+    """Lamb's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`, applied to the whole update."""
+
+    def update(u, s, params=None, **extra):
+        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
+        t = int(s.count) + 1
+        factor = (1.0 - b2**t) ** 0.5 / (1.0 - beta1**t)
+        return _map(lambda x: x * factor, u), CountState(s.count + 1)
+
+    return GradientTransformation(lambda params: CountState(zeros_count()), update)
+
+
+def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> GradientTransformation:
+    """Lamb's per-tensor trust ratio `||p|| / ||u||`, clamped; 1 where either norm is zero. It
+    reads whole tensors, so the chain is not elementwise."""
+
+    def ratio(u, p):
+        w, n = torch.linalg.vector_norm(p.to(u.dtype)), torch.linalg.vector_norm(u)
+        ok = (w != 0) & (n != 0)
+        return u * torch.where(ok, (w / torch.where(ok, n, 1.0)).clamp(min_coeff, max_coeff), 1.0)
+
+    return _stateless(lambda u, p, e: _map(ratio, u, p), elementwise=False)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale the updates by `max_norm / (norm + 1e-6)` when below 1 (torch's clip_grad_norm_).
+    The norm is the step's `global_norm=` extra (over every rank's shard); without it, this
+    tree's own norm."""
+
+    def fn(u, p, extra):
+        norm = extra.get("global_norm")
+        if norm is None:
+            leaves = [x for x in optree.tree_leaves(u) if x.numel()]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.double()) for x in leaves])))\
+                if leaves else 0.0
+        coef = max_norm / (float(norm) + 1e-6)
+        return u if coef >= 1.0 else _map(lambda x: x * coef, u)
+
+    return _stateless(fn)
+
+
+def scale_by_loss_scale() -> GradientTransformation:
+    """Divide by the step's `loss_scale=` extra (fp16 training); nothing without it."""
+
+    def fn(u, p, extra):
+        s = extra.get("loss_scale")
+        return u if s in (None, 1.0) else _map(lambda x: x / float(s), u)
+
+    return _stateless(fn)
+
+
+def as_optimizer(tx: GradientTransformation) -> Optimizer:
+    """Run a chain where fnzero runs an optimizer (`fnzero.train_step(..., optimizer=)`,
+    `sm.init_state(optimizer=)`): `update` returns new parameters, `update_` writes them into the
+    given ones. The step's `lr`, `momentum` and `global_norm` (of the gradients the chain is
+    given, over every rank) arrive as the chain's extras; it has no traced
+    `graph_update`, so `fnzero.jit(scope="step")` compiles the loss only for it."""
+
+    def update_(grads, opt_state, params, lr=None, *, momentum=None, **extra):
+        with torch.no_grad():
+            updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
+            optree.tree_map(lambda p, u: p.add_(u.to(p.dtype)), params, updates)
+        return params, new_state
+
+    def update(grads, opt_state, params, lr=None, *, momentum=None, **extra):
+        with torch.no_grad():
+            updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
+            return apply_updates(params, updates), new_state
+
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, takes_extras=True)

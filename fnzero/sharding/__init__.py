@@ -1,0 +1,31 @@
+"""Sharding: placements, plans, collectives, and running a model over sharded parameters
+(`specs/sharding.md`, `specs/collectives.md`).
+
+    Placement, placement_for_stage   what of a unit is sharded; a ZeRO stage names a preset
+    ShardPlan, UnitPlan              which parameters form a unit and which slice each rank owns
+    shard, ShardedModule             a model laid out by a plan: `.apply`, `.init_state`, `.gather`
+    Collectives (and implementations)  the communication interface the step and the runtime use;
+        CollectivesBase derives the async and option-taking forms for a custom backend
+    default_collectives, providing_collectives, current_world_size
+                                     the collectives (and world) code runs over when it names none
+    init_distributed, DistInfo       join torchrun's process group
+"""
+
+from __future__ import annotations
+
+from ._collectives import (
+    Collectives, CollectivesBase, LocalCollectives, ProcessGroupCollectives, current_world_size, default_collectives,
+    providing_collectives,
+)
+from ._observed import RecordingCollectives
+from ._construct import shard
+from ._dist import DistInfo, init_distributed
+from ._module import PretrainedWarning, ShardedModule
+from ._placement import Placement, placement_for_stage
+from ._plan import ShardPlan, UnitPlan
+
+__all__ = [
+    "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
+    "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
+    "init_distributed", "placement_for_stage", "providing_collectives", "shard",
+]

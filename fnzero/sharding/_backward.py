@@ -1,0 +1,185 @@
+"""Parameters bound during backward, for recomputation that happens inside it.
+
+[Note: gradient checkpointing inside a model]
+`apply` binds the parameters into the module only while its forward runs; outside it the module
+holds meta placeholders. Activation checkpointing that the *model* does itself (transformers'
+`gradient_checkpointing_enable()`, `torch.utils.checkpoint` in a user's block, torch's
+`checkpoint_wrapper`) runs part of the forward again during backward, reading the module's
+attributes, long after `apply` returned. So from the moment backward reaches an apply's outputs
+until that backward ends, the apply's parameters are bound again, as FSDP2 re-unshards a module
+before its backward:
+
+* the root tensors (every gathered unit's views, frozen parameters, buffers) are swapped back in,
+  the same differentiable views the forward used: with reentrant checkpointing, whose inner
+  backward accumulates into the leaves it reaches, gradients reach the step's aliases as usual;
+* a stage-3 unit's parameters are not gathered up front: its modules get a parameter table whose
+  first read gathers the unit (the copy re-gathered for its backward, cached) and binds its views,
+  differentiably with respect to the shard. Units no recomputation reads cost nothing. The unit's
+  reduce-scatter (`GatherUnit.backward`, of the first forward's gather or, with reentrant
+  checkpointing, of the recomputation's) unbinds it again, so one unit is gathered at a time.
+
+The binding ends with the backward pass that entered it (autograd's final callback), or when the
+run is released, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._plan import UnitPlan
+
+__all__ = ["LazyParameters", "UnitBinder", "BackwardBinding", "swap_tensors"]
+
+
+@contextlib.contextmanager
+def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit.
+
+    This is what torch.func.functional_call does for the root; units need it for a submodule whose
+    own `forward` is wrapped, where functional_call would recurse into the wrapper.
+    """
+    saved = []
+    try:
+        for name, t in tensors.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_path) if owner_path else module
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            # dict's own methods: reading a `LazyParameters` entry to save it must not gather it.
+            saved.append((table, leaf, dict.__getitem__(table, leaf)))
+            dict.__setitem__(table, leaf, t)
+        yield
+    finally:
+        for table, leaf, old in reversed(saved):
+            dict.__setitem__(table, leaf, old)
+
+
+class LazyParameters(dict):
+    """A module's `_parameters` while backward runs: reading an entry of a stage-3 unit that is
+    not bound yet asks its binder to gather the unit first. Everything else is a plain dict."""
+
+    __slots__ = ("binders",)
+
+    def __init__(self, table: dict, binders: dict[str, "UnitBinder"]):
+        super().__init__(table)
+        self.binders = binders  # leaf name -> the binder of the unit it belongs to
+
+    def __getitem__(self, key):
+        binder = self.binders.get(key)
+        if binder is not None and not binder.bound:
+            binder.bind()
+        return dict.__getitem__(self, key)
+
+
+class UnitBinder:
+    """Binds one stage-3 unit's gathered views into its modules' lazy tables, and unbinds them.
+
+    `gather() -> (full, views)`: the unit's full buffer, gathered for backward and differentiable
+    with respect to the shard, and its parameter views by state_dict name. While bound, `full` is
+    also what a recomputation that calls the unit's own (wrapped) forward binds, so a unit is
+    gathered once per recomputation whichever way the model reaches its parameters.
+    """
+
+    def __init__(self, unit: UnitPlan, root: nn.Module, gather: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]):
+        self.unit = unit
+        self.gather = gather
+        self.bound = False
+        self.full: torch.Tensor | None = None
+        self.tables: dict[str, tuple[nn.Module, str]] = {}  # state_dict name -> (owner, leaf)
+        for slot in unit.slots:
+            for name in (slot.name, *slot.aliases):
+                owner, _, leaf = name.rpartition(".")
+                self.tables[name] = (root.get_submodule(owner) if owner else root, leaf)
+        self._placeholders: dict[str, Any] = {}
+
+    def snapshot(self) -> None:
+        """Remember what the tables hold when backward starts (the placeholders), to put back."""
+        self._placeholders = {name: dict.__getitem__(owner._parameters, leaf) for name, (owner, leaf) in self.tables.items()}
+
+    def bind(self) -> None:
+        self.full, views = self.gather()
+        self.bound = True
+        for name, (owner, leaf) in self.tables.items():
+            dict.__setitem__(owner._parameters, leaf, views[name])
+
+    def unbind(self) -> None:
+        if not self.bound:
+            return
+        self.bound, self.full = False, None
+        for name, (owner, leaf) in self.tables.items():
+            dict.__setitem__(owner._parameters, leaf, self._placeholders[name])
+
+
+class BackwardBinding:
+    """One apply's parameters, bound for the rest of a backward pass (see the Note above).
+
+    Two applies of one model in one loss bind the same tables: the later one wins while both are
+    bound (its parameters are the ones a recomputation sees, the same tensors when both applies
+    were given the same parameters), and bindings always come off in the reverse order they went
+    on, whatever order autograd runs its final callbacks in.
+    """
+
+    def __init__(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], binders: list[UnitBinder],
+                 run: Any, bound_runs: list):
+        self.module = module
+        self.root_tensors = root_tensors
+        self.binders = binders
+        self.run = run
+        self.bound_runs = bound_runs  # the runs bound right now, in binding order (a stack)
+        self._stack: contextlib.ExitStack | None = None
+        self._released = False
+
+    @property
+    def active(self) -> bool:
+        return self._stack is not None
+
+    def enter(self) -> None:
+        if self._stack is not None or self._released:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(swap_tensors(self.module, self.root_tensors))
+        for b in self.binders:
+            b.snapshot()
+        # Lazy tables on every module that owns a stage-3 unit's parameters.
+        by_owner: dict[int, tuple[nn.Module, dict[str, UnitBinder]]] = {}
+        for b in self.binders:
+            for owner, leaf in b.tables.values():
+                by_owner.setdefault(id(owner), (owner, {}))[1][leaf] = b
+        for owner, leaves in by_owner.values():
+            original = owner._parameters
+            owner.__dict__["_parameters"] = LazyParameters(original, leaves)
+            stack.callback(owner.__dict__.__setitem__, "_parameters", original)
+        for b in self.binders:
+            stack.callback(b.unbind)  # runs before the tables are restored (LIFO)
+        self.bound_runs.append(self.run)
+        stack.callback(self.bound_runs.remove, self.run)
+        self._stack = stack
+
+    def exit(self) -> None:
+        if self._stack is None:
+            return
+        # Bindings made after this one come off first (see the class docstring).
+        while self.bound_runs and self.bound_runs[-1] is not self.run:
+            later = getattr(self.bound_runs[-1], "backward", None)
+            if later is None or not later.active:
+                self.bound_runs.pop()
+                continue
+            later.exit()
+        stack, self._stack = self._stack, None
+        stack.close()
+
+    def release(self) -> None:
+        """Unbind for good and drop every reference (the output hooks keep this object alive)."""
+        self.exit()
+        self._released = True
+        self.root_tensors, self.binders, self.module, self.run = {}, [], None, None
+
+    def enter_until_backward_ends(self, _grad=None) -> None:
+        """A tensor hook: bind now, unbind when the backward pass that called it is done."""
+        if self._stack is not None or self._released:
+            return
+        self.enter()
+        torch.autograd.Variable._execution_engine.queue_callback(self.exit)

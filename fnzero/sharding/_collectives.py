@@ -1,0 +1,266 @@
+"""The collectives fnzero uses, behind one small interface.
+
+Every method returns a new tensor and leaves its input alone, so the sharding code reads like
+math and tests can swap in a recording or an in-process implementation (`specs/collectives.md`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from typing import Iterator, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from ._direct import start_direct_all_gather, start_direct_reduce_scatter
+
+__all__ = [
+    "Collectives",
+    "CollectivesBase",
+    "LocalCollectives",
+    "ProcessGroupCollectives",
+    "default_collectives",
+    "current_world_size",
+    "provided_collectives",
+    "providing_collectives",
+    "PendingTensor",
+]
+
+_AVG = "avg"
+_SUM = "sum"
+_MAX = "max"
+
+
+@runtime_checkable
+class Collectives(Protocol):
+    """What a data-parallel step needs from a communication backend.
+
+    `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
+    `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
+    `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`.
+
+    The `_async` forms start the collective and return a `PendingTensor` whose `wait()` gives the
+    result: the step overlaps gradient reductions with backward, and sharded units prefetch the
+    next unit's gather. Options an implementation may use or ignore, never refuse:
+    `all_gather_async(shard, out=)` gathers into `out`; `donate=True` says the caller never reads
+    the input again, so it may be reduced in place. `CollectivesBase` derives every optional form
+    from the five blocking calls, for a custom backend.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor: ...
+    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> "PendingTensor": ...
+    def reduce_scatter(self, full: torch.Tensor, donate: bool = False) -> torch.Tensor: ...
+    def reduce_scatter_async(self, full: torch.Tensor) -> "PendingTensor": ...
+    def all_reduce(self, t: torch.Tensor, op: str = _SUM) -> torch.Tensor: ...
+    def all_reduce_async(self, t: torch.Tensor, donate: bool = False) -> "PendingTensor": ...
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
+    def barrier(self) -> None: ...
+
+
+class CollectivesBase:
+    """The optional forms of `Collectives` from the blocking ones a subclass defines (`all_gather`,
+    `reduce_scatter(full, donate=False)`, `all_reduce`, `broadcast`, `barrier`): async calls
+    complete at once, `out=` is a copy, `donate` is passed on."""
+
+    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> "PendingTensor":
+        t = self.all_gather(shard)
+        return PendingTensor(out.copy_(t) if out is not None else t)
+
+    def reduce_scatter_async(self, full: torch.Tensor) -> "PendingTensor":
+        return PendingTensor(self.reduce_scatter(full))
+
+    def all_reduce_async(self, t: torch.Tensor, donate: bool = False) -> "PendingTensor":
+        return PendingTensor(self.all_reduce(t))
+
+
+class PendingTensor:
+    """A tensor that a collective is still filling; `wait()` returns it."""
+
+    __slots__ = ("_tensor", "_work")
+
+    def __init__(self, tensor: torch.Tensor, work=None):
+        self._tensor = tensor
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+
+class _KeepAlive:
+    """A collective's work handle plus the input it reads, so the input cannot be freed early."""
+
+    __slots__ = ("work", "ref")
+
+    def __init__(self, work, ref):
+        self.work, self.ref = work, ref
+
+    def wait(self):
+        self.work.wait()
+        self.ref = None
+
+
+class LocalCollectives:
+    """World of one: every collective is the identity (a copy, so results never alias inputs)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_gather(self, shard):
+        return shard.clone()
+
+    def all_gather_async(self, shard, out: torch.Tensor | None = None):
+        return PendingTensor(out.copy_(shard) if out is not None else shard.clone())
+
+    def reduce_scatter(self, full, donate: bool = False):
+        return full if donate else full.clone()
+
+    def reduce_scatter_async(self, full):
+        return PendingTensor(full.clone())
+
+    def all_reduce(self, t, op=_SUM):
+        return t.clone()
+
+    def all_reduce_async(self, t, donate: bool = False):
+        return PendingTensor(t if donate else t.clone())
+
+    def broadcast(self, t, src=0):
+        return t.clone()
+
+    def barrier(self):
+        return None
+
+
+_REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
+
+
+def _all_gather_fn():
+    # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ProcessGroupCollectives:
+    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        # On gloo, all-gather and reduce-scatter run as direct point-to-point exchanges
+        # (`_direct.py`: same bytes, 4x faster there); FNZERO_GLOO_DIRECT=0 uses gloo's own.
+        self._direct = (
+            self.world_size > 1
+            and dist.get_backend(group) == "gloo"
+            and os.environ.get("FNZERO_GLOO_DIRECT", "1") != "0"
+        )
+
+    def _use_direct(self, t: torch.Tensor) -> bool:
+        return self._direct and t.device.type == "cpu"
+
+    def all_gather(self, shard):
+        return self.all_gather_async(shard).wait()
+
+    def all_gather_async(self, shard, out: torch.Tensor | None = None):
+        # `out`: gather straight into this buffer (it must not overlap `shard`).
+        shard = shard.contiguous()
+        if out is None:
+            out = shard.new_empty(shard.numel() * self.world_size)
+        if self._use_direct(shard):
+            return start_direct_all_gather(shard.reshape(-1), out, self.rank, self.world_size, self.group)
+        work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
+        return PendingTensor(out, work)
+
+    def reduce_scatter(self, full, donate: bool = False):
+        if donate and self._use_direct(full) and full.is_contiguous():
+            full = full.reshape(-1)
+            assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
+            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group, donate=True).wait()
+        return self.reduce_scatter_async(full).wait()
+
+    def reduce_scatter_async(self, full):
+        full = full.contiguous().reshape(-1)
+        assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
+        if self._use_direct(full):
+            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group)
+        out = full.new_empty(full.numel() // self.world_size)
+        work = _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        # `full` must outlive the collective: the handle keeps it.
+        return PendingTensor(out, _KeepAlive(work, full))
+
+    def all_reduce(self, t, op=_SUM):
+        out = t.clone()
+        dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group)
+        return out
+
+    def all_reduce_async(self, t, donate: bool = False):
+        # donate=True: the caller gives `t` up, so it is reduced in place (no copy of the gradient).
+        out = t if donate else t.clone()
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return PendingTensor(out, work)
+
+    def broadcast(self, t, src=0):
+        out = t.clone()
+        dist.broadcast(out, src=src, group=self.group)
+        return out
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+
+# [Note: why a context variable] `fnzero.testing`'s simulated worlds run the same user code as
+# `fnzero launch`, one thread per rank. Code that calls `fnzero.shard(model)`, `init_distributed()`
+# or `fnzero.load_config(path)` without naming a world has no parameter through which the thread's
+# rank could arrive, so the collectives a block of code runs over are provided here, explicitly,
+# by whoever starts it (`providing_collectives`), and read by `default_collectives`.
+_PROVIDED: contextvars.ContextVar["Collectives | None"] = contextvars.ContextVar("fnzero_provided_collectives",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def providing_collectives(comm: "Collectives") -> Iterator[None]:
+    """Run the block with `comm` as the default collectives (this thread, and contexts copied
+    from it): `shard`, `init_distributed` and `fnzero.load_config` called without a world use it."""
+    token = _PROVIDED.set(comm)
+    try:
+        yield
+    finally:
+        _PROVIDED.reset(token)
+
+
+def provided_collectives() -> "Collectives | None":
+    """The collectives `providing_collectives` set for the calling code, or None."""
+    return _PROVIDED.get()
+
+
+def default_collectives() -> Collectives:
+    """The provided collectives (a simulated rank's, `providing_collectives`), else collectives
+    over the default process group, else a world of one. So the same user code runs unchanged in
+    `fnzero.testing.simulated_world(n).run(fn)` and under `fnzero launch`."""
+    comm = _PROVIDED.get()
+    if comm is not None:
+        return comm
+    if dist.is_available() and dist.is_initialized():
+        return ProcessGroupCollectives()
+    return LocalCollectives()
+
+
+def current_world_size() -> int:
+    """The data-parallel world this code runs in: the provided collectives', torch.distributed's
+    default group's, else 1 (as DeepSpeed reads its world)."""
+    comm = _PROVIDED.get()
+    if comm is not None:
+        return int(comm.world_size)
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1

@@ -1,0 +1,125 @@
+"""`fnzero.shard`: lay a model out for a ZeRO stage, from a built model, a meta model or a factory."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from ._policy import shard_policy
+from ._collectives import Collectives, default_collectives
+from ._observed import CheckedCollectives, RecordingCollectives
+from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
+from ._materialize import build_on_meta, is_meta_model
+from ._module import ShardedModule
+from ._plan import make_plan
+from ._runtime import wrap_unit_forward
+
+__all__ = ["shard"]
+
+
+def shard(
+    model: nn.Module,
+    stage: int | None = None,
+    config: Any = None,
+    *,
+    wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
+    comm: Collectives | None = None,
+    device: torch.device | str | None = None,
+    debug_collectives: bool = False,
+    init_seed: int | None = None,
+) -> ShardedModule:
+    """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
+    torch.distributed default group, or one process). `stage` overrides the config's
+    `zero_optimization.stage`. See `specs/sharding.md`.
+
+    `model` may be built on the meta device (`with torch.device("meta"): model = ...`), or be a
+    zero-argument factory that `shard` calls there: then no rank holds the whole model. Each rank
+    materialises one region (a unit) at a time on the host, runs the model's own init code on it
+    (`reset_parameters()`, Hugging Face's `_init_weights`), and keeps its shards; the values depend
+    only on `init_seed` (default: torch's initial seed on rank 0), never on the world size or the
+    rank (`specs/sharding.md` §Meta construction). `device` defaults to the accelerator if any.
+
+    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
+    bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
+    that every rank is issuing the same one, and names the first divergence.
+
+    >>> import torch, fnzero
+    >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
+    >>> sm = fnzero.shard(torch.nn.Linear(3, 2), stage=0, config=cfg)
+    >>> state = sm.init_state()
+    >>> sm.apply(state.params, torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+    """
+    if not isinstance(model, nn.Module):
+        if not callable(model):
+            raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
+        model = build_on_meta(model)
+    if is_released(model):
+        raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
+    meta = is_meta_model(model)
+    policy = shard_policy(config, stage)
+    comm = comm if comm is not None else default_collectives()
+    logger = getattr(config, "comms_logger", None)
+    if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
+        comm = RecordingCollectives(comm)
+    if debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1":
+        comm = CheckedCollectives(comm)
+    params0 = list(model.parameters())
+    if device is None:
+        device = _default_device() if meta or not params0 else params0[0].device
+    device = torch.device(device)
+    if policy.offload_param == "cpu" and device.type != "cpu":
+        raise ShardingError(
+            f"zero_optimization.offload_param device 'cpu' on {device.type} is not implemented yet "
+            "(parameter shards stay in device memory); remove offload_param, or use device 'nvme' with "
+            "offload_optimizer on nvme. On CPU runs, device 'cpu' is what already happens and is accepted"
+        )
+    # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
+    # only a stage passed here can still differ from the config's.
+    if policy.offload_param == "nvme" and not policy.placement.params:
+        raise ShardingError(
+            f"zero_optimization.offload_param device 'nvme' needs sharded parameters, stage 3 (this run is "
+            f"stage {policy.placement.stage})"
+        )
+    plan = make_plan(
+        model,
+        comm.world_size,
+        policy.placement,
+        wrap=wrap,
+        persistence_threshold=policy.persistence_threshold,
+    )
+    if meta:
+        initial, frozen, buffers, uninitialised = initial_from_meta(
+            model, plan, comm.rank, device, policy.compute_dtype, _init_seed(init_seed, comm, device))
+    else:
+        initial, frozen, buffers, uninitialised = initial_from_model(model, plan, comm.rank, device, policy.compute_dtype)
+    from .._ext._heap import trim_freed_memory
+
+    trim_freed_memory()  # the model's parameters were freed: do not keep their pages
+    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised), frozen, buffers)
+    for u in plan.units:
+        if u.placement.params and u.module != "":
+            wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
+    return sm
+
+
+def _default_device() -> torch.device:
+    """Where a meta model's shards go when `shard` is not told: the current accelerator, else the host."""
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if acc is not None and torch.accelerator.is_available():
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def _init_seed(seed: int | None, comm: Collectives, device: torch.device) -> int:
+    """The seed of a meta model's initialisation, the same on every rank: rank 0's unless given."""
+    if seed is not None:
+        return int(seed)
+    seed = torch.initial_seed() & ((1 << 62) - 1)
+    if comm.world_size > 1:
+        seed = int(comm.broadcast(torch.tensor([seed], dtype=torch.int64, device=device), src=0)[0])
+    return seed

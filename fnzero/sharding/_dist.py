@@ -1,0 +1,89 @@
+"""Process-group setup from the launcher's environment (torchrun, `fnzero launch`, SLURM)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .._errors import DistributedError
+from ._collectives import provided_collectives
+
+__all__ = ["init_distributed", "DistInfo", "free_port"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str | None
+    device: torch.device
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            try:
+                return int(v)
+            except ValueError as e:
+                raise DistributedError(f"environment variable {n}={v!r} is not an integer") from e
+    return None
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
+                     malloc_mmap_threshold: int | None = 4 << 20) -> DistInfo:
+    """Join the process group described by the environment, or run as a world of one.
+
+    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (SLURM_PROCID/SLURM_NTASKS/
+    SLURM_LOCALID are used when torchrun's are absent). The backend defaults to NCCL when CUDA is
+    available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
+    every collective, so a rank that dies makes the others fail instead of hang.
+    `malloc_mmap_threshold` sets this process's allocator policy (`fnzero.memory.return_freed_memory`);
+    None or 0 leaves glibc's defaults.
+
+    Inside `fnzero.testing.simulated_world(n).run(fn)` it returns the calling thread's rank
+    (backend "simulated", CPU) and touches neither torch.distributed nor the environment.
+    """
+    # A rank of fnzero.testing.simulated_world is a thread with no process group: its
+    # collectives are provided to the code it runs (`providing_collectives`).
+    comm = provided_collectives()
+    if comm is not None:
+        backend = getattr(comm, "backend", "provided")
+        return DistInfo(comm.rank, comm.world_size, comm.rank, backend, torch.device("cpu"))
+    if malloc_mmap_threshold:
+        from .._ext._heap import return_freed_memory
+
+        return_freed_memory(malloc_mmap_threshold)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+    rank = _env_int("RANK", "SLURM_PROCID")
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world is None or world == 1 and not dist.is_initialized():
+        return DistInfo(0, 1, 0, None, device)
+    if rank is None:
+        raise DistributedError("WORLD_SIZE is set but RANK is not; launch with `fnzero launch` or torchrun")
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise DistributedError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run")
+    backend = backend or ("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, backend, device)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (a one-node rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,136 @@
+"""A unit's parameters gathered for one forward and backward: the differentiable gather
+(`GatherUnit`), the per-unit runtime that re-gathers for backward (`UnitRuntime`), the views
+of a flat buffer as parameters (`unit_views`) and the prefetch order (`GatherSchedule`). The
+apply run that drives them is `_runtime.py` (its note explains the scheme)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._param_store import read_shard
+from ._plan import UnitPlan
+
+if TYPE_CHECKING:  # annotations only: the run and the binder hold these runtimes, not the reverse
+    from ._backward import UnitBinder
+    from ._runtime import ApplyRun
+
+__all__ = ["GatherSchedule", "GatherUnit", "Regather", "UnitRuntime", "unit_views"]
+
+
+def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
+    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer.
+
+    With `rt` (a stage-3 unit gathered in a forward), the re-gathered copy is dropped as soon as
+    autograd starts assembling the unit's flat gradient: every user of its parameters has run by
+    then, and the copy would otherwise sit beside the parameter gradients and their concatenation,
+    the peak of a unit's backward.
+    """
+    pieces = torch.split(full, unit.split_sizes)
+    if rt is not None and pieces and pieces[0].grad_fn is not None:
+        pieces[0].grad_fn.register_prehook(rt.release_regathered)
+    out = {}
+    for slot, piece in zip(unit.slots, pieces):
+        t = piece.view(slot.shape)
+        out[slot.name] = t
+        for alias in slot.aliases:
+            out[alias] = t
+    return out
+
+
+class UnitRuntime:
+    """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
+    buffer re-gathered for backward."""
+
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "store", "binder")
+
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", store=None):
+        self.unit = unit
+        self.shard = shard
+        self.comm = comm
+        self.run = run
+        self.store = store  # `offload_param: nvme`: where a placeholder shard's values are read from
+        self.pending = None  # forward prefetch in flight
+        self.bwd_full = None
+        self.bwd_pending = None  # backward prefetch in flight
+        self.packed = False  # autograd saved a view of this unit's parameters
+        self.binder: UnitBinder | None = None  # binds the unit for recomputation in backward (`_backward.py`)
+
+    def shard_values(self) -> torch.Tensor:
+        """What this rank contributes to a gather: the shard, or its values read from NVMe."""
+        if self.store is not None:
+            return read_shard(self.store, self.unit.name, self.shard)
+        return self.shard.detach()
+
+    def gather(self) -> torch.Tensor:
+        if self.pending is not None:
+            full, self.pending = self.pending.wait(), None
+            return full
+        return self.comm.all_gather(self.shard_values())
+
+    def release_regathered(self, grad_outputs):
+        self.bwd_full = None
+
+    def regather(self) -> torch.Tensor:
+        if self.run.deferred_regather == self.unit.name:
+            self.run.deferred_regather = None  # backward got here before any hooked output's gradient
+        if self.bwd_full is None:
+            if self.bwd_pending is not None:
+                self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
+            else:
+                self.bwd_full = self.comm.all_gather(self.shard_values())
+            self.run.prefetch_backward(self.unit.name)
+        return self.bwd_full
+
+
+class GatherSchedule:
+    """The order stage-3 units were gathered in the last forward, to prefetch the next unit.
+
+    A performance cache only: a wrong guess costs one extra gather, never a wrong result, and every
+    rank learns the same order from the same program, so prefetches are issued identically.
+    """
+
+    def __init__(self, prefetch_numel: int = 10**18, max_live_numel: int = 10**18):
+        self.forward_order: list[str] = []
+        self._next: dict[str, str] = {}
+        self.prefetch_numel = prefetch_numel  # stage3_prefetch_bucket_size: largest unit fetched ahead
+        self.max_live_numel = max_live_numel  # stage3_max_live_parameters: current + prefetched at most
+
+    def record_forward(self, order: list[str]) -> None:
+        if order != self.forward_order:
+            self.forward_order = list(order)
+            self._next = {a: b for a, b in zip(order, order[1:])}
+
+    def next_unit(self, name: str) -> str | None:
+        return self._next.get(name)
+
+
+class GatherUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, rt: UnitRuntime, for_backward: bool = False) -> torch.Tensor:
+        ctx.rt = rt
+        # In backward (a recomputation) the copy re-gathered for backward serves, cached; a new
+        # tensor object over it, since autograd sets this output's history.
+        return rt.regather().detach() if for_backward else rt.gather()
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        rt = ctx.rt
+        rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
+        if rt.binder is not None:
+            rt.binder.unbind()
+        if grad_full.dtype in (torch.float16, torch.bfloat16) and rt.comm.world_size > 1:
+            # A 16-bit sum over ranks can overflow where each addend does not: divide first
+            # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).
+            grad_full = grad_full / rt.comm.world_size
+        # Autograd made `grad_full` for this node alone (the concatenation of the parameter
+        # gradients), so the exchange may receive into it.
+        return rt.comm.reduce_scatter(grad_full, donate=True), None, None
+
+
+class Regather:
+    __slots__ = ("rt", "offset", "size", "stride")
+
+    def __init__(self, rt, offset, size, stride):
+        self.rt, self.offset, self.size, self.stride = rt, offset, size, stride

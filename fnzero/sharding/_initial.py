@@ -1,0 +1,138 @@
+"""The initial flat buffers of a sharded model: from a built model's own storage, released unit by
+unit, or from a meta model materialised region by region (`_materialize.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from ._materialize import MetaInitializer
+from ._plan import ShardPlan, UnitPlan
+
+__all__ = ["Initial", "InitialValues", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
+
+# (unit name -> flat buffer or this rank's shard, frozen parameters by name, buffers by name,
+#  names of the tensors a meta model's init code left uninitialised)
+Initial = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]
+
+
+@dataclasses.dataclass
+class InitialValues:
+    """What the first TrainState's parameters are built from: each unit's flat buffer or this
+    rank's shard, and the names a meta model's init code left unset (pretrained weights must
+    supply them). Held by the ShardedModule until `init_state` takes it."""
+
+    params: dict[str, torch.Tensor]
+    uninitialised: list[str]
+
+
+def placeholder_param(p: torch.Tensor) -> nn.Parameter:
+    """What a sharded model holds in place of a parameter: shape and dtype stay visible (repr,
+    shape checks), the storage is gone, and it is marked as released by fnzero."""
+    ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    ph._fnzero_released = True  # type: ignore[attr-defined]
+    return ph
+
+
+def is_released(model: nn.Module) -> bool:
+    """Whether `model` was given to `fnzero.shard` already (its parameters are placeholders)."""
+    return any(getattr(p, "_fnzero_released", False) for p in model.parameters())
+
+
+def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, value_of, device: torch.device) -> torch.Tensor:
+    flat = torch.zeros(unit.padded_numel, dtype=plan.param_dtype, device=device)
+    for slot in unit.slots:
+        flat[slot.offset : slot.offset + slot.numel].copy_(value_of(slot.name).reshape(-1))
+    if plan.params_sharded(unit):
+        lo, hi = unit.shard_range(rank)
+        flat = flat[lo:hi].clone()
+    return flat
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Where each parameter is registered (tied ones in several places)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for leaf, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mod, leaf))
+    return owners
+
+
+def _release(owners, p: torch.Tensor) -> None:
+    ph = placeholder_param(p)
+    for mod, leaf in owners.get(id(p), ()):
+        mod._parameters[leaf] = ph
+
+
+def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
+                       compute_dtype: torch.dtype | None) -> Initial:
+    """From a model built on a real device; its parameter storage is released unit by unit, so
+    sharding a model never holds it twice."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    # Frozen parameters take part in the 16-bit forward like the trainable ones.
+    frozen = {n: named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype) for n in plan.frozen}
+    buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
+    owners = _owners(model)
+    initial = {}
+    with torch.no_grad():
+        for u in plan.units:
+            initial[u.name] = _flat(u, plan, rank, lambda n: named[n], device)
+            for slot in u.slots:
+                _release(owners, named.pop(slot.name))
+                for alias in slot.aliases:
+                    named.pop(alias, None)
+    for n in plan.frozen:
+        _release(owners, named.pop(n))
+    return initial, frozen, buffers, []
+
+
+def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
+                      compute_dtype: torch.dtype | None, seed: int) -> Initial:
+    """From a model built on the meta device: each region is materialised on the host, initialised
+    by the model's own init code and dropped again (`_materialize.py`); this rank keeps its shards."""
+    init = MetaInitializer(model, plan, seed)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    names: dict[int, str] = {}
+    for n, t in [*model.named_buffers(remove_duplicate=False), *named.items()]:
+        names.setdefault(id(t), n)
+    buffer_name = {id(b): n for n, b in model.named_buffers()}  # one name each, as `named_buffers()` gives
+    frozen_ids = {id(named[n]): n for n in plan.frozen}
+    unit_of_region = {u.module: u for u in plan.units}
+    initial: dict[str, torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    uninitialised: list[str] = []
+    for n, b in model.named_buffers():
+        if not b.is_meta:
+            buffers[n] = b.detach().to(device)
+    for region in init.regions(list(unit_of_region)):
+        unit = unit_of_region.get(region)
+        # A unit's parameters registered outside its region (tied across units, so in the root
+        # unit) are initialised with it, by the modules that own them.
+        extra = tuple(m for slot in unit.slots for m, _, _ in init.owners.get(id(named[slot.name]), ())) if unit else ()
+        with init.materialized(region, extra) as mat:
+            values = mat.values
+            uninitialised += [names[k] for k in values if k in names and mat.untouched(k) and names[k] not in uninitialised]
+            with torch.no_grad():
+                if unit is not None:
+                    initial[unit.name] = _flat(unit, plan, rank, lambda n: values.get(id(named[n]), named[n]), device)
+                for key, v in values.items():
+                    if key in frozen_ids and frozen_ids[key] not in frozen:
+                        frozen[frozen_ids[key]] = v.detach().to(device=device, dtype=compute_dtype or v.dtype)
+                    if key in buffer_name:
+                        buffers.setdefault(buffer_name[key], v.detach().to(device))
+    missing = [n for n in plan.frozen if n not in frozen and named[n].is_meta]
+    if missing:
+        raise ShardingError(f"model built on the meta device: frozen parameters {missing} were never materialised")
+    for n in plan.frozen:
+        if n not in frozen:
+            frozen[n] = named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype)
+    owners = _owners(model)
+    for p in {id(p): p for p in named.values()}.values():  # marked as given to fnzero
+        _release(owners, p)
+    order = [n for n, _ in model.named_buffers()]
+    return initial, frozen, {n: buffers[n] for n in order}, sorted(uninitialised)

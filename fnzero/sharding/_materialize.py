@@ -1,0 +1,216 @@
+"""Building a sharded model from one constructed on the meta device, one unit at a time.
+
+[Note: meta construction]
+`fnzero.shard` accepts a model whose parameters (and buffers) are on the meta device — built
+under `with torch.device("meta"):`, or by a zero-argument factory that `shard` calls there — so
+no rank ever holds the whole model. The modules are grouped into *regions*: a unit module's
+subtree without the unit modules nested in it, and the rest of the model for the root. For each
+region in turn, every rank
+
+1. gives the region's modules real (host) storage, filled with a sentinel (NaN, or the integer
+   minimum) so that anything the init code leaves untouched is caught;
+2. runs the model's own init code over them as eager construction does: every module's
+   `reset_parameters()` (what its constructor ran), then the nearest `_init_weights(module)` above
+   each (Hugging Face's `PreTrainedModel`, or any model with the same hook), children before
+   parents, with torch's CPU generator seeded from (seed, region name) inside `fork_rng`; real
+   tensors of a partly-meta model are kept as they were;
+3. keeps its own slice of each unit's flat buffer, the frozen parameters and the buffers, and
+   puts the meta placeholders back, so at most one region is materialised at a time.
+
+The seed of each region depends only on the seed and the region's name, and every rank computes
+the whole region, so the initial parameters are the same bits at any world size and rank. They
+are not the bits eager construction draws (that consumes one RNG stream across the whole model),
+but the same distributions. A tensor the init code did not write (its version counter did not
+move, or a float still holds NaN) is recorded; `init_state` names it unless pretrained weights
+supply it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from ._plan import ShardPlan, owner_module
+
+__all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "GLOBAL_RNG_LOCK"]
+
+
+# Init code draws from torch's global RNG, which is process-wide: the reseeding and the draws of
+# one region must not interleave with another thread's (ranks of a thread-simulated world, which
+# build their models under the same lock: `fnzero.testing.seeded`). Re-entrant, so a model
+# factory run inside `seeded` can be sharded there.
+GLOBAL_RNG_LOCK = threading.RLock()
+
+
+def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Call a zero-argument model factory with the meta device as the default."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"the model factory given to fnzero.shard returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
+
+
+def _region_seed(seed: int, region: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{region}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _sentinel_fill(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(False)  # no sentinel value: the version counter tells (`Region.untouched`)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _untouched(t: torch.Tensor) -> bool:
+    """Whether `t` still holds the sentinel somewhere (a float) or everywhere (an integer)."""
+    if t.numel() == 0 or t.dtype == torch.bool:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return bool((t == torch.iinfo(t.dtype).min).all())
+
+
+class MetaInitializer:
+    """Materialises and initialises a meta model region by region (see the Note above)."""
+
+    def __init__(self, model: nn.Module, plan: ShardPlan, seed: int):
+        self.model = model
+        self.seed = seed
+        unit_paths = [u.module for u in plan.units if u.module != ""]
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.paths = {id(m): p for p, m in reversed(list(modules.items()))}  # first path of each module
+        # Children before parents, as `Module.apply` visits them.
+        self.post_order: list[nn.Module] = []
+        seen: set[int] = set()
+
+        def visit(m: nn.Module) -> None:
+            if id(m) in seen:
+                return
+            seen.add(id(m))
+            for c in m.children():
+                visit(c)
+            self.post_order.append(m)
+
+        visit(model)
+        # Every place a tensor is registered (tied parameters live in several modules).
+        self.owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+        for m in self.post_order:
+            for kind in ("_parameters", "_buffers"):
+                for leaf, t in getattr(m, kind).items():
+                    if t is not None:
+                        self.owners.setdefault(id(t), []).append((m, kind, leaf))
+        self.init_owner = self._init_owners()
+        # Each module's region: the innermost unit module at or above it ('' for the root), found
+        # as the plan finds a parameter's unit.
+        self.region = {id(m): owner_module(self.paths[id(m)] + ".", unit_paths) for m in self.post_order}
+
+    def _init_owners(self) -> dict[int, nn.Module]:
+        """For each module, the nearest module at or above it that defines `_init_weights`."""
+        out: dict[int, nn.Module] = {}
+
+        def visit(m: nn.Module, owner: nn.Module | None) -> None:
+            if callable(getattr(m, "_init_weights", None)):
+                owner = m
+            if owner is not None:
+                out[id(m)] = owner
+            for c in m.children():
+                visit(c, owner)
+
+        visit(self.model, None)
+        return out
+
+    def regions(self, order: list[str]) -> list[str]:
+        """Every region, those named in `order` first (in that order)."""
+        rest = []
+        for m in self.post_order:
+            r = self.region[id(m)]
+            if r not in order and r not in rest:
+                rest.append(r)
+        return list(order) + rest
+
+    @contextlib.contextmanager
+    def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region"]:
+        """Give `region`'s modules (and `extra`) real host storage and run their init; yields the
+        values by id of the meta tensor. The meta tensors are put back on exit."""
+        modules = [m for m in self.post_order if self.region[id(m)] == region or any(m is e for e in extra)]
+        out = Region()
+        swapped: list[tuple[dict, str, Any]] = []
+        try:
+            for m in modules:
+                for kind in ("_parameters", "_buffers"):
+                    for leaf, t in list(getattr(m, kind).items()):
+                        if t is None or not t.is_meta or id(t) in out.values:
+                            continue
+                        real = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        _sentinel_fill(real)
+                        if isinstance(t, nn.Parameter):
+                            real = nn.Parameter(real, requires_grad=t.requires_grad)
+                        out.values[id(t)] = real
+                        out.versions[id(t)] = real._version
+                        for owner, okind, oleaf in self.owners[id(t)]:
+                            table = getattr(owner, okind)
+                            swapped.append((table, oleaf, table[oleaf]))
+                            table[oleaf] = real
+            # Real tensors of a partly-meta model (loaded, or built on a device) are not the init
+            # code's to change: kept aside and written back.
+            fresh = {id(v) for v in out.values.values()}
+            keep = [(t, t.detach().clone()) for m in modules for kind in ("_parameters", "_buffers")
+                    for t in getattr(m, kind).values() if t is not None and not t.is_meta and id(t) not in fresh]
+            with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
+                # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
+                # every accelerator's generator.
+                torch.default_generator.manual_seed(_region_seed(self.seed, region))
+                # As eager construction: every module's constructor-time reset, then the model's
+                # init pass, each children before parents.
+                for m in modules:
+                    _reset(m)
+                for m in modules:
+                    owner = self.init_owner.get(id(m))
+                    if owner is not None:
+                        owner._init_weights(m)
+                for t, saved in keep:
+                    t.copy_(saved)
+            for key, real in list(out.values.items()):  # an init that replaced a tensor instead
+                owner, kind, leaf = self.owners[key][0]
+                now = getattr(owner, kind)[leaf]
+                if now is not real and now is not None and not now.is_meta:
+                    out.values[key], out.versions[key] = now, -1
+            yield out
+        finally:
+            for table, leaf, old in reversed(swapped):
+                table[leaf] = old
+
+
+class Region:
+    """The materialised tensors of one region: id(meta tensor) -> value, and each value's
+    version counter right after its sentinel fill (init code writes in place, which bumps it)."""
+
+    def __init__(self):
+        self.values: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, int] = {}
+
+    def untouched(self, key: int) -> bool:
+        v = self.values[key]
+        if self.versions[key] != -1 and v._version == self.versions[key]:
+            return True
+        return _untouched(v)
+
+
+def _reset(m: nn.Module) -> None:
+    reset = getattr(m, "reset_parameters", None) or getattr(m, "_reset_parameters", None)
+    if callable(reset):
+        reset()

@@ -1,0 +1,305 @@
+"""`ShardedModule`: a model plus a ShardPlan, with a pure `apply` and the initial state (made by
+`fnzero.shard`, `_construct.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from .._state import Sharding, TrainState
+from ._collectives import Collectives
+from ._initial import InitialValues
+from ._param_store import is_placeholder, read_shard
+from ._policy import ShardPolicy
+from ._plan import ShardPlan, UnitPlan
+from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
+
+__all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
+
+
+def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
+    """A unit's full padded buffer from either the full buffer itself or this rank's shard."""
+    if t.numel() == unit.padded_numel:
+        return t
+    if t.numel() == unit.shard_numel:
+        return comm.all_gather(t)
+    raise ShardingError(
+        f"unit {unit.name!r}: a buffer of {t.numel()} elements is neither the full unit "
+        f"({unit.padded_numel}) nor a shard ({unit.shard_numel})"
+    )
+
+
+def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
+    """What the optimizer updates when params are the master copy (fp32 training), by each unit's
+    placement: the whole unit where the optimizer state is replicated, the shard itself where
+    parameters are sharded, else this rank's slice of the replicated buffer. Slices are views.
+
+    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views where the
+    optimizer state is replicated.
+    """
+    out = {}
+    for u in plan.units:
+        t = params[u.name]
+        if not u.placement.optimizer:
+            if elementwise:
+                out[u.name] = t
+            else:
+                out.update(unit_views(u, t))
+        elif u.placement.params:
+            out[u.name] = t
+        else:
+            lo, hi = u.shard_range(rank)
+            out[u.name] = t[lo:hi]
+    return out
+
+
+class ShardedModule:
+    """A model whose trainable parameters are laid out by a ShardPlan.
+
+    `apply(params, *args, **kwargs)` runs the model's forward with the parameters in `params` (the
+    `params` field of a TrainState, or the differentiable aliases `train_step` hands to the loss);
+    `init_state()` builds this rank's initial TrainState; `gather(...)` consolidates full parameters
+    in `model.state_dict()` naming. The model is owned by the ShardedModule after `shard`: its
+    parameter storage is released (replaced by meta placeholders) and stage-3 units' forwards are
+    routed through `apply`.
+    """
+
+    def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
+                 initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
+                 buffers: dict[str, torch.Tensor] | None = None):
+        self.module = module
+        self.plan = plan
+        self.comm = comm
+        self.policy = policy
+        self.config = config
+        self.sharding = Sharding(plan, comm, device)
+        self._initial = initial  # handed over to the first TrainState (`init_state`)
+        # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
+        self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel)
+        self._frozen: dict[str, torch.Tensor] = dict(frozen or {})
+        self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
+        # `offload_param: nvme`: the NVMe store sharded units are read from (`read_params_from`).
+        self._param_store = None
+        self._units_routed = False  # see `_route_units`
+        self.pretrained_report = None  # set by `init_state(pretrained=...)`
+        # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
+        self._backward_runs: list[ApplyRun] = []
+
+    # ---------------------------------------------------------------------------------------------
+    def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward with `params` (one flat buffer or shard per unit). Pure: the
+        module's own attributes are restored on return, and nothing in `params` is modified.
+
+        In 16-bit training, floating-point tensor arguments are cast to the compute dtype (as
+        FSDP's `cast_forward_inputs`), so callers pass the same batch at any precision."""
+        plan = self.plan
+        cd = self.policy.compute_dtype
+        if cd is not None:
+            args, kwargs = optree.tree_map(
+                lambda x: x.to(cd) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                (args, kwargs),
+                none_is_leaf=True,
+            )
+        missing = [u.name for u in plan.units if u.name not in params]
+        if missing:
+            raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
+        if not torch.compiler.is_compiling() and UNIT_COMPILER.get() is not None:
+            self._route_units()
+        if torch.compiler.is_compiling() and not plan.any_sharded_params:
+            # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
+            # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
+            return self._call(self._tensors((u, params[u.name]) for u in plan.units), args, kwargs)
+        return self._apply_gathering(params, args, kwargs)
+
+    def _route_units(self) -> None:
+        """Once: route every gathered unit module's forward through `UNIT_COMPILER` (stage-3
+        sharded units are routed already, by the wrapper that gathers them)."""
+        if self._units_routed:
+            return
+        for u in self.plan.units:
+            if u.module != "" and not self.plan.params_sharded(u):
+                route_unit_forward(self.module.get_submodule(u.module), self._backward_runs)
+        self._units_routed = True
+
+    def _tensors(self, fulls) -> dict[str, torch.Tensor]:
+        """What the module's forward reads, by state_dict name: the views of each (unit, full
+        buffer[, stage-3 runtime]) in `fulls`, the frozen parameters and the buffers."""
+        tensors: dict[str, torch.Tensor] = {}
+        for u, full, *rt in fulls:
+            tensors.update(unit_views(u, full, *rt))
+        tensors.update(self._frozen)
+        tensors.update(self._buffers)
+        return tensors
+
+    def _call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        ac = self.policy.autocast_dtype
+        if ac is None:
+            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+        # `torch_autocast` (DeepSpeed's engine does the same around forward): the parameters stay
+        # in their dtype, autocast-eligible ops compute in the autocast dtype.
+        device_type = self.sharding.device.type
+        with torch.autocast(device_type, dtype=None if ac == "default" else ac):
+            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+
+    def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        run, tensors, stack = self._begin_run(params)
+        try:
+            out = self._call(tensors, args, kwargs)
+        finally:
+            self._end_run(stack)
+        run.bind_in_backward(self.module, tensors, out)
+        run.finish_forward(out)
+        return out
+
+    @torch.compiler.disable
+    def _begin_run(self, params: dict[str, torch.Tensor]) -> tuple[ApplyRun, dict[str, torch.Tensor], Any]:
+        """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
+        plan = self.plan
+        run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
+                       shard_store=self._param_store, backward_runs=self._backward_runs)
+        fulls, live = [], []
+        for u in plan.units:
+            if plan.params_sharded(u) and u.module != "":
+                continue  # gathered when its forward runs
+            full, rt = run.gather_unit(u)
+            live.append((full, rt))
+            fulls.append((u, full, rt))
+        tensors = self._tensors(fulls)
+        stack = contextlib.ExitStack()
+        token = ACTIVE_RUN.set(run)
+        stack.callback(ACTIVE_RUN.reset, token)
+        run.bindings.append(("tensors", self.module, tensors))
+        try:
+            stack.enter_context(run.saved_tensor_hooks())
+            stack.enter_context(_live_all(run, live))
+        except BaseException:
+            stack.close()
+            raise
+        return run, tensors, stack
+
+    @torch.compiler.disable
+    def _end_run(self, stack: Any) -> None:
+        stack.close()
+
+    __call__ = apply
+    # Eager under torch.compile (it sets up gathering and saved-tensor hooks); the module's
+    # forward it calls is still compiled (`specs/jit.md`).
+    _apply_gathering = torch.compiler.disable(
+        _apply_gathering, recursive=False,
+        reason="fnzero ZeRO-3: apply gathers the root unit and installs the saved-tensor re-gather hooks (eager)",
+    )
+
+    # ---------------------------------------------------------------------------------------------
+    def init_state(self, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
+                   optimizer=None) -> TrainState:
+        """This rank's initial TrainState, built from the model's parameters at `shard` time.
+
+        `pretrained`: a safetensors file, or a directory written by transformers' `save_pretrained`
+        (`model.safetensors`, or shards with `model.safetensors.index.json`), or by `fnzero
+        export`. Its tensors replace the initial values, each rank reading only the bytes of the
+        elements it holds, cast to the training dtype (`specs/checkpoint-format.md` §Pretrained).
+        Every name, shape and file is checked before any data is read: a tensor the model lacks
+        is an error listing them all (unless `allow_unexpected`), a shape mismatch names the
+        tensor, and a truncated file names the file. Parameters the files lack keep the model's
+        own initialisation and are listed in a `PretrainedWarning`; `sm.pretrained_report` says
+        what was loaded and how many bytes this rank read.
+
+        `optimizer`: an `Optimizer` or a chain of gradient transformations instead of the
+        config's `optimizer` block (give the same one to `fnzero.train_step`).
+
+        The initial buffers are handed over, not copied, so a model's memory is held once; call
+        `fnzero.shard` again for a second independent initial state.
+        """
+        # [Note: the one upward import] The state holds what layers above sharding define (the
+        # optimizer's state, the loss scale, offload stores, pretrained weights), so it is built
+        # by the training layer (`fnzero/train/_init.py`); this method is its public door.
+        from ..train._init import init_state
+
+        return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer)
+
+    def initial_values(self) -> InitialValues:
+        """What the first TrainState is built from, until `hand_over_initial` gives it away."""
+        if self._initial is None:
+            raise ShardingError(
+                "init_state() hands the model's initial parameters over to the state and can be called once; "
+                "shard the model again for another initial state (or copy a state with fnzero.tree_clone)"
+            )
+        return self._initial
+
+    def hand_over_initial(self) -> InitialValues:
+        """The initial values, given away: the ShardedModule keeps no reference to them."""
+        initial, self._initial = self.initial_values(), None
+        return initial
+
+    def drop_initial(self) -> None:
+        """Forget the initial values (a failed pretrained load left them partly overwritten)."""
+        self._initial = None
+
+    def replace_constants(self, frozen: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        """New values for the frozen parameters and buffers `apply` binds (pretrained weights)."""
+        self._frozen, self._buffers = dict(frozen), dict(buffers)
+
+    def read_params_from(self, store) -> None:
+        """`offload_param: nvme`: sharded units' parameters are read from `store` when gathered
+        (`_param_store.py`); the state holds placeholders for them."""
+        self._param_store = store
+
+    @property
+    def constants(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Copies of the (frozen parameters, buffers) dicts `apply` binds: the state's own."""
+        return dict(self._frozen), dict(self._buffers)
+
+    # ---------------------------------------------------------------------------------------------
+    def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None,
+               rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Consolidated trainable parameters, `model.state_dict()` names (tied names included), on
+        every rank (or only rank 0 with `rank0_only`: the others take part in the gathers and get
+        an empty dict). Given a TrainState, its master weights are used when it has them."""
+        if isinstance(params, TrainState):
+            src = params.master if params.master is not None else params.params
+        else:
+            src = params
+        out = {}
+        for u in self.plan.units:
+            shard = src[u.name].detach()
+            if self._param_store is not None and is_placeholder(shard):
+                shard = read_shard(self._param_store, u.name, shard)
+            full = full_unit(u, shard, self.comm)
+            if full.numel() != u.padded_numel:
+                full = self.comm.all_gather(full)
+            if rank0_only and self.comm.rank != 0:
+                continue
+            for name, t in unit_views(u, full).items():
+                out[name] = t.to(dtype) if dtype is not None else t.clone()
+        return out
+
+    def state_dict(self, state: TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Like `model.state_dict()`: trainable, frozen parameters and buffers, consolidated."""
+        out = self.gather(state, dtype=dtype)
+        for name, t in {**state.frozen, **state.buffers}.items():
+            out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
+        return out
+
+
+class PretrainedWarning(UserWarning):
+    """`init_state(pretrained=...)`: some of the model's tensors are not in the files."""
+
+
+class _live_all:
+    def __init__(self, run: ApplyRun, live):
+        self.run, self.live, self.stack = run, live, None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for full, rt in self.live:
+            self.stack.enter_context(self.run.live(full, rt))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)

@@ -1,0 +1,165 @@
+"""Collectives wrappers for observing a run: `RecordingCollectives` counts every call's logical
+bytes (the comms logger, traffic tests), `CheckedCollectives` compares each call across ranks
+before making it (`FNZERO_DEBUG_COLLECTIVES=1`, `shard(..., debug_collectives=True)`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from ._collectives import _SUM, Collectives
+
+__all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective call as seen by this rank: its name, dtype and logical bytes (input side)."""
+
+    op: str
+    dtype: torch.dtype
+    numel: int
+    bytes: int
+
+
+class RecordingCollectives:
+    """Wraps another `Collectives` and records every call: the comms logger and traffic tests use it.
+
+    Logical bytes follow `specs/collectives.md`: all_gather counts the gathered output,
+    reduce_scatter and all_reduce count the full input, so that ring-equivalent bytes sent per rank
+    are `all_reduce * 2(N-1)/N` and `all_gather/reduce_scatter * (N-1)/N`.
+    """
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.records: list[CollectiveRecord] = []
+        self._lock = threading.Lock()
+        # Optional callback: the debug checker uses it to compare call sequences across ranks.
+        self.on_record = None
+
+    def _record(self, op: str, t: torch.Tensor, numel: int) -> None:
+        rec = CollectiveRecord(op, t.dtype, numel, numel * t.element_size())
+        with self._lock:
+            self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    def all_gather(self, shard):
+        self._record("all_gather", shard, shard.numel() * self.world_size)
+        return self.inner.all_gather(shard)
+
+    def all_gather_async(self, shard, out=None):
+        self._record("all_gather", shard, shard.numel() * self.world_size)
+        return self.inner.all_gather_async(shard, out=out)
+
+    def reduce_scatter(self, full, donate: bool = False):
+        self._record("reduce_scatter", full, full.numel())
+        return self.inner.reduce_scatter(full, donate=donate)
+
+    def reduce_scatter_async(self, full):
+        self._record("reduce_scatter", full, full.numel())
+        return self.inner.reduce_scatter_async(full)
+
+    def all_reduce(self, t, op=_SUM):
+        self._record("all_reduce", t, t.numel())
+        return self.inner.all_reduce(t, op)
+
+    def all_reduce_async(self, t, donate: bool = False):
+        self._record("all_reduce", t, t.numel())
+        return self.inner.all_reduce_async(t, donate=donate)
+
+    def broadcast(self, t, src=0):
+        self._record("broadcast", t, t.numel())
+        return self.inner.broadcast(t, src)
+
+    def barrier(self):
+        return self.inner.barrier()
+
+    def reset(self) -> list[CollectiveRecord]:
+        with self._lock:
+            out, self.records = self.records, []
+        return out
+
+    def ring_bytes_sent(self, records=None) -> float:
+        """Ring-equivalent bytes this rank sends for `records` (default: all recorded so far)."""
+        n = self.world_size
+        if n == 1:
+            return 0.0
+        total = 0.0
+        for r in self.records if records is None else records:
+            if r.op == "all_reduce":
+                total += r.bytes * 2 * (n - 1) / n
+            elif r.op in ("all_gather", "reduce_scatter"):
+                total += r.bytes * (n - 1) / n
+            elif r.op == "broadcast":
+                total += r.bytes
+        return total
+
+
+class CheckedCollectives:
+    """Debug wrapper: before each collective, every rank shares a fingerprint of the call it is
+    about to make (op, dtype, element count, call index); a mismatch raises on every rank, naming
+    the first divergent call and what each rank issued, instead of a hang or silent garbage.
+
+    Costs one small all-gather per collective: for debugging, not for production runs.
+    """
+
+    _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5}
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+        self.calls = 0
+
+    def _check(self, op: str, t: torch.Tensor | None) -> None:
+        from .._errors import DistributedError
+
+        dtype_code = hash(str(t.dtype)) % 1_000_003 if t is not None else 0
+        mine = torch.tensor([self.calls, self._OPS[op], dtype_code, t.numel() if t is not None else 0], dtype=torch.int64)
+        if t is not None and t.device.type != "cpu":
+            mine = mine.to(t.device)
+        everyone = self.inner.all_gather(mine).cpu().view(self.world_size, 4)
+        self.calls += 1
+        if not bool((everyone == everyone[0]).all()):
+            names = {v: k for k, v in self._OPS.items()}
+            desc = [f"rank {r}: {names.get(int(row[1]), '?')} of {int(row[3])} elements" for r, row in enumerate(everyone)]
+            raise DistributedError(
+                f"ranks diverged at collective #{self.calls - 1} (this is rank {self.rank}): " + "; ".join(desc)
+            )
+
+    def all_gather(self, shard):
+        self._check("all_gather", shard)
+        return self.inner.all_gather(shard)
+
+    def all_gather_async(self, shard, out=None):
+        self._check("all_gather", shard)
+        return self.inner.all_gather_async(shard, out=out)
+
+    def reduce_scatter(self, full, donate: bool = False):
+        self._check("reduce_scatter", full)
+        return self.inner.reduce_scatter(full, donate=donate)
+
+    def reduce_scatter_async(self, full):
+        self._check("reduce_scatter", full)
+        return self.inner.reduce_scatter_async(full)
+
+    def all_reduce(self, t, op=_SUM):
+        self._check("all_reduce", t)
+        return self.inner.all_reduce(t, op)
+
+    def all_reduce_async(self, t, donate: bool = False):
+        self._check("all_reduce", t)
+        return self.inner.all_reduce_async(t, donate=donate)
+
+    def broadcast(self, t, src=0):
+        self._check("broadcast", t)
+        return self.inner.broadcast(t, src)
+
+    def barrier(self):
+        self._check("barrier", None)
+        return self.inner.barrier()

@@ -1,0 +1,274 @@
+"""ShardPlan: which parameters form a unit, where each lives in the unit's flat buffer, which slice
+each rank owns. Pure data, the same on every rank (`specs/sharding.md`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from ._placement import Placement, placement_for_stage
+
+__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
+
+ROOT_UNIT = "<root>"
+"""Name of the unit that holds parameters owned by no unit module (and tied parameters shared by two)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside a unit's flat buffer: elements `[offset, offset + numel)`."""
+
+    name: str  # its state_dict name (the first one, for tied parameters)
+    shape: tuple[int, ...]
+    offset: int
+    aliases: tuple[str, ...] = ()  # other state_dict names of the same tensor (tied weights)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_name(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """A group of parameters gathered and reduced together as one flat buffer.
+
+    `numel` counts real elements; the buffer is padded with zeros to `padded_numel`, a multiple of
+    the world size, and rank r owns `[r * shard_numel, (r + 1) * shard_numel)`.
+    """
+
+    name: str
+    module: str  # module path ('' for the root)
+    slots: tuple[ParamSlot, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    placement: Placement  # what of this unit is sharded: the plan's, less parameters when persistent
+
+    @property
+    def persistent(self) -> bool:
+        """Kept gathered though the plan shards parameters (numel below the persistence threshold)."""
+        return not self.placement.params
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        lo = rank * self.shard_numel
+        return lo, lo + self.shard_numel
+
+    def real_range(self, rank: int) -> tuple[int, int]:
+        """The part of rank's shard that holds real (not padding) elements, as buffer offsets."""
+        lo, hi = self.shard_range(rank)
+        return min(lo, self.numel), min(hi, self.numel)
+
+    @property
+    def split_sizes(self) -> list[int]:
+        sizes = [s.numel for s in self.slots]
+        pad = self.padded_numel - self.numel
+        return sizes + [pad] if pad else sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """The sharding of a model's trainable parameters for one world size and placement."""
+
+    units: tuple[UnitPlan, ...]
+    world_size: int
+    placement: Placement  # the preset every unit starts from (`UnitPlan.placement` may drop params)
+    frozen: tuple[str, ...]  # requires_grad=False parameters: replicated, outside the optimizer
+    param_dtype: torch.dtype
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(u.name for u in self.units)
+
+    def unit(self, name: str) -> UnitPlan:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(name)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the plan's placement is the preset of (reports and checkpoint index only)."""
+        return self.placement.stage
+
+    def params_sharded(self, unit: UnitPlan) -> bool:
+        """Whether this unit's parameters are held as a shard and gathered in forward."""
+        return unit.placement.params
+
+    @property
+    def any_sharded_params(self) -> bool:
+        """Whether some unit's parameters are held as a shard and gathered in forward."""
+        return any(self.params_sharded(u) for u in self.units)
+
+    @property
+    def num_params(self) -> int:
+        """Ψ: trainable parameters, tied ones counted once, padding excluded."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def num_padded(self) -> int:
+        return sum(u.padded_numel for u in self.units)
+
+
+def default_unit_modules(model: nn.Module) -> list[str]:
+    """Default wrap policy.
+
+    A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
+    model or any submodule): each module of those classes is a unit and the rest of the model is
+    the root unit, as FSDP's transformer wrap policy groups it.
+
+    Otherwise each direct child of the root that holds parameters is a unit, except that
+    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
+    For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
+    """
+    layer_classes = no_split_classes(model)
+    if layer_classes:
+        return _layer_units(model, layer_classes)
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if not any(True for _ in child.parameters()):
+                continue
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                visit(path + ".", child)
+            else:
+                out.append(path)
+
+    visit("", model)
+    return out
+
+
+def no_split_classes(model: nn.Module) -> set[str]:
+    """Class names the model declares as layers not to split (`_no_split_modules`, any submodule)."""
+    names: set[str] = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(n for n in declared if isinstance(n, str))
+    present = {type(m).__name__ for m in model.modules()}
+    return names & present
+
+
+def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
+    """Units for a model with named layers: each layer (outermost, in module order). Everything
+    outside them (embeddings, final norm, head) stays in the root unit, gathered for the whole
+    forward, as FSDP's transformer wrap policy leaves it: code outside a module may read its
+    parameters directly (an encoder reading `embed_positions.weight`), which only the root allows."""
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if type(child).__name__ in layer_classes:
+                out.append(path)
+            else:
+                visit(path + ".", child)
+
+    visit("", model)
+    return out
+
+
+def owner_module(name: str, unit_modules: list[str]) -> str:
+    """The innermost unit module (path) that encloses parameter `name`; "" for the root unit."""
+    best = ""
+    for m in unit_modules:
+        if name.startswith(m + ".") and len(m) > len(best):
+            best = m
+    return best
+
+
+def make_plan(
+    model: nn.Module,
+    world_size: int,
+    placement: "Placement | int",
+    wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
+    persistence_threshold: int = 0,
+) -> ShardPlan:
+    """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
+
+    `placement` says what is sharded (a ZeRO stage number names its preset). With parameters
+    sharded, units under `persistence_threshold` elements keep them gathered.
+
+    `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
+    FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
+    enclosing unit module; parameters under no unit module, and tied parameters whose names fall in
+    different units, go to the root unit, which stays gathered for the whole forward.
+    """
+    # Long: wrap policy, tied-weight grouping and layout are one pass over the parameters, whose order is
+    # the plan.
+    if world_size < 1:
+        raise ShardingError(f"world_size must be >= 1, got {world_size}")
+    placement = placement_for_stage(placement)
+    if wrap is None:
+        unit_modules = default_unit_modules(model)
+    else:
+        if not callable(wrap) or isinstance(wrap, type):
+            classes = tuple([wrap] if isinstance(wrap, type) else wrap)
+            pred = lambda path, m: isinstance(m, classes)  # noqa: E731
+        else:
+            pred = wrap
+        unit_modules = [p for p, m in model.named_modules() if p and pred(p, m)]
+
+    # Tied parameters: one tensor, several names. Keep the first name, remember the others.
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+
+    dtypes = {p.dtype for p in tensors.values()}
+    if len(dtypes) > 1:
+        raise ShardingError(
+            f"all parameters must share one dtype before sharding, found {sorted(map(str, dtypes))}; "
+            "cast the model (model.to(dtype)) first"
+        )
+    param_dtype = dtypes.pop() if dtypes else torch.float32
+
+    members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = {}
+    frozen: list[str] = []
+    for pid, names in names_of.items():
+        p = tensors[pid]
+        if not p.requires_grad:
+            frozen.append(names[0])
+            continue
+        owners = {owner_module(n, unit_modules) for n in names}
+        owner = owners.pop() if len(owners) == 1 else ""
+        members.setdefault(owner, []).append((names[0], tuple(names[1:]), tuple(p.shape)))
+
+    units = []
+    order = [m for m in unit_modules if m in members]
+    if "" in members:
+        order = [""] + order
+    for module in order:
+        offset = 0
+        slots = []
+        for name, aliases, shape in members[module]:
+            slot = ParamSlot(name=name, shape=shape, offset=offset, aliases=aliases)
+            slots.append(slot)
+            offset += slot.numel
+        numel = offset
+        padded = max(world_size, -(-numel // world_size) * world_size)
+        units.append(
+            UnitPlan(
+                name=module or ROOT_UNIT,
+                module=module,
+                slots=tuple(slots),
+                numel=numel,
+                padded_numel=padded,
+                shard_numel=padded // world_size,
+                placement=placement.without_params() if numel < persistence_threshold else placement,
+            )
+        )
+    return ShardPlan(
+        units=tuple(units), world_size=world_size, placement=placement, frozen=tuple(frozen), param_dtype=param_dtype
+    )

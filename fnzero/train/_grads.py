@@ -1,0 +1,165 @@
+"""The eager step's forward and backward: each micro-batch's loss is differentiated with respect to
+fresh aliases of `state.params`, and a hook on each alias hands the unit's gradient to the
+`GradientCollector`, which reduces it by the unit's placement while backward still runs
+(`specs/sharding.md` §Step, `specs/collectives.md`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .._errors import ShardingError
+from .._ext._heap import trim_between_passes
+from ..sharding._plan import ShardPlan, UnitPlan
+from ..sharding._runtime import STEP_RUNS
+from ._phases import Timer, prepare_for_comm, reduce_whole
+from ._policy import StepPolicy
+
+__all__ = ["GradientCollector", "forward_backward"]
+
+
+class GradientCollector:
+    """This step's gradient per unit, reduced by the unit's placement as backward produces it.
+
+    * Sharded gradients of a gathered unit (stage 2, persistent stage-3 units) are reduce-scattered
+      from the hook, so at most two units' full gradients wait in flight (`overlap_comm`).
+    * Sharded parameters' gradients arrive reduced (`GatherUnit.backward`) and are summed.
+    * Replicated gradients (stages 0-1) accumulate whole; on the last micro-batch, with
+      `overlap_comm`, each unit's final collective starts from its hook.
+
+    Reentrant checkpointing runs an inner backward per region, so a unit used inside and outside
+    one can receive gradient after its final collective started: that gradient is reduced at the
+    end (`late`). Every rank runs the same graph, hence the same units and the same order.
+    """
+
+    def __init__(self, plan: ShardPlan, comm, policy: StepPolicy, prediv: float, accum_dtype: torch.dtype):
+        self.plan, self.comm, self.policy = plan, comm, policy
+        self.prediv, self.accum_dtype = prediv, accum_dtype
+        self.overlap = policy.overlap_comm and comm.world_size > 1
+        self.last_micro_batch = False
+        self.acc: dict[str, torch.Tensor] = {}  # gradient so far (whole unless grads are sharded)
+        self.reduced: dict[str, torch.Tensor] = {}  # whole-unit gradients after their final collective
+        self.inflight: list[tuple[str, Any, str]] = []
+        self.launched: set[str] = set()
+        self.late: dict[str, torch.Tensor] = {}
+
+    def attach(self, leaves: dict[str, torch.Tensor]) -> list:
+        """A post-accumulate-grad hook on each unit's alias; returns the handles to remove."""
+        return [leaves[u.name].register_post_accumulate_grad_hook(self._hook_for(u)) for u in self.plan.units]
+
+    def _hook_for(self, u: UnitPlan) -> Callable[[torch.Tensor], None]:
+        name, pl = u.name, u.placement
+        reduce_now = pl.grads and not pl.params
+
+        def hook(leaf: torch.Tensor) -> None:
+            g = leaf.grad
+            leaf.grad = None
+            if reduce_now:
+                pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv))
+                self.inflight.append((name, pending, "shard"))
+                self._drain(2 if self.overlap else 0)
+                return
+            g = g.to(self.accum_dtype)
+            if name in self.launched:
+                self.late[name] = g if name not in self.late else self.late[name].add_(g)
+                return
+            self._add(name, g)
+            if self.overlap and self.last_micro_batch and not pl.grads:
+                self._launch_final(u)
+
+        return hook
+
+    def _add(self, name: str, g: torch.Tensor) -> None:
+        prev = self.acc.get(name)
+        self.acc[name] = g if prev is None else prev.add_(g)
+
+    def _drain(self, limit: int) -> None:
+        while len(self.inflight) > limit:
+            name, pending, kind = self.inflight.pop(0)
+            g = pending.wait().to(self.accum_dtype)
+            if kind == "shard":
+                self._add(name, g)
+            else:
+                self.reduced[name] = g
+
+    def _launch_final(self, u: UnitPlan) -> None:
+        self.launched.add(u.name)
+        g = prepare_for_comm(self.acc[u.name], self.policy, self.prediv)
+        if u.placement.optimizer:
+            pending = self.comm.reduce_scatter_async(g)
+        else:
+            pending = self.comm.all_reduce_async(g, donate=True)  # the accumulator is this step's own
+        self.inflight.append((u.name, pending, "final"))
+
+    def finish_backward(self) -> None:
+        """After the last backward: wait for what is in flight, reduce late gradient."""
+        self._drain(0)
+        for name, g in self.late.items():  # in hook order, the same on every rank
+            g = prepare_for_comm(g, self.policy, self.prediv)
+            self.reduced[name].add_(reduce_whole(self.comm, g, self.plan.unit(name).placement).to(self.accum_dtype))
+
+    def gradients(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every unit's reduced gradient (a shard where the optimizer state is sharded, else the
+        whole unit), reducing what is still local; zeros for a unit the loss did not use."""
+        grads = {}
+        for u in self.plan.units:
+            g = self.reduced.get(u.name)
+            if g is None:
+                g = self.acc.get(u.name)
+                if g is None:
+                    sharded = u.placement.params or u.placement.optimizer
+                    g = torch.zeros(u.shard_numel if sharded else u.padded_numel, dtype=self.accum_dtype, device=device)
+                elif not u.placement.grads:
+                    g = reduce_whole(self.comm, prepare_for_comm(g, self.policy, self.prediv), u.placement)
+                    g = g.to(self.accum_dtype)
+            grads[u.name] = g
+        return grads
+
+
+def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor], micro: list[Any], scale: float,
+                     has_aux: bool, collector: GradientCollector, trim_heap: bool,
+                     timer: Timer) -> tuple[torch.Tensor, list[Any]]:
+    """Run the loss and its backward per micro-batch; returns (Σ loss as float64, auxes). The
+    loss function's `apply` runs are released once backward is done, even on error."""
+    handles = collector.attach(leaves)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    auxes = []
+    runs: list = []
+    try:
+        for i, mb in enumerate(micro):
+            collector.last_micro_batch = i == len(micro) - 1
+            timer.start()
+            token = STEP_RUNS.set(runs)
+            try:
+                out = loss_fn(leaves, mb)
+            finally:
+                STEP_RUNS.reset(token)
+            timer.stop("forward")
+            loss, aux = out if has_aux else (out, None)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ShardingError(
+                    f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
+                    f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                )
+            timer.start()
+            if trim_heap:
+                trim_between_passes()
+            if leaves:
+                scaled = loss * scale if scale != 1.0 else loss
+                if scaled.requires_grad:
+                    # No `inputs=`: reentrant checkpointing inside a model (its inner backward
+                    # accumulates into the leaves it reaches) refuses it. The aliases are the only
+                    # leaves that require grad in a loss built from `params`.
+                    scaled.backward()
+            loss_sum += loss.detach().to(torch.float64).cpu()
+            timer.stop("backward")
+            auxes.append(aux)
+        timer.start()
+        collector.finish_backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for run in runs:
+            run.release()
+    return loss_sum, auxes

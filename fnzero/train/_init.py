@@ -1,0 +1,176 @@
+"""The first TrainState of a sharded model (`ShardedModule.init_state`).
+
+The state is where the layers meet: the sharding layer's parameters (flat buffers or shards), the
+optimizer's state, the fp32 master copy, the loss scale, the offload stores and pretrained weights
+read from files. Building it here, above all of them, keeps the sharding layer free of imports
+from the optimizer, offload, checkpoint and step code (`specs/architecture.md`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from .._errors import ShardingError
+from .._state import TrainState
+from ..checkpoint._pretrained import load_pretrained
+from ..offload._cpu import host_optimizer_from_config
+from ..offload._nvme import NvmeOptimizerStore
+from ..offload._state import NvmeOptState
+from ..sharding._module import PretrainedWarning, ShardedModule, optimizer_view
+from ..sharding._param_store import placeholder
+from ..sharding._gather import unit_views
+from ._loss_scale import init_loss_scale
+from ._policy import step_policy
+from ._step import optimizer_or_config
+
+__all__ = ["init_state"]
+
+
+def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *,
+               allow_unexpected: bool = False, optimizer=None) -> TrainState:
+    """This rank's initial TrainState from `sm`'s initial values (see `ShardedModule.init_state`)."""
+    sm.initial_values()  # raises when handed over already
+    if optimizer is None and (sm.config is None or getattr(sm.config, "optimizer", None) is None):
+        raise ShardingError(
+            "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
+        )
+    if optimizer is not None and sm.policy.offload_optimizer is not None:
+        raise ShardingError(
+            "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
+            "optimizer= runs where the parameters are: remove one of them"
+        )
+    if pretrained is not None:
+        _load_pretrained(sm, pretrained, allow_unexpected)
+    loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
+    unset = [n for n in sm.initial_values().uninitialised if n not in loaded]
+    if unset:
+        raise ShardingError(
+            f"model built on the meta device: its init code left {len(unset)} tensor(s) uninitialised"
+            f"{' and the pretrained weights lack them' if pretrained is not None else ''}: "
+            f"{', '.join(unset[:8])}{' ...' if len(unset) > 8 else ''}. fnzero initialises a meta model with "
+            "each module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
+            "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
+        )
+    opt = optimizer_or_config(optimizer, sm.config)
+    plan = sm.plan
+    if not opt.elementwise and plan.placement.optimizer:
+        kind = sm.config.optimizer.type if optimizer is None else "optimizer="
+        raise ShardingError(
+            f"optimizer {kind} is not elementwise (it normalises per tensor) and "
+            "cannot update flat shards; use it at ZeRO stage 0"
+        )
+    initial = sm.hand_over_initial().params
+    params, master, opt_state = _params_and_optimizer(sm, initial, opt)
+    frozen, buffers = sm.constants
+    return TrainState(
+        params=params,
+        master=master,
+        opt_state=opt_state,
+        frozen=frozen,
+        buffers=buffers,
+        step=torch.zeros((), dtype=torch.int64),
+        loss_scale=init_loss_scale(step_policy(sm.config).loss_scale),
+        sharding=sm.sharding,
+    )
+
+
+def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], opt):
+    """The compute-dtype parameters, the fp32 master copy (None where the parameters are it) and
+    the optimizer state over what this rank updates (`optimizer_view`)."""
+    plan, rank = sm.plan, sm.comm.rank
+    cd = sm.policy.compute_dtype or plan.param_dtype
+    params = {name: t.to(cd) for name, t in initial.items()}
+    offload = sm.policy.offload_optimizer
+    if offload == "nvme":
+        opt_state = _nvme_init(sm, optimizer_view(plan, rank, initial, elementwise=True))
+        if sm.policy.offload_param == "nvme":
+            # The shards are read from the store's master file when gathered (`_param_store.py`).
+            params = {
+                u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]
+                for u in plan.units
+            }
+            opt_state = dataclasses.replace(opt_state, holds_params=True)
+            sm.read_params_from(opt_state.store)
+        return params, None, opt_state  # the master is on disk, with the moments
+    # A separate fp32 master copy exists for 16-bit training, and for offload when the
+    # parameters live on an accelerator (the master then stays on the host).
+    separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16)
+    separate_master = separate_master or (offload is not None and sm.sharding.device.type != "cpu")
+    if not separate_master:
+        return params, None, opt.init(optimizer_view(plan, rank, params, opt.elementwise))
+    master_dtype = torch.float32 if plan.param_dtype in (torch.float16, torch.bfloat16) else plan.param_dtype
+    master = {
+        k: v.to(device=torch.device("cpu") if offload else v.device, dtype=master_dtype, copy=True)
+        for k, v in optimizer_view(plan, rank, initial, elementwise=True).items()
+    }
+    target = master
+    if not opt.elementwise and not plan.placement.optimizer:
+        target = {}
+        for u in plan.units:
+            target.update(unit_views(u, master[u.name]))
+    return params, master, opt.init(target)
+
+
+def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
+    """Pretrained weights into the initial values, frozen parameters and buffers; checked before
+    any byte is read, and the initial values dropped if reading fails partway."""
+    persistent = {n for n, _ in sm.module.named_buffers()} - _non_persistent_buffers(sm.module)
+    frozen, buffers = sm.constants  # entries replaced, not written into
+    base_prefix = getattr(sm.module, "base_model_prefix", "") or ""
+    load = load_pretrained(path, sm.plan, sm.comm.rank, sm.initial_values().params, frozen, buffers, persistent,
+                           allow_unexpected=allow_unexpected, base_prefix=str(base_prefix))  # checked: nothing read yet
+    try:
+        sm.pretrained_report = load.run()
+    except BaseException:
+        sm.drop_initial()  # partly overwritten: never hand it out
+        raise
+    sm.replace_constants(frozen, buffers)
+    missing = sm.pretrained_report.missing
+    if missing:
+        warnings.warn(
+            f"pretrained weights {os.fspath(path)!r} lack {len(missing)} tensor(s), which keep the model's own "
+            f"initialisation: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}",
+            PretrainedWarning, stacklevel=4,
+        )
+
+
+def _nvme_init(sm: ShardedModule, master_view: dict[str, torch.Tensor]) -> NvmeOptState:
+    """ZeRO-Infinity: the fp32 master shards and zero moments go to files under nvme_path."""
+    z = sm.config.zero_optimization
+    oo = z.offload_optimizer
+    kind = host_optimizer_from_config(sm.config).kind
+    aio = sm.config.aio.model_dump() if getattr(sm.config, "aio", None) is not None else None
+    master = {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in master_view.items()}
+    store = NvmeOptimizerStore.create(
+        oo.nvme_path, master, optimizer=kind, sub_group_size=max(1, int(z.sub_group_size)),
+        buffer_count=max(2, int(oo.buffer_count)), aio=_aio_kwargs(aio), rank=sm.comm.rank,
+    )
+    # Scratch files of this run: removed when the process ends (a killed process leaves them;
+    # fnzero.offload.stale_stores finds and removes those).
+    atexit.register(store.close)
+    return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=store)
+
+
+def _non_persistent_buffers(model: nn.Module) -> set[str]:
+    out = set()
+    for path, m in model.named_modules():
+        for leaf in getattr(m, "_non_persistent_buffers_set", ()):
+            out.add(f"{path}.{leaf}" if path else leaf)
+    return out
+
+
+def _aio_kwargs(aio: dict | None) -> dict | None:
+    """The config's aio block in the names the store takes (DeepSpeed renamed thread_count)."""
+    if aio is None:
+        return None
+    keys = {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events"}
+    out = {k: v for k, v in aio.items() if k in keys and v is not None}
+    if "thread_count" not in out and aio.get("intra_op_parallelism") is not None:
+        out["thread_count"] = aio["intra_op_parallelism"]
+    return out

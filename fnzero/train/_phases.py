@@ -1,0 +1,161 @@
+"""The phases of a training step that the eager step (`_step.py`) and the whole-step graph
+(`_whole_step.py`) share. Each is a small pure function of tensors, a unit's `Placement` and a
+`Collectives`: the eager step passes the state's own collectives, the graph passes torch's
+traceable functional collectives (`fnzero/sharding/_functional.py`), so the reduction of each
+placement is written once (`specs/sharding.md` §Step, `specs/architecture.md`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import optree
+import torch
+
+from .._errors import ShardingError
+from .._state import TrainState
+from ..sharding._placement import Placement
+from ..sharding._plan import ShardPlan, UnitPlan
+from ._loss_scale import update_loss_scale
+from ._policy import StepPolicy
+
+__all__ = [
+    "split_micro_batches", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
+    "clip_coefficient", "loss_scale_after", "Timer",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def split_micro_batches(batch: Any, k: int) -> list[Any]:
+    """`k` micro-batches: a list of length k is taken as given; otherwise every tensor leaf of the
+    pytree is split into k equal parts along dim 0 (other leaves are shared)."""
+    if isinstance(batch, list):
+        if len(batch) != k:
+            raise ShardingError(
+                f"a list batch is read as micro-batches: got {len(batch)}, gradient_accumulation_steps is {k}"
+            )
+        return batch
+    if k == 1:
+        return [batch]
+    leaves, spec = optree.tree_flatten(batch)
+    parts = []
+    for path, leaf in zip(optree.tree_paths(batch), leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] % k:
+                raise ShardingError(
+                    f"batch leaf {'.'.join(map(str, path)) or '<root>'} has {leaf.shape[0]} rows, which do not split "
+                    f"into gradient_accumulation_steps={k} equal micro-batches"
+                )
+            parts.append(leaf.split(leaf.shape[0] // k))
+        else:
+            parts.append([leaf] * k)
+    return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
+
+
+def accum_dtype_for(policy: StepPolicy, param_dtype: torch.dtype) -> torch.dtype:
+    """The gradient-accumulation dtype: the policy's, else fp32 for 16-bit training, else the
+    parameters' own."""
+    if policy.accum_dtype is not None:
+        return policy.accum_dtype
+    return torch.float32 if param_dtype in _HALF else param_dtype
+
+
+def predivisor(policy: StepPolicy, plan: ShardPlan, n: int, param_dtype: torch.dtype, accum_dtype: torch.dtype) -> float:
+    """What gradients are divided by before they are summed across ranks. 16-bit sums over N ranks
+    can overflow where each addend does not, so 16-bit wires carry g/N (sharded parameters divide
+    in `GatherUnit.backward` by the same rule); otherwise `gradient_predivide_factor` with
+    `prescale_gradients`, else nothing."""
+    grads_sharded = plan.placement.grads  # reduced per micro-batch in the compute dtype
+    wire = policy.comm_dtype or (param_dtype if grads_sharded else accum_dtype)
+    if n > 1 and (wire in _HALF or (grads_sharded and param_dtype in _HALF)):
+        return float(n)
+    if policy.prescale_gradients:
+        return policy.predivide_factor
+    return 1.0
+
+
+def prepare_for_comm(g: torch.Tensor, policy: StepPolicy, prediv: float = 1.0) -> torch.Tensor:
+    """The gradient as it goes on the wire: communication dtype, divided by the predivisor."""
+    cd = policy.comm_dtype
+    if cd is not None and g.dtype != cd:
+        g = g.to(cd)
+    if prediv != 1.0:
+        g = g / prediv
+    return g
+
+
+def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """A whole-unit gradient summed across ranks: all of it where the optimizer state is
+    replicated, this rank's shard where it is sharded."""
+    return comm.reduce_scatter(g) if placement.optimizer else comm.all_reduce(g)
+
+
+def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
+                  comm, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
+    all-reduce of two numbers. `inv` unscales the reduced gradients. Shards' squares are summed
+    across ranks; a replicated gradient's is global already and is added after the sum."""
+    dtypes = {g.dtype for g in grads.values()}
+    norm_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+    shard_sq = torch.zeros((), dtype=norm_dtype, device=device)
+    whole_sq = torch.zeros((), dtype=norm_dtype, device=device)
+    for u in units:
+        g = grads[u.name]
+        if g.numel():
+            sq = torch.linalg.vector_norm(g, dtype=norm_dtype).square()
+            if u.placement.optimizer:
+                shard_sq = shard_sq + sq
+            else:
+                whole_sq = whole_sq + sq
+    vec = torch.stack([shard_sq.to(torch.float64) * (inv * inv), loss_sum.to(device=device, dtype=torch.float64)])
+    if comm.world_size > 1:
+        vec = comm.all_reduce(vec)
+    return vec[0] + whole_sq.to(torch.float64) * (inv * inv), vec[1]
+
+
+def clip_coefficient(clip: float, grad_norm):
+    """What the gradients are multiplied by for `gradient_clipping` (as
+    `torch.nn.utils.clip_grad_norm_`): `clip / (norm + 1e-6)` when below 1, else 1; a float for a
+    float norm, a tensor for a tensor norm (inside a graph)."""
+    if clip <= 0:
+        return 1.0
+    coef = clip / (grad_norm + 1e-6)
+    return torch.clamp(coef, max=1.0) if isinstance(coef, torch.Tensor) else min(coef, 1.0)
+
+
+def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step_no: int, rank: int):
+    """The next loss-scale state (None without fp16 scaling). A non-finite gradient norm without
+    loss scaling cannot be skipped silently: it raises."""
+    if state.loss_scale is None:
+        if overflow:
+            raise ShardingError(
+                f"non-finite gradient norm at step {step_no} (rank {rank}) without fp16 loss scaling; "
+                "the loss or the model produced inf/NaN"
+            )
+        return None
+    return update_loss_scale(state.loss_scale, overflow, policy.loss_scale)
+
+
+class Timer:
+    """Wall-clock seconds per phase (`wall_clock_breakdown`); a no-op when off. On accelerators it
+    synchronizes the device at phase boundaries, which is why it is opt-in."""
+
+    def __init__(self, on: bool, device: torch.device):
+        self.on = on
+        self.sync = on and device.type == "cuda"
+        self.totals = {"forward": 0.0, "backward": 0.0, "comm": 0.0, "optimizer": 0.0}
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.totals[phase] += time.perf_counter() - self._t

@@ -1,0 +1,77 @@
+"""The step's policies: what `fnzero.train_step` reads from a Config, once, at the edge. Core code
+receives these frozen policies, never the raw config, so it can be driven and tested without a
+config file."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..sharding._policy import DTYPES, config_precision, offload_device
+
+__all__ = ["StepPolicy", "LossScalePolicy", "step_policy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScalePolicy:
+    """fp16 loss scaling (DeepSpeed's fp16 block). `static_scale` > 0 disables dynamic scaling."""
+
+    static_scale: float = 0.0
+    initial_scale_power: int = 16
+    window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.static_scale <= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPolicy:
+    accumulation_steps: int = 1
+    clip: float = 1.0  # 0: off; 1.0 is DeepSpeed's `gradient_clipping` default
+    loss_scale: LossScalePolicy | None = None
+    accum_dtype: torch.dtype | None = None  # None: fp32 for 16-bit training, the param dtype otherwise
+    comm_dtype: torch.dtype | None = None  # None: the gradient's own dtype
+    predivide_factor: float = 1.0
+    prescale_gradients: bool = False
+    offload_optimizer: str | None = None  # None | "cpu" | "nvme"
+    overlap_comm: bool = True  # start gradient collectives from backward hooks
+    timings: bool = False  # wall_clock_breakdown: metrics["timings"] with forward/backward/comm/optimizer
+    # On CPU, give the heap's free pages back between each forward and its backward, where
+    # `fnzero.memory.return_freed_memory` tuned the allocator (`fnzero/_ext/_heap.py`).
+    trim_heap: bool = True
+
+
+def step_policy(cfg) -> StepPolicy:
+    precision = config_precision(cfg)
+    ls = None
+    if precision == "fp16":
+        f = cfg.fp16
+        ls = LossScalePolicy(
+            static_scale=float(f.loss_scale),
+            initial_scale_power=int(f.initial_scale_power),
+            window=int(f.loss_scale_window),
+            hysteresis=int(f.hysteresis),
+            consecutive_hysteresis=bool(f.consecutive_hysteresis),
+            min_scale=float(f.min_loss_scale),
+        )
+    data_types = getattr(cfg, "data_types", None)
+    accum = getattr(data_types, "grad_accum_dtype", None) if data_types is not None else None
+    return StepPolicy(
+        accumulation_steps=int(cfg.gradient_accumulation_steps),
+        clip=float(cfg.gradient_clipping or 0.0),
+        loss_scale=ls,
+        accum_dtype=DTYPES[accum],
+        comm_dtype=DTYPES[getattr(cfg, "communication_data_type", None)],
+        predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
+        prescale_gradients=bool(getattr(cfg, "prescale_gradients", False)),
+        offload_optimizer=offload_device(cfg),
+        # Overlap changes only when collectives run, never their results, so fnzero overlaps
+        # unless the config explicitly says `overlap_comm: false`.
+        overlap_comm=getattr(getattr(cfg, "zero_optimization", None), "overlap_comm", None) is not False,
+        timings=bool(getattr(cfg, "wall_clock_breakdown", False)),
+    )

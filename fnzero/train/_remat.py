@@ -1,0 +1,79 @@
+"""`fnzero.remat`: activation checkpointing as a function transform (like `jax.checkpoint`).
+
+The wrapped function's intermediate activations are not kept for backward; they are recomputed
+from its inputs when backward needs them (torch.utils.checkpoint, non-reentrant). With
+`cpu_offload=True` (the config's `activation_checkpointing.cpu_checkpointing`) the inputs kept for
+recomputation live in host memory. Under stage 3 the recomputation re-gathers the unit's
+parameters like the first forward did.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..sharding._runtime import ACTIVE_RUN
+
+__all__ = ["remat"]
+
+
+def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, preserve_rng_state: bool = True,
+          config: Any = None):
+    """Return `fn` with activation checkpointing. Usable as `remat(fn)` or `@remat(cpu_offload=True)`.
+
+    `config`: a fnzero Config; its `activation_checkpointing.cpu_checkpointing` sets `cpu_offload`.
+
+    >>> import torch, fnzero
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> f = fnzero.remat(lambda x: torch.tanh(layer(x)).sum())
+    >>> f(torch.ones(2, 4, requires_grad=True)).backward()
+    """
+    if config is not None:
+        ac = getattr(config, "activation_checkpointing", None)
+        cpu_offload = bool(getattr(ac, "cpu_checkpointing", False)) or cpu_offload
+    if fn is None:
+        return functools.partial(remat, cpu_offload=cpu_offload, preserve_rng_state=preserve_rng_state)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if torch.compiler.is_compiling() and not cpu_offload:
+            # Traced by torch.compile: parameters are graph inputs, so the recomputation needs no
+            # rebinding and the checkpoint becomes part of the compiled backward.
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        run = ACTIVE_RUN.get()
+        bindings = list(run.bindings) if run is not None else []
+        devices: dict[int, torch.device] = {}
+
+        def body(*a, **k):
+            if cpu_offload:
+                a, k = optree.tree_map(
+                    lambda x: x.to(devices[id(x)]) if isinstance(x, torch.Tensor) and id(x) in devices else x,
+                    (a, k), none_is_leaf=True,
+                )
+            if run is None or ACTIVE_RUN.get() is run:
+                return fn(*a, **k)  # the first forward: parameters are bound already
+            # Recomputation runs inside backward, after `apply` returned: bind the parameters the
+            # forward saw again (stage-3 units are re-gathered) and make the run current.
+            token = ACTIVE_RUN.set(run)
+            try:
+                with run.rebind(bindings):
+                    return fn(*a, **k)
+            finally:
+                ACTIVE_RUN.reset(token)
+
+        if cpu_offload:
+            def to_host(x):
+                if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                    h = x.to("cpu")
+                    devices[id(h)] = x.device
+                    return h
+                return x
+
+            args, kwargs = optree.tree_map(to_host, (args, kwargs), none_is_leaf=True)
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+
+    return wrapped

@@ -1,0 +1,194 @@
+"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`.
+
+One mechanism serves every placement (`specs/sharding.md`, `specs/collectives.md`); each unit's
+`Placement` says what of it is sharded, and the step reads nothing else:
+
+* The loss is differentiated with respect to fresh aliases of `state.params` (one flat buffer or
+  shard per unit), so the input state is never touched.
+* A post-accumulate-grad hook on each alias moves the unit's gradient into this step's accumulator
+  as soon as backward produces it: with gradients sharded it is reduce-scattered there, so only one
+  unit's full gradient exists at a time; with parameters sharded `GatherUnit`'s backward already
+  reduced it to a shard.
+* After the last micro-batch, whole-unit gradients are reduced: all-reduced where the optimizer
+  state is replicated, reduce-scattered where it is sharded. One scalar all-reduce gives the global
+  gradient norm, the fp16 overflow verdict (a non-finite norm on any rank) and the mean loss.
+* The optimizer updates this rank's master slice; units whose optimizer state is sharded but
+  parameters are not all-gather the new parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Callable
+
+import torch
+
+from .. import optim as _optim
+from .. import schedules as _schedules
+from .._errors import ShardingError
+from .._state import TrainState
+from ._grads import GradientCollector, forward_backward
+from ._phases import (
+    Timer, accum_dtype_for, clip_coefficient, loss_scale_after, norm_and_loss, predivisor, split_micro_batches,
+)
+from ._policy import StepPolicy, step_policy
+from ._update import host_update, publish_params, update_on_device
+
+__all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
+
+
+def optimizer_or_config(optimizer, config) -> "_optim.Optimizer":
+    """The optimizer a step or an initial state uses: the one given (a chain is run through
+    `as_optimizer`), else the config's `optimizer` block."""
+    if optimizer is None:
+        return _optim.from_config(config)
+    if isinstance(optimizer, _optim.GradientTransformation):
+        return _optim.as_optimizer(optimizer)
+    if isinstance(optimizer, _optim.Optimizer):
+        return optimizer
+    raise ShardingError(
+        f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
+        f"{type(optimizer).__name__}"
+    )
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    config: Any,
+    *,
+    donate: bool = False,
+    has_aux: bool = False,
+    optimizer: "_optim.Optimizer | _optim.GradientTransformation | None" = None,
+) -> "TrainStep":
+    """Build the pure step `(state, batch) -> (new_state, metrics)` for `loss_fn(params, batch)`.
+
+    `loss_fn` returns the mean loss of one micro-batch (or `(loss, aux)` with `has_aux=True`); it
+    receives the parameters as `state.params`-shaped aliases and runs the model with
+    `sm.apply(params, ...)`. `batch` is this rank's data for one optimizer step: a list of
+    `gradient_accumulation_steps` micro-batches, or one pytree split along dim 0.
+
+    Metrics: `loss` (mean over micro-batches and ranks), `lr`, `grad_norm` (global, before
+    clipping), `loss_scale`, `skipped` (fp16 overflow), and `aux` when `has_aux`.
+
+    `donate=True` lets the step write into the input state's buffers (like JAX's donate_argnums):
+    no second copy of the model state is allocated, and the input state must not be used again.
+
+    `optimizer`: an `Optimizer` or a chain of gradient transformations (`fnzero.optim.chain`)
+    used instead of the config's `optimizer` block; give the same one to `sm.init_state`. It
+    keeps its own learning rate (metrics' `lr` is None) unless the config has a `scheduler`.
+    """
+    return TrainStep(loss_fn, config, donate=donate, has_aux=has_aux, optimizer=optimizer)
+
+
+class TrainStep:
+    """The pure step built by `train_step`; call it as `step(state, batch)`.
+
+    Its parts are plain attributes (`loss_fn`, `config`, `donate`, `has_aux`) so transforms such as
+    `fnzero.jit` can rebuild it around a different loss function.
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], config: Any, *, donate: bool = False, has_aux: bool = False,
+                 optimizer: "_optim.Optimizer | _optim.GradientTransformation | None" = None):
+        self.loss_fn = loss_fn
+        self.config = config
+        self.donate = donate
+        self.has_aux = has_aux
+        self.policy = step_policy(config)
+        self.opt = optimizer_or_config(optimizer, config)
+        # A given optimizer keeps its own learning rate unless the config schedules one.
+        own_lr = optimizer is not None and getattr(config, "scheduler", None) is None
+        self.sched = None if own_lr else _schedules.from_config(config)
+        self.host_opt = None
+        if self.policy.offload_optimizer is not None:
+            if optimizer is not None:
+                raise ShardingError(
+                    "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
+                    "optimizer= runs where the parameters are: remove one of them"
+                )
+            from ..offload._cpu import host_optimizer_from_config
+
+            self.host_opt = host_optimizer_from_config(config)
+
+    def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":
+        """The same step (config, optimizer, schedule) around another loss function."""
+        new = copy.copy(self)
+        new.loss_fn = loss_fn
+        return new
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        if not isinstance(state, TrainState):
+            raise ShardingError(f"train_step expects a fnzero.TrainState, got {type(state).__name__}")
+        if (state.loss_scale is None) != (self.policy.loss_scale is None):
+            raise ShardingError(
+                "the state's loss scaling does not match this step's config (fp16 on one side only); "
+                "build both from the same config"
+            )
+        with torch.enable_grad():
+            return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux,
+                         self.host_opt)
+
+
+def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool, host_opt=None):
+    """The step's phases in order: forward/backward per micro-batch with gradients reduced by
+    placement, one all-reduce of norm and loss, the overflow verdict, clipping, the optimizer,
+    publishing the parameters (`specs/architecture.md` §How a batch flows)."""
+    sh = state.sharding
+    plan, comm = sh.plan, sh.comm
+    n, k = comm.world_size, policy.accumulation_steps
+    micro = split_micro_batches(batch, k)
+    scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
+    param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
+    accum_dtype = accum_dtype_for(policy, param_dtype)
+    prediv = predivisor(policy, plan, n, param_dtype, accum_dtype)
+
+    leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
+    collector = GradientCollector(plan, comm, policy, prediv, accum_dtype)
+    timer = Timer(policy.timings, sh.device)
+    trim = policy.trim_heap and sh.device.type == "cpu"
+    loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
+    grads = collector.gradients(sh.device)
+    # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
+    # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
+    inv = prediv / (n * k * scale)
+    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device))
+    timer.stop("comm")
+    overflow = not math.isfinite(norm_sq)
+    grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")
+    step_no = int(state.step)
+    metrics: dict[str, Any] = {
+        "loss": loss_total / (k * n),
+        "lr": float(sched(step_no)) if sched is not None else None,
+        "grad_norm": grad_norm,
+        "loss_scale": scale if state.loss_scale is not None else None,
+        "skipped": bool(overflow),
+    }
+    if has_aux:
+        metrics["aux"] = auxes if k > 1 else auxes[0]
+    if timer.on:
+        metrics["timings"] = timer.totals  # filled in place until the step returns
+    new_ls = loss_scale_after(state, policy, overflow, step_no, comm.rank)
+    if overflow:
+        return state.replace(loss_scale=new_ls), metrics
+
+    coef = clip_coefficient(policy.clip, grad_norm)
+    factor = inv * coef
+    momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
+    timer.start()
+    if host_opt is not None:
+        new_state = host_update(state, grads, factor, metrics["lr"], momentum, host_opt, donate, new_ls)
+        timer.stop("optimizer")
+        return new_state, metrics
+    new_slices, new_master, new_opt_state = update_on_device(state, grads, factor, metrics["lr"], momentum, opt,
+                                                             donate, param_dtype, grad_norm * coef)
+    timer.stop("optimizer")
+    timer.start()
+    new_params = publish_params(state, new_slices, donate)
+    timer.stop("comm")
+    return state.replace(
+        params=new_params,
+        master=new_master,
+        opt_state=new_opt_state,
+        step=torch.tensor(step_no + 1, dtype=torch.int64),
+        loss_scale=new_ls,
+    ), metrics

@@ -1,0 +1,153 @@
+"""The update half of a step: the optimizer on this rank's slice (on the device, on the host with
+ZeRO-Offload, or streamed through NVMe files with ZeRO-Infinity), then publishing the new
+parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.md`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._errors import ShardingError
+from .._state import TrainState
+from ..offload._state import NvmeOptState
+from ..sharding._module import optimizer_view
+from ..sharding._plan import ShardPlan
+from ..sharding._gather import unit_views
+
+__all__ = ["update_on_device", "host_update", "publish_params"]
+
+
+def update_on_device(state: TrainState, grads: dict[str, torch.Tensor], factor: float, lr: float, momentum, opt,
+                     donate: bool, param_dtype: torch.dtype, global_norm: float):
+    """The optimizer's update of this rank's slice, gradients scaled by `factor` first; returns
+    (new slices in the compute dtype, new master or None, new optimizer state). `global_norm` is
+    the norm of the scaled gradients over every rank, for optimizers that take it."""
+    plan, rank = state.sharding.plan, state.sharding.rank
+    if factor != 1.0:
+        for g in grads.values():
+            g.mul_(factor)
+    if state.master is not None:
+        target = state.master
+    else:
+        target = optimizer_view(plan, rank, state.params, opt.elementwise)
+    if not opt.elementwise:
+        grads = _per_param(plan, grads)
+        if state.master is not None:
+            target = _per_param(plan, target)
+    update = opt.update_ if donate else opt.update
+    extras = {"global_norm": global_norm} if opt.takes_extras else {}
+    new_target, new_opt_state = update(grads, state.opt_state, target, lr, momentum=momentum, **extras)
+    if not opt.elementwise:
+        new_target = _per_unit(plan, new_target, like=state.master if state.master is not None else state.params)
+    if state.master is None:
+        return new_target, None, new_opt_state
+    return {k: t.to(param_dtype) for k, t in new_target.items()}, new_target, new_opt_state
+
+
+def publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donate: bool) -> dict[str, torch.Tensor]:
+    """The next state's parameters from each unit's updated slice (compute dtype): kept as they are
+    where the optimizer updated the whole unit or parameters are held as shards; all-gathered into
+    the replicated buffer where only the optimizer state is sharded (into the input state's own
+    buffer when donated)."""
+    plan, comm = state.sharding.plan, state.sharding.comm
+    new_params: dict[str, torch.Tensor] = {}
+    pending = {}
+    for u in plan.units:  # start every gather first: the backend runs them back to back
+        t = new_slices[u.name]
+        if not u.placement.optimizer or u.placement.params:
+            new_params[u.name] = t
+        elif donate:
+            # Into the input state's own buffer; the shard is copied first since it may be a
+            # view of that very buffer (fp32 training updates the parameters' slice in place).
+            pending[u.name] = comm.all_gather_async(t.clone(), out=state.params[u.name])
+        else:
+            pending[u.name] = comm.all_gather_async(t)
+    for name, p in pending.items():
+        new_params[name] = p.wait()
+    return {u.name: new_params[u.name] for u in plan.units}
+
+
+def host_update(state: TrainState, grads, factor: float, lr: float, momentum, host_opt, donate: bool, new_ls):
+    """ZeRO-Offload: the host optimizer updates the fp32 master shard with the gradient factor
+    and the 16-bit (or device) copy of the new parameters fused into its pass."""
+    sh = state.sharding
+    plan, rank = sh.plan, sh.rank
+    if state.master is not None:
+        master = state.master
+    else:
+        master = optimizer_view(plan, rank, state.params, True)
+    # Where each unit's new parameters go: the kernel writes them straight into the next
+    # state's buffers (parameter shards, or whole units where the optimizer is replicated), else into a staging shard.
+    out = {}
+    nvme = isinstance(state.opt_state, NvmeOptState)  # the master is on disk
+    # `offload_param: nvme`: these units' parameters are the master file itself (placeholders here).
+    in_store = {u.name for u in plan.units if nvme and state.opt_state.holds_params and plan.params_sharded(u)}
+    for u in plan.units:
+        p = state.params[u.name]
+        if u.name in in_store:
+            out[u.name] = None
+        elif state.master is None and not nvme:
+            out[u.name] = None  # fp32 on the host: the master *is* the parameter slice
+        else:
+            numel = master[u.name].numel()
+            out[u.name] = p.new_empty(numel) if not donate or p.numel() != numel else p
+    if nvme:
+        new_master, new_opt = _nvme_update(state, grads, factor, lr, momentum, host_opt, donate, out)
+    else:
+        new_master, new_opt = host_opt.update(
+            grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
+            out={k: v for k, v in out.items() if v is not None}, inplace=donate,
+        )
+    new_slices = {
+        u.name: state.params[u.name] if u.name in in_store else out[u.name] if out[u.name] is not None else new_master[u.name]
+        for u in plan.units
+    }
+    new_params = publish_params(state, new_slices, donate)
+    return state.replace(
+        params=new_params,
+        master=new_master if state.master is not None else None,
+        opt_state=new_opt,
+        step=torch.tensor(int(state.step) + 1, dtype=torch.int64),
+        loss_scale=new_ls,
+    )
+
+
+def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donate: bool, out):
+    """ZeRO-Infinity: the store streams master and moments through the C kernel in sub-groups and
+    writes the new parameters into `out`."""
+    opt_state = state.opt_state
+    store = opt_state.store
+    count = int(opt_state.count)
+    if (store.last_step or 0) != count:
+        raise ShardingError(
+            f"this TrainState is at step {count} but its NVMe optimizer files are at step {store.last_step}: "
+            "with offload_optimizer device nvme the files are updated in place, so only the newest state "
+            "can take a step"
+        )
+    targets = {k: v for k, v in out.items() if v is not None and v.device.type == "cpu"}
+    store.step({k: g.to("cpu") for k, g in grads.items()}, step=count + 1, out=targets, grad_scale=factor,
+               **host_opt.kernel_kwargs(lr, momentum))
+    for k, v in out.items():
+        if v is not None and k not in targets:  # accelerator parameters: copy the host result over
+            v.copy_(store.read(k, "master").to(v.dtype))
+    return None, dataclasses.replace(opt_state, count=torch.tensor(count + 1, dtype=torch.int64))
+
+
+def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for u in plan.units:
+        views = unit_views(u, by_unit[u.name])
+        out.update({s.name: views[s.name] for s in u.slots})
+    return out
+
+
+def _per_unit(plan: ShardPlan, by_param: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for u in plan.units:
+        parts = [by_param[s.name].reshape(-1) for s in u.slots]
+        pad = u.padded_numel - u.numel
+        if pad:
+            parts.append(like[u.name].new_zeros(pad))
+        out[u.name] = torch.cat(parts) if parts else like[u.name].new_zeros(0)
+    return out
