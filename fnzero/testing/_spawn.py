@@ -78,6 +78,35 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, q, args, kwargs)
         os._exit(1)
 
 
+# [Note: a fork server for ranks] A spawned rank spends seconds importing torch and fnzero
+# (torch._dynamo included) before it runs a line of the test. A fork server that imported them
+# once forks each rank ready in a fraction of a second. The server's environment is the one it
+# started with, so a world that needs another one (its own `env=`, or a parent environment that
+# changed since, both of which may be read at import time) is spawned as before. This module keeps
+# the server's environment because the server is process-wide state of multiprocessing's own.
+_PRELOAD = ["torch", "torch.distributed", "fnzero", "fnzero.testing"]
+_SERVER_ENV: dict[str, str] | None = None
+# Set per test by pytest and read by nothing at import: a change of it keeps the fork server.
+_IMPORT_IRRELEVANT = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _rank_context(env: dict[str, str] | None) -> tuple[Any, dict[str, str]]:
+    """The multiprocessing context for a world's ranks, and the environment to apply in each rank
+    on top of the one it starts with (`env`, plus what changed since the fork server started)."""
+    global _SERVER_ENV
+    env = dict(env or {})
+    if env or os.environ.get("FNZERO_SPAWN_RANKS") == "1" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn"), env
+    ctx = mp.get_context("forkserver")
+    if _SERVER_ENV is None:
+        ctx.set_forkserver_preload(_PRELOAD)
+        _SERVER_ENV = dict(os.environ)
+    changed = {k for k in set(os.environ) | set(_SERVER_ENV) if os.environ.get(k) != _SERVER_ENV.get(k)}
+    if changed - _IMPORT_IRRELEVANT:
+        return mp.get_context("spawn"), env
+    return ctx, {k: os.environ[k] for k in changed if k in os.environ}
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -93,10 +122,12 @@ def run_world(
     `fn` must be importable (a module-level function). If any rank raises or dies, every other rank
     is stopped and a WorldError shows the failing rank's traceback; if the world does not finish
     within `timeout` seconds, the ranks are killed and the error names the ones that were late.
+    Ranks are forked from a server that imported torch and fnzero once, unless the world needs
+    another environment (`env=`); `FNZERO_SPAWN_RANKS=1` spawns every rank afresh.
     """
     # Long: starting ranks, collecting results and the failure protocol (name the rank, stop the rest)
     # share one set of processes and queues.
-    ctx = mp.get_context("spawn")
+    ctx, env = _rank_context(env)
     q = ctx.Queue()
     port = free_port()
     procs = [
