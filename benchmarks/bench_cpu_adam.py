@@ -32,8 +32,8 @@ BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 
 
 def worker(n: int, threads: int, steps: int) -> dict:
-    """All methods timed round-robin (one call each per round), so a burst of load from other
-    processes on a shared machine hits them alike; reports the best round of each."""
+    """All methods timed round-robin (one call each per round, the order rotating), so a burst of
+    load from other processes on a shared machine hits them alike; reports the best round of each."""
     import torch
 
     torch.set_num_threads(threads)
@@ -80,8 +80,13 @@ def worker(n: int, threads: int, steps: int) -> dict:
     times: dict[str, list[float]] = {k: [] for k in methods}
     for fn in methods.values():
         fn()  # warm: page faults, lazy optimizer state
+    names = list(methods)
     for r in range(steps):
-        for name, fn in methods.items():
+        # Each round starts one method later, so every method follows every other equally often:
+        # a method run right after torch's OpenMP kernels shares the cores with torch's workers
+        # while they spin-wait, which a fixed order would charge to one method alone.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = methods[name]
             if name in slow and r >= 2:  # 10-20x slower; two rounds are enough to place them
                 continue
             t0 = time.perf_counter()

@@ -258,7 +258,8 @@ def test_a_failed_peer_raises_instead_of_hanging(how, within):
     # second, where a spawned process spends seconds importing them (the rank's own module, this
     # one, is imported in the child: the server does not see the tests' sys.path).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "fnzero.testing", "fnzero.sharding._collectives"])
+    # (The same server as fnzero.testing's worlds: whichever starts it first sets what it preloads.)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "fnzero", "fnzero.testing", "fnzero.sharding._collectives"])
     q = ctx.Queue()
     procs = [ctx.Process(target=_peer_fails, args=(r, port, how, q)) for r in range(2)]
     for p in procs:

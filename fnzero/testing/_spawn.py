@@ -84,7 +84,7 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, q, args, kwargs)
 # started with, so a world that needs another one (its own `env=`, or a parent environment that
 # changed since, both of which may be read at import time) is spawned as before. This module keeps
 # the server's environment because the server is process-wide state of multiprocessing's own.
-_PRELOAD = ["torch", "torch.distributed", "fnzero", "fnzero.testing"]
+_PRELOAD = ["torch", "torch.distributed", "fnzero", "fnzero.testing", "pytest"]
 _SERVER_ENV: dict[str, str] | None = None
 # Set per test by pytest and read by nothing at import: a change of it keeps the fork server.
 _IMPORT_IRRELEVANT = frozenset({"PYTEST_CURRENT_TEST"})
