@@ -186,19 +186,7 @@ def spawned_donate_matches_pure():
 def spawned_jit_matches_eager(backend, steps, scope="loss", stages=(0, 1, 2, 3), extra=None):
     """World function: compiled and eager steps at each stage on this rank; returns rank 0's
     largest parameter and loss differences and the graph breaks per stage."""
-    from fnzero.sharding._collectives import ProcessGroupCollectives
-
-    comm = ProcessGroupCollectives()
-    out = {}
-    for stage in stages:
-        a = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra)
-        b = train_fnzero("gpt", stage, steps, comm, k=2, extra=extra, jit={"backend": backend, "scope": scope})
-        out[stage] = {
-            "param": max((a["params"][n] - b["params"][n]).abs().max().item() for n in a["params"]),
-            "loss": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
-            "breaks": b["graph_breaks"],
-        }
-    return out if comm.rank == 0 else None
+    return spawned_jit_runs([(stage, backend, scope, stage, extra) for stage in stages], steps)
 
 
 def spawned_jit_runs(runs, steps):

@@ -7,6 +7,7 @@ import os
 import sys
 
 from . import _checkpoint as checkpoint_commands
+from ._common import load_config_or_report
 from . import _plan as plan_commands
 
 __all__ = ["build_parser", "main"]
@@ -63,16 +64,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from .._errors import ConfigError
-    from ..config import load_config
-
-    try:
-        cfg = load_config(args.file, world_size=args.world_size)
-    except ConfigError as e:
-        errors = getattr(e, "errors", None) or [str(e)]
-        print(f"{args.file}: {len(errors)} error(s)", file=sys.stderr)
-        for err in errors:
-            print(f"  - {err}", file=sys.stderr)
+    cfg = load_config_or_report(args.file, args.world_size)
+    if cfg is None:
         return 1
     if args.action == "show":
         print(cfg.to_json(indent=2))

@@ -15,6 +15,7 @@ import math
 import sys
 
 from ..memory import _estimate as _plan
+from ._common import load_config_or_report
 
 __all__ = ["register", "plan_report"]
 
@@ -152,16 +153,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"({args.memory_per_device:,} bytes)", file=sys.stderr)
         return 2
     if args.config is not None:
-        from .._errors import ConfigError
-        from ..config import load_config
-
-        try:
-            cfg = load_config(args.config, world_size=args.world_size)
-        except ConfigError as e:
-            errors = getattr(e, "errors", None) or [str(e)]
-            print(f"fnzero plan: {args.config}: {len(errors)} error(s)", file=sys.stderr)
-            for err in errors:
-                print(f"  - {err}", file=sys.stderr)
+        cfg = load_config_or_report(args.config, args.world_size, prefix="fnzero plan: ")
+        if cfg is None:
             return 2
         z = cfg.zero_optimization
         opt = z.offload_optimizer.device if z.offload_optimizer is not None else "none"

@@ -22,7 +22,7 @@ from ._policy import StepPolicy
 
 __all__ = [
     "split_micro_batches", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
-    "clip_coefficient", "loss_scale_after", "Timer",
+    "clip_coefficient", "loss_scale_after", "next_state", "Timer",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -136,6 +136,13 @@ def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step
             )
         return None
     return update_loss_scale(state.loss_scale, overflow, policy.loss_scale)
+
+
+def next_state(state: TrainState, params, master, opt_state, loss_scale) -> TrainState:
+    """The state after an applied step: new parameters, master and optimizer state, the step
+    count advanced, the next loss scale."""
+    return state.replace(params=params, master=master, opt_state=opt_state,
+                         step=torch.tensor(int(state.step) + 1, dtype=torch.int64), loss_scale=loss_scale)
 
 
 class Timer:

@@ -30,7 +30,8 @@ from .._errors import ShardingError
 from .._state import TrainState
 from ._grads import GradientCollector, forward_backward
 from ._phases import (
-    Timer, accum_dtype_for, clip_coefficient, loss_scale_after, norm_and_loss, predivisor, split_micro_batches,
+    Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
+    split_micro_batches,
 )
 from ._policy import StepPolicy, step_policy
 from ._update import host_update, publish_params, update_on_device
@@ -185,10 +186,4 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     timer.start()
     new_params = publish_params(state, new_slices, donate)
     timer.stop("comm")
-    return state.replace(
-        params=new_params,
-        master=new_master,
-        opt_state=new_opt_state,
-        step=torch.tensor(step_no + 1, dtype=torch.int64),
-        loss_scale=new_ls,
-    ), metrics
+    return next_state(state, new_params, new_master, new_opt_state, new_ls), metrics

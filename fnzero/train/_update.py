@@ -14,6 +14,7 @@ from ..offload._state import NvmeOptState
 from ..sharding._module import optimizer_view
 from ..sharding._plan import ShardPlan
 from ..sharding._gather import unit_views
+from ._phases import next_state
 
 __all__ = ["update_on_device", "host_update", "publish_params"]
 
@@ -104,13 +105,7 @@ def host_update(state: TrainState, grads, factor: float, lr: float, momentum, ho
         for u in plan.units
     }
     new_params = publish_params(state, new_slices, donate)
-    return state.replace(
-        params=new_params,
-        master=new_master if state.master is not None else None,
-        opt_state=new_opt,
-        step=torch.tensor(int(state.step) + 1, dtype=torch.int64),
-        loss_scale=new_ls,
-    )
+    return next_state(state, new_params, new_master if state.master is not None else None, new_opt, new_ls)
 
 
 def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donate: bool, out):

@@ -32,8 +32,8 @@ from ..sharding._collectives import ProcessGroupCollectives
 from ..sharding._functional import FunctionalCollectives
 from ..sharding._module import optimizer_view
 from ._phases import (
-    accum_dtype_for, clip_coefficient, loss_scale_after, norm_and_loss, predivisor, prepare_for_comm, reduce_whole,
-    split_micro_batches,
+    accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor, prepare_for_comm,
+    reduce_whole, split_micro_batches,
 )
 from ._step import TrainStep
 
@@ -131,13 +131,7 @@ class WholeStep:
         if overflow:
             return state.replace(loss_scale=new_ls), metrics  # donated buffers were left as they were
         new_opt = new_opt._replace(count=torch.tensor(count + 1, dtype=torch.int64))
-        return state.replace(
-            params=new_params,
-            master=new_master,
-            opt_state=new_opt,
-            step=torch.tensor(step_no + 1, dtype=torch.int64),
-            loss_scale=new_ls,
-        ), metrics
+        return next_state(state, new_params, new_master, new_opt, new_ls), metrics
 
     # -- the graph -------------------------------------------------------------------------------
     def _graph_fn(self, c: "GraphStatics", params, master, opt_state, scalars, micro, has_momentum: bool):
