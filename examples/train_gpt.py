@@ -46,6 +46,9 @@ p.add_argument("--jit", nargs="?", const="units", choices=["units", "loss", "ste
                help="compile with torch.compile (fnzero.jit; ~30 s the first time): 'units' (the default) each "
                     "block's forward and backward, compiled once for all blocks; 'loss' the whole forward and "
                     "backward as one graph; 'step' the whole step as one graph (stages 0-2)")
+p.add_argument("--jit-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+               help="torch.compile backend for --jit (default inductor; aot_eager traces the same graphs "
+                    "without generating code, in seconds)")
 args = p.parse_args()
 
 # -- processes, config, model --------------------------------------------------------------------
@@ -68,7 +71,7 @@ def loss_fn(params, batch):
 # donate=True: the old state's buffers are reused by the new one, so the model state exists once.
 step = fnzero.train_step(loss_fn, cfg, donate=True)
 if args.jit:
-    step = fnzero.jit(step, scope=args.jit)  # same step; graph breaks, if any, are warned once with their reason
+    step = fnzero.jit(step, scope=args.jit, backend=args.jit_backend)  # same step; graph breaks, if any, are warned once with their reason
 
 # -- resume: a checkpoint loads into this run's layout, whatever world size or stage saved it -------
 start = 0
