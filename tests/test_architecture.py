@@ -145,3 +145,17 @@ def test_long_files_and_functions_say_why():
                 if not any(line.strip().startswith("# Long:") for line in head):
                     bad.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {_code_lines(fn)} lines")
     assert not bad, bad
+
+
+def test_stage_numbers_are_compared_only_at_the_edges():
+    """specs/sharding.md §Placements: the runtime reads placements; a stage number is compared
+    only where a user's stage is read (config, CLI, the planner's input, the preset table)."""
+    import re
+
+    edges = ("fnzero/config/", "fnzero/cli/", "fnzero/testing/", "fnzero/sharding/_placement.py",
+             "fnzero/memory/_estimate.py")
+    compare = re.compile(r"\bstage\s*(==|!=|>=|<=|>|<)|(==|!=|>=|<=|>|<)\s*\w*\.?stage\b")
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p, _, _ in _modules()
+            if not str(p.relative_to(ROOT)).startswith(edges)
+            for i, line in enumerate(p.read_text().splitlines(), 1) if compare.search(line.split("#")[0])]
+    assert not hits, hits
