@@ -130,3 +130,39 @@ def test_a_users_chain_in_the_sharded_step_equals_the_unsharded_run(stage):
     for got in simulated_world(2).run(rank):
         for n, want in ref.items():
             torch.testing.assert_close(got[n], want, rtol=1e-9, atol=1e-12)
+
+
+HOST = {
+    "adam": st.fixed_dictionaries({"weight_decay": st.sampled_from([0.0, 0.1]), "adam_w_mode": st.booleans(),
+                                   "bias_correction": st.booleans()}),
+    "adamw": st.fixed_dictionaries({"weight_decay": st.sampled_from([0.0, 0.1])}),
+    "adagrad": st.fixed_dictionaries({"weight_decay": st.sampled_from([0.0, 0.1]), "lr_decay": st.sampled_from([0.0, 0.2])}),
+    "lion": st.fixed_dictionaries({"weight_decay": st.sampled_from([0.0, 0.1])}),
+}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(HOST)), data=st.data(), sizes=st.lists(st.integers(1, 300), min_size=1, max_size=3))
+def test_the_host_kernels_compute_the_chain(name, data, sizes):
+    """ZeRO-Offload's host step (fnzero's C kernels; their torch fallback gives the same numbers,
+    tests/test_cext_kernels.py) is a fused implementation of the same chain: flat fp32 shards, the
+    gradient scale (unscale x clip) fused in, a moving lr; fp32, so compared at fp32 precision."""
+    from fnzero.offload._cpu import host_optimizer_from_config
+
+    hyper = data.draw(HOST[name])
+    typ = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}[name]
+    cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": typ, "params": {"lr": 1e-2, **hyper}}})
+    host, tx = host_optimizer_from_config(cfg), optim.chain_from_config(cfg)
+    gen = torch.Generator().manual_seed(sum(sizes))
+    master = {f"u{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+    want, s_want = dict(master), tx.init(master)
+    got, s_got = dict(master), optim.from_config(cfg).init(master)
+    for t in range(4):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in master.items()}
+        lr, scale = 1e-2 * (1 + t) / 2, 0.5
+        upd, s_want = tx.update({k: g * scale for k, g in grads.items()}, s_want, want, lr=lr)
+        want = optim.apply_updates(want, upd)
+        got, s_got = host.update(grads, s_got, got, lr, grad_scale=scale)
+        for k in master:
+            torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=2e-6,
+                                       msg=lambda m: f"{name} {hyper} step {t} {k}: {m}")
