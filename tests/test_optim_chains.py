@@ -166,3 +166,14 @@ def test_the_host_kernels_compute_the_chain(name, data, sizes):
         for k in master:
             torch.testing.assert_close(got[k], want[k], rtol=2e-5, atol=2e-6,
                                        msg=lambda m: f"{name} {hyper} step {t} {k}: {m}")
+
+
+def test_a_chain_with_offload_is_refused_at_the_step_and_the_initial_state():
+    cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    with pytest.raises(fnzero.ShardingError, match="optimizer= runs where the parameters are"):
+        fnzero.train_step(lambda p, b: 0, cfg, optimizer=_user_chain())
+    sm = fnzero.shard(MLP([3, 2]), config=cfg)
+    with pytest.raises(fnzero.ShardingError, match="optimizer= runs where the parameters are"):
+        sm.init_state(optimizer=_user_chain())
+    assert sm.init_state() is not None  # refused before anything was handed over

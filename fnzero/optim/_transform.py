@@ -255,9 +255,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def fn(u, p, extra):
         norm = extra.get("global_norm")
         if norm is None:
-            leaves = [x for x in optree.tree_leaves(u) if x.numel()]
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.double()) for x in leaves])))\
-                if leaves else 0.0
+            norm = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in optree.tree_leaves(u)) ** 0.5
         coef = max_norm / (float(norm) + 1e-6)
         return u if coef >= 1.0 else _map(lambda x: x * coef, u)
 

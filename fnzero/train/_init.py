@@ -40,11 +40,7 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         raise ShardingError(
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
-    if optimizer is not None and sm.policy.offload_optimizer is not None:
-        raise ShardingError(
-            "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
-            "optimizer= runs where the parameters are: remove one of them"
-        )
+    opt = optimizer_or_config(optimizer, sm.config)  # before any file is read: a bad optimizer fails first
     if pretrained is not None:
         _load_pretrained(sm, pretrained, allow_unexpected)
     loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
@@ -57,7 +53,6 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "each module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
             "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
         )
-    opt = optimizer_or_config(optimizer, sm.config)
     plan = sm.plan
     if not opt.elementwise and plan.placement.optimizer:
         kind = sm.config.optimizer.type if optimizer is None else "optimizer="

@@ -33,6 +33,7 @@ from ._phases import (
     Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
     split_micro_batches,
 )
+from ..sharding._policy import offload_device
 from ._policy import StepPolicy, step_policy
 from ._update import host_update, publish_params, update_on_device
 
@@ -44,6 +45,11 @@ def optimizer_or_config(optimizer, config) -> "_optim.Optimizer":
     `as_optimizer`), else the config's `optimizer` block."""
     if optimizer is None:
         return _optim.from_config(config)
+    if offload_device(config) is not None:
+        raise ShardingError(
+            "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
+            "optimizer= runs where the parameters are: remove one of them"
+        )
     if isinstance(optimizer, _optim.GradientTransformation):
         return _optim.as_optimizer(optimizer)
     if isinstance(optimizer, _optim.Optimizer):
@@ -102,11 +108,6 @@ class TrainStep:
         self.sched = None if own_lr else _schedules.from_config(config)
         self.host_opt = None
         if self.policy.offload_optimizer is not None:
-            if optimizer is not None:
-                raise ShardingError(
-                    "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
-                    "optimizer= runs where the parameters are: remove one of them"
-                )
             from ..offload._cpu import host_optimizer_from_config
 
             self.host_opt = host_optimizer_from_config(config)
