@@ -1,19 +1,29 @@
 /* Public entry points of cpu_adam.h: argument checks, the float coefficients, SIMD dispatch and
  * the split of one flat buffer into a few large per-thread tiles.
  *
- * Threads are plain pthreads created per call, not OpenMP: linking libgomp into a process that
- * already carries torch's bundled libgomp gives two OpenMP runtimes with separate pools, and
- * many small parallel regions under CPU contention were measured to collapse 10-20x. A call
- * here is one big buffer, so thread start-up (~20 us) is noise next to a step (ms). */
+ * Where do the tiles run? On the OpenMP pool the process already has (torch's libgomp), found
+ * among the loaded libraries, never linked: a second OpenMP runtime in the process would keep a
+ * second pool, and many small regions of two pools under CPU contention were measured to
+ * collapse 10-20x. Plain pthreads, created per call, are the fallback. Reusing torch's pool is
+ * not only tidy: its workers spin for a few ms after each torch op, and a new pthread started
+ * in that window shares a core with a spinning worker (10M params, 2 cores: 11.3 ms right after
+ * torch's fused AdamW against 6.6 ms after a pause; on the pool, the same workers take the
+ * tiles). Tiles are fixed by the size and thread count, so results never depend on which
+ * threads run them. */
 #define _GNU_SOURCE /* glibc: declares pthread and the rest under -std=c99 */
 #include <math.h>
 #include <pthread.h>
 #include <stddef.h>
+#include <string.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
+#endif
 
 #include "cpu_adam.h"
 #include "kernels.h"
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 #define MIN_TILE 65536 /* elements per thread at least: below this threads cost more than they give */
 #define MAX_THREADS 256
 
@@ -81,11 +91,58 @@ static void *tile_main(void *arg) {
 static const float *offset_c(const float *b, int64_t i) { return b ? b + i : NULL; }
 static float *offset(float *b, int64_t i) { return b ? b + i : NULL; }
 
+typedef struct tile_set {
+    const tile *tiles;
+    int64_t count;
+} tile_set;
+
+/* The process's OpenMP runtime, if one is loaded: GNU's entry point (Intel's and LLVM's runtimes
+ * export it too) and the two queries a region body needs. Looked up once. */
+typedef void (*omp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_query_fn)(void);
+static omp_parallel_fn omp_parallel;
+static omp_query_fn omp_thread_num, omp_num_threads;
+static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
+
+#if defined(__linux__)
+static int find_omp(struct dl_phdr_info *info, size_t size, void *unused) {
+    (void)size;
+    (void)unused;
+    const char *name = info->dlpi_name;
+    if (!name || !(strstr(name, "libgomp") || strstr(name, "libiomp") || strstr(name, "libomp")))
+        return 0;
+    void *h = dlopen(name, RTLD_NOW | RTLD_NOLOAD); /* already loaded: only a handle, no load */
+    if (!h) return 0;
+    omp_parallel_fn par = (omp_parallel_fn)dlsym(h, "GOMP_parallel");
+    omp_query_fn num = (omp_query_fn)dlsym(h, "omp_get_thread_num");
+    omp_query_fn count = (omp_query_fn)dlsym(h, "omp_get_num_threads");
+    if (!par || !num || !count) return 0;
+    omp_parallel = par, omp_thread_num = num, omp_num_threads = count;
+    return 1;
+}
+static void look_up_omp(void) { dl_iterate_phdr(find_omp, NULL); }
+#else
+static void look_up_omp(void) {}
+#endif
+
+int fnz_cpu_thread_pool(void) {
+    pthread_once(&omp_once, look_up_omp);
+    return omp_parallel != NULL;
+}
+
+/* The body of one parallel region: thread t of T runs tiles t, t+T, ... (T may be below the
+ * tile count if the runtime gave fewer threads than asked). */
+static void region_main(void *arg) {
+    const tile_set *set = (const tile_set *)arg;
+    int64_t t = omp_thread_num(), count = omp_num_threads();
+    for (int64_t k = t; k < set->count; k += count) run_tile(&set->tiles[k]);
+}
+
 /* Split [0, n) into nt contiguous tiles (multiples of 64 elements, so no two threads share a
- * cache line of any buffer), run tile 0 on the caller and the rest on new threads. A thread
- * that fails to start has its tile run by the caller: the result never depends on threads. */
+ * cache line of any buffer) and run them on the OpenMP pool, or else tile 0 on the caller and
+ * the rest on new threads. A thread that fails to start has its tile run by the caller. */
 static void run_split(int kind, int simd, const fnz_coef *c, float *p, const float *g,
-                      float *s1, float *s2, uint16_t *o, int64_t n, int num_threads) {
+                      float *s1, float *s2, uint16_t *o, int64_t n, int num_threads, int pool) {
     int64_t nt = num_threads < 1 ? 1 : (num_threads > MAX_THREADS ? MAX_THREADS : num_threads);
     if (nt > n / MIN_TILE) nt = n / MIN_TILE > 0 ? n / MIN_TILE : 1;
     int64_t per = ((n + nt - 1) / nt + 63) / 64 * 64;
@@ -100,6 +157,11 @@ static void run_split(int kind, int simd, const fnz_coef *c, float *p, const flo
         tiles[k] = t;
         started[k] = 0;
     }
+    if (nt > 1 && pool && fnz_cpu_thread_pool()) {
+        tile_set set = {tiles, nt};
+        omp_parallel(region_main, &set, (unsigned)nt, 0);
+        return;
+    }
     for (int64_t k = 1; k < nt; k++) started[k] = pthread_create(&ids[k], NULL, tile_main, &tiles[k]) == 0;
     run_tile(&tiles[0]);
     for (int64_t k = 1; k < nt; k++) {
@@ -109,12 +171,14 @@ static void run_split(int kind, int simd, const fnz_coef *c, float *p, const flo
 }
 
 /* Common checks and defaults of the fused extras; fills out_kind/o/threads/simd. */
-static int resolve(const fnz_fused *f, int64_t n, fnz_coef *c, uint16_t **o, int *threads, int *simd) {
+static int resolve(const fnz_fused *f, int64_t n, fnz_coef *c, uint16_t **o, int *threads, int *simd,
+                   int *pool) {
     c->gscale = f ? f->grad_scale : 1.0f;
     c->out_kind = f ? f->out_kind : FNZ_OUT_NONE;
     *o = f ? f->out16 : NULL;
     *threads = f ? f->num_threads : 1;
     *simd = f ? f->simd : FNZ_SIMD_AUTO;
+    *pool = f ? f->thread_pool : 0;
     if (n < 0) return FNZ_EINVAL;
     if (c->out_kind != FNZ_OUT_NONE && c->out_kind != FNZ_OUT_BF16 && c->out_kind != FNZ_OUT_FP16)
         return FNZ_EINVAL;
@@ -130,7 +194,7 @@ int fnz_adam_step(float *param, const float *grad, float *exp_avg, float *exp_av
                   double weight_decay, int adamw, int bias_correction, const fnz_fused *fused) {
     fnz_coef c = {0};
     uint16_t *o;
-    int threads, simd, rc = resolve(fused, n, &c, &o, &threads, &simd);
+    int threads, simd, pool, rc = resolve(fused, n, &c, &o, &threads, &simd, &pool);
     if (rc) return rc;
     if (step < 1) return FNZ_EINVAL;
     if (n > 0 && (!param || !grad || !exp_avg || !exp_avg_sq)) return FNZ_EINVAL;
@@ -146,7 +210,7 @@ int fnz_adam_step(float *param, const float *grad, float *exp_avg, float *exp_av
     c.inv_bc2s = (float)(1.0 / sqrt(bc2));
     c.eps = (float)eps;
     c.neg_lr = (float)(-lr / bc1);
-    run_split(FNZ_K_ADAM, simd, &c, param, grad, exp_avg, exp_avg_sq, o, n, threads);
+    run_split(FNZ_K_ADAM, simd, &c, param, grad, exp_avg, exp_avg_sq, o, n, threads, pool);
     return FNZ_OK;
 }
 
@@ -155,7 +219,7 @@ int fnz_adagrad_step(float *param, const float *grad, float *sum, int64_t n, int
                      const fnz_fused *fused) {
     fnz_coef c = {0};
     uint16_t *o;
-    int threads, simd, rc = resolve(fused, n, &c, &o, &threads, &simd);
+    int threads, simd, pool, rc = resolve(fused, n, &c, &o, &threads, &simd, &pool);
     if (rc) return rc;
     if (step < 1) return FNZ_EINVAL;
     if (n > 0 && (!param || !grad || !sum)) return FNZ_EINVAL;
@@ -164,7 +228,7 @@ int fnz_adagrad_step(float *param, const float *grad, float *sum, int64_t n, int
     c.decay = 1.0f;
     c.eps = (float)eps;
     c.neg_lr = (float)(-lr / (1.0 + (double)(step - 1) * lr_decay));
-    run_split(FNZ_K_ADAGRAD, simd, &c, param, grad, sum, NULL, o, n, threads);
+    run_split(FNZ_K_ADAGRAD, simd, &c, param, grad, sum, NULL, o, n, threads, pool);
     return FNZ_OK;
 }
 
@@ -172,7 +236,7 @@ int fnz_lion_step(float *param, const float *grad, float *exp_avg, int64_t n, do
                   double beta1, double beta2, double weight_decay, const fnz_fused *fused) {
     fnz_coef c = {0};
     uint16_t *o;
-    int threads, simd, rc = resolve(fused, n, &c, &o, &threads, &simd);
+    int threads, simd, pool, rc = resolve(fused, n, &c, &o, &threads, &simd, &pool);
     if (rc) return rc;
     if (n > 0 && (!param || !grad || !exp_avg)) return FNZ_EINVAL;
     c.decay = weight_decay != 0.0 ? (float)(1.0 - lr * weight_decay) : 1.0f;
@@ -181,7 +245,7 @@ int fnz_lion_step(float *param, const float *grad, float *exp_avg, int64_t n, do
     c.b2 = (float)beta2;
     c.omb2 = (float)(1.0 - beta2);
     c.neg_lr = (float)(-lr);
-    run_split(FNZ_K_LION, simd, &c, param, grad, exp_avg, NULL, o, n, threads);
+    run_split(FNZ_K_LION, simd, &c, param, grad, exp_avg, NULL, o, n, threads, pool);
     return FNZ_OK;
 }
 
@@ -192,13 +256,13 @@ int fnz_to_16bit(const float *src, uint16_t *dst, int64_t n, int kind, int simd)
     if (simd == FNZ_SIMD_AUTO) simd = fnz_simd_best();
     else if (!fnz_simd_supported(simd)) return FNZ_ENOSIMD;
     c.out_kind = kind;
-    run_split(FNZ_K_TO16, simd, &c, (float *)src, NULL, NULL, NULL, dst, n, 1);
+    run_split(FNZ_K_TO16, simd, &c, (float *)src, NULL, NULL, NULL, dst, n, 1, 0);
     return FNZ_OK;
 }
 
 int fnz_stream_adam_shape(float *a, const float *b, float *c, float *d, int64_t n,
-                          int num_threads) {
+                          int num_threads, int thread_pool) {
     if (n < 0 || (n > 0 && (!a || !b || !c || !d))) return FNZ_EINVAL;
-    run_split(-1, fnz_simd_best(), NULL, a, b, c, d, NULL, n, num_threads);
+    run_split(-1, fnz_simd_best(), NULL, a, b, c, d, NULL, n, num_threads, thread_pool);
     return FNZ_OK;
 }

@@ -1,8 +1,8 @@
 /* fnzero CPU optimizer kernels: the ABI (see specs/cext.md).
  *
  * Stateless: every hyper-parameter and the step count come in as arguments, and the SIMD level
- * is an argument too, so there is no global state on the C side and any thread may call any
- * function at any time. All buffers are contiguous fp32 arrays of n elements, updated in place.
+ * is an argument too, so any thread may call any function at any time. The one global is a
+ * process constant looked up once: where the loaded OpenMP runtime is (fnz_cpu_thread_pool). All buffers are contiguous fp32 arrays of n elements, updated in place.
  *
  * Aliasing: param, grad, state1 (exp_avg / sum / Lion momentum) and state2 (exp_avg_sq) must
  * be pairwise disjoint; out16, when given, must not overlap any of them. Callers check this
@@ -53,7 +53,14 @@ typedef struct fnz_fused {
     int num_threads;  /* threads to split n over; <= 1 means the calling thread only. Tiles are
                          at least 64K elements, so small n uses fewer threads. */
     int simd;         /* FNZ_SIMD_* level to run, FNZ_SIMD_AUTO for the best */
+    int thread_pool;  /* 1: run the threads' tiles on the OpenMP pool the process has already
+                         loaded (torch's), when there is one; 0: on new pthreads */
 } fnz_fused;
+
+/* 1 if an OpenMP runtime is loaded in this process (found by name among the loaded libraries,
+ * never loaded by fnzero), so thread_pool = 1 uses it; 0 if thread_pool = 1 falls back to
+ * pthreads. Linux only; elsewhere always 0. */
+int fnz_cpu_thread_pool(void);
 
 /* Adam / AdamW, torch.optim.Adam(W) arithmetic:
  *   g = grad * grad_scale;  if !adamw: g += weight_decay * p;  if adamw: p *= 1 - lr*weight_decay
@@ -93,6 +100,6 @@ int fnz_to_16bit(const float *src, uint16_t *dst, int64_t n, int kind, int simd)
 /* A STREAM-like reference loop shaped like Adam's memory traffic (reads 4 arrays, writes 3:
  * 28 bytes per element) with trivial arithmetic: the bandwidth ceiling for the benchmark. */
 int fnz_stream_adam_shape(float *a, const float *b, float *c, float *d, int64_t n,
-                          int num_threads);
+                          int num_threads, int thread_pool);
 
 #endif

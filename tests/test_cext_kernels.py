@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fnzero import _ext
+from fnzero._ext import _lib
 
 needs_c = pytest.mark.skipif(not _ext.available(), reason="C extension not built")
 LEVELS = _ext.supported_levels() or ["none"]
@@ -95,8 +96,17 @@ def test_threads_split_gives_identical_bits():
     one = run_adam(n, 2, LEVELS[-1], adamw=True, wd=0.1, num_threads=1)[:3]
     two = run_adam(n, 2, LEVELS[-1], adamw=True, wd=0.1, num_threads=2)[:3]
     many = run_adam(n, 2, LEVELS[-1], adamw=True, wd=0.1, num_threads=7)[:3]
-    for a, b, c in zip(one, two, many):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    pthreads = run_adam(n, 2, LEVELS[-1], adamw=True, wd=0.1, num_threads=2, thread_pool=False)[:3]
+    for a, b, c, d in zip(one, two, many, pthreads):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+
+
+@needs_c
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pool is looked up on Linux only")
+def test_threads_come_from_torchs_openmp_pool():
+    """torch is loaded, so its OpenMP runtime is: the kernels' threads are its pool's (specs/cext.md)."""
+    assert _lib.lib.fnz_cpu_thread_pool() == 1
+    assert "OpenMP pool" in _ext.build_info()["threads"]
 
 
 @pytest.mark.parametrize("level", LEVELS)

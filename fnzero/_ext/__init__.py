@@ -48,11 +48,17 @@ def build_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
         "abi_version": _lib.lib.fnz_cpu_abi_version() if _lib.available() else None,
         "simd": simd_level(),
         "simd_supported": supported_levels(),
-        "threads": "pthreads (a few large tiles per call)" if _lib.available() else "torch intra-op",
+        "threads": _threads() if _lib.available() else "torch intra-op",
         "aio_backend": AIO_BACKEND if _lib.available() else "synchronous os.pread/os.pwrite",
         "o_direct": o_direct,
         "o_direct_path": probe_dir,
     }
+
+
+def _threads() -> str:
+    if _lib.lib.fnz_cpu_thread_pool():
+        return "the process's OpenMP pool (torch's), a few large tiles per call"
+    return "pthreads (no OpenMP runtime loaded), a few large tiles per call"
 
 
 def _module_file() -> str | None:
@@ -68,7 +74,8 @@ def report_lines() -> list[str]:
     """Lines for ``fnzero report``."""
     info = build_info()
     if info["available"]:
-        head = f"cext              built, SIMD {info['simd']} (CPU supports {', '.join(info['simd_supported'])}), pthreads"
+        head = f"cext              built, SIMD {info['simd']} (CPU supports {', '.join(info['simd_supported'])})"
+        head += f"; threads: {info['threads']}"
     else:
         head = f"cext              not in use: {info['reason']} (pure-torch fallback, same numbers)"
     od = {True: "yes", False: "no (buffered)", None: "n/a"}.get(info["o_direct"], info["o_direct"])  # type: ignore[arg-type]

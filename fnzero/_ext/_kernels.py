@@ -56,7 +56,7 @@ def _use_c(use_cext: bool | None) -> bool:
     return bool(use_cext)
 
 
-def _fused(grad_scale: float, out16: torch.Tensor | None, num_threads: int | None):
+def _fused(grad_scale: float, out16: torch.Tensor | None, num_threads: int | None, thread_pool: bool = True):
     f = _lib.ffi.new("fnz_fused *")
     f.grad_scale = float(grad_scale)
     if out16 is not None:
@@ -64,6 +64,7 @@ def _fused(grad_scale: float, out16: torch.Tensor | None, num_threads: int | Non
         f.out16 = _lib.ffi.cast("uint16_t *", out16.data_ptr())
     f.num_threads = torch.get_num_threads() if num_threads is None else int(num_threads)
     f.simd = _lib.LEVELS.index(_lib.active_level())
+    f.thread_pool = int(bool(thread_pool))
     return f
 
 
@@ -101,6 +102,7 @@ def adam_step_(
     grad_scale: float = 1.0,
     out16: torch.Tensor | None = None,
     num_threads: int | None = None,
+    thread_pool: bool = True,
     use_cext: bool | None = None,
 ) -> None:
     """One Adam (``adamw=False``: L2 penalty, torch.optim.Adam) or AdamW (decoupled decay,
@@ -108,7 +110,8 @@ def adam_step_(
 
     ``grad`` is multiplied by ``grad_scale`` first (1/loss_scale times the clip coefficient) and
     is not modified. ``out16`` (bf16/fp16, same length) receives the updated params in the same
-    pass. ``num_threads``: None = torch.get_num_threads(). ``use_cext``: None = the C kernel
+    pass. ``num_threads``: None = torch.get_num_threads(); ``thread_pool``: run them on torch's
+    OpenMP pool (False: new pthreads; see specs/cext.md "Threads"). ``use_cext``: None = the C kernel
     when built, False = the torch fallback, True = the C kernel or ValueError.
     """
     fn = "adam_step_"
@@ -122,7 +125,7 @@ def adam_step_(
     rc = _lib.lib.fnz_adam_step(
         _fp(param), _fp(grad), _fp(exp_avg), _fp(exp_avg_sq), n, step, float(lr), float(beta1), float(beta2),
         float(eps), float(weight_decay), int(bool(adamw)), int(bool(bias_correction)),
-        _fused(grad_scale, out16, num_threads),
+        _fused(grad_scale, out16, num_threads, thread_pool),
     )  # fmt: skip
     _raise(fn, rc)
 
@@ -197,11 +200,12 @@ def to_16bit(src: torch.Tensor, out16: torch.Tensor, *, use_cext: bool | None = 
     return out16
 
 
-def stream_adam_shape_(a, b, c, d, *, num_threads: int = 1) -> None:
+def stream_adam_shape_(a, b, c, d, *, num_threads: int = 1, thread_pool: bool = True) -> None:
     """The benchmark's bandwidth reference: Adam-shaped traffic (28 bytes/element), trivial math."""
     n = _check("stream_adam_shape_", {"a": a, "b": b, "c": c, "d": d}, None)
     if not _lib.available():
         raise ValueError(f"stream_adam_shape_: the C extension is unavailable: {_lib.reason}")
-    _raise("stream_adam_shape_", _lib.lib.fnz_stream_adam_shape(_fp(a), _fp(b), _fp(c), _fp(d), n, num_threads))
+    _raise("stream_adam_shape_", _lib.lib.fnz_stream_adam_shape(_fp(a), _fp(b), _fp(c), _fp(d), n, num_threads,
+                                                                        int(bool(thread_pool))))
 
 
