@@ -37,8 +37,10 @@ def _index(ck):
 
 
 def _write_index(ck, ix, raw=None):
+    """An index edited field by field, sealed again (its metadata checksum recomputed, as a careful
+    forger would), so each test reaches the check it is about; `raw` writes bytes as given."""
     with open(os.path.join(ck, F.INDEX_NAME), "wb") as f:
-        f.write(raw if raw is not None else msgpack.packb(ix, use_bin_type=True))
+        f.write(raw if raw is not None else F.seal(ix))
 
 
 def test_a_healthy_checkpoint_loads(tmp_path):
@@ -192,8 +194,9 @@ def test_path_traversal_in_tags_is_refused(tmp_path, tag):
         load(d, like=like, tag=tag)
     with open(os.path.join(d, "latest"), "w") as f:
         f.write(tag)
-    with pytest.raises(CheckpointError, match="not a valid checkpoint tag|does not hold a tag"):
+    with pytest.raises(CheckpointError, match="not a valid checkpoint tag|does not hold a checkpoint tag") as e:
         load(d, like=like)
+    assert tag.strip() == "" or tag not in str(e.value).replace(d, "")  # the file's contents are not quoted
     with pytest.raises(CheckpointError, match="not a valid checkpoint tag"):
         save(d, like, tag=tag)
 
@@ -220,6 +223,23 @@ def test_broken_latest_is_reported_by_info_and_cli(tmp_path, capsys):
     assert "BROKEN" in out and "rank00001.bin" in out
     assert main(["export", d, str(tmp_path / "o")]) == 1
     assert "rank00001.bin of rank 1 is missing" in capsys.readouterr().err
+
+
+def test_info_on_an_older_committed_step_is_healthy(tmp_path, capsys):
+    # `latest` names the newest step; an older one beside it is a healthy checkpoint, not BROKEN.
+    from fnzero.cli._main import main
+
+    d = str(tmp_path / "ck")
+    _, _, state, _ = setup("mlp:3,2", 0, fnzero.LocalCollectives())
+    save(d, state, tag="step_200")
+    save(d, state, tag="step_400")
+    assert main(["checkpoint", "info", os.path.join(d, "step_200")]) == 0
+    out = capsys.readouterr().out
+    assert "step_200: step 0" in out and "BROKEN" not in out and "(latest: step_400)" in out
+    with open(os.path.join(d, "latest"), "w") as f:
+        f.write("step_999")  # a `latest` naming nothing is still reported, from any entry point
+    assert main(["checkpoint", "info", os.path.join(d, "step_200")]) == 1
+    assert "'latest' names 'step_999'" in capsys.readouterr().out
 
 
 def test_checksum_thread_works_in_a_forked_child(tmp_path):

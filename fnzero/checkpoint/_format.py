@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from typing import Any
 
 import msgpack
@@ -19,15 +20,17 @@ from .._errors import CheckpointError
 
 __all__ = [
     "FORMAT", "VERSION", "ALIGN", "INDEX_NAME", "LATEST_NAME", "DTYPES", "dtype_name", "dtype_of",
-    "data_name", "part_name", "pack", "unpack", "check_tag", "check_client_state", "validate_index",
+    "data_name", "part_name", "pack", "unpack", "seal", "check_seal", "check_tag", "check_client_state",
+    "validate_index", "MAX_LATEST_BYTES",
 ]
 
 FORMAT = "fnzero-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the index carries `index_crc32`, a checksum of its own metadata
 ALIGN = 4096  # every segment starts at a multiple of this, so O_DIRECT readers can use the files
 INDEX_NAME = "index.msgpack"
 LATEST_NAME = "latest"
-MAX_INDEX_BYTES = 1 << 30  # refuse to even read an index larger than this
+MAX_INDEX_BYTES = 256 << 20  # refuse to even read an index larger than this (a 1024-rank 70B index: ~40 MB)
+MAX_LATEST_BYTES = 1024  # `latest` holds one tag (at most 200 characters)
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 # dtype name on disk -> torch dtype. A closed list: an unknown name is an error, not a getattr.
@@ -48,7 +51,7 @@ def dtype_name(dt: torch.dtype) -> str:
 
 def dtype_of(name: str, where: str) -> torch.dtype:
     if name not in DTYPES:
-        raise CheckpointError(f"{where}: unknown dtype {name!r}")
+        raise CheckpointError(f"{where}: unknown dtype {_quote(name)}")
     return DTYPES[name]
 
 
@@ -64,6 +67,41 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+_SEAL = "index_crc32"
+
+
+def seal(index: dict) -> bytes:
+    """The index as written: its msgpack bytes with `index_crc32`, the crc32 of the packed index
+    without that field, so a changed dtype, shape, offset or any other field is detected (the data
+    checksums cover only the data bytes). Against damage and careless edits: like any unkeyed
+    checksum it does not stop a forger who recomputes it."""
+    if not isinstance(index, dict):  # (only a test forging a broken index writes one)
+        return pack(index)
+    body = {k: v for k, v in index.items() if k != _SEAL}
+    return pack({**body, _SEAL: zlib.crc32(pack(body))})
+
+
+def check_seal(ix: dict, where: str) -> None:
+    """Verify `seal`'s checksum (version 2 and later; version 1 indexes have none)."""
+    if not isinstance(ix, dict) or not isinstance(ix.get("version"), int) or ix["version"] < 2:
+        return
+    crc = ix.get(_SEAL)
+    if not isinstance(crc, int) or isinstance(crc, bool):
+        raise CheckpointError(f"{where}: the index has no metadata checksum ({_SEAL}); damaged or hand-edited")
+    body = {k: v for k, v in ix.items() if k != _SEAL}
+    if zlib.crc32(pack(body)) != crc:
+        raise CheckpointError(
+            f"{where}: the index's metadata checksum does not match its fields (a dtype, shape, offset or other "
+            "field was changed after it was written): damaged or forged"
+        )
+
+
+def _quote(v: Any) -> str:
+    """A value read from a file, for a message: its repr, cut short (messages name, never dump)."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _no_ext(code, data):
     raise CheckpointError(f"msgpack extension type {code} is not allowed in a checkpoint index")
 
@@ -75,7 +113,7 @@ def unpack(raw: bytes, what: str) -> Any:
     except CheckpointError:
         raise
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError, ...)
-        raise CheckpointError(f"{what} is not a valid msgpack document: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{what} is not a valid msgpack document ({type(e).__name__})") from None
 
 
 _TAG = re.compile(r"^[A-Za-z0-9_+=-][A-Za-z0-9_.+=-]{0,199}$")
@@ -140,7 +178,7 @@ def _int(d, key, where, lo=0, hi=_INT64[1]):
 
 def _name(v, where) -> str:
     if not isinstance(v, str) or not v or len(v) > 1000 or "\x00" in v:
-        raise CheckpointError(f"{where}: not a valid name: {v!r}")
+        raise CheckpointError(f"{where}: not a valid name: {_quote(v)}")
     return v
 
 
@@ -152,7 +190,7 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
     if not isinstance(ix, dict):
         raise CheckpointError(f"the checkpoint index is a {type(ix).__name__}, expected a map")
     if ix.get("format") != FORMAT:
-        raise CheckpointError(f"not an fnzero checkpoint index (format field {ix.get('format')!r})")
+        raise CheckpointError(f"not an fnzero checkpoint index (format field {_quote(ix.get('format'))})")
     version = _req(ix, "version", int, "index")
     if version > VERSION:
         raise CheckpointError(
@@ -160,6 +198,7 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
         )
     if version < 1:
         raise CheckpointError(f"invalid checkpoint format version {version}")
+    check_seal(ix, "index")
     world = _int(ix, "world_size", "index", 1, 1 << 20)
     _int(ix, "stage", "index", 0, 3)
     _int(ix, "step", "index", 0)
@@ -211,9 +250,17 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
     tensors = _req(ix, "tensors", dict, "index")
     for key, t in tensors.items():
         _validate_tensor(key, t, unit_numel, files, world)
+    node_local = ix.get("node_local")
+    if node_local is not None:
+        groups = node_local.get("groups") if isinstance(node_local, dict) else None
+        if not (isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(r, int) for r in g) for g in groups)
+                and sorted(r for g in groups for r in g) == list(range(world))):
+            raise CheckpointError(f"index.node_local.groups: expected lists of ranks covering 0..{world - 1} once")
     if file_sizes is not None:
         for r, size in enumerate(files):
             have = file_sizes.get(r)
+            if have is None and node_local is not None:
+                continue  # another node's file: a read that needs it says so (`Reader`)
             if have is None:
                 raise CheckpointError(f"data file {data_name(r)} of rank {r} is missing")
             if have != size:
@@ -225,14 +272,14 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
 
 def _shape(shape, where) -> list[int]:
     if len(shape) > 32 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 48) for d in shape):
-        raise CheckpointError(f"{where}.shape: invalid shape {shape!r}")
+        raise CheckpointError(f"{where}.shape: invalid shape {_quote(shape)}")
     if math.prod(shape) >= (1 << 48):
-        raise CheckpointError(f"{where}.shape: {shape!r} is implausibly large")
+        raise CheckpointError(f"{where}.shape: {_quote(shape)} is implausibly large")
     return shape
 
 
 def _validate_tensor(key, t, unit_numel, files, world) -> None:
-    w = f"index.tensors[{key!r}]"
+    w = f"index.tensors[{_quote(key)}]"
     _name(key, w)
     if not isinstance(t, dict):
         raise CheckpointError(f"{w}: expected a map")
@@ -241,7 +288,7 @@ def _validate_tensor(key, t, unit_numel, files, world) -> None:
     unit = t.get("unit")
     if unit is not None:
         if unit not in unit_numel:
-            raise CheckpointError(f"{w}: unknown unit {unit!r}")
+            raise CheckpointError(f"{w}: unknown unit {_quote(unit)}")
         numel = unit_numel[unit]
     else:
         numel = math.prod(_shape(_req(t, "shape", list, w), w))

@@ -9,7 +9,8 @@ import torch
 
 from .._errors import CheckpointError
 from . import _format as F
-from ._load import Reader, list_tags
+from ._load import Reader, list_tags, read_latest
+from ._safe import entry_kind, open_dir
 
 __all__ = ["info", "check"]
 
@@ -35,16 +36,22 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     precision, optimizer, bytes on disk, config JSON and `health` ('ok' or the error a load would
     raise). `verify=True` also checks every checksum (reads everything)."""
     root = os.path.abspath(os.fspath(path))
-    if os.path.isfile(os.path.join(root, F.INDEX_NAME)):  # a single checkpoint directory
+    if entry_kind(os.path.join(root, F.INDEX_NAME)) is not None:  # a single checkpoint directory
         root, tags = os.path.dirname(root), [os.path.basename(root)]
+        committed = list_tags(root)  # `latest` is judged against every checkpoint beside it
     else:
-        tags = list_tags(root)
-    latest = None
+        tags = committed = list_tags(root)
+    latest, latest_problem = None, None
     try:
-        with open(os.path.join(root, F.LATEST_NAME), "rb") as f:
-            latest = f.read(1024).decode("ascii", "replace").strip()
-    except OSError:
-        pass
+        root_fd = open_dir(root, None, root)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint directory at {root!r}") from None
+    try:
+        latest = read_latest(root, root_fd)
+    except CheckpointError as e:
+        latest_problem = f"BROKEN: {e}"
+    finally:
+        os.close(root_fd)
     out: dict[str, Any] = {"path": root, "latest": latest, "checkpoints": []}
     for tag in tags:
         d = os.path.join(root, tag)
@@ -65,6 +72,8 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
         except OSError as e:
             entry["health"] = f"BROKEN: {type(e).__name__}: {e}"
         out["checkpoints"].append(entry)
-    if latest is not None and latest not in tags:
+    if latest_problem is not None:
+        out["latest_health"] = latest_problem
+    elif latest is not None and latest not in committed:
         out["latest_health"] = f"BROKEN: 'latest' names {latest!r}, which is not a committed checkpoint here"
     return out

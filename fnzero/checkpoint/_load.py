@@ -9,7 +9,6 @@ them; the padding is zero. No conversion step, and each rank reads only what it 
 from __future__ import annotations
 
 import bisect
-import glob
 import os
 from typing import Any
 
@@ -19,89 +18,124 @@ from .._errors import CheckpointError
 from .._state import LossScaleState, TrainState
 from . import _format as F
 from ._io import read_into
+from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tree import Leaf, rebuild_state, unit_meta
 
-__all__ = ["load", "Reader", "resolve", "list_tags"]
+__all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
 
 
 def list_tags(root: str) -> list[str]:
-    """Committed checkpoints under `root` (directories holding an index), oldest first."""
+    """Committed checkpoints under `root` (real directories holding an index; a link is not a
+    checkpoint of this directory), oldest first."""
     out = []
     try:
         names = os.listdir(root)
     except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint directory {root!r}: {e}") from None
+        raise CheckpointError(f"cannot read checkpoint directory {root!r}: {e.strerror}") from None
     for name in names:
         p = os.path.join(root, name)
-        if not name.startswith(".") and os.path.isfile(os.path.join(p, F.INDEX_NAME)):
-            out.append((os.path.getmtime(os.path.join(p, F.INDEX_NAME)), name))
+        if not name.startswith(".") and is_real_dir(p) and is_real_file(os.path.join(p, F.INDEX_NAME)):
+            out.append((os.stat(os.path.join(p, F.INDEX_NAME), follow_symlinks=False).st_mtime, name))
     return [n for _, n in sorted(out)]
+
+
+def read_latest(root: str, root_fd: int) -> str | None:
+    """The tag `root/latest` names (None when there is no `latest`), read as an untrusted file:
+    a regular file of at most 1 KiB holding a valid tag. Messages never quote its contents."""
+    lp = os.path.join(root, F.LATEST_NAME)
+    try:
+        raw = read_small(F.LATEST_NAME, root_fd, lp, F.MAX_LATEST_BYTES)
+    except FileNotFoundError:
+        return None
+    try:
+        return F.check_tag(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, CheckpointError):
+        raise CheckpointError(f"{lp} does not hold a checkpoint tag ({len(raw)} bytes that are not one)") from None
 
 
 def resolve(path: str | os.PathLike, tag: str | None = None) -> str:
     """The directory of checkpoint `tag` under `path` (default: the tag named by `path/latest`).
-    `path` may also be a checkpoint directory itself."""
+    `path` may also be a checkpoint directory itself. `path` is the caller's and may be a link;
+    nothing below it is followed (`_safe.py`)."""
     root = os.path.abspath(os.fspath(path))
-    if tag is None and os.path.isfile(os.path.join(root, F.INDEX_NAME)):
+    if tag is None and entry_kind(os.path.join(root, F.INDEX_NAME)) is not None:
         return root
-    if tag is None:
-        lp = os.path.join(root, F.LATEST_NAME)
-        try:
-            with open(lp, "rb") as f:
-                raw = f.read(1024)
-        except FileNotFoundError:
-            if not os.path.isdir(root):
-                raise CheckpointError(f"no checkpoint directory at {root!r}") from None
-            raise CheckpointError(f"{root!r} has no 'latest' file; pass tag= (tags here: {list_tags(root)})") from None
-        try:
-            tag = raw.decode("ascii").strip()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{lp} does not hold a tag (not ASCII)") from None
-        F.check_tag(tag, where=f"the tag in {lp}")
-    else:
-        F.check_tag(tag)
-    d = os.path.join(root, tag)
-    if os.path.isdir(d):
-        return d
-    # A save that replaced this tag died between moving the old copy aside and renaming the new in.
-    old = sorted(glob.glob(os.path.join(glob.escape(root), f".{glob.escape(tag)}.*.old")))
-    if old:
-        return old[-1]
-    raise CheckpointError(f"checkpoint {tag!r} not found under {root!r} (tags here: {list_tags(root)})")
+    try:
+        root_fd = open_dir(root, None, root)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint directory at {root!r}") from None
+    try:
+        if tag is None:
+            tag = read_latest(root, root_fd)
+            if tag is None:
+                raise CheckpointError(f"{root!r} has no 'latest' file; pass tag= (tags here: {list_tags(root)})")
+        else:
+            F.check_tag(tag)
+        kind = entry_kind(tag, root_fd)
+        if kind == "a directory":
+            return os.path.join(root, tag)
+        if kind is not None:
+            raise CheckpointError(f"checkpoint {tag!r} under {root!r} is {kind}; fnzero follows no links inside "
+                                  "a checkpoint directory")
+        # A save that replaced this tag died between moving the old copy aside and renaming the new in.
+        old = sorted(n for n in os.listdir(root_fd) if n.startswith(f".{tag}.") and n.endswith(".old"))
+        if old:
+            if not is_real_dir(old[-1], root_fd):
+                raise CheckpointError(f"{os.path.join(root, old[-1])} is {entry_kind(old[-1], root_fd)}, not a "
+                                      "checkpoint directory")
+            return os.path.join(root, old[-1])
+        raise CheckpointError(f"checkpoint {tag!r} not found under {root!r} (tags here: {list_tags(root)})")
+    finally:
+        os.close(root_fd)
 
 
 class Reader:
-    """A validated index plus range reads (checksummed) from the rank data files."""
+    """A validated index plus range reads (checksummed) from the rank data files. Every file is
+    opened relative to the checkpoint directory's descriptor, as a regular file, never through a
+    link (`_safe.py`); sizes are checked against the index before anything is read."""
 
     def __init__(self, ckpt_dir: str, verify: bool = True):
         self.dir = ckpt_dir
         self.verify = verify
-        p = os.path.join(ckpt_dir, F.INDEX_NAME)
+        self._fds: dict[int, int] = {}
         try:
-            size = os.path.getsize(p)
-        except OSError:
-            raise CheckpointError(f"{ckpt_dir!r} has no {F.INDEX_NAME}: not a committed checkpoint") from None
-        if size > F.MAX_INDEX_BYTES:
-            raise CheckpointError(f"{p} is {size} bytes: implausibly large for an index")
-        with open(p, "rb") as f:
-            raw = f.read()
+            self._dir_fd = open_dir(ckpt_dir, None, ckpt_dir)
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint directory at {ckpt_dir!r}") from None
+        try:
+            self._open_index()
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+
+    def _open_index(self) -> None:
+        p = os.path.join(self.dir, F.INDEX_NAME)
+        try:
+            raw = read_small(F.INDEX_NAME, self._dir_fd, p, F.MAX_INDEX_BYTES)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.dir!r} has no {F.INDEX_NAME}: not a committed checkpoint") from None
         ix = F.unpack(raw, p)
         sizes = {}
         files = ix.get("files") if isinstance(ix, dict) else None
         for r in range(len(files) if isinstance(files, list) and len(files) <= (1 << 20) else 0):
-            try:
-                sizes[r] = os.path.getsize(os.path.join(ckpt_dir, F.data_name(r)))
-            except OSError:
-                pass
+            name = F.data_name(r)
+            kind = entry_kind(name, self._dir_fd)
+            if kind == "a regular file":
+                sizes[r] = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_size
+            elif kind is not None:
+                raise CheckpointError(f"{os.path.join(self.dir, name)} is {kind}, not a regular file; fnzero "
+                                      "follows no links inside a checkpoint directory")
         self.index = F.validate_index(ix, sizes)
         self.tensors = self.index["tensors"]
-        self._fds: dict[int, int] = {}
         self._his = {k: [s[3] for s in t["segments"]] for k, t in self.tensors.items()}
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
     def __enter__(self):
         return self
@@ -112,8 +146,29 @@ class Reader:
     def _fd(self, rank: int) -> int:
         fd = self._fds.get(rank)
         if fd is None:
-            fd = self._fds[rank] = os.open(os.path.join(self.dir, F.data_name(rank)), os.O_RDONLY)
+            where = os.path.join(self.dir, F.data_name(rank))
+            try:
+                fd, size = open_file(F.data_name(rank), self._dir_fd, where)
+            except FileNotFoundError:
+                raise CheckpointError(self._missing(rank, where)) from None
+            if size != self.index["files"][rank]:
+                os.close(fd)
+                raise CheckpointError(f"{where} is {size} bytes, the index says {self.index['files'][rank]}: "
+                                      "replaced while it was read")
+            self._fds[rank] = fd
         return fd
+
+    def _missing(self, rank: int, where: str) -> str:
+        groups = (self.index.get("node_local") or {}).get("groups")
+        if not groups:
+            return f"data file {where} of rank {rank} is missing"
+        group = next(g for g in groups if rank in g)
+        return (
+            f"data file {where} of rank {rank} is not here: this checkpoint was saved node-locally "
+            f"(checkpoint.use_node_local_storage), and rank {rank}'s files are on the node of ranks {group}. Loading "
+            f"at the saving world size ({self.index['world_size']}) and stage reads only each node's own files; to "
+            f"load another layout, first copy every node's {os.path.basename(self.dir)}/rank*.bin into this directory"
+        )
 
     def dtype(self, key: str) -> torch.dtype:
         return F.DTYPES[self.tensors[key]["dtype"]]
