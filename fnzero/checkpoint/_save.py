@@ -6,7 +6,9 @@ stage 1-2 gathered params) are therefore written once in total, split across ran
 replicated non-unit leaves (frozen, buffers, counts) are written by rank 0.
 
 Commit protocol (all through files, so an async save's background thread issues no collectives):
-  1. foreground: rank 0 removes stale staging dirs and broadcasts a fresh nonce (the only collective);
+  1. foreground: rank 0 removes stale staging dirs and broadcasts a fresh nonce; the ranks check
+     that they all see the staging directory (`_nodes.py`: a barrier and an all-gather, the other
+     collectives; a directory that is not shared is refused, or saved node-locally);
   2. rank r writes `.{tag}.{nonce}.partial/rank{r}.bin`, fsyncs it, then atomically writes its index
      part `rank{r}.msgpack` (its presence is rank r's done marker);
   3. rank 0 waits for every part, merges them into `index.msgpack`, fsyncs the staging dir, renames
@@ -19,6 +21,8 @@ A crash anywhere before the rename in 3 leaves only a staging dir, which loaders
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import math
 import os
 import random
 import shutil
@@ -31,7 +35,9 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
-from ._io import AlignedWriter, fsync_dir, wait_for, write_atomic
+from ._commit import clean_stale, commit, committed, merge_parts, read_part
+from ._io import AlignedWriter, wait_for, write_atomic
+from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._tree import state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
@@ -97,8 +103,12 @@ def _rng_state() -> dict:
     return out
 
 
-def _pieces(state: TrainState, copy: bool):
-    """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order."""
+def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None):
+    """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order.
+
+    `group` (a node-local save, `_nodes.py`): the ranks sharing this rank's directory. Each group
+    then writes a whole copy of what is replicated: its first rank the non-unit leaves, its ranks
+    in equal parts the unit leaves every rank holds whole."""
     plan, rank = state.sharding.plan, state.sharding.rank
     units = {u.name: u for u in plan.units}
     seen: set[tuple[str, int, int]] = set()
@@ -110,13 +120,19 @@ def _pieces(state: TrainState, copy: bool):
             raise CheckpointError(f"{leaf.path}: dtype {t.dtype} differs from another leaf stored as {leaf.key!r}")
         if leaf.unit is None:
             metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "shape": list(t.shape)}
-            if rank != 0:
+            if rank != (0 if group is None else group[0]):
                 continue
             lo, hi, flat = 0, t.numel(), t.reshape(-1)
         else:
             metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "unit": leaf.unit}
             u = units[leaf.unit]
             s_lo, s_hi = u.real_range(rank)
+            sh_lo, sh_hi = u.shard_range(rank)
+            if group is not None and not sh_lo <= leaf.lo <= leaf.hi <= sh_hi:  # held by every rank: split in the group
+                a, b = leaf.lo, min(leaf.hi, u.numel)
+                per = -(-(b - a) // len(group))
+                s_lo = a + per * group.index(rank)
+                s_hi = min(b, s_lo + per)
             lo, hi = max(s_lo, leaf.lo), min(s_hi, leaf.hi)
             if lo >= hi or (leaf.key, lo, hi) in seen:  # tied aliases: the same range once
                 continue
@@ -127,7 +143,8 @@ def _pieces(state: TrainState, copy: bool):
     return metas, out
 
 
-def _write_rank(staging: str, rank: int, metas: dict, pieces, extra: dict) -> None:
+def _write_rank(staging: str, rank: int, metas: dict, pieces, extra: dict) -> dict:
+    """Write this rank's data file, then its index part (its done marker); returns the part."""
     w = AlignedWriter(os.path.join(staging, F.data_name(rank)))
     tensors = {k: dict(m, segments=[]) for k, m in metas.items()}
     try:
@@ -141,73 +158,55 @@ def _write_rank(staging: str, rank: int, metas: dict, pieces, extra: dict) -> No
     except BaseException:
         w.abort()
         raise
-    write_atomic(os.path.join(staging, F.part_name(rank)), F.pack(dict(extra, rank=rank, size=size, tensors=tensors)))
-
-
-def _merge(parts: list[dict], head: dict) -> dict:
-    tensors: dict[str, dict] = {}
-    for p in parts:
-        for key, t in p["tensors"].items():
-            cur = tensors.setdefault(key, {k: v for k, v in t.items() if k != "segments"} | {"segments": []})
-            cur["segments"].extend(t["segments"])
-    for t in tensors.values():
-        t["segments"].sort(key=lambda s: s[2])
-    return dict(head, files=[p["size"] for p in parts], rng=[p["rng"] for p in parts], tensors=tensors)
-
-
-def _read_part(staging: str, r: int, nonce: int):
-    p = os.path.join(staging, F.part_name(r))
-    fail = os.path.join(staging, f"rank{r:05d}.failed")
-    if os.path.exists(fail):
-        with open(fail, encoding="utf-8", errors="replace") as f:
-            raise CheckpointError(f"rank {r} failed to write its part of the checkpoint: {f.read(2000)}")
-    if not os.path.exists(p):
-        return None
-    with open(p, "rb") as f:
-        part = F.unpack(f.read(), p)
-    if part.get("nonce") != nonce:
-        raise CheckpointError(f"{p} belongs to another save (nonce mismatch)")
+    part = dict(extra, rank=rank, size=size, tensors=tensors)
+    write_atomic(os.path.join(staging, F.part_name(rank)), F.pack(part))
     return part
 
 
-def _commit(root: str, tag: str, staging: str, index: dict, nonce: int, update_latest: bool) -> None:
-    write_atomic(os.path.join(staging, F.INDEX_NAME), F.pack(index))
-    fsync_dir(staging)
-    final = os.path.join(root, tag)
-    if os.path.exists(final):
-        old = os.path.join(root, f".{tag}.{nonce:016x}.old")
-        os.rename(final, old)  # loaders fall back to this name if we die before the next rename
-    os.rename(staging, final)
-    fsync_dir(root)
-    if update_latest:
-        write_atomic(os.path.join(root, F.LATEST_NAME), (tag + "\n").encode())
-    # The copy moved aside, and any left by an earlier save of this tag that died mid-replace.
-    for name in os.listdir(root):
-        if name.startswith(f".{tag}.") and name.endswith(".old"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+def _node_local(node_local: bool | None, config: Any) -> bool:
+    if node_local is not None:
+        return bool(node_local)
+    ck = getattr(config, "checkpoint", None)
+    return bool(getattr(ck, "use_node_local_storage", False))
 
 
-def _committed(root: str, tag: str, nonce: int, staging: str, world: int) -> bool:
-    if os.path.exists(os.path.join(staging, "rank00000.failed")):
-        raise CheckpointError("rank 0 failed to commit the checkpoint; see its error")
-    p = os.path.join(root, tag, F.INDEX_NAME)
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where and how one save writes: its directories, its identity and its rank's place."""
+
+    root: str
+    staging: str
+    tag: str
+    nonce: int
+    rank: int
+    world: int
+    update_latest: bool
+    timeout: float
+
+
+def _node_local_save(at: _Where, comm, device, groups, metas, pieces, extra, head, plan) -> None:
+    """Write this rank's part, exchange every rank's index part (each rank reaches the exchange,
+    failed or not, so no rank waits on one that gave up), and commit this group's copy."""
+    staging, rank, world, tag, nonce = at.staging, at.rank, at.world, at.tag, at.nonce
     try:
-        with open(p, "rb") as f:
-            return F.unpack(f.read(), p).get("nonce") == nonce
-    except (OSError, CheckpointError):
-        return False
-
-
-def _clean_stale(root: str) -> None:
-    for name in os.listdir(root):
-        if name.startswith(f".{F.LATEST_NAME}.tmp."):  # a `latest` update killed before its rename
-            os.unlink(os.path.join(root, name))
-        elif name.startswith(".") and name.endswith(".partial"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif name.startswith(".") and name.endswith(".old"):
-            tag = name[1:].rsplit(".", 2)[0]
-            if os.path.isdir(os.path.join(root, tag)):  # else it is the only copy: keep for recovery
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        part = _write_rank(staging, rank, metas, pieces, extra)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank through the exchange, then raised
+        part, failure = {"failed": f"{type(e).__name__}: {e}"}, e
+    else:
+        failure = None
+    parts = exchange_parts(comm, part, world, device)
+    failed = {r: p["failed"] for r, p in enumerate(parts) if "failed" in p}
+    if failed:
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"rank(s) {sorted(failed)} failed to write their part of {tag!r}: {failed}")
+    leader = groups.leader(rank)
+    if rank == leader:
+        units = {u.name: u.numel for u in plan.units}
+        numel = {k: units[m["unit"]] if "unit" in m else math.prod(m["shape"]) for k, m in metas.items()}
+        commit(at.root, tag, staging, merge_for_group(parts, head, groups, rank, numel), nonce, at.update_latest)
+    else:
+        wait_for(lambda: committed(at.root, tag, nonce, staging, leader, at.update_latest), at.timeout, f"rank {leader} to commit {tag!r}")
 
 
 def save(
@@ -220,6 +219,7 @@ def save(
     blocking: bool = True,
     update_latest: bool = True,
     timeout: float = 1800.0,
+    node_local: bool | None = None,
 ) -> SaveHandle:
     """Write `state` as checkpoint `path/tag` (default tag `step_{state.step}`). Every rank calls it.
 
@@ -227,6 +227,11 @@ def save(
     stored as JSON. `blocking=False` copies this rank's part of the state to CPU memory, writes it in
     a background thread and returns at once; the handle's `wait()` gives the same result a blocking
     save would. A save waits for this rank's previous async save to the same directory first.
+
+    `path` must be one directory every rank sees; a save finds out first and refuses one that is
+    not, naming the ranks that see each other's files. `node_local` (default: the config's
+    `checkpoint.use_node_local_storage`) saves such a directory anyway: each group of ranks that
+    share it (a node) commits a whole checkpoint there, replicated tensors included (`_nodes.py`).
     """
     # Long: the atomic-save protocol (write, fsync, rename, then `latest`) is one sequence; split, its
     # crash-safety argument would span functions.
@@ -246,6 +251,12 @@ def save(
     cfg_json = config.to_json() if config is not None and hasattr(config, "to_json") else config
     if cfg_json is not None and not isinstance(cfg_json, str):
         raise CheckpointError(f"config must be a fnzero.Config or a JSON string, got {type(config).__name__}")
+    node_local = _node_local(node_local, config)
+    if node_local and not blocking:
+        raise CheckpointError(
+            "a node-local save (checkpoint.use_node_local_storage) is blocking: the nodes exchange their parts of the "
+            "index by collectives, which a background thread may not issue; pass blocking=True"
+        )
     with _PENDING_LOCK:
         prev = _PENDING.get((root, rank))
     if prev is not None:
@@ -253,7 +264,7 @@ def save(
 
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        _clean_stale(root)
+        clean_stale(root)
         nonce = random.SystemRandom().getrandbits(62)
     else:
         nonce = 0
@@ -261,8 +272,23 @@ def save(
         nonce = int(comm.broadcast(torch.tensor([nonce], dtype=torch.int64, device=sh.device), 0).cpu()[0])
     staging = os.path.join(root, f".{tag}.{nonce:016x}.partial")
     os.makedirs(staging, exist_ok=True)
+    groups = discover_groups(comm, staging, rank, world, sh.device)
+    leader = groups.leader(rank)
+    if not groups.shared and not node_local:
+        if rank == leader:
+            shutil.rmtree(staging, ignore_errors=True)
+        comm.barrier()  # every rank raises once the staging directories are gone
+        raise CheckpointError(
+            f"the checkpoint directory {root!r} is not shared by every rank: {groups.describe()} (no shared filesystem "
+            "between the nodes?). A checkpoint's files must all be in one directory every rank sees: save to a shared "
+            "directory, or set checkpoint.use_node_local_storage (save(..., node_local=True)) to keep each node's "
+            "copy on its own disk. Nothing was written; the previous checkpoint is intact"
+        )
+    group = None if groups.shared else groups.of(rank)
+    if rank == leader != 0:
+        clean_stale(root, keep=staging)
 
-    metas, pieces = _pieces(state, copy=not blocking)
+    metas, pieces = _pieces(state, copy=not blocking, group=group)
     extra = {"nonce": nonce, "rng": _rng_state()}
     plan = sh.plan
     ls = state.loss_scale
@@ -278,13 +304,17 @@ def save(
 
     def work():
         try:
+            if group is not None:
+                at = _Where(root, staging, tag, nonce, rank, world, update_latest, timeout)
+                _node_local_save(at, comm, sh.device, groups, metas, pieces, extra, head, plan)
+                return
             _write_rank(staging, rank, metas, pieces, extra)
             if rank == 0:
-                parts = [wait_for(lambda r=r: _read_part(staging, r, nonce), timeout, f"rank {r}'s part of {tag!r}")
+                parts = [wait_for(lambda r=r: read_part(staging, r, nonce), timeout, f"rank {r}'s part of {tag!r}")
                          for r in range(world)]
-                _commit(root, tag, staging, _merge(parts, head), nonce, update_latest)
+                commit(root, tag, staging, merge_parts(parts, head), nonce, update_latest)
             else:
-                wait_for(lambda: _committed(root, tag, nonce, staging, world), timeout, f"rank 0 to commit {tag!r}")
+                wait_for(lambda: committed(root, tag, nonce, staging, 0, update_latest), timeout, f"rank 0 to commit {tag!r}")
         except BaseException as e:
             try:  # tell the other ranks instead of letting them wait for the timeout
                 with open(os.path.join(staging, f"rank{rank:05d}.failed"), "w") as f:

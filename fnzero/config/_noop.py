@@ -95,10 +95,6 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: True if c.checkpoint.load_universal else None,
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",
     ),
-    "checkpoint.use_node_local_storage": (
-        lambda c: True if c.checkpoint.use_node_local_storage else None,
-        "fnzero.checkpoint.save writes every rank's part under the one path it is given",
-    ),
 }
 
 
