@@ -134,8 +134,9 @@ DEEPSPEED_0_19_8 = {
 }
 
 # Resolved defaults fnzero does not follow: none (overlap_comm resolves as runtime/zero/config.py
-# overlap_comm_valid does, to `stage == 3`).
-DIVERGENCES: dict = {}
+# overlap_comm_valid does, to `stage == 3`). Keys of fnzero's own, which DeepSpeed has not (and
+# ignores): the collective watchdog (specs/collectives.md §Watchdog).
+DIVERGENCES: dict = {"watchdog.timeout_seconds": 300.0}
 
 OFFLOAD_OPTIMIZER = {  # runtime/zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig fields
     "device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True, "pipeline_read": False,

@@ -33,6 +33,38 @@ def test_a_failing_rank_fails_the_job_with_its_error():
     assert time.monotonic() - t0 < 90
 
 
+def _misbehave(mode: str, watchdog_s: float):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*FNZERO, "launch", "--nproc-per-node", "2", os.path.join(HERE, "scripts", "hang_or_die_on_rank1.py"),
+         mode, str(watchdog_s)], capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def test_a_hung_rank_is_named_by_the_watchdog_and_the_job_ends():
+    # specs/collectives.md §Watchdog: rank 1 sleeps inside its third step at stage 3.
+    rc, out, took = _misbehave("hang", 4)
+    assert rc != 0 and "unreachable" not in out, out
+    verdict = "rank 1 did not reach collective #"
+    assert f"[rank 1] fnzero.DistributedError: {verdict}" in out, out  # the stuck rank's own report
+    assert f"[rank 0] fnzero.DistributedError: {verdict}" in out, out  # and rank 0's, from its watchdog
+    assert "at step 3" in out and "time.sleep(3600)" in out, out  # the step, and where it was stuck
+    # Rank 0's error is a DistributedError carrying the verdict, not a raw gloo error alone.
+    assert "rank 0 caught DistributedError: collective #" in out and verdict in out.split("rank 0 caught")[1], out
+    assert f"fnzero launch: root cause: fnzero watchdog: {verdict}" in out, out  # the launcher's summary
+    assert "Root Cause (first observed failure):\n[0]:\n" in out and "rank      : 1 (local_rank: 1)" in out, out
+    assert took < 60, took
+
+
+def test_a_killed_rank_is_named_as_dead():
+    rc, out, took = _misbehave("die", 300)
+    assert rc != 0 and "unreachable" not in out, out
+    assert "rank 0 caught DistributedError: collective #" in out, out
+    assert "rank(s) [1] stopped (killed, out of memory, or crashed)" in out, out
+    assert took < 60, took
+
+
 # Slow and, under load, occasionally stuck in torchrun's own agent shutdown (seen once in CI after
 # both ranks had trained and printed their result): run with `pytest -m slow`.
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from ._sched_models import (
 from ._sections import (
     ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
     DataTypesConfig, FlopsProfilerConfig, FP16Config, ParallelWriteConfig, TensorboardConfig, TorchAutocastConfig,
+    WatchdogConfig,
 )
 from ._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -37,7 +38,7 @@ __all__ = [
     "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "SchedulerConfig", "AioConfig", "ActivationCheckpointingConfig", "CommsLoggerConfig",
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",
-    "ParallelWriteConfig",
+    "ParallelWriteConfig", "WatchdogConfig",
     "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
     "OPTIMIZER_TYPES",
     "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",

@@ -16,7 +16,8 @@ from ._optim_models import OptimizerConfig
 from ._sched_models import SchedulerConfig
 from ._sections import (
     ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
-    DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TorchAutocastConfig, canonical_dtype,
+    DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TorchAutocastConfig, WatchdogConfig,
+    canonical_dtype,
 )
 from ._types import Bool, Float, Int, Model
 from ._zero import ZeroConfig
@@ -64,6 +65,7 @@ class Config(Model):
     )
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig, description="Internal buffer dtypes.")
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig, description="Collective logging.")
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="fnzero's collective watchdog.")
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig, description="Flops profiler.")
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig, description="TensorBoard monitor.")
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig, description="CSV monitor.")

@@ -108,6 +108,15 @@ class CommsLoggerConfig(Model):
     prof_ops: StrList = Field((), description="Collective names to record when prof_all is false; no effect in fnzero.")
 
 
+class WatchdogConfig(Model):
+    """`watchdog` (fnzero's own; DeepSpeed has no such key and ignores it): how long a rank may
+    wait in a collective for another rank that does not come, before the job ends naming it."""
+
+    timeout_seconds: Annotated[Float, Field(ge=0.0)] = Field(
+        300.0, description="Seconds a collective may wait for a missing rank (0 = off; the process group's own "
+        "timeout, 600 s on gloo, still applies).")
+
+
 class DataTypesConfig(Model):
     """`data_types`: dtypes of internal buffers."""
 
@@ -157,7 +166,8 @@ class CheckpointConfig(Model):
         "Warn", description="What to do when ranks save under different tags (case-insensitive); no effect in fnzero."
     )
     load_universal: Bool = Field(False, description="Load a DeepSpeed universal checkpoint; no effect in fnzero (warns when true).")
-    use_node_local_storage: Bool = Field(False, description="Each node writes to its own local storage; no effect in fnzero.")
+    use_node_local_storage: Bool = Field(
+        False, description="Each node commits a whole checkpoint on its own disk (`save(config=)`, `node_local=`).")
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig, description="Parallel write options.")
 
     @field_validator("tag_validation", mode="before")

@@ -14,7 +14,9 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from .._errors import DistributedError
 from ._direct import start_direct_all_gather, start_direct_reduce_scatter
+from ._watchdog import explain_failure, process_watchdog
 
 __all__ = [
     "Collectives",
@@ -150,11 +152,35 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Watched:
+    """A collective in flight under the watchdog: its wait is marked as blocked on #seq, and a
+    backend error becomes a `DistributedError` that names the rank and the collective."""
+
+    __slots__ = ("_pending", "_wd", "_seq", "_kind")
+
+    def __init__(self, pending, wd, seq: int, kind: str):
+        self._pending, self._wd, self._seq, self._kind = pending, wd, seq, kind
+
+    def wait(self) -> torch.Tensor:
+        try:
+            if self._wd is None:
+                return self._pending.wait()
+            with self._wd.waiting(self._seq, self._kind, ""):
+                return self._pending.wait()
+        except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", "Timed out waiting ..."
+            raise DistributedError(explain_failure(self._wd, self._seq, self._kind, e)) from e
+
+
 class ProcessGroupCollectives:
-    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA)."""
+    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA).
+
+    Every collective is numbered and watched by the process's watchdog (`_watchdog.py`) when the
+    group is the default one: a rank that does not reach it is named, and a backend error is a
+    `DistributedError` naming the collective and, where it can be known, the rank at fault."""
 
     def __init__(self, group=None):
         self.group = group
+        self.watchdog = process_watchdog() if group is None else None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         # On gloo, all-gather and reduce-scatter run as direct point-to-point exchanges
@@ -168,6 +194,14 @@ class ProcessGroupCollectives:
     def _use_direct(self, t: torch.Tensor) -> bool:
         return self._direct and t.device.type == "cpu"
 
+    def _start(self, kind: str, start) -> _Watched:
+        """Issue collective `kind` (`start()` returns its pending result), numbered and watched."""
+        seq = self.watchdog.issue(kind) if self.watchdog is not None else 0
+        try:
+            return _Watched(start(), self.watchdog, seq, kind)
+        except RuntimeError as e:
+            raise DistributedError(explain_failure(self.watchdog, seq, kind, e)) from e
+
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()
 
@@ -177,45 +211,48 @@ class ProcessGroupCollectives:
         if out is None:
             out = shard.new_empty(shard.numel() * self.world_size)
         if self._use_direct(shard):
-            return start_direct_all_gather(shard.reshape(-1), out, self.rank, self.world_size, self.group)
-        work = _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)
-        return PendingTensor(out, work)
+            return self._start("all_gather", lambda: start_direct_all_gather(
+                shard.reshape(-1), out, self.rank, self.world_size, self.group))
+        return self._start("all_gather", lambda: PendingTensor(
+            out, _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)))
 
     def reduce_scatter(self, full, donate: bool = False):
         if donate and self._use_direct(full) and full.is_contiguous():
             full = full.reshape(-1)
             assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
-            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group, donate=True).wait()
+            return self._start("reduce_scatter", lambda: start_direct_reduce_scatter(
+                full, self.rank, self.world_size, self.group, donate=True)).wait()
         return self.reduce_scatter_async(full).wait()
 
     def reduce_scatter_async(self, full):
         full = full.contiguous().reshape(-1)
         assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
         if self._use_direct(full):
-            return start_direct_reduce_scatter(full, self.rank, self.world_size, self.group)
+            return self._start("reduce_scatter", lambda: start_direct_reduce_scatter(
+                full, self.rank, self.world_size, self.group))
         out = full.new_empty(full.numel() // self.world_size)
-        work = _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         # `full` must outlive the collective: the handle keeps it.
-        return PendingTensor(out, _KeepAlive(work, full))
+        return self._start("reduce_scatter", lambda: PendingTensor(out, _KeepAlive(
+            _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)))
 
     def all_reduce(self, t, op=_SUM):
         out = t.clone()
-        dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group)
-        return out
+        return self._start("all_reduce", lambda: PendingTensor(
+            out, dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group, async_op=True))).wait()
 
     def all_reduce_async(self, t, donate: bool = False):
         # donate=True: the caller gives `t` up, so it is reduced in place (no copy of the gradient).
         out = t if donate else t.clone()
-        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return PendingTensor(out, work)
+        return self._start("all_reduce", lambda: PendingTensor(
+            out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)))
 
     def broadcast(self, t, src=0):
         out = t.clone()
-        dist.broadcast(out, src=src, group=self.group)
-        return out
+        return self._start("broadcast", lambda: PendingTensor(
+            out, dist.broadcast(out, src=src, group=self.group, async_op=True))).wait()
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        self._start("barrier", lambda: PendingTensor(None, dist.barrier(group=self.group, async_op=True))).wait()
 
 
 # [Note: why a context variable] `fnzero.testing`'s simulated worlds run the same user code as

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .._errors import DistributedError
 from ._collectives import provided_collectives
+from ._watchdog import start_watchdog
 
 __all__ = ["init_distributed", "DistInfo", "free_port"]
 
@@ -37,13 +38,16 @@ def _env_int(*names: str) -> int | None:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
-                     malloc_mmap_threshold: int | None = 4 << 20) -> DistInfo:
+                     malloc_mmap_threshold: int | None = 4 << 20, watchdog_s: float = 300.0) -> DistInfo:
     """Join the process group described by the environment, or run as a world of one.
 
     Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (SLURM_PROCID/SLURM_NTASKS/
     SLURM_LOCALID are used when torchrun's are absent). The backend defaults to NCCL when CUDA is
     available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
     every collective, so a rank that dies makes the others fail instead of hang.
+    `watchdog_s` starts the collective watchdog: a rank missing from a collective that long ends
+    the job, named (`specs/collectives.md` §Watchdog; 0 = off; a config's
+    `watchdog.timeout_seconds` given to `shard` replaces it).
     `malloc_mmap_threshold` sets this process's allocator policy (`fnzero.memory.return_freed_memory`);
     None or 0 leaves glibc's defaults.
 
@@ -79,6 +83,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,
         )
+    start_watchdog(dist.get_rank(), dist.get_world_size(), watchdog_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, backend, device)
 
 

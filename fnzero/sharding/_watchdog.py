@@ -1,0 +1,304 @@
+"""The collective watchdog: a rank that does not reach a collective is named, and the job ends
+(`specs/collectives.md` §Watchdog).
+
+Without it, a rank stuck inside a step (a deadlock, a stuck data loader, a lost device) keeps
+every other rank waiting until the process group's timeout (600 s by default), and then gloo
+reports "Timed out waiting ... for send operation" on a rank that did nothing wrong.
+
+How it works. Every collective fnzero issues over a process group gets a sequence number. Each
+rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store: the
+number of collectives it has issued, the one it is blocked in (and since when), the step, and the
+kind and unit of each. Each watchdog also reads the others':
+
+* A rank that has not issued collective #S while another has waited in #S for `timeout_s` is the
+  stuck one: it writes a verdict (the collective, the step, the ranks waiting, its own Python
+  stack) to the store and to stderr and exits first, so the launcher names it as the root cause.
+* A rank waiting in #S learns of the verdict when its collective fails (the stuck rank's sockets
+  close) and raises `DistributedError` with it; if the stuck rank cannot act (its main thread
+  holds the GIL in C code), the waiting ranks write the verdict themselves after a grace period
+  and exit.
+* A rank that dies (SIGKILL, OOM) stops beating: a collective that fails with a backend error is
+  reported as a `DistributedError` naming the ranks whose heartbeat stopped.
+
+The watchdog runs on its own connection to the store, never issues collectives, and only reads
+and writes small strings; its cost is one store round trip per rank per `poll_s`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["Watchdog", "start_watchdog", "process_watchdog", "verdict_file", "explain_failure"]
+
+_KEY = "fnzero/watchdog"
+_HOST = socket.gethostname()
+_PREFIX = "fnzero watchdog: "
+
+
+def verdict_file(rank: int) -> str | None:
+    """Where `fnzero launch` asked this rank to leave its verdict (FNZERO_FAILURE_DIR), or None."""
+    d = os.environ.get("FNZERO_FAILURE_DIR")
+    return os.path.join(d, f"rank{rank:05d}.json") if d else None
+
+
+class Watchdog:
+    """The per-process state the collectives update (cheap: attribute writes) and the thread
+    that publishes and judges it."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float, poll_s: float = 1.0,
+                 exit_fn: Callable[[int], Any] = os._exit):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.timeout_s, self.poll_s, self._exit = float(timeout_s), float(poll_s), exit_fn
+        self.issued = 0  # collectives issued so far; the last one is #issued
+        self.last: tuple[str, str] = ("", "")  # (kind, unit) of the last issued
+        self.blocked: tuple[int, str, str, float] | None = None  # (seq, kind, unit, since) while waiting
+        self.step: int | None = None
+        self._announced = False
+        self._main = threading.main_thread()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fnzero-watchdog", daemon=True)
+
+    # -- what the collectives call (the main thread) ---------------------------------------------
+    def issue(self, kind: str, unit: str = "") -> int:
+        self.issued += 1
+        self.last = (kind, unit)
+        return self.issued
+
+    def waiting(self, seq: int, kind: str, unit: str):
+        """Context for a blocking wait on collective #seq."""
+        return _Waiting(self, seq, kind, unit)
+
+    def describe(self, seq: int, kind: str, unit: str) -> str:
+        where = f" of unit {unit!r}" if unit else ""
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"collective #{seq} ({kind}{where}){at}"
+
+    # -- the thread --------------------------------------------------------------------------------
+    def start(self) -> "Watchdog":
+        self._publish()
+        self._thread.start()
+        atexit.register(self.finish)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def finish(self) -> None:
+        """At a normal exit: say so, so the others do not take this rank's end for a death; then
+        let go of the store here, in the main thread, with the watchdog thread stopped (a store
+        client torn down by interpreter shutdown while that thread is inside a call aborts the
+        process: "terminate called without an active exception")."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.poll_s + 10)
+        try:
+            self._publish(done=True)
+        except Exception:
+            pass
+        self.store = None
+
+    def _publish(self, done: bool = False) -> None:
+        b = self.blocked
+        beat = {"t": time.time(), "issued": self.issued, "last": list(self.last), "step": self.step,
+                "blocked": None if b is None else [b[0], b[1], b[2], b[3]], "pid": os.getpid(), "host": _HOST, "done": done}
+        self.store.set(f"{_KEY}/beat/{self.rank}", json.dumps(beat))
+
+    def beats(self) -> dict[int, dict]:
+        keys = [f"{_KEY}/beat/{r}" for r in range(self.world_size)]
+        out = {}
+        for r, k in enumerate(keys):
+            if self.store.check([k]):
+                out[r] = json.loads(self.store.get(k))
+        return out
+
+    def verdict(self) -> str | None:
+        k = f"{_KEY}/verdict"
+        v = self.store.get(k).decode() if self.store.check([k]) else ""
+        return v or None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._publish()
+                beats = self.beats()
+                self._announce(self.verdict())
+                self._judge(beats)
+                self._bury(beats)
+            except Exception:  # the store is gone (the job is ending): nothing left to watch
+                return
+
+    def _announce(self, verdict: str | None) -> None:
+        """Print a verdict once, as this rank's error: torchrun may stop this process before its
+        main thread's collective fails and raises it."""
+        if verdict and not self._announced:
+            self._announced = True
+            print(f"[rank {self.rank}] fnzero.DistributedError: {verdict[len(_PREFIX):]}", file=sys.stderr, flush=True)
+
+    def dead(self, beats: dict[int, dict]) -> list[int]:
+        """Ranks that are gone: a process on this host that no longer runs, or a heartbeat older
+        than three periods."""
+        now = time.time()
+        return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
+            (b.get("host") == _HOST and not _alive(b.get("pid"))) or now - b["t"] > 3 * self.poll_s + 1.0))
+
+    def _bury(self, beats: dict[int, dict]) -> None:
+        """Blocked in a collective with a peer gone: gloo fails such a collective at once, but
+        NCCL would wait for its timeout, so end the job now, naming the dead."""
+        b = self.blocked
+        dead = self.dead(beats) if b is not None and self.timeout_s > 0 else []
+        if dead:
+            now = time.time()
+            last = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} step {beats[r]['step']}, "
+                             f"{now - beats[r]['t']:.0f}s ago" for r in dead)
+            self._end(f"rank(s) {dead} stopped (killed, out of memory, or crashed) while rank {self.rank} waited in "
+                      f"{self.describe(*b[:3])}: {last}", stuck=dead, seq=b[0])
+
+    def _judge(self, beats: dict[int, dict]) -> None:
+        if self.timeout_s <= 0:  # off (a config's watchdog.timeout_seconds: 0)
+            return
+        now = time.time()
+        waiting = {r: b["blocked"] for r, b in beats.items() if b.get("blocked")}
+        # Am I the one the others wait for? (I have not issued their collective.)
+        late = {r: w for r, w in waiting.items() if w[0] > self.issued and now - w[3] > self.timeout_s}
+        if late:
+            seq, kind, unit, since = max(late.values(), key=lambda w: w[0])
+            self._end(
+                f"rank {self.rank} did not reach {self.describe(seq, kind, unit)} within {self.timeout_s:g}s: "
+                f"rank(s) {sorted(late)} waited in it. This rank's last collective was #{self.issued} "
+                f"({self.last[0] or 'none'}). Where this rank is:\n{self._main_stack()}",
+                stuck=[self.rank], seq=seq,
+            )
+            return
+        b = self.blocked
+        if b is None or now - b[3] < self.timeout_s + 2 * self.poll_s + 2.0:
+            return
+        # I have waited past the timeout and the grace the stuck rank had to speak for itself.
+        missing = sorted(r for r, x in beats.items() if x["issued"] < b[0]) or sorted(set(range(self.world_size)) - set(beats))
+        if missing:
+            seen = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} ({beats[r]['last'][0] or 'none'}) "
+                             f"step {beats[r]['step']}, {now - beats[r]['t']:.0f}s ago"
+                             f"{' (it finished and exited)' if beats[r].get('done') else ''}" for r in missing if r in beats)
+            self._end(f"rank(s) {missing} did not reach {self.describe(*b[:3])} within {self.timeout_s:g}s "
+                      f"(rank {self.rank} waited {now - b[3]:.0f}s). {seen}", stuck=missing, seq=b[0])
+        else:
+            self._end(f"{self.describe(*b[:3])} did not complete within {self.timeout_s:g}s although every rank "
+                      "reached it: the backend or a device is not answering", stuck=[], seq=b[0])
+
+    def _main_stack(self) -> str:
+        frame = sys._current_frames().get(self._main.ident)
+        return "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "  (unknown)\n"
+
+    def _record(self, message: str, stuck: list[int], seq: int) -> str:
+        """Leave the verdict where the other ranks and the launcher find it and print it; the
+        first verdict written wins. Returns the verdict in force."""
+        full = _PREFIX + message
+        try:
+            self.store.compare_set(f"{_KEY}/verdict", "", full)
+            full = self.verdict() or full
+        except Exception:
+            pass
+        path = verdict_file(self.rank)
+        if path and not os.path.exists(path):
+            with open(path, "w") as f:
+                json.dump({"rank": self.rank, "stuck": stuck, "seq": seq, "message": full}, f)
+        self._announce(full)
+        return full
+
+    def _end(self, message: str, stuck: list[int], seq: int) -> None:
+        """Record the verdict, give the other ranks' watchdogs two heartbeats to print it, then
+        end this process: its main thread is blocked in the backend (or stuck), so an exception
+        could not reach it."""
+        self._record(message, stuck, seq)
+        time.sleep(2 * self.poll_s)
+        self._exit(1)
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped by the launcher is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+class _Waiting:
+    __slots__ = ("wd", "entry")
+
+    def __init__(self, wd: Watchdog, seq: int, kind: str, unit: str):
+        self.wd, self.entry = wd, (seq, kind, unit, time.time())
+
+    def __enter__(self):
+        self.wd.blocked = self.entry
+
+    def __exit__(self, *exc):
+        self.wd.blocked = None
+
+
+def explain_failure(wd: Watchdog | None, seq: int, kind: str, error: BaseException) -> str:
+    """Why collective #seq failed with a backend error, for a `DistributedError`: the verdict of
+    a stuck rank, else the ranks that are gone, else the backend's words. Quick: torchrun stops
+    the other ranks a moment after one fails."""
+    what = wd.describe(seq, kind, "") if wd is not None else f"a {kind}"
+    raw = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if wd is None:
+        return f"{what} failed ({raw}); a peer rank probably died: see its own error above"
+    try:
+        deadline = time.time() + wd.poll_s + 0.5
+        while True:
+            verdict = wd.verdict()
+            if verdict:
+                return f"{what} failed because {verdict[len(_PREFIX):]}"
+            beats = wd.beats()
+            dead = wd.dead(beats)
+            if dead:
+                return f"{what} failed: rank(s) {dead} stopped (killed, out of memory, or crashed) ({raw})"
+            if time.time() > deadline:
+                break
+            time.sleep(0.05)
+    except Exception:  # the store went with the job
+        pass
+    return f"{what} failed ({raw}); a peer rank probably died: see its own error above"
+
+
+# The watchdog of this process's default group, started by `init_distributed` (one per process,
+# as the default group itself is).
+_PROCESS: list[Watchdog] = []
+
+
+def process_watchdog() -> Watchdog | None:
+    return _PROCESS[0] if _PROCESS else None
+
+
+def start_watchdog(rank: int, world_size: int, timeout_s: float) -> Watchdog | None:
+    """Start this process's watchdog on its own client connection to the job's store
+    (MASTER_ADDR and MASTER_PORT, as `init_distributed` used); None without one, or with
+    `timeout_s` <= 0 (off). A second call sets the timeout of the running one."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if _PROCESS:
+        _PROCESS[0].timeout_s = float(timeout_s)
+        return _PROCESS[0]
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if world_size < 2 or not addr or not port or timeout_s <= 0:
+        return None
+    store = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=datetime.timedelta(seconds=10))
+    _PROCESS.append(Watchdog(store, rank, world_size, timeout_s).start())
+    return _PROCESS[0]
