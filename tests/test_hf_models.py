@@ -265,7 +265,7 @@ class _SharedInsideAndOutside(torch.nn.Module):
 def test_gradient_reaching_a_unit_twice(stage):
     def batch(s, r):
         g = torch.Generator().manual_seed(10 * s + r)
-        return torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_(), torch.randn(3, 3, generator=g, dtype=torch.float64)
+        return torch.randn(2, 6, generator=g, dtype=torch.float64).requires_grad_(), torch.randn(2, 3, generator=g, dtype=torch.float64)
 
     torch.manual_seed(0)
     model = _SharedInsideAndOutside()
@@ -371,7 +371,7 @@ def test_two_applies_in_one_loss_with_checkpointing(stage, reentrant):
 
     def batch(s):
         g = torch.Generator().manual_seed(s)
-        return tuple(torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+        return tuple(torch.randn(2, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
 
     with _BUILD:
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 import fnzero
 from fnzero import RecordingCollectives
 from fnzero.memory import model_state_bytes, zero_formula
-from fnzero.testing import GPT
+from fnzero.testing import GPT, seeded
 from fnzero.testing._threads import simulated_world
 
 
@@ -24,8 +24,8 @@ def _cfg(stage, world, precision="fp32"):
 
 
 def _model():
-    torch.manual_seed(0)
-    return GPT(vocab_size=50, seq_len=8, d_model=16, n_layer=2, n_head=2)
+    with seeded(0):  # ranks are threads sharing one generator: seed and build alone
+        return GPT(vocab_size=50, seq_len=8, d_model=16, n_layer=2, n_head=2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -49,7 +49,6 @@ def test_model_state_bytes_follow_zero_formulas(stage, world, precision):
 def _traffic(stage, world):
     def rank_fn(comm):
         rec = RecordingCollectives(comm)
-        torch.manual_seed(0)
         sm = fnzero.shard(_model(), config=_cfg(stage, world), comm=rec)
         state = sm.init_state()
 
@@ -215,9 +214,10 @@ def test_stage3_deferred_regather_with_several_outputs_starts_once(used):
     starts exactly once per step, and a step issues the same collectives every time."""
     def rank_fn(comm):
         rec = RecordingCollectives(comm)
-        torch.manual_seed(0)
         cfg = _cfg(3, 2)
-        sm = fnzero.shard(_TwoHeads(), config=cfg, comm=rec)
+        with seeded(0):
+            model = _TwoHeads()
+        sm = fnzero.shard(model, config=cfg, comm=rec)
         state = sm.init_state()
 
         def loss_fn(p, b):

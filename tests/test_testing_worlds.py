@@ -29,9 +29,9 @@ def train_fn():
     state = sm.init_state()
     step = fnzero.train_step(ft.step_loss(sm, lambda apply, b: torch.nn.functional.mse_loss(apply(b[0]), b[1])), cfg)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(12, 5, generator=g, dtype=torch.float64)
-    y = torch.randn(12, 3, generator=g, dtype=torch.float64)
-    rows = 12 // info.world_size
+    rows = 3 * 2  # micro x gas: this rank's rows per step
+    x = torch.randn(rows * info.world_size, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(rows * info.world_size, 3, generator=g, dtype=torch.float64)
     mine = (x[info.rank * rows : (info.rank + 1) * rows], y[info.rank * rows : (info.rank + 1) * rows])
     losses = []
     for _ in range(3):

@@ -12,6 +12,7 @@ from .._errors import ShardingError
 from ._policy import shard_policy
 from ._collectives import Collectives, default_collectives
 from ._observed import CheckedCollectives, RecordingCollectives
+from ._watchdog import process_watchdog
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
@@ -63,6 +64,9 @@ def shard(
     meta = is_meta_model(model)
     policy = shard_policy(config, stage)
     comm = comm if comm is not None else default_collectives()
+    watchdog = process_watchdog()
+    if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
+        watchdog.timeout_s = float(config.watchdog.timeout_seconds)
     logger = getattr(config, "comms_logger", None)
     if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
         comm = RecordingCollectives(comm)
@@ -92,19 +96,32 @@ def shard(
         wrap=wrap,
         persistence_threshold=policy.persistence_threshold,
     )
+    checksums: dict[str, torch.Tensor] = {}
     if meta:
         initial, frozen, buffers, uninitialised = initial_from_meta(
             model, plan, comm.rank, device, policy.compute_dtype, _init_seed(init_seed, comm, device))
     else:
-        initial, frozen, buffers, uninitialised = initial_from_model(model, plan, comm.rank, device, policy.compute_dtype)
+        initial, frozen, buffers, uninitialised = initial_from_model(
+            model, plan, comm.rank, device, policy.compute_dtype, checksums if comm.world_size > 1 else None)
     from .._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
-    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised), frozen, buffers)
+    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen, buffers)
+    model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     for u in plan.units:
         if u.placement.params and u.module != "":
             wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
     return sm
+
+
+def _refuse_load_state_dict(module, *args, **kwargs) -> None:
+    """`load_state_dict` into a sharded model would copy into meta placeholders and keep nothing
+    (torch only warns, once per parameter): say so, and what to do instead."""
+    raise ShardingError(
+        "this model was given to fnzero.shard: its parameters are meta placeholders and the values live in "
+        "the TrainState, so load_state_dict into it keeps nothing. Load weights with "
+        "sm.init_state(pretrained=...) or a checkpoint, and copy a state out with sm.load_into(fresh_model, state)"
+    )
 
 
 def _default_device() -> torch.device:

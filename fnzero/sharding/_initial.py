@@ -12,7 +12,7 @@ from .._errors import ShardingError
 from ._materialize import MetaInitializer
 from ._plan import ShardPlan, UnitPlan
 
-__all__ = ["Initial", "InitialValues", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
+__all__ = ["Initial", "InitialValues", "checksum", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
 
 # (unit name -> flat buffer or this rank's shard, frozen parameters by name, buffers by name,
 #  names of the tensors a meta model's init code left uninitialised)
@@ -27,6 +27,30 @@ class InitialValues:
 
     params: dict[str, torch.Tensor]
     uninitialised: list[str]
+    # unit name -> a checksum of the unit's whole initial buffer, when each rank built its own
+    # copy of the model (`init_state` compares them across ranks: `checksum`).
+    checksums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+_CHUNK = 1 << 22
+
+
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers that differ, in practice, when two buffers differ by any bit: the sum of
+    the buffer's 32-bit words, and the sum of each word times its position (so a permutation
+    counts too), both wrapping. Integer sums do not depend on the reduction order, so equal
+    buffers give equal checksums on any thread count or device."""
+    raw = flat.detach().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32)
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for lo in range(0, words.numel(), _CHUNK):
+        w = words[lo : lo + _CHUNK].to(torch.int64)
+        pos = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=flat.device)
+        total += torch.stack([w.sum(), (w * pos).sum()])
+    return total
 
 
 def placeholder_param(p: torch.Tensor) -> nn.Parameter:
@@ -42,10 +66,13 @@ def is_released(model: nn.Module) -> bool:
     return any(getattr(p, "_fnzero_released", False) for p in model.parameters())
 
 
-def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, value_of, device: torch.device) -> torch.Tensor:
+def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, value_of, device: torch.device,
+          checksums: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     flat = torch.zeros(unit.padded_numel, dtype=plan.param_dtype, device=device)
     for slot in unit.slots:
         flat[slot.offset : slot.offset + slot.numel].copy_(value_of(slot.name).reshape(-1))
+    if checksums is not None:
+        checksums[unit.name] = checksum(flat)
     if plan.params_sharded(unit):
         lo, hi = unit.shard_range(rank)
         flat = flat[lo:hi].clone()
@@ -69,9 +96,10 @@ def _release(owners, p: torch.Tensor) -> None:
 
 
 def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
-                       compute_dtype: torch.dtype | None) -> Initial:
+                       compute_dtype: torch.dtype | None, checksums: dict[str, torch.Tensor] | None) -> Initial:
     """From a model built on a real device; its parameter storage is released unit by unit, so
-    sharding a model never holds it twice."""
+    sharding a model never holds it twice. Each unit's checksum goes into `checksums`: every
+    rank built its own copy, and `init_state` checks that they agree."""
     named = dict(model.named_parameters(remove_duplicate=False))
     # Frozen parameters take part in the 16-bit forward like the trainable ones.
     frozen = {n: named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype) for n in plan.frozen}
@@ -80,7 +108,7 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
     initial = {}
     with torch.no_grad():
         for u in plan.units:
-            initial[u.name] = _flat(u, plan, rank, lambda n: named[n], device)
+            initial[u.name] = _flat(u, plan, rank, lambda n: named[n], device, checksums)
             for slot in u.slots:
                 _release(owners, named.pop(slot.name))
                 for alias in slot.aliases:

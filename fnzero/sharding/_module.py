@@ -14,7 +14,7 @@ from torch import nn
 from .._errors import ShardingError
 from .._state import Sharding, TrainState
 from ._collectives import Collectives
-from ._initial import InitialValues
+from ._initial import InitialValues, is_released
 from ._param_store import is_placeholder, read_shard
 from ._policy import ShardPolicy
 from ._plan import ShardPlan, UnitPlan
@@ -106,9 +106,8 @@ class ShardedModule:
                 (args, kwargs),
                 none_is_leaf=True,
             )
-        missing = [u.name for u in plan.units if u.name not in params]
-        if missing:
-            raise ShardingError(f"params lack units {missing}; pass state.params (or the params given to the loss)")
+        if not torch.compiler.is_compiling():
+            plan.check_params(params, "the params given to apply")
         if not torch.compiler.is_compiling() and UNIT_COMPILER.get() is not None:
             self._route_units()
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
@@ -285,6 +284,37 @@ class ShardedModule:
         for name, t in {**state.frozen, **state.buffers}.items():
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
         return out
+
+    def load_into(self, model: nn.Module, state: TrainState, *, strict: bool = True) -> nn.Module:
+        """Write `state`'s consolidated weights into `model`, a real module of the same
+        architecture (a fresh one: `fnzero.shard` replaced the original's parameters with meta
+        placeholders, so `load_state_dict` into it cannot work). Trainable parameters (the fp32
+        master where the state has one), frozen parameters and persistent buffers are copied,
+        cast to `model`'s own dtypes. Collective: every rank calls it. With `strict`, keys missing
+        on either side are one `ShardingError`, and `model` is left as it was. Returns `model`."""
+        if is_released(model):
+            raise ShardingError(
+                "load_into: this model was given to fnzero.shard, so its parameters are placeholders; "
+                "build a fresh one of the same architecture (e.g. MyModel(config)) and load into that"
+            )
+        full = self.state_dict(state)
+        target = model.state_dict()
+        missing = [k for k in target if k not in full]
+        transient = {n for m_name, m in model.named_modules() for n in
+                     (f"{m_name}.{b}" if m_name else b for b in m._non_persistent_buffers_set)}
+        unexpected = [k for k in full if k not in target and k not in transient]
+        shapes = [f"{k}: {tuple(full[k].shape)} vs {tuple(target[k].shape)}" for k in target
+                  if k in full and full[k].shape != target[k].shape]
+        if shapes:
+            raise ShardingError(f"load_into: shapes differ between the state and the model: {'; '.join(shapes[:3])}")
+        if strict and (missing or unexpected):
+            raise ShardingError(
+                f"load_into: the model and the state differ: model keys not in the state {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, state keys not in the model {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''} (another architecture? strict=False loads the common keys)"
+            )
+        model.load_state_dict({k: full[k] for k in target if k in full}, strict=False)
+        return model
 
 
 class PretrainedWarning(UserWarning):

@@ -108,6 +108,39 @@ class ShardPlan:
         """Whether some unit's parameters are held as a shard and gathered in forward."""
         return any(self.params_sharded(u) for u in self.units)
 
+    def held_numel(self, unit: UnitPlan) -> int:
+        """Elements of the unit's entry in `TrainState.params`: its shard when its parameters are
+        sharded, else its whole padded buffer."""
+        return unit.shard_numel if self.params_sharded(unit) else unit.padded_numel
+
+    def check_params(self, params: dict, what: str) -> None:
+        """`params` (unit name -> flat tensor) is what this plan holds, or one `ShardingError`
+        saying what was expected and what came: a state made by another plan (stage, world size
+        or model) fails here instead of deep inside a split or a collective."""
+        if not isinstance(params, dict):
+            raise ShardingError(f"{what} must be a dict of unit name -> flat tensor (state.params), "
+                                f"got {type(params).__name__}")
+        missing = [u.name for u in self.units if u.name not in params]
+        extra = [k for k in params if k not in self.unit_names]
+        wrong = []
+        for u in self.units:
+            t = params.get(u.name)
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != self.held_numel(u)):
+                got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                wrong.append(f"{u.name!r}: {got}, expected ({self.held_numel(u)},)")
+        if not (missing or extra or wrong):
+            return
+        parts = ([f"lack units {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []) + (
+            [f"have units this plan does not {extra[:5]}{' ...' if len(extra) > 5 else ''}"] if extra else []) + (
+            ["hold " + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")]
+            if wrong else [])
+        raise ShardingError(
+            f"{what} do not fit this plan: they {' and '.join(parts)}. They were made by another plan than this one (stage {self.stage}, "
+            f"world size {self.world_size}, {len(self.units)} units, {self.num_params} parameters). A state of "
+            "another stage, world size or model? Build it with this module's init_state, or load a checkpoint, "
+            "which reshards"
+        )
+
     @property
     def num_params(self) -> int:
         """Ψ: trainable parameters, tied ones counted once, padding excluded."""

@@ -44,6 +44,8 @@ def seeded(seed: int) -> Iterator[None]:
     weights: in a simulated world the ranks are threads sharing one generator, and this holds
     `RNG_LOCK` so their draws cannot interleave; in a real process it is just a seeded fork of
     the RNG. Restoring the previous state keeps the block free of side effects on later draws.
+    A collective inside the block lets the lock go while it waits (no deadlock), so draws after a
+    collective inside `seeded` are not reproducible: build first, shard and init after.
     """
     with RNG_LOCK:
         state = torch.random.get_rng_state()

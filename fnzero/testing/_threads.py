@@ -23,6 +23,17 @@ from ._context import RNG_LOCK, rank_context
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]
 
 
+def _release_all(lock) -> int:
+    """Release a re-entrant lock this thread holds, however deep; how many times it was held."""
+    held = 0
+    while True:
+        try:
+            lock.release()
+        except RuntimeError:  # not (or no longer) held by this thread
+            return held
+        held += 1
+
+
 class _Exchange:
     def __init__(self, n: int, timeout: float):
         self.n = n
@@ -32,10 +43,17 @@ class _Exchange:
         self.ops: list[str | None] = [None] * n
 
     def wait(self):
+        # A rank may reach a collective inside `seeded` (say `init_state`'s check that the ranks
+        # built the same weights); holding the RNG lock there would block every other rank
+        # before its own `seeded` block, so it is let go while this rank waits, and taken back.
+        held = _release_all(RNG_LOCK)
         try:
             self.barrier.wait(self.timeout)
         except threading.BrokenBarrierError:
             raise DistributedError("a simulated rank failed or timed out inside a collective") from None
+        finally:
+            for _ in range(held):
+                RNG_LOCK.acquire()
 
     def exchange(self, rank: int, op: str, value: Any) -> list[Any]:
         self.slots[rank] = value

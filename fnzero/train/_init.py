@@ -60,6 +60,7 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             f"optimizer {kind} is not elementwise (it normalises per tensor) and "
             "cannot update flat shards; use it at ZeRO stage 0"
         )
+    _check_ranks_start_equal(sm, loaded)
     initial = sm.hand_over_initial().params
     params, master, opt_state = _params_and_optimizer(sm, initial, opt)
     frozen, buffers = sm.constants
@@ -73,6 +74,31 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         loss_scale=init_loss_scale(step_policy(sm.config).loss_scale),
         sharding=sm.sharding,
     )
+
+
+def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
+    """Every rank built its own copy of the model; one built under another seed would make each
+    rank's shard come from its own init, and the first step train a patchwork. Compare each
+    unit's checksum (taken by `shard` from the whole unit) with rank 0's, in one small
+    all-gather, and name the ranks and units that differ. Units read whole from pretrained files
+    are not compared. (Raising rather than broadcasting rank 0's model: at stage 3 each rank
+    kept only its shard, so there is nothing left to broadcast, and a silent repair would hide
+    a seed bug that also shows in dropout and data order.)"""
+    sums, world = sm.initial_values().checksums, sm.comm.world_size
+    names = [u.name for u in sm.plan.units if u.name in sums and not all(s.name in loaded for s in u.slots)]
+    if world == 1 or not names:
+        return
+    every = sm.comm.all_gather(torch.stack([sums[n] for n in names]).reshape(-1)).view(world, len(names), 2)
+    differ = {r: [n for i, n in enumerate(names) if not torch.equal(every[r, i], every[0, i])] for r in range(1, world)}
+    differ = {r: units for r, units in differ.items() if units}
+    if differ:
+        ranks = "; ".join(f"rank {r} in {units[:4]}{' ...' if len(units) > 4 else ''}" for r, units in differ.items())
+        raise ShardingError(
+            f"the ranks built different initial weights: {ranks} (of {len(names)} units) differ from rank 0's. "
+            "Each rank's shard would come from its own init and the first step would train a patchwork. Build the "
+            "model under the same seed on every rank (torch.manual_seed(seed) before constructing it), build it on "
+            "the meta device (fnzero seeds its init), or load pretrained weights"
+        )
 
 
 def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], opt):

@@ -21,22 +21,30 @@ from ._loss_scale import update_loss_scale
 from ._policy import StepPolicy
 
 __all__ = [
-    "split_micro_batches", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
+    "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
     "clip_coefficient", "loss_scale_after", "next_state", "Timer",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def split_micro_batches(batch: Any, k: int) -> list[Any]:
+def split_micro_batches(batch: Any, k: int, rows: int | None = None) -> list[Any]:
     """`k` micro-batches: a list of length k is taken as given; otherwise every tensor leaf of the
-    pytree is split into k equal parts along dim 0 (other leaves are shared)."""
+    pytree is split into k equal parts along dim 0 (other leaves are shared).
+
+    Checked first, so a wrong batch never trains: every tensor leaf (with a dim 0) of a
+    micro-batch has the same number of rows, at least one; and `rows` per micro-batch when given
+    (the config's train_micro_batch_size_per_gpu): a 4-row batch at micro 4 x gas 2 is refused,
+    not trained as two micro-batches of 2."""
     if isinstance(batch, list):
         if len(batch) != k:
             raise ShardingError(
                 f"a list batch is read as micro-batches: got {len(batch)}, gradient_accumulation_steps is {k}"
             )
+        for i, part in enumerate(batch):
+            _check_rows(part, rows, f"micro-batch {i} of the list")
         return batch
+    _check_rows(batch, None if rows is None else rows * k, "the batch", k)
     if k == 1:
         return [batch]
     leaves, spec = optree.tree_flatten(batch)
@@ -45,13 +53,49 @@ def split_micro_batches(batch: Any, k: int) -> list[Any]:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             if leaf.shape[0] % k:
                 raise ShardingError(
-                    f"batch leaf {'.'.join(map(str, path)) or '<root>'} has {leaf.shape[0]} rows, which do not split "
+                    f"batch leaf {_leaf_name(path)} has {leaf.shape[0]} rows, which do not split "
                     f"into gradient_accumulation_steps={k} equal micro-batches"
                 )
             parts.append(leaf.split(leaf.shape[0] // k))
         else:
             parts.append([leaf] * k)
     return [optree.tree_unflatten(spec, [p[i] for p in parts]) for i in range(k)]
+
+
+def micro_batch_rows(policy: StepPolicy, world_size: int) -> int | None:
+    """The rows a micro-batch must have: the config's micro-batch size, when the config's batch
+    triad was resolved for this world (a config loaded for another world size may have derived
+    its micro-batch from train_batch_size for that world, so it is not held against the batch)."""
+    if policy.config_world not in (None, world_size):
+        return None
+    return policy.micro_batch
+
+
+def _leaf_name(path: tuple) -> str:
+    return ".".join(map(str, path)) or "<root>"
+
+
+def _check_rows(batch: Any, expected: int | None, what: str, k: int = 1) -> None:
+    """Every tensor leaf with a dim 0 has the same, non-zero row count, equal to `expected` when
+    given. A batch without such leaves (the loss function makes its own data) passes."""
+    rows = {}
+    for path, leaf in zip(optree.tree_paths(batch), optree.tree_leaves(batch)):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            rows.setdefault(leaf.shape[0], _leaf_name(path))
+    if not rows:
+        return
+    if len(rows) > 1:
+        seen = ", ".join(f"{name}: {n}" for n, name in rows.items())
+        raise ShardingError(f"{what} has leaves of different lengths along dim 0 ({seen}); every tensor leaf "
+                            "is split along dim 0, so all must have the same number of rows")
+    (n, _name), = rows.items()
+    if n == 0:
+        raise ShardingError(f"{what} is empty (0 rows): nothing to train on, and the step would still count")
+    if expected is not None and n != expected:
+        how = f"train_micro_batch_size_per_gpu ({expected // k}) x gradient_accumulation_steps ({k})" if k > 1 else (
+            f"train_micro_batch_size_per_gpu ({expected})")
+        raise ShardingError(f"{what} has {n} rows; the config asks for {how} = {expected} rows per rank and step "
+                            "(a short last batch of an epoch? drop it, e.g. DataLoader(drop_last=True))")
 
 
 def accum_dtype_for(policy: StepPolicy, param_dtype: torch.dtype) -> torch.dtype:

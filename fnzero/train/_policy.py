@@ -44,6 +44,10 @@ class StepPolicy:
     # On CPU, give the heap's free pages back between each forward and its backward, where
     # `fnzero.memory.return_freed_memory` tuned the allocator (`fnzero/_ext/_heap.py`).
     trim_heap: bool = True
+    # The rows one micro-batch has (train_micro_batch_size_per_gpu) and the world size the
+    # config's batch triad was resolved for; a batch is checked against them (`_phases.py`).
+    micro_batch: int | None = None
+    config_world: int | None = None
 
 
 def step_policy(cfg) -> StepPolicy:
@@ -74,4 +78,6 @@ def step_policy(cfg) -> StepPolicy:
         # unless the config explicitly says `overlap_comm: false`.
         overlap_comm=getattr(getattr(cfg, "zero_optimization", None), "overlap_comm", None) is not False,
         timings=bool(getattr(cfg, "wall_clock_breakdown", False)),
+        micro_batch=getattr(cfg, "train_micro_batch_size_per_gpu", None),
+        config_world=getattr(cfg, "world_size", None),
     )

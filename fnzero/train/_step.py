@@ -31,9 +31,10 @@ from .._state import TrainState
 from ._grads import GradientCollector, forward_backward
 from ._phases import (
     Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
-    split_micro_batches,
+    micro_batch_rows, split_micro_batches,
 )
 from ..sharding._policy import offload_device
+from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
 from ._update import host_update, publish_params, update_on_device
 
@@ -126,6 +127,7 @@ class TrainStep:
                 "the state's loss scaling does not match this step's config (fp16 on one side only); "
                 "build both from the same config"
             )
+        state.sharding.plan.check_params(state.params, "state.params")
         with torch.enable_grad():
             return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux,
                          self.host_opt)
@@ -138,7 +140,10 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     sh = state.sharding
     plan, comm = sh.plan, sh.comm
     n, k = comm.world_size, policy.accumulation_steps
-    micro = split_micro_batches(batch, k)
+    micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
+    watchdog = process_watchdog()
+    if watchdog is not None:  # its verdicts name the step a rank was stuck in
+        watchdog.step = int(state.step) + 1
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
     accum_dtype = accum_dtype_for(policy, param_dtype)

@@ -33,7 +33,7 @@ from ..sharding._functional import FunctionalCollectives
 from ..sharding._module import optimizer_view
 from ._phases import (
     accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor, prepare_for_comm,
-    reduce_whole, split_micro_batches,
+    micro_batch_rows, reduce_whole, split_micro_batches,
 )
 from ._step import TrainStep
 
@@ -93,9 +93,10 @@ class WholeStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         step, policy = self.step, self.step.policy
         sh = state.sharding
+        sh.plan.check_params(state.params, "state.params")
         plan, comm = sh.plan, sh.comm
         n, k = comm.world_size, policy.accumulation_steps
-        micro = split_micro_batches(batch, k)
+        micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
         step_no = int(state.step)
         count = int(state.opt_state.count)
         lr = float(step.sched(step_no))
