@@ -47,28 +47,64 @@ FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   err
 
 from __future__ import annotations
 
-import optree as _optree
-import torch as _torch
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
-from . import checkpoint, memory, optim, schedules
 from ._errors import CheckpointError, ConfigError, DistributedError, FnzeroError, ShardingError
-from ._state import LossScaleState, Sharding, TrainState
 from .config import AutoValues, Config, ConfigWarning
-from .sharding import (
-    Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning, ProcessGroupCollectives,
-    RecordingCollectives, ShardedModule, ShardPlan, UnitPlan, init_distributed, shard,
-)
-from .sharding._world_config import hf_auto_values, load_config
-from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 __version__ = "0.1.0"
+
+# The rest is imported on first use (PEP 562): `import fnzero` does not import torch, so the
+# `fnzero` command answers `--help` and checks configs at once (torch takes seconds to import).
+# Every name below is public all the same: `fnzero.shard`, `from fnzero import shard`, `dir()`.
+_LAZY = {
+    **dict.fromkeys(("checkpoint", "memory", "optim", "schedules"), ""),
+    **dict.fromkeys(("LossScaleState", "Sharding", "TrainState"), "._state"),
+    **dict.fromkeys((
+        "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
+        "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
+        "init_distributed", "shard",
+    ), ".sharding"),
+    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding._world_config"),
+    **dict.fromkeys((
+        "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
+    ), ".train"),
+}
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'fnzero' has no attribute {name!r}")
+    value = _importlib.import_module(f".{name}" if where == "" else where, __name__)
+    if where != "":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def tree_clone(tree):
     """A copy of `tree` whose tensors share no storage with the original."""
-    return _optree.tree_map(
-        lambda x: x.clone() if isinstance(x, _torch.Tensor) else x, tree, none_is_leaf=True
+    import optree
+    import torch
+
+    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, none_is_leaf=True)
+
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
+    from . import checkpoint, memory, optim, schedules
+    from ._state import LossScaleState, Sharding, TrainState
+    from .sharding import (
+        Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
+        ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, UnitPlan, init_distributed, shard,
     )
+    from .sharding._world_config import hf_auto_values, load_config
+    from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 
 __all__ = [

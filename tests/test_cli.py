@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SERVER = r"""
 import json, os, sys, time
 import fnzero.cli._main as cli
-cli.build_parser()  # import every plugin now, so children start warm
+cli.build_parser()
+import fnzero.memory._estimate, fnzero.checkpoint  # what the commands import (torch): children start warm
 for line in sys.stdin:
     req = json.loads(line)
     sys.stdout.flush(); sys.stderr.flush()
@@ -151,6 +152,45 @@ def test_config_validate_bad_file_lists_every_error(tmp_path):
     assert "zero_optimization" in err  # the typo names the nearest valid key
     assert "gradient_clipping" in err and "lr" in err
     assert err.count("\n  - ") == 3
+
+
+def test_config_validate_reports_cross_field_errors_beside_field_errors(tmp_path):
+    # fp16 + bf16 both on used to show only once the other errors were fixed.
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true},'
+                   ' "zero_optimization": {"stage": 7}, "optimizer": {"type": "AdamW", "params": {"lr": "x"}},'
+                   ' "gradient_clipping": -1}')
+    rc, out, err = run_cli("config", "validate", str(bad))
+    assert rc == 1 and "4 error(s)" in err, err
+    assert "`fp16.enabled` and `bf16.enabled` are both true" in err and "`zero_optimization.stage`" in err
+    # A rule about a section that has an error of its own is not also judged on its default.
+    bad.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": "x", "offload_param": {"device": "cpu"}}}')
+    rc, _, err = run_cli("config", "validate", str(bad))
+    assert rc == 1 and "1 error(s)" in err and "needs stage 3" not in err, err
+
+
+def test_help_and_config_commands_do_not_import_torch(tmp_path):
+    # torch takes seconds to import; `--help` and `config` need none of it.
+    good = tmp_path / "ok.json"
+    good.write_text('{"train_batch_size": 8}')
+    code = ("import sys, io, contextlib\nfrom fnzero.cli import main\n"
+            "for argv in (['--help'], ['config', 'validate', sys.argv[1]], ['config', 'show', sys.argv[1]], ['plan', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try: main(argv)\n"
+            "        except SystemExit: pass\n"
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code, str(good)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    # `fnzero config show f | head -1`: no BrokenPipeError traceback, the SIGPIPE exit status. The
+    # reader here (`true`) is gone long before Python has started, so the write always fails.
+    p = subprocess.run(f"{sys.executable} -m fnzero.cli config show examples/configs/zero3.json | true; "
+                       "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout == "" and p.stderr == "" and p.returncode == 141, (p.returncode, p.stderr)
 
 
 def test_config_validate_missing_file():

@@ -65,6 +65,8 @@ def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
     assert _losses(out2)[0] < _losses(out1)[0] - 1.0, (out1, out2)  # it did not start over
     assert _losses(out2)[1] < _losses(out2)[0], out2
     assert len(re.findall(r"rank \d: model state", out2)) == 2, out2
+    # The README's description of the output: progress lines carry rank 0's memory (memory_breakdown).
+    assert re.search(r"^step +\d+ \| loss .* tok/s.*\nmemory: model state .* \| peak RSS ", out2, re.M), out2
     with open(tmp_path / "run" / "model.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))

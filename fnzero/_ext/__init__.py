@@ -56,6 +56,8 @@ def build_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 def _threads() -> str:
+    from . import _lib
+
     if _lib.lib.fnz_cpu_thread_pool():
         return "the process's OpenMP pool (torch's), a few large tiles per call"
     return "pthreads (no OpenMP runtime loaded), a few large tiles per call"

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 
 from . import _checkpoint as checkpoint_commands
 from ._common import load_config_or_report
@@ -14,8 +19,19 @@ __all__ = ["build_parser", "main"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    from torch.distributed import run as torchrun
+    if args.hostfile:
+        from ._multinode import launch_hostfile
 
+        if not rest:
+            print("fnzero launch: name the training script, e.g. `fnzero launch --hostfile hosts train.py`",
+                  file=sys.stderr)
+            return 2
+        return launch_hostfile(args, rest)
+    if args.include or args.exclude or args.num_nodes is not None or args.num_gpus is not None:
+        print("fnzero launch: --include/--exclude/--num_nodes/--num_gpus select hosts of a --hostfile", file=sys.stderr)
+        return 2
+    if args.exit_with_stdin:
+        _exit_with_stdin()
     from ..sharding._dist import free_port
 
     argv = ["--nproc-per-node", str(args.nproc_per_node)]
@@ -42,18 +58,61 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if not rest:
         print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
         return 2
-    argv += rest
+    return _run_torchrun(argv + rest)
+
+
+def _run_torchrun(argv: list[str]) -> int:
+    """torchrun's agent on this node; its exit status, and the watchdog's verdict when it failed."""
+    from torch.distributed import run as torchrun
+
     from .._ext._heap import allocator_env
 
     os.environ.update(allocator_env())  # inherited by every worker torchrun starts
+    # The collective watchdog of each rank leaves its verdict here (`sharding/_watchdog.py`), so
+    # the summary below can name the rank at fault whichever rank torchrun saw fail first.
+    failures = tempfile.mkdtemp(prefix="fnzero-launch-")
+    os.environ["FNZERO_FAILURE_DIR"] = failures
     try:
         torchrun.main(argv)
+        code = 0
     except SystemExit as e:  # torchrun exits with the failing worker's code
-        return int(e.code or 0)
+        code = int(e.code or 0)
     except Exception as e:  # ChildFailedError: the failing rank's error was already printed above
         print(f"fnzero launch: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+        code = 1
+    finally:
+        verdicts = _verdicts(failures)
+        shutil.rmtree(failures, ignore_errors=True)
+    if code and verdicts:
+        print(f"fnzero launch: root cause: {verdicts[0]}", file=sys.stderr)
+    return code
+
+
+def _exit_with_stdin() -> None:
+    """End this launcher (torchrun's agent stops its workers on SIGTERM) when standard input
+    closes: started by `fnzero launch --hostfile` over SSH, it so ends with the channel."""
+    def watch():  # raw reads: a daemon thread must not hold sys.stdin's lock at interpreter exit
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fnzero-launch-stdin", daemon=True).start()
+
+
+def _verdicts(folder: str) -> list[str]:
+    """The watchdog verdicts the ranks of this node left, first written first."""
+    out = []
+    for name in os.listdir(folder):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                v = json.load(f)
+            out.append((os.path.getmtime(os.path.join(folder, name)), str(v["message"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return [m for _, m in sorted(out)]
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -84,9 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
     lp.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or SLURM_NNODES)")
     lp.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
-    lp.add_argument("--master-addr", default=None, help="address of rank 0's node (multi-node)")
-    lp.add_argument("--master-port", type=int, default=None, help="port on the master (default: a free one)")
+    lp.add_argument("--master-addr", "--master_addr", default=None,
+                    help="address of rank 0's node (multi-node; with --hostfile default: the first host's)")
+    lp.add_argument("--master-port", "--master_port", type=int, default=None,
+                    help="port on the master (default: a free one; 29500 with several nodes)")
     lp.add_argument("--max-restarts", type=int, default=None, help="torchrun restarts on failure (default 0)")
+    hp = lp.add_argument_group("multi-node from a DeepSpeed hostfile (ssh to each host)")
+    hp.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                    help="'HOST slots=N' lines: start one launcher per host over ssh (passwordless)")
+    hp.add_argument("-i", "--include", default=None, metavar="SPEC",
+                    help="hosts/slots to use: HOST[:SLOT,...][@HOST...]")
+    hp.add_argument("-e", "--exclude", default=None, metavar="SPEC", help="hosts/slots to leave out, same syntax")
+    hp.add_argument("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="the first N hosts")
+    hp.add_argument("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
+                    help="the first N slots of each host")
+    hp.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    lp.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     sub.add_parser("report", help="environment, devices, backends and native-extension status")
 
@@ -103,7 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; its exit status. Output cut short by a closed pipe (`fnzero config show
+    f | head`) ends quietly with 141, as a Unix tool killed by SIGPIPE, not with a traceback."""
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # Python flushes stdout again at exit and would print a second error: point it at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     # `launch` passes everything after the script through untouched.
     if argv and argv[0] == "launch":
@@ -113,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             a = argv[i]
             if a.startswith("-"):
                 head.append(a)
-                if "=" not in a and a not in ("-h", "--help") and i + 1 < len(argv):
+                if "=" not in a and a not in ("-h", "--help", "--exit-with-stdin") and i + 1 < len(argv):
                     head.append(argv[i + 1])
                     i += 1
             else:

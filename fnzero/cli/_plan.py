@@ -14,7 +14,6 @@ import json
 import math
 import sys
 
-from ..memory import _estimate as _plan
 from ._common import load_config_or_report
 
 __all__ = ["register", "plan_report"]
@@ -26,14 +25,27 @@ _PRECISION_TITLE = {
 }
 
 
-def _arg(parse, **kw):
+class _Estimator:
+    """`fnzero.memory._estimate`, imported on first use: it imports torch (seconds), and building
+    the parser for `fnzero --help` or `fnzero config` must not."""
+
+    def __getattr__(self, name: str):
+        from ..memory import _estimate
+
+        return getattr(_estimate, name)
+
+
+_plan = _Estimator()
+
+
+def _arg(parse: str, **kw):
     # argparse turns ArgumentTypeError into `fnzero plan: error: ...` on stderr and exit 2.
     def conv(text):
         try:
-            return parse(text, **kw)
+            return getattr(_plan, parse)(text, **kw)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    conv.__name__ = parse.__name__.replace("parse_", "")
+    conv.__name__ = parse.replace("parse_", "")
     return conv
 
 
@@ -178,20 +190,20 @@ def register(sub) -> None:
         "KiB/MiB/GiB/TiB powers of 1024. Exit status 0, or 2 for bad arguments or an invalid --config.",
         epilog="example: fnzero plan --params 7B --world-size 64 --gpus-per-node 8 --memory-per-device 80GB",
     )
-    p.add_argument("--params", required=True, type=_arg(_plan.parse_count), metavar="N",
+    p.add_argument("--params", required=True, type=_arg("parse_count"), metavar="N",
                    help="number of model parameters: 7e9, 7B, 350M, 1.3b")
     p.add_argument("--world-size", required=True, type=_pos_int, metavar="N", help="data-parallel ranks (GPUs) in all")
     p.add_argument("--gpus-per-node", type=_pos_int, default=None, metavar="N",
                    help="ranks per node, for the per-node host figures (default: 8, or the world size if smaller)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="a DeepSpeed/fnzero JSON config: its precision and its stage/offload row is marked with *")
-    p.add_argument("--memory-per-device", type=_arg(_plan.parse_bytes), default=None, metavar="SIZE",
+    p.add_argument("--memory-per-device", type=_arg("parse_bytes"), default=None, metavar="SIZE",
                    help="device memory, e.g. 80GB: adds 'fits' and 'largest model' columns")
-    p.add_argument("--reserve", type=_arg(_plan.parse_bytes, allow_zero=True), default=0, metavar="SIZE",
+    p.add_argument("--reserve", type=_arg("parse_bytes", allow_zero=True), default=0, metavar="SIZE",
                    help="device memory set aside for activations and working buffers (default 0)")
-    p.add_argument("--host-memory-per-node", type=_arg(_plan.parse_bytes), default=None, metavar="SIZE",
+    p.add_argument("--host-memory-per-node", type=_arg("parse_bytes"), default=None, metavar="SIZE",
                    help="host memory per node: also bounds the largest model for offloaded rows")
-    p.add_argument("--precision", choices=list(_plan.PRECISIONS), default=None,
+    p.add_argument("--precision", choices=list(_PRECISION_TITLE), default=None,
                    help="fp32, or bf16/fp16 with fp32 master weights (default: the config's, else both fp32 and 16-bit)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
     p.set_defaults(func=_run)

@@ -1,0 +1,148 @@
+"""`fnzero launch --hostfile`: one `fnzero launch` per host over SSH, DeepSpeed-style
+(`specs/cli.md` §launch --hostfile).
+
+Host i runs `fnzero launch --nproc-per-node <its slots> --nnodes <hosts> --node-rank i
+--master-addr <first host's address>` in this directory, with this Python, with the variables of
+`.deepspeed_env` and the launcher's own PYTHON*/NCCL*/GLOO*/FNZERO*... variables. Each host's
+output comes back prefixed with its name. The job ends as one: when a host's launcher exits
+non-zero, or this launcher is interrupted, every other host's is ended too. The remote launchers
+watch their standard input (`--exit-with-stdin`): when the SSH channel closes, for whatever
+reason, the remote launcher stops its workers, so no rank outlives the job.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from ._hosts import HostfileError, read_env_file, read_hostfile, select
+
+__all__ = ["launch_hostfile", "FORWARDED_PREFIXES"]
+
+# The launcher's variables every host gets: DeepSpeed's EXPORT_ENVS (MLFLOW, PYTHON, MV2, UCX) and
+# its CUDA accelerator's (NCCL), plus gloo's interface choice and fnzero's own.
+FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO_", "TP_SOCKET", "FNZERO_", "OMP_NUM_THREADS")
+_GRACE_S = 10.0  # after a failure, how long the other hosts get to stop before their SSH is killed
+
+
+def _ssh(args) -> list[str]:
+    ssh = shlex.split(os.environ.get("FNZERO_SSH", "ssh"))
+    opts = ["-o", "BatchMode=yes"]
+    if args.ssh_port is not None:
+        opts += ["-p", str(args.ssh_port)]
+    return ssh + opts
+
+
+def _master_addr(args, first: str) -> str:
+    """--master-addr, else the first host's first address as it reports it (`hostname -I`, as
+    DeepSpeed does), so every host reaches the rendezvous by the same address."""
+    if args.master_addr:
+        return args.master_addr
+    try:
+        out = subprocess.run([*_ssh(args), first, "hostname -I"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HostfileError(f"cannot reach host {first!r} over ssh to find its address: {e}") from None
+    if out.returncode != 0 or not out.stdout.split():
+        raise HostfileError(f"ssh {first} 'hostname -I' failed ({out.stderr.strip()[:200] or out.returncode}); "
+                            "give --master-addr, and check passwordless ssh to every host")
+    return out.stdout.split()[0]
+
+
+def _remote_command(args, host_slots: list[int], all_slots: int, nnodes: int, node_rank: int, addr: str,
+                    env: dict[str, str], rest: list[str]) -> str:
+    """The shell command host `node_rank` runs: its launcher, in this directory and environment."""
+    env = dict(env)
+    if host_slots != list(range(all_slots)):  # a subset of the host's devices (--include host:0,2)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, host_slots))
+    launch = [sys.executable, "-u", "-m", "fnzero.cli", "launch", "--exit-with-stdin",
+              "--nproc-per-node", str(len(host_slots)), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+              "--master-addr", addr, "--master-port", str(args.master_port or 29500)]
+    if args.max_restarts is not None:
+        launch += ["--max-restarts", str(args.max_restarts)]
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    return f"cd {shlex.quote(os.getcwd())} && exec env {' '.join(assignments)} {shlex.join(launch + rest)}"
+
+
+def _pump(proc: subprocess.Popen, host: str) -> threading.Thread:
+    def run():
+        for line in iter(proc.stdout.readline, b""):
+            sys.stdout.buffer.write(f"{host}: ".encode() + line)
+            sys.stdout.buffer.flush()
+
+    t = threading.Thread(target=run, name=f"fnzero-launch-{host}", daemon=True)
+    t.start()
+    return t
+
+
+def launch_hostfile(args, rest: list[str]) -> int:
+    """Start the job on every selected host of the hostfile; the first failure's exit status."""
+    try:
+        active = select(read_hostfile(args.hostfile), args.include or "", args.exclude or "",
+                        args.num_nodes if args.num_nodes is not None else -1,
+                        args.num_gpus if args.num_gpus is not None else -1)
+        hosts = read_hostfile(args.hostfile)
+        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+        env.update(read_env_file())
+        addr = _master_addr(args, next(iter(active)))
+    except HostfileError as e:
+        print(f"fnzero launch: {e}", file=sys.stderr)
+        return 2
+    names = list(active)
+    print(f"fnzero launch: {len(names)} host(s) {', '.join(f'{h}:{len(s)}' for h, s in active.items())}, "
+          f"rendezvous at {addr}:{args.master_port or 29500}", file=sys.stderr, flush=True)
+    procs: dict[str, subprocess.Popen] = {}
+    pumps = []
+    for i, host in enumerate(names):
+        cmd = _remote_command(args, active[host], hosts[host], len(names), i, addr, env, rest)
+        procs[host] = subprocess.Popen([*_ssh(args), host, cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT)
+        pumps.append(_pump(procs[host], host))
+    code = _supervise(procs)
+    for t in pumps:
+        t.join(timeout=5)
+    return code
+
+
+def _stop(procs: dict[str, subprocess.Popen]) -> None:
+    """Close every host's channel (its launcher stops its workers), then kill what is left."""
+    for p in procs.values():
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _supervise(procs: dict[str, subprocess.Popen]) -> int:
+    """Wait for every host; on the first failure (or Ctrl-C / SIGTERM here) end them all."""
+    interrupted = []
+    old = signal.signal(signal.SIGTERM, lambda *a: interrupted.append("SIGTERM"))
+    try:
+        while True:
+            done = {h: p.returncode for h, p in procs.items() if p.poll() is not None}
+            failed = {h: c for h, c in done.items() if c != 0}
+            if failed or interrupted:
+                why = (f"host {next(iter(failed))} exited with status {next(iter(failed.values()))}" if failed
+                       else f"{interrupted[0]} received")
+                print(f"fnzero launch: {why}; ending the job on every host", file=sys.stderr, flush=True)
+                _stop(procs)
+                return next(iter(failed.values())) if failed else 130
+            if len(done) == len(procs):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("fnzero launch: interrupted; ending the job on every host", file=sys.stderr, flush=True)
+        _stop(procs)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)

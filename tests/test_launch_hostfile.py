@@ -1,0 +1,221 @@
+"""`fnzero launch --hostfile`, DeepSpeed-style (specs/cli.md §launch --hostfile): the hostfile and
+its filters, and, for real, a 2-host x 2-rank ZeRO-3 job over SSH between two network namespaces
+(each with its own sshd, joined by a veth link), and a killed host ending the job.
+
+The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it); without
+them it is skipped, saying why."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from fnzero.cli._hosts import HostfileError, parse_hostfile, read_env_file, select
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.dirname(HERE)
+
+# -- the hostfile and its filters (no ssh) -----------------------------------------------------------
+
+HOSTS = parse_hostfile("# a comment\nworker-0 slots=4\n\nworker-1 slots=4\nworker-2 slots=2\n")
+
+
+def test_hostfile_lines_in_order():
+    assert HOSTS == {"worker-0": 4, "worker-1": 4, "worker-2": 2}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("worker-0 slots=4\nworker-0 slots=2", "hostfile:2: host 'worker-0' is listed twice"),
+    ("worker-0 slots=four", "hostfile:1: expected 'HOST slots=N'"),
+    ("worker-0 slots=0", "slots=0; at least 1"),
+    ("# nothing\n", "no 'HOST slots=N' lines"),
+])
+def test_a_bad_hostfile_names_the_line(text, message):
+    with pytest.raises(HostfileError, match=re.escape(message)):
+        parse_hostfile(text)
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3], "worker-2": [0, 1]}),
+    ({"include": "worker-1@worker-0:0,2"}, {"worker-0": [0, 2], "worker-1": [0, 1, 2, 3]}),  # hostfile order
+    ({"exclude": "worker-1@worker-0:3"}, {"worker-0": [0, 1, 2], "worker-2": [0, 1]}),
+    ({"num_nodes": 2}, {"worker-0": [0, 1, 2, 3], "worker-1": [0, 1, 2, 3]}),
+    ({"num_nodes": 2, "num_gpus": 1}, {"worker-0": [0], "worker-1": [0]}),
+])
+def test_filters_select_hosts_and_slots_as_deepspeed_does(kw, want):
+    assert select(HOSTS, **kw) == want
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"include": "worker-9"}, "host 'worker-9' is not in the hostfile"),
+    ({"include": "worker-2:2"}, "host 'worker-2' has slots 0..1, not [2]"),
+    ({"include": "worker-0", "exclude": "worker-1"}, "mutually exclusive"),
+    ({"include": "worker-0", "num_nodes": 1}, "cannot be combined"),
+    ({"num_nodes": 4}, "the hostfile has 3 host(s)"),
+    ({"num_gpus": 3}, "fewer slots: {'worker-2': 2}"),
+    ({"exclude": "worker-0@worker-1@worker-2"}, "leave no host"),
+])
+def test_bad_filters_say_what_is_wrong(kw, message):
+    with pytest.raises(HostfileError, match=re.escape(message)):
+        select(HOSTS, **kw)
+
+
+def test_deepspeed_env_files_are_read_from_home_and_here(tmp_path, monkeypatch):
+    home, here = tmp_path / "home", tmp_path / "here"
+    home.mkdir(), here.mkdir()
+    (home / ".deepspeed_env").write_text("A=1\nB=from home\n")
+    (here / ".deepspeed_env").write_text("# comment\nB=from here=with equals\n")
+    monkeypatch.setattr("fnzero.cli._hosts.ENV_FILE_PATHS", (str(home), str(here)))
+    assert read_env_file() == {"A": "1", "B": "from here=with equals"}
+    (here / ".deepspeed_env").write_text("not a pair\n")
+    with pytest.raises(HostfileError, match=r"\.deepspeed_env:1: expected KEY=VALUE"):
+        read_env_file()
+
+
+# -- two hosts for real ------------------------------------------------------------------------------
+
+def _why_no_hosts() -> str | None:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "needs root on Linux (network namespaces)"
+    for tool in ("ip", "ssh", "ssh-keygen", "/usr/sbin/sshd"):
+        if shutil.which(tool) is None:
+            return f"needs {tool} (openssh-server, iproute2; .ci/run installs them)"
+    probe = f"fnzprobe{uuid.uuid4().hex[:6]}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+        return "network namespaces are not permitted here"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*cmd, ns: str | None = None, check=True):
+    full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
+    return subprocess.run(full, check=check, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
+    """Two network namespaces, 10.77.x.1 and 10.77.x.2 on a veth link named `fnz0` in both, each
+    running sshd on port 2222 that accepts one generated key. Yields (hostfile, env, namespaces)."""
+    why = _why_no_hosts()
+    if why:
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("hosts")
+    tag = uuid.uuid4().hex[:6]
+    ns = [f"fnzA{tag}", f"fnzB{tag}"]
+    net = f"10.77.{int(tag[:2], 16) % 250}"
+    ips = [f"{net}.1", f"{net}.2"]
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "id"))
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key"))
+    shutil.copy(d / "id.pub", d / "authorized_keys")
+    os.makedirs("/run/sshd", exist_ok=True)
+    sshd = []
+    try:
+        for n in ns:
+            _sh("ip", "netns", "add", n)
+        _sh("ip", "link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}")
+        for n, end, ip in zip(ns, (f"va{tag}", f"vb{tag}"), ips):
+            _sh("ip", "link", "set", end, "netns", n)
+            _sh("ip", "link", "set", end, "name", "fnz0", ns=n)
+            _sh("ip", "addr", "add", f"{ip}/24", "dev", "fnz0", ns=n)
+            _sh("ip", "link", "set", "fnz0", "up", ns=n)
+            _sh("ip", "link", "set", "lo", "up", ns=n)
+            conf = d / f"sshd_{n}"
+            conf.write_text(
+                f"Port 2222\nListenAddress {ip}\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+                f"PermitRootLogin yes\nPasswordAuthentication no\nStrictModes no\nUsePAM no\nPidFile {d / n}.pid\n"
+                "AcceptEnv *\n"
+            )
+            sshd.append(subprocess.Popen(["ip", "netns", "exec", n, "/usr/sbin/sshd", "-D", "-e", "-f", str(conf)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        ssh = f"ssh -i {d / 'id'} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR"
+        deadline = time.monotonic() + 20
+        for ip in ips:  # sshd takes a moment to listen
+            while _sh(*ssh.split(), "-p", "2222", ip, "true", ns=ns[0], check=False).returncode != 0:
+                assert time.monotonic() < deadline, f"sshd on {ip} did not come up"
+                time.sleep(0.2)
+        (d / "hostfile").write_text(f"{ips[0]} slots=2\n{ips[1]} slots=2\n")
+        home = d / "home"  # the launcher's home: DeepSpeed's `.deepspeed_env` is read from ~ (and .)
+        home.mkdir()
+        (home / ".deepspeed_env").write_text("FNZ_HOSTFILE_TEST=forwarded\n")
+        env = {**os.environ, "HOME": str(home), "FNZERO_SSH": ssh, "GLOO_SOCKET_IFNAME": "fnz0",
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        yield str(d / "hostfile"), env, ns
+    finally:
+        for p in sshd:
+            p.kill()
+            p.wait()
+        for n in ns:
+            subprocess.run(["ip", "netns", "pids", n], capture_output=True)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def _launch(two_hosts, *script_args, **popen):
+    hostfile, env, ns = two_hosts
+    cmd = ["ip", "netns", "exec", ns[0], sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", hostfile,
+           "--ssh_port", "2222", "--master_port", "29533", os.path.join(HERE, "scripts", "train_on_hosts.py"),
+           *script_args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def test_two_hosts_train_together_from_a_hostfile(two_hosts, tmp_path):
+    proc = _launch(two_hosts, "3", "0", str(tmp_path / "ck"))
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    results = re.findall(r"^(\S+): .*RESULT rank=(\d) world=4 node=(\d) var=(\w+) loss=(\S+)$", out, re.M)
+    assert sorted(int(r) for _, r, *_ in results) == [0, 1, 2, 3], out
+    with open(two_hosts[0]) as f:
+        hostfile_hosts = [line.split()[0] for line in f]
+    for host, rank, node, var, _ in results:
+        assert host == hostfile_hosts[int(rank) // 2] and int(node) == int(rank) // 2  # ranks 0-1 on the first host
+        assert var == "forwarded"  # `.deepspeed_env` reached every rank
+    assert len({loss for *_, loss in results}) == 1  # one job: the same global loss everywhere
+    # Each host's checkpoint directory is its own (a node-local disk): a plain save is refused at
+    # once, naming the hosts' ranks; a node-local save commits on each and loads back.
+    refused = re.findall(r"REFUSED rank=\d: the checkpoint directory \S+ is not shared by every rank: "
+                         r"ranks \[0, 1\] see each other's files; ranks \[2, 3\] see each other's files", out)
+    assert len(refused) == 4, out
+    assert len(re.findall(r"NODE-LOCAL rank=\d loaded back equal=True", out)) == 4, out
+
+
+def test_a_killed_host_ends_the_job_on_every_host(two_hosts):
+    _, _, ns = two_hosts
+    proc = _launch(two_hosts, "1000", "0.2")
+    t0 = time.monotonic()
+    seen = ""
+    while "STEP 2 rank=3" not in seen:  # the job runs on both hosts
+        line = proc.stdout.readline()
+        assert line, seen
+        seen += line
+        assert time.monotonic() - t0 < 120, seen
+    killed = time.monotonic()
+    pids = _sh("ip", "netns", "pids", ns[1]).stdout.split()
+    for pid in pids:  # the second host goes down: its sshd, launcher and ranks
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - killed < 30, seen + out  # well within the watchdog's 15 s plus the grace
+    assert "ending the job on every host" in out, seen + out
+    # No rank of the first host is left behind.
+    time.sleep(1)
+    assert not [p for p in _sh("ip", "netns", "pids", ns[0]).stdout.split() if "train_on_hosts" in _cmdline(p)], \
+        "a rank outlived the job"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
