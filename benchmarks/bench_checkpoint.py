@@ -4,9 +4,12 @@
 
 1. save/load of a ~100M-parameter fp32 state (world of one, stage 0, SGD without momentum: the state
    is the parameters, 400 MB) with fnzero.checkpoint, against torch.save/torch.load of the same
-   tensors (both fsynced) and against raw sequential write bandwidth (a Python write+fsync loop and
-   `dd conv=fdatasync`) measured in the same run. Loads read from the page cache (caches are not
-   dropped: shared machine), so they measure CPU cost more than the disk.
+   tensors (both fsynced) and against raw sequential bandwidth measured in the same run: a Python
+   write+fsync loop and `dd conv=fdatasync` of the same bytes (the checkpoint's data file) for
+   saves, `dd iflag=direct` of the
+   checkpoint's data file for loads. The methods alternate within each round; best of --repeats.
+   Loads read from the page cache (caches are not dropped: shared machine), so they measure CPU
+   cost more than the disk.
 2. export peak RSS: a synthetic checkpoint of `--export-params` fp32 parameters (written directly in
    the checkpoint format, no training) exported to bf16 safetensors in a fresh subprocess, whose
    peak RSS is reported next to the RSS of a process that only imports torch and fnzero.
@@ -61,13 +64,23 @@ def raw_write(path, nbytes):
         os.fsync(f.fileno())
 
 
-def dd_write(path, nbytes):
-    if shutil.which("dd") is None:
+def dd_write(path, source):
+    """Seconds for `dd conv=fdatasync` to write the bytes of `source` (the checkpoint's own data
+    file, read from the page cache: the same bytes, not zeros, which some disks store for free)."""
+    if shutil.which("dd") is None or not os.path.exists(source):
         return None
-    mb = max(1, nbytes >> 20)
-    t, p = _timed(lambda: subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+    t, p = _timed(lambda: subprocess.run(["dd", f"if={source}", f"of={path}", "bs=1M", "conv=fdatasync"],
                                          capture_output=True))
-    return _gbps(mb << 20, t) if p.returncode == 0 else None
+    return t if p.returncode == 0 else None
+
+
+def dd_read(path):
+    """Seconds for `dd iflag=direct` to read `path` (bypassing the page cache), or None."""
+    if shutil.which("dd") is None or not os.path.exists(path):
+        return None
+    t, p = _timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"],
+                                         capture_output=True))
+    return t if p.returncode == 0 else None
 
 
 def torch_save(path, tensors):
@@ -78,23 +91,30 @@ def torch_save(path, tensors):
 
 
 def throughput(d, n_params, repeats):
+    """GB/s of each method, best of `repeats` rounds; the methods alternate within each round, so
+    a burst of load from elsewhere on a shared machine hits them alike."""
     state = _state(n_params)
     nbytes = sum(t.numel() * t.element_size() for t in state.params.values())
     print(f"state: {sum(t.numel() for t in state.params.values()) / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB")
-    res = {}
-    for name, fn in [
-        ("raw write+fsync", lambda i: raw_write(os.path.join(d, f"raw{i}"), nbytes)),
-        ("fnzero save", lambda i: save(os.path.join(d, "ck"), state, tag=f"t{i}")),
-        ("torch.save", lambda i: torch_save(os.path.join(d, f"t{i}.pt"), state.params)),
-        ("fnzero load", lambda i: load(os.path.join(d, "ck"), like=state, tag=f"t{i}")),
-        ("torch.load", lambda i: torch.load(os.path.join(d, f"t{i}.pt"), weights_only=True)),
-    ]:
-        times = []
-        for i in range(repeats):
-            t, _ = _timed(lambda: fn(i))
-            times.append(t)
-        res[name] = _gbps(nbytes, min(times))
-    res["dd conv=fdatasync"] = dd_write(os.path.join(d, "dd"), nbytes)
+    save(os.path.join(d, "ck"), state, tag="t")  # what the loads and dd's direct read read
+    torch_save(os.path.join(d, "t.pt"), state.params)
+    data = os.path.join(d, "ck", "t", F.data_name(0))
+    methods = {
+        "raw write+fsync": lambda: _timed(lambda: raw_write(os.path.join(d, "raw"), nbytes))[0],
+        "dd conv=fdatasync": lambda: dd_write(os.path.join(d, "dd"), data),
+        "fnzero save": lambda: _timed(lambda: save(os.path.join(d, "ck"), state, tag="t"))[0],
+        "torch.save": lambda: _timed(lambda: torch_save(os.path.join(d, "t.pt"), state.params))[0],
+        "dd iflag=direct": lambda: dd_read(data),
+        "fnzero load": lambda: _timed(lambda: load(os.path.join(d, "ck"), like=state, tag="t"))[0],
+        "torch.load": lambda: _timed(lambda: torch.load(os.path.join(d, "t.pt"), weights_only=True))[0],
+    }
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            t = fn()
+            if t is not None:
+                times[name].append(t)
+    res = {k: (_gbps(nbytes, min(ts)) if ts else None) for k, ts in times.items()}
     for f in os.listdir(d):
         p = os.path.join(d, f)
         shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
@@ -130,7 +150,7 @@ def synthetic_checkpoint(d, n_params, width=8192):
           "param_dtype": "float32", "has_master": False, "optimizer": "SGDState", "step": 0, "config": None,
           "client_state": None, "loss_scale": None, "units": units, "files": [off], "rng": [], "tensors": tensors}
     with open(os.path.join(d, "syn", F.INDEX_NAME), "wb") as f:
-        f.write(F.pack(ix))
+        f.write(F.seal(ix))
     return os.path.join(d, "syn"), off
 
 
@@ -173,14 +193,20 @@ def main():
     try:
         res = {} if a.skip_throughput else throughput(d, int(a.params), a.repeats)
         raw = res.get("raw write+fsync")
-        print(f"{'':22s}  GB/s   vs raw write   vs torch" if res else "", end="\n" if res else "")
-        for name, torch_name in [] if not res else [("raw write+fsync", None), ("dd conv=fdatasync", None), ("fnzero save", "torch.save"),
-                                 ("torch.save", None), ("fnzero load", "torch.load"), ("torch.load", None)]:
+        print(f"{'':22s}  GB/s   vs raw write   vs torch   vs dd" if res else "", end="\n" if res else "")
+        rows = [("raw write+fsync", None, None), ("dd conv=fdatasync", None, None),
+                ("fnzero save", "torch.save", "dd conv=fdatasync"), ("torch.save", None, "dd conv=fdatasync"),
+                ("dd iflag=direct", None, None), ("fnzero load", "torch.load", "dd iflag=direct"),
+                ("torch.load", None, "dd iflag=direct")]
+        for name, torch_name, dd_name in [] if not res else rows:
             v = res[name]
             if v is None:
                 continue
-            vs_torch = f"{v / res[torch_name]:.2f}x" if torch_name else ""
-            print(f"{name:22s} {v:6.2f}   {v / raw:9.2f}x   {vs_torch}")
+            vs_torch = f"{v / res[torch_name]:.2f}x" if torch_name and res[torch_name] else ""
+            vs_dd = f"{v / res[dd_name]:.2f}x" if dd_name and res[dd_name] else ""
+            print(f"{name:22s} {v:6.2f}   {v / raw:9.2f}x   {vs_torch:>8s}   {vs_dd:>6s}")
+        if res:
+            print("(loads read the page cache, as a resume right after a save does; dd iflag=direct reads the disk)")
         export_rss(d, int(a.export_params))
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -250,7 +250,6 @@ NO_EFFECT = [
     ("aio.overlap_events", {"aio": {"overlap_events": False}}),
     ("checkpoint.tag_validation", {"checkpoint": {"tag_validation": "fail"}}),
     ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),
-    ("checkpoint.use_node_local_storage", {"checkpoint": {"use_node_local_storage": True}}),
 ]
 
 

@@ -17,7 +17,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import LossScaleState, TrainState
 from . import _format as F
-from ._io import read_into
+from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tree import Leaf, rebuild_state, unit_meta
 
@@ -187,7 +187,7 @@ class Reader:
             if x == lo and y == hi and dst.dtype == dt:
                 self._check(read_into(self._fd(rank), off, dst, what, checksum=self.verify), crc, what)
             else:
-                scratch = torch.empty(hi - lo, dtype=dt)
+                scratch = prefer_huge_pages(torch.empty(hi - lo, dtype=dt))
                 self._check(read_into(self._fd(rank), off, scratch, what, checksum=self.verify), crc, what)
                 dst.copy_(scratch[x - lo : y - lo])
             i += 1
@@ -310,7 +310,7 @@ def load(
             key = source_key(rd, leaf, like)
             t = leaf.tensor
             entry = rd.tensors[key]
-            out = torch.empty(t.numel(), dtype=t.dtype)  # every element is read or zeroed below
+            out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
             if leaf.unit is None:
                 if _shape(entry.get("shape")) != tuple(t.shape):
                     _mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))

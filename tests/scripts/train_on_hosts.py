@@ -1,7 +1,7 @@
 """Trains a few ZeRO-3 steps on every rank of a multi-host job (the hostfile tests launch it) and
-prints what each rank saw. argv: STEPS PAUSE_SECONDS [CHECKPOINT_ROOT]: with a root, each host
-saves under its own ROOT/node<i> (a node-local disk): a plain save is refused, a node-local one
-commits and loads back."""
+prints what each rank saw. argv: STEPS CHECKPOINT_ROOT [forever]: each host saves under its own
+ROOT/node<i> (a node-local disk): a plain save is refused, a node-local one commits and loads
+back; with `forever` the ranks then go on training until the job is ended from outside."""
 
 import os
 import sys
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fnzero
 from fnzero.testing import MLP
 
-steps, pause = int(sys.argv[1]), float(sys.argv[2])
+steps, root, forever = int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["forever"]
 dist = fnzero.init_distributed(timeout_s=60, watchdog_s=15)
 cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
                           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
@@ -24,17 +24,17 @@ step = fnzero.train_step(lambda p, b: F.mse_loss(sm.apply(p, b[0]), b[1]), cfg)
 g = torch.Generator().manual_seed(dist.rank)
 for i in range(steps):
     state, m = step(state, (torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)))
-    print(f"STEP {i} rank={dist.rank}", flush=True)
-    time.sleep(pause)
-if len(sys.argv) > 3:
-    ckpt = os.path.join(sys.argv[3], f"node{os.environ['GROUP_RANK']}")
-    try:
-        fnzero.checkpoint.save(ckpt, state, tag="plain")
-    except fnzero.CheckpointError as e:
-        print(f"REFUSED rank={dist.rank}: {e}", flush=True)
-    fnzero.checkpoint.save(ckpt, state, tag="local", node_local=True)
-    back, _ = fnzero.checkpoint.load(ckpt, state)
-    same = all(torch.equal(a, b) for a, b in zip(back.params.values(), state.params.values()))
-    print(f"NODE-LOCAL rank={dist.rank} loaded back equal={same}", flush=True)
+ckpt = os.path.join(root, f"node{os.environ['GROUP_RANK']}")
+try:
+    fnzero.checkpoint.save(ckpt, state, tag="plain")
+except fnzero.CheckpointError as e:
+    print(f"REFUSED rank={dist.rank}: {e}", flush=True)
+fnzero.checkpoint.save(ckpt, state, tag="local", node_local=True)
+back, _ = fnzero.checkpoint.load(ckpt, state)
+same = all(torch.equal(a, b) for a, b in zip(back.params.values(), state.params.values()))
+print(f"NODE-LOCAL rank={dist.rank} loaded back equal={same}", flush=True)
 print(f"RESULT rank={dist.rank} world={dist.world_size} node={os.environ.get('GROUP_RANK')} "
       f"var={os.environ.get('FNZ_HOSTFILE_TEST')} loss={m['loss']:.10f}", flush=True)
+while forever:
+    state, m = step(state, (torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)))
+    time.sleep(0.2)
