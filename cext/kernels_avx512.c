@@ -29,30 +29,46 @@ static inline void store16(uint16_t *o, __m512 x, int kind) {
     }
 }
 
+typedef struct adam_v {
+    __m512 gs, wd, decay, omb1, b2, omb2, ibc, eps, nlr;
+} adam_v;
+
+/* One vector of 16 elements at i. Inlined four times per loop turn below: the same operations
+ * per element (so the same bits), but four independent chains in flight, which keeps more
+ * memory requests outstanding (measured ~7-20% on 2 threads, where the loop is memory-bound). */
+static inline __attribute__((always_inline)) void adam16(const adam_v *k, int l2, int out_kind, float *p,
+                                                          const float *g, float *m, float *v,
+                                                          uint16_t *o, int64_t i) {
+    __m512 pi = _mm512_loadu_ps(p + i);
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k->gs);
+    if (l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(k->wd, pi));
+    pi = _mm512_mul_ps(pi, k->decay);
+    __m512 mi = _mm512_loadu_ps(m + i);
+    mi = _mm512_add_ps(mi, _mm512_mul_ps(k->omb1, _mm512_sub_ps(gi, mi)));
+    __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i), k->b2);
+    vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(k->omb2, gi), gi));
+    __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), k->ibc), k->eps);
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(k->nlr, mi), denom));
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    _mm512_storeu_ps(p + i, pi);
+    if (o) store16(o + i, pi, out_kind);
+}
+
 static int64_t adam(const fnz_coef *c, float *p, const float *g, float *m, float *v,
                     uint16_t *o, int64_t n) {
-    const __m512 gs = _mm512_set1_ps(c->gscale), wd = _mm512_set1_ps(c->wd_l2);
-    const __m512 decay = _mm512_set1_ps(c->decay), omb1 = _mm512_set1_ps(c->omb1);
-    const __m512 b2 = _mm512_set1_ps(c->b2), omb2 = _mm512_set1_ps(c->omb2);
-    const __m512 ibc = _mm512_set1_ps(c->inv_bc2s), eps = _mm512_set1_ps(c->eps);
-    const __m512 nlr = _mm512_set1_ps(c->neg_lr);
+    const adam_v k = {_mm512_set1_ps(c->gscale), _mm512_set1_ps(c->wd_l2), _mm512_set1_ps(c->decay),
+                      _mm512_set1_ps(c->omb1), _mm512_set1_ps(c->b2), _mm512_set1_ps(c->omb2),
+                      _mm512_set1_ps(c->inv_bc2s), _mm512_set1_ps(c->eps), _mm512_set1_ps(c->neg_lr)};
+    const int l2 = c->l2, kind = c->out_kind;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 pi = _mm512_loadu_ps(p + i);
-        __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), gs);
-        if (c->l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wd, pi));
-        pi = _mm512_mul_ps(pi, decay);
-        __m512 mi = _mm512_loadu_ps(m + i);
-        mi = _mm512_add_ps(mi, _mm512_mul_ps(omb1, _mm512_sub_ps(gi, mi)));
-        __m512 vi = _mm512_mul_ps(_mm512_loadu_ps(v + i), b2);
-        vi = _mm512_add_ps(vi, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-        __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc), eps);
-        pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nlr, mi), denom));
-        _mm512_storeu_ps(m + i, mi);
-        _mm512_storeu_ps(v + i, vi);
-        _mm512_storeu_ps(p + i, pi);
-        if (o) store16(o + i, pi, c->out_kind);
+    for (; i + 64 <= n; i += 64) {
+        adam16(&k, l2, kind, p, g, m, v, o, i);
+        adam16(&k, l2, kind, p, g, m, v, o, i + 16);
+        adam16(&k, l2, kind, p, g, m, v, o, i + 32);
+        adam16(&k, l2, kind, p, g, m, v, o, i + 48);
     }
+    for (; i + 16 <= n; i += 16) adam16(&k, l2, kind, p, g, m, v, o, i);
     return i;
 }
 

@@ -17,7 +17,7 @@ from .._errors import CheckpointError
 from ._format import ALIGN
 
 __all__ = [
-    "tensor_bytes", "prefer_huge_pages", "AlignedWriter", "fsync_dir", "write_atomic", "read_into", "wait_for",
+    "tensor_bytes", "prefer_huge_pages", "PendingCrc", "AlignedWriter", "fsync_dir", "write_atomic", "read_into", "wait_for",
     "Checksum",
 ]
 
@@ -198,12 +198,34 @@ def write_atomic(path: str, data: bytes) -> None:
     fsync_dir(d)
 
 
-def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool = False) -> int | None:
+class PendingCrc:
+    """The crc32 of a read whose checksum is still being computed on the checksum thread; keeps
+    the tensor read into alive until then (the thread reads its memory)."""
+
+    __slots__ = ("_future", "_running", "_keep")
+
+    def __init__(self, future, running: list[int], keep: torch.Tensor):
+        self._future, self._running, self._keep = future, running, keep
+
+    def result(self) -> int:
+        if self._future is not None:
+            self._future.result()
+            self._future = self._keep = None
+        return self._running[0]
+
+
+_INLINE_CRC = 1 << 20  # smaller reads are checksummed on the reading thread: a hand-off costs more
+
+
+def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool = False,
+              wait: bool = True) -> "int | PendingCrc | None":
     """Fill contiguous CPU tensor `out` with bytes at `offset` of an open file; with `checksum`,
-    return the crc32 of what was read, computed on another thread chunk by chunk while the next
-    chunk is read (the two used to take turns: ~0.6x torch.load's throughput)."""
+    the crc32 of what was read, computed on another thread chunk by chunk while the next chunk is
+    read (the two used to take turns: ~0.6x torch.load's throughput). `wait=False` returns a
+    `PendingCrc` at once, so the caller can read its next segment while this one is summed."""
     buf = tensor_bytes(out)
-    step = _PIPELINE_CHUNK if checksum and len(buf) >= 2 * _PIPELINE_CHUNK else _CHUNK
+    step = _PIPELINE_CHUNK if checksum else _CHUNK
+    inline = checksum and len(buf) < _INLINE_CRC
     running = [0]
     pending = None
 
@@ -224,14 +246,15 @@ def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool
                 )
             got += n
         if checksum:
-            if step == _CHUNK:
+            if inline:
                 crc_of(piece)
             else:  # one worker runs the chunks in order, so the running crc chains correctly
                 pending = _crc_pool().submit(crc_of, piece)
         done += len(piece)
-    if pending is not None:
-        pending.result()
-    return running[0] if checksum else None
+    if not checksum:
+        return None
+    crc = PendingCrc(pending, running, out)
+    return crc.result() if wait else crc
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.005):

@@ -174,23 +174,32 @@ class Reader:
         return F.DTYPES[self.tensors[key]["dtype"]]
 
     def read(self, key: str, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
-        """Fill 1-D contiguous CPU `out` (any dtype; cast on copy) with elements [a, b) of `key`."""
+        """Fill 1-D contiguous CPU `out` (any dtype; cast on copy) with elements [a, b) of `key`.
+        Each segment's checksum is computed while the next segment is read, and all are checked
+        before this returns."""
         t = self.tensors[key]
         dt = F.DTYPES[t["dtype"]]
         segs = t["segments"]
         i = bisect.bisect_right(self._his[key], a)
-        while i < len(segs) and segs[i][2] < b:
-            rank, off, lo, hi, crc = segs[i]
-            x, y = max(a, lo), min(b, hi)
-            dst = out[x - a : y - a]
-            what = f"{F.data_name(rank)} segment {key!r}[{lo}:{hi}]"
-            if x == lo and y == hi and dst.dtype == dt:
-                self._check(read_into(self._fd(rank), off, dst, what, checksum=self.verify), crc, what)
-            else:
-                scratch = prefer_huge_pages(torch.empty(hi - lo, dtype=dt))
-                self._check(read_into(self._fd(rank), off, scratch, what, checksum=self.verify), crc, what)
-                dst.copy_(scratch[x - lo : y - lo])
-            i += 1
+        pending = []
+        try:
+            while i < len(segs) and segs[i][2] < b:
+                rank, off, lo, hi, crc = segs[i]
+                x, y = max(a, lo), min(b, hi)
+                dst = out[x - a : y - a]
+                what = f"{F.data_name(rank)} segment {key!r}[{lo}:{hi}]"
+                if x == lo and y == hi and dst.dtype == dt:
+                    got = read_into(self._fd(rank), off, dst, what, checksum=self.verify, wait=False)
+                else:
+                    scratch = prefer_huge_pages(torch.empty(hi - lo, dtype=dt))
+                    got = read_into(self._fd(rank), off, scratch, what, checksum=self.verify, wait=False)
+                    dst.copy_(scratch[x - lo : y - lo])
+                pending.append((got, crc, what))
+                i += 1
+        finally:
+            results = [(got.result() if got is not None else None, crc, what) for got, crc, what in pending]
+        for got, crc, what in results:
+            self._check(got, crc, what)
         return out
 
     def _check(self, got: int | None, crc: int, what: str) -> None:

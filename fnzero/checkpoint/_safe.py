@@ -55,41 +55,35 @@ def _refuse_link(where: str, kind: str) -> CheckpointError:
     return CheckpointError(f"{where} is {kind}, not what a checkpoint holds there")
 
 
-def open_dir(name: str, dir_fd: int | None, where: str) -> int:
-    """A descriptor of directory `name` (relative to `dir_fd`; a link is refused). With `dir_fd`
-    None, `name` is the caller's own path and may be a link."""
+def _open(name: str, dir_fd: int | None, where: str, want: str, flags: int) -> int:
+    """Open `name` after checking (without following a link) that it is `want`; a link, another
+    kind, or an open that fails is one `CheckpointError`, a missing entry `FileNotFoundError`."""
     if dir_fd is not None:
         kind = entry_kind(name, dir_fd)
         if kind is None:
-            raise FileNotFoundError(errno.ENOENT, "no such directory", where)
-        if kind != "a directory":
+            raise FileNotFoundError(errno.ENOENT, f"no such {want.split()[-1]}", where)
+        if kind != want:
             raise _refuse_link(where, kind)
     try:
-        return os.open(name, _DIR if dir_fd is not None else os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC,
-                       dir_fd=dir_fd)
+        return os.open(name, flags, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _refuse_link(where, "a symbolic link") from None
         if e.errno == errno.ENOENT:
             raise
         raise CheckpointError(f"cannot open {where}: {e.strerror}") from None
+
+
+def open_dir(name: str, dir_fd: int | None, where: str) -> int:
+    """A descriptor of directory `name` (relative to `dir_fd`; a link is refused). With `dir_fd`
+    None, `name` is the caller's own path and may be a link."""
+    flags = _DIR if dir_fd is not None else os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    return _open(name, dir_fd, where, "a directory", flags)
 
 
 def open_file(name: str, dir_fd: int, where: str, max_bytes: int | None = None) -> tuple[int, int]:
     """(descriptor, size) of regular file `name` in directory `dir_fd`, opened for reading."""
-    kind = entry_kind(name, dir_fd)
-    if kind is None:
-        raise FileNotFoundError(errno.ENOENT, "no such file", where)
-    if kind != "a regular file":
-        raise _refuse_link(where, kind)
-    try:
-        fd = os.open(name, _FILE, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _refuse_link(where, "a symbolic link") from None
-        if e.errno == errno.ENOENT:
-            raise
-        raise CheckpointError(f"cannot open {where}: {e.strerror}") from None
+    fd = _open(name, dir_fd, where, "a regular file", _FILE)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # swapped between the lstat and the open
