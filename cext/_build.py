@@ -18,7 +18,7 @@ import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HEADERS = ("cpu_adam.h", "aio.h")
-C_SOURCES = ("cpu_adam.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c", "aio.c")
+C_SOURCES = ("cpu_adam.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c", "crc32.c", "aio.c")
 COMPILE_ARGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-std=c99", "-pthread", "-Wall"]
 LINK_ARGS = ["-pthread"]
 MODULE = "fnzero._cext"

@@ -23,7 +23,7 @@
 #include "cpu_adam.h"
 #include "kernels.h"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 #define MIN_TILE 65536 /* elements per thread at least: below this threads cost more than they give */
 #define MAX_THREADS 256
 

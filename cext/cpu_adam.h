@@ -97,6 +97,11 @@ int fnz_lion_step(float *param, const float *grad, float *exp_avg, int64_t n, do
  * src: n floats; dst: n 16-bit values; kind: FNZ_OUT_BF16 or FNZ_OUT_FP16. */
 int fnz_to_16bit(const float *src, uint16_t *dst, int64_t n, int kind, int simd);
 
+/* crc32 as zlib computes it (crc32(crc32(0, a), b) == crc32(0, a + b)), of n bytes at buf:
+ * carry-less multiplication (PCLMULQDQ) where the CPU has it and simd is not FNZ_SIMD_SCALAR,
+ * else a bytewise table; both give zlib's value. Returns crc unchanged for n <= 0. */
+uint32_t fnz_crc32(uint32_t crc, const void *buf, int64_t n, int simd);
+
 /* A STREAM-like reference loop shaped like Adam's memory traffic (reads 4 arrays, writes 3:
  * 28 bytes per element) with trivial arithmetic: the bandwidth ceiling for the benchmark. */
 int fnz_stream_adam_shape(float *a, const float *b, float *c, float *d, int64_t n,

@@ -312,3 +312,27 @@ def test_build_info_and_report():
     assert info["simd"] == _ext.simd_level()
     lines = _ext.report_lines()
     assert lines and all(isinstance(x, str) for x in lines)
+
+
+@given(data=st.binary(max_size=700), crc=st.integers(0, 2**32 - 1), cut=st.integers(0, 700))
+def test_crc32_is_zlibs_at_every_length_and_start(data, crc, cut):
+    # cext/crc32.c folds 64 bytes at a time with carry-less multiplication; any length, any
+    # running value, and a message split in two must give exactly zlib's crc32.
+    import zlib
+
+    assert _ext.crc32(data, crc) == zlib.crc32(data, crc)
+    a, b = data[:cut], data[cut:]
+    assert _ext.crc32(b, _ext.crc32(a)) == zlib.crc32(data)
+
+
+@needs_c
+def test_crc32_of_a_large_tensor_and_the_bytewise_path_agree():
+    import zlib
+
+    from fnzero.checkpoint._io import tensor_bytes
+
+    t = torch.randn(3 << 20)
+    buf = tensor_bytes(t)
+    assert _ext.crc32(buf) == zlib.crc32(buf)
+    with _lib.force_simd("scalar"):  # the table, not PCLMULQDQ
+        assert _ext.crc32(buf[:100_003], 7) == zlib.crc32(buf[:100_003], 7)

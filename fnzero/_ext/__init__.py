@@ -12,11 +12,11 @@ import tempfile
 from typing import Any
 
 from ._aio import ALIGN, AioEngine, AioHandle, AioRequest, aligned_empty, direct_supported, is_aligned
-from ._kernels import adagrad_step_, adam_step_, lion_step_, stream_adam_shape_, to_16bit
+from ._kernels import adagrad_step_, adam_step_, crc32, lion_step_, stream_adam_shape_, to_16bit
 from ._lib import LEVELS, available, force_simd, supported_levels
 
 __all__ = [
-    "ALIGN", "AioEngine", "AioHandle", "AioRequest", "LEVELS", "adagrad_step_", "adam_step_", "aligned_empty",
+    "ALIGN", "AioEngine", "AioHandle", "AioRequest", "LEVELS", "adagrad_step_", "adam_step_", "aligned_empty", "crc32",
     "available", "build_info", "direct_supported", "force_simd", "is_aligned", "lion_step_", "report_lines",
     "simd_level", "stream_adam_shape_", "supported_levels", "to_16bit",
 ]  # fmt: skip
