@@ -306,7 +306,7 @@ class _InPlace:
     def __getattr__(self, name):
         return getattr(self.comm, name)
 
-    def all_reduce_async(self, t, donate=False):
+    def all_reduce_async(self, t, donate=False, label=""):
         out = self.comm.all_reduce(t)
         return PendingTensor(t.copy_(out) if donate else out)
 

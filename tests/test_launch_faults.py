@@ -3,6 +3,7 @@ exit non-zero with that rank's error shown, never a hang; two launcher agents (-
 loopback train together; the spawn harness reports dead and late ranks."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ def test_a_hung_rank_is_named_by_the_watchdog_and_the_job_ends():
     assert f"[rank 1] fnzero.DistributedError: {verdict}" in out, out  # the stuck rank's own report
     assert f"[rank 0] fnzero.DistributedError: {verdict}" in out, out  # and rank 0's, from its watchdog
     assert "at step 3" in out and "time.sleep(3600)" in out, out  # the step, and where it was stuck
+    assert re.search(r"rank 1 did not reach collective #\d+ \(all_gather of unit 'layers\.\d'\)", out), out  # the unit
     # Rank 0's error is a DistributedError carrying the verdict, not a raw gloo error alone.
     assert "rank 0 caught DistributedError: collective #" in out and verdict in out.split("rank 0 caught")[1], out
     assert f"fnzero launch: root cause: fnzero watchdog: {verdict}" in out, out  # the launcher's summary

@@ -263,17 +263,17 @@ class _BackwardProbe:
         self._note("all_reduce", t)
         return self.inner.all_reduce(t, op)
 
-    def all_reduce_async(self, t, donate=False):
+    def all_reduce_async(self, t, donate=False, label=""):
         self._note("all_reduce", t)
-        return self.inner.all_reduce_async(t, donate=donate)
+        return self.inner.all_reduce_async(t, donate=donate, label=label)
 
     def reduce_scatter(self, full, donate=False):
         self._note("reduce_scatter", full)
         return self.inner.reduce_scatter(full)
 
-    def reduce_scatter_async(self, full):
+    def reduce_scatter_async(self, full, label=""):
         self._note("reduce_scatter", full)
-        return self.inner.reduce_scatter_async(full)
+        return self.inner.reduce_scatter_async(full, label=label)
 
 
 @pytest.mark.parametrize("overlap", [True, None])

@@ -118,8 +118,8 @@ class _CorruptGather:
     def all_gather(self, shard):
         return self.inner.all_gather(self._corrupt(shard))
 
-    def all_gather_async(self, shard, out=None):  # the step starts its parameter gathers asynchronously
-        return self.inner.all_gather_async(self._corrupt(shard), out=out)
+    def all_gather_async(self, shard, out=None, label=""):  # the step starts its parameter gathers asynchronously
+        return self.inner.all_gather_async(self._corrupt(shard), out=out, label=label)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

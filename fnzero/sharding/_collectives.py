@@ -47,19 +47,20 @@ class Collectives(Protocol):
     result: the step overlaps gradient reductions with backward, and sharded units prefetch the
     next unit's gather. Options an implementation may use or ignore, never refuse:
     `all_gather_async(shard, out=)` gathers into `out`; `donate=True` says the caller never reads
-    the input again, so it may be reduced in place. `CollectivesBase` derives every optional form
-    from the five blocking calls, for a custom backend.
+    the input again, so it may be reduced in place; `label=` names what is moved (a unit), for the
+    watchdog's messages and the records of `RecordingCollectives`. `CollectivesBase` derives every
+    optional form from the five blocking calls, for a custom backend.
     """
 
     rank: int
     world_size: int
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor: ...
-    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> "PendingTensor": ...
+    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None, label: str = "") -> "PendingTensor": ...
     def reduce_scatter(self, full: torch.Tensor, donate: bool = False) -> torch.Tensor: ...
-    def reduce_scatter_async(self, full: torch.Tensor) -> "PendingTensor": ...
+    def reduce_scatter_async(self, full: torch.Tensor, label: str = "") -> "PendingTensor": ...
     def all_reduce(self, t: torch.Tensor, op: str = _SUM) -> torch.Tensor: ...
-    def all_reduce_async(self, t: torch.Tensor, donate: bool = False) -> "PendingTensor": ...
+    def all_reduce_async(self, t: torch.Tensor, donate: bool = False, label: str = "") -> "PendingTensor": ...
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
     def barrier(self) -> None: ...
 
@@ -69,14 +70,14 @@ class CollectivesBase:
     `reduce_scatter(full, donate=False)`, `all_reduce`, `broadcast`, `barrier`): async calls
     complete at once, `out=` is a copy, `donate` is passed on."""
 
-    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None) -> "PendingTensor":
+    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None, label: str = "") -> "PendingTensor":
         t = self.all_gather(shard)
         return PendingTensor(out.copy_(t) if out is not None else t)
 
-    def reduce_scatter_async(self, full: torch.Tensor) -> "PendingTensor":
+    def reduce_scatter_async(self, full: torch.Tensor, label: str = "") -> "PendingTensor":
         return PendingTensor(self.reduce_scatter(full))
 
-    def all_reduce_async(self, t: torch.Tensor, donate: bool = False) -> "PendingTensor":
+    def all_reduce_async(self, t: torch.Tensor, donate: bool = False, label: str = "") -> "PendingTensor":
         return PendingTensor(self.all_reduce(t))
 
 
@@ -118,19 +119,19 @@ class LocalCollectives:
     def all_gather(self, shard):
         return shard.clone()
 
-    def all_gather_async(self, shard, out: torch.Tensor | None = None):
+    def all_gather_async(self, shard, out: torch.Tensor | None = None, label: str = ""):
         return PendingTensor(out.copy_(shard) if out is not None else shard.clone())
 
     def reduce_scatter(self, full, donate: bool = False):
         return full if donate else full.clone()
 
-    def reduce_scatter_async(self, full):
+    def reduce_scatter_async(self, full, label: str = ""):
         return PendingTensor(full.clone())
 
     def all_reduce(self, t, op=_SUM):
         return t.clone()
 
-    def all_reduce_async(self, t, donate: bool = False):
+    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
         return PendingTensor(t if donate else t.clone())
 
     def broadcast(self, t, src=0):
@@ -156,19 +157,19 @@ class _Watched:
     """A collective in flight under the watchdog: its wait is marked as blocked on #seq, and a
     backend error becomes a `DistributedError` that names the rank and the collective."""
 
-    __slots__ = ("_pending", "_wd", "_seq", "_kind")
+    __slots__ = ("_pending", "_wd", "_seq", "_kind", "_label")
 
-    def __init__(self, pending, wd, seq: int, kind: str):
-        self._pending, self._wd, self._seq, self._kind = pending, wd, seq, kind
+    def __init__(self, pending, wd, seq: int, kind: str, label: str):
+        self._pending, self._wd, self._seq, self._kind, self._label = pending, wd, seq, kind, label
 
     def wait(self) -> torch.Tensor:
         try:
             if self._wd is None:
                 return self._pending.wait()
-            with self._wd.waiting(self._seq, self._kind, ""):
+            with self._wd.waiting(self._seq, self._kind, self._label):
                 return self._pending.wait()
         except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", "Timed out waiting ..."
-            raise DistributedError(explain_failure(self._wd, self._seq, self._kind, e)) from e
+            raise DistributedError(explain_failure(self._wd, self._seq, self._kind, e, self._label)) from e
 
 
 class ProcessGroupCollectives:
@@ -194,27 +195,27 @@ class ProcessGroupCollectives:
     def _use_direct(self, t: torch.Tensor) -> bool:
         return self._direct and t.device.type == "cpu"
 
-    def _start(self, kind: str, start) -> _Watched:
+    def _start(self, kind: str, start, label: str = "") -> _Watched:
         """Issue collective `kind` (`start()` returns its pending result), numbered and watched."""
-        seq = self.watchdog.issue(kind) if self.watchdog is not None else 0
+        seq = self.watchdog.issue(kind, label) if self.watchdog is not None else 0
         try:
-            return _Watched(start(), self.watchdog, seq, kind)
+            return _Watched(start(), self.watchdog, seq, kind, label)
         except RuntimeError as e:
-            raise DistributedError(explain_failure(self.watchdog, seq, kind, e)) from e
+            raise DistributedError(explain_failure(self.watchdog, seq, kind, e, label)) from e
 
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()
 
-    def all_gather_async(self, shard, out: torch.Tensor | None = None):
+    def all_gather_async(self, shard, out: torch.Tensor | None = None, label: str = ""):
         # `out`: gather straight into this buffer (it must not overlap `shard`).
         shard = shard.contiguous()
         if out is None:
             out = shard.new_empty(shard.numel() * self.world_size)
         if self._use_direct(shard):
             return self._start("all_gather", lambda: start_direct_all_gather(
-                shard.reshape(-1), out, self.rank, self.world_size, self.group))
+                shard.reshape(-1), out, self.rank, self.world_size, self.group), label)
         return self._start("all_gather", lambda: PendingTensor(
-            out, _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)))
+            out, _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)), label)
 
     def reduce_scatter(self, full, donate: bool = False):
         if donate and self._use_direct(full) and full.is_contiguous():
@@ -224,27 +225,27 @@ class ProcessGroupCollectives:
                 full, self.rank, self.world_size, self.group, donate=True)).wait()
         return self.reduce_scatter_async(full).wait()
 
-    def reduce_scatter_async(self, full):
+    def reduce_scatter_async(self, full, label: str = ""):
         full = full.contiguous().reshape(-1)
         assert full.numel() % self.world_size == 0, "reduce_scatter input must be padded to the world size"
         if self._use_direct(full):
             return self._start("reduce_scatter", lambda: start_direct_reduce_scatter(
-                full, self.rank, self.world_size, self.group))
+                full, self.rank, self.world_size, self.group), label)
         out = full.new_empty(full.numel() // self.world_size)
         # `full` must outlive the collective: the handle keeps it.
         return self._start("reduce_scatter", lambda: PendingTensor(out, _KeepAlive(
-            _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)))
+            _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
 
     def all_reduce(self, t, op=_SUM):
         out = t.clone()
         return self._start("all_reduce", lambda: PendingTensor(
             out, dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group, async_op=True))).wait()
 
-    def all_reduce_async(self, t, donate: bool = False):
+    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
         # donate=True: the caller gives `t` up, so it is reduced in place (no copy of the gradient).
         out = t if donate else t.clone()
         return self._start("all_reduce", lambda: PendingTensor(
-            out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)))
+            out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), label)
 
     def broadcast(self, t, src=0):
         out = t.clone()

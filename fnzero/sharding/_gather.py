@@ -67,7 +67,7 @@ class UnitRuntime:
         if self.pending is not None:
             full, self.pending = self.pending.wait(), None
             return full
-        return self.comm.all_gather(self.shard_values())
+        return self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
 
     def release_regathered(self, grad_outputs):
         self.bwd_full = None
@@ -79,7 +79,7 @@ class UnitRuntime:
             if self.bwd_pending is not None:
                 self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
             else:
-                self.bwd_full = self.comm.all_gather(self.shard_values())
+                self.bwd_full = self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
             self.run.prefetch_backward(self.unit.name)
         return self.bwd_full
 

@@ -52,25 +52,25 @@ class RecordingCollectives:
         self._record("all_gather", shard, shard.numel() * self.world_size)
         return self.inner.all_gather(shard)
 
-    def all_gather_async(self, shard, out=None):
+    def all_gather_async(self, shard, out=None, label: str = ""):
         self._record("all_gather", shard, shard.numel() * self.world_size)
-        return self.inner.all_gather_async(shard, out=out)
+        return self.inner.all_gather_async(shard, out=out, label=label)
 
     def reduce_scatter(self, full, donate: bool = False):
         self._record("reduce_scatter", full, full.numel())
         return self.inner.reduce_scatter(full, donate=donate)
 
-    def reduce_scatter_async(self, full):
+    def reduce_scatter_async(self, full, label: str = ""):
         self._record("reduce_scatter", full, full.numel())
-        return self.inner.reduce_scatter_async(full)
+        return self.inner.reduce_scatter_async(full, label=label)
 
     def all_reduce(self, t, op=_SUM):
         self._record("all_reduce", t, t.numel())
         return self.inner.all_reduce(t, op)
 
-    def all_reduce_async(self, t, donate: bool = False):
+    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
         self._record("all_reduce", t, t.numel())
-        return self.inner.all_reduce_async(t, donate=donate)
+        return self.inner.all_reduce_async(t, donate=donate, label=label)
 
     def broadcast(self, t, src=0):
         self._record("broadcast", t, t.numel())
@@ -136,25 +136,25 @@ class CheckedCollectives:
         self._check("all_gather", shard)
         return self.inner.all_gather(shard)
 
-    def all_gather_async(self, shard, out=None):
+    def all_gather_async(self, shard, out=None, label: str = ""):
         self._check("all_gather", shard)
-        return self.inner.all_gather_async(shard, out=out)
+        return self.inner.all_gather_async(shard, out=out, label=label)
 
     def reduce_scatter(self, full, donate: bool = False):
         self._check("reduce_scatter", full)
         return self.inner.reduce_scatter(full, donate=donate)
 
-    def reduce_scatter_async(self, full):
+    def reduce_scatter_async(self, full, label: str = ""):
         self._check("reduce_scatter", full)
-        return self.inner.reduce_scatter_async(full)
+        return self.inner.reduce_scatter_async(full, label=label)
 
     def all_reduce(self, t, op=_SUM):
         self._check("all_reduce", t)
         return self.inner.all_reduce(t, op)
 
-    def all_reduce_async(self, t, donate: bool = False):
+    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
         self._check("all_reduce", t)
-        return self.inner.all_reduce_async(t, donate=donate)
+        return self.inner.all_reduce_async(t, donate=donate, label=label)
 
     def broadcast(self, t, src=0):
         self._check("broadcast", t)

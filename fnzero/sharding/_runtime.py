@@ -124,7 +124,7 @@ class ApplyRun:
         ):
             return
         rt = self._runtime(unit)
-        rt.pending = self.comm.all_gather_async(rt.shard_values())
+        rt.pending = self.comm.all_gather_async(rt.shard_values(), label=unit.name)
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
@@ -140,7 +140,7 @@ class ApplyRun:
         rt = self.rts.get(name) if name is not None else None
         if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
             return
-        rt.bwd_pending = self.comm.all_gather_async(rt.shard_values())
+        rt.bwd_pending = self.comm.all_gather_async(rt.shard_values(), label=name)
 
     @torch.compiler.disable
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:

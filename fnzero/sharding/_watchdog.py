@@ -62,6 +62,8 @@ class Watchdog:
         self.blocked: tuple[int, str, str, float] | None = None  # (seq, kind, unit, since) while waiting
         self.step: int | None = None
         self._announced = False
+        self._ahead: dict[int, tuple[int, float]] = {}  # rank -> (my count, since): that rank has issued more
+        self._behind: dict[int, tuple[int, float]] = {}  # rank -> (its count, since): that rank has issued less
         self._main = threading.main_thread()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fnzero-watchdog", daemon=True)
@@ -142,18 +144,21 @@ class Watchdog:
             self._announced = True
             print(f"[rank {self.rank}] fnzero.DistributedError: {verdict[len(_PREFIX):]}", file=sys.stderr, flush=True)
 
-    def dead(self, beats: dict[int, dict]) -> list[int]:
+    def dead(self, beats: dict[int, dict], stale_after: float | None = None) -> list[int]:
         """Ranks that are gone: a process on this host that no longer runs, or a heartbeat older
-        than three periods."""
+        than `stale_after` (default three periods: right after a backend error, when a peer has
+        surely closed its connections; the watchdog itself waits the whole timeout, since a main
+        thread holding the GIL in a long C call also silences a live rank's heartbeat)."""
         now = time.time()
+        stale_after = 3 * self.poll_s + 1.0 if stale_after is None else stale_after
         return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
-            (b.get("host") == _HOST and not _alive(b.get("pid"))) or now - b["t"] > 3 * self.poll_s + 1.0))
+            (b.get("host") == _HOST and not _alive(b.get("pid"))) or now - b["t"] > stale_after))
 
     def _bury(self, beats: dict[int, dict]) -> None:
         """Blocked in a collective with a peer gone: gloo fails such a collective at once, but
         NCCL would wait for its timeout, so end the job now, naming the dead."""
         b = self.blocked
-        dead = self.dead(beats) if b is not None and self.timeout_s > 0 else []
+        dead = self.dead(beats, max(3 * self.poll_s + 1.0, self.timeout_s)) if b is not None and self.timeout_s > 0 else []
         if dead:
             now = time.time()
             last = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} step {beats[r]['step']}, "
@@ -161,34 +166,52 @@ class Watchdog:
             self._end(f"rank(s) {dead} stopped (killed, out of memory, or crashed) while rank {self.rank} waited in "
                       f"{self.describe(*b[:3])}: {last}", stuck=dead, seq=b[0])
 
+    def _since(self, table: dict[int, tuple[int, float]], r: int, key: int, now: float, holds: bool) -> float:
+        """How long `holds` has been true for rank r with nothing changed (`key`), in seconds."""
+        if not holds:
+            table.pop(r, None)
+            return 0.0
+        if r not in table or table[r][0] != key:
+            table[r] = (key, now)
+        return now - table[r][1]
+
     def _judge(self, beats: dict[int, dict]) -> None:
+        """Compare the ranks' counts of issued collectives. A count that stays below another's
+        for the timeout is a stuck rank. (Counts, not only blocked waits: an NCCL wait does not
+        block the host, so a waiting rank may never look blocked.)"""
+        # Long: the two sides of one verdict (the stuck rank's own, and the others' after a grace),
+        # each with the message it leaves; split, the rule that makes them agree would be in two places.
         if self.timeout_s <= 0:  # off (a config's watchdog.timeout_seconds: 0)
             return
-        now = time.time()
-        waiting = {r: b["blocked"] for r, b in beats.items() if b.get("blocked")}
-        # Am I the one the others wait for? (I have not issued their collective.)
-        late = {r: w for r, w in waiting.items() if w[0] > self.issued and now - w[3] > self.timeout_s}
+        now, me = time.time(), self.issued
+        others = {r: b for r, b in beats.items() if r != self.rank}
+        ahead = {r: self._since(self._ahead, r, me, now, b["issued"] > me) for r, b in others.items()}
+        behind = {r: self._since(self._behind, r, b["issued"], now, b["issued"] < me) for r, b in others.items()}
+        # Am I the one the others wait for? (They issued collective #me+1 long ago; I have not.)
+        late = sorted(r for r, t in ahead.items() if t > self.timeout_s)
         if late:
-            seq, kind, unit, since = max(late.values(), key=lambda w: w[0])
+            seq = me + 1
+            blocked = [b["blocked"] for b in others.values() if b.get("blocked") and b["blocked"][0] == seq]
+            kind, unit = (blocked[0][1], blocked[0][2]) if blocked else ("a collective", "")
             self._end(
                 f"rank {self.rank} did not reach {self.describe(seq, kind, unit)} within {self.timeout_s:g}s: "
-                f"rank(s) {sorted(late)} waited in it. This rank's last collective was #{self.issued} "
-                f"({self.last[0] or 'none'}). Where this rank is:\n{self._main_stack()}",
+                f"rank(s) {late} reached it. This rank's last collective was #{me} "
+                f"({' of unit '.join(x for x in self.last if x) or 'none'}). Where this rank is:\n{self._main_stack()}",
                 stuck=[self.rank], seq=seq,
             )
             return
+        # The stuck rank had its chance to speak for itself (and two heartbeats to be heard).
+        grace = self.timeout_s + 2 * self.poll_s + min(2.0, self.timeout_s)
+        missing = sorted(r for r, t in behind.items() if t > grace) + sorted(set(range(self.world_size)) - set(beats))
         b = self.blocked
-        if b is None or now - b[3] < self.timeout_s + 2 * self.poll_s + 2.0:
-            return
-        # I have waited past the timeout and the grace the stuck rank had to speak for itself.
-        missing = sorted(r for r, x in beats.items() if x["issued"] < b[0]) or sorted(set(range(self.world_size)) - set(beats))
         if missing:
             seen = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} ({beats[r]['last'][0] or 'none'}) "
                              f"step {beats[r]['step']}, {now - beats[r]['t']:.0f}s ago"
                              f"{' (it finished and exited)' if beats[r].get('done') else ''}" for r in missing if r in beats)
-            self._end(f"rank(s) {missing} did not reach {self.describe(*b[:3])} within {self.timeout_s:g}s "
-                      f"(rank {self.rank} waited {now - b[3]:.0f}s). {seen}", stuck=missing, seq=b[0])
-        else:
+            where = self.describe(*b[:3]) if b is not None else self.describe(me, *self.last)
+            self._end(f"rank(s) {missing} did not reach {where} within {self.timeout_s:g}s (rank {self.rank} is "
+                      f"there). {seen}", stuck=missing, seq=b[0] if b is not None else me)
+        elif b is not None and now - b[3] > grace and all(x["issued"] >= b[0] for x in beats.values()):
             self._end(f"{self.describe(*b[:3])} did not complete within {self.timeout_s:g}s although every rank "
                       "reached it: the backend or a device is not answering", stuck=[], seq=b[0])
 
@@ -250,11 +273,11 @@ class _Waiting:
         self.wd.blocked = None
 
 
-def explain_failure(wd: Watchdog | None, seq: int, kind: str, error: BaseException) -> str:
+def explain_failure(wd: Watchdog | None, seq: int, kind: str, error: BaseException, label: str = "") -> str:
     """Why collective #seq failed with a backend error, for a `DistributedError`: the verdict of
     a stuck rank, else the ranks that are gone, else the backend's words. Quick: torchrun stops
     the other ranks a moment after one fails."""
-    what = wd.describe(seq, kind, "") if wd is not None else f"a {kind}"
+    what = wd.describe(seq, kind, label) if wd is not None else f"a {kind}"
     raw = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if wd is None:
         return f"{what} failed ({raw}); a peer rank probably died: see its own error above"
@@ -268,6 +291,10 @@ def explain_failure(wd: Watchdog | None, seq: int, kind: str, error: BaseExcepti
             dead = wd.dead(beats)
             if dead:
                 return f"{what} failed: rank(s) {dead} stopped (killed, out of memory, or crashed) ({raw})"
+            ended = sorted(r for r, b in beats.items() if r != wd.rank and b.get("done"))
+            if ended:
+                return (f"{what} failed: rank(s) {ended} ended their process (after an error of their own? see "
+                        f"their output) ({raw})")
             if time.time() > deadline:
                 break
             time.sleep(0.05)

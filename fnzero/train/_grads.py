@@ -56,7 +56,7 @@ class GradientCollector:
             g = leaf.grad
             leaf.grad = None
             if reduce_now:
-                pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv))
+                pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv), label=name)
                 self.inflight.append((name, pending, "shard"))
                 self._drain(2 if self.overlap else 0)
                 return
@@ -87,9 +87,9 @@ class GradientCollector:
         self.launched.add(u.name)
         g = prepare_for_comm(self.acc[u.name], self.policy, self.prediv)
         if u.placement.optimizer:
-            pending = self.comm.reduce_scatter_async(g)
+            pending = self.comm.reduce_scatter_async(g, label=u.name)
         else:
-            pending = self.comm.all_reduce_async(g, donate=True)  # the accumulator is this step's own
+            pending = self.comm.all_reduce_async(g, donate=True, label=u.name)  # the accumulator is this step's own
         self.inflight.append((u.name, pending, "final"))
 
     def finish_backward(self) -> None:

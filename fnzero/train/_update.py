@@ -61,9 +61,9 @@ def publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donat
         elif donate:
             # Into the input state's own buffer; the shard is copied first since it may be a
             # view of that very buffer (fp32 training updates the parameters' slice in place).
-            pending[u.name] = comm.all_gather_async(t.clone(), out=state.params[u.name])
+            pending[u.name] = comm.all_gather_async(t.clone(), out=state.params[u.name], label=u.name)
         else:
-            pending[u.name] = comm.all_gather_async(t)
+            pending[u.name] = comm.all_gather_async(t, label=u.name)
     for name, p in pending.items():
         new_params[name] = p.wait()
     return {u.name: new_params[u.name] for u in plan.units}
