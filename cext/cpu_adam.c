@@ -105,22 +105,30 @@ static omp_query_fn omp_thread_num, omp_num_threads;
 static pthread_once_t omp_once = PTHREAD_ONCE_INIT;
 
 #if defined(__linux__)
+/* The loaded library's name only: dlopen is not called from inside dl_iterate_phdr's callback
+ * (it takes the loader's lock, which another thread's dlopen may hold). */
+static char omp_name[4096];
+
 static int find_omp(struct dl_phdr_info *info, size_t size, void *unused) {
     (void)size;
     (void)unused;
     const char *name = info->dlpi_name;
     if (!name || !(strstr(name, "libgomp") || strstr(name, "libiomp") || strstr(name, "libomp")))
         return 0;
-    void *h = dlopen(name, RTLD_NOW | RTLD_NOLOAD); /* already loaded: only a handle, no load */
-    if (!h) return 0;
+    if (strlen(name) >= sizeof omp_name) return 0;
+    strcpy(omp_name, name);
+    return 1;
+}
+
+static void look_up_omp(void) {
+    if (!dl_iterate_phdr(find_omp, NULL)) return;
+    void *h = dlopen(omp_name, RTLD_NOW | RTLD_NOLOAD); /* already loaded: only a handle, no load */
+    if (!h) return;
     omp_parallel_fn par = (omp_parallel_fn)dlsym(h, "GOMP_parallel");
     omp_query_fn num = (omp_query_fn)dlsym(h, "omp_get_thread_num");
     omp_query_fn count = (omp_query_fn)dlsym(h, "omp_get_num_threads");
-    if (!par || !num || !count) return 0;
-    omp_parallel = par, omp_thread_num = num, omp_num_threads = count;
-    return 1;
+    if (par && num && count) omp_parallel = par, omp_thread_num = num, omp_num_threads = count;
 }
-static void look_up_omp(void) { dl_iterate_phdr(find_omp, NULL); }
 #else
 static void look_up_omp(void) {}
 #endif

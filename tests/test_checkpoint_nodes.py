@@ -74,6 +74,8 @@ def test_another_layout_names_the_files_it_needs_and_loads_once_they_are_copied(
     states = simulated_world(4).run(fn)
     _, _, like, _ = setup(KIND, 0, fnzero.LocalCollectives())
     node0 = _node_dir(tmp_path, 0)
+    rep = fnzero.checkpoint.info(node0, verify=True)  # healthy, as far as this node can tell
+    assert rep["checkpoints"][0]["health"] == "ok (node-local: this node's files verified)", rep
     with pytest.raises(CheckpointError, match=r"rank00002.bin of rank 2 is not here: .*saved node-locally.*"
                                               r"ranks \[2, 3\].*copy every node's t/rank\*.bin"):
         load(node0, like)

@@ -59,10 +59,18 @@ def test_a_batch_of_other_than_micro_times_gas_rows_is_refused():
     assert int(new_state.step) == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
 
 
-def test_leaves_of_different_lengths_are_refused_naming_them():
-    _, state, step = _mlp_step(_cfg(micro=4, gas=1), 0)
+def test_leaves_of_different_lengths_are_refused_where_the_batch_is_split():
+    _, state, step = _mlp_step(_cfg(micro=2, gas=2), 0)
     x, y = _rows(4)
-    _refused(step, state, (x, y[:3]), r"different lengths along dim 0 \(0: 4, 1: 3\)")
+    _refused(step, state, (x, y[:2]), r"different lengths along dim 0 \(0: 4, 1: 2\).*split into")
+    # Unsplit, leaves may differ (images per sample, packed offsets): the model's business.
+    cfg = _cfg(micro=4, gas=1)
+    sm, state, _ = _mlp_step(cfg, 0)
+    step = fnzero.train_step(lambda p, b: F.mse_loss(sm.apply(p, b["x"]), b["y"]) + 0 * b["offsets"].sum(), cfg)
+    x, y = _rows(4)
+    new, _ = step(state, {"x": x, "y": y, "offsets": torch.zeros(7, dtype=torch.float64)})
+    assert int(new.step) == 1
+    _refused(step, state, {"x": x[:0], "y": y[:0], "offsets": torch.zeros(0)}, r"empty \(0 rows\)")
 
 
 def test_a_config_resolved_for_another_world_does_not_fix_the_rows():

@@ -11,7 +11,7 @@ from . import _format as F
 from ._io import fsync_dir, write_atomic
 from ._load import Reader, read_latest
 
-__all__ = ["merge_parts", "read_part", "commit", "committed", "clean_stale"]
+__all__ = ["merge_parts", "read_part", "commit", "committed", "clean_stale", "failure_marker"]
 
 
 def merge_parts(parts: list[dict], head: dict) -> dict:
@@ -57,11 +57,19 @@ def commit(root: str, tag: str, staging: str, index: dict, nonce: int, update_la
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def failure_marker(root: str, tag: str, nonce: int, rank: int) -> str:
+    """Where rank `rank` says its part of a save failed: beside the staging directory, so the
+    marker outlives the rename of staging into place (a commit can fail after it: `latest`)."""
+    return os.path.join(root, f".{tag}.{nonce:016x}.rank{rank:05d}.failed")
+
+
 def committed(root: str, tag: str, nonce: int, staging: str, committer: int, update_latest: bool) -> bool:
     """Whether the committing rank is done: `tag` carries this save's nonce and, when the save
     updates it, `latest` names `tag` (else a rank could return, load `latest` and get the previous
     checkpoint, or none)."""
-    if os.path.exists(os.path.join(staging, f"rank{committer:05d}.failed")):
+    if os.path.exists(os.path.join(staging, f"rank{committer:05d}.failed")) or os.path.exists(
+        failure_marker(root, tag, nonce, committer)
+    ):
         raise CheckpointError(f"rank {committer} failed to commit the checkpoint; see its error")
     try:  # an untrusted read: a FIFO or a device there must not block or flood this rank
         with Reader(os.path.join(root, tag), verify=False) as rd:
@@ -83,6 +91,8 @@ def clean_stale(root: str, keep: str | None = None) -> None:
         if keep is not None and os.path.join(root, name) == keep:
             continue
         if name.startswith(f".{F.LATEST_NAME}.tmp."):  # a `latest` update killed before its rename
+            os.unlink(os.path.join(root, name))
+        elif name.startswith(".") and name.endswith(".failed"):  # markers of earlier failed saves
             os.unlink(os.path.join(root, name))
         elif name.startswith(".") and name.endswith(".partial"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -23,6 +23,8 @@ def check(ckpt_dir: str, verify: bool = True) -> Reader:
             for key, t in rd.tensors.items():
                 dt = F.DTYPES[t["dtype"]]
                 for seg in t["segments"]:  # one segment at a time: bounded memory
+                    if seg[0] not in rd.present:  # another node's file (a node-local save)
+                        continue
                     lo, hi = seg[2], seg[3]
                     rd.read(key, lo, hi, torch.empty(hi - lo, dtype=dt))
         except BaseException:
@@ -65,7 +67,8 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
                     optimizer=ix.get("optimizer"), fp16_loss_scale=ix.get("loss_scale"),
                     num_params=sum(u["numel"] for u in ix["units"]), bytes=sum(ix["files"]),
                     created=ix.get("created"), config=ix.get("config"),
-                    health="ok (checksums verified)" if verify else "ok",
+                    health=("ok (checksums verified)" if len(rd.present) == ix["world_size"] else
+                            "ok (node-local: this node's files verified)") if verify else "ok",
                 )
         except CheckpointError as e:
             entry["health"] = f"BROKEN: {e}"

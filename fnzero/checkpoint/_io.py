@@ -238,7 +238,14 @@ def read_into(fd: int, offset: int, out: torch.Tensor, what: str, checksum: bool
         piece = buf[done : done + step]
         got = 0
         while got < len(piece):
-            n = os.preadv(fd, [piece[got:]], offset + done + got)
+            try:
+                n = os.preadv(fd, [piece[got:]], offset + done + got)
+            except BaseException as e:
+                if pending is not None:  # the checksum thread reads `out`: let it finish first
+                    pending.result()
+                if isinstance(e, OSError):
+                    raise CheckpointError(f"{what}: reading at byte {offset + done + got} failed: {e.strerror}") from e
+                raise
             if n <= 0:
                 if pending is not None:
                     pending.result()

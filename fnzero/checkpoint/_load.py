@@ -126,6 +126,7 @@ class Reader:
                 raise CheckpointError(f"{os.path.join(self.dir, name)} is {kind}, not a regular file; fnzero "
                                       "follows no links inside a checkpoint directory")
         self.index = F.validate_index(ix, sizes)
+        self.present = set(sizes)  # ranks whose data file is here (a node-local save: this node's)
         self.tensors = self.index["tensors"]
         self._his = {k: [s[3] for s in t["segments"]] for k, t in self.tensors.items()}
 
@@ -195,6 +196,9 @@ class Reader:
                     got = read_into(self._fd(rank), off, scratch, what, checksum=self.verify, wait=False)
                     dst.copy_(scratch[x - lo : y - lo])
                 pending.append((got, crc, what))
+                if len(pending) > 2:  # at most two segments (and their scratch buffers) in flight
+                    old_got, old_crc, old_what = pending.pop(0)
+                    self._check(old_got.result() if old_got is not None else None, old_crc, old_what)
                 i += 1
         finally:
             results = [(got.result() if got is not None else None, crc, what) for got, crc, what in pending]

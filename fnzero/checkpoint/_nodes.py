@@ -56,14 +56,27 @@ def _marker(rank: int) -> str:
 
 
 def discover_groups(comm, staging: str, rank: int, world: int, device: torch.device) -> Groups:
-    """The groups of ranks that share `staging` (every rank calls it; two small collectives)."""
+    """Make `staging` and find the groups of ranks that share it (every rank calls it; two small
+    collectives, reached by every rank even when its directory cannot be made)."""
     if world == 1:
+        os.makedirs(staging, exist_ok=True)
         return Groups(((0,),))
-    with open(os.path.join(staging, _marker(rank)), "wb"):
-        pass
+    try:
+        os.makedirs(staging, exist_ok=True)
+        with open(os.path.join(staging, _marker(rank)), "wb"):
+            pass
+        failed = ""
+    except OSError as e:  # still take part in both collectives: no rank may wait for this one
+        failed = e.strerror or type(e).__name__
     comm.barrier()
-    mask = torch.tensor([os.path.exists(os.path.join(staging, _marker(r))) for r in range(world)], dtype=torch.int64)
-    masks = comm.all_gather(mask.to(device)).cpu().view(world, world)
+    seen = [os.path.exists(os.path.join(staging, _marker(r))) for r in range(world)]
+    mask = torch.tensor(seen + [bool(failed)], dtype=torch.int64)
+    masks = comm.all_gather(mask.to(device)).cpu().view(world, world + 1)
+    broken = [r for r in range(world) if masks[r, world]]
+    if broken:
+        raise CheckpointError(f"rank(s) {broken} could not write into the checkpoint directory "
+                              f"{os.path.dirname(staging)!r}{f' ({failed})' if failed else ''}; nothing was saved")
+    masks = masks[:, :world]
     with contextlib.suppress(FileNotFoundError):  # every rank has looked (the all-gather needed all)
         os.remove(os.path.join(staging, _marker(rank)))
     sees = [tuple(int(s) for s in torch.nonzero(masks[r]).flatten()) for r in range(world)]

@@ -36,8 +36,10 @@ def entry_kind(name: str, dir_fd: int | None = None) -> str | None:
     """What `name` is (without following a link), in words; None when it does not exist."""
     try:
         mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a path through a file: nothing there either)
         return None
+    except OSError as e:  # permissions, a loop, a name too long
+        raise CheckpointError(f"cannot look at {name!r}: {e.strerror}") from None
     return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 

@@ -35,7 +35,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
-from ._commit import clean_stale, commit, committed, merge_parts, read_part
+from ._commit import clean_stale, commit, committed, failure_marker, merge_parts, read_part
 from ._io import AlignedWriter, wait_for, write_atomic
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._tree import state_leaves, unit_meta
@@ -127,8 +127,7 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None)
             metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "unit": leaf.unit}
             u = units[leaf.unit]
             s_lo, s_hi = u.real_range(rank)
-            sh_lo, sh_hi = u.shard_range(rank)
-            if group is not None and not sh_lo <= leaf.lo <= leaf.hi <= sh_hi:  # held by every rank: split in the group
+            if group is not None and (leaf.lo, leaf.hi) != u.shard_range(rank):  # held by every rank: split in the group
                 a, b = leaf.lo, min(leaf.hi, u.numel)
                 per = -(-(b - a) // len(group))
                 s_lo = a + per * group.index(rank)
@@ -268,10 +267,9 @@ def save(
         nonce = random.SystemRandom().getrandbits(62)
     else:
         nonce = 0
-    if world > 1:  # the one collective: same nonce everywhere, and rank 0 has made the root
+    if world > 1:  # same nonce everywhere, and rank 0 has made the root
         nonce = int(comm.broadcast(torch.tensor([nonce], dtype=torch.int64, device=sh.device), 0).cpu()[0])
     staging = os.path.join(root, f".{tag}.{nonce:016x}.partial")
-    os.makedirs(staging, exist_ok=True)
     groups = discover_groups(comm, staging, rank, world, sh.device)
     leader = groups.leader(rank)
     if not groups.shared and not node_local:
@@ -316,11 +314,12 @@ def save(
             else:
                 wait_for(lambda: committed(root, tag, nonce, staging, 0, update_latest), timeout, f"rank 0 to commit {tag!r}")
         except BaseException as e:
-            try:  # tell the other ranks instead of letting them wait for the timeout
-                with open(os.path.join(staging, f"rank{rank:05d}.failed"), "w") as f:
-                    f.write(f"{type(e).__name__}: {e}")
-            except OSError:
-                pass
+            for marker in (os.path.join(staging, f"rank{rank:05d}.failed"), failure_marker(root, tag, nonce, rank)):
+                try:  # tell the other ranks instead of letting them wait for the timeout
+                    with open(marker, "w") as f:
+                        f.write(f"{type(e).__name__}: {e}")
+                except OSError:
+                    pass
             raise
 
     handle = SaveHandle(root, tag)

@@ -27,9 +27,11 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
                   file=sys.stderr)
             return 2
         return launch_hostfile(args, rest)
-    if args.include or args.exclude or args.num_nodes is not None or args.num_gpus is not None:
-        print("fnzero launch: --include/--exclude/--num_nodes/--num_gpus select hosts of a --hostfile", file=sys.stderr)
+    if args.include or args.exclude or (args.num_nodes or 1) > 1:
+        print("fnzero launch: --include/--exclude/--num_nodes select hosts of a --hostfile", file=sys.stderr)
         return 2
+    if args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
+        args.nproc_per_node = args.num_gpus
     if args.exit_with_stdin:
         _exit_with_stdin()
     from ..sharding._dist import free_port

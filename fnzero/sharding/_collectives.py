@@ -153,6 +153,21 @@ def _reduce_scatter_fn():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_BACKEND_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "c10d")
+
+
+def _backend_error(e: RuntimeError) -> bool:
+    """A failure of the communication backend (a peer gone, a timeout), as opposed to an error of
+    this rank's own (out of memory, a wrong argument), which is raised as it is."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    backend_type = getattr(dist, "DistBackendError", None)
+    if backend_type is not None and isinstance(e, backend_type):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in _BACKEND_WORDS)
+
+
 class _Watched:
     """A collective in flight under the watchdog: its wait is marked as blocked on #seq, and a
     backend error becomes a `DistributedError` that names the rank and the collective."""
@@ -169,6 +184,8 @@ class _Watched:
             with self._wd.waiting(self._seq, self._kind, self._label):
                 return self._pending.wait()
         except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", "Timed out waiting ..."
+            if not _backend_error(e):
+                raise
             raise DistributedError(explain_failure(self._wd, self._seq, self._kind, e, self._label)) from e
 
 
@@ -201,6 +218,8 @@ class ProcessGroupCollectives:
         try:
             return _Watched(start(), self.watchdog, seq, kind, label)
         except RuntimeError as e:
+            if not _backend_error(e):
+                raise
             raise DistributedError(explain_failure(self.watchdog, seq, kind, e, label)) from e
 
     def all_gather(self, shard):

@@ -196,7 +196,7 @@ class ShardedModule:
 
     # ---------------------------------------------------------------------------------------------
     def init_state(self, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
-                   optimizer=None) -> TrainState:
+                   optimizer=None, check_ranks_equal: bool = True) -> TrainState:
         """This rank's initial TrainState, built from the model's parameters at `shard` time.
 
         `pretrained`: a safetensors file, or a directory written by transformers' `save_pretrained`
@@ -212,6 +212,10 @@ class ShardedModule:
         `optimizer`: an `Optimizer` or a chain of gradient transformations instead of the
         config's `optimizer` block (give the same one to `fnzero.train_step`).
 
+        `check_ranks_equal`: compare each unit's initial weights across ranks (one small
+        all-gather) and refuse ranks that built different ones, naming them. Pass False when the
+        state is only a template whose values are replaced next (`checkpoint.load(like=...)`).
+
         The initial buffers are handed over, not copied, so a model's memory is held once; call
         `fnzero.shard` again for a second independent initial state.
         """
@@ -220,7 +224,8 @@ class ShardedModule:
         # by the training layer (`fnzero/train/_init.py`); this method is its public door.
         from ..train._init import init_state
 
-        return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer)
+        return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
+                          check_ranks_equal=check_ranks_equal)
 
     def initial_values(self) -> InitialValues:
         """What the first TrainState is built from, until `hand_over_initial` gives it away."""

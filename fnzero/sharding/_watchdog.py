@@ -38,8 +38,25 @@ from typing import Any, Callable
 
 __all__ = ["Watchdog", "start_watchdog", "process_watchdog", "verdict_file", "explain_failure"]
 
-_KEY = "fnzero/watchdog"
+# Per torchrun restart attempt, as torch's own worker keys: a restarted job starts with no verdict.
+_KEY = f"fnzero/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 _HOST = socket.gethostname()
+
+
+def _machine() -> str:
+    """This host, boot and pid namespace: two processes with the same value can see each other's
+    pids (containers sharing a hostname cannot)."""
+    parts = [_HOST]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("?")
+    return "/".join(parts)
+
+
+_MACHINE = _machine()
 _PREFIX = "fnzero watchdog: "
 
 
@@ -62,6 +79,7 @@ class Watchdog:
         self.blocked: tuple[int, str, str, float] | None = None  # (seq, kind, unit, since) while waiting
         self.step: int | None = None
         self._announced = False
+        self._seen: dict[int, tuple[float, float]] = {}  # rank -> (its beat's time, when seen here)
         self._ahead: dict[int, tuple[int, float]] = {}  # rank -> (my count, since): that rank has issued more
         self._behind: dict[int, tuple[int, float]] = {}  # rank -> (its count, since): that rank has issued less
         self._main = threading.main_thread()
@@ -110,15 +128,17 @@ class Watchdog:
     def _publish(self, done: bool = False) -> None:
         b = self.blocked
         beat = {"t": time.time(), "issued": self.issued, "last": list(self.last), "step": self.step,
-                "blocked": None if b is None else [b[0], b[1], b[2], b[3]], "pid": os.getpid(), "host": _HOST, "done": done}
+                "blocked": None if b is None else [b[0], b[1], b[2], b[3]], "pid": os.getpid(), "host": _MACHINE, "done": done}
         self.store.set(f"{_KEY}/beat/{self.rank}", json.dumps(beat))
 
     def beats(self) -> dict[int, dict]:
         keys = [f"{_KEY}/beat/{r}" for r in range(self.world_size)]
-        out = {}
+        out, now = {}, time.time()
         for r, k in enumerate(keys):
             if self.store.check([k]):
                 out[r] = json.loads(self.store.get(k))
+                if r not in self._seen or self._seen[r][0] != out[r]["t"]:
+                    self._seen[r] = (out[r]["t"], now)
         return out
 
     def verdict(self) -> str | None:
@@ -127,6 +147,7 @@ class Watchdog:
         return v or None
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self.poll_s):
             try:
                 self._publish()
@@ -134,8 +155,11 @@ class Watchdog:
                 self._announce(self.verdict())
                 self._judge(beats)
                 self._bury(beats)
-            except Exception:  # the store is gone (the job is ending): nothing left to watch
-                return
+                failures = 0
+            except Exception:  # a store hiccup: try again; gone for good (the job is ending): stop
+                failures += 1
+                if failures * self.poll_s > 60:
+                    return
 
     def _announce(self, verdict: str | None) -> None:
         """Print a verdict once, as this rank's error: torchrun may stop this process before its
@@ -152,7 +176,13 @@ class Watchdog:
         now = time.time()
         stale_after = 3 * self.poll_s + 1.0 if stale_after is None else stale_after
         return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
-            (b.get("host") == _HOST and not _alive(b.get("pid"))) or now - b["t"] > stale_after))
+            (b.get("host") == _MACHINE and not _alive(b.get("pid"))) or self._age(r, now) > stale_after))
+
+    def _age(self, r: int, now: float) -> float:
+        """Seconds, on this host's clock, since rank r's heartbeat last changed (clocks of other
+        hosts are never compared with this one's)."""
+        seen = self._seen.get(r)
+        return 0.0 if seen is None else now - seen[1]
 
     def _bury(self, beats: dict[int, dict]) -> None:
         """Blocked in a collective with a peer gone: gloo fails such a collective at once, but
@@ -202,7 +232,8 @@ class Watchdog:
             return
         # The stuck rank had its chance to speak for itself (and two heartbeats to be heard).
         grace = self.timeout_s + 2 * self.poll_s + min(2.0, self.timeout_s)
-        missing = sorted(r for r, t in behind.items() if t > grace) + sorted(set(range(self.world_size)) - set(beats))
+        absent = {r: self._since(self._behind, r, -1, now, True) for r in set(range(self.world_size)) - set(beats)}
+        missing = sorted(r for r, t in {**behind, **absent}.items() if t > grace)
         b = self.blocked
         if missing:
             seen = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} ({beats[r]['last'][0] or 'none'}) "

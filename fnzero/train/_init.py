@@ -33,7 +33,7 @@ __all__ = ["init_state"]
 
 
 def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *,
-               allow_unexpected: bool = False, optimizer=None) -> TrainState:
+               allow_unexpected: bool = False, optimizer=None, check_ranks_equal: bool = True) -> TrainState:
     """This rank's initial TrainState from `sm`'s initial values (see `ShardedModule.init_state`)."""
     sm.initial_values()  # raises when handed over already
     if optimizer is None and (sm.config is None or getattr(sm.config, "optimizer", None) is None):
@@ -60,7 +60,8 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             f"optimizer {kind} is not elementwise (it normalises per tensor) and "
             "cannot update flat shards; use it at ZeRO stage 0"
         )
-    _check_ranks_start_equal(sm, loaded)
+    if check_ranks_equal:
+        _check_ranks_start_equal(sm, loaded)
     initial = sm.hand_over_initial().params
     params, master, opt_state = _params_and_optimizer(sm, initial, opt)
     frozen, buffers = sm.constants

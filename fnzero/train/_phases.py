@@ -32,10 +32,12 @@ def split_micro_batches(batch: Any, k: int, rows: int | None = None) -> list[Any
     """`k` micro-batches: a list of length k is taken as given; otherwise every tensor leaf of the
     pytree is split into k equal parts along dim 0 (other leaves are shared).
 
-    Checked first, so a wrong batch never trains: every tensor leaf (with a dim 0) of a
-    micro-batch has the same number of rows, at least one; and `rows` per micro-batch when given
-    (the config's train_micro_batch_size_per_gpu): a 4-row batch at micro 4 x gas 2 is refused,
-    not trained as two micro-batches of 2."""
+    Checked first, so a wrong batch never trains: not empty (some tensor leaf has rows); when the
+    batch is split (k > 1), every tensor leaf with a dim 0 the same length; and, when the leaves
+    agree on a length, `rows` per micro-batch (the config's train_micro_batch_size_per_gpu): a
+    4-row batch at micro 4 x gas 2 is refused, not trained as two micro-batches of 2. (Leaves of
+    different lengths in an unsplit micro-batch are the model's business: images per sample,
+    packed sequences' offsets.)"""
     if isinstance(batch, list):
         if len(batch) != k:
             raise ShardingError(
@@ -44,7 +46,7 @@ def split_micro_batches(batch: Any, k: int, rows: int | None = None) -> list[Any
         for i, part in enumerate(batch):
             _check_rows(part, rows, f"micro-batch {i} of the list")
         return batch
-    _check_rows(batch, None if rows is None else rows * k, "the batch", k)
+    _check_rows(batch, None if rows is None else rows * k, "the batch", k, same_length=k > 1)
     if k == 1:
         return [batch]
     leaves, spec = optree.tree_flatten(batch)
@@ -75,22 +77,26 @@ def _leaf_name(path: tuple) -> str:
     return ".".join(map(str, path)) or "<root>"
 
 
-def _check_rows(batch: Any, expected: int | None, what: str, k: int = 1) -> None:
-    """Every tensor leaf with a dim 0 has the same, non-zero row count, equal to `expected` when
-    given. A batch without such leaves (the loss function makes its own data) passes."""
+def _check_rows(batch: Any, expected: int | None, what: str, k: int = 1, same_length: bool = False) -> None:
+    """Some tensor leaf has rows; with `same_length`, all tensor leaves with a dim 0 have the same
+    count; where they agree, it equals `expected` when given. A batch without tensor leaves (the
+    loss function makes its own data) passes."""
     rows = {}
     for path, leaf in zip(optree.tree_paths(batch), optree.tree_leaves(batch)):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             rows.setdefault(leaf.shape[0], _leaf_name(path))
     if not rows:
         return
-    if len(rows) > 1:
-        seen = ", ".join(f"{name}: {n}" for n, name in rows.items())
-        raise ShardingError(f"{what} has leaves of different lengths along dim 0 ({seen}); every tensor leaf "
-                            "is split along dim 0, so all must have the same number of rows")
-    (n, _name), = rows.items()
-    if n == 0:
+    if max(rows) == 0:
         raise ShardingError(f"{what} is empty (0 rows): nothing to train on, and the step would still count")
+    if len(rows) > 1:
+        if same_length:
+            seen = ", ".join(f"{name}: {n}" for n, name in rows.items())
+            raise ShardingError(f"{what} has leaves of different lengths along dim 0 ({seen}); it is split into "
+                                f"gradient_accumulation_steps={k} micro-batches along dim 0, so every tensor leaf "
+                                "must have the same number of rows (or pass a list of micro-batches)")
+        return
+    (n, _name), = rows.items()
     if expected is not None and n != expected:
         how = f"train_micro_batch_size_per_gpu ({expected // k}) x gradient_accumulation_steps ({k})" if k > 1 else (
             f"train_micro_batch_size_per_gpu ({expected})")
