@@ -77,11 +77,7 @@ def committed(root: str, tag: str, nonce: int, staging: str, committer: int, upd
                 return False
         if not update_latest:
             return True
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            return read_latest(root, fd) == tag
-        finally:
-            os.close(fd)
+        return read_latest(root) == tag
     except (OSError, CheckpointError):
         return False
 

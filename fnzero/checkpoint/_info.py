@@ -10,7 +10,7 @@ import torch
 from .._errors import CheckpointError
 from . import _format as F
 from ._load import Reader, list_tags, read_latest
-from ._safe import entry_kind, open_dir
+from ._safe import entry_kind
 
 __all__ = ["info", "check"]
 
@@ -44,16 +44,10 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     else:
         tags = committed = list_tags(root)
     latest, latest_problem = None, None
-    try:
-        root_fd = open_dir(root, None, root)
-    except FileNotFoundError:
-        raise CheckpointError(f"no checkpoint directory at {root!r}") from None
-    try:
-        latest = read_latest(root, root_fd)
+    try:  # (list_tags has found the root a readable directory)
+        latest = read_latest(root)
     except CheckpointError as e:
         latest_problem = f"BROKEN: {e}"
-    finally:
-        os.close(root_fd)
     out: dict[str, Any] = {"path": root, "latest": latest, "checkpoints": []}
     for tag in tags:
         d = os.path.join(root, tag)

@@ -49,32 +49,18 @@ _PIPELINE_CHUNK = 16 << 20  # write-behind and threaded-checksum granularity, bo
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 
 
-def _sync_file_range():
-    """Linux's sync_file_range through libc, or None where there is none."""
+def _libc(name: str, argtypes: list):
+    """libc's function `name` (errno kept), or None where libc has none."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
 
 
-_SFR = _sync_file_range()
-
-
-def _madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise() if os.uname().sysname == "Linux" else None
+_SFR = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+_MADVISE = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]) if os.uname().sysname == "Linux" else None
 _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
 

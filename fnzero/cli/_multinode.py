@@ -82,10 +82,10 @@ def _pump(proc: subprocess.Popen, host: str) -> threading.Thread:
 def launch_hostfile(args, rest: list[str]) -> int:
     """Start the job on every selected host of the hostfile; the first failure's exit status."""
     try:
-        active = select(read_hostfile(args.hostfile), args.include or "", args.exclude or "",
+        hosts = read_hostfile(args.hostfile)
+        active = select(hosts, args.include or "", args.exclude or "",
                         args.num_nodes if args.num_nodes is not None else -1,
                         args.num_gpus if args.num_gpus is not None else -1)
-        hosts = read_hostfile(args.hostfile)
         env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
         env.update(read_env_file())
         addr = _master_addr(args, next(iter(active)))

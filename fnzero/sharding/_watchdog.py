@@ -108,9 +108,6 @@ class Watchdog:
         atexit.register(self.finish)
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def finish(self) -> None:
         """At a normal exit: say so, so the others do not take this rank's end for a death; then
         let go of the store here, in the main thread, with the watchdog thread stopped (a store
