@@ -147,16 +147,15 @@ def test_the_host_kernels_compute_the_chain(name, data, sizes):
     """ZeRO-Offload's host step (fnzero's C kernels; their torch fallback gives the same numbers,
     tests/test_cext_kernels.py) is a fused implementation of the same chain: flat fp32 shards, the
     gradient scale (unscale x clip) fused in, a moving lr; fp32, so compared at fp32 precision."""
-    from fnzero.offload._cpu import host_optimizer_from_config
-
     hyper = data.draw(HOST[name])
     typ = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}[name]
     cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": typ, "params": {"lr": 1e-2, **hyper}}})
-    host, tx = host_optimizer_from_config(cfg), optim.chain_from_config(cfg)
+    host, tx = optim.host_from_config(cfg), optim.chain_from_config(cfg)
     gen = torch.Generator().manual_seed(sum(sizes))
     master = {f"u{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
     want, s_want = dict(master), tx.init(master)
-    got, s_got = dict(master), optim.from_config(cfg).init(master)
+    got, s_got = dict(master), host.init(master)
+    assert optree.tree_structure(s_got) == optree.tree_structure(optim.from_config(cfg).init(master))
     for t in range(4):
         grads = {k: torch.randn(v.shape, generator=gen) for k, v in master.items()}
         lr, scale = 1e-2 * (1 + t) / 2, 0.5
@@ -177,3 +176,13 @@ def test_a_chain_with_offload_is_refused_at_the_step_and_the_initial_state():
     with pytest.raises(fnzero.ShardingError, match="optimizer= runs where the parameters are"):
         sm.init_state(optimizer=_user_chain())
     assert sm.init_state() is not None  # refused before anything was handed over
+
+
+def test_the_optim_docstring_examples_run():
+    import doctest
+    import importlib
+
+    for name in ("", "._adam", "._sgd", "._adagrad", "._lamb", "._lion", "._transform", "._config", "._host"):
+        module = importlib.import_module(f"fnzero.optim{name}")
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

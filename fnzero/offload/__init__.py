@@ -1,5 +1,6 @@
-"""ZeRO-Offload (`_cpu`: the host optimizer step) and ZeRO-Infinity (`_nvme`: optimizer state in
-files); `specs/offload.md`."""
+"""ZeRO-Infinity: optimizer state in files (`_nvme`: the store; `_nvme_optimizer`: the optimizer
+implementation that streams the host kernels through it); `specs/offload.md`. ZeRO-Offload's
+in-memory host step is `fnzero.optim.host_optimizer`."""
 
 from ._nvme import NvmeOptimizerStore, NvmeStoreError, stale_stores
 

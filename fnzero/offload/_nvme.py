@@ -6,29 +6,27 @@ updates the current one (`specs/offload.md §NVMe store`).
 The files are scratch: every `create` makes a new `fnzero-rank{r}-{uuid}` directory, so a run
 never reads what an earlier (perhaps killed) run left behind. A manifest says whether the files
 are consistent ("clean") or were left part-way through a step or a write; per-file headers tie
-each file to its manifest. Checkpoints go through `read`/`write`, not through these files.
-
-[Note: why this file is long] `NvmeOptimizerStore` is one state machine over one set of files
-(manifest states, headers, the locked directory, the in-flight I/O): its ~400 lines check each
-other's invariants, and split across modules each part would reach into the others' state.
+each file to its manifest (their format, the lock and `stale_stores`: `_nvme_files.py`).
+Checkpoints go through `read`/`write`, not through these files.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
 import shutil
 import socket
-import struct
 import uuid
 from typing import Any, Callable
 
 import torch
 
 from .. import _ext
-from .._errors import DistributedError
+from ._nvme_files import (
+    _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, MANIFEST, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
+    check_unit_tensors, checked_create_args, flat_cpu, fsync_dir, pack_header, read_manifest, stale_stores,
+    take_lock, write_json_atomic,
+)
 
 __all__ = ["NvmeOptimizerStore", "NvmeStoreError", "OPTIMIZERS", "stale_stores"]
 
@@ -40,55 +38,6 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "lion": (_ext.lion_step_, ("exp_avg",)),
 }
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
-
-FORMAT = "fnzero-nvme-optimizer-store"
-VERSION = 1
-MAGIC = b"FNZNVME\0"
-HEADER = _ext.ALIGN  # one aligned block, so the data after it keeps O_DIRECT alignment
-_HDR = struct.Struct("<8sII16sQQ16s")  # magic, version, dtype (0 = fp32), store uuid, numel, data bytes, kind
-_ELEM = 4  # fp32
-_PAGE_ELEMS = _ext.ALIGN // _ELEM
-MANIFEST, LOCK, PREFIX = "manifest.json", "lock", "fnzero-rank"
-_AIO_KEYS = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit", "overlap_events",
-             "use_gds"}  # fmt: skip
-
-
-class NvmeStoreError(OSError, DistributedError):
-    """A store file is missing, truncated, replaced, of another store, or was left part-way through
-    a step: the run cannot go on from it. An OSError (errno, filename = the path) and a
-    fnzero.DistributedError."""
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _flat(name: str, what: str, t: Any) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"NvmeOptimizerStore: {what}[{name!r}] must be a contiguous CPU tensor")
-    return t.reshape(-1)
-
-
-def _write_json_atomic(path: str, obj: dict, fsync: bool) -> None:
-    # Write-then-rename: a reader sees the old manifest or the new one, never a torn one. Without
-    # fsync this survives kill -9 (the page cache outlives the process), not a power cut; the
-    # files are scratch, so only `create` pays for durability.
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 class NvmeOptimizerStore:
     """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit).
@@ -125,25 +74,7 @@ class NvmeOptimizerStore:
         caller may drop `master`. `aio`: DeepSpeed's aio block (mapping or object; block_size,
         queue_depth, thread_count used; single_submit/overlap_events accepted, the thread pool
         always overlaps). `use_cext`: None = C kernels and I/O when built, False = the fallbacks."""
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"NvmeOptimizerStore: optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-        for name, v, lo in (("sub_group_size", sub_group_size, 1), ("buffer_count", buffer_count, 2), ("rank", rank, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"NvmeOptimizerStore: {name} must be an integer >= {lo}, got {v!r}")
-        if isinstance(aio, dict):
-            if set(aio) - _AIO_KEYS:
-                raise ValueError(f"NvmeOptimizerStore: unknown aio keys {sorted(set(aio) - _AIO_KEYS)}")
-            if aio.get("use_gds"):
-                raise ValueError("NvmeOptimizerStore: aio.use_gds is not implemented")
-            if "intra_op_parallelism" in aio:  # DeepSpeed's newer name for thread_count
-                aio = {**aio, "thread_count": aio.get("thread_count", aio["intra_op_parallelism"])}
-        flat = {}
-        for name, t in master.items():
-            if not isinstance(name, str):
-                raise ValueError(f"NvmeOptimizerStore: unit names must be strings, got {name!r}")
-            flat[name] = _flat(name, "master", t)
-            if flat[name].dtype != torch.float32:
-                raise ValueError(f"NvmeOptimizerStore: master[{name!r}] must be float32, is {flat[name].dtype}")
+        aio, flat = checked_create_args(master, optimizer, sorted(OPTIMIZERS), sub_group_size, buffer_count, rank, aio)
         units, off = [], HEADER
         for name, t in flat.items():  # each unit starts on an aligned block, so whole-chunk I/O can be O_DIRECT
             units.append([name, t.numel(), off])
@@ -172,7 +103,7 @@ class NvmeOptimizerStore:
             for h in self._handles.values():
                 h.sync()
             self._save_manifest("clean", fsync=True)
-            _fsync_dir(path)
+            fsync_dir(path)
         except BaseException:
             self.close(delete=True)
             raise
@@ -186,17 +117,7 @@ class NvmeOptimizerStore:
         truncated, of another store, or left part-way through `create`, a step or a write; with
         `allow_interrupted` the last two open anyway (their contents mix old and new values)."""
         path = os.fspath(path)
-        mpath = os.path.join(path, MANIFEST)
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise NvmeStoreError(errno.ENOENT, "no store manifest here (not a store, or its create was killed "
-                                               "before writing one)", mpath) from None  # fmt: skip
-        except (ValueError, OSError) as e:
-            raise NvmeStoreError(errno.EIO, f"unreadable store manifest: {e}", mpath) from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-            raise NvmeStoreError(errno.EINVAL, f"not a {FORMAT} version {VERSION} manifest", mpath)
+        manifest = read_manifest(path)
         state = manifest["state"]
         if state == "creating":
             raise NvmeStoreError(errno.EIO, "the store's create was interrupted: its files are incomplete", path)
@@ -339,7 +260,7 @@ class NvmeOptimizerStore:
             raise ValueError(f"NvmeOptimizerStore.read: out must be a float32 tensor of {numel} elements")
         self._check_files()
         if numel:
-            self._handles[which].pread(_flat(unit, "out", out), off)
+            self._handles[which].pread(flat_cpu(unit, "out", out), off)
         return out
 
     def write(self, unit: str, which: str, value: torch.Tensor) -> None:
@@ -381,7 +302,7 @@ class NvmeOptimizerStore:
     def _save_manifest(self, state: str | None = None, fsync: bool = False) -> None:
         if state is not None:
             self._manifest["state"] = state
-        _write_json_atomic(os.path.join(self.path, MANIFEST), self._manifest, fsync)
+        write_json_atomic(os.path.join(self.path, MANIFEST), self._manifest, fsync)
 
     def _check_usable(self, what: str, write: bool) -> None:
         if not self._handles:
@@ -407,19 +328,10 @@ class NvmeOptimizerStore:
                 raise NvmeStoreError(errno.EIO, f"store file is truncated: {st.st_size} bytes, {want} expected", p)
 
     def _header(self, kind: str) -> bytes:
-        total = sum(numel for numel, _ in self._units.values())
-        data = self._manifest["file_bytes"] - HEADER
-        return _HDR.pack(MAGIC, VERSION, 0, bytes.fromhex(self._manifest["uuid"]), total, data, kind.encode())
+        return pack_header(self._manifest, sum(numel for numel, _ in self._units.values()), kind)
 
     def _validate_header(self, kind: str, h: _ext.AioHandle) -> None:
-        p, want = self._file(kind), self._manifest["file_bytes"]
-        if h.size < want:
-            raise NvmeStoreError(errno.EIO, f"store file is truncated: {h.size} bytes, {want} expected", p)
-        buf = _ext.aligned_empty(HEADER, torch.uint8)
-        h.pread(buf, 0)
-        if bytes(buf[: _HDR.size].numpy()) != self._header(kind):
-            raise NvmeStoreError(errno.EINVAL, "store file header does not match the manifest (another store's "
-                                               "file, another version, or corrupt)", p)  # fmt: skip
+        check_header(h, self._file(kind), self._manifest["file_bytes"], self._header(kind))
 
     def _where(self, unit: str, which: str) -> tuple[int, int]:
         if which not in self.kinds:
@@ -429,19 +341,7 @@ class NvmeOptimizerStore:
         return self._units[unit]
 
     def _check_tensors(self, what: str, tensors: Any, dtypes: tuple, subset: bool = False) -> dict[str, torch.Tensor]:
-        names = set(tensors) if isinstance(tensors, dict) else None
-        if names is None or not (names <= set(self._units) if subset else names == set(self._units)):
-            got = sorted(names) if names is not None else type(tensors).__name__
-            which = "only units of the store" if subset else "exactly the store's units"
-            raise ValueError(f"NvmeOptimizerStore.step: {what} must have {which} {sorted(self._units)}, "
-                             f"got {got}")  # fmt: skip
-        flat = {}
-        for name, t in tensors.items():
-            flat[name] = _flat(name, what, t)
-            if t.dtype not in dtypes or t.numel() != self._units[name][0]:
-                raise ValueError(f"NvmeOptimizerStore.step: {what}[{name!r}] must be one of {list(dtypes)} with "
-                                 f"{self._units[name][0]} elements; is {t.dtype} with {t.numel()}")  # fmt: skip
-        return flat
+        return check_unit_tensors({k: numel for k, (numel, _) in self._units.items()}, what, tensors, dtypes, subset)
 
     # -- files and lifetime -------------------------------------------------------------------
     def _file(self, kind: str) -> str:
@@ -459,10 +359,7 @@ class NvmeOptimizerStore:
         return h
 
     def _lock(self) -> None:
-        # Held for the store's life; the kernel drops it when the process dies, which is how
-        # `stale_stores` tells leftovers of killed runs from live stores.
-        self._lock_fd = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._lock_fd = take_lock(self.path)
 
     def _drain(self) -> None:
         first: BaseException | None = None
@@ -501,34 +398,3 @@ class NvmeOptimizerStore:
             self.close(delete=False)
         except Exception:
             pass
-
-
-def stale_stores(directory: str | os.PathLike, *, remove: bool = False) -> list[str]:
-    """Store directories under `directory` whose process is gone (their lock is free): what killed
-    runs left behind. A live store's lock is held, so it is never listed. `remove` deletes them.
-    Only meaningful on a local file system (flock)."""
-    found = []
-    try:
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
-        return []
-    for name in names:
-        p = os.path.join(os.fspath(directory), name)
-        if not name.startswith(PREFIX) or not os.path.isdir(p):
-            continue
-        try:
-            fd = os.open(os.path.join(p, LOCK), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:  # killed before it took the lock
-            found.append(p)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            found.append(p)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
-    if remove:
-        for p in found:
-            shutil.rmtree(p, ignore_errors=True)
-    return found

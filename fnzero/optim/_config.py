@@ -11,12 +11,13 @@ from ._adagrad import adagrad
 from ._adam import adam, adamw
 from ._base import Optimizer
 from ._chains import CHAINS
+from ._host import host_optimizer
 from ._transform import GradientTransformation
 from ._lamb import lamb
 from ._lion import lion
 from ._sgd import sgd
 
-__all__ = ["from_config", "chain_from_config"]
+__all__ = ["from_config", "chain_from_config", "host_from_config"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
@@ -81,3 +82,17 @@ def chain_from_config(cfg: Any) -> GradientTransformation:
     kind = optimizer_kind(cfg)
     FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))  # the same checks of every value
     return CHAINS[kind](**params_dict(getattr(cfg.optimizer, "params", None)))
+
+
+def host_from_config(cfg: Any) -> Optimizer:
+    """The host implementation (fnzero's C kernels over flat fp32 shards: ZeRO-Offload) of
+    ``cfg.optimizer``; a ConfigError for a type no host kernel computes (SGD, Lamb).
+
+    >>> from types import SimpleNamespace as NS
+    >>> host_from_config(NS(optimizer=NS(type="Lion", params={"lr": 1e-4}))).takes_extras
+    True
+    """
+    kind = optimizer_kind(cfg)
+    params = params_dict(getattr(cfg.optimizer, "params", None))
+    FACTORIES[kind](**params)  # the same checks of every value
+    return host_optimizer(cfg.optimizer.type, **params)

@@ -8,7 +8,6 @@ from the optimizer, offload, checkpoint and step code (`specs/architecture.md`).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import warnings
@@ -19,9 +18,6 @@ from torch import nn
 from .._errors import ShardingError
 from .._state import TrainState
 from ..checkpoint._pretrained import load_pretrained
-from ..offload._cpu import host_optimizer_from_config
-from ..offload._nvme import NvmeOptimizerStore
-from ..offload._state import NvmeOptState
 from ..sharding._module import PretrainedWarning, ShardedModule, optimizer_view
 from ..sharding._param_store import placeholder
 from ..sharding._gather import unit_views
@@ -40,7 +36,7 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         raise ShardingError(
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
-    opt = optimizer_or_config(optimizer, sm.config)  # before any file is read: a bad optimizer fails first
+    opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
     if pretrained is not None:
         _load_pretrained(sm, pretrained, allow_unexpected)
     loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
@@ -110,7 +106,7 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     params = {name: t.to(cd) for name, t in initial.items()}
     offload = sm.policy.offload_optimizer
     if offload == "nvme":
-        opt_state = _nvme_init(sm, optimizer_view(plan, rank, initial, elementwise=True))
+        opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
         if sm.policy.offload_param == "nvme":
             # The shards are read from the store's master file when gathered (`_param_store.py`).
             params = {
@@ -162,37 +158,9 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
         )
 
 
-def _nvme_init(sm: ShardedModule, master_view: dict[str, torch.Tensor]) -> NvmeOptState:
-    """ZeRO-Infinity: the fp32 master shards and zero moments go to files under nvme_path."""
-    z = sm.config.zero_optimization
-    oo = z.offload_optimizer
-    kind = host_optimizer_from_config(sm.config).kind
-    aio = sm.config.aio.model_dump() if getattr(sm.config, "aio", None) is not None else None
-    master = {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in master_view.items()}
-    store = NvmeOptimizerStore.create(
-        oo.nvme_path, master, optimizer=kind, sub_group_size=max(1, int(z.sub_group_size)),
-        buffer_count=max(2, int(oo.buffer_count)), aio=_aio_kwargs(aio), rank=sm.comm.rank,
-    )
-    # Scratch files of this run: removed when the process ends (a killed process leaves them;
-    # fnzero.offload.stale_stores finds and removes those).
-    atexit.register(store.close)
-    return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=store)
-
-
 def _non_persistent_buffers(model: nn.Module) -> set[str]:
     out = set()
     for path, m in model.named_modules():
         for leaf in getattr(m, "_non_persistent_buffers_set", ()):
             out.add(f"{path}.{leaf}" if path else leaf)
-    return out
-
-
-def _aio_kwargs(aio: dict | None) -> dict | None:
-    """The config's aio block in the names the store takes (DeepSpeed renamed thread_count)."""
-    if aio is None:
-        return None
-    keys = {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events"}
-    out = {k: v for k, v in aio.items() if k in keys and v is not None}
-    if "thread_count" not in out and aio.get("intra_op_parallelism") is not None:
-        out["thread_count"] = aio["intra_op_parallelism"]
     return out

@@ -33,6 +33,8 @@ from ._phases import (
     Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
     micro_batch_rows, split_micro_batches,
 )
+from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
+from ..optim._config import params_dict
 from ..sharding._policy import offload_device
 from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
@@ -41,12 +43,21 @@ from ._update import host_update, publish_params, update_on_device
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
 
-def optimizer_or_config(optimizer, config) -> "_optim.Optimizer":
-    """The optimizer a step or an initial state uses: the one given (a chain is run through
-    `as_optimizer`), else the config's `optimizer` block."""
+def optimizer_or_config(optimizer, config, rank: int = 0) -> "_optim.Optimizer":
+    """The optimizer implementation a step or an initial state runs. A given one (a chain is run
+    through `as_optimizer`) runs where the parameters are. Else the config's `optimizer` block,
+    implemented where its state is placed: on the parameters' device (torch's fused kernels), on
+    the host with `offload_optimizer: cpu` (fnzero's C kernels), or streamed through files with
+    `nvme` (the same kernels; `rank` names this process's files)."""
+    where = offload_device(config)
     if optimizer is None:
-        return _optim.from_config(config)
-    if offload_device(config) is not None:
+        if where is None:
+            return _optim.from_config(config)
+        if where == "cpu":
+            return _optim.host_from_config(config)
+        params = _optim_params(config)
+        return nvme_optimizer(config.optimizer.type, params, store_options_from_config(config, rank))
+    if where is not None:
         raise ShardingError(
             "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
             "optimizer= runs where the parameters are: remove one of them"
@@ -59,6 +70,11 @@ def optimizer_or_config(optimizer, config) -> "_optim.Optimizer":
         f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
         f"{type(optimizer).__name__}"
     )
+
+
+def _optim_params(config) -> dict:
+    _optim.host_from_config(config)  # the type and every value checked as for the host
+    return params_dict(getattr(config.optimizer, "params", None))
 
 
 def train_step(
@@ -107,11 +123,6 @@ class TrainStep:
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and getattr(config, "scheduler", None) is None
         self.sched = None if own_lr else _schedules.from_config(config)
-        self.host_opt = None
-        if self.policy.offload_optimizer is not None:
-            from ..offload._cpu import host_optimizer_from_config
-
-            self.host_opt = host_optimizer_from_config(config)
 
     def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":
         """The same step (config, optimizer, schedule) around another loss function."""
@@ -129,11 +140,10 @@ class TrainStep:
             )
         state.sharding.plan.check_params(state.params, "state.params")
         with torch.enable_grad():
-            return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux,
-                         self.host_opt)
+            return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux)
 
 
-def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool, host_opt=None):
+def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
     """The step's phases in order: forward/backward per micro-batch with gradients reduced by
     placement, one all-reduce of norm and loss, the overflow verdict, clipping, the optimizer,
     publishing the parameters (`specs/architecture.md` §How a batch flows)."""
@@ -182,8 +192,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     factor = inv * coef
     momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
     timer.start()
-    if host_opt is not None:
-        new_state = host_update(state, grads, factor, metrics["lr"], momentum, host_opt, donate, new_ls)
+    if policy.offload_optimizer is not None:
+        new_state = host_update(state, grads, factor, metrics["lr"], momentum, opt, donate, new_ls)
         timer.stop("optimizer")
         return new_state, metrics
     new_slices, new_master, new_opt_state = update_on_device(state, grads, factor, metrics["lr"], momentum, opt,

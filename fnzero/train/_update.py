@@ -4,11 +4,8 @@ parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from .._errors import ShardingError
 from .._state import TrainState
 from ..offload._state import NvmeOptState
 from ..sharding._module import optimizer_view
@@ -69,9 +66,10 @@ def publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donat
     return {u.name: new_params[u.name] for u in plan.units}
 
 
-def host_update(state: TrainState, grads, factor: float, lr: float, momentum, host_opt, donate: bool, new_ls):
-    """ZeRO-Offload: the host optimizer updates the fp32 master shard with the gradient factor
-    and the 16-bit (or device) copy of the new parameters fused into its pass."""
+def host_update(state: TrainState, grads, factor: float, lr: float, momentum, opt, donate: bool, new_ls):
+    """ZeRO-Offload and ZeRO-Infinity: the host implementation `opt` (C kernels, in memory or
+    streamed through the NVMe store's files) updates the fp32 master shard, with the gradient
+    factor and the 16-bit (or device) copy of the new parameters fused into its pass."""
     sh = state.sharding
     plan, rank = sh.plan, sh.rank
     if state.master is not None:
@@ -83,7 +81,7 @@ def host_update(state: TrainState, grads, factor: float, lr: float, momentum, ho
     out = {}
     nvme = isinstance(state.opt_state, NvmeOptState)  # the master is on disk
     # `offload_param: nvme`: these units' parameters are the master file itself (placeholders here).
-    in_store = {u.name for u in plan.units if nvme and state.opt_state.holds_params and plan.params_sharded(u)}
+    in_store = {u.name for u in plan.units if nvme and state.opt_state.holds_params and u.placement.params}
     for u in plan.units:
         p = state.params[u.name]
         if u.name in in_store:
@@ -93,40 +91,15 @@ def host_update(state: TrainState, grads, factor: float, lr: float, momentum, ho
         else:
             numel = master[u.name].numel()
             out[u.name] = p.new_empty(numel) if not donate or p.numel() != numel else p
-    if nvme:
-        new_master, new_opt = _nvme_update(state, grads, factor, lr, momentum, host_opt, donate, out)
-    else:
-        new_master, new_opt = host_opt.update(
-            grads, state.opt_state, master, lr, momentum=momentum, grad_scale=factor,
-            out={k: v for k, v in out.items() if v is not None}, inplace=donate,
-        )
+    update = opt.update_ if donate else opt.update
+    new_master, new_opt = update(grads, state.opt_state, None if nvme else master, lr, momentum=momentum,
+                                 grad_scale=factor, out={k: v for k, v in out.items() if v is not None})
     new_slices = {
         u.name: state.params[u.name] if u.name in in_store else out[u.name] if out[u.name] is not None else new_master[u.name]
         for u in plan.units
     }
     new_params = publish_params(state, new_slices, donate)
     return next_state(state, new_params, new_master if state.master is not None else None, new_opt, new_ls)
-
-
-def _nvme_update(state: TrainState, grads, factor, lr, momentum, host_opt, donate: bool, out):
-    """ZeRO-Infinity: the store streams master and moments through the C kernel in sub-groups and
-    writes the new parameters into `out`."""
-    opt_state = state.opt_state
-    store = opt_state.store
-    count = int(opt_state.count)
-    if (store.last_step or 0) != count:
-        raise ShardingError(
-            f"this TrainState is at step {count} but its NVMe optimizer files are at step {store.last_step}: "
-            "with offload_optimizer device nvme the files are updated in place, so only the newest state "
-            "can take a step"
-        )
-    targets = {k: v for k, v in out.items() if v is not None and v.device.type == "cpu"}
-    store.step({k: g.to("cpu") for k, g in grads.items()}, step=count + 1, out=targets, grad_scale=factor,
-               **host_opt.kernel_kwargs(lr, momentum))
-    for k, v in out.items():
-        if v is not None and k not in targets:  # accelerator parameters: copy the host result over
-            v.copy_(store.read(k, "master").to(v.dtype))
-    return None, dataclasses.replace(opt_state, count=torch.tensor(count + 1, dtype=torch.int64))
 
 
 def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -45,7 +45,7 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
     plan, comm = state.sharding.plan, state.sharding.comm
     if plan.any_sharded_params:
         return "stage 3 gathers parameter shards inside the forward"
-    if step.host_opt is not None:
+    if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:
         kind = str(getattr(getattr(step.config, "optimizer", None), "type", "this optimizer"))
