@@ -34,6 +34,10 @@ jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forwa
     whole step as one graph at stages 0-2 (scope="step") (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
+make_mesh, Mesh             the ranks as a data-parallel x tensor-parallel grid (`specs/mesh.md`); the
+    config's `tensor_parallel.autotp_size` builds one inside `shard`.
+TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
+vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`).
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
@@ -64,7 +68,7 @@ _LAZY = {
     **dict.fromkeys((
         "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
-        "init_distributed", "shard",
+        "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
     ), ".sharding"),
     **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding._world_config"),
     **dict.fromkeys((
@@ -101,7 +105,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from ._state import LossScaleState, Sharding, TrainState
     from .sharding import (
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
-        ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, UnitPlan, init_distributed, shard,
+        Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
+        init_distributed, make_mesh, shard, vocab_parallel_cross_entropy,
     )
     from .sharding._world_config import hf_auto_values, load_config
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
@@ -125,6 +130,7 @@ __all__ = [
     "JittedStep",
     "LocalCollectives",
     "LossScaleState",
+    "Mesh",
     "Placement",
     "PretrainedWarning",
     "ProcessGroupCollectives",
@@ -135,10 +141,13 @@ __all__ = [
     "ShardingError",
     "TrainState",
     "TrainStep",
+    "TPLayout",
+    "TPRule",
     "UnitPlan",
     "init_distributed",
     "jit",
     "load_config",
+    "make_mesh",
     "memory",
     "optim",
     "remat",
@@ -147,4 +156,5 @@ __all__ = [
     "split_micro_batches",
     "train_step",
     "tree_clone",
+    "vocab_parallel_cross_entropy",
 ]

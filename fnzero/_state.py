@@ -17,12 +17,15 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device")
+    __slots__ = ("plan", "comm", "device", "tp")
 
-    def __init__(self, plan, comm, device: torch.device):
+    def __init__(self, plan, comm, device: torch.device, tp=None):
         self.plan = plan
-        self.comm = comm
+        self.comm = comm  # the data-parallel ranks: ZeRO shards over them
         self.device = torch.device(device)
+        # The tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
+        # rank's slices along the tp axis, and that axis' collectives; None without tensor parallelism.
+        self.tp = tp
 
     @property
     def rank(self) -> int:
@@ -35,7 +38,8 @@ class Sharding:
     # Two states share a sharding when they share plan and communicator; identity is enough for the
     # communicator (one per process group) and keeps treespec comparison cheap.
     def __eq__(self, other):
-        return isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
+        return (isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
+                and other.tp == self.tp)
 
     def __hash__(self):
         return hash((self.plan, id(self.comm)))
@@ -44,7 +48,8 @@ class Sharding:
         p = self.plan
         return (
             f"Sharding(stage={p.stage}, rank={self.rank}/{self.world_size}, units={len(p.units)}, "
-            f"params={p.num_params}, device={self.device})"
+            f"params={p.num_params}, device={self.device}"
+            + (f", tp={self.tp.rank}/{self.tp.size})" if self.tp is not None else ")")
         )
 
 

@@ -29,6 +29,10 @@ def _make_model(kind, dtype, seed):
         model = GPT(vocab_size=37, seq_len=8, d_model=12, n_layer=2, n_head=3)
     elif kind == "gpt_tied":
         model = GPT(vocab_size=37, seq_len=8, d_model=12, n_layer=1, n_head=2, tied=True)
+    elif kind == "gpt_tp":  # heads and widths that 2 and 4 tensor-parallel ranks divide; a vocabulary that they do not
+        model = GPT(vocab_size=37, seq_len=8, d_model=16, n_layer=2, n_head=4, mlp_ratio=3)
+    elif kind == "gpt_tp_tied":
+        model = GPT(vocab_size=37, seq_len=8, d_model=16, n_layer=1, n_head=4, mlp_ratio=3, tied=True)
     elif kind.startswith("mlp:"):
         sizes = [int(s) for s in kind[4:].split(",")]
         model = MLP(sizes)
@@ -87,6 +91,8 @@ def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torc
                  donate=False, extra=None, return_state=False, jit=None):
     world, rank = comm.world_size, comm.rank
     cfg = config(stage, k, micro, world, clip, precision, extra)
+    tp = cfg.tensor_parallel.size  # the ranks of one tensor-parallel group share their data
+    world, rank = world // tp, rank // tp
     model = make_model(kind, dtype)
     if precision != "fp32":
         model = model.float()
@@ -95,7 +101,10 @@ def train_fnzero(kind, stage, steps, comm, *, k=1, micro=2, clip=1.0, dtype=torc
 
     def loss_fn(params, batch):
         x, y = batch
-        return loss_of(kind, sm.apply(params, x), y)
+        out = sm.apply(params, x)
+        if sm.tp is not None and sm.tp.vocab_head is not None:  # logits split over the vocabulary
+            return sm.cross_entropy(out, y)
+        return loss_of(kind, out, y)
 
     step = fnzero.train_step(loss_fn, cfg, donate=donate)
     if jit is not None:  # torch.compile options for fnzero.jit
@@ -137,8 +146,10 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
 
 
-def spawned_equivalence(cases, steps):
-    """World function: run every (kind, stage, k, clip) case on this rank; return rank 0's view."""
+def spawned_equivalence(cases, steps, tp_cases=()):
+    """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
+    stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
+    these processes); return rank 0's view, and every rank's results of the tensor-parallel cases."""
     from fnzero.sharding._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
@@ -147,7 +158,12 @@ def spawned_equivalence(cases, steps):
         dtype = getattr(torch, dtype_name)
         r = train_fnzero(kind, stage, steps, comm, k=k, clip=clip, dtype=dtype, precision=precision)
         out[f"{kind}|{stage}|{k}|{clip}|{precision}|{dtype_name}"] = {"losses": r["losses"], "params": r["params"]}
-    return out if comm.rank == 0 else None
+    for kind, stage, tp in tp_cases:
+        r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"tensor_parallel": {"autotp_size": tp}})
+        out[f"tp|{kind}|{stage}|{tp}|rank{comm.rank}"] = {"losses": r["losses"], "params": r["params"]}
+    if comm.rank == 0:
+        return out
+    return {key: v for key, v in out.items() if key.startswith("tp|")}
 
 
 def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, what=""):

@@ -131,6 +131,22 @@ DEEPSPEED_0_19_8 = {
     "checkpoint.load_universal": False,
     "checkpoint.use_node_local_storage": False,
     "checkpoint.parallel_write.pipeline_stage": False,
+    # runtime/tensor_parallel/config.py TPTrainingConfig (and its TPConfig under `tp`); `dtype` is
+    # torch.float16 there, written as DeepSpeed's JSON spelling here
+    "tensor_parallel.autotp_size": 0,
+    "tensor_parallel.tp_overlap_comm": False,
+    "tensor_parallel.vocab_parallel_lm_head": None,
+    "tensor_parallel.vocab_parallel_ce_backend": "torch",
+    "tensor_parallel.tensor_parallel.tp_size": 1,
+    "tensor_parallel.tensor_parallel.tp_grain_size": 1,
+    "tensor_parallel.tensor_parallel.mpu": None,
+    "tensor_parallel.tensor_parallel.tp_group": None,
+    "tensor_parallel.injection_policy_tuple": None,
+    "tensor_parallel.partition_config": None,
+    "tensor_parallel.preset_model": None,
+    "tensor_parallel.keep_module_on_host": False,
+    "tensor_parallel.replace_with_kernel_inject": False,
+    "tensor_parallel.dtype": "fp16",
 }
 
 # Resolved defaults fnzero does not follow: none (overlap_comm resolves as runtime/zero/config.py

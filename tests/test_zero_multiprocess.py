@@ -26,11 +26,17 @@ RTOL_F32_LOSS = 1e-4  # fp32 losses: reduction-order noise, amplified by Adam on
 RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 
 
+# Tensor parallelism on the same processes (specs/mesh.md): (kind, stage, tp) per world size.
+TP_CASES = {1: [], 2: [("gpt_tp", 0, 2)], 4: [("gpt_tp", 1, 2), ("gpt_tp", 3, 2)]}
+
+
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
 def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
-    (out, *_) = run_world(W.spawned_equivalence, world, cases, STEPS, timeout=600)
+    (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], timeout=600)
+    for other in rest:
+        out.update(other)
     return world, out
 
 
@@ -54,6 +60,21 @@ def test_float64_parameters_match_reference(world_results, references):
         got = out[f"{kind}|{stage}|{k}|{clip}|{prec}|{dt}"]
         W.assert_close_tree(got["params"], ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"{kind} stage {stage} world {world}")
         assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_F64)
+
+
+def test_dp_x_tp_meshes_match_reference(world_results, references):
+    """dp x tp over real gloo processes (the mesh's groups are a torch DeviceMesh): every rank's
+    consolidated parameters equal plain torch's AdamW on the whole model, in float64."""
+    world, out = world_results
+    if not TP_CASES[world]:
+        pytest.skip("a world of one has no tensor parallelism")
+    for kind, stage, tp in TP_CASES[world]:
+        ref = references(kind, world // tp, torch.float64)
+        for rank in range(world):
+            got = out[f"tp|{kind}|{stage}|{tp}|rank{rank}"]
+            W.assert_close_tree(got["params"], ref["params"], rtol=RTOL_F64, atol=1e-12,
+                                what=f"{kind} dp{world // tp} x tp{tp} stage {stage} rank {rank}")
+            assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_F64)
 
 
 def test_float32_losses_match_reference(world_results, references):

@@ -270,7 +270,9 @@ def export_live(
     gathered one at a time (master weights when present) and rank 0 writes. Returns rank 0's paths,
     None elsewhere."""
     from ..sharding._module import full_unit
+    from ._tree import refuse_tensor_parallel
 
+    refuse_tensor_parallel(state, "export")
     want = parse_dtype(dtype)
     plan, comm = state.sharding.plan, state.sharding.comm
     src = state.master if state.master is not None else state.params

@@ -19,7 +19,7 @@ from .._state import LossScaleState, TrainState
 from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
-from ._tree import Leaf, rebuild_state, unit_meta
+from ._tree import Leaf, rebuild_state, refuse_tensor_parallel, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
 
@@ -314,6 +314,7 @@ def load(
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
+    refuse_tensor_parallel(like, "load")
     from ..offload._checkpoint import is_nvme, like_in_memory, restore_into_store
 
     if is_nvme(like):

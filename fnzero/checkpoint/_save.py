@@ -38,7 +38,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, failure_marker, merge_parts, read_part
 from ._io import AlignedWriter, wait_for, write_atomic
 from ._nodes import discover_groups, exchange_parts, merge_for_group
-from ._tree import state_leaves, unit_meta
+from ._tree import refuse_tensor_parallel, state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
 
@@ -236,6 +236,7 @@ def save(
     # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
+    refuse_tensor_parallel(state, "save")
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):

@@ -19,7 +19,7 @@ __all__ = ["normalize"]
 # other model unchanged there too: fnzero accepts it with a warning (specs/config.md).
 NO_EFFECT_BLOCKS = {"pipeline": "DeepSpeed reads it only for a PipelineModule; fnzero has no pipeline engine yet"}
 UNSUPPORTED_BLOCKS = (
-    "tensor_parallel", "hybrid_engine", "compression_training", "quantize_training",
+    "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
     "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe", "expert_parallel",
     "weight_quantization", "compile", "datastates", "zenflow",
@@ -71,6 +71,8 @@ ALIASES = {
     "bfloat16": "bf16",
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "aio.intra_op_parallelism": "aio.thread_count",
+    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",  # DeepSpeed's alias of the field
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
 }
 
 

@@ -56,7 +56,7 @@ def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any]
 
 def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None, *, stacklevel: int) -> Config:
     """`load_config` for callers that wrap it: its warnings point `stacklevel` frames up."""
-    if isinstance(src, Config) and auto is None and world_size in (None, src.world_size):
+    if isinstance(src, Config) and auto is None and world_size in (None, src.world_ranks):
         return src
     if isinstance(src, Config):
         src = src.to_dict()
@@ -66,6 +66,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
     deprecations = normalize(raw, problems)
     unresolved = fill_auto(raw, auto, problems)
     check_unknown(raw, problems)
+    ranks, world = world, _data_parallel_world(raw, world, problems)
     if "optimizer" in raw:
         raw["optimizer"] = _build_typed(raw["optimizer"], "optimizer", problems)
     if "scheduler" in raw:
@@ -74,7 +75,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
         raw.update(dict.fromkeys(TRIAD, 1))  # already reported as "auto"; do not also demand a batch size
     else:
         raw.update(_batch_triad(raw, world, problems))
-    raw["world_size"] = world
+    raw["world_size"], raw["world_ranks"] = world, ranks
     cfg = validate_into(Config, raw, (), problems)
     if cfg is None:
         problems.extend(_cross_checks_of_the_rest(raw, problems.items))
@@ -103,6 +104,19 @@ def _cross_checks_of_the_rest(raw: dict[str, Any], found: list[str]) -> list[str
     except Exception:  # a rule that needs what was left out: nothing more to say
         return []
     return [line for line in lines if not any(f"`{section}" in line for section in bad)]
+
+
+def _data_parallel_world(raw: dict[str, Any], world: int, problems: Problems) -> int:
+    """The data-parallel ranks among `world`: the batch triad counts those only. The ranks of one
+    tensor-parallel group (`tensor_parallel.autotp_size`) see the same samples."""
+    tp = raw.get("tensor_parallel", {}).get("autotp_size", 0) if isinstance(raw.get("tensor_parallel"), dict) else 0
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
+        return world  # off, or a bad value the section's own validation reports
+    if world % tp:
+        problems.add(f"`tensor_parallel.autotp_size` {tp} does not divide the world size {world}: the mesh is "
+                     f"data-parallel × tensor-parallel ranks, so the world must be a multiple of {tp}")
+        return world
+    return world // tp
 
 
 def _world(world_size: Any) -> int:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from ._optim_models import OptimizerConfig
+from ._parallel import TensorParallelConfig
 from ._sched_models import SchedulerConfig
 from ._sections import (
     ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
@@ -70,9 +71,13 @@ class Config(Model):
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig, description="TensorBoard monitor.")
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig, description="CSV monitor.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
+                                                  description="AutoTP: tensor parallelism (Megatron-style).")
     # Not a DeepSpeed key: the data-parallel world size the batch triad was resolved against.
     # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
     world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")
+    # Not a DeepSpeed key: every rank of the job (data-parallel x tensor-parallel), as given to load_config.
+    world_ranks: PosInt = Field(1, exclude=True, description="The job's ranks the config was loaded for.")
 
     _dt = field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")(
         classmethod(lambda cls, v: canonical_dtype(v))
@@ -97,5 +102,5 @@ class Config(Model):
         return self.model_dump(mode="json")
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The resolved config as JSON; `load_config(cfg.to_json(), world_size=cfg.world_size) == cfg`."""
+        """The resolved config as JSON; `load_config(cfg.to_json(), world_size=cfg.world_ranks) == cfg`."""
         return json.dumps(self.to_dict(), indent=indent)

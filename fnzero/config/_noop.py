@@ -91,6 +91,28 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: c.checkpoint.tag_validation if c.checkpoint.tag_validation != "Warn" else None,
         "fnzero.checkpoint.save does not compare tags across ranks",
     ),
+    "tensor_parallel.tp_overlap_comm": (
+        lambda c: True if c.tensor_parallel.tp_overlap_comm else None,
+        "fnzero's tensor-parallel all-reduces run in line with the layer that needs them",
+    ),
+    "tensor_parallel.keep_module_on_host": (
+        lambda c: True if c.tensor_parallel.keep_module_on_host else None,
+        "fnzero already keeps weights on the host until each rank's slice is placed",
+    ),
+    "tensor_parallel.dtype": (
+        lambda c: c.tensor_parallel.dtype if c.tensor_parallel.dtype.lower() not in ("fp16", "float16", "torch.float16")
+        else None,
+        "DeepSpeed reads it for inference; training precision comes from the fp16/bf16 blocks",
+    ),
+    "tensor_parallel.tensor_parallel.tp_size": (
+        lambda c: c.tensor_parallel.tensor_parallel.tp_size if c.tensor_parallel.tensor_parallel.tp_size != 1 else None,
+        "it sizes DeepSpeed's inference AutoTP; training splits over tensor_parallel.autotp_size ranks",
+    ),
+    "tensor_parallel.tensor_parallel.tp_grain_size": (
+        lambda c: c.tensor_parallel.tensor_parallel.tp_grain_size
+        if c.tensor_parallel.tensor_parallel.tp_grain_size != 1 else None,
+        "DeepSpeed's training AutoTP does not read it either (uneven splits are fnzero's default)",
+    ),
     "checkpoint.load_universal": (
         lambda c: True if c.checkpoint.load_universal else None,
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",

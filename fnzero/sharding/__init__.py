@@ -9,6 +9,10 @@
     default_collectives, providing_collectives, current_world_size
                                      the collectives (and world) code runs over when it names none
     init_distributed, DistInfo       join torchrun's process group
+    make_mesh, Mesh, MeshShape       the ranks as a dp x tp grid, with each axis' collectives
+    TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each
+                                     parameter is (`specs/mesh.md`)
+    vocab_parallel_cross_entropy     the cross-entropy of logits split over the vocabulary
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ from ._dist import DistInfo, init_distributed
 from ._module import PretrainedWarning, ShardedModule
 from ._placement import Placement, placement_for_stage
 from ._plan import ShardPlan, UnitPlan
+from ._autotp import TPRule
+from ._mesh import Mesh, MeshShape, make_mesh
+from ._tp_layout import ParamSplit, TPLayout
+from ._tp_ops import vocab_parallel_cross_entropy
 
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
-    "init_distributed", "placement_for_stage", "providing_collectives", "shard",
+    "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
+    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy",
 ]

@@ -8,7 +8,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
+from ._autotp import TPRule, parallelize, rules_from_config
+from ._mesh import Mesh, mesh_from_config
+from ._tp_layout import TPLayout
 from ._policy import shard_policy
 from ._collectives import Collectives, default_collectives
 from ._observed import CheckedCollectives, RecordingCollectives
@@ -32,6 +35,8 @@ def shard(
     device: torch.device | str | None = None,
     debug_collectives: bool = False,
     init_seed: int | None = None,
+    mesh: Mesh | None = None,
+    tp_plan: list[TPRule] | None = None,
 ) -> ShardedModule:
     """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
     torch.distributed default group, or one process). `stage` overrides the config's
@@ -43,6 +48,12 @@ def shard(
     (`reset_parameters()`, Hugging Face's `_init_weights`), and keeps its shards; the values depend
     only on `init_seed` (default: torch's initial seed on rank 0), never on the world size or the
     rank (`specs/sharding.md` §Meta construction). `device` defaults to the accelerator if any.
+
+    Tensor parallelism (`specs/mesh.md`): with `tensor_parallel.autotp_size` > 1 in the config (or
+    a `mesh` from `fnzero.make_mesh(comm, tp=...)`), each layer's weights are first split over the
+    tensor-parallel ranks (AutoTP: the model's built-in plan, the config's
+    `partition_config.layer_specs`, or `tp_plan`, a list of `TPRule`), and ZeRO then shards this
+    rank's slices over the data-parallel ranks.
 
     With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
     bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
@@ -64,6 +75,7 @@ def shard(
     meta = is_meta_model(model)
     policy = shard_policy(config, stage)
     comm = comm if comm is not None else default_collectives()
+    comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan)
     watchdog = process_watchdog()
     if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
         watchdog.timeout_s = float(config.watchdog.timeout_seconds)
@@ -106,12 +118,40 @@ def shard(
     from .._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
-    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen, buffers)
+    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
+                       buffers, tp=tp_layout)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     for u in plan.units:
         if u.placement.params and u.module != "":
             wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
     return sm
+
+
+def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,
+                  tp_plan: list[TPRule] | None) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
+    """With a mesh (given, or the config's `tensor_parallel.autotp_size`): AutoTP over its
+    tensor-parallel ranks. (the data-parallel collectives ZeRO shards over, the layout or None)."""
+    tp_cfg = getattr(config, "tensor_parallel", None)
+    if mesh is None and tp_cfg is not None and tp_cfg.size > 1:
+        mesh = mesh_from_config(comm, config)
+    if mesh is None:
+        return comm, None
+    if mesh.shape.tp == 1:
+        return mesh.dp, None
+    rules = list(tp_plan) if tp_plan is not None else rules_from_config(tp_cfg, model)
+    if not rules:
+        kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        raise ConfigError(
+            f"tensor parallelism over {mesh.shape.tp} ranks: fnzero has no built-in AutoTP plan for {kind}; give "
+            "tensor_parallel.partition_config.layer_specs (patterns over parameter names, partition_type row or "
+            "column) or shard(..., tp_plan=[TPRule(...)])"
+        )
+    vocab = getattr(tp_cfg, "vocab_parallel_lm_head", None) if tp_cfg is not None else None
+    tp_comm = mesh.tp
+    logger = getattr(config, "comms_logger", None)
+    if logger is not None and logger.enabled and not isinstance(tp_comm, RecordingCollectives):
+        tp_comm = RecordingCollectives(tp_comm)  # the tp axis' traffic, apart from dp's (`sm.tp.comm.records`)
+    return mesh.dp, parallelize(model, rules, tp_comm, vocab_parallel=vocab)
 
 
 def _refuse_load_state_dict(module, *args, **kwargs) -> None:

@@ -17,6 +17,7 @@ from ._collectives import Collectives
 from ._initial import InitialValues, is_released
 from ._param_store import is_placeholder, read_shard
 from ._policy import ShardPolicy
+from ._tp_ops import vocab_parallel_cross_entropy
 from ._plan import ShardPlan, UnitPlan
 from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
 
@@ -72,13 +73,14 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None):
+                 buffers: dict[str, torch.Tensor] | None = None, tp=None):
         self.module = module
         self.plan = plan
         self.comm = comm
         self.policy = policy
         self.config = config
-        self.sharding = Sharding(plan, comm, device)
+        self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
+        self.sharding = Sharding(plan, comm, device, tp)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel)
@@ -280,8 +282,22 @@ class ShardedModule:
             if rank0_only and self.comm.rank != 0:
                 continue
             for name, t in unit_views(u, full).items():
+                if self.tp is not None:
+                    t = self.tp.gather_full(name, t)  # collective over the tensor-parallel ranks
                 out[name] = t.to(dtype) if dtype is not None else t.clone()
         return out
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,
+                      reduction: str = "mean") -> torch.Tensor:  # fmt: skip
+        """`torch.nn.functional.cross_entropy` of this model's output logits (vocabulary last)
+        against `target`: the vocabulary-parallel one, which never gathers the logits, when tensor
+        parallelism split the LM head over the vocabulary; torch's otherwise."""
+        if self.tp is not None and self.tp.vocab_head is not None:
+            return vocab_parallel_cross_entropy(logits, target, self.tp.vocab_start(), self.tp.comm, ignore_index,
+                                                reduction)  # fmt: skip
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                 ignore_index=ignore_index, reduction=reduction)  # fmt: skip
+        return loss.view(target.shape) if reduction == "none" else loss
 
     def state_dict(self, state: TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Like `model.state_dict()`: trainable, frozen parameters and buffers, consolidated."""

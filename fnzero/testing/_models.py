@@ -22,7 +22,7 @@ class GPTConfig:
 class _Block(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
-        self.n_head = c.n_head
+        self.head_dim = c.d_model // c.n_head
         self.ln1 = nn.LayerNorm(c.d_model)
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
         self.proj = nn.Linear(c.d_model, c.d_model)
@@ -31,12 +31,13 @@ class _Block(nn.Module):
         self.out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        shape = (b, t, self.n_head, d // self.n_head)
+        b, t, _ = x.shape
+        # Heads counted from the widths (-1), so a tensor-parallel rank's slice of q|k|v runs as is.
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        shape = (b, t, -1, self.head_dim)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

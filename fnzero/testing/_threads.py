@@ -41,6 +41,24 @@ class _Exchange:
         self.barrier = threading.Barrier(n)
         self.slots: list[Any] = [None] * n
         self.ops: list[str | None] = [None] * n
+        self._subs: dict[tuple[int, ...], _Exchange] = {}
+        self._subs_lock = threading.Lock()
+
+    def sub(self, ranks: tuple[int, ...]) -> "_Exchange":
+        """The exchange of the sub-world of `ranks`, shared by the threads that ask for it."""
+        with self._subs_lock:
+            x = self._subs.get(ranks)
+            if x is None:
+                x = self._subs[ranks] = _Exchange(len(ranks), self.timeout)
+            return x
+
+    def abort(self) -> None:
+        """Release every rank waiting here or in a sub-world (one rank failed)."""
+        self.barrier.abort()
+        with self._subs_lock:
+            subs = list(self._subs.values())
+        for x in subs:
+            x.abort()
 
     def wait(self):
         # A rank may reach a collective inside `seeded` (say `init_state`'s check that the ranks
@@ -105,6 +123,15 @@ class ThreadCollectives(CollectivesBase):
     def barrier(self):
         self._x.exchange(self.rank, "barrier", None)
 
+    def new_groups(self, partition: list[list[int]]) -> "ThreadCollectives":
+        """The collectives of the group of `partition` (a partition of this world's ranks, the
+        same on every rank) that holds this rank; as torch.distributed's
+        `new_subgroups_by_enumeration`."""
+        mine = [tuple(g) for g in partition if self.rank in g]
+        if len(mine) != 1:
+            raise ValueError(f"rank {self.rank} must be in exactly one group of {partition}")
+        return ThreadCollectives(self._x.sub(mine[0]), mine[0].index(self.rank))
+
 
 def wants_comm(fn: Callable[..., Any]) -> bool:
     """Whether `fn` takes the rank's collectives as its one argument (else it is called bare)."""
@@ -160,7 +187,7 @@ class SimulatedWorld:
                     results[rank] = fn(comm) if pass_comm else fn()
             except BaseException:  # noqa: BLE001
                 errors.append((rank, traceback.format_exc()))
-                x.barrier.abort()  # release the other ranks instead of leaving them waiting
+                x.abort()  # release the other ranks instead of leaving them waiting
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.n)]
         for t in threads:
@@ -168,7 +195,7 @@ class SimulatedWorld:
         for t in threads:
             t.join(self.timeout + 5)
         if any(t.is_alive() for t in threads):
-            x.barrier.abort()
+            x.abort()
             raise DistributedError(f"simulated world of {self.n} did not finish within {self.timeout}s")
         if errors:
             first = min(errors)

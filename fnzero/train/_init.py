@@ -37,6 +37,12 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
+    if pretrained is not None and sm.tp is not None:
+        raise ShardingError(
+            "init_state(pretrained=...) with tensor parallelism is not implemented yet: the files hold whole tensors "
+            "and the model holds this rank's slices. Load the weights into the model before fnzero.shard (e.g. "
+            "from_pretrained), which splits them"
+        )
     if pretrained is not None:
         _load_pretrained(sm, pretrained, allow_unexpected)
     loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()

@@ -143,26 +143,47 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                  comm, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                  comm, device: torch.device, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
-    all-reduce of two numbers. `inv` unscales the reduced gradients. Shards' squares are summed
-    across ranks; a replicated gradient's is global already and is added after the sum."""
+    all-reduce of three numbers. `inv` unscales the reduced gradients. Shards' squares are summed
+    across ranks; a replicated gradient's is global already and is added after the sum. With
+    tensor parallelism (`tp`, a TPLayout), the squares of split parameters are summed over the
+    tensor-parallel ranks too (one more all-reduce of one number); replicated ones, equal there,
+    count once."""
     dtypes = {g.dtype for g in grads.values()}
     norm_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
-    shard_sq = torch.zeros((), dtype=norm_dtype, device=device)
-    whole_sq = torch.zeros((), dtype=norm_dtype, device=device)
+    # [sharded over dp, replicated over dp] x [replicated over tp, split over tp]
+    sq = [[torch.zeros((), dtype=norm_dtype, device=device) for _ in range(2)] for _ in range(2)]
     for u in units:
         g = grads[u.name]
-        if g.numel():
-            sq = torch.linalg.vector_norm(g, dtype=norm_dtype).square()
-            if u.placement.optimizer:
-                shard_sq = shard_sq + sq
-            else:
-                whole_sq = whole_sq + sq
-    vec = torch.stack([shard_sq.to(torch.float64) * (inv * inv), loss_sum.to(device=device, dtype=torch.float64)])
+        if not g.numel():
+            continue
+        lo = u.shard_range(comm.rank)[0] if u.placement.optimizer else 0
+        for part, split in _tp_parts(u, g, lo, tp):
+            sq[0 if u.placement.optimizer else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square()
+    ii = inv * inv
+    vec = torch.stack([sq[0][0].to(torch.float64) * ii, sq[0][1].to(torch.float64) * ii,
+                       loss_sum.to(device=device, dtype=torch.float64)])  # fmt: skip
     if comm.world_size > 1:
         vec = comm.all_reduce(vec)
-    return vec[0] + whole_sq.to(torch.float64) * (inv * inv), vec[1]
+    split_sq = vec[1] + sq[1][1].to(torch.float64) * ii
+    if tp is not None and tp.size > 1:
+        split_sq = tp.comm.all_reduce(split_sq.reshape(1))[0]
+    return vec[0] + sq[1][0].to(torch.float64) * ii + split_sq, vec[2]
+
+
+def _tp_parts(u: UnitPlan, g: torch.Tensor, lo: int, tp):
+    """(piece of `g`, split over tp?) for the slots of unit `u` that `g` (elements `[lo, lo +
+    len(g))` of the unit's buffer) covers; the whole of `g` when there is no tensor parallelism."""
+    if tp is None or not tp.splits:
+        yield g, False
+        return
+    hi = lo + g.numel()
+    for slot in u.slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            split = any(tp.split_of(n) is not None for n in (slot.name, *slot.aliases))
+            yield g[a - lo: b - lo], split
 
 
 def clip_coefficient(clip: float, grad_norm):

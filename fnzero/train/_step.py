@@ -168,7 +168,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     inv = prediv / (n * k * scale)
-    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device))
+    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device, sh.tp))
     timer.stop("comm")
     overflow = not math.isfinite(norm_sq)
     grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")

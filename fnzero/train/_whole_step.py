@@ -45,6 +45,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
     plan, comm = state.sharding.plan, state.sharding.comm
     if plan.any_sharded_params:
         return "stage 3 gathers parameter shards inside the forward"
+    if state.sharding.tp is not None:
+        return "tensor parallelism's collectives run inside the model's layers"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

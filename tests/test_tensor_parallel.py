@@ -1,0 +1,294 @@
+"""Tensor parallelism composed with ZeRO (specs/mesh.md): dp x tp meshes equal the unsharded
+one-process step in float64, on fnzero's GPT, Hugging Face's GPT-2 and Llama, and hypothesis-drawn
+MLPs whose widths the tensor-parallel size does not divide; the vocabulary-parallel cross-entropy
+equals torch's; bad meshes and plans are ConfigErrors naming the numbers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _worlds as W
+import fnzero
+from fnzero.sharding import ParamSplit, TPRule, make_mesh, vocab_parallel_cross_entropy
+from fnzero.testing import MLP, seeded, simulated_world
+
+STEPS = 3
+RTOL = 1e-9  # float64: only the order of sums differs
+
+
+def _tp_run(kind, world, tp, stage, extra_tp=None, steps=STEPS):
+    extra = {"tensor_parallel": {"autotp_size": tp, **(extra_tp or {})}}
+
+    def rank(comm):
+        out = W.train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra=extra)
+        return out["params"], out["losses"], [m["grad_norm"] for m in out["metrics"]]
+
+    return simulated_world(world).run(rank)
+
+
+@pytest.mark.parametrize("kind,world,tp,stage,vocab", [
+    ("gpt_tp", 2, 2, 0, None), ("gpt_tp", 4, 2, 1, None), ("gpt_tp", 4, 2, 2, None), ("gpt_tp", 4, 2, 3, None),
+    ("gpt_tp", 4, 4, 2, None), ("gpt_tp_tied", 4, 2, 3, True), ("gpt_tp_tied", 2, 2, 0, None),
+    ("gpt_tp", 4, 2, 3, True),
+], ids=lambda v: str(v))
+def test_dp_x_tp_equals_the_unsharded_step(kind, world, tp, stage, vocab):
+    """Every rank's consolidated parameters, loss and gradient norm equal plain torch's AdamW on
+    the whole model and global batch (clipping and accumulation on)."""
+    ref = W.train_reference(kind, STEPS, world // tp, k=2, clip=0.5)
+    extra = {"vocab_parallel_lm_head": vocab} if vocab is not None else None
+    for params, losses, _ in _tp_run(kind, world, tp, stage, extra):
+        W.assert_close_tree(params, ref["params"], rtol=RTOL, atol=1e-12, what=f"{kind} dp{world // tp} tp{tp} z{stage}")
+        assert losses == pytest.approx(ref["losses"], rel=RTOL)
+
+
+def _hf_model(kind: str):
+    import transformers
+
+    with seeded(0):
+        if kind == "gpt2":
+            c = transformers.GPT2Config(vocab_size=51, n_positions=16, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0,
+                                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+            return transformers.GPT2LMHeadModel(c).double()
+        c = transformers.LlamaConfig(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     tie_word_embeddings=kind == "llama_tied", bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)  # fmt: skip
+        return transformers.LlamaForCausalLM(c).double()
+
+
+def _hf_run(kind, world, tp, stage, vocab=None):
+    data = torch.randint(0, 51, (8, 9), generator=torch.Generator().manual_seed(1))
+    dp = world // tp
+    cfg_d = {"train_micro_batch_size_per_gpu": 4 // dp, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+             "zero_optimization": {"stage": stage},
+             "tensor_parallel": {"autotp_size": tp, "vocab_parallel_lm_head": vocab}}  # fmt: skip
+
+    def rank(comm):
+        cfg = fnzero.load_config(cfg_d, world_size=world)
+        sm = fnzero.shard(_hf_model(kind), config=cfg, comm=comm)
+        state = sm.init_state()
+
+        def loss_fn(params, b):
+            if world == 1:  # the reference: torch's cross-entropy of the whole logits, in float64
+                logits = sm.apply(params, input_ids=b).logits
+                return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 51), b[:, 1:].reshape(-1))
+            return sm.apply(params, input_ids=b, labels=b).loss  # the model's own loss, made vocabulary-parallel
+
+        step = fnzero.train_step(loss_fn, cfg)
+        rows = 8 // dp
+        d = comm.rank // tp
+        for _ in range(STEPS):
+            state, m = step(state, data[d * rows: (d + 1) * rows])
+        return sm.gather(state), m["loss"]
+
+    return simulated_world(world).run(rank)
+
+
+@pytest.mark.parametrize("kind,world,tp,stage", [
+    ("gpt2", 2, 2, 0), ("gpt2", 4, 2, 3), ("gpt2", 4, 4, 1), ("llama", 2, 2, 0), ("llama", 4, 2, 3),
+    ("llama_tied", 4, 2, 2),
+], ids=lambda v: str(v))
+def test_hugging_face_models_split_by_autotp_equal_the_unsharded_step(kind, world, tp, stage):
+    """GPT-2 (Conv1D, fused q|k|v, tied head) and Llama (GQA, untied or tied head) from small
+    configs: AutoTP splits them with no plan given, and the model's own `labels=` loss becomes the
+    vocabulary-parallel one (51 entries: not divisible by 2 or 4)."""
+    (ref, ref_loss), = _hf_run(kind, 1, 1, 0)
+    for params, loss in _hf_run(kind, world, tp, stage):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what=f"{kind} dp{world // tp} tp{tp} z{stage}")
+        assert loss == pytest.approx(ref_loss, rel=RTOL)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(widths=st.lists(st.integers(1, 9), min_size=3, max_size=5), tp=st.sampled_from([2, 3]),
+       dp=st.sampled_from([1, 2]), stage=st.sampled_from([0, 1, 2, 3]))
+def test_explicit_plans_with_widths_the_tp_size_does_not_divide(widths, tp, dp, stage):
+    """An MLP has no built-in plan: `tp_plan` splits its linears column/row in turn; widths of 1 to
+    9 leave some ranks with one row more than others, or none at all."""
+    n = len(widths) - 1
+    rules = [TPRule(rf"layers\.{i}", "column" if i % 2 == 0 else "row") for i in range(n - n % 2)]
+    gen = torch.Generator().manual_seed(sum(widths))
+    x = torch.randn(4, 2, 2, widths[0], generator=gen, dtype=torch.float64)
+    y = torch.randn(4, 2, 2, widths[-1], generator=gen, dtype=torch.float64)
+
+    def train(comm, tp_):
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2 // (comm.world_size // tp_),
+                                  "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+                                  "zero_optimization": {"stage": stage if tp_ > 1 else 0}},
+                                 world_size=comm.world_size // tp_)  # fmt: skip
+        with seeded(3):
+            model = MLP(widths).double()
+        mesh = make_mesh(comm, tp=tp_)
+        sm = fnzero.shard(model, config=cfg, comm=comm, mesh=mesh, tp_plan=rules if tp_ > 1 else None)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: torch.nn.functional.mse_loss(sm.apply(p, b[0]), b[1]), cfg)
+        d, per = mesh.coords["dp"], 4 // mesh.shape.dp
+        for s in range(2):
+            batch = x[s].reshape(4, -1)[d * per:(d + 1) * per], y[s].reshape(4, -1)[d * per:(d + 1) * per]
+            state, _ = step(state, batch)
+        return sm.gather(state)
+
+    (ref,) = simulated_world(1).run(lambda comm: train(comm, 1))
+    for got in simulated_world(dp * tp).run(lambda comm: train(comm, tp)):
+        W.assert_close_tree(got, ref, rtol=RTOL, atol=1e-12, what=f"widths {widths} tp{tp} dp{dp} z{stage}")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), dim_pick=st.integers(0, 2),
+       blocks=st.sampled_from([1, 2, 3]), size=st.integers(1, 5))
+def test_a_split_parameter_round_trips(shape, dim_pick, blocks, size):
+    """Every rank's slice, put back together, is the full tensor, for block counts and sizes
+    that do not divide (ranks may hold nothing)."""
+    dim = dim_pick % len(shape)
+    shape[dim] *= blocks
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape)
+    split = ParamSplit(tuple(shape), dim, size, blocks)
+    parts = [split.local(full, r) for r in range(size)]
+    assert [tuple(p.shape) for p in parts] == [split.local_shape(r) for r in range(size)]
+    assert torch.equal(split.full(parts), full)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(vocab=st.integers(2, 11), tp=st.integers(2, 3), rows=st.integers(1, 6), ignore=st.booleans())
+def test_the_vocabulary_parallel_cross_entropy_is_torchs(vocab, tp, rows, ignore):
+    """Loss and logit gradients equal torch's cross-entropy on the whole logits, ignored targets
+    included; no rank ever holds the whole logits."""
+    gen = torch.Generator().manual_seed(vocab * 10 + rows)
+    logits = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 3
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    if ignore:
+        target[0] = -100
+    want_logits = logits.clone().requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(want_logits, target)
+    want.backward()
+    split = ParamSplit((rows, vocab), 1, tp)
+
+    def rank(comm):
+        local = split.local(logits, comm.rank).requires_grad_(True)
+        loss = vocab_parallel_cross_entropy(local, target, split.start(comm.rank), comm)
+        loss.backward()
+        return loss.detach(), local.grad
+
+    out = simulated_world(tp).run(rank)
+    for loss, _ in out:
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-14, equal_nan=True)
+    torch.testing.assert_close(split.full([g for _, g in out]), want_logits.grad, rtol=1e-12, atol=1e-14, equal_nan=True)
+
+
+def _cfg(tp, world, **tp_extra):
+    return fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                               "tensor_parallel": {"autotp_size": tp, **tp_extra}}, world_size=world)  # fmt: skip
+
+
+def test_bad_meshes_and_plans_are_config_errors_naming_the_numbers():
+    with pytest.raises(fnzero.ConfigError, match=r"autotp_size` 3 does not divide the world size 4"):
+        _cfg(3, 4)
+    with pytest.raises(fnzero.ConfigError, match="tensor-parallel size 3 needs a world size that is a multiple of 3; "
+                                                 "this world has 2 rank"):
+        make_mesh(SimpleNamespace(world_size=2, rank=0), tp=3)
+
+    def shard(model, cfg):
+        return simulated_world(cfg.world_ranks).run(lambda comm: fnzero.shard(model(), config=cfg, comm=comm))
+
+    with pytest.raises(fnzero.DistributedError, match="ConfigError: tensor_parallel.autotp_size 2 does not divide the model's n_head 3"):
+        shard(lambda: W.make_model("gpt"), _cfg(2, 2))
+    with pytest.raises(fnzero.DistributedError, match="ConfigError: tensor_parallel.autotp_size 4 does not divide the model's num_key_value_heads 2"):
+        shard(lambda: _hf_model("llama"), _cfg(4, 4))
+    with pytest.raises(fnzero.DistributedError, match="ConfigError: tensor parallelism over 2 ranks: fnzero has no built-in AutoTP plan for MLP"):
+        shard(lambda: MLP([3, 4, 2]), _cfg(2, 2))
+    with pytest.raises(fnzero.DistributedError, match="ConfigError: tensor parallelism needs a model built on a real device"):
+        shard(lambda: W.make_model("gpt_tp").to("meta"), _cfg(2, 2))
+
+
+def test_layer_specs_in_deepspeeds_format_split_any_model():
+    """`partition_config.layer_specs` (patterns over parameter names, row/column) plan a model
+    fnzero has no built-in plan for."""
+    specs = {"partition_config": {"layer_specs": [
+        {"patterns": [r"layers\.0\.weight$"], "partition_type": "column"},
+        {"patterns": [r"layers\.1\.weight$"], "partition_type": "row"}]}}
+    cfg = _cfg(2, 2, **specs)
+
+    def rank(comm):
+        with seeded(0):
+            sm = fnzero.shard(MLP([3, 5, 2]), config=cfg, comm=comm)
+        return {n: tuple(p.shape) for n, p in sm.module.named_parameters()}, sorted(sm.tp.splits)
+
+    shapes, split = simulated_world(2).run(rank)[1]
+    assert split == ["layers.0.bias", "layers.0.weight", "layers.1.weight"]
+    assert shapes["layers.0.weight"] == (2, 3) and shapes["layers.1.weight"] == (2, 2)  # rank 1: 5 = 3 + 2
+
+
+def test_checkpoints_of_a_tensor_parallel_state_are_refused_for_now(tmp_path):
+    def rank(comm):
+        cfg = _cfg(2, 2)
+        sm = fnzero.shard(W.make_model("gpt_tp"), config=cfg, comm=comm)
+        state = sm.init_state()
+        with pytest.raises(fnzero.CheckpointError, match="tensor-parallel state"):
+            fnzero.checkpoint.save(str(tmp_path), state)
+        return sm.state_dict(state)["head.weight"].shape
+
+    assert simulated_world(2).run(rank) == [torch.Size([37, 16])] * 2
+
+
+def _split_numel(model, tp, rank, splits):
+    seen, total = set(), 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        split = splits.get(name)
+        total += torch.Size(split.local_shape(rank)).numel() if split is not None else p.numel()
+    return total
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_bytes_are_the_zero_formula_of_each_ranks_slices(stage):
+    """specs/mesh.md §Memory: a rank holds Ψ_r = its pieces of the split parameters + every
+    replicated one; ZeRO's formula then applies over the dp ranks with Ψ_r (padding included)."""
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                              "tensor_parallel": {"autotp_size": 2}}, world_size=4)  # fmt: skip
+
+    def rank(comm):
+        full = W.make_model("gpt_tp", torch.float32)
+        sm = fnzero.shard(W.make_model("gpt_tp", torch.float32), config=cfg, comm=comm)
+        return sm.plan, fnzero.memory.model_state_bytes(sm.init_state()), _split_numel(full, 2, sm.tp.rank, sm.tp.splits)
+
+    out = simulated_world(4).run(rank)
+    for plan, got, psi_r in out:
+        assert plan.num_params == psi_r
+        assert got.total == fnzero.memory.zero_formula(plan.num_padded, stage, 2, False)
+    full = W.make_model("gpt_tp", torch.float32)
+    assert out[0][2] + out[1][2] < 2 * sum(p.numel() for p in full.parameters())  # the split ones are halved
+
+
+def test_tensor_parallel_traffic_is_the_formula():
+    """specs/collectives.md §Tensor parallel: per micro-batch, 2 all-reduces of B·S·H activations per
+    block forward (row layers) and 2 backward (column layers' inputs), one more backward for the
+    column-parallel head's input, one all-gather of the logits (the head, gathered), and one number
+    for the gradient norm per step; all recorded on the tp axis."""
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                              "comms_logger": {"enabled": True}, "tensor_parallel": {"autotp_size": 2}},
+                             world_size=2)  # fmt: skip
+    b, s, h, v, layers = 2, 8, 16, 37, 2
+
+    def rank(comm):
+        sm = fnzero.shard(W.make_model("gpt_tp", torch.float32), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, x: torch.nn.functional.cross_entropy(
+            sm.apply(p, x).flatten(0, 1), x.flatten()), cfg)
+        x = torch.randint(0, v, (b, s), generator=torch.Generator().manual_seed(0))
+        sm.tp.comm.records.clear()
+        step(state, x)
+        return [(r.op, r.bytes) for r in sm.tp.comm.records]
+
+    for records in simulated_world(2).run(rank):
+        act = b * s * h * 4
+        assert sorted(records) == sorted([("all_reduce", act)] * (4 * layers + 1) + [("all_gather", b * s * 19 * 2 * 4)]
+                                         + [("all_reduce", 8)])  # fmt: skip
