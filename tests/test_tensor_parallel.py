@@ -224,16 +224,87 @@ def test_layer_specs_in_deepspeeds_format_split_any_model():
     assert shapes["layers.0.weight"] == (2, 3) and shapes["layers.1.weight"] == (2, 2)  # rank 1: 5 = 3 + 2
 
 
-def test_checkpoints_of_a_tensor_parallel_state_are_refused_for_now(tmp_path):
+def _ckpt_cfg(stage, tp, world):
+    return W.config(stage, k=1, micro=4 // (world // tp), world=world, clip=0.5,
+                    extra={"tensor_parallel": {"autotp_size": tp}})  # fmt: skip
+
+
+def _ckpt_batch(s, dp, r):
+    x, y = W.global_batch("gpt_tp", s, 1, 1, 4, torch.float64)  # 4 rows per step, split over the dp ranks
+    n = 4 // dp
+    return x[0, 0, r * n:(r + 1) * n], y[0, 0, r * n:(r + 1) * n]
+
+
+def _ckpt_run(path, world, tp, stage, *, load=False, save_after=None, steps=1, start=0):
+    """Train `steps` steps from `start` (after loading `path`); save after step `save_after`.
+    Per rank: (the consolidated parameters when saved or loaded, those at the end)."""
     def rank(comm):
-        cfg = _cfg(2, 2)
+        cfg = _ckpt_cfg(stage, tp, world)
         sm = fnzero.shard(W.make_model("gpt_tp"), config=cfg, comm=comm)
         state = sm.init_state()
-        with pytest.raises(fnzero.CheckpointError, match="tensor-parallel state"):
-            fnzero.checkpoint.save(str(tmp_path), state)
-        return sm.state_dict(state)["head.weight"].shape
+        if load:
+            state, _ = fnzero.checkpoint.load(path, state)
+        mark = sm.gather(state)
+        step = fnzero.train_step(lambda p, b: W.loss_of("gpt_tp", sm.apply(p, b[0]), b[1]), cfg)
+        for s in range(start, start + steps):
+            state, _ = step(state, _ckpt_batch(s, world // tp, comm.rank // tp))
+            if s == save_after:
+                fnzero.checkpoint.save(path, state)
+                mark = sm.gather(state)
+        return mark, sm.gather(state)
 
-    assert simulated_world(2).run(rank) == [torch.Size([37, 16])] * 2
+    return simulated_world(world).run(rank)
+
+
+@pytest.fixture(scope="module")
+def mesh_checkpoint(tmp_path_factory):
+    """A checkpoint saved at dp 2 x tp 2, ZeRO-3, after 2 steps; the run's parameters then, and
+    after a third step."""
+    path = str(tmp_path_factory.mktemp("mesh_ckpt"))
+    saved, after = _ckpt_run(path, 4, 2, 3, save_after=1, steps=3)[0]
+    return path, saved, after
+
+
+@pytest.mark.parametrize("world,tp,stage", [(4, 1, 1), (1, 1, 0), (2, 2, 1), (4, 4, 2), (4, 2, 3)],
+                         ids=lambda v: str(v))
+def test_a_checkpoint_saved_at_one_mesh_loads_at_any_other(mesh_checkpoint, world, tp, stage):
+    """specs/mesh.md §Checkpoints: the dp2 x tp2 checkpoint loads at dp 4, dp 1, tp 2, tp 4 and
+    its own mesh with the same parameters bit for bit, and the next step there equals the saving
+    run's next step (so master weights and moments came back too)."""
+    path, saved, after = mesh_checkpoint
+    for loaded, cont in _ckpt_run(path, world, tp, stage, load=True, steps=1, start=2):
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        W.assert_close_tree(cont, after, rtol=RTOL, atol=1e-12, what=f"continued at dp{world // tp} tp{tp} z{stage}")
+
+
+def test_a_checkpoint_without_tensor_parallelism_loads_into_a_mesh(tmp_path):
+    path = str(tmp_path)
+    saved, after = _ckpt_run(path, 2, 1, 2, save_after=0, steps=2)[0]
+    for loaded, cont in _ckpt_run(path, 4, 2, 3, load=True, steps=1, start=1):
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+        W.assert_close_tree(cont, after, rtol=RTOL, atol=1e-12, what="dp2 z2 -> dp2 x tp2 z3")
+
+
+def test_a_tensor_parallel_checkpoint_exports_without_conversion(mesh_checkpoint, tmp_path):
+    """It is an ordinary checkpoint of the whole model: `export` writes one consolidated safetensors
+    file, and a live export from a tp run gives the same tensors."""
+    from safetensors.torch import load_file
+
+    path, saved, _ = mesh_checkpoint
+    (file,) = fnzero.checkpoint.export(path, str(tmp_path / "out"), dtype="fp32")
+    got = load_file(file)
+    assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k].float()) for k in saved)
+
+    def rank(comm):
+        cfg = _ckpt_cfg(1, 2, 2)
+        sm = fnzero.shard(W.make_model("gpt_tp"), config=cfg, comm=comm)
+        state, _ = fnzero.checkpoint.load(path, sm.init_state())
+        return fnzero.checkpoint.export_live(sm, state, str(tmp_path / "live"), dtype="fp32")
+
+    written = [p for p in simulated_world(2).run(rank) if p is not None]
+    assert len(written) == 1
+    live = load_file(written[0][0])
+    assert all(torch.equal(live[k], got[k]) for k in got)
 
 
 def _split_numel(model, tp, rank, splits):

@@ -270,9 +270,11 @@ def export_live(
     gathered one at a time (master weights when present) and rank 0 writes. Returns rank 0's paths,
     None elsewhere."""
     from ..sharding._module import full_unit
-    from ._tree import refuse_tensor_parallel
+    from ._tp import consolidated
 
-    refuse_tensor_parallel(state, "export")
+    tp = state.sharding.tp if state.sharding.tp is not None and state.sharding.tp.size > 1 else None
+    if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
+        state = consolidated(state.replace(opt_state=None))
     want = parse_dtype(dtype)
     plan, comm = state.sharding.plan, state.sharding.comm
     src = state.master if state.master is not None else state.params
@@ -284,7 +286,7 @@ def export_live(
             current.update(name=u.name, full=full_unit(u, src[u.name].detach(), comm).cpu())
         return current["full"]
 
-    if comm.rank != 0:
+    if comm.rank != 0 or (tp is not None and tp.rank != 0):  # one writer: dp rank 0 of tp rank 0
         for u in plan.units:
             unit_full(u)
         comm.barrier()

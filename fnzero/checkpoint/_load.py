@@ -19,7 +19,8 @@ from .._state import LossScaleState, TrainState
 from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
-from ._tree import Leaf, rebuild_state, refuse_tensor_parallel, unit_meta
+from ._tp import fill_tp_leaf, tp_check_view
+from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
 
@@ -314,22 +315,26 @@ def load(
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
-    refuse_tensor_parallel(like, "load")
+    tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
     from ..offload._checkpoint import is_nvme, like_in_memory, restore_into_store
 
+    if is_nvme(like) and tp is not None:
+        raise CheckpointError("loading into a tensor-parallel state with its optimizer on NVMe is not implemented yet")
     if is_nvme(like):
         # Load as the CPU-offload layout, then write master and moments into like's store.
         state, client = load(path, like_in_memory(like), tag=tag, verify=verify, restore_rng=restore_rng)
         return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
-        check_model(ix, like)
+        check_model(ix, tp_check_view(like) if tp is not None else like)
 
         def fill(leaf: Leaf) -> torch.Tensor:
             key = source_key(rd, leaf, like)
             t = leaf.tensor
             entry = rd.tensors[key]
             out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
+            if tp is not None:  # whole parameters on disk, this rank's slices in like
+                return fill_tp_leaf(leaf, like, rd.read, key, out).reshape(t.shape).to(t.device)
             if leaf.unit is None:
                 if _shape(entry.get("shape")) != tuple(t.shape):
                     _mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))

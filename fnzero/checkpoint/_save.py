@@ -38,7 +38,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, failure_marker, merge_parts, read_part
 from ._io import AlignedWriter, wait_for, write_atomic
 from ._nodes import discover_groups, exchange_parts, merge_for_group
-from ._tree import refuse_tensor_parallel, state_leaves, unit_meta
+from ._tree import state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
 
@@ -94,6 +94,35 @@ class SaveHandle:
 
     def __repr__(self):
         return f"SaveHandle({self.path!r}, tag={self.tag!r}, done={self.done()})"
+
+
+def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
+    """A tensor-parallel state: consolidated over the tp ranks (`_tp.py`), then saved by the tp
+    rank 0 of each data-parallel rank as the same run without tensor parallelism would save it.
+    Blocking: the other tp ranks wait for it, and hear whether it failed."""
+    from ._tp import check_supported, consolidated
+
+    check_supported(state)
+    tp = state.sharding.tp
+    whole = consolidated(state)  # collective over dp and tp
+    handle, error = None, None
+    if tp.rank == 0:
+        try:
+            handle = save(path, whole, blocking=True, **kw)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the group
+            error = e
+    del whole
+    failed = int(tp.comm.all_reduce(torch.tensor([1.0 if error is not None else 0.0]))[0])
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError("tensor-parallel rank 0 of this rank's group failed to save the checkpoint (its error "
+                              "says why); nothing of it was committed by this group")
+    if handle is None:
+        tag = F.check_tag(kw.get("tag") if kw.get("tag") is not None else f"step_{int(state.step)}")
+        handle = SaveHandle(os.path.abspath(os.fspath(path)), tag)
+        handle._finished.set()
+    return handle
 
 
 def _rng_state() -> dict:
@@ -236,7 +265,9 @@ def save(
     # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
-    refuse_tensor_parallel(state, "save")
+    if state.sharding.tp is not None and state.sharding.tp.size > 1:
+        return _save_tensor_parallel(path, state, tag=tag, client_state=client_state, config=config,
+                                     update_latest=update_latest, timeout=timeout, node_local=node_local)
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):

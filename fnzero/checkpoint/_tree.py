@@ -135,15 +135,3 @@ def unit_meta(plan: ShardPlan) -> list[dict]:
         }
         for u in plan.units
     ]
-
-
-def refuse_tensor_parallel(state: TrainState, what: str) -> None:
-    """Checkpoints hold data-parallel shards of whole parameters; a tensor-parallel state's
-    parameters are slices along another axis, which the format does not describe yet."""
-    tp = state.sharding.tp
-    if tp is not None and tp.size > 1:
-        raise CheckpointError(
-            f"checkpoint {what} of a tensor-parallel state (tensor_parallel.autotp_size {tp.size}) is not implemented "
-            "yet: the format records data-parallel shards only. sm.state_dict(state) gives the consolidated weights "
-            "(every rank calls it), which load into a new run with init_state(pretrained=...)"
-        )
