@@ -121,9 +121,6 @@ def parallelize(model: nn.Module, rules: list[TPRule], comm, *, vocab_parallel: 
     tied (one slice). Returns the layout; `model` then runs only with the group's collectives."""
     tp, rank = comm.world_size, comm.rank
     check_heads(model, tp)
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError("tensor parallelism needs a model built on a real device (meta models are not split yet): "
-                          "build it on the host, or set tensor_parallel.autotp_size to 0")
     names = {id(p): [] for p in model.parameters()}
     for n, p in model.named_parameters(remove_duplicate=False):
         names[id(p)].append(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable, Iterable
 
@@ -75,6 +76,10 @@ def shard(
     meta = is_meta_model(model)
     policy = shard_policy(config, stage)
     comm = comm if comm is not None else default_collectives()
+    whole = None  # a meta model split over tp: its regions are initialised whole, then cut (`_initial.py`)
+    if meta and (mesh is not None or getattr(getattr(config, "tensor_parallel", None), "size", 1) > 1):
+        whole = copy.deepcopy(model)
+    world = comm  # every rank of the job: a meta model's seed is the same on all of them
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan)
     watchdog = process_watchdog()
     if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
@@ -111,7 +116,8 @@ def shard(
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         initial, frozen, buffers, uninitialised = initial_from_meta(
-            model, plan, comm.rank, device, policy.compute_dtype, _init_seed(init_seed, comm, device))
+            whole if tp_layout is not None else model, plan, comm.rank, device, policy.compute_dtype,
+            _init_seed(init_seed, world, device), tp_layout, model if tp_layout is not None else None)
     else:
         initial, frozen, buffers, uninitialised = initial_from_model(
             model, plan, comm.rank, device, policy.compute_dtype, checksums if comm.world_size > 1 else None)

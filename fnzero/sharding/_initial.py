@@ -79,6 +79,12 @@ def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, value_of, device: torch.de
     return flat
 
 
+def _cut(tp, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel slice of parameter `name` (whole when it is not split)."""
+    split = tp.split_of(name) if tp is not None else None
+    return split.local(t, tp.rank) if split is not None else t
+
+
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """Where each parameter is registered (tied ones in several places)."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -119,9 +125,14 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
 
 
 def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
-                      compute_dtype: torch.dtype | None, seed: int) -> Initial:
+                      compute_dtype: torch.dtype | None, seed: int, tp=None, split_model: nn.Module | None = None) -> Initial:
     """From a model built on the meta device: each region is materialised on the host, initialised
-    by the model's own init code and dropped again (`_materialize.py`); this rank keeps its shards."""
+    by the model's own init code and dropped again (`_materialize.py`); this rank keeps its shards.
+
+    With tensor parallelism, `model` is the whole model (a meta copy taken before the split) and
+    `split_model` the split one `plan` describes: each region is initialised whole, as without
+    tensor parallelism, and cut to this rank's slices (`tp`, a TPLayout), so the values never
+    depend on the mesh."""
     init = MetaInitializer(model, plan, seed)
     named = dict(model.named_parameters(remove_duplicate=False))
     names: dict[int, str] = {}
@@ -147,9 +158,11 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
             uninitialised += [names[k] for k in values if k in names and mat.untouched(k) and names[k] not in uninitialised]
             with torch.no_grad():
                 if unit is not None:
-                    initial[unit.name] = _flat(unit, plan, rank, lambda n: values.get(id(named[n]), named[n]), device)
+                    initial[unit.name] = _flat(unit, plan, rank, lambda n: _cut(tp, n, values.get(id(named[n]), named[n])),
+                                               device)  # fmt: skip
                 for key, v in values.items():
                     if key in frozen_ids and frozen_ids[key] not in frozen:
+                        v = _cut(tp, frozen_ids[key], v)
                         frozen[frozen_ids[key]] = v.detach().to(device=device, dtype=compute_dtype or v.dtype)
                     if key in buffer_name:
                         buffers.setdefault(buffer_name[key], v.detach().to(device))
@@ -158,9 +171,10 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
         raise ShardingError(f"model built on the meta device: frozen parameters {missing} were never materialised")
     for n in plan.frozen:
         if n not in frozen:
-            frozen[n] = named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype)
-    owners = _owners(model)
-    for p in {id(p): p for p in named.values()}.values():  # marked as given to fnzero
-        _release(owners, p)
+            frozen[n] = _cut(tp, n, named[n]).detach().to(device=device, dtype=compute_dtype or named[n].dtype)
+    for m in (model, split_model) if split_model is not None else (model,):
+        owners = _owners(m)
+        for p in {id(p): p for p in m.parameters()}.values():  # marked as given to fnzero
+            _release(owners, p)
     order = [n for n, _ in model.named_buffers()]
     return initial, frozen, {n: buffers[n] for n in order}, sorted(uninitialised)
