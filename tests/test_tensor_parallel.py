@@ -383,3 +383,22 @@ def test_tensor_parallel_traffic_is_the_formula():
         act = b * s * h * 4
         assert sorted(records) == sorted([("all_reduce", act)] * (4 * layers + 1) + [("all_gather", b * s * 19 * 2 * 4)]
                                          + [("all_reduce", 8)])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_pretrained_weights_load_into_tensor_parallel_slices(kind, tmp_path):
+    """A Hugging Face save_pretrained directory into a meta model split over tp: every rank's
+    consolidated weights are the file's, bit for bit (the files' whole tensors, cut per rank)."""
+    model = _hf_model(kind)
+    model.save_pretrained(tmp_path)
+    want = {k: v for k, v in model.state_dict().items()}
+
+    def rank(comm):
+        with seeded(0), torch.device("meta"):
+            meta = _hf_model(kind)
+        sm = fnzero.shard(meta, config=_cfg(2, 4), comm=comm)
+        return sm.state_dict(sm.init_state(pretrained=tmp_path))
+
+    for got in simulated_world(4).run(rank):
+        assert all(torch.equal(got[k], want[k]) for k in want if k in got)
+        assert {k for k in want if "rotary" not in k} <= set(got)

@@ -169,12 +169,13 @@ class _Reader:
 
 def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
                     buffers: dict[str, torch.Tensor], persistent: set[str], *,
-                    allow_unexpected: bool = False, base_prefix: str = "") -> "PretrainedLoad":
+                    allow_unexpected: bool = False, base_prefix: str = "", tp=None) -> "PretrainedLoad":
     """Check `path` against the model (names, shapes, files) without reading tensor data; the
     returned load's `run()` then overwrites `initial` (unit -> flat buffer or this rank's shard),
     `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
     `base_model_prefix` (transformers), for files of the base model loaded into a model with a
-    head, or the other way round."""
+    head, or the other way round. `tp` (a TPLayout): the model holds tensor-parallel slices; the
+    files' whole tensors are read and cut (`specs/mesh.md`)."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
     entries = index_pretrained(path)
@@ -196,23 +197,33 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             if e is None:
                 missing.append(s.name)
                 continue
-            if e.shape != tuple(s.shape):
-                bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(s.shape)}")
-            jobs.append((s.name, e, (u, s)))
+            split = _split_of(tp, (s.name, *s.aliases))
+            want = tuple(split.full_shape) if split is not None else tuple(s.shape)
+            if e.shape != want:
+                bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(want)}")
+            jobs.append((s.name, e, (u, s, split)))
     for table in (frozen, buffers):
         for n, t in table.items():
             if n not in entries:
                 if table is frozen or n in persistent:
                     missing.append(n)
                 continue
-            if entries[n].shape != tuple(t.shape):
-                bad_shape.append(f"{n}: file {list(entries[n].shape)}, model {list(t.shape)}")
-            jobs.append((n, entries[n], table))
+            split = _split_of(tp, (n,)) if table is frozen else None
+            want = tuple(split.full_shape) if split is not None else tuple(t.shape)
+            if entries[n].shape != want:
+                bad_shape.append(f"{n}: file {list(entries[n].shape)}, model {list(want)}")
+            jobs.append((n, entries[n], (table, split)))
     if bad_shape:
         raise CheckpointError(f"pretrained weights {os.fspath(path)!r}: shapes differ from the model's: " + "; ".join(bad_shape))
     report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=missing, unexpected=unexpected,
                               bytes_read=0, files=sorted({e.file for e in entries.values()}))
-    return PretrainedLoad(jobs, plan, rank, initial, report)
+    return PretrainedLoad(jobs, plan, rank, initial, report, tp)
+
+
+def _split_of(tp, names):
+    if tp is None:
+        return None
+    return next((tp.split_of(n) for n in names if tp.split_of(n) is not None), None)
 
 
 def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str) -> dict[str, TensorEntry]:
@@ -236,32 +247,42 @@ def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str)
 class PretrainedLoad:
     """A checked load, ready to read (`load_pretrained`)."""
 
-    def __init__(self, jobs, plan, rank: int, initial: dict[str, torch.Tensor], report: PretrainedReport):
+    def __init__(self, jobs, plan, rank: int, initial: dict[str, torch.Tensor], report: PretrainedReport, tp=None):
         self.jobs, self.plan, self.rank, self.initial, self.report = jobs, plan, rank, initial, report
+        self.tp = tp
 
     def run(self) -> PretrainedReport:
         reader = _Reader()
         try:
             with torch.no_grad():
                 for name, e, where in self.jobs:
-                    if isinstance(where, tuple):
-                        _load_slot(reader, e, *where, self.plan, self.rank, self.initial)
+                    if len(where) == 3:
+                        _load_slot(reader, e, *where, self.plan, self.rank, self.initial, self.tp)
                     else:
-                        t = where[name]
+                        table, split = where
+                        t = table[name]
                         value = reader.read(e, 0, math.prod(e.shape)).reshape(e.shape)
-                        where[name] = value.to(device=t.device, dtype=t.dtype)
+                        if split is not None:
+                            value = split.local(value, self.tp.rank)
+                        table[name] = value.to(device=t.device, dtype=t.dtype)
         finally:
             reader.close()
         self.report.bytes_read = reader.bytes_read
         return self.report
 
 
-def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, plan, rank: int, initial: dict[str, torch.Tensor]) -> None:
-    """The elements of `slot` that this rank holds, read from `e` into the unit's buffer."""
+def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, split, plan, rank: int, initial: dict[str, torch.Tensor],
+               tp=None) -> None:  # fmt: skip
+    """The elements of `slot` that this rank holds, read from `e` into the unit's buffer (a
+    tensor-parallel slice: the whole tensor read, then cut)."""
     buf = initial[unit.name]
     lo, hi = unit.shard_range(rank) if plan.params_sharded(unit) else (0, unit.padded_numel)
     a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
     if a >= b:
         return
-    values = reader.read(e, a - slot.offset, b - a)
+    if split is not None:
+        whole = reader.read(e, 0, math.prod(e.shape)).reshape(e.shape)
+        values = split.local(whole, tp.rank).reshape(-1)[a - slot.offset: b - slot.offset]
+    else:
+        values = reader.read(e, a - slot.offset, b - a)
     buf[a - lo : b - lo].copy_(values.to(buf.dtype))

@@ -37,12 +37,6 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
-    if pretrained is not None and sm.tp is not None:
-        raise ShardingError(
-            "init_state(pretrained=...) with tensor parallelism is not implemented yet: the files hold whole tensors "
-            "and the model holds this rank's slices. Load the weights into the model before fnzero.shard (e.g. "
-            "from_pretrained), which splits them"
-        )
     if pretrained is not None:
         _load_pretrained(sm, pretrained, allow_unexpected)
     loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
@@ -148,7 +142,7 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
     frozen, buffers = sm.constants  # entries replaced, not written into
     base_prefix = getattr(sm.module, "base_model_prefix", "") or ""
     load = load_pretrained(path, sm.plan, sm.comm.rank, sm.initial_values().params, frozen, buffers, persistent,
-                           allow_unexpected=allow_unexpected, base_prefix=str(base_prefix))  # checked: nothing read yet
+                           allow_unexpected=allow_unexpected, base_prefix=str(base_prefix), tp=sm.tp)  # checked: nothing read yet
     try:
         sm.pretrained_report = load.run()
     except BaseException:
