@@ -8,6 +8,8 @@ Run (from the repository root, after the README's setup):
     fnzero launch --nproc-per-node 2 examples/train_gpt.py --config examples/configs/zero3.json
     # GPUs (NCCL), one rank per GPU
     fnzero launch --nproc-per-node 8 examples/train_gpt.py --config examples/configs/bf16.json
+    # tensor parallelism: each layer split over 2 ranks, ZeRO-1 over the rest (specs/mesh.md)
+    fnzero launch --nproc-per-node 4 examples/train_gpt.py --config examples/configs/tp2_zero1.json
 
 The training step is a pure function `step(state, batch) -> (state, metrics)`; logging happens
 outside it. At the end the run saves a checkpoint under --checkpoint-dir and exports the weights as
@@ -58,6 +60,7 @@ cfg = fnzero.load_config(args.config, world_size=dist.world_size)
 model = GPT(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
 if cfg.precision != "fp32":
     model = model.float()
+num_params = sum(p.numel() for p in model.parameters())
 sm = fnzero.shard(model, config=cfg, device=dist.device)
 state = sm.init_state()
 mem0 = peak_rss_bytes()
@@ -84,17 +87,21 @@ if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "lat
     if dist.rank == 0:
         print(f"resumed from {args.checkpoint_dir} at step {start}")
 
-# -- data: each rank reads its own stream of windows (where the previous run stopped) --------------
+# -- data: each data-parallel rank reads its own stream of windows (where the previous run stopped);
+# the ranks of one tensor-parallel group read the same one ------------------------------------------
 per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
-batches = token_batches(per_rank, args.seq_len, seed=args.seed * 1000 + dist.rank)
+dp_rank = dist.rank // cfg.tensor_parallel.size
+batches = token_batches(per_rank, args.seq_len, seed=args.seed * 1000 + dp_rank)
 for _ in range(start):
     next(batches)
 
 if dist.rank == 0:
-    print(f"fnzero {fnzero.__version__}: GPT {sm.plan.num_params / 1e6:.2f}M params, ZeRO stage {sm.plan.stage}, "
-          f"{cfg.precision}, {dist.world_size} rank(s) on {dist.device}, {len(sm.plan.units)} units")
+    tp = f" x tensor-parallel {cfg.tensor_parallel.size}" if cfg.tensor_parallel.size > 1 else ""
+    print(f"fnzero {fnzero.__version__}: GPT {num_params / 1e6:.2f}M params, "
+          f"ZeRO stage {sm.plan.stage}, {cfg.precision}, {dist.world_size} rank(s){tp} on {dist.device}, "
+          f"{len(sm.plan.units)} units")
 
-tokens_per_step = per_rank * args.seq_len * dist.world_size
+tokens_per_step = per_rank * args.seq_len * cfg.world_size  # data-parallel ranks
 t0 = time.perf_counter()
 first_loss = None
 # Logging happens outside the pure step: the Monitor reads steps_per_print, csv_monitor,

@@ -200,3 +200,31 @@ def test_parse_bytes_units():
     with pytest.raises(ValueError):
         _plan.parse_bytes("0")
     assert math.isclose(_plan.largest_model(10**9, stage=0, world_size=1, reserve=10**9), 0)
+
+
+def test_tp_rows_are_the_formula_of_each_ranks_share(tmp_path):
+    """specs/mesh.md §Memory: with --tp T each rank holds Ψ/T, sharded by ZeRO over N/T ranks; a
+    T that does not divide the world is exit 2 naming both; the config's autotp_size is marked."""
+    rc, out, err = run_cli("plan", "--params", "7e9", "--world-size", N, "--tp", "1,2,8", "--precision", "bf16",
+                           "--memory-per-device", "80GB", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["tp"] == [1, 2, 8]
+    for tp in (1, 2, 8):
+        for stage in range(4):
+            row = _one(rep, tp=tp, stage=stage, offload_optimizer="none", offload_param="none")
+            assert row["dp"] == N // tp
+            assert row["device_bytes"] == round(zero_formula(-(-PSI // tp), stage, N // tp, True)), (tp, stage)
+    z1 = {tp: _one(rep, tp=tp, stage=1, offload_optimizer="none", offload_param="none")["max_params"] for tp in (1, 8)}
+    assert z1[8] > 6 * z1[1]  # (4 + 12/64) / ((4 + 12/8) / 8) = 6.09: splitting the weights lets a far larger model fit
+    rc, _, err = run_cli("plan", "--params", "7e9", "--world-size", 6, "--tp", "4")
+    assert rc == 2 and "--tp 4 does not divide --world-size 6" in err
+    rc, _, err = run_cli("plan", "--params", "7e9", "--world-size", 8, "--pp", "2")
+    assert rc == 2 and "pipeline parallelism is not built" in err
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                               "tensor_parallel": {"autotp_size": 2}}))
+    rc, out, err = run_cli("plan", "--params", "7e9", "--world-size", 8, "--config", str(cfg), "--json")
+    assert rc == 0, err
+    (mine,) = [r for r in json.loads(out)["rows"] if r["from_config"]]
+    assert (mine["tp"], mine["dp"], mine["stage"]) == (2, 4, 1)

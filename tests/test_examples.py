@@ -71,6 +71,15 @@ def test_train_gpt_saves_resumes_on_another_world_and_exports(tmp_path):
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     assert header["wte.weight"]["dtype"] == "BF16" and header["wte.weight"]["shape"] == [256, 64]
+    # ... and on 2 tensor-parallel ranks (specs/mesh.md): it resumes, trains, saves and exports whole weights.
+    out3 = _run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py",
+                 "--config", "examples/configs/tp2_zero1.json", "--steps", "10", *small])
+    assert f"resumed from {ckpt} at step 60" in out3 and "(step 70)" in out3 and "tensor-parallel 2" in out3, out3
+    assert _losses(out3)[0] < _losses(out1)[0] - 1.0, out3
+    with open(tmp_path / "run" / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    assert header["blocks.0.fc.weight"]["shape"] == [256, 64], header
 
 
 @pytest.mark.multiprocess
