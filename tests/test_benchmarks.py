@@ -72,3 +72,22 @@ def test_bench_aio_short_mode_reports_every_round(tmp_path):
     else:
         assert "fio: not installed" in p.stdout
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+
+
+@pytest.mark.multiprocess
+def test_bench_mesh_short_mode_reports_exact_state_and_traffic_per_axis(tmp_path):
+    """benchmarks/bench_mesh.py on a tiny GPT: every configuration's state bytes are its formula,
+    tp 2 holds fewer parameters per rank than dp 2 and sends tp traffic, dp 2 sends none."""
+    import json
+
+    js = tmp_path / "mesh.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_mesh.py"), "--model", "gpt_tiny", "--steps", "1",
+           "--warmup", "0", "--configs", "dp2_z1,tp2_z1", "--json", str(js)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = json.loads(js.read_text())
+    for r in rows.values():
+        assert r["state_bytes"] == r["formula"]
+    assert rows["tp2_z1"]["psi_rank"] < rows["dp2_z1"]["psi_rank"] == rows["dp2_z1"]["psi"]
+    assert rows["tp2_z1"]["tp_sent"] > 0 and rows["dp2_z1"]["tp_sent"] == 0
+    assert rows["tp2_z1"]["dp_sent"] == 0 < rows["dp2_z1"]["dp_sent"]  # tp 2 on 2 ranks: dp is 1

@@ -80,15 +80,12 @@ def shard(
     if meta and (mesh is not None or getattr(getattr(config, "tensor_parallel", None), "size", 1) > 1):
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
-    comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan)
+    debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
+    comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug)
     watchdog = process_watchdog()
     if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
         watchdog.timeout_s = float(config.watchdog.timeout_seconds)
-    logger = getattr(config, "comms_logger", None)
-    if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
-        comm = RecordingCollectives(comm)
-    if debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1":
-        comm = CheckedCollectives(comm)
+    comm = _observed(comm, config, debug)
     params0 = list(model.parameters())
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
@@ -106,13 +103,7 @@ def shard(
             f"zero_optimization.offload_param device 'nvme' needs sharded parameters, stage 3 (this run is "
             f"stage {policy.placement.stage})"
         )
-    plan = make_plan(
-        model,
-        comm.world_size,
-        policy.placement,
-        wrap=wrap,
-        persistence_threshold=policy.persistence_threshold,
-    )
+    plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold)
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         initial, frozen, buffers, uninitialised = initial_from_meta(
@@ -134,7 +125,7 @@ def shard(
 
 
 def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,
-                  tp_plan: list[TPRule] | None) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
+                  tp_plan: list[TPRule] | None, debug: bool) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
     """With a mesh (given, or the config's `tensor_parallel.autotp_size`): AutoTP over its
     tensor-parallel ranks. (the data-parallel collectives ZeRO shards over, the layout or None)."""
     tp_cfg = getattr(config, "tensor_parallel", None)
@@ -153,11 +144,16 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
             "column) or shard(..., tp_plan=[TPRule(...)])"
         )
     vocab = getattr(tp_cfg, "vocab_parallel_lm_head", None) if tp_cfg is not None else None
-    tp_comm = mesh.tp
+    # The tp axis' traffic is recorded apart from dp's (`sm.tp.comm.records`), and checked too.
+    return mesh.dp, parallelize(model, rules, _observed(mesh.tp, config, debug), vocab_parallel=vocab)
+
+
+def _observed(comm: Collectives, config: Any, debug: bool) -> Collectives:
+    """`comm` recorded (the config's comms_logger) and checked across ranks (debug_collectives)."""
     logger = getattr(config, "comms_logger", None)
-    if logger is not None and logger.enabled and not isinstance(tp_comm, RecordingCollectives):
-        tp_comm = RecordingCollectives(tp_comm)  # the tp axis' traffic, apart from dp's (`sm.tp.comm.records`)
-    return mesh.dp, parallelize(model, rules, tp_comm, vocab_parallel=vocab)
+    if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
+        comm = RecordingCollectives(comm)
+    return CheckedCollectives(comm) if debug else comm
 
 
 def _refuse_load_state_dict(module, *args, **kwargs) -> None:

@@ -145,7 +145,7 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
                   comm, device: torch.device, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
-    all-reduce of three numbers. `inv` unscales the reduced gradients. Shards' squares are summed
+    all-reduce of two numbers (three with tensor parallelism). `inv` unscales the reduced gradients. Shards' squares are summed
     across ranks; a replicated gradient's is global already and is added after the sum. With
     tensor parallelism (`tp`, a TPLayout), the squares of split parameters are summed over the
     tensor-parallel ranks too (one more all-reduce of one number); replicated ones, equal there,
@@ -162,12 +162,15 @@ def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], i
         for part, split in _tp_parts(u, g, lo, tp):
             sq[0 if u.placement.optimizer else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square()
     ii = inv * inv
-    vec = torch.stack([sq[0][0].to(torch.float64) * ii, sq[0][1].to(torch.float64) * ii,
-                       loss_sum.to(device=device, dtype=torch.float64)])  # fmt: skip
-    if comm.world_size > 1:
-        vec = comm.all_reduce(vec)
+    loss = loss_sum.to(device=device, dtype=torch.float64)
+    if tp is None:  # two numbers: [Σ shards' squares, loss]
+        vec = torch.stack([sq[0][0].to(torch.float64) * ii, loss])
+        vec = comm.all_reduce(vec) if comm.world_size > 1 else vec
+        return vec[0] + sq[1][0].to(torch.float64) * ii, vec[1]
+    vec = torch.stack([sq[0][0].to(torch.float64) * ii, sq[0][1].to(torch.float64) * ii, loss])
+    vec = comm.all_reduce(vec) if comm.world_size > 1 else vec
     split_sq = vec[1] + sq[1][1].to(torch.float64) * ii
-    if tp is not None and tp.size > 1:
+    if tp.size > 1:
         split_sq = tp.comm.all_reduce(split_sq.reshape(1))[0]
     return vec[0] + sq[1][0].to(torch.float64) * ii + split_sq, vec[2]
 
