@@ -8,7 +8,8 @@ seq 128, fp32 AdamW) and reports the slower rank's median step time, peak RSS ab
 baseline, the model-state bytes the state holds (exact) beside the formula of specs/mesh.md
 §Memory, and the bytes each rank sends per step on each mesh axis (ring-equivalent: all-reduce
 2(N-1)/N, all-gather (N-1)/N of the logical bytes). Ratios are against dp 2 ZeRO-1 measured in the
-same round. Pipeline parallelism is not built in fnzero yet: no pp row.
+same round, in tokens per second (a tp group shares its batch, so tp 2 on 2 ranks trains half the
+tokens of dp 2 per step). Pipeline parallelism is not built in fnzero yet: no pp row.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
         if i == warmup + steps - 1:
             dp_sent = sm.comm.ring_bytes_sent()
             tp_sent = _ring(sm.tp.comm.records, tp) if sm.tp is not None else 0.0
-    return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib() - pre_model, "psi": psi,
+    return {"step_s": median(times[warmup:]), "tokens": micro * seq * cfg.world_size,
+            "peak_rss_mib": _rss_mib() - pre_model, "psi": psi,
             "psi_rank": sm.plan.num_params, "state_bytes": bytes_state, "formula": formula, "dp_sent": dp_sent,
             "tp_sent": tp_sent, "loss": m["loss"]}
 
@@ -114,12 +116,13 @@ def main():
             rows[kind] = dict(slow, peak_rss_mib=max(r["peak_rss_mib"] for r in res), other=mon.other_cores)
         rounds.append(rows)
     base = kinds[0]
-    print(f"{'config':<8} {'step s':>8} {'vs ' + base:>10} {'params/rank':>12} {'state MiB':>10} {'formula':>9} "
+    print(f"{'config':<8} {'step s':>8} {'tok/s':>7} {'vs ' + base:>10} {'params/rank':>12} {'state MiB':>10} {'formula':>9} "
           f"{'RSS MiB':>8} {'dp MB/step':>11} {'tp MB/step':>11} {'loss':>7} {'other cores':>11}")
     for kind in kinds:
         r = rounds[-1][kind]
-        ratio = median([rd[kind]["step_s"] / rd[base]["step_s"] for rd in rounds])
-        print(f"{kind:<8} {median([rd[kind]['step_s'] for rd in rounds]):>8.3f} {ratio:>9.2f}x {r['psi_rank']:>12,} "
+        tps = median([rd[kind]["tokens"] / rd[kind]["step_s"] for rd in rounds])
+        ratio = median([(rd[kind]["tokens"] / rd[kind]["step_s"]) / (rd[base]["tokens"] / rd[base]["step_s"]) for rd in rounds])
+        print(f"{kind:<8} {median([rd[kind]['step_s'] for rd in rounds]):>8.3f} {tps:>7.0f} {ratio:>9.2f}x {r['psi_rank']:>12,} "
               f"{r['state_bytes'] / 2**20:>10.1f} {r['formula'] / 2**20:>9.1f} {r['peak_rss_mib']:>8.0f} "
               f"{r['dp_sent'] / 1e6:>11.1f} {r['tp_sent'] / 1e6:>11.1f} {r['loss']:>7.3f} {r['other']:>11.2f}")
     if args.json:
@@ -127,8 +130,9 @@ def main():
 
         with open(args.json, "w") as f:
             json.dump(rounds[-1], f, indent=1)
-    print("\nstate: model-state bytes the rank's TrainState holds (parameters, gradients, master, moments); formula: "
-          "zero_formula(Ψ_rank padded, stage, dp) (specs/mesh.md §Memory). dp/tp MB/step: ring-equivalent bytes one "
+    print("\nvs: tokens/s relative to the first configuration. state: model-state bytes the rank's TrainState holds (parameters, gradients, master, moments); formula: "
+          "zero_formula(Ψ_rank padded, stage, dp) (specs/mesh.md §Memory; at stage 3 small units stay whole, "
+          "stage3_param_persistence_threshold, so the state is a little above it). dp/tp MB/step: ring-equivalent bytes one "
           "rank sends per step on that axis. pp: not built (no pipeline parallelism in fnzero yet).")
 
 
