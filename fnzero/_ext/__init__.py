@@ -11,13 +11,13 @@ import os
 import tempfile
 from typing import Any
 
-from ._aio import ALIGN, AioEngine, AioHandle, AioRequest, aligned_empty, direct_supported, is_aligned
+from ._aio import ALIGN, AioEngine, AioHandle, AioRequest, aligned_empty, direct_supported, fsync_dir, is_aligned
 from ._kernels import adagrad_step_, adam_step_, crc32, lion_step_, stream_adam_shape_, to_16bit
 from ._lib import LEVELS, available, force_simd, supported_levels
 
 __all__ = [
     "ALIGN", "AioEngine", "AioHandle", "AioRequest", "LEVELS", "adagrad_step_", "adam_step_", "aligned_empty", "crc32",
-    "available", "build_info", "direct_supported", "force_simd", "is_aligned", "lion_step_", "report_lines",
+    "available", "build_info", "direct_supported", "force_simd", "fsync_dir", "is_aligned", "lion_step_", "report_lines",
     "simd_level", "stream_adam_shape_", "supported_levels", "to_16bit",
 ]  # fmt: skip
 

@@ -311,3 +311,12 @@ class AioHandle:
             self.close()
         except Exception:
             pass
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new entry in `path` durable (POSIX needs the directory itself fsynced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .._errors import CheckpointError
-from .._ext import crc32
+from .._ext import crc32, fsync_dir
 from ._format import ALIGN
 
 __all__ = [
@@ -162,15 +162,6 @@ class AlignedWriter:
             self.f.close()
         except OSError:
             pass
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename or a new entry in `path` durable (POSIX needs the directory itself fsynced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: str, data: bytes) -> None:

@@ -24,7 +24,7 @@ import torch
 from .. import _ext
 from ._nvme_files import (
     _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, MANIFEST, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
-    check_unit_tensors, checked_create_args, flat_cpu, fsync_dir, pack_header, read_manifest, stale_stores,
+    check_unit_tensors, checked_create_args, flat_cpu, pack_header, read_manifest, stale_stores,
     take_lock, write_json_atomic,
 )
 
@@ -103,7 +103,7 @@ class NvmeOptimizerStore:
             for h in self._handles.values():
                 h.sync()
             self._save_manifest("clean", fsync=True)
-            fsync_dir(path)
+            _ext.fsync_dir(path)
         except BaseException:
             self.close(delete=True)
             raise

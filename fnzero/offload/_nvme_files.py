@@ -60,14 +60,6 @@ def write_json_atomic(path: str, obj: dict, fsync: bool) -> None:
     os.replace(tmp, path)
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def checked_create_args(master: Any, optimizer: str, optimizers: list[str], sub_group_size: int, buffer_count: int,
                         rank: int, aio: Any) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
     """`NvmeOptimizerStore.create`'s arguments checked: (the aio block in the store's names, the
