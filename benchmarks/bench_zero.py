@@ -42,6 +42,7 @@ LABELS = {
     "z3": "fnzero ZeRO-3",
     "z3_nvme": "fnzero ZeRO-3, optimizer on NVMe",
     "z3_nvme_params": "fnzero ZeRO-3, optimizer + params on NVMe",
+    "z3_regather": "fnzero ZeRO-3, stage3_max_reuse_distance 0 (re-gathered for backward)",
     **{f"z{s}_jit": f"fnzero ZeRO-{s}, fnzero.jit (per unit)" for s in range(4)},
 }
 # Model-state bytes per rank *in memory* beside the ZeRO formula, for Ψ params, N ranks, fp32:
@@ -94,6 +95,8 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             zero["sub_group_size"] = 1 << 20
         if kind.endswith("params"):
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
+        if kind == "z3_regather":  # the least memory: only the last unit stays gathered for backward
+            zero["stage3_max_reuse_distance"] = 0
         cfg = fnzero.load_config({
             "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},

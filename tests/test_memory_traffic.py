@@ -11,11 +11,14 @@ from fnzero.testing import GPT, seeded
 from fnzero.testing._threads import simulated_world
 
 
-def _cfg(stage, world, precision="fp32"):
+def _cfg(stage, world, precision="fp32", reuse=0):
+    # stage3_max_reuse_distance 0 unless asked: these tests are about the re-gather path (the
+    # default keeps every unit of these small models gathered for backward).
     c = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                              "stage3_max_reuse_distance": reuse},
     }
     if precision == "bf16":
         c["bf16"] = {"enabled": True}
@@ -46,10 +49,10 @@ def test_model_state_bytes_follow_zero_formulas(stage, world, precision):
         assert plan.num_padded - plan.num_params < world * len(plan.units)
 
 
-def _traffic(stage, world):
+def _traffic(stage, world, reuse=0):
     def rank_fn(comm):
         rec = RecordingCollectives(comm)
-        sm = fnzero.shard(_model(), config=_cfg(stage, world), comm=rec)
+        sm = fnzero.shard(_model(), config=_cfg(stage, world, reuse=reuse), comm=rec)
         state = sm.init_state()
 
         def loss_fn(params, batch):
@@ -78,7 +81,12 @@ def test_ring_traffic_per_stage(world):
     scalar = 16 * 2 * (world - 1) / world  # one [norm², loss] float64 all-reduce per step
     for stage in (0, 1, 2):
         assert sent[stage] == pytest.approx(ddp + scalar), f"stage {stage}"
-    assert ddp < sent[3] <= 1.5 * ddp + scalar
+    assert ddp < sent[3] <= 1.5 * ddp + scalar  # stage3_max_reuse_distance 0: re-gathered for backward
+    # DeepSpeed's default distance (1e9) keeps every unit of this model gathered for its backward:
+    # from the second step on, one gather and one reduce-scatter per unit, exactly DDP's bytes.
+    kept, records, _ = _traffic(3, world, reuse=1_000_000_000)
+    assert kept == pytest.approx(ddp + scalar)
+    assert sum(r.op == "all_gather" for r in records) == len(plan.units)
 
 
 def test_stage3_keeps_the_last_forward_unit_for_backward():

@@ -91,11 +91,12 @@ class GatherSchedule:
     rank learns the same order from the same program, so prefetches are issued identically.
     """
 
-    def __init__(self, prefetch_numel: int = 10**18, max_live_numel: int = 10**18):
+    def __init__(self, prefetch_numel: int = 10**18, max_live_numel: int = 10**18, max_reuse_distance: int = 0):
         self.forward_order: list[str] = []
         self._next: dict[str, str] = {}
         self.prefetch_numel = prefetch_numel  # stage3_prefetch_bucket_size: largest unit fetched ahead
         self.max_live_numel = max_live_numel  # stage3_max_live_parameters: current + prefetched at most
+        self.max_reuse_distance = max_reuse_distance  # stage3_max_reuse_distance: see `kept_units`
 
     def record_forward(self, order: list[str]) -> None:
         if order != self.forward_order:
@@ -104,6 +105,24 @@ class GatherSchedule:
 
     def next_unit(self, name: str) -> str | None:
         return self._next.get(name)
+
+    def kept_units(self, numel_of) -> frozenset[str]:
+        """The units whose gathered parameters stay from their forward to their backward instead of
+        being re-gathered there (DeepSpeed's stage3_max_reuse_distance): a unit's parameters are
+        used again once every unit gathered after it has run forward and backward, so its reuse
+        distance is twice their elements. Kept from the last unit back while that distance is
+        within `max_reuse_distance` and the kept elements within `max_live_numel`; the last unit
+        always (its backward comes first, distance 0). `numel_of(name)`: a unit's elements."""
+        kept: set[str] = set()
+        live = after = 0
+        for name in reversed(dict.fromkeys(self.forward_order)):  # each unit once, at its first use
+            n = numel_of(name)
+            if kept and (2 * after > self.max_reuse_distance or live + n > self.max_live_numel):
+                break
+            kept.add(name)
+            live += n
+            after += n
+        return frozenset(kept)
 
 
 class GatherUnit(torch.autograd.Function):

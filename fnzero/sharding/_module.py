@@ -83,7 +83,7 @@ class ShardedModule:
         self.sharding = Sharding(plan, comm, device, tp)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
-        self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel)
+        self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
         self._frozen: dict[str, torch.Tensor] = dict(frozen or {})
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         # `offload_param: nvme`: the NVMe store sharded units are read from (`read_params_from`).

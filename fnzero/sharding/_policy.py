@@ -23,6 +23,9 @@ class ShardPolicy:
     persistence_threshold: int = 0
     prefetch_numel: int = 0
     max_live_numel: int = 10**18
+    # stage3_max_reuse_distance (DeepSpeed's default): a unit whose parameters are used again within
+    # this many elements (its backward, after the units gathered after it) keeps them gathered.
+    max_reuse_distance: int = 1_000_000_000
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
     offload_param: str | None = None  # None | "cpu" | "nvme"
     # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
@@ -56,6 +59,7 @@ def shard_policy(cfg, stage: "int | Placement | None" = None) -> ShardPolicy:
         persistence_threshold=int(z.stage3_param_persistence_threshold),
         prefetch_numel=int(z.stage3_prefetch_bucket_size),
         max_live_numel=int(z.stage3_max_live_parameters),
+        max_reuse_distance=int(z.stage3_max_reuse_distance),
         offload_optimizer=offload_device(cfg),
         offload_param=offload_device(cfg, "offload_param"),
         autocast_dtype=_autocast_dtype(cfg),

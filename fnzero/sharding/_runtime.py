@@ -66,10 +66,13 @@ class ApplyRun:
         self.order: list[str] = []  # stage-3 units in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
         self.deferred_regather: str | None = None  # see `finish_forward`
-        # The unit gathered last in the previous forward is needed again first in backward: its
-        # saved views are kept rather than re-gathered (FSDP2 likewise leaves the root gathered
-        # after forward). A performance cache: a wrong guess only costs a gather or a buffer kept.
-        self.keep = schedule.forward_order[-1] if schedule is not None and schedule.forward_order else None
+        # Units whose saved views are kept rather than re-gathered in backward, by the previous
+        # forward's order (`GatherSchedule.kept_units`): the unit gathered last, needed again first
+        # (FSDP2 likewise leaves the root gathered), and those within stage3_max_reuse_distance.
+        # A performance cache: a wrong guess only costs a gather or a buffer kept.
+        self.keep: frozenset[str] = (
+            schedule.kept_units(lambda n: plan.unit(n).padded_numel) if schedule is not None else frozenset()
+        )
         # Parameter bindings in force right now, outermost first: ("tensors", module, {name: t})
         # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
@@ -176,7 +179,7 @@ class ApplyRun:
             # unit's own re-gather would have: still ahead of the kept unit's backward, but not
             # during the loss computation that follows forward, which holds the forward's peak
             # (logits and their log-softmax on top of every activation).
-            if self.keep in self.rts and not self.rts[self.keep].packed:
+            if self.order[-1] in self.keep and not self.rts[self.order[-1]].packed:
                 packed = [n for n in self.order if self.rts[n].packed]
                 if not packed:
                     return
@@ -207,7 +210,7 @@ class ApplyRun:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
             return t
         rt = self._live.get(ptr)
-        if rt is None or rt.unit.name == self.keep:
+        if rt is None or rt.unit.name in self.keep:
             return t
         rt.packed = True
         return Regather(rt, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
