@@ -402,3 +402,29 @@ def test_pretrained_weights_load_into_tensor_parallel_slices(kind, tmp_path):
     for got in simulated_world(4).run(rank):
         assert all(torch.equal(got[k], want[k]) for k in want if k in got)
         assert {k for k in want if "rotary" not in k} <= set(got)
+
+
+def test_review_cases_lamb_frozen_split_parameters_and_configs_without_a_world():
+    """Lamb normalises per tensor: refused on tensor-parallel slices, naming why. A frozen split
+    parameter comes back whole from state_dict and through a checkpoint. A config with
+    autotp_size loads without a world size (one tensor-parallel group)."""
+    cfg = fnzero.config.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Lamb"},
+                                     "tensor_parallel": {"autotp_size": 2}})  # no world size given  # fmt: skip
+    assert (cfg.world_ranks, cfg.world_size) == (2, 1)
+
+    def lamb(comm):
+        sm = fnzero.shard(W.make_model("gpt_tp"), config=cfg, comm=comm)
+        with pytest.raises(fnzero.ShardingError, match="cannot update tensor-parallel slices"):
+            sm.init_state()
+
+    simulated_world(2).run(lamb)
+
+    def frozen(comm):
+        model = W.make_model("gpt_tp")
+        model.blocks[0].fc.weight.requires_grad_(False)
+        want = model.blocks[0].fc.weight.detach().clone()
+        sm = fnzero.shard(model, config=_cfg(2, 2), comm=comm)
+        sd = sm.state_dict(sm.init_state())
+        return torch.equal(sd["blocks.0.fc.weight"], want)
+
+    assert simulated_world(2).run(frozen) == [True, True]

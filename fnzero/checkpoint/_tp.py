@@ -32,6 +32,12 @@ def _split(tp, slot: ParamSlot):
     return None
 
 
+def _per_param(leaf: Leaf) -> bool:
+    """A leaf of one parameter's own state (stored under its unit's key, named by the parameter),
+    told apart by name, never by size: the same on every rank whatever its slice holds."""
+    return leaf.path.rpartition("/")[2] != leaf.unit
+
+
 def full_plan(plan: ShardPlan, tp) -> ShardPlan:
     """`plan` with every split parameter at its full shape (offsets and padding recomputed as
     `make_plan` lays them out): the plan of the same model without tensor parallelism."""
@@ -65,7 +71,7 @@ def consolidated(state: TrainState) -> TrainState:
             split = tp.split_of(name) if top == "frozen" else None
             return tp.gather_full(name, t) if split is not None else t
         u, fu = units[leaf.unit], full_units[leaf.unit]
-        if leaf.hi - leaf.lo not in (u.padded_numel, u.shard_numel):  # one parameter's own state (Lamb)
+        if _per_param(leaf):  # one parameter's own state (Lamb)
             slot = next(s for s in u.slots if s.offset == leaf.lo)
             return tp.gather_full(slot.name, t) if _split(tp, slot) is not None else t
         whole = t.reshape(-1) if leaf.hi - leaf.lo == u.padded_numel else comm.all_gather(t.reshape(-1))
@@ -109,7 +115,7 @@ def fill_tp_leaf(leaf: Leaf, like: TrainState, read, key: str, out: torch.Tensor
         return out.copy_(split.local(full.view(split.full_shape), tp.rank).reshape(-1))
     u = sh.plan.unit(leaf.unit)
     fu = full_plan(sh.plan, tp).unit(leaf.unit)
-    per_param = leaf.hi - leaf.lo not in (u.padded_numel, u.shard_numel)
+    per_param = _per_param(leaf)
     out.zero_()  # padding stays zero
     for s, fs in zip(u.slots, fu.slots):
         a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)

@@ -131,7 +131,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if args.action == "show":
         print(cfg.to_json(indent=2))
     else:
-        print(f"{args.file}: valid (ZeRO stage {cfg.zero_optimization.stage}, world size {cfg.world_size})")
+        mesh = (f" = {cfg.world_size} data-parallel x {cfg.tensor_parallel.size} tensor-parallel"
+                if cfg.tensor_parallel.size > 1 else "")
+        print(f"{args.file}: valid (ZeRO stage {cfg.zero_optimization.stage}, world size {cfg.world_ranks}{mesh})")
     return 0
 
 
@@ -167,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("config", help="validate or show a DeepSpeed-style JSON config")
     cp.add_argument("action", choices=["show", "validate"], help="show: the resolved config as JSON; validate: every error at once")
     cp.add_argument("file", help="path to the JSON config")
-    cp.add_argument("--world-size", type=int, default=1, help="world size used to resolve the batch triad (default 1)")
+    cp.add_argument("--world-size", type=int, default=None,
+                    help="the job's ranks, used to resolve the batch triad (default 1, or one tensor-parallel group)")
 
     # Each command family adds its parsers with `set_defaults(func=handler)`, and
     # `handler(args) -> int` is the exit code.

@@ -66,7 +66,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
     deprecations = normalize(raw, problems)
     unresolved = fill_auto(raw, auto, problems)
     check_unknown(raw, problems)
-    ranks, world = world, _data_parallel_world(raw, world, problems)
+    ranks, world = _data_parallel_world(raw, world, world_size is not None, problems)
     if "optimizer" in raw:
         raw["optimizer"] = _build_typed(raw["optimizer"], "optimizer", problems)
     if "scheduler" in raw:
@@ -106,17 +106,20 @@ def _cross_checks_of_the_rest(raw: dict[str, Any], found: list[str]) -> list[str
     return [line for line in lines if not any(f"`{section}" in line for section in bad)]
 
 
-def _data_parallel_world(raw: dict[str, Any], world: int, problems: Problems) -> int:
-    """The data-parallel ranks among `world`: the batch triad counts those only. The ranks of one
-    tensor-parallel group (`tensor_parallel.autotp_size`) see the same samples."""
+def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems: Problems) -> tuple[int, int]:
+    """(the job's ranks, the data-parallel ranks among them): the batch triad counts the latter
+    only, since the ranks of one tensor-parallel group (`tensor_parallel.autotp_size`) see the same
+    samples. No world size given: one tensor-parallel group."""
     tp = raw.get("tensor_parallel", {}).get("autotp_size", 0) if isinstance(raw.get("tensor_parallel"), dict) else 0
     if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
-        return world  # off, or a bad value the section's own validation reports
+        return world, world  # off, or a bad value the section's own validation reports
+    if not given:
+        return tp, 1
     if world % tp:
         problems.add(f"`tensor_parallel.autotp_size` {tp} does not divide the world size {world}: the mesh is "
                      f"data-parallel × tensor-parallel ranks, so the world must be a multiple of {tp}")
-        return world
-    return world // tp
+        return world, world
+    return world, world // tp
 
 
 def _world(world_size: Any) -> int:

@@ -55,7 +55,9 @@ PLANS: dict[str, list[TPRule]] = {
         TPRule(_H + "embed_tokens", "vocab"), TPRule("lm_head", "head"),
     ],
 }
-ALIASES = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama"}
+# Same projections, no per-head weights (Qwen3's q_norm/k_norm would need their gradients summed
+# over the ranks: not in the plan, so Qwen3 takes layer_specs or is refused).
+ALIASES = {"mistral": "llama", "qwen2": "llama"}
 
 
 def model_kind(model: nn.Module) -> str | None:

@@ -303,6 +303,8 @@ class ShardedModule:
         """Like `model.state_dict()`: trainable, frozen parameters and buffers, consolidated."""
         out = self.gather(state, dtype=dtype)
         for name, t in {**state.frozen, **state.buffers}.items():
+            if self.tp is not None and name in state.frozen:
+                t = self.tp.gather_full(name, t)  # a frozen split parameter: collective over the tp ranks
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
         return out
 

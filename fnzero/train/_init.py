@@ -50,11 +50,12 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
         )
     plan = sm.plan
-    if not opt.elementwise and plan.placement.optimizer:
+    if not opt.elementwise and (plan.placement.optimizer or sm.tp is not None):
         kind = sm.config.optimizer.type if optimizer is None else "optimizer="
+        where = "tensor-parallel slices" if sm.tp is not None else "flat shards"
         raise ShardingError(
-            f"optimizer {kind} is not elementwise (it normalises per tensor) and "
-            "cannot update flat shards; use it at ZeRO stage 0"
+            f"optimizer {kind} is not elementwise (it normalises per tensor) and cannot update {where}; use it at "
+            "ZeRO stage 0 without tensor parallelism"
         )
     if check_ranks_equal:
         _check_ranks_start_equal(sm, loaded)
