@@ -57,6 +57,11 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
                  "--master-port", str(args.master_port or 29500)]
     if args.max_restarts is not None:
         argv += ["--max-restarts", str(args.max_restarts)]
+    # torchrun checks its workers every 0.1 s and stops the others at once when one fails: a rank
+    # whose collective failed because a peer died then often has no time to say which (the
+    # watchdog looks for up to 1.5 s, and usually needs a few ms). 1 s lets it report under load;
+    # a job, failed or finished, ends at most that much later.
+    argv += ["--monitor-interval", "1"]
     if not rest:
         print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
         return 2
