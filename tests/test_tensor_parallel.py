@@ -428,3 +428,13 @@ def test_review_cases_lamb_frozen_split_parameters_and_configs_without_a_world()
         return torch.equal(sd["blocks.0.fc.weight"], want)
 
     assert simulated_world(2).run(frozen) == [True, True]
+
+
+def test_a_tensor_parallel_group_built_under_different_seeds_is_named():
+    def rank(comm):
+        with seeded(comm.rank):  # a seed bug: every rank its own init
+            model = W._make_model("gpt_tp", torch.float64, comm.rank)
+        fnzero.shard(model, config=_cfg(2, 2), comm=comm)
+
+    with pytest.raises(fnzero.DistributedError, match=r"tensor-parallel group built different models: tp rank\(s\) \[1\]"):
+        simulated_world(2).run(rank)

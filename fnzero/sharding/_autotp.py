@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ConfigError
+from .._errors import ConfigError, ShardingError
 from ._tp_layout import ParamSplit, TPLayout
 from ._tp_modules import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -123,6 +123,7 @@ def parallelize(model: nn.Module, rules: list[TPRule], comm, *, vocab_parallel: 
     tied (one slice). Returns the layout; `model` then runs only with the group's collectives."""
     tp, rank = comm.world_size, comm.rank
     check_heads(model, tp)
+    check_group_agrees(model, comm)
     names = {id(p): [] for p in model.parameters()}
     for n, p in model.named_parameters(remove_duplicate=False):
         names[id(p)].append(n)
@@ -142,6 +143,28 @@ def parallelize(model: nn.Module, rules: list[TPRule], comm, *, vocab_parallel: 
     if head is not None:
         _use_parallel_loss(model, layout)
     return layout
+
+
+def check_group_agrees(model: nn.Module, comm) -> None:
+    """Every rank of a tensor-parallel group cuts its slices from its own copy of the model:
+    copies built under different seeds would train a patchwork. One small all-gather compares a
+    checksum of every parameter and names the ranks that differ. (A meta model's values come
+    from fnzero's seed, the same everywhere: nothing to compare. torch's RNG states, which
+    dropout in unsplit layers needs equal, are not compared: `specs/mesh.md`.)"""
+    params = [p for _, p in model.named_parameters() if not p.is_meta]
+    if comm.world_size == 1 or not params:
+        return
+    from ._initial import checksum
+
+    mine = torch.stack([checksum(p.detach().cpu()) for p in params]).reshape(-1)
+    every = comm.all_gather(mine).view(comm.world_size, -1)
+    bad = [r for r in range(1, comm.world_size) if not torch.equal(every[r], every[0])]
+    if bad:
+        raise ShardingError(
+            f"the ranks of a tensor-parallel group built different models: tp rank(s) {bad} differ from tp rank 0, "
+            "and each cuts its slices from its own copy. Build the model under the same seed on every rank "
+            "(torch.manual_seed(seed) before constructing it), or on the meta device"
+        )
 
 
 def _match(rules: list[TPRule], name: str) -> TPRule | None:
