@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import re
+
 import pytest
 import torch
 
@@ -178,7 +180,9 @@ def test_pure_catches_a_donating_step():
     with pytest.raises(fnzero.DistributedError) as e:
         ft.simulated_world(2).run(fn)
     msg = str(e.value)
-    assert "rank 0 of 2: the step modified its input state: state.params['" in msg
+    # Both ranks find it; whichever reports first stops the other inside a collective, so the
+    # report names either.
+    assert re.search(r"rank [01] of 2: the step modified its input state: state\.params\['", msg), msg
     assert "elements differ; max abs diff" in msg
 
 
