@@ -326,7 +326,8 @@ def load(
         return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
-        check_model(ix, tp_check_view(like) if tp is not None else like)
+        view = tp_check_view(like) if tp is not None else like  # whole shapes: what the files hold
+        check_model(ix, view)
 
         def fill(leaf: Leaf) -> torch.Tensor:
             key = source_key(rd, leaf, like)
@@ -334,7 +335,7 @@ def load(
             entry = rd.tensors[key]
             out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
             if tp is not None:  # whole parameters on disk, this rank's slices in like
-                return fill_tp_leaf(leaf, like, rd.read, key, out).reshape(t.shape).to(t.device)
+                return fill_tp_leaf(leaf, like, view.sharding.plan, rd.read, key, out).reshape(t.shape).to(t.device)
             if leaf.unit is None:
                 if _shape(entry.get("shape")) != tuple(t.shape):
                     _mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))

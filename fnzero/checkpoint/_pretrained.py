@@ -197,7 +197,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             if e is None:
                 missing.append(s.name)
                 continue
-            split = _split_of(tp, (s.name, *s.aliases))
+            split = tp.split_of(s.name, *s.aliases) if tp is not None else None
             want = tuple(split.full_shape) if split is not None else tuple(s.shape)
             if e.shape != want:
                 bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(want)}")
@@ -208,7 +208,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                 if table is frozen or n in persistent:
                     missing.append(n)
                 continue
-            split = _split_of(tp, (n,)) if table is frozen else None
+            split = tp.split_of(n) if tp is not None and table is frozen else None
             want = tuple(split.full_shape) if split is not None else tuple(t.shape)
             if entries[n].shape != want:
                 bad_shape.append(f"{n}: file {list(entries[n].shape)}, model {list(want)}")
@@ -218,12 +218,6 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=missing, unexpected=unexpected,
                               bytes_read=0, files=sorted({e.file for e in entries.values()}))
     return PretrainedLoad(jobs, plan, rank, initial, report, tp)
-
-
-def _split_of(tp, names):
-    if tp is None:
-        return None
-    return next((tp.split_of(n) for n in names if tp.split_of(n) is not None), None)
 
 
 def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str) -> dict[str, TensorEntry]:

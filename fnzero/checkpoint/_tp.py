@@ -24,14 +24,6 @@ from ._tree import Leaf, rebuild_state
 __all__ = ["full_plan", "consolidated", "tp_check_view", "fill_tp_leaf"]
 
 
-def _split(tp, slot: ParamSlot):
-    for n in (slot.name, *slot.aliases):
-        s = tp.split_of(n)
-        if s is not None:
-            return s
-    return None
-
-
 def _per_param(leaf: Leaf) -> bool:
     """A leaf of one parameter's own state (stored under its unit's key, named by the parameter),
     told apart by name, never by size: the same on every rank whatever its slice holds."""
@@ -45,7 +37,7 @@ def full_plan(plan: ShardPlan, tp) -> ShardPlan:
     for u in plan.units:
         offset, slots = 0, []
         for s in u.slots:
-            split = _split(tp, s)
+            split = tp.split_of(s.name, *s.aliases)
             shape = split.full_shape if split is not None else s.shape
             slots.append(ParamSlot(s.name, tuple(shape), offset, s.aliases))
             offset += math.prod(shape)
@@ -73,12 +65,12 @@ def consolidated(state: TrainState) -> TrainState:
         u, fu = units[leaf.unit], full_units[leaf.unit]
         if _per_param(leaf):  # one parameter's own state (Lamb)
             slot = next(s for s in u.slots if s.offset == leaf.lo)
-            return tp.gather_full(slot.name, t) if _split(tp, slot) is not None else t
+            return tp.gather_full(slot.name, t) if tp.split_of(slot.name, *slot.aliases) is not None else t
         whole = t.reshape(-1) if leaf.hi - leaf.lo == u.padded_numel else comm.all_gather(t.reshape(-1))
         parts = []
         for s, fs in zip(u.slots, fu.slots):
             local = whole[s.offset: s.offset + s.numel].view(s.shape)
-            parts.append((tp.gather_full(s.name, local) if _split(tp, s) is not None else local).reshape(-1))
+            parts.append((tp.gather_full(s.name, local) if tp.split_of(s.name, *s.aliases) is not None else local).reshape(-1))
         parts.append(whole.new_zeros(fu.padded_numel - fu.numel))
         full = torch.cat(parts)
         if leaf.hi - leaf.lo == u.padded_numel:
@@ -99,8 +91,9 @@ def tp_check_view(like: TrainState) -> TrainState:
     return like.replace(frozen=frozen, sharding=Sharding(full_plan(sh.plan, sh.tp), sh.comm, sh.device))
 
 
-def fill_tp_leaf(leaf: Leaf, like: TrainState, read, key: str, out: torch.Tensor) -> torch.Tensor:
-    """Fill `out` (flat, `leaf`'s elements) from the checkpoint's whole-model tensor `key`:
+def fill_tp_leaf(leaf: Leaf, like: TrainState, fplan: ShardPlan, read, key: str, out: torch.Tensor) -> torch.Tensor:
+    """Fill `out` (flat, `leaf`'s elements) from the checkpoint's whole-model tensor `key` (`fplan`:
+    `full_plan` of like's plan):
     `read(key, lo, hi, buf)` reads elements of a whole unit (or a replicated tensor). Each
     parameter is read whole and cut to this rank's slice."""
     sh = like.sharding
@@ -114,7 +107,7 @@ def fill_tp_leaf(leaf: Leaf, like: TrainState, read, key: str, out: torch.Tensor
         read(key, 0, full.numel(), full)
         return out.copy_(split.local(full.view(split.full_shape), tp.rank).reshape(-1))
     u = sh.plan.unit(leaf.unit)
-    fu = full_plan(sh.plan, tp).unit(leaf.unit)
+    fu = fplan.unit(leaf.unit)
     per_param = _per_param(leaf)
     out.zero_()  # padding stays zero
     for s, fs in zip(u.slots, fu.slots):
@@ -125,7 +118,7 @@ def fill_tp_leaf(leaf: Leaf, like: TrainState, read, key: str, out: torch.Tensor
             continue
         full = torch.empty(fs.numel, dtype=out.dtype)
         read(key, fs.offset, fs.offset + fs.numel, full)
-        split = _split(tp, s)
+        split = tp.split_of(s.name, *s.aliases)
         piece = split.local(full.view(fs.shape), tp.rank).reshape(-1) if split is not None else full
         out[a - leaf.lo: b - leaf.lo] = piece[a - s.offset: b - s.offset]
     return out

@@ -76,8 +76,10 @@ class TPLayout:
         """The first vocabulary entry of this rank's slice of the LM head's logits."""
         return self.splits[self.vocab_head].start(self.rank) if self.vocab_head is not None else 0
 
-    def split_of(self, name: str) -> ParamSplit | None:
-        return self.splits.get(name)
+    def split_of(self, *names: str) -> ParamSplit | None:
+        """The split of the parameter called any of `names` (a slot's name and its tied aliases),
+        or None when it is replicated."""
+        return next((self.splits[n] for n in names if n in self.splits), None)
 
     def gather_full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of parameter `name` from every rank's `local` slice (collective over

@@ -185,7 +185,7 @@ def _tp_parts(u: UnitPlan, g: torch.Tensor, lo: int, tp):
     for slot in u.slots:
         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if a < b:
-            split = any(tp.split_of(n) is not None for n in (slot.name, *slot.aliases))
+            split = tp.split_of(slot.name, *slot.aliases) is not None
             yield g[a - lo: b - lo], split
 
 
