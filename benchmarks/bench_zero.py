@@ -5,12 +5,17 @@
     python benchmarks/bench_zero.py --configs z3,z3_nvme,z3_nvme_params       # ZeRO-Infinity
     python benchmarks/bench_zero.py --configs ddp,z0,z3 --rounds 3           # medians of alternating rounds
     python benchmarks/bench_zero.py --configs ddp,z0,z0_jit,z3,z3_jit         # fnzero.jit on every rank
+    python benchmarks/bench_zero.py --configs ddp,z0,z1,z2,z3 --rounds 3 --before a16ce74  # this tree vs a commit
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
 seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
 pre-model baseline (ru_maxrss), the model-state formula, and ring-equivalent bytes sent per rank
 per step. Ratios are against DDP measured in the same run. The machine is shared: the "other
 cores" column says how much CPU other processes used during the timed window.
+
+`--before REF` measures every fnzero configuration a second time with the fnzero of git commit REF
+(extracted to a scratch folder and its C extension built there), in the same rounds and alternating
+order, and reports after/before ratios: a change's cost or gain measured side by side.
 """
 
 from __future__ import annotations
@@ -150,7 +155,64 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
     return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib(), "pre_model_mib": pre_model,
-            "psi": psi, "sent": sent, "loss": losses[-1]}
+            "psi": psi, "sent": sent, "loss": losses[-1], "fnzero": os.path.dirname(os.path.dirname(fnzero.__file__))}
+
+
+def measure(kind: str, args, env: dict) -> dict:
+    """One configuration, one fresh world: the slower rank's step time and the row's figures."""
+    from fnzero.memory import zero_formula
+    from fnzero.testing import run_world
+
+    with CpuMonitor() as mon:
+        res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
+                        args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
+    slow = max(res, key=lambda r: r["step_s"])
+    psi = slow["psi"]
+    stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
+    return dict(
+        step_s=slow["step_s"],
+        tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
+        rss=max(r["peak_rss_mib"] for r in res),
+        rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
+        theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
+                else zero_formula(psi, stage, args.world, False)) / 2**20,
+        sent_mb=slow["sent"] / 1e6,
+        loss=res[0]["loss"],
+        other=mon.other_cores,
+        psi=psi,
+        fnzero=slow["fnzero"],
+    )
+
+
+def checkout(ref: str) -> str:
+    """Commit `ref` of this repository extracted to a scratch folder, its C extension built there."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sha = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", ref + "^{commit}"], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    tree = os.path.join(tempfile.gettempdir(), f"fnzero-bench-{sha[:12]}")
+    if not os.path.exists(os.path.join(tree, "fnzero", "__init__.py")):
+        os.makedirs(tree, exist_ok=True)
+        archive = subprocess.run(["git", "-C", repo, "archive", sha], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "xf", "-"], input=archive, cwd=tree, check=True)
+        subprocess.run([sys.executable, "cext/_build.py"], cwd=tree, check=True, capture_output=True)
+    return tree
+
+
+def measure_at(tree: str, kind: str, args) -> dict:
+    """`measure` in a child interpreter whose `import fnzero` finds the copy in `tree` first."""
+    import subprocess
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--json", out.name,
+               "--model", args.model, "--world", str(args.world), "--micro", str(args.micro),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
+               "--malloc-mmap-threshold", str(args.malloc_mmap_threshold)] + (["--remat"] if args.remat else [])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+        subprocess.run(cmd, env=env, check=True)
+        with open(out.name) as f:
+            return json.load(f)
 
 
 def main():
@@ -165,6 +227,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the configurations this many times, in alternating order, and report medians "
                          "(step-time ratios to DDP are the median of each round's own ratio)")
+    ap.add_argument("--before", default=None, metavar="REF",
+                    help="also run every fnzero configuration with the fnzero of this git commit, side by side")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # measure_at's child: one row to --json
     ap.add_argument("--nvme-dir", default=tempfile.gettempdir(),
                     help="where the z3_nvme* configurations keep their scratch files")
     ap.add_argument("--remat", action="store_true", help="activation checkpointing of every block, in every configuration")
@@ -173,8 +238,15 @@ def main():
                          "does (0: glibc's dynamic default)")
     args = ap.parse_args()
 
-    from fnzero.memory import zero_formula
-    from fnzero.testing import run_world
+    from fnzero.memory import allocator_env
+
+    # Every framework runs under the allocator settings `fnzero launch` uses (huge pages for
+    # mmap-served blocks) unless --malloc-mmap-threshold 0 asks for glibc's defaults.
+    env = {k: v for k, v in allocator_env({}).items()} if args.malloc_mmap_threshold else {}
+    if args.one:
+        with open(args.json, "w") as f:
+            json.dump(measure(args.one, args, env), f)
+        return
 
     print(f"machine: {machine()}")
     print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
@@ -182,64 +254,63 @@ def main():
           f"glibc mmap threshold "
           f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration"
           f"{' with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)' if args.malloc_mmap_threshold else ''}\n")
-    from fnzero.memory import allocator_env
-
-    # Every framework runs under the allocator settings `fnzero launch` uses (huge pages for
-    # mmap-served blocks) unless --malloc-mmap-threshold 0 asks for glibc's defaults.
-    env = {k: v for k, v in allocator_env({}).items()} if args.malloc_mmap_threshold else {}
     kinds = args.configs.split(",")
+    runs = [(kind, None) for kind in kinds]
+    if args.before:
+        tree = checkout(args.before)
+        print(f"before: {args.before} extracted to {tree}\n")
+        runs += [(kind, tree) for kind in kinds if kind.startswith("z")]
+    label = {(kind, None): LABELS[kind] for kind in kinds}
+    label.update({(kind, t): f"{LABELS[kind]} @ {args.before}" for kind, t in runs if t})
     per_round: list[dict] = []
     for k in range(args.rounds):
         # Each round runs every configuration once, so each ratio to DDP comes from runs in the same
         # round; the order alternates so a slow spell does not always hit the same configuration.
         rows = {}
-        for kind in (kinds if k % 2 == 0 else kinds[::-1]):
-            with CpuMonitor() as mon:
-                res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                                args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
-            slow = max(res, key=lambda r: r["step_s"])
-            psi = slow["psi"]
-            stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
-            rows[kind] = dict(
-                step_s=slow["step_s"],
-                tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
-                rss=max(r["peak_rss_mib"] for r in res),
-                rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
-                theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
-                        else zero_formula(psi, stage, args.world, False)) / 2**20,
-                sent_mb=slow["sent"] / 1e6,
-                loss=res[0]["loss"],
-                other=mon.other_cores,
-            )
-            r = rows[kind]
-            print(f"  {f'[round {k}] ' if args.rounds > 1 else ''}{LABELS[kind]:34s} {r['step_s']:.3f} s/step  "
+        for run in (runs if k % 2 == 0 else runs[::-1]):
+            rows[run] = r = measure(run[0], args, env) if run[1] is None else measure_at(run[1], run[0], args)
+            if run[1] and not os.path.samefile(r["fnzero"], run[1]):
+                raise SystemExit(f"the 'before' ranks imported fnzero from {r['fnzero']}, not {run[1]}")
+            print(f"  {f'[round {k}] ' if args.rounds > 1 else ''}{label[run]:34s} {r['step_s']:.3f} s/step  "
                   f"{r['rss_above']:.0f} MiB above baseline  (other cores {r['other']:.2f})", flush=True)
         per_round.append(rows)
-    rows = {kind: {key: median([rr[kind][key] for rr in per_round]) for key in per_round[0][kind]} for kind in kinds}
+    rows = {run: {key: median([rr[run][key] for rr in per_round]) for key in per_round[0][run] if key != "fnzero"}
+            for run in runs}
     if "ddp" in kinds:
-        for kind in kinds:
-            rows[kind]["vs_ddp"] = median([rr[kind]["step_s"] / rr["ddp"]["step_s"] for rr in per_round])
-            rows[kind]["vs_ddp_each"] = [rr[kind]["step_s"] / rr["ddp"]["step_s"] for rr in per_round]
-    base = rows.get("ddp")
+        for run in runs:
+            rows[run]["vs_ddp"] = median([rr[run]["step_s"] / rr[("ddp", None)]["step_s"] for rr in per_round])
+            rows[run]["vs_ddp_each"] = [rr[run]["step_s"] / rr[("ddp", None)]["step_s"] for rr in per_round]
+    base = rows.get(("ddp", None))
+    psi = int(rows[runs[0]]["psi"])
     print(f"\nΨ = {psi:,} params; theory = ZeRO model-state bytes for fp32 Adam at N = {args.world} "
           "(for NVMe configurations, the part held in memory)\n")
     hdr = ("config", "s/step", "vs DDP", "tok/s", "peak RSS MiB", "RSS-baseline MiB", "vs DDP", "theory MiB",
            "ring MB sent/step/rank", "other cores", "final loss")
     print("| " + " | ".join(hdr) + " |")
     print("|" + "---|" * len(hdr))
-    for kind, r in rows.items():
+    for run, r in rows.items():
         ratio = r.get("vs_ddp", float("nan"))
         mem_ratio = r["rss_above"] / base["rss_above"] if base else float("nan")
-        print(f"| {LABELS[kind]} | {r['step_s']:.3f} | {ratio:.2f} | {r['tok_s']:.0f} | {r['rss']:.0f} | {r['rss_above']:.0f} | "
+        print(f"| {label[run]} | {r['step_s']:.3f} | {ratio:.2f} | {r['tok_s']:.0f} | {r['rss']:.0f} | {r['rss_above']:.0f} | "
               f"{mem_ratio:.2f} | {r['theory']:.0f} | {r['sent_mb']:.1f} | {r['other']:.2f} | {r['loss']:.4f} |")
     if args.rounds > 1:
         print(f"\nmedians of {args.rounds} rounds; s/step ratios to DDP per round:")
-        for kind, r in rows.items():
+        for run, r in rows.items():
             if "vs_ddp_each" in r:
-                print(f"  {LABELS[kind]:34s} " + " ".join(f"{x:.2f}" for x in r["vs_ddp_each"]))
+                print(f"  {label[run]:34s} " + " ".join(f"{x:.2f}" for x in r["vs_ddp_each"]))
+    if args.before:
+        print(f"\nafter / before ({args.before}); step time: median of each round's own ratio")
+        print("| config | s/step after/before | per round | RSS-baseline after/before |")
+        print("|---|---|---|---|")
+        for kind in kinds:
+            if (kind, tree) in rows:
+                each = [rr[(kind, None)]["step_s"] / rr[(kind, tree)]["step_s"] for rr in per_round]
+                mem = rows[(kind, None)]["rss_above"] / rows[(kind, tree)]["rss_above"]
+                print(f"| {LABELS[kind]} | {median(each):.2f} | {' '.join(f'{x:.2f}' for x in each)} | {mem:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"machine": machine(), "args": vars(args),
+                       "rows": {label[run]: r for run, r in rows.items()}}, f, indent=2)
 
 
 if __name__ == "__main__":

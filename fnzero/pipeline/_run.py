@@ -1,0 +1,135 @@
+"""`sm.pipeline_loss()`: the loss function of a pipelined model, run by a schedule
+(`specs/mesh.md` §Pipeline). The training step calls its `forward_backward` instead of running
+the loss per micro-batch; everything after (reductions by placement, the norm, the optimizer) is
+the step's own, on this stage's units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from .._errors import ShardingError
+from ..sharding._runtime import STEP_RUNS
+from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
+from ._schedule import schedule
+
+__all__ = ["PipelineInfo", "PipelineLoss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineInfo:
+    """This rank's place in a pipeline: its stage, the stage count, the collectives of its
+    pipeline (ranks indexed by stage), the loss at the end, and its layers' range."""
+
+    stage: int
+    stages: int
+    comm: Any
+    loss_fn: Callable[[Any, Any], Any]
+    layers: tuple[int, int]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+class PipelineLoss:
+    """What `fnzero.train_step` runs for a pipeline model: each micro-batch's forward and backward
+    in `schedule`'s order, activations and their gradients crossing stage boundaries point to
+    point. A batch is `(inputs, labels)`: the first stage reads `inputs`, the last `labels`
+    (other stages may pass None for either)."""
+
+    def __init__(self, sm, schedule_name: str = "1f1b"):
+        self.sm, self.info, self.schedule_name = sm, sm.pp, schedule_name
+        k = getattr(getattr(sm, "config", None), "gradient_accumulation_steps", None)
+        if k is not None:
+            schedule(schedule_name, self.info.stages, int(k), self.info.stage)  # a ConfigError now, not at step 1
+
+    def __call__(self, params, batch):
+        raise ShardingError("a pipeline loss runs inside fnzero.train_step(sm.pipeline_loss(), config), which runs "
+                            "its schedule; it is not called per micro-batch")
+
+    def forward_backward(self, leaves: dict[str, torch.Tensor], micro: list[Any], scale: float, has_aux: bool,
+                         collector, trim_heap: bool, timer) -> tuple[torch.Tensor, list[Any]]:
+        """Run this stage's schedule over the micro-batches; returns (Σ loss as float64 — zero
+        except on the last stage —, no auxes). Waits for every send before returning."""
+        # Long: one loop over the schedule's actions with the forward and backward of one stage inline.
+        if has_aux:
+            raise ShardingError("has_aux is not supported with pipeline parallelism: the loss is computed on the last "
+                                "stage only")
+        info, sm = self.info, self.sm
+        actions = schedule(self.schedule_name, info.stages, len(micro), info.stage)
+        handles = collector.attach(leaves)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        runs: list = []
+        sends: list = []
+        saved: dict[int, tuple[Any, Any]] = {}  # micro-batch -> (received input, output or loss)
+        prev, nxt = info.stage - 1, info.stage + 1
+        try:
+            for act in actions:
+                j = act.micro
+                if act.kind == "F":
+                    timer.start()
+                    inputs, labels = _pair(micro[j], j)
+                    x = inputs if info.first else recv_activation(info.comm, prev, sm.device, f"act{j}")
+                    token = STEP_RUNS.set(runs)
+                    try:
+                        out = sm.apply(leaves, x)
+                        if info.last:
+                            out = info.loss_fn(out, labels)
+                            _check_loss(out)
+                            loss_sum += out.detach().to(torch.float64).cpu()
+                    finally:
+                        STEP_RUNS.reset(token)
+                    if not info.last:
+                        sends += send_activation(info.comm, out, nxt, info.stage, f"act{j}")
+                    saved[j] = (x, out)
+                    timer.stop("forward")
+                else:
+                    timer.start()
+                    collector.last_micro_batch = j == len(micro) - 1
+                    x, out = saved.pop(j)
+                    if info.last:
+                        scaled = out * scale if scale != 1.0 else out
+                        if scaled.requires_grad:
+                            scaled.backward()
+                    else:
+                        outs = [t for t in boundary_tensors(out, info.stage)[0]]
+                        grads = recv_grads(info.comm, outs, nxt, f"grad{j}")
+                        needs = [t for t in outs if t.requires_grad]
+                        if needs:
+                            torch.autograd.backward(needs, grads)
+                    if not info.first:
+                        sends += send_grads(info.comm, x, prev, f"grad{j}")
+                    timer.stop("backward")
+            timer.start()
+            for s in sends:
+                s.wait()
+            collector.finish_backward()
+        finally:
+            for h in handles:
+                h.remove()
+            for run in runs:
+                run.release()
+        return loss_sum, []
+
+
+def _pair(mb: Any, j: int) -> tuple[Any, Any]:
+    if isinstance(mb, tuple) and len(mb) == 2:
+        return mb
+    if mb is None:
+        return None, None
+    raise ShardingError(f"micro-batch {j} of a pipeline step is a {type(mb).__name__}; a pipeline batch is the tuple "
+                        "(inputs, labels) (DeepSpeed's train_batch convention)")
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ShardingError(f"the pipeline's loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")

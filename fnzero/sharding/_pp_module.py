@@ -1,0 +1,139 @@
+"""A pipeline model: a list of layers, the loss at its end, and how it is cut into stages
+(`specs/mesh.md` §Pipeline). DeepSpeed's `PipelineModule` in fnzero's shape: a description that
+builds only the stage a rank runs, so no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import nn
+
+from .._errors import ConfigError, ShardingError
+from ..sharding._remat import remat
+from ._partition import stage_bounds
+
+__all__ = ["LayerSpec", "PipelineModule", "PipelineStage"]
+
+
+class LayerSpec:
+    """A layer not built yet: `typename(*args, **kwargs)`, called only by the stage that runs it
+    (DeepSpeed's LayerSpec)."""
+
+    def __init__(self, typename: type, *args: Any, **kwargs: Any):
+        if not isinstance(typename, type) or not issubclass(typename, nn.Module):
+            raise ShardingError(f"LayerSpec needs a torch.nn.Module class, got {typename!r}")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"LayerSpec({self.typename.__name__})"
+
+
+class PipelineModule:
+    """`layers` run in order, each given the previous one's output (a tensor or a tuple of
+    tensors, passed as one argument); `loss_fn(outputs, labels)` turns the last output into the
+    mean loss of a micro-batch.
+
+    Layers are `nn.Module`s, `LayerSpec`s (built only on the stage that runs them) or
+    parameter-free callables. `num_stages` (default: the config's `pipeline.stages`, or the mesh's)
+    stages each run a contiguous run of layers, cut by `partition_method` (`parameters`,
+    `uniform`, `type:<regex>`, as DeepSpeed). `activation_checkpoint_interval` > 0
+    rematerialises every run of that many layers of a stage in backward.
+
+    Give it to `fnzero.shard(pipe, config=cfg, mesh=...)`: each rank keeps its stage's layers and
+    ZeRO (stages 0-1) shards them over the data-parallel ranks; `sm.pipeline_loss()` is the loss
+    function of `fnzero.train_step`, and a batch is the pair `(inputs, labels)`.
+    """
+
+    def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any], *, num_stages: int | None = None,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0):
+        layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+        if not layers:
+            raise ShardingError("a PipelineModule needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not (isinstance(layer, (nn.Module, LayerSpec)) or callable(layer)):
+                raise ShardingError(f"pipeline layer {i} is a {type(layer).__name__}, not a module, LayerSpec or callable")
+        if not callable(loss_fn):
+            raise ShardingError("a PipelineModule needs loss_fn(outputs, labels) -> scalar loss")
+        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
+            raise ConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
+        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
+                or activation_checkpoint_interval < 0:
+            raise ConfigError(f"activation_checkpoint_interval must be an integer >= 0, got {activation_checkpoint_interval!r}")
+        self.layers, self.loss_fn, self.num_stages = layers, loss_fn, num_stages
+        self.partition_method, self.activation_checkpoint_interval = partition_method, activation_checkpoint_interval
+
+    def param_counts(self) -> list[int]:
+        """Trainable parameters per layer (a LayerSpec is built, counted and dropped)."""
+        counts = []
+        for layer in self.layers:
+            module = layer.build() if isinstance(layer, LayerSpec) else layer
+            counts.append(sum(p.numel() for p in module.parameters() if p.requires_grad)
+                          if isinstance(module, nn.Module) else 0)
+        return counts
+
+    def bounds(self, num_stages: int) -> list[int]:
+        """Layer boundaries of `num_stages` stages (stage s runs layers [b[s], b[s+1]))."""
+        counts = self.param_counts() if self.partition_method.lower() == "parameters" else [0] * len(self.layers)
+        return stage_bounds(self.partition_method, self.layers, num_stages, counts)
+
+    def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None) -> "PipelineStage":
+        """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built). A parameter shared
+        by layers of different stages is refused: each stage updates its own copy."""
+        b = self.bounds(num_stages)
+        interval = self.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
+        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval)
+        _check_not_shared_across_stages(self.layers, b, stage_id)
+        return stage
+
+
+def _check_not_shared_across_stages(layers: list, bounds: list[int], stage_id: int) -> None:
+    lo, hi = bounds[stage_id], bounds[stage_id + 1]
+    mine = {id(p): i for i in range(lo, hi) if isinstance(layers[i], nn.Module) for p in layers[i].parameters()}
+    for i, layer in enumerate(layers):
+        if lo <= i < hi or not isinstance(layer, nn.Module):
+            continue
+        for name, p in layer.named_parameters():
+            if id(p) in mine:
+                raise ShardingError(
+                    f"pipeline layers {mine[id(p)]} and {i} share parameter {name!r} but run on different stages; "
+                    "fnzero does not tie weights across stages (DeepSpeed's TiedLayerSpec): untie them, or choose "
+                    "partition boundaries that keep both layers on one stage"
+                )
+
+
+class PipelineStage(nn.Module):
+    """Layers `[lo, hi)` of a pipeline, registered under their index in the whole pipeline (so
+    parameter names are the same at any stage count: `"3.weight"` is layer 3's everywhere)."""
+
+    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0):
+        super().__init__()
+        self.lo, self.hi, self.checkpoint_interval = lo, hi, checkpoint_interval
+        self._fns: list[Callable[[Any], Any]] = []
+        for i in range(lo, hi):
+            layer = layers[i].build() if isinstance(layers[i], LayerSpec) else layers[i]
+            if isinstance(layer, nn.Module):
+                self.add_module(str(i), layer)
+            self._fns.append(layer)
+
+    def forward(self, x: Any) -> Any:
+        fns = self._fns
+        step = self.checkpoint_interval
+        if step <= 0 or not self.training:
+            for f in fns:
+                x = f(x)
+            return x
+        for start in range(0, len(fns), step):
+            x = remat(_run_layers(fns[start:start + step]))(x)
+        return x
+
+
+def _run_layers(fns: list) -> Callable[[Any], Any]:
+    def run(x):
+        for f in fns:
+            x = f(x)
+        return x
+    return run

@@ -1,0 +1,91 @@
+"""How a pipeline's layers are cut into stages (`specs/mesh.md` §Pipeline).
+
+The three methods of DeepSpeed's `PipelineModule(partition_method=...)`, with its results (they
+are checked against DeepSpeed 0.19.8's `partition_uniform` / `partition_balanced` in the suite's
+property tests): `uniform` balances the number of layers, `parameters` the trainable parameters,
+`type:<regex>` the number of layers whose class name matches the regex (case-insensitive).
+Boundaries are a list of `stages + 1` layer indices, stage s holding `[bounds[s], bounds[s+1])`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Sequence
+
+from .._errors import ConfigError
+
+__all__ = ["partition_uniform", "partition_balanced", "stage_bounds", "layer_type_name"]
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Boundaries giving each part `num_items // num_parts` items, the first `num_items %
+    num_parts` parts one more."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    base, extra = divmod(num_items, num_parts)
+    return [p * base + min(p, extra) for p in range(num_parts + 1)]
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
+    """Boundaries of `num_parts` contiguous parts whose sums are as even as possible: the split
+    that minimises (largest part's sum - smallest part's sum), by dynamic programming over
+    (items, parts). Among equally even splits the one whose last cut comes latest wins, at each
+    level of the recursion (DeepSpeed's tie rule, so both cut a model the same way)."""
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = math.inf
+    # best[i][j]: (cost, max, min) of cutting the first i items into j parts; cut[i][j]: the last cut.
+    hi = [[inf] * (m + 1) for _ in range(n + 1)]
+    lo = [[inf] * (m + 1) for _ in range(n + 1)]
+    cost = [[inf] * (m + 1) for _ in range(n + 1)]
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    hi[0][0] = cost[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                top, bottom = max(hi[k][j - 1], part), min(lo[k][j - 1], part)
+                c = top - bottom
+                if not cost[i][j] < c:  # ties (and inf - inf = nan against inf) take the later cut
+                    cost[i][j], hi[i][j], lo[i][j], cut[i][j] = c, top, bottom, k
+    bounds = [n]
+    for j in range(m, 0, -1):
+        bounds.append(cut[bounds[-1]][j])
+    return bounds[::-1]
+
+
+def layer_type_name(layer) -> str | None:
+    """The class name a `type:` regex is matched against (a LayerSpec's class, a module's class,
+    a function's name), or None."""
+    typename = getattr(layer, "typename", None)
+    if isinstance(typename, type):
+        return typename.__name__
+    if hasattr(layer, "parameters") and hasattr(layer, "forward"):
+        return type(layer).__name__
+    return getattr(layer, "__name__", None)
+
+
+def stage_bounds(method: str, layers: Sequence, num_stages: int, param_counts: Sequence[int]) -> list[int]:
+    """The boundaries of `num_stages` stages over `layers` by `method`; a ConfigError names the
+    numbers when there are more stages than layers, or the method is unknown or finds nothing."""
+    n = len(layers)
+    if num_stages > n:
+        raise ConfigError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers; this model has {n}")
+    m = method.lower()
+    if m == "uniform":
+        return partition_uniform(n, num_stages)
+    if m == "parameters":
+        return partition_balanced(param_counts, num_stages)
+    if m.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        hits = [1 if (name := layer_type_name(layer)) is not None and pattern.search(name) else 0 for layer in layers]
+        if not any(hits):
+            names = sorted({layer_type_name(x) or "?" for x in layers})
+            raise ConfigError(f"partition_method {method!r} matches no layer (layer types: {', '.join(names)})")
+        return partition_balanced(hits, num_stages)
+    raise ConfigError(f"partition_method {method!r} is not one of 'parameters', 'uniform', 'type:<regex>'")
