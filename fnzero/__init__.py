@@ -34,10 +34,13 @@ jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forwa
     whole step as one graph at stages 0-2 (scope="step") (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
-make_mesh, Mesh             the ranks as a data-parallel x tensor-parallel grid (`specs/mesh.md`); the
-    config's `tensor_parallel.autotp_size` builds one inside `shard`.
+make_mesh, Mesh             the ranks as a pipeline x data-parallel x tensor-parallel grid
+    (`specs/mesh.md`); the config's `tensor_parallel.autotp_size` and `pipeline.stages` build one
+    inside `shard`.
 TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
+pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut
+    into stages (`shard` keeps this rank's), run by a GPipe or 1F1B schedule inside `train_step`.
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`).
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
@@ -63,7 +66,8 @@ __version__ = "0.1.0"
 # `fnzero` command answers `--help` and checks configs at once (torch takes seconds to import).
 # Every name below is public all the same: `fnzero.shard`, `from fnzero import shard`, `dir()`.
 _LAZY = {
-    **dict.fromkeys(("checkpoint", "memory", "optim", "schedules"), ""),
+    **dict.fromkeys(("checkpoint", "memory", "optim", "pipeline", "schedules"), ""),
+    **dict.fromkeys(("LayerSpec", "PipelineModule", "pipeline_loss"), ".pipeline"),
     **dict.fromkeys(("LossScaleState", "Sharding", "TrainState"), "._state"),
     **dict.fromkeys((
         "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
@@ -101,7 +105,8 @@ def tree_clone(tree):
 
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from . import checkpoint, memory, optim, schedules
+    from . import checkpoint, memory, optim, pipeline, schedules
+    from .pipeline import LayerSpec, PipelineModule, pipeline_loss
     from ._state import LossScaleState, Sharding, TrainState
     from .sharding import (
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
@@ -128,6 +133,7 @@ __all__ = [
     "hf_auto_values",
     "JitWarning",
     "JittedStep",
+    "LayerSpec",
     "LocalCollectives",
     "LossScaleState",
     "Mesh",
@@ -150,6 +156,9 @@ __all__ = [
     "make_mesh",
     "memory",
     "optim",
+    "pipeline",
+    "pipeline_loss",
+    "PipelineModule",
     "remat",
     "schedules",
     "shard",

@@ -17,15 +17,18 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp")
+    __slots__ = ("plan", "comm", "device", "tp", "pp")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None):
+    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None):
         self.plan = plan
         self.comm = comm  # the data-parallel ranks: ZeRO shards over them
         self.device = torch.device(device)
         # The tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
         # rank's slices along the tp axis, and that axis' collectives; None without tensor parallelism.
         self.tp = tp
+        # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
+        # and the pipeline's collectives; None without pipeline parallelism.
+        self.pp = pp
 
     @property
     def rank(self) -> int:
@@ -39,7 +42,7 @@ class Sharding:
     # communicator (one per process group) and keeps treespec comparison cheap.
     def __eq__(self, other):
         return (isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
-                and other.tp == self.tp)
+                and other.tp == self.tp and other.pp == self.pp)
 
     def __hash__(self):
         return hash((self.plan, id(self.comm)))

@@ -4,13 +4,14 @@ clip_grad_norm_), both fed the same global batches."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import torch
 import torch.nn.functional as F
 
 import fnzero
-from fnzero.testing import GPT, MLP
+from fnzero.testing import GPT, MLP, GPTConfig, gpt_layers, seeded
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
@@ -146,10 +147,11 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=()):
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
-    these processes); return rank 0's view, and every rank's results of the tensor-parallel cases."""
+    these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
+    (float64, k=4); return rank 0's view, and every rank's results of the tp and pp cases."""
     from fnzero.sharding._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
@@ -161,9 +163,12 @@ def spawned_equivalence(cases, steps, tp_cases=()):
     for kind, stage, tp in tp_cases:
         r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"tensor_parallel": {"autotp_size": tp}})
         out[f"tp|{kind}|{stage}|{tp}|rank{comm.rank}"] = {"losses": r["losses"], "params": r["params"]}
+    for stages, stage, sched in pp_cases:
+        params, losses, _ = train_pipelined(comm, pipe_gpt_layers(), lm_loss, pipe_gpt_batches(), stages, stage, 4, sched)
+        out[f"pp|{stages}|{stage}|{sched}|rank{comm.rank}"] = {"losses": losses, "params": params}
     if comm.rank == 0:
         return out
-    return {key: v for key, v in out.items() if key.startswith("tp|")}
+    return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|"))}
 
 
 def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, what=""):
@@ -228,3 +233,69 @@ def spawned_jit_runs(runs, steps):
             "breaks": b["graph_breaks"],
         }
     return out if comm.rank == 0 else None
+
+
+# --- pipeline parallelism (tests/test_pipeline.py, and the gloo worlds of test_zero_multiprocess) ---
+
+PIPE_GPT = GPTConfig(vocab_size=37, seq_len=8, d_model=16, n_layer=3, n_head=2)
+
+
+def pipe_gpt_layers():
+    with seeded(0):
+        return [layer.double() for layer in gpt_layers(PIPE_GPT)]
+
+
+def lm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def pipe_gpt_batches(steps=3):
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, PIPE_GPT.vocab_size, (8, PIPE_GPT.seq_len + 1), generator=g) for _ in range(steps)]
+    return [(b[:, :-1], b[:, 1:]) for b in data]
+
+
+def pipe_config(dp: int, stages: int, stage: int, k: int, extra=None):
+    return fnzero.load_config({
+        "train_micro_batch_size_per_gpu": 8 // (dp * k), "gradient_accumulation_steps": k, "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage}, "pipeline": {"stages": stages}, **(extra or {}),
+    }, world_size=dp * stages)
+
+
+def train_pipe_reference(layers, loss_fn, batches, k):
+    """Plain torch: the whole model, AdamW, micro-batch accumulation, clip 0.5, in one process."""
+    model = torch.nn.Sequential(*copy.deepcopy(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(k), y.chunk(k)):
+            loss = loss_fn(model(xs), ys) / k
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        losses.append(total)
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extra=None, method="parameters"):
+    """One rank of a pipelined run over `comm`: (this stage's consolidated parameters, losses, sm).
+    Data-parallel replica d takes rows [d * per, (d + 1) * per) of each batch."""
+    from fnzero.pipeline import PipelineModule
+    from fnzero.sharding import MeshShape
+
+    dp = comm.world_size // stages
+    cfg = pipe_config(dp, stages, zero, k, extra)
+    sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method), config=cfg, comm=comm)
+    state = sm.init_state()
+    step = fnzero.train_step(fnzero.pipeline_loss(sm, sched), cfg)
+    d = MeshShape(dp=dp, pp=stages).coords(comm.rank)["dp"]
+    losses = []
+    for x, y in batches:
+        per = x.shape[0] // dp
+        state, m = step(state, (x[d * per:(d + 1) * per], y[d * per:(d + 1) * per]))
+        losses.append(m["loss"])
+    return sm.gather(state), losses, sm

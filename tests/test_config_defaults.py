@@ -147,6 +147,15 @@ DEEPSPEED_0_19_8 = {
     "tensor_parallel.keep_module_on_host": False,
     "tensor_parallel.replace_with_kernel_inject": False,
     "tensor_parallel.dtype": "fp16",
+    # runtime/config.py get_pipeline_config (use_reentrant is set to True by PipelineEngine when
+    # absent; fnzero keeps null for "unset")
+    "pipeline.stages": "auto",
+    "pipeline.partition": "best",
+    "pipeline.seed_layers": False,
+    "pipeline.activation_checkpoint_interval": 0,
+    "pipeline.pipe_partitioned": True,
+    "pipeline.grad_partitioned": True,
+    "pipeline.use_reentrant": None,
 }
 
 # Resolved defaults fnzero does not follow: none (overlap_comm resolves as runtime/zero/config.py

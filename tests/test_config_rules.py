@@ -265,11 +265,28 @@ def test_unsupported_feature_enabled():
           "`wandb` is a DeepSpeed feature fnzero does not implement; remove the block or set enabled: false")
 
 
-def test_pipeline_block_warns_that_it_has_no_effect():
-    # DeepSpeed reads `pipeline` only for a PipelineModule: with any other model it is inert there too.
-    with pytest.warns(ConfigWarning, match="`pipeline` has no effect in fnzero"):
-        load_config(cfg(pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 0}))
-    load_config(cfg(pipeline={}))  # empty: nothing to say
+def test_pipeline_block_is_read_and_its_inert_keys_warn():
+    """DeepSpeed's defaults pass silently; `stages` sizes the mesh (the batch triad counts
+    data-parallel ranks); keys DeepSpeed's engine reads but fnzero does not act on warn."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = load_config(cfg(pipeline={"stages": "auto", "partition": "best", "activation_checkpoint_interval": 0}))
+        assert c.pipeline.size is None
+        c = load_config({**cfg(pipeline={"stages": 2}), "train_batch_size": 8}, world_size=4)
+        assert (c.world_ranks, c.world_size, c.train_micro_batch_size_per_gpu) == (4, 2, 4)
+    with pytest.warns(ConfigWarning, match='`pipeline.partition` is "type:Block"'):
+        load_config(cfg(pipeline={"partition": "type:Block"}))
+    with pytest.warns(ConfigWarning, match="`pipeline.use_reentrant` is false"):
+        load_config(cfg(pipeline={"use_reentrant": False}))
+
+
+def test_pipeline_refuses_zero_2_and_a_world_its_stages_do_not_divide():
+    fails(cfg(pipeline={"stages": 2}, zero_optimization={"stage": 2}),
+          "`zero_optimization.stage` is 2 with `pipeline.stages` 2: ZeRO-2 and ZeRO-3 are incompatible", world_size=2)
+    with pytest.raises(ConfigError, match="`pipeline.stages` 3 does not divide the world size 4"):
+        load_config(cfg(pipeline={"stages": 3}), world_size=4)
 
 
 @pytest.mark.parametrize("block", ["amp", "elasticity", "comet", "moe", "sparse_attention"])

@@ -28,13 +28,15 @@ RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 
 # Tensor parallelism on the same processes (specs/mesh.md): (kind, stage, tp) per world size.
 TP_CASES = {1: [], 2: [("gpt_tp", 0, 2)], 4: [("gpt_tp", 1, 2), ("gpt_tp", 3, 2)]}
+# Pipeline parallelism (specs/mesh.md §Pipeline): (stages, ZeRO stage, schedule) per world size.
+PP_CASES = {1: [], 2: [(2, 0, "gpipe"), (2, 1, "1f1b")], 4: [(2, 1, "1f1b")]}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
 def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
-    (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], timeout=600)
+    (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world], timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -75,6 +77,23 @@ def test_dp_x_tp_meshes_match_reference(world_results, references):
             W.assert_close_tree(got["params"], ref["params"], rtol=RTOL_F64, atol=1e-12,
                                 what=f"{kind} dp{world // tp} x tp{tp} stage {stage} rank {rank}")
             assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL_F64)
+
+
+def test_pipelines_match_reference(world_results):
+    """pp 2 (GPipe, 1F1B) and dp 2 x pp 2 over real gloo processes (point-to-point sends between
+    the stages of a torch DeviceMesh's pp groups): each rank's stage equals plain torch on the whole
+    GPT, in float64."""
+    world, out = world_results
+    if not PP_CASES[world]:
+        pytest.skip("a world of one has no pipeline")
+    ref, ref_losses = W.train_pipe_reference(W.pipe_gpt_layers(), W.lm_loss, W.pipe_gpt_batches(), k=4)
+    for stages, stage, sched in PP_CASES[world]:
+        for rank in range(world):
+            got = out[f"pp|{stages}|{stage}|{sched}|rank{rank}"]
+            assert got["params"], f"rank {rank} holds no layers"
+            W.assert_close_tree(got["params"], ref, rtol=RTOL_F64, atol=1e-12,
+                                what=f"pp{stages} x dp{world // stages} z{stage} {sched} rank {rank}")
+            assert got["losses"] == pytest.approx(ref_losses, rel=RTOL_F64)
 
 
 def test_float32_losses_match_reference(world_results, references):

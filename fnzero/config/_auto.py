@@ -231,8 +231,14 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
+# Keys whose "auto" is DeepSpeed's own value, not a Trainer placeholder (pipeline.stages: as many
+# stages as the PipelineModule asks for).
+NATIVE_AUTO = {"pipeline.stages"}
+
+
 def find_auto(raw: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
-    """(dotted path, key tuple) of every value that is the string "auto", sorted by path."""
+    """(dotted path, key tuple) of every value that is the string "auto" as a placeholder (not a
+    key of NATIVE_AUTO), sorted by path."""
     found: list[tuple[str, tuple[Any, ...]]] = []
     stack: list[tuple[Any, tuple[Any, ...]]] = [(raw, ())]
     while stack:
@@ -241,7 +247,8 @@ def find_auto(raw: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:
         for key, value in items:
             sub = keys + (key,)
             if _is_auto(value):
-                found.append((join_path(*sub), sub))
+                if join_path(*sub) not in NATIVE_AUTO:
+                    found.append((join_path(*sub), sub))
             elif isinstance(value, (dict, list)):
                 stack.append((value, sub))
     return sorted(found, key=lambda item: item[0])

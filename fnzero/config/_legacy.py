@@ -15,9 +15,7 @@ from ._types import describe
 __all__ = ["normalize"]
 
 # Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine.
-# `pipeline` is read by DeepSpeed only for a PipelineModule, so a config with the block trains any
-# other model unchanged there too: fnzero accepts it with a warning (specs/config.md).
-NO_EFFECT_BLOCKS = {"pipeline": "DeepSpeed reads it only for a PipelineModule; fnzero has no pipeline engine yet"}
+NO_EFFECT_BLOCKS: dict[str, str] = {}
 UNSUPPORTED_BLOCKS = (
     "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",

@@ -109,17 +109,28 @@ def _cross_checks_of_the_rest(raw: dict[str, Any], found: list[str]) -> list[str
 def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems: Problems) -> tuple[int, int]:
     """(the job's ranks, the data-parallel ranks among them): the batch triad counts the latter
     only, since the ranks of one tensor-parallel group (`tensor_parallel.autotp_size`) see the same
-    samples. No world size given: one tensor-parallel group."""
-    tp = raw.get("tensor_parallel", {}).get("autotp_size", 0) if isinstance(raw.get("tensor_parallel"), dict) else 0
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 1:
+    samples and the stages of one pipeline (`pipeline.stages`) pass one batch along. No world size
+    given: one tensor-parallel group times one pipeline."""
+    tp = _size_key(raw, "tensor_parallel", "autotp_size")
+    pp = _size_key(raw, "pipeline", "stages")
+    model_parallel = tp * pp
+    if model_parallel == 1:
         return world, world  # off, or a bad value the section's own validation reports
     if not given:
-        return tp, 1
-    if world % tp:
-        problems.add(f"`tensor_parallel.autotp_size` {tp} does not divide the world size {world}: the mesh is "
-                     f"data-parallel × tensor-parallel ranks, so the world must be a multiple of {tp}")
+        return model_parallel, 1
+    if world % model_parallel:
+        what = " x ".join(f"{key} {v}" for key, v in (("`tensor_parallel.autotp_size`", tp), ("`pipeline.stages`", pp))
+                          if v > 1)
+        problems.add(f"{what} does not divide the world size {world}: the mesh is pipeline stages x data-parallel x "
+                     f"tensor-parallel ranks, so the world must be a multiple of {model_parallel}")
         return world, world
-    return world, world // tp
+    return world, world // model_parallel
+
+
+def _size_key(raw: dict[str, Any], block: str, key: str) -> int:
+    """An axis size from the raw config (1 when absent, "auto", or a bad value its section reports)."""
+    v = raw.get(block, {}).get(key, 1) if isinstance(raw.get(block), dict) else 1
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 1 else 1
 
 
 def _world(world_size: Any) -> int:

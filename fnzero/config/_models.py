@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from ._optim_models import OptimizerConfig
-from ._parallel import TensorParallelConfig
+from ._parallel import PipelineConfig, TensorParallelConfig
 from ._sched_models import SchedulerConfig
 from ._sections import (
     ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
@@ -73,10 +73,12 @@ class Config(Model):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="AutoTP: tensor parallelism (Megatron-style).")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
+                                     description="Pipeline parallelism of a fnzero.pipeline.PipelineModule.")
     # Not a DeepSpeed key: the data-parallel world size the batch triad was resolved against.
     # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
     world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")
-    # Not a DeepSpeed key: every rank of the job (data-parallel x tensor-parallel), as given to load_config.
+    # Not a DeepSpeed key: every rank of the job (pipeline x data-parallel x tensor-parallel), as given to load_config.
     world_ranks: PosInt = Field(1, exclude=True, description="The job's ranks the config was loaded for.")
 
     _dt = field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")(

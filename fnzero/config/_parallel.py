@@ -1,7 +1,10 @@
 """`tensor_parallel`: DeepSpeed 0.19.8's AutoTP training block (runtime/tensor_parallel/config.py,
 `TPTrainingConfig`), with its defaults. fnzero reads `autotp_size`, `vocab_parallel_lm_head`,
 `partition_config` and `preset_model`; the rest is accepted and warns when it would change
-something (`_noop.py`)."""
+something (`_noop.py`).
+
+`pipeline`: DeepSpeed 0.19.8's pipeline block (runtime/config.py `get_pipeline_config`, read by
+its PipelineEngine), with its defaults. fnzero reads `stages` and `activation_checkpoint_interval`."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pydantic import Field
 
 from ._types import Bool, Int, Model, Str, StrList
 
-__all__ = ["TensorParallelConfig", "LayerSpec", "PartitionConfig", "TPSizeConfig", "PRESET_MODELS"]
+__all__ = ["PipelineConfig", "TensorParallelConfig", "LayerSpec", "PartitionConfig", "TPSizeConfig", "PRESET_MODELS"]
 
 # DeepSpeed's presets (module_inject/autotp_config.py); fnzero's AutoTP knows the names of these
 # models' projections.
@@ -72,3 +75,27 @@ class TensorParallelConfig(Model):
     def size(self) -> int:
         """The tensor-parallel degree (1 when off)."""
         return max(1, int(self.autotp_size))
+
+
+class PipelineConfig(Model):
+    """`pipeline`: how a `fnzero.pipeline.PipelineModule` is run (`specs/mesh.md` §Pipeline)."""
+
+    stages: Annotated[Int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Pipeline stages; auto = the PipelineModule's num_stages (else 1). The batch triad "
+        "counts data-parallel ranks, world / (stages x autotp_size), when this is a number.")
+    partition: Str = Field("best", description="DeepSpeed does not read it either (PipelineModule's "
+                           "partition_method decides); no effect.")
+    seed_layers: Bool = Field(False, description="Seed each LayerSpec's build by its index; no effect in fnzero.")
+    activation_checkpoint_interval: Annotated[Int, Field(ge=0)] = Field(
+        0, description="Rematerialise every this many layers of a stage (0: the PipelineModule's own setting).")
+    pipe_partitioned: Bool = Field(True, description="Split stage-boundary activations over tp ranks; fnzero "
+                                   "sends them whole.")
+    grad_partitioned: Bool = Field(True, description="Split stage-boundary gradients over tp ranks; fnzero "
+                                   "sends them whole.")
+    use_reentrant: Bool | None = Field(None, description="Checkpointing flavour (DeepSpeed: true when unset); "
+                                       "fnzero's remat is non-reentrant, with the same numbers.")
+
+    @property
+    def size(self) -> int | None:
+        """The stage count, or None for "auto"."""
+        return None if self.stages == "auto" else int(self.stages)

@@ -41,6 +41,11 @@ def cross_checks(cfg: Config) -> list[str]:
     stage = cfg.zero_optimization.stage
     if cfg.fp16.enabled and cfg.bf16.enabled:
         out.append("`fp16.enabled` and `bf16.enabled` are both true; enable at most one precision")
+    if (cfg.pipeline.size or 1) > 1 and stage >= 2:
+        out.append(
+            f"`zero_optimization.stage` is {stage} with `pipeline.stages` {cfg.pipeline.stages}: ZeRO-2 and ZeRO-3 are "
+            "incompatible with pipeline parallelism (as in DeepSpeed: every micro-batch's backward would reduce-scatter "
+            "its gradients, multiplying the data-parallel traffic by the micro-batch count); use stage 0 or 1")
     off_opt = cfg.zero_optimization.offload_optimizer
     off_par = cfg.zero_optimization.offload_param
     if off_par is not None and off_par.device != "none" and stage < 3:

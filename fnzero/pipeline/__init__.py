@@ -2,20 +2,21 @@
 along the mesh's `pp` axis, run by a schedule inside the ordinary training step.
 
     PipelineModule, LayerSpec        the model: layers (built only where they run) and the loss
-    PipelineStage                    one stage's layers as a module (what `fnzero.shard` keeps)
+    PipelineStage, PipelineInfo      one stage's layers as a module, and its place in the pipeline
     partition_uniform, partition_balanced, stage_bounds
                                      how layers are cut (DeepSpeed's partition methods)
+    (these five are the sharding layer's: cutting along `pp` is a sharding transform, like AutoTP)
     gpipe, one_f_one_b, schedule, bubble_fraction
                                      the schedules, as lists of (F|B, micro-batch) per stage
-    PipelineLoss, PipelineInfo       what `sm.pipeline_loss()` gives `fnzero.train_step`
+    pipeline_loss, PipelineLoss      the loss function `fnzero.train_step` runs for a pipeline stage
 """
 
-from ._module import LayerSpec, PipelineModule, PipelineStage
-from ._partition import partition_balanced, partition_uniform, stage_bounds
-from ._run import PipelineInfo, PipelineLoss
+from ..sharding._pp_module import LayerSpec, PipelineInfo, PipelineModule, PipelineStage
+from ..sharding._pp_partition import partition_balanced, partition_uniform, stage_bounds
+from ._run import PipelineLoss, pipeline_loss
 from ._schedule import Action, bubble_fraction, gpipe, one_f_one_b, schedule
 
 __all__ = [
     "Action", "LayerSpec", "PipelineInfo", "PipelineLoss", "PipelineModule", "PipelineStage", "bubble_fraction",
-    "gpipe", "one_f_one_b", "partition_balanced", "partition_uniform", "schedule", "stage_bounds",
+    "gpipe", "one_f_one_b", "partition_balanced", "partition_uniform", "pipeline_loss", "schedule", "stage_bounds",
 ]

@@ -1,4 +1,4 @@
-"""`sm.pipeline_loss()`: the loss function of a pipelined model, run by a schedule
+"""`fnzero.pipeline_loss(sm)`: the loss function of a pipelined model, run by a schedule
 (`specs/mesh.md` §Pipeline). The training step calls its `forward_backward` instead of running
 the loss per micro-batch; everything after (reductions by placement, the norm, the optimizer) is
 the step's own, on this stage's units.
@@ -6,8 +6,7 @@ the step's own, on this stage's units.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -16,27 +15,18 @@ from ..sharding._runtime import STEP_RUNS
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
 
-__all__ = ["PipelineInfo", "PipelineLoss"]
+__all__ = ["PipelineLoss", "pipeline_loss"]
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineInfo:
-    """This rank's place in a pipeline: its stage, the stage count, the collectives of its
-    pipeline (ranks indexed by stage), the loss at the end, and its layers' range."""
+def pipeline_loss(sm, schedule: str = "1f1b") -> "PipelineLoss":
+    """The loss function of `fnzero.train_step` for a sharded `PipelineModule`: this rank's stage
+    runs `schedule` ("1f1b" or "gpipe") over the step's micro-batches (gradient_accumulation_steps
+    of them). A ConfigError names the numbers when 1F1B has fewer micro-batches than stages.
 
-    stage: int
-    stages: int
-    comm: Any
-    loss_fn: Callable[[Any, Any], Any]
-    layers: tuple[int, int]
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
+    >>> step = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)   # doctest: +SKIP
+    >>> state, metrics = step(state, (inputs, labels))            # doctest: +SKIP
+    """
+    return PipelineLoss(sm, schedule)
 
 
 class PipelineLoss:
@@ -46,13 +36,16 @@ class PipelineLoss:
     (other stages may pass None for either)."""
 
     def __init__(self, sm, schedule_name: str = "1f1b"):
+        if getattr(sm, "pp", None) is None:
+            raise ShardingError("fnzero.pipeline_loss needs the ShardedModule of a fnzero.pipeline.PipelineModule "
+                                "(fnzero.shard(PipelineModule(layers, loss_fn), ...))")
         self.sm, self.info, self.schedule_name = sm, sm.pp, schedule_name
         k = getattr(getattr(sm, "config", None), "gradient_accumulation_steps", None)
         if k is not None:
             schedule(schedule_name, self.info.stages, int(k), self.info.stage)  # a ConfigError now, not at step 1
 
     def __call__(self, params, batch):
-        raise ShardingError("a pipeline loss runs inside fnzero.train_step(sm.pipeline_loss(), config), which runs "
+        raise ShardingError("a pipeline loss runs inside fnzero.train_step(fnzero.pipeline_loss(sm), config), which runs "
                             "its schedule; it is not called per micro-batch")
 
     def forward_backward(self, leaves: dict[str, torch.Tensor], micro: list[Any], scale: float, has_aux: bool,
@@ -77,7 +70,7 @@ class PipelineLoss:
                 if act.kind == "F":
                     timer.start()
                     inputs, labels = _pair(micro[j], j)
-                    x = inputs if info.first else recv_activation(info.comm, prev, sm.device, f"act{j}")
+                    x = inputs if info.first else recv_activation(info.comm, prev, sm.sharding.device, f"act{j}")
                     token = STEP_RUNS.set(runs)
                     try:
                         out = sm.apply(leaves, x)

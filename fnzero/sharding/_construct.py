@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._errors import ConfigError, ShardingError
+from ._pp_module import PipelineInfo, PipelineModule
 from ._autotp import TPRule, parallelize, rules_from_config
 from ._mesh import Mesh, mesh_from_config
 from ._tp_layout import TPLayout
@@ -56,6 +57,11 @@ def shard(
     `partition_config.layer_specs`, or `tp_plan`, a list of `TPRule`), and ZeRO then shards this
     rank's slices over the data-parallel ranks.
 
+    Pipeline parallelism (`specs/mesh.md` §Pipeline): `model` may be a
+    `fnzero.pipeline.PipelineModule`; its layers are cut into the mesh's `pp` stages (the config's
+    `pipeline.stages`, or the module's `num_stages`) and this rank keeps its stage's layers only;
+    `fnzero.pipeline_loss(sm)` is then the loss function of `fnzero.train_step`.
+
     With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
     bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
     that every rank is issuing the same one, and names the first divergence.
@@ -67,6 +73,12 @@ def shard(
     >>> sm.apply(state.params, torch.ones(1, 3)).shape
     torch.Size([1, 2])
     """
+    policy = shard_policy(config, stage)
+    comm = comm if comm is not None else default_collectives()
+    debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
+    pipe = None
+    if isinstance(model, PipelineModule):
+        model, mesh, pipe = _stage_for_pp(model, comm, mesh, config, policy, debug)
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
@@ -74,13 +86,10 @@ def shard(
     if is_released(model):
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
     meta = is_meta_model(model)
-    policy = shard_policy(config, stage)
-    comm = comm if comm is not None else default_collectives()
     whole = None  # a meta model split over tp: its regions are initialised whole, then cut (`_initial.py`)
     if meta and (mesh is not None or getattr(getattr(config, "tensor_parallel", None), "size", 1) > 1):
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
-    debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug)
     watchdog = process_watchdog()
     if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
@@ -116,12 +125,39 @@ def shard(
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout)
+                       buffers, tp=tp_layout, pp=pipe)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     for u in plan.units:
         if u.placement.params and u.module != "":
             wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
     return sm
+
+
+def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
+                  debug: bool) -> tuple[nn.Module, Mesh, PipelineInfo]:  # fmt: skip
+    """This rank's stage of a pipeline model: its layers as a module, the mesh (given, or the
+    config's with the module's stage count), and the stage's place in the pipeline."""
+    if mesh is None:
+        mesh = mesh_from_config(comm, config, pp=pipe.num_stages)
+    stages = mesh.shape.pp
+    if pipe.num_stages not in (None, stages):
+        raise ConfigError(f"the PipelineModule asks for {pipe.num_stages} stages (num_stages) but the mesh has {stages}")
+    if stages > 1 and policy.placement.grads:
+        raise ConfigError(
+            f"ZeRO stage {policy.placement.stage} with {stages} pipeline stages: ZeRO-2 and ZeRO-3 are incompatible "
+            "with pipeline parallelism (as in DeepSpeed: every micro-batch's backward would reduce-scatter its "
+            "gradients); use stage 0 or 1")
+    dp_cfg = getattr(config, "world_size", None)
+    if config is not None and config.world_ranks == mesh.shape.world_size and dp_cfg != mesh.shape.dp:
+        raise ConfigError(
+            f"the config's batch sizes were resolved for {dp_cfg} data-parallel ranks but this mesh has {mesh.shape.dp} "
+            f"({stages} pipeline stages); set pipeline.stages to {stages} in the config so the batch triad counts "
+            "data-parallel ranks only")
+    interval = getattr(getattr(config, "pipeline", None), "activation_checkpoint_interval", 0) or None
+    stage_id = mesh.coords["pp"]
+    module = pipe.stage(stage_id, stages, interval)
+    info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, (module.lo, module.hi))
+    return module, mesh, info
 
 
 def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,

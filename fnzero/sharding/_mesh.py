@@ -1,10 +1,12 @@
 """The device mesh: the job's ranks as a grid of named axes, each with its own collectives
 (`specs/mesh.md`).
 
-Axes, outermost first: `dp` (data parallel: ZeRO shards over it, the batch is split over it) and
-`tp` (tensor parallel: each layer's weights are split over it). Rank r sits at
-(dp, tp) = divmod(r, tp): the ranks of one tensor-parallel group are adjacent, so on a
-multi-GPU host they share the fast links, as in Megatron and torchtitan.
+Axes, outermost first: `pp` (pipeline parallel: each stage holds a run of the model's layers),
+`dp` (data parallel: ZeRO shards over it, the batch is split over it) and `tp` (tensor parallel:
+each layer's weights are split over it). Rank r sits at r = (pp * DP + dp) * TP + tp: the ranks
+of one tensor-parallel group are adjacent, so on a multi-GPU host they share the fast links, and
+pipeline stages, which exchange one activation per micro-batch, are furthest apart, as in
+Megatron and torchtitan.
 
 Over torch.distributed the axes are a `torch.distributed.device_mesh.DeviceMesh`'s dimensions,
 so each axis is a process group (gloo on CPU, NCCL on GPU). In a simulated world each axis is a
@@ -30,30 +32,42 @@ class MeshShape:
 
     dp: int
     tp: int = 1
+    pp: int = 1
+
+    AXES = ("pp", "dp", "tp")  # outermost first
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
 
     def coords(self, rank: int) -> dict[str, int]:
         """Rank's index along each axis."""
-        dp, tp = divmod(rank, self.tp)
-        return {"dp": dp, "tp": tp}
+        rest, tp = divmod(rank, self.tp)
+        pp, dp = divmod(rest, self.dp)
+        return {"pp": pp, "dp": dp, "tp": tp}
 
     def groups(self, axis: str) -> list[list[int]]:
         """The partition of the world's ranks into the groups of `axis` (ranks that differ only
         along it), in rank order."""
-        if axis == "tp":
-            return [[d * self.tp + t for t in range(self.tp)] for d in range(self.dp)]
-        if axis == "dp":
-            return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
-        raise ValueError(f"mesh axes are dp and tp, not {axis!r}")
+        if axis not in self.AXES:
+            raise ValueError(f"mesh axes are {', '.join(self.AXES)}, not {axis!r}")
+        sizes = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        others = [a for a in self.AXES if a != axis]
+        out = []
+        for i in range(sizes[others[0]]):
+            for j in range(sizes[others[1]]):
+                fixed = {others[0]: i, others[1]: j}
+                out.append([self.rank_of(**{**fixed, axis: k}) for k in range(sizes[axis])])
+        return sorted(out)
 
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
     """One rank's view of the mesh: its world rank, its coordinates and the collectives of each
-    axis (`dp`, `tp`) and of the whole world."""
+    axis (`dp`, `tp`, `pp`) and of the whole world."""
 
     shape: MeshShape
     rank: int
@@ -61,40 +75,50 @@ class Mesh:
     dp: Collectives
     tp: Collectives
     device_mesh: Any = None  # the torch DeviceMesh, when the world is a process group
+    pp: Collectives = dataclasses.field(default_factory=LocalCollectives)
 
     @property
     def coords(self) -> dict[str, int]:
         return self.shape.coords(self.rank)
 
 
-def make_mesh(comm: Collectives, tp: int = 1) -> Mesh:
-    """The mesh over `comm`'s ranks with `tp` tensor-parallel ranks per group and the rest data
-    parallel. A ConfigError names the numbers when `tp` does not divide the world."""
+def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1) -> Mesh:
+    """The mesh over `comm`'s ranks with `tp` tensor-parallel ranks per group, `pp` pipeline
+    stages, and the rest data parallel. A ConfigError names the numbers when `tp * pp` does not
+    divide the world."""
     n = comm.world_size
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"the tensor-parallel size must be a positive integer, got {tp!r}")
-    if n % tp:
-        raise ConfigError(f"a mesh of tensor-parallel size {tp} needs a world size that is a multiple of {tp}; "
-                          f"this world has {n} rank(s)")  # fmt: skip
-    shape = MeshShape(dp=n // tp, tp=tp)
-    if tp == 1:
+    for what, v in (("tensor-parallel size", tp), ("pipeline stage count", pp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"the {what} must be a positive integer, got {v!r}")
+    if n % (tp * pp):
+        raise ConfigError(f"a mesh of tensor-parallel size {tp} x {pp} pipeline stage(s) needs a world size that is "
+                          f"a multiple of {tp * pp}; this world has {n} rank(s)")  # fmt: skip
+    shape = MeshShape(dp=n // (tp * pp), tp=tp, pp=pp)
+    if tp == 1 and pp == 1:
         return Mesh(shape, comm.rank, comm, comm, LocalCollectives())
     if isinstance(comm, ProcessGroupCollectives) and comm.group is None:
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        dm = init_device_mesh(device_type, (shape.dp, shape.tp), mesh_dim_names=("dp", "tp"))
-        return Mesh(shape, comm.rank, comm, ProcessGroupCollectives(dm.get_group("dp")),
-                    ProcessGroupCollectives(dm.get_group("tp")), dm)  # fmt: skip
+        dm = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=MeshShape.AXES)
+        axis = {a: ProcessGroupCollectives(dm.get_group(a)) for a in MeshShape.AXES}
+        return Mesh(shape, comm.rank, comm, axis["dp"], axis["tp"], dm, pp=axis["pp"])
     new_groups = getattr(comm, "new_groups", None)
     if new_groups is None:
-        raise ConfigError(f"tensor parallelism needs collectives that can form sub-groups; {type(comm).__name__} "
+        raise ConfigError(f"a mesh needs collectives that can form sub-groups; {type(comm).__name__} "
                           "cannot (use torch.distributed's default group or fnzero.testing's simulated worlds)")
-    return Mesh(shape, comm.rank, comm, new_groups(shape.groups("dp")), new_groups(shape.groups("tp")))
+    return Mesh(shape, comm.rank, comm, new_groups(shape.groups("dp")), new_groups(shape.groups("tp")),
+                pp=new_groups(shape.groups("pp")))
 
 
-def mesh_from_config(comm: Collectives, config: Any) -> Mesh:
-    """The mesh a config asks for: `tensor_parallel.autotp_size` tensor-parallel ranks, the rest
-    data parallel."""
+def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None) -> Mesh:
+    """The mesh a config asks for: `tensor_parallel.autotp_size` tensor-parallel ranks,
+    `pipeline.stages` pipeline stages (or `pp`, a pipeline model's own stage count, when the
+    config says "auto"), the rest data parallel."""
     tp_cfg = getattr(config, "tensor_parallel", None)
-    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1)
+    pipe_cfg = getattr(config, "pipeline", None)
+    stages = getattr(pipe_cfg, "stages", "auto")
+    if stages != "auto" and pp is not None and int(stages) != pp:
+        raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
+    pp = int(stages) if stages != "auto" else (pp or 1)
+    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, pp)

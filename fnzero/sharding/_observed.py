@@ -79,6 +79,13 @@ class RecordingCollectives:
     def barrier(self):
         return self.inner.barrier()
 
+    def send_async(self, t, dst: int, label: str = ""):
+        self._record("send", t, t.numel())
+        return self.inner.send_async(t, dst, label=label)
+
+    def recv(self, out, src: int, label: str = ""):
+        return self.inner.recv(out, src, label=label)  # the bytes are counted once, by the sender
+
     def reset(self) -> list[CollectiveRecord]:
         with self._lock:
             out, self.records = self.records, []
@@ -95,7 +102,7 @@ class RecordingCollectives:
                 total += r.bytes * 2 * (n - 1) / n
             elif r.op in ("all_gather", "reduce_scatter"):
                 total += r.bytes * (n - 1) / n
-            elif r.op == "broadcast":
+            elif r.op in ("broadcast", "send"):
                 total += r.bytes
         return total
 
@@ -109,12 +116,15 @@ class CheckedCollectives:
     """
 
     _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5}
+    # Point-to-point messages are checked pairwise: each carries a fingerprint (the pair's message
+    # index, element count, dtype) that the receiver compares with what it expects.
 
     def __init__(self, inner: Collectives):
         self.inner = inner
         self.rank = inner.rank
         self.world_size = inner.world_size
         self.calls = 0
+        self.p2p_calls: dict[tuple[str, int], int] = {}
 
     def _check(self, op: str, t: torch.Tensor | None) -> None:
         from .._errors import DistributedError
@@ -163,3 +173,24 @@ class CheckedCollectives:
     def barrier(self):
         self._check("barrier", None)
         return self.inner.barrier()
+
+    def _fingerprint(self, peer: tuple[str, int], t: torch.Tensor) -> torch.Tensor:
+        seq = self.p2p_calls.get(peer, 0)
+        self.p2p_calls[peer] = seq + 1
+        return torch.tensor([seq, t.numel(), hash(str(t.dtype)) % 1_000_003], dtype=torch.int64, device=t.device)
+
+    def send_async(self, t, dst: int, label: str = ""):
+        self.inner.send_async(self._fingerprint(("to", dst), t), dst).wait()
+        return self.inner.send_async(t, dst, label=label)
+
+    def recv(self, out, src: int, label: str = ""):
+        from .._errors import DistributedError
+
+        mine = self._fingerprint(("from", src), out)
+        theirs = self.inner.recv(torch.empty_like(mine), src)
+        if not bool((theirs == mine).all()):
+            raise DistributedError(
+                f"rank {self.rank} expected message #{int(mine[0])} from rank {src} of {int(mine[1])} elements "
+                f"({out.dtype}); rank {src} sent message #{int(theirs[0])} of {int(theirs[1])} elements"
+                + ("" if int(theirs[2]) == int(mine[2]) else " of another dtype"))
+        return self.inner.recv(out, src, label=label)

@@ -5,15 +5,36 @@ builds only the stage a rank runs, so no rank ever holds the whole model.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 from torch import nn
 
 from .._errors import ConfigError, ShardingError
-from ..sharding._remat import remat
-from ._partition import stage_bounds
+from ._pp_partition import stage_bounds
+from ._remat import remat
 
-__all__ = ["LayerSpec", "PipelineModule", "PipelineStage"]
+__all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineInfo:
+    """This rank's place in a pipeline: its stage, the stage count, the collectives of its
+    pipeline (ranks indexed by stage), the loss at the end, and its layers' range."""
+
+    stage: int
+    stages: int
+    comm: Any
+    loss_fn: Callable[[Any, Any], Any]
+    layers: tuple[int, int]
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
 
 
 class LayerSpec:
@@ -44,7 +65,7 @@ class PipelineModule:
     rematerialises every run of that many layers of a stage in backward.
 
     Give it to `fnzero.shard(pipe, config=cfg, mesh=...)`: each rank keeps its stage's layers and
-    ZeRO (stages 0-1) shards them over the data-parallel ranks; `sm.pipeline_loss()` is the loss
+    ZeRO (stages 0-1) shards them over the data-parallel ranks; `fnzero.pipeline_loss(sm)` is the loss
     function of `fnzero.train_step`, and a batch is the pair `(inputs, labels)`.
     """
 

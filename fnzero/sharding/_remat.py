@@ -16,7 +16,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..sharding._runtime import ACTIVE_RUN
+from ._runtime import ACTIVE_RUN
 
 __all__ = ["remat"]
 

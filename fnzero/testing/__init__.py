@@ -41,6 +41,7 @@ Building blocks
 ---------------
 ModelFactory, step_loss, consolidate, tree_snapshot, default_tolerances
 GPT, GPTConfig, MLP, text_corpus(), token_batches(...)
+gpt_layers, GPTEmbedding, GPTHead   the GPT as pipeline layers (embeddings, blocks, norm + head)
 ThreadCollectives, SimulatedWorld, SpawnedWorld
 """
 
@@ -53,7 +54,7 @@ from ._counting import CollectiveCounter, count_collectives
 from ._data import text_corpus, token_batches
 from ._equivalence import assert_stage_equivalent, default_tolerances
 from ._factories import ModelFactory
-from ._models import GPT, MLP, GPTConfig
+from ._models import GPT, MLP, GPTConfig, GPTEmbedding, GPTHead, gpt_layers
 from ._purity import assert_pure
 from ._reshard import assert_reshard_roundtrip, consolidate
 from ._runs import step_loss
@@ -78,6 +79,9 @@ __all__ = [
     "GPT",
     "CollectiveCounter",
     "GPTConfig",
+    "GPTEmbedding",
+    "GPTHead",
+    "gpt_layers",
     "MLP",
     "ModelFactory",
     "SimulatedWorld",

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "GPTConfig", "MLP"]
+__all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "MLP", "gpt_layers"]
 
 
 class GPTConfig:
@@ -72,6 +72,43 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class GPTEmbedding(nn.Module):
+    """A GPT's first pipeline layer: token and position embeddings."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.wte = nn.Embedding(c.vocab_size, c.d_model)
+        self.wpe = nn.Embedding(c.seq_len, c.d_model)
+        self.apply(GPT._init_weights)
+
+    def forward(self, idx):
+        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """A GPT's last pipeline layer: the final norm and the LM head (logits)."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.apply(GPT._init_weights)
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
+
+def gpt_layers(config: GPTConfig | None = None, **kwargs) -> list[nn.Module]:
+    """fnzero's GPT as pipeline layers: embeddings, the blocks, norm and head (untied)."""
+    c = config or GPTConfig(**kwargs)
+    blocks = []
+    for _ in range(c.n_layer):
+        block = _Block(c)
+        block.apply(GPT._init_weights)
+        blocks.append(block)
+    return [GPTEmbedding(c), *blocks, GPTHead(c)]
 
 
 class MLP(nn.Module):

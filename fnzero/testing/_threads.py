@@ -10,14 +10,16 @@ without `comm=` pick it up (`_context.py`), so code written for `fnzero launch` 
 from __future__ import annotations
 
 import inspect
+import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 
 from .._errors import DistributedError
-from ..sharding._collectives import CollectivesBase
+from ..sharding._collectives import CollectivesBase, PendingTensor
 from ._context import RNG_LOCK, rank_context
 
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]
@@ -43,6 +45,11 @@ class _Exchange:
         self.ops: list[str | None] = [None] * n
         self._subs: dict[tuple[int, ...], _Exchange] = {}
         self._subs_lock = threading.Lock()
+        self._boxes: dict[tuple[int, int], queue.Queue] = {}  # (src, dst): point-to-point messages in order
+
+    def box(self, src: int, dst: int) -> queue.Queue:
+        with self._subs_lock:
+            return self._boxes.setdefault((src, dst), queue.Queue())
 
     def sub(self, ranks: tuple[int, ...]) -> "_Exchange":
         """The exchange of the sub-world of `ranks`, shared by the threads that ask for it."""
@@ -122,6 +129,27 @@ class ThreadCollectives(CollectivesBase):
 
     def barrier(self):
         self._x.exchange(self.rank, "barrier", None)
+
+    def send_async(self, t, dst: int, label: str = ""):
+        self._x.box(self.rank, dst).put(t.detach().clone())
+        return PendingTensor(t)
+
+    def recv(self, out, src: int, label: str = ""):
+        box, deadline = self._x.box(src, self.rank), time.monotonic() + self._x.timeout
+        while True:  # in short waits, so a failed rank (a broken barrier) releases this one
+            try:
+                value = box.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if self._x.barrier.broken:
+                    raise DistributedError(f"a simulated rank failed or timed out inside a collective (rank "
+                                           f"{self.rank} was waiting for a message from rank {src})") from None
+                if time.monotonic() > deadline:
+                    raise DistributedError(f"rank {self.rank} waited in vain for a message from rank {src}") from None
+        if value.shape != out.shape or value.dtype != out.dtype:
+            raise DistributedError(f"rank {self.rank} expected {tuple(out.shape)} {out.dtype} from rank {src}, "
+                                   f"got {tuple(value.shape)} {value.dtype}")
+        return out.copy_(value)
 
     def new_groups(self, partition: list[list[int]]) -> "ThreadCollectives":
         """The collectives of the group of `partition` (a partition of this world's ranks, the

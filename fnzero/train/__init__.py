@@ -3,7 +3,7 @@
     train_step / TrainStep     the eager step (`_step.py`), one phase per placement decision
     jit / JittedStep           torch.compile of a step: per unit, the loss, or the whole step
                                (`_jit.py`, `_whole_step.py`; `specs/jit.md`)
-    remat                      activation checkpointing as a function transform (`_remat.py`)
+    remat                      activation checkpointing as a function transform (`sharding/_remat.py`)
     loss scaling               fp16 dynamic loss scale (`_loss_scale.py`; `specs/loss-scaling.md`)
     policies                   what the step reads from a config, once (`_policy.py`)
 """
@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from ._jit import CompileRecord, JittedStep, JitWarning, jit
-from ._remat import remat
+from ..sharding._remat import remat
 from ._step import TrainStep, split_micro_batches, train_step
 
 __all__ = ["CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step"]

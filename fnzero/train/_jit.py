@@ -32,6 +32,7 @@ import torch
 
 from .._errors import FnzeroError
 from .._state import TrainState
+from ..pipeline._run import PipelineLoss
 from ._step import TrainStep
 
 __all__ = ["jit", "JittedStep", "JitWarning", "CompileRecord"]
@@ -108,7 +109,10 @@ class JittedStep:
         self.fullgraph = fullgraph
         self.scope = scope
         kwargs = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic, options=options)
-        self._loss = step.with_loss_fn(torch.compile(step.loss_fn, **kwargs))
+        # A pipeline's loss is a schedule of forwards and point-to-point sends, not one function:
+        # its stage's unit forwards compile (scope "units"); "loss" and "step" run it eagerly.
+        piped = isinstance(step.loss_fn, PipelineLoss)
+        self._loss = step if piped else step.with_loss_fn(torch.compile(step.loss_fn, **kwargs))
         self._units = _UnitsStep(step, kwargs) if scope == "units" else None
         self._whole = None
         if scope == "step":
@@ -119,6 +123,10 @@ class JittedStep:
         self._runners: dict[tuple, Any] = {}
         self._warned: set[str] = set()
         self._fallback_reason: str | None = None
+        if piped and scope != "units":
+            self._fallback_reason = "a pipeline schedule sends activations between its stages' forwards"
+            self._warn_once(f"fnzero.jit(scope={scope!r}): {self._fallback_reason}; the step runs eagerly "
+                            "(scope='units' compiles each layer)")
 
     @property
     def compiles(self) -> tuple[CompileRecord, ...]:

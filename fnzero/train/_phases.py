@@ -143,7 +143,19 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                  comm, device: torch.device, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  comm, device: torch.device, tp=None, pp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global squared gradient norm, loss summed over ranks): `_norm_and_loss` on this rank's
+    units, then, with pipeline parallelism (`pp`, the pipeline's collectives), summed over the
+    stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers."""
+    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp)
+    if pp is None or pp.world_size == 1:
+        return norm_sq, loss
+    both = pp.all_reduce(torch.stack([norm_sq, loss]))
+    return both[0], both[1]
+
+
+def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
+                   comm, device: torch.device, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
     all-reduce of two numbers (three with tensor parallelism). `inv` unscales the reduced gradients. Shards' squares are summed
     across ranks; a replicated gradient's is global already and is added after the sum. With

@@ -28,6 +28,7 @@ from .. import optim as _optim
 from .. import schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
+from ..pipeline._run import PipelineLoss
 from ._grads import GradientCollector, forward_backward
 from ._phases import (
     Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
@@ -163,12 +164,16 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     collector = GradientCollector(plan, comm, policy, prediv, accum_dtype)
     timer = Timer(policy.timings, sh.device)
     trim = policy.trim_heap and sh.device.type == "cpu"
-    loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
+    if isinstance(loss_fn, PipelineLoss):  # the schedule runs forward and backward across the stages
+        loss_sum, auxes = loss_fn.forward_backward(leaves, micro, scale, has_aux, collector, trim, timer)
+    else:
+        loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
     grads = collector.gradients(sh.device)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     inv = prediv / (n * k * scale)
-    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device, sh.tp))
+    pp = sh.pp.comm if sh.pp is not None else None
+    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device, sh.tp, pp))
     timer.stop("comm")
     overflow = not math.isfinite(norm_sq)
     grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")

@@ -47,6 +47,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
         return "stage 3 gathers parameter shards inside the forward"
     if state.sharding.tp is not None:
         return "tensor parallelism's collectives run inside the model's layers"
+    if state.sharding.pp is not None:
+        return "a pipeline schedule sends activations between its stages' forwards"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

@@ -1,0 +1,255 @@
+"""Pipeline parallelism (specs/mesh.md §Pipeline): stages cut as DeepSpeed cuts them, schedules
+that run every micro-batch's forward and backward once without deadlock and with the theoretical
+bubble, and pp / dp x pp meshes whose step equals the unsharded one-process step in float64
+(AdamW, clipping, accumulation) on fnzero's GPT and hypothesis-drawn MLPs; traffic and state bytes
+equal their formulas; bad input is a ConfigError naming the numbers."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import _worlds as W
+import fnzero
+from fnzero.pipeline import (
+    LayerSpec, PipelineModule, bubble_fraction, gpipe, one_f_one_b, partition_balanced, partition_uniform, schedule,
+)
+from fnzero.pipeline._p2p import HEADER_NUMEL
+from fnzero.sharding import MeshShape, make_mesh
+from fnzero.testing import seeded, simulated_world
+
+RTOL = 1e-9
+
+
+# --- how layers are cut ----------------------------------------------------------------------------
+
+# DeepSpeed 0.19.8's runtime/utils.py on these inputs (its tie rule included).
+DEEPSPEED_BALANCED = [
+    ([1] * 7, 3, [0, 3, 5, 7]), ([0, 5, 5, 5, 5, 0], 2, [0, 3, 6]), ([10, 1, 1, 1, 1, 10], 3, [0, 1, 5, 6]),
+    ([3, 1, 4, 1, 5, 9, 2, 6], 4, [0, 3, 5, 6, 8]), ([0, 1, 1, 1, 1, 1, 1, 0], 2, [0, 4, 8]),
+    ([100, 0, 0, 0], 2, [0, 3, 4]), ([7], 3, [0, 1, 1, 1]), ([2] * 5, 5, [0, 1, 2, 3, 4, 5]),
+]
+DEEPSPEED_UNIFORM = [(7, 3, [0, 3, 5, 7]), (2, 4, [0, 1, 2, 2, 2]), (10, 4, [0, 3, 6, 8, 10]), (12, 5, [0, 3, 6, 8, 10, 12])]
+
+
+@pytest.mark.parametrize("weights,parts,expected", DEEPSPEED_BALANCED)
+def test_balanced_partition_equals_deepspeeds(weights, parts, expected):
+    assert partition_balanced(weights, parts) == expected
+
+
+@pytest.mark.parametrize("items,parts,expected", DEEPSPEED_UNIFORM)
+def test_uniform_partition_equals_deepspeeds(items, parts, expected):
+    assert partition_uniform(items, parts) == expected
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(weights=st.lists(st.integers(0, 50), min_size=1, max_size=8), parts=st.integers(1, 4))
+def test_balanced_partition_is_the_most_even_split(weights, parts):
+    """No contiguous split into `parts` parts has a smaller (largest sum - smallest sum)."""
+    bounds = partition_balanced(weights, parts)
+    assert bounds[0] == 0 and bounds[-1] == len(weights) and bounds == sorted(bounds) and len(bounds) == parts + 1
+    if len(weights) <= parts:
+        return
+
+    def spread(b):
+        sums = [sum(weights[b[i]:b[i + 1]]) for i in range(parts)]
+        return max(sums) - min(sums)
+
+    best = min(spread([0, *cuts, len(weights)]) for cuts in itertools.combinations(range(1, len(weights)), parts - 1))
+    assert spread(bounds) == best
+
+
+# --- schedules -------------------------------------------------------------------------------------
+
+def _simulate(kind: str, p: int, m: int) -> int:
+    """Run every stage's actions with unit-time F and B, blocking receives and async sends, the
+    way the runtime does; return the makespan (raises on a deadlock)."""
+    acts = [schedule(kind, p, m, s) for s in range(p)]
+    pos, clock = [0] * p, [0] * p
+    f_done, b_done = {}, {}
+    while any(pos[s] < len(acts[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if pos[s] == len(acts[s]):
+                continue
+            kind_, j = acts[s][pos[s]]
+            dep = (f_done.get((s - 1, j)) if s > 0 else 0) if kind_ == "F" else (
+                b_done.get((s + 1, j)) if s < p - 1 else f_done.get((s, j)))
+            if dep is None:
+                continue
+            clock[s] = max(clock[s], dep) + 1
+            (f_done if kind_ == "F" else b_done)[(s, j)] = clock[s]
+            pos[s] += 1
+            moved = True
+        assert moved, f"{kind} deadlocks at p={p} m={m}"
+    return max(clock)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(p=st.integers(1, 5), extra=st.integers(0, 5), kind=st.sampled_from(["gpipe", "1f1b"]))
+def test_schedules_run_each_pass_once_without_deadlock_and_with_the_theoretical_bubble(p, extra, kind):
+    m = p + extra
+    for s in range(p):
+        acts = schedule(kind, p, m, s)
+        assert sorted(acts) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+        assert all(acts.index(("F", j)) < acts.index(("B", j)) for j in range(m))
+        assert [j for k, j in acts if k == "B"] == list(range(m))  # neighbours send and receive in one order
+        if kind == "1f1b":  # at most p - s micro-batches in flight on stage s
+            live = max(sum(1 for k, j in acts[:i + 1] if k == "F") - sum(1 for k, j in acts[:i + 1] if k == "B")
+                       for i in range(len(acts)))
+            assert live <= p - s
+    # Unit-time passes: 2(m + p - 1) ticks, of which 2(p - 1) idle per stage = the bubble.
+    span = _simulate(kind, p, m)
+    assert span == 2 * (m + p - 1)
+    assert (span - 2 * m) / span == pytest.approx(bubble_fraction(p, m))
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_a_config_error():
+    with pytest.raises(fnzero.ConfigError, match="gradient_accumulation_steps is 2, the pipeline has 3 stages"):
+        schedule("1f1b", 3, 2, 0)
+    assert gpipe(3, 2, 0) and one_f_one_b(2, 2, 1)
+    with pytest.raises(fnzero.ConfigError, match="'zigzag' is not one of"):
+        schedule("zigzag", 2, 2, 0)
+
+
+# --- equivalence -----------------------------------------------------------------------------------
+
+GPT_C = W.PIPE_GPT
+_gpt_layers, _lm_loss, _reference, _gpt_batches = W.pipe_gpt_layers, W.lm_loss, W.train_pipe_reference, W.pipe_gpt_batches
+_cfg = W.pipe_config
+
+
+def _pipelined(layers, loss_fn, batches, world, stages, zero, k, sched, extra=None, method="parameters"):
+    return simulated_world(world).run(lambda comm: W.train_pipelined(comm, layers, loss_fn, batches, stages, zero, k,
+                                                                     sched, extra, method))
+
+
+@pytest.mark.parametrize("world,stages,zero,sched", [
+    (2, 2, 0, "gpipe"), (2, 2, 1, "1f1b"), (4, 2, 1, "1f1b"), (4, 2, 0, "gpipe"), (3, 3, 1, "1f1b"),
+], ids=lambda v: str(v))
+def test_pipelined_gpt_equals_the_unsharded_step(world, stages, zero, sched):
+    """Every rank's consolidated stage parameters and the loss equal plain torch on the whole GPT
+    (k = 4 micro-batches, clipping on), for GPipe and 1F1B, with and without data parallelism."""
+    layers = _gpt_layers()
+    ref, ref_losses = _reference(layers, _lm_loss, _gpt_batches(), k=4)
+    for params, losses, _ in _pipelined(layers, _lm_loss, _gpt_batches(), world, stages, zero, 4, sched):
+        assert params, "each stage holds some layers"
+        for name, t in params.items():
+            torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+class _Tanh(nn.Module):
+    """A Linear then tanh: one layer of the drawn MLPs (a class, so LayerSpec can build it)."""
+
+    def __init__(self, a: int, b: int):
+        super().__init__()
+        self.lin = nn.Linear(a, b).double()
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _mse(out, y):
+    return F.mse_loss(out, y)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(widths=st.lists(st.integers(1, 7), min_size=3, max_size=7), stages=st.sampled_from([2, 3]),
+       sched=st.sampled_from(["gpipe", "1f1b"]), method=st.sampled_from(["parameters", "uniform", "type:tanh"]),
+       interval=st.sampled_from([0, 2]))
+def test_drawn_mlps_equal_the_unsharded_step(widths, stages, sched, method, interval):
+    """Layer counts and widths that do not divide by the stage count, any partition method,
+    rematerialisation every 2 layers or none: the pipelined step equals plain torch."""
+    if len(widths) - 1 < stages:
+        widths = widths + [3] * (stages - len(widths) + 1)
+    with seeded(sum(widths)):
+        layers = [_Tanh(a, b) for a, b in zip(widths[:-1], widths[1:])]
+    g = torch.Generator().manual_seed(len(widths))
+    batches = [(torch.randn(8, widths[0], generator=g, dtype=torch.float64),
+                torch.randn(8, widths[-1], generator=g, dtype=torch.float64)) for _ in range(2)]
+    ref, ref_losses = _reference(layers, _mse, batches, k=4)
+    extra = {"pipeline": {"stages": stages, "activation_checkpoint_interval": interval}}
+    for params, losses, _ in _pipelined(layers, _mse, batches, stages, stages, 1, 4, sched, extra, method):
+        for name, t in params.items():
+            torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_layer_specs_are_built_only_by_the_stage_that_runs_them():
+    built = []
+
+    class Counted(_Tanh):
+        def __init__(self, i):
+            built.append(i)
+            super().__init__(3, 3)
+
+    pipe = PipelineModule([LayerSpec(Counted, i) for i in range(5)], _mse, partition_method="uniform")
+    stage = pipe.stage(1, 2)
+    assert [n.split(".")[0] for n, _ in stage.named_parameters()][::2] == ["3", "4"]
+    assert built[-2:] == [3, 4] and len(built) == 2  # "uniform" needs no parameter count: nothing else built
+
+
+def test_traffic_and_state_bytes_equal_their_formulas():
+    """Per step, stage s sends m activations (with a header) forward and m gradients back
+    (specs/collectives.md §Pipeline); each rank's model state is the ZeRO formula of its stage's
+    parameters over the data-parallel ranks."""
+    layers, k, micro = _gpt_layers(), 4, 1
+
+    def rank(comm):
+        cfg = _cfg(2, 2, 1, k, {"comms_logger": {"enabled": True}})
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)
+        x, y = _gpt_batches()[0]
+        d = MeshShape(dp=2, pp=2).coords(comm.rank)["dp"]
+        sm.pp.comm.reset()
+        state, _ = step(state, (x[d * 4:(d + 1) * 4], y[d * 4:(d + 1) * 4]))
+        sent = sum(r.bytes for r in sm.pp.comm.records if r.op == "send")
+        return sm.pp.stage, sent, fnzero.memory.model_state_bytes(state).total, sm.plan.num_padded
+
+    act = micro * GPT_C.seq_len * GPT_C.d_model * 8  # one float64 activation of a micro-batch
+    for stage, sent, total, padded in simulated_world(4).run(rank):
+        assert sent == k * (act + HEADER_NUMEL * 8 if stage == 0 else act)
+        assert total == 2 * fnzero.memory.zero_formula(padded, 1, 2, False)  # float64: twice fp32's bytes
+
+
+def test_bad_pipelines_are_config_errors_naming_the_numbers():
+    layers = _gpt_layers()  # 5 layers
+    with pytest.raises(fnzero.ConfigError, match="a pipeline of 6 stages needs at least 6 layers; this model has 5"):
+        PipelineModule(layers, _lm_loss).stage(0, 6)
+    with pytest.raises(fnzero.ConfigError, match="tensor-parallel size 1 x 3 pipeline stage"):
+        make_mesh(simulated_world(1).run(lambda comm: comm)[0], pp=3)
+    with pytest.raises(fnzero.ConfigError, match="partition_method 'type:Conv' matches no layer"):
+        PipelineModule(layers, _lm_loss, partition_method="type:Conv").stage(0, 2)
+
+    def zero2(comm):
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}},
+                                 world_size=2)
+        fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm,
+                     mesh=make_mesh(comm, pp=2))
+
+    with pytest.raises(fnzero.DistributedError, match="ZeRO stage 2 with 2 pipeline stages"):
+        simulated_world(2).run(zero2)
+
+    def one_f_one_b_short(comm):
+        cfg = _cfg(1, 2, 1, 1)
+        fnzero.pipeline_loss(fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm))
+
+    with pytest.raises(fnzero.DistributedError, match="gradient_accumulation_steps is 1, the pipeline has 2 stages"):
+        simulated_world(2).run(one_f_one_b_short)
+
+
+def test_a_weight_tied_across_stages_is_refused():
+    emb = nn.Embedding(5, 4)
+    head = nn.Linear(4, 5, bias=False)
+    head.weight = emb.weight
+    with pytest.raises(fnzero.ShardingError, match="layers 0 and 2 share parameter 'weight'"):
+        PipelineModule([emb, nn.Linear(4, 4), head], _lm_loss, partition_method="uniform").stage(0, 2)
