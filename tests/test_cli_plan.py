@@ -219,8 +219,8 @@ def test_tp_rows_are_the_formula_of_each_ranks_share(tmp_path):
     assert z1[8] > 6 * z1[1]  # (4 + 12/64) / ((4 + 12/8) / 8) = 6.09: splitting the weights lets a far larger model fit
     rc, _, err = run_cli("plan", "--params", "7e9", "--world-size", 6, "--tp", "4")
     assert rc == 2 and "--tp 4 does not divide --world-size 6" in err
-    rc, _, err = run_cli("plan", "--params", "7e9", "--world-size", 8, "--pp", "2")
-    assert rc == 2 and "pipeline parallelism is not built" in err
+    rc, _, err = run_cli("plan", "--params", "7e9", "--world-size", 8, "--tp", "2", "--pp", "3")
+    assert rc == 2 and "--tp 2 x --pp 3 = 6 does not divide --world-size 8" in err
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
                                "tensor_parallel": {"autotp_size": 2}}))
@@ -228,3 +228,28 @@ def test_tp_rows_are_the_formula_of_each_ranks_share(tmp_path):
     assert rc == 0, err
     (mine,) = [r for r in json.loads(out)["rows"] if r["from_config"]]
     assert (mine["tp"], mine["dp"], mine["stage"]) == (2, 4, 1)
+
+
+def test_pp_rows_divide_the_parameters_over_the_stages_too(tmp_path):
+    """specs/mesh.md §Memory: with --pp P (and --tp T) each rank holds Ψ/(T·P), sharded over
+    N/(T·P) ranks; ZeRO-2/3 rows are not offered with a pipeline; the config's stages are marked."""
+    rc, out, err = run_cli("plan", "--params", "7e9", "--world-size", N, "--tp", "1,2", "--pp", "1,4",
+                           "--precision", "bf16", "--memory-per-device", "80GB", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["pp"] == [1, 4]
+    for tp in (1, 2):
+        for pp in (1, 4):
+            stages = {r["stage"] for r in rep["rows"] if (r["tp"], r["pp"]) == (tp, pp)}
+            assert stages == ({0, 1} if pp > 1 else {0, 1, 2, 3})
+            for stage in stages:
+                row = _one(rep, tp=tp, pp=pp, stage=stage, offload_optimizer="none", offload_param="none")
+                assert row["dp"] == N // (tp * pp)
+                assert row["device_bytes"] == round(zero_formula(-(-PSI // (tp * pp)), stage, N // (tp * pp), True))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+                               "pipeline": {"stages": 2}}))
+    rc, out, err = run_cli("plan", "--params", "7e9", "--world-size", 8, "--config", str(cfg), "--json")
+    assert rc == 0, err
+    (mine,) = [r for r in json.loads(out)["rows"] if r["from_config"]]
+    assert (mine["tp"], mine["pp"], mine["dp"], mine["stage"]) == (1, 2, 4, 1)

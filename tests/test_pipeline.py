@@ -225,7 +225,7 @@ def test_bad_pipelines_are_config_errors_naming_the_numbers():
     layers = _gpt_layers()  # 5 layers
     with pytest.raises(fnzero.ConfigError, match="a pipeline of 6 stages needs at least 6 layers; this model has 5"):
         PipelineModule(layers, _lm_loss).stage(0, 6)
-    with pytest.raises(fnzero.ConfigError, match="tensor-parallel size 1 x 3 pipeline stage"):
+    with pytest.raises(fnzero.ConfigError, match="tensor-parallel size 1 x 3 pipeline stages needs a world size that is a multiple of 3; this world has 1"):
         make_mesh(simulated_world(1).run(lambda comm: comm)[0], pp=3)
     with pytest.raises(fnzero.ConfigError, match="partition_method 'type:Conv' matches no layer"):
         PipelineModule(layers, _lm_loss, partition_method="type:Conv").stage(0, 2)
@@ -253,3 +253,51 @@ def test_a_weight_tied_across_stages_is_refused():
     head.weight = emb.weight
     with pytest.raises(fnzero.ShardingError, match="layers 0 and 2 share parameter 'weight'"):
         PipelineModule([emb, nn.Linear(4, 4), head], _lm_loss, partition_method="uniform").stage(0, 2)
+
+
+def test_checkpoints_move_between_pipeline_layouts(tmp_path):
+    """Saved at dp 2 x pp 2 (ZeRO-1), the checkpoint is the one a single-stage run writes: it loads
+    at pp 1, pp 2 x dp 1 and pp 3 bit-identically, the next step equals the saving run's, and it
+    exports to one safetensors file equal to the consolidated parameters."""
+    from safetensors.torch import load_file
+
+    layers, k = _gpt_layers(), 4
+    batches = _gpt_batches()
+
+    def run(comm, stages, zero, load=False):
+        dp = comm.world_size // stages
+        cfg = _cfg(dp, stages, zero, k)
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)
+        d = MeshShape(dp=dp, pp=stages).coords(comm.rank)["dp"]
+        per = 8 // dp
+        rows = [(x[d * per:(d + 1) * per], y[d * per:(d + 1) * per]) for x, y in batches]
+        if load:
+            state, _ = fnzero.checkpoint.load(tmp_path, state)
+        else:
+            state, _ = step(state, rows[0])
+            fnzero.checkpoint.save(tmp_path, state, tag="t")
+        loaded = sm.gather(state)
+        state, m = step(state, rows[1])
+        return loaded, sm.gather(state), m["loss"]
+
+    saved = simulated_world(4).run(lambda comm: run(comm, 2, 1))
+    before, after = {}, {}
+    for loaded_before, nxt, _ in saved:  # each rank: its stage's layers
+        before.update(loaded_before)
+        after.update(nxt)
+    assert sorted(before) == sorted(n for n, _ in nn.Sequential(*layers).named_parameters())
+    for world, stages, zero in [(1, 1, 0), (2, 2, 1), (3, 3, 0)]:
+        for loaded, nxt, loss in simulated_world(world).run(lambda comm: run(comm, stages, zero, load=True)):
+            for name, t in loaded.items():
+                assert torch.equal(t, before[name]), (world, stages, name)
+            for name, t in nxt.items():
+                torch.testing.assert_close(t, after[name], rtol=RTOL, atol=1e-12)
+            assert loss == pytest.approx(saved[0][2], rel=RTOL)
+    out = fnzero.checkpoint.export(tmp_path / "t", tmp_path / "export", dtype="fp64")
+    exported = {}
+    for f in out:
+        exported.update(load_file(f))
+    assert sorted(exported) == sorted(before)
+    assert all(torch.equal(exported[n], before[n]) for n in before)

@@ -273,6 +273,10 @@ def export_live(
     from ._tp import consolidated
 
     tp = state.sharding.tp if state.sharding.tp is not None and state.sharding.tp.size > 1 else None
+    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+        raise CheckpointError("export_live of a pipeline-parallel state is not implemented yet: save a checkpoint "
+                              "(fnzero.checkpoint.save) and export it (fnzero.checkpoint.export), which needs no "
+                              "running job")
     if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
         state = consolidated(state.replace(opt_state=None))
     want = parse_dtype(dtype)

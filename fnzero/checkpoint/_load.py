@@ -256,6 +256,20 @@ def check_model(ix: dict, like: TrainState) -> None:
         )
 
 
+def check_stage_units(ix: dict, like: TrainState) -> None:
+    """A pipeline stage loads its own units from a checkpoint of the whole pipeline (any stage
+    count): each must be there with the same size and parameters; name the first that is not."""
+    saved = {u["name"]: u for u in ix["units"]}
+    for u in unit_meta(like.sharding.plan):
+        s = saved.get(u["name"])
+        if s is None or s["numel"] != u["numel"] or [x["name"] for x in s["slots"]] != [x["name"] for x in u["slots"]] \
+                or [x["shape"] for x in s["slots"]] != [x["shape"] for x in u["slots"]]:
+            what = "absent" if s is None else f"{s['numel']} elements in {[x['name'] for x in s['slots']]}"
+            raise CheckpointError(
+                f"the checkpoint is of another model: pipeline layer unit {u['name']!r} ({u['numel']} elements in "
+                f"{[x['name'] for x in u['slots']]}) is {what} in the checkpoint")
+
+
 def _mismatch(path, mine, saved):
     fmt = lambda s: "absent" if s is None else f"shape {list(s)}"  # noqa: E731
     raise CheckpointError(
@@ -327,7 +341,13 @@ def load(
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
         view = tp_check_view(like) if tp is not None else like  # whole shapes: what the files hold
-        check_model(ix, view)
+        if like.sharding.pp is not None and like.sharding.pp.stages > 1:
+            if tp is not None:
+                raise CheckpointError("loading into a state that is both tensor- and pipeline-parallel is not "
+                                      "implemented yet")
+            check_stage_units(ix, like)  # this stage's layers, from a checkpoint of the whole pipeline
+        else:
+            check_model(ix, view)
 
         def fill(leaf: Leaf) -> torch.Tensor:
             key = source_key(rd, leaf, like)
@@ -359,5 +379,6 @@ def load(
                 hysteresis=torch.tensor(ls["hysteresis"], dtype=L.hysteresis.dtype),
             ))
         if restore_rng:
-            _restore_rng(ix, like.sharding.rank)
+            pp = like.sharding.pp  # a pipeline's ranks restore by their rank in the job
+            _restore_rng(ix, pp.world.rank if pp is not None and pp.world is not None else like.sharding.rank)
         return state, ix.get("client_state")

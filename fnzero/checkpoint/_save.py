@@ -38,6 +38,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, failure_marker, merge_parts, read_part
 from ._io import AlignedWriter, wait_for, write_atomic
 from ._nodes import discover_groups, exchange_parts, merge_for_group
+from ._pp import save_pipelined
 from ._tree import state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
@@ -266,8 +267,22 @@ def save(
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
     if state.sharding.tp is not None and state.sharding.tp.size > 1:
+        if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+            raise CheckpointError("saving a state that is both tensor- and pipeline-parallel is not implemented yet")
         return _save_tensor_parallel(path, state, tag=tag, client_state=client_state, config=config,
                                      update_latest=update_latest, timeout=timeout, node_local=node_local)
+    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+        from ..offload._checkpoint import is_nvme as _nvme
+
+        if _nvme(state) or _node_local(node_local, config):
+            raise CheckpointError("a pipeline-parallel save with the optimizer on NVMe, or node-local, is not "
+                                  "implemented yet")
+        handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))
+        handle._run(lambda: save_pipelined(path, state, tag=handle.tag, client_state=client_state, config=config,
+                                           update_latest=update_latest, timeout=timeout,
+                                           pieces=_pieces(state, copy=False), rng=_rng_state()))
+        handle.wait()  # blocking: its collectives run over the whole job
+        return handle
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):

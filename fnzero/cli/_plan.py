@@ -64,14 +64,6 @@ def _tp_sizes(text: str) -> list[int]:
     return [_pos_int(t.strip()) for t in text.split(",") if t.strip()] or [1]
 
 
-def _pp_size(text: str) -> int:
-    value = _pos_int(text)
-    if value != 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: pipeline parallelism is not built in fnzero yet, so there is no "
-                                         "pipeline memory to plan; use --tp")
-    return value
-
-
 def _rows(args, config_choice):
     """(precision, stage, offload_optimizer, offload_param, ratio, from_config) for every row."""
     if args.precision is not None:
@@ -100,16 +92,20 @@ def plan_report(args) -> dict:
         "memory_per_device": args.memory_per_device, "reserve": args.reserve,
         "host_memory_per_node": args.host_memory_per_node, "config": args.config, "rows": [],
     }
-    out["tp"] = list(args.tp)
-    for tp, (prec, stage, opt, par, ratio, mine) in ((t, r) for t in args.tp for r in _rows(args, args._config_choice)):
-        # specs/mesh.md §Memory: each rank holds 1/tp of the parameters (Ψ_r ≈ Ψ / tp; norms and biases,
-        # which stay whole, are neglected), and ZeRO shards that over the world / tp data-parallel ranks.
-        dp, psi_r = args.world_size // tp, -(-args.params // tp)
+    out["tp"], out["pp"] = list(args.tp), list(args.pp)
+    meshes = [(t, p) for p in args.pp for t in args.tp]
+    for (tp, pp), (prec, stage, opt, par, ratio, mine) in ((m, r) for m in meshes for r in _rows(args, args._config_choice)):
+        if pp > 1 and stage >= 2:
+            continue  # ZeRO-2/3 are refused with a pipeline (specs/mesh.md §Pipeline)
+        # specs/mesh.md §Memory: each rank holds 1/(tp pp) of the parameters (Ψ_r ≈ Ψ / (tp pp); norms
+        # and biases, which stay whole, and uneven stages are neglected), and ZeRO shards that over
+        # the world / (tp pp) data-parallel ranks.
+        dp, psi_r = args.world_size // (tp * pp), -(-args.params // (tp * pp))
         e = _plan.estimate(psi_r, stage=stage, world_size=dp, precision=prec,
                            offload_optimizer=opt, offload_param=par, ratio=ratio)
         row = {
-            "tp": tp, "dp": dp, "precision": prec, "stage": stage, "offload_optimizer": opt, "offload_param": par,
-            "ratio": ratio, "from_config": mine and tp == args._config_tp,
+            "tp": tp, "pp": pp, "dp": dp, "precision": prec, "stage": stage, "offload_optimizer": opt, "offload_param": par,
+            "ratio": ratio, "from_config": mine and (tp, pp) == (args._config_tp, args._config_pp),
             "device_bytes": e.device_bytes, "host_bytes": e.host_bytes, "nvme_bytes": e.nvme_bytes,
             "host_bytes_per_node": round(e.host.total * args.gpus_per_node),
             "nvme_bytes_per_node": round(e.nvme.total * args.gpus_per_node),
@@ -125,7 +121,7 @@ def plan_report(args) -> dict:
                 args.memory_per_device, stage=stage, world_size=dp, precision=prec,
                 offload_optimizer=opt, offload_param=par, ratio=ratio, reserve=args.reserve,
                 host_memory_per_node=args.host_memory_per_node, gpus_per_node=args.gpus_per_node)
-            row["max_params"] = largest * tp if largest is not None else None
+            row["max_params"] = largest * tp * pp if largest is not None else None
         out["rows"].append(row)
     return out
 
@@ -147,8 +143,8 @@ def _print_table(rep: dict, stream) -> None:
         if rep["host_memory_per_node"] is not None:
             line += f", host memory per node {_plan.format_bytes(rep['host_memory_per_node'])}"
         print(line, file=stream)
-    mesh = rep["tp"] != [1]
-    head = f"  {'tp':>2} {'dp':>4} " * mesh + f"  {'stage':>5}  {'offload':<20} {'device/rank':>12} {'host/rank':>12} {'host/node':>12} {'nvme/rank':>12}"
+    mesh = rep["tp"] != [1] or rep["pp"] != [1]
+    head = f"  {'tp':>2} {'pp':>2} {'dp':>4} " * mesh + f"  {'stage':>5}  {'offload':<20} {'device/rank':>12} {'host/rank':>12} {'host/node':>12} {'nvme/rank':>12}"
     if budget is not None:
         head += f"  {'fits':<4} {'largest model':>13}"
     prec = None
@@ -160,7 +156,7 @@ def _print_table(rep: dict, stream) -> None:
         e = _plan.Estimate(0, r["stage"], w, prec, r["offload_optimizer"], r["offload_param"], r["ratio"],
                            *(_plan.Breakdown(),) * 3)
         mark = "*" if r["from_config"] else " "
-        line = (f"{mark}" + f" {r['tp']:>2} {r['dp']:>4}  " * mesh + f" {r['stage']:>5}  {e.label:<20} {_plan.format_bytes(r['device_bytes']):>12} "
+        line = (f"{mark}" + f" {r['tp']:>2} {r['pp']:>2} {r['dp']:>4}  " * mesh + f" {r['stage']:>5}  {e.label:<20} {_plan.format_bytes(r['device_bytes']):>12} "
                 f"{_fmt(r['host_bytes']):>12} {_fmt(r['host_bytes_per_node']):>12} {_fmt(r['nvme_bytes']):>12}")
         if budget is not None:
             mx = r["max_params"]
@@ -175,13 +171,15 @@ def _print_table(rep: dict, stream) -> None:
               file=stream)
     if mesh:
         print("tp: tensor-parallel ranks per layer (each holds 1/tp of the parameters; norms and biases, which stay "
-              "whole, are neglected); dp: the ranks ZeRO shards over (world / tp).", file=stream)
+              "whole, are neglected); pp: pipeline stages (each holds 1/pp of the layers, balanced by parameters; "
+              "ZeRO-2/3 are not offered with a pipeline); dp: the ranks ZeRO shards over (world / (tp pp)).",
+              file=stream)
     if any(r["from_config"] for r in rep["rows"]):
         print(f"*: your config ({rep['config']})", file=stream)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    args._config_choice, args._config_tp = None, 1
+    args._config_choice, args._config_tp, args._config_pp = None, 1, 1
     if args.memory_per_device is not None and args.reserve >= args.memory_per_device:
         print(f"fnzero plan: --reserve ({args.reserve:,} bytes) must be below --memory-per-device "
               f"({args.memory_per_device:,} bytes)", file=sys.stderr)
@@ -196,13 +194,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         ratio = z.offload_optimizer.ratio if opt != "none" else 1.0
         args._config_choice = (cfg.precision, z.stage, opt, par, float(ratio))
         args._config_tp = cfg.tensor_parallel.size
+        args._config_pp = cfg.pipeline.size or 1
         if args.tp is None:
             args.tp = [args._config_tp]
-    args.tp = args.tp or [1]
-    bad = [t for t in args.tp if args.world_size % t]
+        if args.pp is None:
+            args.pp = [args._config_pp]
+    args.tp, args.pp = args.tp or [1], args.pp or [1]
+    bad = [(t, p) for p in args.pp for t in args.tp if args.world_size % (t * p)]
     if bad:
-        print(f"fnzero plan: --tp {bad[0]} does not divide --world-size {args.world_size}: a mesh is data-parallel "
-              f"x tensor-parallel ranks", file=sys.stderr)
+        t, p = bad[0]
+        what = f"--tp {t} x --pp {p} = {t * p}" if p > 1 else f"--tp {t}"
+        print(f"fnzero plan: {what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
+              f"data-parallel x tensor-parallel ranks", file=sys.stderr)
         return 2
     rep = plan_report(args)
     if args.json:
@@ -239,8 +242,9 @@ def register(sub) -> None:
     p.add_argument("--tp", type=_tp_sizes, default=None, metavar="T[,T...]",
                    help="tensor-parallel sizes to plan for, e.g. 1,2,4,8 (default: the config's autotp_size, else 1); "
                    "each must divide the world size")
-    p.add_argument("--pp", type=_pp_size, default=None, metavar="P",
-                   help="pipeline stages: not built in fnzero yet (only 1 is accepted)")
+    p.add_argument("--pp", type=_tp_sizes, default=None, metavar="P[,P...]",
+                   help="pipeline stage counts to plan for, e.g. 1,2,4 (default: the config's pipeline.stages, else 1); "
+                   "with --tp, every combination whose product divides the world size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
     p.set_defaults(func=_run)
 

@@ -117,14 +117,6 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: c.pipeline.partition if c.pipeline.partition != "best" else None,
         "DeepSpeed does not read it either: PipelineModule(partition_method=...) decides how layers are split",
     ),
-    "pipeline.pipe_partitioned": (
-        lambda c: True if c.pipeline.pipe_partitioned and c.tensor_parallel.size > 1 and c.pipeline.size != 1 else None,
-        "fnzero sends each stage-boundary activation whole from every tensor-parallel rank",
-    ),
-    "pipeline.grad_partitioned": (
-        lambda c: True if c.pipeline.grad_partitioned and c.tensor_parallel.size > 1 and c.pipeline.size != 1 else None,
-        "fnzero sends each stage-boundary gradient whole from every tensor-parallel rank",
-    ),
     "pipeline.use_reentrant": (
         lambda c: c.pipeline.use_reentrant,
         "fnzero rematerialises with torch's non-reentrant checkpoint (the same numbers)",

@@ -51,7 +51,9 @@ class PipelineLoss:
     def forward_backward(self, leaves: dict[str, torch.Tensor], micro: list[Any], scale: float, has_aux: bool,
                          collector, trim_heap: bool, timer) -> tuple[torch.Tensor, list[Any]]:
         """Run this stage's schedule over the micro-batches; returns (Σ loss as float64 — zero
-        except on the last stage —, no auxes). Waits for every send before returning."""
+        except on the last stage —, no auxes). Waits for every send before returning. With
+        `wall_clock_breakdown`, waits for a neighbour count as "comm" and only this stage's own
+        passes as "forward"/"backward", so the idle share of a step (the bubble) can be measured."""
         # Long: one loop over the schedule's actions with the forward and backward of one stage inline.
         if has_aux:
             raise ShardingError("has_aux is not supported with pipeline parallelism: the loss is computed on the last "
@@ -68,9 +70,11 @@ class PipelineLoss:
             for act in actions:
                 j = act.micro
                 if act.kind == "F":
-                    timer.start()
                     inputs, labels = _pair(micro[j], j)
+                    timer.start()  # waiting for the previous stage is communication (the bubble), not compute
                     x = inputs if info.first else recv_activation(info.comm, prev, sm.sharding.device, f"act{j}")
+                    timer.stop("comm")
+                    timer.start()
                     token = STEP_RUNS.set(runs)
                     try:
                         out = sm.apply(leaves, x)
@@ -94,7 +98,11 @@ class PipelineLoss:
                             scaled.backward()
                     else:
                         outs = [t for t in boundary_tensors(out, info.stage)[0]]
+                        timer.stop("backward")
+                        timer.start()
                         grads = recv_grads(info.comm, outs, nxt, f"grad{j}")
+                        timer.stop("comm")
+                        timer.start()
                         needs = [t for t in outs if t.requires_grad]
                         if needs:
                             torch.autograd.backward(needs, grads)

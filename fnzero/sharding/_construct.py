@@ -156,7 +156,8 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
     interval = getattr(getattr(config, "pipeline", None), "activation_checkpoint_interval", 0) or None
     stage_id = mesh.coords["pp"]
     module = pipe.stage(stage_id, stages, interval)
-    info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, (module.lo, module.hi))
+    info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, (module.lo, module.hi),
+                        mesh.world)
     return module, mesh, info
 
 

@@ -91,8 +91,9 @@ def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1) -> Mesh:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"the {what} must be a positive integer, got {v!r}")
     if n % (tp * pp):
-        raise ConfigError(f"a mesh of tensor-parallel size {tp} x {pp} pipeline stage(s) needs a world size that is "
-                          f"a multiple of {tp * pp}; this world has {n} rank(s)")  # fmt: skip
+        what = f"tensor-parallel size {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
+        raise ConfigError(f"a mesh of {what} needs a world size that is a multiple of {tp * pp}; this world has {n} "
+                          "rank(s)")
     shape = MeshShape(dp=n // (tp * pp), tp=tp, pp=pp)
     if tp == 1 and pp == 1:
         return Mesh(shape, comm.rank, comm, comm, LocalCollectives())

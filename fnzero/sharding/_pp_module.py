@@ -20,13 +20,15 @@ __all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage"]
 @dataclasses.dataclass(frozen=True)
 class PipelineInfo:
     """This rank's place in a pipeline: its stage, the stage count, the collectives of its
-    pipeline (ranks indexed by stage), the loss at the end, and its layers' range."""
+    pipeline (ranks indexed by stage), the loss at the end, its layers' range, and the collectives
+    of the whole job (a checkpoint of a pipeline is written by every rank)."""
 
     stage: int
     stages: int
     comm: Any
     loss_fn: Callable[[Any, Any], Any]
     layers: tuple[int, int]
+    world: Any = None
 
     @property
     def first(self) -> bool:
