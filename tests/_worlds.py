@@ -260,7 +260,7 @@ def pipe_config(dp: int, stages: int, stage: int, k: int, extra=None):
         "train_micro_batch_size_per_gpu": 8 // (dp * k), "gradient_accumulation_steps": k, "gradient_clipping": 0.5,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
         "zero_optimization": {"stage": stage}, "pipeline": {"stages": stages}, **(extra or {}),
-    }, world_size=dp * stages)
+    }, world_size=dp * stages * (extra or {}).get("tensor_parallel", {}).get("autotp_size", 1))
 
 
 def train_pipe_reference(layers, loss_fn, batches, k):

@@ -247,12 +247,33 @@ def test_bad_pipelines_are_config_errors_naming_the_numbers():
         simulated_world(2).run(one_f_one_b_short)
 
 
-def test_a_weight_tied_across_stages_is_refused():
-    emb = nn.Embedding(5, 4)
-    head = nn.Linear(4, 5, bias=False)
+def _tied_layers(bias=False):
+    with seeded(5):
+        emb, mid, head = nn.Embedding(11, 6).double(), nn.Linear(6, 6).double(), nn.Linear(6, 11, bias=bias).double()
     head.weight = emb.weight
-    with pytest.raises(fnzero.ShardingError, match="layers 0 and 2 share parameter 'weight'"):
-        PipelineModule([emb, nn.Linear(4, 4), head], _lm_loss, partition_method="uniform").stage(0, 2)
+    return [emb, nn.Sequential(mid, nn.Tanh()), head]
+
+
+@pytest.mark.parametrize("world,stages,zero,sched", [(2, 2, 0, "gpipe"), (4, 2, 1, "1f1b"), (3, 3, 1, "1f1b")],
+                         ids=lambda v: str(v))
+def test_a_weight_tied_across_stages_trains_as_one(world, stages, zero, sched):
+    """An embedding tied to the LM head on another stage (DeepSpeed's TiedLayerSpec): each holder
+    keeps a copy, their gradients are summed over the pipeline and counted once in the norm, so the
+    run equals plain torch's on the tied model, and the copies stay equal."""
+    layers = _tied_layers()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)) for _ in range(3)]
+    ref, ref_losses = _reference(layers, _lm_loss, batches, k=4)
+    ref["2.weight"] = ref["0.weight"]  # named_parameters lists a tied weight once
+    for params, losses, _ in _pipelined(layers, _lm_loss, batches, world, stages, zero, 4, sched, method="uniform"):
+        for name, t in params.items():
+            torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_a_tied_weight_must_be_its_modules_only_parameter():
+    with pytest.raises(fnzero.ShardingError, match="pipeline module '2' holds a weight shared with another stage"):
+        PipelineModule(_tied_layers(bias=True), _lm_loss, partition_method="uniform").stage(1, 2)
 
 
 def test_checkpoints_move_between_pipeline_layouts(tmp_path):
@@ -301,3 +322,81 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path):
         exported.update(load_file(f))
     assert sorted(exported) == sorted(before)
     assert all(torch.equal(exported[n], before[n]) for n in before)
+
+
+def _hf(kind: str):
+    import transformers
+
+    with seeded(0):
+        if kind == "gpt2":
+            c = transformers.GPT2Config(vocab_size=51, n_positions=16, n_embd=16, n_layer=3, n_head=4, resid_pdrop=0,
+                                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+            return transformers.GPT2LMHeadModel(c).double()
+        c = transformers.LlamaConfig(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+        return transformers.LlamaForCausalLM(c).double()
+
+
+@pytest.mark.parametrize("kind,world,stages,zero,sched", [
+    ("gpt2", 2, 2, 1, "1f1b"), ("gpt2", 4, 2, 1, "gpipe"), ("llama", 2, 2, 0, "gpipe"), ("llama", 3, 3, 1, "1f1b"),
+], ids=lambda v: str(v))
+def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, stages, zero, sched):
+    """GPT-2 (its LM head tied to the embedding on another stage) and Llama (GQA, rotary) from small
+    configs, cut by `hf_causal_lm` with no layer list written: each stage equals plain torch training
+    the Hugging Face model itself with the causal-LM loss."""
+    from fnzero.pipeline import causal_lm_loss, hf_pipeline_layers
+
+    model = _hf(kind)
+    g = torch.Generator().manual_seed(3)
+    batches = [(ids, ids) for ids in (torch.randint(0, 51, (8, 9), generator=g) for _ in range(3))]
+    layers = hf_pipeline_layers(model)
+    hf_name = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    name_of = {n: hf_name[id(p)] for n, p in nn.Sequential(*layers).named_parameters(remove_duplicate=False)}
+    ref_losses = []
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):
+            loss = causal_lm_loss(ref(input_ids=xs).logits, ys) / 4
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        ref_losses.append(total)
+    want = dict(ref.named_parameters(remove_duplicate=False))
+    for params, losses, _ in _pipelined(layers, causal_lm_loss, batches, world, stages, zero, 4, sched):
+        for name, t in params.items():
+            torch.testing.assert_close(t, want[name_of[name]].detach(), rtol=RTOL, atol=1e-12,
+                                       msg=lambda m: f"{name}: {m}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_tp_x_pp_equals_the_unsharded_step():
+    """tp 2 x pp 2 (ZeRO-1): each stage's blocks split by an explicit plan over the layer-index names
+    (`TPRule`), then cut into stages; every rank's consolidated stage equals plain torch."""
+    from fnzero.sharding import TPRule
+
+    layers, batches = _gpt_layers(), _gpt_batches()
+    ref, ref_losses = _reference(layers, _lm_loss, batches, k=4)
+    rules = [TPRule(r"^\d+\.qkv$", "column", blocks=3), TPRule(r"^\d+\.proj$", "row"), TPRule(r"^\d+\.fc$", "column"),
+             TPRule(r"^\d+\.out$", "row")]
+
+    def rank(comm):
+        cfg = _cfg(1, 2, 1, 4, {"tensor_parallel": {"autotp_size": 2}})
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm, tp_plan=rules)
+        assert sm.tp is not None and sm.tp.splits and sm.pp.stages == 2
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)
+        losses = []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        return sm.gather(state), losses
+
+    for params, losses in simulated_world(4).run(rank):
+        for name, t in params.items():
+            torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)

@@ -15,7 +15,7 @@ from ..sharding._runtime import STEP_RUNS
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
 
-__all__ = ["PipelineLoss", "pipeline_loss"]
+__all__ = ["PipelineLoss", "pipeline_loss", "sum_tied_gradients", "units_for_norm"]
 
 
 def pipeline_loss(sm, schedule: str = "1f1b") -> "PipelineLoss":
@@ -134,3 +134,31 @@ def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ShardingError(f"the pipeline's loss_fn must return a scalar tensor, got {type(loss).__name__}"
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+
+
+def sum_tied_gradients(grads: dict[str, torch.Tensor], plan, pp) -> dict[str, torch.Tensor]:
+    """Each weight shared by several stages gets the sum of their gradients (one all-reduce over
+    the pipeline per tied weight; stages that do not hold it add zeros), so every copy takes the
+    same update. Its unit is laid out alike on each holder: the same elements in each shard."""
+    n = plan.world_size
+    for tie in pp.ties:
+        if tie.module is not None:
+            unit = next(u for u in plan.units if u.module == tie.module)
+            g = grads[unit.name]
+        else:
+            padded = -(-tie.numel // n) * n
+            size = padded // n if plan.placement.optimizer else padded
+            g = torch.zeros(size, dtype=next(iter(grads.values())).dtype, device=next(iter(grads.values())).device)
+        total = pp.comm.all_reduce(g)
+        if tie.module is not None:
+            grads[unit.name] = total
+    return grads
+
+
+def units_for_norm(plan, pp) -> tuple:
+    """The units whose gradients count in the global norm: a tied weight once, on the first stage
+    holding it."""
+    if pp is None or not pp.ties:
+        return plan.units
+    skip = {t.module for t in pp.ties if t.module is not None and t.stages[0] != pp.stage}
+    return tuple(u for u in plan.units if u.module not in skip)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from .._errors import ConfigError, ShardingError
 from ._pp_partition import stage_bounds
 from ._remat import remat
 
-__all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage"]
+__all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage", "TiedWeight", "find_ties"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class PipelineInfo:
     loss_fn: Callable[[Any, Any], Any]
     layers: tuple[int, int]
     world: Any = None
+    ties: tuple = ()  # TiedWeight per weight shared across stages
 
     @property
     def first(self) -> bool:
@@ -104,28 +106,50 @@ class PipelineModule:
         return stage_bounds(self.partition_method, self.layers, num_stages, counts)
 
     def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None) -> "PipelineStage":
-        """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built). A parameter shared
-        by layers of different stages is refused: each stage updates its own copy."""
+        """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built); `.ties` lists the
+        weights it shares with other stages (`TiedWeight`)."""
         b = self.bounds(num_stages)
         interval = self.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
         stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval)
-        _check_not_shared_across_stages(self.layers, b, stage_id)
+        stage.ties = find_ties(self.layers, b, stage_id)
         return stage
 
 
-def _check_not_shared_across_stages(layers: list, bounds: list[int], stage_id: int) -> None:
-    lo, hi = bounds[stage_id], bounds[stage_id + 1]
-    mine = {id(p): i for i in range(lo, hi) if isinstance(layers[i], nn.Module) for p in layers[i].parameters()}
+@dataclasses.dataclass(frozen=True)
+class TiedWeight:
+    """A parameter shared by layers of different stages (an input embedding and its LM head): its
+    element count, the stages holding it, and this stage's module owning it (None when this stage
+    does not hold it). Each holder keeps a copy as a unit of its own; the step sums their
+    gradients over the pipeline, so the copies stay equal (DeepSpeed's TiedLayerSpec)."""
+
+    numel: int
+    stages: tuple[int, ...]
+    module: str | None
+
+
+def find_ties(layers: list, bounds: list[int], stage_id: int) -> tuple[TiedWeight, ...]:
+    """The parameters held by layers of more than one stage, in the order of first use."""
+    stage_of = {i: s for s in range(len(bounds) - 1) for i in range(bounds[s], bounds[s + 1])}
+    uses: dict[int, list[tuple[int, str, nn.Module, torch.Tensor]]] = {}
     for i, layer in enumerate(layers):
-        if lo <= i < hi or not isinstance(layer, nn.Module):
+        if not isinstance(layer, nn.Module):
             continue
-        for name, p in layer.named_parameters():
-            if id(p) in mine:
-                raise ShardingError(
-                    f"pipeline layers {mine[id(p)]} and {i} share parameter {name!r} but run on different stages; "
-                    "fnzero does not tie weights across stages (DeepSpeed's TiedLayerSpec): untie them, or choose "
-                    "partition boundaries that keep both layers on one stage"
-                )
+        for path, module in layer.named_modules():
+            for p in module.parameters(recurse=False):
+                uses.setdefault(id(p), []).append((stage_of[i], f"{i}.{path}" if path else str(i), module, p))
+    ties = []
+    for found in uses.values():
+        stages = tuple(sorted({s for s, *_ in found}))
+        if len(stages) < 2:
+            continue
+        mine = next(((path, module) for s, path, module, _ in found if s == stage_id), None)
+        if mine is not None and sum(1 for _ in mine[1].parameters()) != 1:
+            raise ShardingError(
+                f"pipeline module {mine[0]!r} holds a weight shared with another stage and other parameters too; "
+                "fnzero keeps a tied weight as a unit of its own, so its module must hold only it (move the "
+                "others, e.g. a bias, to another module)")
+        ties.append(TiedWeight(found[0][3].numel(), stages, mine[0] if mine is not None else None))
+    return tuple(ties)
 
 
 class PipelineStage(nn.Module):

@@ -28,7 +28,7 @@ from .. import optim as _optim
 from .. import schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
-from ..pipeline._run import PipelineLoss
+from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward
 from ._phases import (
     Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
@@ -169,11 +169,14 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     else:
         loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
     grads = collector.gradients(sh.device)
+    if sh.pp is not None and sh.pp.ties:  # weights shared by stages: their copies' gradients summed
+        grads = sum_tied_gradients(grads, plan, sh.pp)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     inv = prediv / (n * k * scale)
     pp = sh.pp.comm if sh.pp is not None else None
-    norm_sq, loss_total = (float(x) for x in norm_and_loss(plan.units, grads, inv, loss_sum, comm, sh.device, sh.tp, pp))
+    units = units_for_norm(plan, sh.pp)
+    norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, inv, loss_sum, comm, sh.device, sh.tp, pp))
     timer.stop("comm")
     overflow = not math.isfinite(norm_sq)
     grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")
