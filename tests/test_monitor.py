@@ -228,3 +228,24 @@ def test_from_config_takes_what_load_config_takes(tmp_path):
     mon = Monitor.from_config({"train_micro_batch_size_per_gpu": 3, "steps_per_print": 7}, rank=0, world_size=2,
                               stream=io.StringIO())
     assert mon.steps_per_print == 7 and mon.samples_per_step == 6
+
+
+def test_memory_breakdown_names_a_ranks_share_of_a_mesh():
+    """specs/monitor.md: on a pipeline (and tp) mesh the model-state line says which stage's layers
+    and which tensor-parallel slice this rank holds."""
+    from fnzero.testing import gpt_layers, simulated_world
+
+    def rank(comm):
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+                                  "steps_per_print": 1, "memory_breakdown": True, "pipeline": {"stages": 2},
+                                  "optimizer": {"type": "AdamW"}}, world_size=2)
+        pipe = fnzero.PipelineModule(gpt_layers(vocab_size=16, seq_len=4, d_model=8, n_layer=2, n_head=2),
+                                     lambda out, y: out.sum(), partition_method="uniform")
+        sm = fnzero.shard(pipe, config=cfg, comm=comm)
+        mon, out = _mon(cfg)
+        mon.log(1, M, state=sm.init_state())
+        return out.getvalue().splitlines()[1], sm.plan.num_params
+
+    for r, (line, n) in enumerate(simulated_world(2).run(rank)):
+        layers = "0-1" if r == 0 else "2-3"
+        assert f"of {n:,} parameters (pp stage {r}/2, layers {layers}), sharded over 1 dp rank(s)" in line

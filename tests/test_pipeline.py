@@ -400,3 +400,46 @@ def test_tp_x_pp_equals_the_unsharded_step():
         for name, t in params.items():
             torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
         assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_seeded_layer_specs_build_the_same_weights_at_any_stage_count():
+    """seed_layers (DeepSpeed's option): LayerSpec i is built from seed 1234 + i, so stage 1 of 2
+    holds exactly the layers a single stage builds; without it, what a stage builds depends on
+    the RNG it finds."""
+    specs = [LayerSpec(_Tanh, 3, 3) for _ in range(4)]
+    whole = dict(PipelineModule(specs, _mse, seed_layers=True).stage(0, 1).named_parameters())
+    torch.manual_seed(99)
+    half = dict(PipelineModule(specs, _mse, partition_method="uniform").stage(1, 2, seed_layers=True).named_parameters())
+    assert sorted(half) == ["2.lin.bias", "2.lin.weight", "3.lin.bias", "3.lin.weight"]
+    assert all(torch.equal(t, whole[n]) for n, t in half.items())
+    unseeded = dict(PipelineModule(specs, _mse, partition_method="uniform").stage(1, 2).named_parameters())
+    assert not torch.equal(unseeded["2.lin.weight"], whole["2.lin.weight"])
+
+
+def test_debug_collectives_check_point_to_point_messages():
+    """specs/collectives.md §Pipeline: with debug_collectives each message carries a fingerprint;
+    a receiver expecting another size names both sides, and a correct pipeline runs unchanged."""
+    from fnzero.sharding._observed import CheckedCollectives
+
+    def mismatch(comm):
+        checked = CheckedCollectives(comm)
+        if comm.rank == 0:
+            checked.send_async(torch.ones(3), 1).wait()
+        else:
+            checked.recv(torch.empty(4), 0)
+
+    with pytest.raises(fnzero.DistributedError, match="rank 1 expected message #0 from rank 0 of 4 elements .*"
+                                                      "rank 0 sent message #0 of 3 elements"):
+        simulated_world(2).run(mismatch)
+    layers, batches = _gpt_layers(), _gpt_batches()
+    _, ref_losses = _reference(layers, _lm_loss, batches, k=4)
+
+    def rank(comm):
+        cfg = _cfg(1, 2, 1, 4)
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm, debug_collectives=True)
+        assert isinstance(sm.pp.comm, CheckedCollectives)
+        state, step = sm.init_state(), fnzero.train_step(fnzero.pipeline_loss(sm), cfg)
+        return [step(state, b)[1]["loss"] for b in batches[:1]]
+
+    for losses in simulated_world(2).run(rank):
+        assert losses == pytest.approx(ref_losses[:1], rel=RTOL)

@@ -85,7 +85,7 @@ class PipelineConfig(Model):
         "counts data-parallel ranks, world / (stages x autotp_size), when this is a number.")
     partition: Str = Field("best", description="DeepSpeed does not read it either (PipelineModule's "
                            "partition_method decides); no effect.")
-    seed_layers: Bool = Field(False, description="Seed each LayerSpec's build by its index; not read by fnzero.")
+    seed_layers: Bool = Field(False, description="Build LayerSpec i from torch seed base_seed + i (1234 + i).")
     activation_checkpoint_interval: Annotated[Int, Field(ge=0)] = Field(
         0, description="Rematerialise every this many layers of a stage (0: the PipelineModule's own setting).")
     pipe_partitioned: Bool = Field(True, description="Split stage-boundary activations over tp ranks; fnzero "

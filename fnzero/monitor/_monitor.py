@@ -37,6 +37,20 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _mesh_share(sh) -> str:
+    """What of the model this rank holds on a mesh: its pipeline stage's layers and its
+    tensor-parallel slice, and the parameters that leaves it (empty without either)."""
+    where = []
+    if getattr(sh, "pp", None) is not None and sh.pp.stages > 1:
+        lo, hi = sh.pp.layers
+        where.append(f"pp stage {sh.pp.stage}/{sh.pp.stages}, layers {lo}-{hi - 1}")
+    if getattr(sh, "tp", None) is not None and sh.tp.size > 1:
+        where.append(f"tp rank {sh.tp.rank}/{sh.tp.size}, {len(sh.tp.splits)} split tensors")
+    if not where:
+        return ""
+    return f" of {sh.plan.num_params:,} parameters ({'; '.join(where)}), sharded over {sh.world_size} dp rank(s)"
+
+
 class Monitor:
     """Prints progress, writes scalars and profiles FLOPs for a training loop. Build it with
     `Monitor.from_config`; call `log` after every step; `close` at the end (or use `with`).
@@ -262,7 +276,7 @@ class Monitor:
         if state is not None:
             m = model_state_bytes(state)
             parts.append(f"model state {_mib(m.total)} (params {_mib(m.params)}, master {_mib(m.master)}, "
-                         f"optimizer {_mib(m.optimizer)}, grads {_mib(m.grads)})")
+                         f"optimizer {_mib(m.optimizer)}, grads {_mib(m.grads)}){_mesh_share(state.sharding)}")
         parts.append(f"peak RSS {_mib(peak_rss_bytes())}")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             parts.append(f"cuda peak allocated {_mib(torch.cuda.max_memory_allocated())}")

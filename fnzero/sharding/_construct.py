@@ -155,9 +155,10 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
             f"the config's batch sizes were resolved for {dp_cfg} data-parallel ranks but this mesh has {mesh.shape.dp} "
             f"({stages} pipeline stages); set pipeline.stages to {stages} in the config so the batch triad counts "
             "data-parallel ranks only")
-    interval = getattr(getattr(config, "pipeline", None), "activation_checkpoint_interval", 0) or None
+    pipe_cfg = getattr(config, "pipeline", None)
+    interval = getattr(pipe_cfg, "activation_checkpoint_interval", 0) or None
     stage_id = mesh.coords["pp"]
-    module = pipe.stage(stage_id, stages, interval)
+    module = pipe.stage(stage_id, stages, interval, seed_layers=bool(getattr(pipe_cfg, "seed_layers", False)))
     info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, (module.lo, module.hi),
                         mesh.world, module.ties)
     return module, mesh, info

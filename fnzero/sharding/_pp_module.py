@@ -66,7 +66,10 @@ class PipelineModule:
     parameter-free callables. `num_stages` (default: the config's `pipeline.stages`, or the mesh's)
     stages each run a contiguous run of layers, cut by `partition_method` (`parameters`,
     `uniform`, `type:<regex>`, as DeepSpeed). `activation_checkpoint_interval` > 0
-    rematerialises every run of that many layers of a stage in backward.
+    rematerialises every run of that many layers of a stage in backward. `seed_layers` (or the
+    config's `pipeline.seed_layers`) builds LayerSpec i from torch seed `base_seed + i`, so its
+    initial weights do not depend on which stage builds it (DeepSpeed's option; fnzero leaves
+    the caller's RNG stream as it was).
 
     Give it to `fnzero.shard(pipe, config=cfg, mesh=...)`: each rank keeps its stage's layers and
     ZeRO (stages 0-1) shards them over the data-parallel ranks; `fnzero.pipeline_loss(sm)` is the loss
@@ -74,7 +77,8 @@ class PipelineModule:
     """
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any], *, num_stages: int | None = None,
-                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0):
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
+                 seed_layers: bool = False, base_seed: int = 1234):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         if not layers:
             raise ShardingError("a PipelineModule needs at least one layer")
@@ -90,6 +94,7 @@ class PipelineModule:
             raise ConfigError(f"activation_checkpoint_interval must be an integer >= 0, got {activation_checkpoint_interval!r}")
         self.layers, self.loss_fn, self.num_stages = layers, loss_fn, num_stages
         self.partition_method, self.activation_checkpoint_interval = partition_method, activation_checkpoint_interval
+        self.seed_layers, self.base_seed = bool(seed_layers), int(base_seed)
 
     def param_counts(self) -> list[int]:
         """Trainable parameters per layer (a LayerSpec is built, counted and dropped)."""
@@ -105,12 +110,15 @@ class PipelineModule:
         counts = self.param_counts() if self.partition_method.lower() == "parameters" else [0] * len(self.layers)
         return stage_bounds(self.partition_method, self.layers, num_stages, counts)
 
-    def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None) -> "PipelineStage":
+    def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None,
+              seed_layers: bool = False) -> "PipelineStage":
         """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built); `.ties` lists the
-        weights it shares with other stages (`TiedWeight`)."""
+        weights it shares with other stages (`TiedWeight`). `seed_layers` turns seeding on as the
+        module's own flag does."""
         b = self.bounds(num_stages)
         interval = self.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
-        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval)
+        seed = self.base_seed if self.seed_layers or seed_layers else None
+        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval, seed)
         stage.ties = find_ties(self.layers, b, stage_id)
         return stage
 
@@ -156,12 +164,12 @@ class PipelineStage(nn.Module):
     """Layers `[lo, hi)` of a pipeline, registered under their index in the whole pipeline (so
     parameter names are the same at any stage count: `"3.weight"` is layer 3's everywhere)."""
 
-    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0):
+    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0, base_seed: int | None = None):
         super().__init__()
         self.lo, self.hi, self.checkpoint_interval = lo, hi, checkpoint_interval
         self._fns: list[Callable[[Any], Any]] = []
         for i in range(lo, hi):
-            layer = layers[i].build() if isinstance(layers[i], LayerSpec) else layers[i]
+            layer = _build(layers[i], None if base_seed is None else base_seed + i)
             if isinstance(layer, nn.Module):
                 self.add_module(str(i), layer)
             self._fns.append(layer)
@@ -176,6 +184,17 @@ class PipelineStage(nn.Module):
         for start in range(0, len(fns), step):
             x = remat(_run_layers(fns[start:start + step]))(x)
         return x
+
+
+def _build(layer: Any, seed: int | None) -> Any:
+    """A LayerSpec built (from torch seed `seed` when given, on a forked RNG); anything else as is."""
+    if not isinstance(layer, LayerSpec):
+        return layer
+    if seed is None:
+        return layer.build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return layer.build()
 
 
 def _run_layers(fns: list) -> Callable[[Any], Any]:
