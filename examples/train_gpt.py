@@ -10,6 +10,8 @@ Run (from the repository root, after the README's setup):
     fnzero launch --nproc-per-node 8 examples/train_gpt.py --config examples/configs/bf16.json
     # tensor parallelism: each layer split over 2 ranks, ZeRO-1 over the rest (specs/mesh.md)
     fnzero launch --nproc-per-node 4 examples/train_gpt.py --config examples/configs/tp2_zero1.json
+    # pipeline parallelism: the layers cut into 2 stages, 1F1B over 4 micro-batches (specs/mesh.md)
+    fnzero launch --nproc-per-node 2 examples/train_gpt.py --config examples/configs/pp2_zero1.json
 
 The training step is a pure function `step(state, batch) -> (state, metrics)`; logging happens
 outside it. At the end the run saves a checkpoint under --checkpoint-dir and exports the weights as
@@ -30,7 +32,8 @@ import torch.nn.functional as F
 import fnzero
 from fnzero.memory import model_state_bytes, peak_rss_bytes
 from fnzero.monitor import Monitor
-from fnzero.testing import GPT, token_batches
+from fnzero.sharding import MeshShape
+from fnzero.testing import GPT, gpt_layers, token_batches
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("--config", default="examples/configs/zero3.json")
@@ -57,19 +60,29 @@ args = p.parse_args()
 dist = fnzero.init_distributed()
 torch.manual_seed(args.seed)  # same initial weights on every rank
 cfg = fnzero.load_config(args.config, world_size=dist.world_size)
-model = GPT(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
-if cfg.precision != "fp32":
-    model = model.float()
-num_params = sum(p.numel() for p in model.parameters())
-sm = fnzero.shard(model, config=cfg, device=dist.device)
+sizes = dict(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layer=args.layers, n_head=args.heads)
+stages = cfg.pipeline.size or 1
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+if stages > 1:  # the GPT as layers (embeddings, blocks, norm + head), cut into stages; each rank keeps its own
+    layers = gpt_layers(**sizes)
+    num_params = sum(p.numel() for layer in layers for p in layer.parameters())
+    sm = fnzero.shard(fnzero.PipelineModule(layers, lm_loss), config=cfg, device=dist.device)
+    loss_fn = fnzero.pipeline_loss(sm, "1f1b")  # micro-batches (gradient_accumulation_steps) flow through the stages
+else:
+    model = GPT(**sizes)
+    num_params = sum(p.numel() for p in model.parameters())
+    sm = fnzero.shard(model, config=cfg, device=dist.device)
+
+    def loss_fn(params, batch):
+        return lm_loss(sm.apply(params, batch[0]), batch[1])
+
 state = sm.init_state()
 mem0 = peak_rss_bytes()
-
-
-def loss_fn(params, batch):
-    logits = sm.apply(params, batch["x"])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten())
-
 
 # donate=True: the old state's buffers are reused by the new one, so the model state exists once.
 step = fnzero.train_step(loss_fn, cfg, donate=True)
@@ -88,15 +101,16 @@ if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "lat
         print(f"resumed from {args.checkpoint_dir} at step {start}")
 
 # -- data: each data-parallel rank reads its own stream of windows (where the previous run stopped);
-# the ranks of one tensor-parallel group read the same one ------------------------------------------
+# the ranks of one tensor-parallel group, and the stages of one pipeline, read the same one ---------
 per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
-dp_rank = dist.rank // cfg.tensor_parallel.size
+dp_rank = MeshShape(dp=cfg.world_size, tp=cfg.tensor_parallel.size, pp=stages).coords(dist.rank)["dp"]
 batches = token_batches(per_rank, args.seq_len, seed=args.seed * 1000 + dp_rank)
 for _ in range(start):
     next(batches)
 
 if dist.rank == 0:
     tp = f" x tensor-parallel {cfg.tensor_parallel.size}" if cfg.tensor_parallel.size > 1 else ""
+    tp += f" x {stages} pipeline stages" if stages > 1 else ""
     print(f"fnzero {fnzero.__version__}: GPT {num_params / 1e6:.2f}M params, "
           f"ZeRO stage {sm.plan.stage}, {cfg.precision}, {dist.world_size} rank(s){tp} on {dist.device}, "
           f"{len(sm.plan.units)} units")
@@ -109,8 +123,9 @@ first_loss = None
 with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens_per_step=tokens_per_step,
                          total_steps=args.steps) as mon:
     for i in range(start + 1, start + args.steps + 1):
-        batch = {k: v.to(dist.device) for k, v in next(batches).items()}
-        if mon.should_profile(i):  # every rank: the forward gathers shards at stage 3
+        b = next(batches)
+        batch = (b["x"].to(dist.device), b["y"].to(dist.device))  # (inputs, labels)
+        if mon.should_profile(i) and stages == 1:  # every rank: the forward gathers shards at stage 3
             mon.profile_flops(loss_fn, state.params, fnzero.split_micro_batches(batch, cfg.gradient_accumulation_steps)[0])
         state, m = step(state, batch)
         first_loss = m["loss"] if first_loss is None else first_loss
@@ -119,8 +134,10 @@ with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens
 elapsed = time.perf_counter() - t0
 if args.checkpoint_dir:  # every rank writes its shards; loadable at any world size
     fnzero.checkpoint.save(args.checkpoint_dir, state, client_state={"step": start + args.steps}, config=cfg)
-    if args.export:
+    if args.export and stages == 1:
         fnzero.checkpoint.export_live(sm, state, os.path.join(args.checkpoint_dir, args.export), dtype="bf16")
+    elif args.export and dist.rank == 0:  # a pipeline's weights are on several ranks: export what they saved
+        fnzero.checkpoint.export(args.checkpoint_dir, os.path.join(args.checkpoint_dir, args.export), dtype="bf16")
 msb = model_state_bytes(state)
 print(f"rank {dist.rank}: model state {msb.total / 2**20:.2f} MiB (params {msb.params / 2**20:.2f}, "
       f"master {msb.master / 2**20:.2f}, optimizer {msb.optimizer / 2**20:.2f}, grads {msb.grads / 2**20:.2f}); "
