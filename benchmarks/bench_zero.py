@@ -310,7 +310,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "args": vars(args),
-                       "rows": {label[run]: r for run, r in rows.items()}}, f, indent=2)
+                       "rows": {kind if t is None else f"{kind}@{args.before}": r for (kind, t), r in rows.items()}},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

@@ -213,7 +213,7 @@ def test_traffic_and_state_bytes_equal_their_formulas():
         sm.pp.comm.reset()
         state, _ = step(state, (x[d * 4:(d + 1) * 4], y[d * 4:(d + 1) * 4]))
         sent = sum(r.bytes for r in sm.pp.comm.records if r.op == "send")
-        return sm.pp.stage, sent, fnzero.memory.model_state_bytes(state).total, sm.plan.num_padded
+        return sm.pp.stage_index, sent, fnzero.memory.model_state_bytes(state).total, sm.plan.num_padded
 
     act = micro * GPT_C.seq_len * GPT_C.d_model * 8  # one float64 activation of a micro-batch
     for stage, sent, total, padded in simulated_world(4).run(rank):

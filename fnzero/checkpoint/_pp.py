@@ -55,7 +55,7 @@ def save_pipelined(path, state: TrainState, *, tag, client_state, config, update
     from ._save import _write_rank
 
     extra = {"nonce": nonce, "rng": rng, "stage_units": unit_meta(sh.plan) if sh.rank == 0 else None,
-             "pipeline_stage": sh.pp.stage}
+             "pipeline_stage": sh.pp.stage_index}
     plan, ls = sh.plan, state.loss_scale
     head = {
         "format": F.FORMAT, "version": F.VERSION, "tag": tag, "nonce": nonce, "created": time.time(),

@@ -42,7 +42,7 @@ class PipelineLoss:
         self.sm, self.info, self.schedule_name = sm, sm.pp, schedule_name
         k = getattr(getattr(sm, "config", None), "gradient_accumulation_steps", None)
         if k is not None:
-            schedule(schedule_name, self.info.stages, int(k), self.info.stage)  # a ConfigError now, not at step 1
+            schedule(schedule_name, self.info.stages, int(k), self.info.stage_index)  # a ConfigError now, not at step 1
 
     def __call__(self, params, batch):
         raise ShardingError("a pipeline loss runs inside fnzero.train_step(fnzero.pipeline_loss(sm), config), which runs "
@@ -59,13 +59,13 @@ class PipelineLoss:
             raise ShardingError("has_aux is not supported with pipeline parallelism: the loss is computed on the last "
                                 "stage only")
         info, sm = self.info, self.sm
-        actions = schedule(self.schedule_name, info.stages, len(micro), info.stage)
+        actions = schedule(self.schedule_name, info.stages, len(micro), info.stage_index)
         handles = collector.attach(leaves)
         loss_sum = torch.zeros((), dtype=torch.float64)
         runs: list = []
         sends: list = []
         saved: dict[int, tuple[Any, Any]] = {}  # micro-batch -> (received input, output or loss)
-        prev, nxt = info.stage - 1, info.stage + 1
+        prev, nxt = info.stage_index - 1, info.stage_index + 1
         try:
             for act in actions:
                 j = act.micro
@@ -85,7 +85,7 @@ class PipelineLoss:
                     finally:
                         STEP_RUNS.reset(token)
                     if not info.last:
-                        sends += send_activation(info.comm, out, nxt, info.stage, f"act{j}")
+                        sends += send_activation(info.comm, out, nxt, info.stage_index, f"act{j}")
                     saved[j] = (x, out)
                     timer.stop("forward")
                 else:
@@ -97,7 +97,7 @@ class PipelineLoss:
                         if scaled.requires_grad:
                             scaled.backward()
                     else:
-                        outs = [t for t in boundary_tensors(out, info.stage)[0]]
+                        outs = [t for t in boundary_tensors(out, info.stage_index)[0]]
                         timer.stop("backward")
                         timer.start()
                         grads = recv_grads(info.comm, outs, nxt, f"grad{j}")
@@ -160,5 +160,5 @@ def units_for_norm(plan, pp) -> tuple:
     holding it."""
     if pp is None or not pp.ties:
         return plan.units
-    skip = {t.module for t in pp.ties if t.module is not None and t.stages[0] != pp.stage}
+    skip = {t.module for t in pp.ties if t.module is not None and t.stages[0] != pp.stage_index}
     return tuple(u for u in plan.units if u.module not in skip)

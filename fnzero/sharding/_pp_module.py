@@ -24,7 +24,7 @@ class PipelineInfo:
     pipeline (ranks indexed by stage), the loss at the end, its layers' range, and the collectives
     of the whole job (a checkpoint of a pipeline is written by every rank)."""
 
-    stage: int
+    stage_index: int
     stages: int
     comm: Any
     loss_fn: Callable[[Any, Any], Any]
@@ -34,11 +34,11 @@ class PipelineInfo:
 
     @property
     def first(self) -> bool:
-        return self.stage == 0
+        return self.stage_index == 0
 
     @property
     def last(self) -> bool:
-        return self.stage == self.stages - 1
+        return self.stage_index == self.stages - 1
 
 
 class LayerSpec:

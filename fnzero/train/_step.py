@@ -144,6 +144,25 @@ class TrainStep:
             return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux)
 
 
+def _gradients(state: TrainState, micro: list, loss_fn, policy: StepPolicy, prediv: float, accum_dtype, scale: float,
+               has_aux: bool, timer: Timer):
+    """Every micro-batch's forward and backward, with the gradients reduced by placement as they
+    come: (gradient per unit, Σ loss, auxes). A pipeline's schedule runs them across its stages,
+    and sums the copies of weights its stages share."""
+    sh = state.sharding
+    leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
+    collector = GradientCollector(sh.plan, sh.comm, policy, prediv, accum_dtype)
+    trim = policy.trim_heap and sh.device.type == "cpu"
+    if isinstance(loss_fn, PipelineLoss):
+        loss_sum, auxes = loss_fn.forward_backward(leaves, micro, scale, has_aux, collector, trim, timer)
+    else:
+        loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
+    grads = collector.gradients(sh.device)
+    if sh.pp is not None and sh.pp.ties:
+        grads = sum_tied_gradients(grads, sh.plan, sh.pp)
+    return grads, loss_sum, auxes
+
+
 def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
     """The step's phases in order: forward/backward per micro-batch with gradients reduced by
     placement, one all-reduce of norm and loss, the overflow verdict, clipping, the optimizer,
@@ -160,17 +179,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     accum_dtype = accum_dtype_for(policy, param_dtype)
     prediv = predivisor(policy, plan, n, param_dtype, accum_dtype)
 
-    leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in plan.units}
-    collector = GradientCollector(plan, comm, policy, prediv, accum_dtype)
     timer = Timer(policy.timings, sh.device)
-    trim = policy.trim_heap and sh.device.type == "cpu"
-    if isinstance(loss_fn, PipelineLoss):  # the schedule runs forward and backward across the stages
-        loss_sum, auxes = loss_fn.forward_backward(leaves, micro, scale, has_aux, collector, trim, timer)
-    else:
-        loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
-    grads = collector.gradients(sh.device)
-    if sh.pp is not None and sh.pp.ties:  # weights shared by stages: their copies' gradients summed
-        grads = sum_tied_gradients(grads, plan, sh.pp)
+    grads, loss_sum, auxes = _gradients(state, micro, loss_fn, policy, prediv, accum_dtype, scale, has_aux, timer)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
     inv = prediv / (n * k * scale)
