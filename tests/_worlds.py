@@ -283,13 +283,15 @@ def train_pipe_reference(layers, loss_fn, batches, k):
 
 def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extra=None, method="parameters"):
     """One rank of a pipelined run over `comm`: (this stage's consolidated parameters, losses, sm).
-    Data-parallel replica d takes rows [d * per, (d + 1) * per) of each batch."""
+    Data-parallel replica d takes rows [d * per, (d + 1) * per) of each batch. `layers` may be a
+    zero-argument factory of the PipelineModule instead."""
     from fnzero.pipeline import PipelineModule
     from fnzero.sharding import MeshShape
 
     dp = comm.world_size // stages
     cfg = pipe_config(dp, stages, zero, k, extra)
-    sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method), config=cfg, comm=comm)
+    pipe = layers() if callable(layers) else PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method)
+    sm = fnzero.shard(pipe, config=cfg, comm=comm)
     state = sm.init_state()
     step = fnzero.train_step(fnzero.pipeline_loss(sm, sched), cfg)
     d = MeshShape(dp=dp, pp=stages).coords(comm.rank)["dp"]

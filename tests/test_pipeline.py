@@ -343,16 +343,14 @@ def _hf(kind: str):
 ], ids=lambda v: str(v))
 def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, stages, zero, sched):
     """GPT-2 (its LM head tied to the embedding on another stage) and Llama (GQA, rotary) from small
-    configs, cut by `hf_causal_lm` with no layer list written: each stage equals plain torch training
-    the Hugging Face model itself with the causal-LM loss."""
-    from fnzero.pipeline import causal_lm_loss, hf_pipeline_layers
+    configs, cut by `hf_causal_lm` with no layer list written: each stage holds the model's own
+    parameter names and equals plain torch training the Hugging Face model itself with the
+    causal-LM loss."""
+    from fnzero.pipeline import causal_lm_loss, hf_causal_lm
 
     model = _hf(kind)
     g = torch.Generator().manual_seed(3)
     batches = [(ids, ids) for ids in (torch.randint(0, 51, (8, 9), generator=g) for _ in range(3))]
-    layers = hf_pipeline_layers(model)
-    hf_name = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    name_of = {n: hf_name[id(p)] for n, p in nn.Sequential(*layers).named_parameters(remove_duplicate=False)}
     ref_losses = []
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -367,11 +365,14 @@ def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, 
         opt.step()
         ref_losses.append(total)
     want = dict(ref.named_parameters(remove_duplicate=False))
-    for params, losses, _ in _pipelined(layers, causal_lm_loss, batches, world, stages, zero, 4, sched):
+    seen = set()
+    for params, losses, _ in _pipelined(lambda: hf_causal_lm(copy.deepcopy(model)), causal_lm_loss, batches, world,
+                                        stages, zero, 4, sched):
         for name, t in params.items():
-            torch.testing.assert_close(t, want[name_of[name]].detach(), rtol=RTOL, atol=1e-12,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(t, want[name].detach(), rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
         assert losses == pytest.approx(ref_losses, rel=RTOL)
+        seen |= set(params)
+    assert seen == set(want)  # every parameter, under its Hugging Face name, on some stage
 
 
 def test_tp_x_pp_equals_the_unsharded_step():
@@ -443,3 +444,52 @@ def test_debug_collectives_check_point_to_point_messages():
 
     for losses in simulated_world(2).run(rank):
         assert losses == pytest.approx(ref_losses[:1], rel=RTOL)
+
+
+def test_checkpoints_move_between_the_model_and_its_pipeline_across_meshes(tmp_path):
+    """specs/checkpoint-format.md §Loading by name: pipeline layers cut from a model keep its
+    parameter names, so a checkpoint of the plain GPT at dp 2 x tp 2 loads into tp 2 x pp 2
+    bit-identically, and that run's checkpoint loads back into the plain GPT on one rank."""
+    from fnzero.sharding import TPRule
+    from fnzero.testing import GPT, gpt_layers
+
+    def gpt():
+        with seeded(0):
+            return GPT(GPT_C).double()
+
+    rules = [TPRule(r"^blocks\.\d+\.qkv$", "column", blocks=3), TPRule(r"^blocks\.\d+\.proj$", "row"),
+             TPRule(r"^blocks\.\d+\.fc$", "column"), TPRule(r"^blocks\.\d+\.out$", "row")]
+    batches = _gpt_batches()
+
+    def plain(comm, tp, path_in, path_out):
+        cfg = _cfg(comm.world_size // tp, 1, 1, 4, {"tensor_parallel": {"autotp_size": tp}})
+        sm = fnzero.shard(gpt(), config=cfg, comm=comm)
+        state = sm.init_state()
+        if path_in:
+            state, _ = fnzero.checkpoint.load(path_in, state)
+            return sm.gather(state)
+        step = fnzero.train_step(lambda p, b: _lm_loss(sm.apply(p, b[0]), b[1]), cfg)
+        d, per = comm.rank // tp, 8 // (comm.world_size // tp)
+        state, _ = step(state, tuple(t[d * per:(d + 1) * per] for t in batches[0]))
+        fnzero.checkpoint.save(path_out, state, tag="t")
+        return sm.gather(state)
+
+    def piped(comm):
+        cfg = _cfg(1, 2, 1, 4, {"tensor_parallel": {"autotp_size": 2}})
+        model = gpt()
+        pipe = PipelineModule(gpt_layers(model=model), _lm_loss, names_from=model)
+        sm = fnzero.shard(pipe, config=cfg, comm=comm, tp_plan=rules)
+        state, _ = fnzero.checkpoint.load(tmp_path / "a", sm.init_state())
+        loaded = sm.gather(state)
+        state, _ = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)(state, batches[1])
+        fnzero.checkpoint.save(tmp_path / "b", state, tag="t")
+        return loaded, sm.gather(state)
+
+    (saved, *_) = simulated_world(4).run(lambda comm: plain(comm, 2, None, tmp_path / "a"))
+    after = {}
+    for loaded, trained in simulated_world(4).run(piped):
+        assert all(torch.equal(t, saved[n]) for n, t in loaded.items()), "dp2 x tp2 -> tp2 x pp2"
+        after.update(trained)
+    assert sorted(after) == sorted(saved)
+    (back,) = simulated_world(1).run(lambda comm: plain(comm, 1, tmp_path / "b", None))
+    assert all(torch.equal(back[n], after[n]) for n in after), "tp2 x pp2 -> one rank"

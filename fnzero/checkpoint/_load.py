@@ -20,6 +20,7 @@ from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tp import fill_tp_leaf, tp_check_view
+from ._by_name import fill_by_name, same_units, saved_slots
 from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
@@ -222,9 +223,9 @@ def _shape(s) -> tuple:
     return tuple(s) if s is not None else None
 
 
-def check_model(ix: dict, like: TrainState) -> None:
+def check_model(ix: dict, like: TrainState, subset: bool = False) -> None:
     """Same trainable parameters (names, shapes), same frozen params and buffers; name the first
-    difference."""
+    difference. `subset`: like may hold fewer parameters (a pipeline stage), none of another shape."""
     saved = {}
     for u in ix["units"]:
         for s in u["slots"]:
@@ -245,29 +246,8 @@ def check_model(ix: dict, like: TrainState) -> None:
         if saved.get(n) != shape:
             _mismatch(f"params/{n}", shape, saved.get(n))
     for n, shape in saved.items():
-        if n not in mine:
+        if n not in mine and not subset:
             _mismatch(f"params/{n}", None, shape)
-    if [(u["name"], u["numel"], [s["name"] for s in u["slots"]]) for u in ix["units"]] != [
-        (u["name"], u["numel"], [s["name"] for s in u["slots"]]) for u in unit_meta(like.sharding.plan)
-    ]:
-        raise CheckpointError(
-            "like= has the same parameters as the checkpoint but groups them into units differently "
-            "(another wrap policy); load with the wrap policy the checkpoint was saved with"
-        )
-
-
-def check_stage_units(ix: dict, like: TrainState) -> None:
-    """A pipeline stage loads its own units from a checkpoint of the whole pipeline (any stage
-    count): each must be there with the same size and parameters; name the first that is not."""
-    saved = {u["name"]: u for u in ix["units"]}
-    for u in unit_meta(like.sharding.plan):
-        s = saved.get(u["name"])
-        if s is None or s["numel"] != u["numel"] or [x["name"] for x in s["slots"]] != [x["name"] for x in u["slots"]] \
-                or [x["shape"] for x in s["slots"]] != [x["shape"] for x in u["slots"]]:
-            what = "absent" if s is None else f"{s['numel']} elements in {[x['name'] for x in s['slots']]}"
-            raise CheckpointError(
-                f"the checkpoint is of another model: pipeline layer unit {u['name']!r} ({u['numel']} elements in "
-                f"{[x['name'] for x in u['slots']]}) is {what} in the checkpoint")
 
 
 def _mismatch(path, mine, saved):
@@ -341,19 +321,20 @@ def load(
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
         view = tp_check_view(like) if tp is not None else like  # whole shapes: what the files hold
-        if like.sharding.pp is not None and like.sharding.pp.stages > 1:
-            if tp is not None:
-                raise CheckpointError("loading into a state that is both tensor- and pipeline-parallel is not "
-                                      "implemented yet")
-            check_stage_units(ix, like)  # this stage's layers, from a checkpoint of the whole pipeline
-        else:
-            check_model(ix, view)
+        stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
+        check_model(ix, view, subset=stage_only)
+        # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
+        # layers): each parameter is found by its name (`_by_name.py`).
+        slots = saved_slots(ix) if stage_only or not same_units(ix, unit_meta(view.sharding.plan)) else None
 
         def fill(leaf: Leaf) -> torch.Tensor:
-            key = source_key(rd, leaf, like)
             t = leaf.tensor
-            entry = rd.tensors[key]
             out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
+            if slots is not None and leaf.unit is not None:
+                fplan = view.sharding.plan if tp is not None else None
+                return fill_by_name(leaf, like, rd, slots, out, tp, fplan).reshape(t.shape).to(t.device)
+            key = source_key(rd, leaf, like)
+            entry = rd.tensors[key]
             if tp is not None:  # whole parameters on disk, this rank's slices in like
                 return fill_tp_leaf(leaf, like, view.sharding.plan, rd.read, key, out).reshape(t.shape).to(t.device)
             if leaf.unit is None:

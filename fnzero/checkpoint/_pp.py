@@ -22,17 +22,18 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, failure_marker, read_part
 from ._io import wait_for
 from ._nodes import discover_groups
-from ._tree import unit_meta
 
 __all__ = ["save_pipelined", "merge_pipelined"]
 
 
-def save_pipelined(path, state: TrainState, *, tag, client_state, config, update_latest: bool, timeout: float,
-                   pieces, rng: dict) -> str:
+def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, update_latest: bool, timeout: float,
+                   pieces, units: list | None, rng: dict) -> str:
     """Save a pipeline stage's state as part of the job's one checkpoint (blocking: every rank of
-    the job calls it). `pieces` are `_save._pieces(state)`: what this rank owns within its stage."""
+    the job calls it). `pp`: the stage's PipelineInfo; `pieces` are `_save._pieces(state)`, what
+    this rank owns within its stage (none on a tensor-parallel rank other than 0); `units`: the
+    stage's unit_meta, given by the one rank that reports it."""
     sh = state.sharding
-    world = sh.pp.world
+    world = pp.world
     rank, n = world.rank, world.world_size
     root = os.path.abspath(os.fspath(path))
     tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
@@ -54,8 +55,7 @@ def save_pipelined(path, state: TrainState, *, tag, client_state, config, update
     metas, data = pieces
     from ._save import _write_rank
 
-    extra = {"nonce": nonce, "rng": rng, "stage_units": unit_meta(sh.plan) if sh.rank == 0 else None,
-             "pipeline_stage": sh.pp.stage_index}
+    extra = {"nonce": nonce, "rng": rng, "stage_units": units, "pipeline_stage": pp.stage_index}
     plan, ls = sh.plan, state.loss_scale
     head = {
         "format": F.FORMAT, "version": F.VERSION, "tag": tag, "nonce": nonce, "created": time.time(),
@@ -64,7 +64,7 @@ def save_pipelined(path, state: TrainState, *, tag, client_state, config, update
         "step": int(state.step), "config": cfg_json, "client_state": client_state,
         "loss_scale": None if ls is None else {
             "scale": float(ls.scale), "good_steps": int(ls.good_steps), "hysteresis": int(ls.hysteresis)},
-        "pipeline_stages": sh.pp.stages,
+        "pipeline_stages": pp.stages,
     }
     try:
         _write_rank(staging, rank, metas, data, extra)

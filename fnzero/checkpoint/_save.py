@@ -126,6 +126,29 @@ def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
     return handle
 
 
+def _save_pipelined(path, state: TrainState, tag, client_state, config, update_latest, timeout, node_local) -> SaveHandle:
+    """A pipeline stage's part of the job's one checkpoint (`_pp.py`); with tensor parallelism the
+    stage is consolidated over its tp ranks first and their rank 0 writes it. Blocking."""
+    from ..offload._checkpoint import is_nvme
+    from ._tp import check_supported, consolidated
+
+    if is_nvme(state) or _node_local(node_local, config):
+        raise CheckpointError("a pipeline-parallel save with the optimizer on NVMe, or node-local, is not implemented yet")
+    pp, tp = state.sharding.pp, state.sharding.tp
+    whole, writes = state, True
+    if tp is not None and tp.size > 1:
+        check_supported(state)
+        whole, writes = consolidated(state), tp.rank == 0  # collective over dp and tp
+    pieces = _pieces(whole, copy=False) if writes else ({}, [])
+    units = unit_meta(whole.sharding.plan) if writes and whole.sharding.rank == 0 else None
+    handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))
+    handle._run(lambda: save_pipelined(path, whole, pp, tag=handle.tag, client_state=client_state, config=config,
+                                       update_latest=update_latest, timeout=timeout, pieces=pieces, units=units,
+                                       rng=_rng_state()))
+    handle.wait()  # its collectives run over the whole job
+    return handle
+
+
 def _rng_state() -> dict:
     out: dict[str, Any] = {"cpu": bytes(torch.get_rng_state().numpy().tobytes()), "cuda": None}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -266,23 +289,11 @@ def save(
     # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
+    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+        return _save_pipelined(path, state, tag, client_state, config, update_latest, timeout, node_local)
     if state.sharding.tp is not None and state.sharding.tp.size > 1:
-        if state.sharding.pp is not None and state.sharding.pp.stages > 1:
-            raise CheckpointError("saving a state that is both tensor- and pipeline-parallel is not implemented yet")
         return _save_tensor_parallel(path, state, tag=tag, client_state=client_state, config=config,
                                      update_latest=update_latest, timeout=timeout, node_local=node_local)
-    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
-        from ..offload._checkpoint import is_nvme as _nvme
-
-        if _nvme(state) or _node_local(node_local, config):
-            raise CheckpointError("a pipeline-parallel save with the optimizer on NVMe, or node-local, is not "
-                                  "implemented yet")
-        handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))
-        handle._run(lambda: save_pipelined(path, state, tag=handle.tag, client_state=client_state, config=config,
-                                           update_latest=update_latest, timeout=timeout,
-                                           pieces=_pieces(state, copy=False), rng=_rng_state()))
-        handle.wait()  # blocking: its collectives run over the whole job
-        return handle
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):

@@ -107,9 +107,9 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def hf_causal_lm(model: nn.Module, **kwargs) -> PipelineModule:
-    """A PipelineModule of a Hugging Face causal LM with its loss (`causal_lm_loss`); a batch is
-    `(input_ids, labels)`, usually `(ids, ids)`. `kwargs` go to PipelineModule (num_stages,
+    """A PipelineModule of a Hugging Face causal LM with its loss (`causal_lm_loss`), its
+    parameters under the model's own names; a batch is `(input_ids, labels)`, usually `(ids, ids)`. `kwargs` go to PipelineModule (num_stages,
     partition_method, activation_checkpoint_interval)."""
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # no KV cache in training
-    return PipelineModule(hf_pipeline_layers(model), causal_lm_loss, **kwargs)
+    return PipelineModule(hf_pipeline_layers(model), causal_lm_loss, names_from=model, **kwargs)

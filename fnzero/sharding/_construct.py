@@ -21,7 +21,7 @@ from ._watchdog import process_watchdog
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
-from ._plan import default_unit_modules, make_plan
+from ._plan import make_plan
 from ._runtime import wrap_unit_forward
 
 __all__ = ["shard"]
@@ -79,8 +79,9 @@ def shard(
     pipe = None
     if isinstance(model, PipelineModule):
         model, mesh, pipe = _stage_for_pp(model, comm, mesh, config, policy, debug)
-        if pipe.ties:  # a weight shared with another stage is a unit of its own, laid out alike on each
-            wrap = _with_tied_units(model, wrap, {t.module for t in pipe.ties if t.module is not None})
+        # Units: each layer (or named module); a weight shared with another stage is a unit of its own,
+        # laid out alike on each stage holding it.
+        wrap = _with_tied_units(model, wrap, {t.module for t in pipe.ties if t.module is not None})
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
@@ -165,10 +166,10 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
 
 
 def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, nn.Module], bool]:
-    """The unit predicate of a stage holding tied weights: `wrap`'s units (default: each layer)
-    and each tied weight's module."""
+    """The unit predicate of a pipeline stage: `wrap`'s units (default: the stage's `unit_paths`,
+    each layer or named module) and each tied weight's module."""
     if wrap is None:
-        chosen = set(default_unit_modules(stage))
+        chosen = set(stage.unit_paths)
         return lambda path, m: path in chosen or path in tied
     if not callable(wrap) or isinstance(wrap, type):
         classes = tuple([wrap] if isinstance(wrap, type) else wrap)

@@ -71,6 +71,10 @@ class PipelineModule:
     initial weights do not depend on which stage builds it (DeepSpeed's option; fnzero leaves
     the caller's RNG stream as it was).
 
+    Parameter names: a layer's modules keep their names in `names_from` (the model the layers
+    were cut from), so a pipeline's checkpoints, exports and pretrained files use the model's own
+    names; modules not found there are named by layer index (`"3.weight"`).
+
     Give it to `fnzero.shard(pipe, config=cfg, mesh=...)`: each rank keeps its stage's layers and
     ZeRO (stages 0-1) shards them over the data-parallel ranks; `fnzero.pipeline_loss(sm)` is the loss
     function of `fnzero.train_step`, and a batch is the pair `(inputs, labels)`.
@@ -78,7 +82,7 @@ class PipelineModule:
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any], *, num_stages: int | None = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 seed_layers: bool = False, base_seed: int = 1234):
+                 seed_layers: bool = False, base_seed: int = 1234, names_from: nn.Module | None = None):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         if not layers:
             raise ShardingError("a PipelineModule needs at least one layer")
@@ -95,6 +99,7 @@ class PipelineModule:
         self.layers, self.loss_fn, self.num_stages = layers, loss_fn, num_stages
         self.partition_method, self.activation_checkpoint_interval = partition_method, activation_checkpoint_interval
         self.seed_layers, self.base_seed = bool(seed_layers), int(base_seed)
+        self.names = {id(m): n for n, m in names_from.named_modules() if n} if names_from is not None else {}
 
     def param_counts(self) -> list[int]:
         """Trainable parameters per layer (a LayerSpec is built, counted and dropped)."""
@@ -118,8 +123,8 @@ class PipelineModule:
         b = self.bounds(num_stages)
         interval = self.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
         seed = self.base_seed if self.seed_layers or seed_layers else None
-        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval, seed)
-        stage.ties = find_ties(self.layers, b, stage_id)
+        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval, seed, self.names)
+        stage.ties = find_ties(self.layers, b, stage_id, self.names)
         return stage
 
 
@@ -135,8 +140,10 @@ class TiedWeight:
     module: str | None
 
 
-def find_ties(layers: list, bounds: list[int], stage_id: int) -> tuple[TiedWeight, ...]:
-    """The parameters held by layers of more than one stage, in the order of first use."""
+def find_ties(layers: list, bounds: list[int], stage_id: int, names: dict | None = None) -> tuple[TiedWeight, ...]:
+    """The parameters held by layers of more than one stage, in the order of first use (`names`:
+    module id -> its name in the model, as `PipelineStage` registers it)."""
+    names = names or {}
     stage_of = {i: s for s in range(len(bounds) - 1) for i in range(bounds[s], bounds[s + 1])}
     uses: dict[int, list[tuple[int, str, nn.Module, torch.Tensor]]] = {}
     for i, layer in enumerate(layers):
@@ -144,7 +151,8 @@ def find_ties(layers: list, bounds: list[int], stage_id: int) -> tuple[TiedWeigh
             continue
         for path, module in layer.named_modules():
             for p in module.parameters(recurse=False):
-                uses.setdefault(id(p), []).append((stage_of[i], f"{i}.{path}" if path else str(i), module, p))
+                where = names.get(id(module)) or (f"{i}.{path}" if path else str(i))
+                uses.setdefault(id(p), []).append((stage_of[i], where, module, p))
     ties = []
     for found in uses.values():
         stages = tuple(sorted({s for s, *_ in found}))
@@ -161,17 +169,23 @@ def find_ties(layers: list, bounds: list[int], stage_id: int) -> tuple[TiedWeigh
 
 
 class PipelineStage(nn.Module):
-    """Layers `[lo, hi)` of a pipeline, registered under their index in the whole pipeline (so
-    parameter names are the same at any stage count: `"3.weight"` is layer 3's everywhere)."""
+    """Layers `[lo, hi)` of a pipeline. Parameter names are the same at any stage count: a layer's
+    modules are registered under their names in the model (`names`: module id -> name) where
+    known, else the layer under its index in the whole pipeline (`"3.weight"`). `unit_paths` are
+    the modules `shard` makes units (each layer, or each named module holding parameters)."""
 
-    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0, base_seed: int | None = None):
+    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0, base_seed: int | None = None,
+                 names: dict | None = None):
         super().__init__()
         self.lo, self.hi, self.checkpoint_interval = lo, hi, checkpoint_interval
         self._fns: list[Callable[[Any], Any]] = []
+        self.unit_paths: list[str] = []
         for i in range(lo, hi):
             layer = _build(layers[i], None if base_seed is None else base_seed + i)
             if isinstance(layer, nn.Module):
-                self.add_module(str(i), layer)
+                for path, module in _placements(i, layer, names or {}):
+                    if _register(self, path, module) and any(True for _ in module.parameters()):
+                        self.unit_paths.append(path)
             self._fns.append(layer)
 
     def forward(self, x: Any) -> Any:
@@ -184,6 +198,35 @@ class PipelineStage(nn.Module):
         for start in range(0, len(fns), step):
             x = remat(_run_layers(fns[start:start + step]))(x)
         return x
+
+
+def _placements(i: int, layer: nn.Module, names: dict) -> list[tuple[str, nn.Module]]:
+    """Where layer i's modules go in a stage: the layer under its model name, else its children
+    holding tensors under theirs (a wrapper's own name is not the model's), else under index i."""
+    if id(layer) in names or not names or any(True for _ in layer.parameters(recurse=False)):
+        return [(names.get(id(layer), str(i)), layer)]
+    return [(names.get(id(m), f"{i}.{c}"), m) for c, m in layer.named_children()
+            if any(True for _ in m.parameters()) or any(True for _ in m.buffers())]
+
+
+def _register(root: nn.Module, path: str, module: nn.Module) -> bool:
+    """Add `module` at dotted `path` under `root` (plain containers in between); False when it is
+    there already (a module shared by layers, e.g. rotary embeddings)."""
+    *parents, last = path.split(".")
+    node = root
+    for part in parents:
+        child = node._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            node.add_module(part, child)
+        node = child
+    held = node._modules.get(last)
+    if held is module:
+        return False
+    if held is not None:
+        raise ShardingError(f"two pipeline modules claim the name {path!r}")
+    node.add_module(last, module)
+    return True
 
 
 def _build(layer: Any, seed: int | None) -> Any:

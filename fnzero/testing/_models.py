@@ -77,8 +77,11 @@ class GPT(nn.Module):
 class GPTEmbedding(nn.Module):
     """A GPT's first pipeline layer: token and position embeddings."""
 
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, model: "GPT | None" = None):
         super().__init__()
+        if model is not None:  # the model's own modules
+            self.wte, self.wpe = model.wte, model.wpe
+            return
         self.wte = nn.Embedding(c.vocab_size, c.d_model)
         self.wpe = nn.Embedding(c.seq_len, c.d_model)
         self.apply(GPT._init_weights)
@@ -90,8 +93,11 @@ class GPTEmbedding(nn.Module):
 class GPTHead(nn.Module):
     """A GPT's last pipeline layer: the final norm and the LM head (logits)."""
 
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, model: "GPT | None" = None):
         super().__init__()
+        if model is not None:  # the model's own modules
+            self.ln_f, self.head = model.ln_f, model.head
+            return
         self.ln_f = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         self.apply(GPT._init_weights)
@@ -100,8 +106,12 @@ class GPTHead(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt_layers(config: GPTConfig | None = None, **kwargs) -> list[nn.Module]:
-    """fnzero's GPT as pipeline layers: embeddings, the blocks, norm and head (untied)."""
+def gpt_layers(config: GPTConfig | None = None, *, model: "GPT | None" = None, **kwargs) -> list[nn.Module]:
+    """fnzero's GPT as pipeline layers: embeddings, the blocks, norm and head (untied), newly
+    built, or around `model`'s own modules (then give `PipelineModule(..., names_from=model)` so
+    the parameters keep the model's names)."""
+    if model is not None:
+        return [GPTEmbedding(model.config, model), *model.blocks, GPTHead(model.config, model)]
     c = config or GPTConfig(**kwargs)
     blocks = []
     for _ in range(c.n_layer):

@@ -1,0 +1,88 @@
+"""Loading by parameter name (`specs/checkpoint-format.md` §Loading by name).
+
+A checkpoint stores each unit's elements under the unit's name. When the state loading it groups
+its parameters into other units (another wrap policy; a pipeline stage holding some of the
+layers; a model cut into pipeline layers that keep the model's names), each parameter's elements
+are found through its name instead: the checkpoint's unit and offset of that name, the same range
+of every per-unit tensor (parameters, master, moments). Nothing is converted and no collective
+runs; with tensor parallelism each parameter is read whole and cut to this rank's slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._errors import CheckpointError
+from .._state import TrainState
+from . import _format as F
+from ._tree import Leaf
+
+__all__ = ["saved_slots", "same_units", "fill_by_name"]
+
+
+def saved_slots(ix: dict) -> dict[str, tuple[str, int, tuple]]:
+    """Every stored parameter name (aliases too) -> (its unit, its offset there, its shape)."""
+    out = {}
+    for u in ix["units"]:
+        for s in u["slots"]:
+            for n in (s["name"], *s["aliases"]):
+                out[n] = (u["name"], int(s["offset"]), tuple(s["shape"]))
+    return out
+
+
+def same_units(ix: dict, units: list[dict]) -> bool:
+    """Whether the checkpoint groups the parameters into `units` (unit_meta) exactly."""
+    key = lambda us: [(u["name"], u["numel"], [s["name"] for s in u["slots"]]) for u in us]  # noqa: E731
+    return key(ix["units"]) == key(units)
+
+
+def _source(reader, top: str, rest: str, unit: str, dtype: torch.dtype) -> str:
+    """The stored tensor for `top/rest` of saved unit `unit` (`rest` is the optimizer field path),
+    with the master/params stand-ins `source_key` allows across precisions."""
+    keys = reader.tensors
+    own = f"{top}/{rest}{unit}"
+    if top == "params":
+        if own in keys and F.DTYPES[keys[own]["dtype"]] == dtype:
+            return own
+        if f"master/{unit}" in keys:
+            return f"master/{unit}"
+    if top == "master" and own not in keys and f"params/{unit}" in keys:
+        return f"params/{unit}"
+    if own not in keys:
+        raise CheckpointError(f"the checkpoint has no {own!r} (was it saved with another optimizer? checkpoint: "
+                              f"{reader.index.get('optimizer')})")
+    return own
+
+
+def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.Tensor, tp=None, fplan=None) -> torch.Tensor:
+    """Fill `out` (flat: `leaf`'s elements of its unit) slot by slot from the stored units that
+    hold each parameter's name. With `tp` (a TPLayout, `fplan` its whole-shape plan), each
+    parameter is read whole and cut to this rank's slice."""
+    u = like.sharding.plan.unit(leaf.unit)
+    fu = fplan.unit(leaf.unit) if fplan is not None else u
+    top, _, rest = leaf.key.partition("/")
+    field = rest[: len(rest) - len(leaf.unit)]  # "exp_avg/" of "opt_state/exp_avg/U"
+    per_param = leaf.path.rpartition("/")[2] != leaf.unit
+    out.zero_()  # padding stays zero
+    for s, fs in zip(u.slots, fu.slots):
+        a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
+        if a >= b or (per_param and s.offset != leaf.lo):
+            continue
+        hit = next((slots[n] for n in (s.name, *s.aliases) if n in slots), None)
+        if hit is None or hit[2] != tuple(fs.shape):
+            raise CheckpointError(f"the checkpoint is of another model: {s.name!r} is "
+                                  f"{'absent' if hit is None else f'shape {list(hit[2])}'} there, shape "
+                                  f"{list(fs.shape)} in like=")
+        unit, offset, shape = hit
+        key = _source(reader, top, field, unit, out.dtype)
+        split = tp.split_of(s.name, *s.aliases) if tp is not None else None
+        if split is None:
+            reader.read(key, offset + a - s.offset, offset + b - s.offset, out[a - leaf.lo: b - leaf.lo])
+            continue
+        full = torch.empty(math.prod(shape), dtype=out.dtype)
+        reader.read(key, offset, offset + full.numel(), full)
+        piece = split.local(full.view(shape), tp.rank).reshape(-1)
+        out[a - leaf.lo: b - leaf.lo] = piece[a - s.offset: b - s.offset]
+    return out
