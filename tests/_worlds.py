@@ -288,13 +288,14 @@ def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extr
     from fnzero.pipeline import PipelineModule
     from fnzero.sharding import MeshShape
 
-    dp = comm.world_size // stages
+    tp = (extra or {}).get("tensor_parallel", {}).get("autotp_size", 1)
+    dp = comm.world_size // (stages * tp)
     cfg = pipe_config(dp, stages, zero, k, extra)
     pipe = layers() if callable(layers) else PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method)
     sm = fnzero.shard(pipe, config=cfg, comm=comm)
     state = sm.init_state()
     step = fnzero.train_step(fnzero.pipeline_loss(sm, sched), cfg)
-    d = MeshShape(dp=dp, pp=stages).coords(comm.rank)["dp"]
+    d = MeshShape(dp=dp, tp=tp, pp=stages).coords(comm.rank)["dp"]
     losses = []
     for x, y in batches:
         per = x.shape[0] // dp

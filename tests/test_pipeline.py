@@ -338,14 +338,16 @@ def _hf(kind: str):
         return transformers.LlamaForCausalLM(c).double()
 
 
-@pytest.mark.parametrize("kind,world,stages,zero,sched", [
-    ("gpt2", 2, 2, 1, "1f1b"), ("gpt2", 4, 2, 1, "gpipe"), ("llama", 2, 2, 0, "gpipe"), ("llama", 3, 3, 1, "1f1b"),
+@pytest.mark.parametrize("kind,world,stages,zero,sched,tp", [
+    ("gpt2", 2, 2, 1, "1f1b", 1), ("gpt2", 4, 2, 1, "gpipe", 1), ("llama", 2, 2, 0, "gpipe", 1),
+    ("llama", 3, 3, 1, "1f1b", 1), ("gpt2", 4, 2, 1, "1f1b", 2), ("llama", 4, 2, 1, "gpipe", 2),
 ], ids=lambda v: str(v))
-def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, stages, zero, sched):
+def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, stages, zero, sched, tp):
     """GPT-2 (its LM head tied to the embedding on another stage) and Llama (GQA, rotary) from small
     configs, cut by `hf_causal_lm` with no layer list written: each stage holds the model's own
     parameter names and equals plain torch training the Hugging Face model itself with the
-    causal-LM loss."""
+    causal-LM loss. With tp 2 too, AutoTP's built-in plan splits each stage (a tied weight stays
+    whole over tp, so its copies match)."""
     from fnzero.pipeline import causal_lm_loss, hf_causal_lm
 
     model = _hf(kind)
@@ -366,8 +368,9 @@ def test_hugging_face_models_as_pipelines_equal_the_unsharded_step(kind, world, 
         ref_losses.append(total)
     want = dict(ref.named_parameters(remove_duplicate=False))
     seen = set()
+    extra = {"tensor_parallel": {"autotp_size": tp}} if tp > 1 else None
     for params, losses, _ in _pipelined(lambda: hf_causal_lm(copy.deepcopy(model)), causal_lm_loss, batches, world,
-                                        stages, zero, 4, sched):
+                                        stages, zero, 4, sched, extra):
         for name, t in params.items():
             torch.testing.assert_close(t, want[name].detach(), rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
         assert losses == pytest.approx(ref_losses, rel=RTOL)

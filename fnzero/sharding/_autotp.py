@@ -231,7 +231,11 @@ def _slice(p: nn.Parameter, dim: int, blocks: int, comm, done, splits, names) ->
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
     setattr(parent, child, new)
+    replace = getattr(model, "replace_module", None)
+    if replace is not None:  # a pipeline stage: its layers also hold the module (`PipelineStage.replace_module`)
+        replace(old, new)
     if type(parent).__name__ == "GPT2Attention" and child == "c_attn":
         # GPT-2 splits its fused q|k|v output by `split_size`, the full width: this rank's is a slice.
         parent.split_size = new.weight.shape[1] // 3

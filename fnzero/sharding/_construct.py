@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -93,7 +94,7 @@ def shard(
     if meta and (mesh is not None or getattr(getattr(config, "tensor_parallel", None), "size", 1) > 1):
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
-    comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug)
+    comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
     watchdog = process_watchdog()
     if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
         watchdog.timeout_s = float(config.watchdog.timeout_seconds)
@@ -178,7 +179,8 @@ def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, n
 
 
 def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,
-                  tp_plan: list[TPRule] | None, debug: bool) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
+                  tp_plan: list[TPRule] | None, debug: bool,
+                  pipe: PipelineInfo | None = None) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
     """With a mesh (given, or the config's `tensor_parallel.autotp_size`): AutoTP over its
     tensor-parallel ranks. (the data-parallel collectives ZeRO shards over, the layout or None)."""
     tp_cfg = getattr(config, "tensor_parallel", None)
@@ -188,7 +190,10 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
         return comm, None
     if mesh.shape.tp == 1:
         return mesh.dp, None
-    rules = list(tp_plan) if tp_plan is not None else rules_from_config(tp_cfg, model)
+    # A pipeline stage cut from a model takes the model's built-in plan (its names are the model's).
+    rules = list(tp_plan) if tp_plan is not None else rules_from_config(tp_cfg, getattr(model, "plan_source", model))
+    if pipe is not None:  # a weight tied across stages stays whole over tp: its copies must match element for element
+        rules = [TPRule(f"^{re.escape(t.module)}$", "skip") for t in pipe.ties if t.module is not None] + rules
     if not rules:
         kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
         raise ConfigError(

@@ -100,6 +100,7 @@ class PipelineModule:
         self.partition_method, self.activation_checkpoint_interval = partition_method, activation_checkpoint_interval
         self.seed_layers, self.base_seed = bool(seed_layers), int(base_seed)
         self.names = {id(m): n for n, m in names_from.named_modules() if n} if names_from is not None else {}
+        self.source = names_from
 
     def param_counts(self) -> list[int]:
         """Trainable parameters per layer (a LayerSpec is built, counted and dropped)."""
@@ -125,6 +126,12 @@ class PipelineModule:
         seed = self.base_seed if self.seed_layers or seed_layers else None
         stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval, seed, self.names)
         stage.ties = find_ties(self.layers, b, stage_id, self.names)
+        if self.source is not None:
+            # AutoTP's built-in plan is the model's (its type, its config's head counts); kept out of
+            # the module tree (`__dict__`), which must hold only this stage's layers.
+            stage.__dict__["plan_source"] = self.source
+            if getattr(self.source, "config", None) is not None:
+                stage.__dict__["config"] = self.source.config
         return stage
 
 
@@ -187,6 +194,18 @@ class PipelineStage(nn.Module):
                     if _register(self, path, module) and any(True for _ in module.parameters()):
                         self.unit_paths.append(path)
             self._fns.append(layer)
+
+    def replace_module(self, old: nn.Module, new: nn.Module) -> None:
+        """Put `new` wherever this stage's layers hold `old` (AutoTP replaces modules by name in
+        the stage's tree; a layer wrapping the model's modules holds its own references)."""
+        for i, f in enumerate(self._fns):
+            if f is old:
+                self._fns[i] = new
+            elif isinstance(f, nn.Module):
+                for m in f.modules():
+                    for name, child in list(m._modules.items()):
+                        if child is old:
+                            m._modules[name] = new
 
     def forward(self, x: Any) -> Any:
         fns = self._fns
