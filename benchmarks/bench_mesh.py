@@ -12,9 +12,10 @@ same round, in tokens per second (a tp group shares its batch, so tp 2 on 2 rank
 tokens of dp 2 per step).
 
 The pp rows run the GPT as pipeline layers (embeddings, blocks, norm + head) in 2 stages over
-4 micro-batches per step (GPipe or 1F1B), and measure the bubble: each stage's share of the
-pipelined passes spent waiting for its neighbour (wall_clock_breakdown's "comm" against its
-"forward" + "backward"), beside the theory (p-1)/(m+p-1) for equal stages.
+4 micro-batches per step (GPipe, 1F1B, or interleaved 1F1B with 2 virtual stages per rank), and
+measure the bubble: each stage's share of the pipelined passes spent waiting for its neighbour
+(wall_clock_breakdown's "comm" against its "forward" + "backward"), beside the theory
+(p-1)/(v·m+p-1) for equal stages.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import CpuMonitor, machine, median  # noqa: E402
 from bench_zero import MODELS, _current_rss_mib, _rss_mib  # noqa: E402
 
-# name -> (tp, pp, ZeRO stage, micro-batches per step, pipeline schedule)
-CONFIGS = {"dp2_z1": (1, 1, 1, 1, None), "dp2_z3": (1, 1, 3, 1, None), "tp2_z1": (2, 1, 1, 1, None),
-           "tp2_z0": (2, 1, 0, 1, None), "pp2_gpipe": (1, 2, 1, 4, "gpipe"), "pp2_1f1b": (1, 2, 1, 4, "1f1b")}
+# name -> (tp, pp, ZeRO stage, micro-batches per step, pipeline schedule, virtual stages per rank)
+CONFIGS = {"dp2_z1": (1, 1, 1, 1, None, 1), "dp2_z3": (1, 1, 3, 1, None, 1), "tp2_z1": (2, 1, 1, 1, None, 1),
+           "tp2_z0": (2, 1, 0, 1, None, 1), "pp2_gpipe": (1, 2, 1, 4, "gpipe", 1), "pp2_1f1b": (1, 2, 1, 4, "1f1b", 1),
+           "pp2_inter": (1, 2, 1, 4, "interleaved", 2)}
 
 
 def _ring(records, n: int) -> float:
@@ -52,7 +54,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
     torch.set_num_threads(1)
     fnzero.memory.return_freed_memory(4 << 20)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp, pp, stage, k, sched = CONFIGS[kind]
+    tp, pp, stage, k, sched, virtual = CONFIGS[kind]
     pre_model = _current_rss_mib()
     torch.manual_seed(0)
     cfg = fnzero.load_config({
@@ -65,8 +67,8 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
     if pp > 1:
         layers = gpt_layers(**model_kw)
         psi = sum(p.numel() for layer in layers for p in layer.parameters())
-        sm = fnzero.shard(fnzero.PipelineModule(layers, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())),
-                          config=cfg)
+        sm = fnzero.shard(fnzero.PipelineModule(layers, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                                virtual_stages=virtual), config=cfg)
         del layers
         loss_fn = fnzero.pipeline_loss(sm, sched)
     else:
@@ -110,7 +112,8 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int):
             "peak_rss_mib": _rss_mib() - pre_model, "psi": psi,
             "psi_rank": sm.plan.num_params, "state_bytes": bytes_state, "formula": formula, "dp_sent": dp_sent,
             "tp_sent": tp_sent, "pp_sent": pp_sent, "idle": median(idle) if idle else float("nan"),
-            "bubble_theory": fnzero.pipeline.bubble_fraction(pp, k) if pp > 1 else float("nan"), "loss": m["loss"]}
+            "bubble_theory": fnzero.pipeline.bubble_fraction(pp, k, virtual) if pp > 1 else float("nan"),
+            "loss": m["loss"]}
 
 
 def main():
@@ -119,7 +122,7 @@ def main():
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--configs", default="dp2_z1,tp2_z1,pp2_gpipe,pp2_1f1b,dp2_z3")
+    ap.add_argument("--configs", default="dp2_z1,tp2_z1,pp2_gpipe,pp2_1f1b,pp2_inter,dp2_z3")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; ratios are medians of each round's")
     ap.add_argument("--json", default=None, help="also write the last round's rows to this file")
     args = ap.parse_args()
@@ -164,7 +167,7 @@ def main():
           "zero_formula(Ψ_rank padded, stage, dp) (specs/mesh.md §Memory; at stage 3 small units stay whole, "
           "stage3_param_persistence_threshold, so the state is a little above it). dp/tp MB/step: ring-equivalent bytes one "
           "rank sends per step on that axis (pp: the busier stage's sends, activations forward and gradients back). "
-          "idle/stage: each stage's share of the pipelined passes spent waiting for the other; theory: (p-1)/(m+p-1). "
+          "idle/stage: each stage's share of the pipelined passes spent waiting for the other; theory: (p-1)/(v*m+p-1). "
           "params/rank, state, formula: the rank holding the most.")
 
 

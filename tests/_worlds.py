@@ -163,9 +163,11 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=()):
     for kind, stage, tp in tp_cases:
         r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"tensor_parallel": {"autotp_size": tp}})
         out[f"tp|{kind}|{stage}|{tp}|rank{comm.rank}"] = {"losses": r["losses"], "params": r["params"]}
-    for stages, stage, sched in pp_cases:
-        params, losses, _ = train_pipelined(comm, pipe_gpt_layers(), lm_loss, pipe_gpt_batches(), stages, stage, 4, sched)
-        out[f"pp|{stages}|{stage}|{sched}|rank{comm.rank}"] = {"losses": losses, "params": params}
+    for stages, stage, sched, tp in pp_cases:
+        extra = {"tensor_parallel": {"autotp_size": tp}} if tp > 1 else None
+        layers = pipe_gpt_layers() if tp == 1 else pipe_gpt_of_model  # tp: the GPT's own AutoTP plan and names
+        params, losses, _ = train_pipelined(comm, layers, lm_loss, pipe_gpt_batches(), stages, stage, 4, sched, extra)
+        out[f"pp|{stages}|{stage}|{sched}|{tp}|rank{comm.rank}"] = {"losses": losses, "params": params}
     if comm.rank == 0:
         return out
     return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|"))}
@@ -245,6 +247,15 @@ def pipe_gpt_layers():
         return [layer.double() for layer in gpt_layers(PIPE_GPT)]
 
 
+def pipe_gpt_of_model():
+    """The same GPT's pipeline, cut from a GPT model so it keeps the model's names (and AutoTP plan)."""
+    from fnzero.pipeline import PipelineModule
+
+    with seeded(0):
+        model = GPT(PIPE_GPT).double()
+    return PipelineModule(gpt_layers(model=model), lm_loss, names_from=model)
+
+
 def lm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
@@ -281,7 +292,8 @@ def train_pipe_reference(layers, loss_fn, batches, k):
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
-def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extra=None, method="parameters"):
+def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extra=None, method="parameters",
+                    virtual=1):
     """One rank of a pipelined run over `comm`: (this stage's consolidated parameters, losses, sm).
     Data-parallel replica d takes rows [d * per, (d + 1) * per) of each batch. `layers` may be a
     zero-argument factory of the PipelineModule instead."""
@@ -291,7 +303,8 @@ def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extr
     tp = (extra or {}).get("tensor_parallel", {}).get("autotp_size", 1)
     dp = comm.world_size // (stages * tp)
     cfg = pipe_config(dp, stages, zero, k, extra)
-    pipe = layers() if callable(layers) else PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method)
+    pipe = layers() if callable(layers) else PipelineModule(copy.deepcopy(layers), loss_fn, partition_method=method,
+                                                            virtual_stages=virtual)
     sm = fnzero.shard(pipe, config=cfg, comm=comm)
     state = sm.init_state()
     step = fnzero.train_step(fnzero.pipeline_loss(sm, sched), cfg)

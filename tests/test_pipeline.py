@@ -68,10 +68,11 @@ def test_balanced_partition_is_the_most_even_split(weights, parts):
 
 # --- schedules -------------------------------------------------------------------------------------
 
-def _simulate(kind: str, p: int, m: int) -> int:
-    """Run every stage's actions with unit-time F and B, blocking receives and async sends, the
-    way the runtime does; return the makespan (raises on a deadlock)."""
-    acts = [schedule(kind, p, m, s) for s in range(p)]
+def _simulate(kind: str, p: int, m: int, v: int = 1) -> int:
+    """Run every stage's actions with unit-time passes of a chunk, blocking receives and async
+    sends, the way the runtime does (model chunk c·p + s is rank s's chunk c); return the makespan
+    (fails on a deadlock)."""
+    acts = [schedule(kind, p, m, s, v) for s in range(p)]
     pos, clock = [0] * p, [0] * p
     f_done, b_done = {}, {}
     while any(pos[s] < len(acts[s]) for s in range(p)):
@@ -79,36 +80,40 @@ def _simulate(kind: str, p: int, m: int) -> int:
         for s in range(p):
             if pos[s] == len(acts[s]):
                 continue
-            kind_, j = acts[s][pos[s]]
-            dep = (f_done.get((s - 1, j)) if s > 0 else 0) if kind_ == "F" else (
-                b_done.get((s + 1, j)) if s < p - 1 else f_done.get((s, j)))
+            kind_, j, c = acts[s][pos[s]]
+            g = c * p + s
+            dep = (f_done.get((g - 1, j)) if g > 0 else 0) if kind_ == "F" else (
+                b_done.get((g + 1, j)) if g < p * v - 1 else f_done.get((g, j)))
             if dep is None:
                 continue
             clock[s] = max(clock[s], dep) + 1
-            (f_done if kind_ == "F" else b_done)[(s, j)] = clock[s]
+            (f_done if kind_ == "F" else b_done)[(g, j)] = clock[s]
             pos[s] += 1
             moved = True
-        assert moved, f"{kind} deadlocks at p={p} m={m}"
+        assert moved, f"{kind} deadlocks at p={p} m={m} v={v}"
     return max(clock)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(p=st.integers(1, 5), extra=st.integers(0, 5), kind=st.sampled_from(["gpipe", "1f1b"]))
-def test_schedules_run_each_pass_once_without_deadlock_and_with_the_theoretical_bubble(p, extra, kind):
-    m = p + extra
+@given(p=st.integers(1, 5), extra=st.integers(0, 5), kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]),
+       v=st.integers(1, 3))
+def test_schedules_run_each_pass_once_without_deadlock_and_with_the_theoretical_bubble(p, extra, kind, v):
+    m, v = (p * (1 + extra // 2), v) if kind == "interleaved" else (p + extra, 1)
     for s in range(p):
-        acts = schedule(kind, p, m, s)
-        assert sorted(acts) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
-        assert all(acts.index(("F", j)) < acts.index(("B", j)) for j in range(m))
-        assert [j for k, j in acts if k == "B"] == list(range(m))  # neighbours send and receive in one order
+        acts = schedule(kind, p, m, s, v)
+        for c in range(v):
+            mine = [(a.kind, a.micro) for a in acts if a.chunk == c]
+            assert sorted(mine) == sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+            assert all(mine.index(("F", j)) < mine.index(("B", j)) for j in range(m))
+            assert [j for k, j in mine if k == "B"] == list(range(m))  # neighbours send and receive in one order
         if kind == "1f1b":  # at most p - s micro-batches in flight on stage s
-            live = max(sum(1 for k, j in acts[:i + 1] if k == "F") - sum(1 for k, j in acts[:i + 1] if k == "B")
+            live = max(sum(1 for a in acts[:i + 1] if a.kind == "F") - sum(1 for a in acts[:i + 1] if a.kind == "B")
                        for i in range(len(acts)))
             assert live <= p - s
-    # Unit-time passes: 2(m + p - 1) ticks, of which 2(p - 1) idle per stage = the bubble.
-    span = _simulate(kind, p, m)
-    assert span == 2 * (m + p - 1)
-    assert (span - 2 * m) / span == pytest.approx(bubble_fraction(p, m))
+    # Unit-time chunk passes: 2(v·m + p - 1) ticks, of which 2(p - 1) idle per stage = the bubble.
+    span = _simulate(kind, p, m, v)
+    assert span == 2 * (v * m + p - 1)
+    assert (span - 2 * v * m) / span == pytest.approx(bubble_fraction(p, m, v))
 
 
 def test_1f1b_with_fewer_micro_batches_than_stages_is_a_config_error():
@@ -117,6 +122,10 @@ def test_1f1b_with_fewer_micro_batches_than_stages_is_a_config_error():
     assert gpipe(3, 2, 0) and one_f_one_b(2, 2, 1)
     with pytest.raises(fnzero.ConfigError, match="'zigzag' is not one of"):
         schedule("zigzag", 2, 2, 0)
+    with pytest.raises(fnzero.ConfigError, match="gradient_accumulation_steps is 6, not a multiple of the 4 stages"):
+        schedule("interleaved", 4, 6, 0, 2)
+    with pytest.raises(fnzero.ConfigError, match="2 virtual stages per rank runs the 'interleaved' schedule"):
+        schedule("1f1b", 2, 4, 0, 2)
 
 
 # --- equivalence -----------------------------------------------------------------------------------
@@ -126,20 +135,23 @@ _gpt_layers, _lm_loss, _reference, _gpt_batches = W.pipe_gpt_layers, W.lm_loss, 
 _cfg = W.pipe_config
 
 
-def _pipelined(layers, loss_fn, batches, world, stages, zero, k, sched, extra=None, method="parameters"):
+def _pipelined(layers, loss_fn, batches, world, stages, zero, k, sched, extra=None, method="parameters", virtual=1):
     return simulated_world(world).run(lambda comm: W.train_pipelined(comm, layers, loss_fn, batches, stages, zero, k,
-                                                                     sched, extra, method))
+                                                                     sched, extra, method, virtual))
 
 
-@pytest.mark.parametrize("world,stages,zero,sched", [
-    (2, 2, 0, "gpipe"), (2, 2, 1, "1f1b"), (4, 2, 1, "1f1b"), (4, 2, 0, "gpipe"), (3, 3, 1, "1f1b"),
+@pytest.mark.parametrize("world,stages,zero,sched,virtual", [
+    (2, 2, 0, "gpipe", 1), (2, 2, 1, "1f1b", 1), (4, 2, 1, "1f1b", 1), (4, 2, 0, "gpipe", 1), (3, 3, 1, "1f1b", 1),
+    (2, 2, 1, "interleaved", 2), (4, 2, 1, "interleaved", 2),
 ], ids=lambda v: str(v))
-def test_pipelined_gpt_equals_the_unsharded_step(world, stages, zero, sched):
+def test_pipelined_gpt_equals_the_unsharded_step(world, stages, zero, sched, virtual):
     """Every rank's consolidated stage parameters and the loss equal plain torch on the whole GPT
-    (k = 4 micro-batches, clipping on), for GPipe and 1F1B, with and without data parallelism."""
+    (k = 4 micro-batches, clipping on), for GPipe, 1F1B and interleaved 1F1B (2 virtual stages per
+    rank: each rank holds two non-adjacent chunks), with and without data parallelism."""
     layers = _gpt_layers()
     ref, ref_losses = _reference(layers, _lm_loss, _gpt_batches(), k=4)
-    for params, losses, _ in _pipelined(layers, _lm_loss, _gpt_batches(), world, stages, zero, 4, sched):
+    for params, losses, _ in _pipelined(layers, _lm_loss, _gpt_batches(), world, stages, zero, 4, sched,
+                                        virtual=virtual):
         assert params, "each stage holds some layers"
         for name, t in params.items():
             torch.testing.assert_close(t, ref[name], rtol=RTOL, atol=1e-12, msg=lambda m: f"{name}: {m}")
@@ -229,6 +241,9 @@ def test_bad_pipelines_are_config_errors_naming_the_numbers():
         make_mesh(simulated_world(1).run(lambda comm: comm)[0], pp=3)
     with pytest.raises(fnzero.ConfigError, match="partition_method 'type:Conv' matches no layer"):
         PipelineModule(layers, _lm_loss, partition_method="type:Conv").stage(0, 2)
+    assert PipelineModule(layers, _lm_loss, partition_method=[1, 4]).bounds(3) == [0, 1, 4, 5]  # split points
+    with pytest.raises(fnzero.ConfigError, match=r"split points \[3, 2\] do not cut 5 layers into 3 non-empty"):
+        PipelineModule(layers, _lm_loss, partition_method=[3, 2]).bounds(3)
 
     def zero2(comm):
         cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}},

@@ -29,7 +29,7 @@ RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 # Tensor parallelism on the same processes (specs/mesh.md): (kind, stage, tp) per world size.
 TP_CASES = {1: [], 2: [("gpt_tp", 0, 2)], 4: [("gpt_tp", 1, 2), ("gpt_tp", 3, 2)]}
 # Pipeline parallelism (specs/mesh.md §Pipeline): (stages, ZeRO stage, schedule) per world size.
-PP_CASES = {1: [], 2: [(2, 0, "gpipe"), (2, 1, "1f1b")], 4: [(2, 1, "1f1b")]}
+PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b", 1), (2, 1, "1f1b", 2)]}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
@@ -80,19 +80,24 @@ def test_dp_x_tp_meshes_match_reference(world_results, references):
 
 
 def test_pipelines_match_reference(world_results):
-    """pp 2 (GPipe, 1F1B) and dp 2 x pp 2 over real gloo processes (point-to-point sends between
-    the stages of a torch DeviceMesh's pp groups): each rank's stage equals plain torch on the whole
-    GPT, in float64."""
+    """pp 2 (GPipe, 1F1B), dp 2 x pp 2 and tp 2 x pp 2 over real gloo processes (point-to-point
+    sends between the stages of a torch DeviceMesh's pp groups): each rank's stage equals plain
+    torch on the whole GPT, in float64 (tp: under the model's own names)."""
     world, out = world_results
     if not PP_CASES[world]:
         pytest.skip("a world of one has no pipeline")
-    ref, ref_losses = W.train_pipe_reference(W.pipe_gpt_layers(), W.lm_loss, W.pipe_gpt_batches(), k=4)
-    for stages, stage, sched in PP_CASES[world]:
+    refs = {1: W.train_pipe_reference(W.pipe_gpt_layers(), W.lm_loss, W.pipe_gpt_batches(), k=4)}
+    of_model = W.pipe_gpt_of_model()  # the tp cases' GPT: built as a model, named as one
+    ref, losses = W.train_pipe_reference(of_model.layers, W.lm_loss, W.pipe_gpt_batches(), k=4)
+    names = [n for n, _ in W.pipe_gpt_of_model().stage(0, 1).named_parameters()]
+    refs[2] = (dict(zip(names, ref.values())), losses)
+    for stages, stage, sched, tp in PP_CASES[world]:
+        want, ref_losses = refs[tp]
         for rank in range(world):
-            got = out[f"pp|{stages}|{stage}|{sched}|rank{rank}"]
+            got = out[f"pp|{stages}|{stage}|{sched}|{tp}|rank{rank}"]
             assert got["params"], f"rank {rank} holds no layers"
-            W.assert_close_tree(got["params"], ref, rtol=RTOL_F64, atol=1e-12,
-                                what=f"pp{stages} x dp{world // stages} z{stage} {sched} rank {rank}")
+            W.assert_close_tree(got["params"], want, rtol=RTOL_F64, atol=1e-12,
+                                what=f"pp{stages} x dp{world // (stages * tp)} x tp{tp} z{stage} {sched} rank {rank}")
             assert got["losses"] == pytest.approx(ref_losses, rel=RTOL_F64)
 
 

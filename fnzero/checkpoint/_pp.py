@@ -87,7 +87,7 @@ def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, up
 
 
 def merge_pipelined(parts: list[dict], head: dict) -> dict:
-    """The index of a pipeline's checkpoint: the stages' units in stage (= layer) order, each
+    """The index of a pipeline's checkpoint: the stages' units in stage order, each
     tensor's segments from every rank, and a replicated tensor (the optimizer's step count, equal
     on every stage) from the first stage that wrote it."""
     units, tensors, owner = [], {}, {}

@@ -42,8 +42,8 @@ def _mesh_share(sh) -> str:
     tensor-parallel slice, and the parameters that leaves it (empty without either)."""
     where = []
     if getattr(sh, "pp", None) is not None and sh.pp.stages > 1:
-        lo, hi = sh.pp.layers
-        where.append(f"pp stage {sh.pp.stage_index}/{sh.pp.stages}, layers {lo}-{hi - 1}")
+        ranges = ", ".join(f"{lo}-{hi - 1}" for lo, hi in sh.pp.layers)
+        where.append(f"pp stage {sh.pp.stage_index}/{sh.pp.stages}, layers {ranges}")
     if getattr(sh, "tp", None) is not None and sh.tp.size > 1:
         where.append(f"tp rank {sh.tp.rank}/{sh.tp.size}, {len(sh.tp.splits)} split tensors")
     if not where:

@@ -1,6 +1,8 @@
 """Stage-boundary messages: an activation (a tensor or a tuple of tensors) sent forward with a
 small header saying what it is, its gradient sent back without one (the receiver knows the
-shapes: it sent them). `specs/collectives.md` §Pipeline counts the bytes.
+shapes: it sent them). `specs/collectives.md` §Pipeline counts the bytes. Activations and gradients travel under two
+tags, so a pair of ranks that sends both ways of the same boundary (the wrap-around of interleaved
+stages) never takes one for the other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_TENSORS, _MAX_DIMS = 4, 6
 _PER = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, dims
 HEADER_NUMEL = 2 + _MAX_TENSORS * _PER  # is-tuple flag, count, then one record per tensor
+ACTIVATION, GRADIENT = 0, 1  # message tags
 
 
 def boundary_tensors(x: Any, stage: int) -> tuple[list[torch.Tensor], bool]:
@@ -43,20 +46,21 @@ def send_activation(comm, x: Any, dst: int, stage: int, label: str) -> list:
     for i, t in enumerate(items):
         rec = [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
         header[2 + i * _PER: 2 + i * _PER + len(rec)] = torch.tensor(rec)
-    pending = [comm.send_async(header.to(items[0].device), dst, label=f"{label}:header")]
-    return pending + [comm.send_async(t.detach().contiguous(), dst, label=label) for t in items]
+    pending = [comm.send_async(header.to(items[0].device), dst, label=f"{label}:header", tag=ACTIVATION)]
+    return pending + [comm.send_async(t.detach().contiguous(), dst, label=label, tag=ACTIVATION) for t in items]
 
 
 def recv_activation(comm, src: int, device: torch.device, label: str) -> Any:
     """The next activation from stage `src`; floating tensors the sender differentiates through
     require grad here, so their gradient can be sent back."""
-    header = comm.recv(torch.empty(HEADER_NUMEL, dtype=torch.int64, device=device), src, label=f"{label}:header").cpu()
+    header = comm.recv(torch.empty(HEADER_NUMEL, dtype=torch.int64, device=device), src, label=f"{label}:header",
+                       tag=ACTIVATION).cpu()
     is_tuple, count = bool(header[0]), int(header[1])
     out = []
     for i in range(count):
         rec = header[2 + i * _PER: 2 + (i + 1) * _PER].tolist()
         dtype, grad, ndim = _DTYPES[rec[0]], bool(rec[1]), rec[2]
-        t = comm.recv(torch.empty(rec[3:3 + ndim], dtype=dtype, device=device), src, label=label)
+        t = comm.recv(torch.empty(rec[3:3 + ndim], dtype=dtype, device=device), src, label=label, tag=ACTIVATION)
         out.append(t.requires_grad_(True) if grad else t)
     return tuple(out) if is_tuple else out[0]
 
@@ -65,10 +69,10 @@ def send_grads(comm, x: Any, dst: int, label: str) -> list:
     """Start sending the gradient of each received tensor of `x` that requires grad (zeros where
     this stage did not use it)."""
     items = list(x) if isinstance(x, tuple) else [x]
-    return [comm.send_async(t.grad if t.grad is not None else torch.zeros_like(t), dst, label=label)
+    return [comm.send_async(t.grad if t.grad is not None else torch.zeros_like(t), dst, label=label, tag=GRADIENT)
             for t in items if t.requires_grad]
 
 
 def recv_grads(comm, outputs: list[torch.Tensor], src: int, label: str) -> list[torch.Tensor]:
     """The gradients of this stage's outputs that require grad, from the next stage."""
-    return [comm.recv(torch.empty_like(t), src, label=label) for t in outputs if t.requires_grad]
+    return [comm.recv(torch.empty_like(t), src, label=label, tag=GRADIENT) for t in outputs if t.requires_grad]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ShardingError
+from .._errors import ConfigError, ShardingError
 from ..sharding._runtime import STEP_RUNS
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
@@ -20,8 +20,10 @@ __all__ = ["PipelineLoss", "pipeline_loss", "sum_tied_gradients", "units_for_nor
 
 def pipeline_loss(sm, schedule: str = "1f1b") -> "PipelineLoss":
     """The loss function of `fnzero.train_step` for a sharded `PipelineModule`: this rank's stage
-    runs `schedule` ("1f1b" or "gpipe") over the step's micro-batches (gradient_accumulation_steps
-    of them). A ConfigError names the numbers when 1F1B has fewer micro-batches than stages.
+    runs `schedule` ("1f1b", "gpipe", or "interleaved" for a PipelineModule with virtual_stages > 1)
+    over the step's micro-batches (gradient_accumulation_steps of them). A ConfigError names the
+    numbers when 1F1B has fewer micro-batches than stages, or interleaving a count that is not a
+    multiple of the stages.
 
     >>> step = fnzero.train_step(fnzero.pipeline_loss(sm), cfg)   # doctest: +SKIP
     >>> state, metrics = step(state, (inputs, labels))            # doctest: +SKIP
@@ -40,9 +42,11 @@ class PipelineLoss:
             raise ShardingError("fnzero.pipeline_loss needs the ShardedModule of a fnzero.pipeline.PipelineModule "
                                 "(fnzero.shard(PipelineModule(layers, loss_fn), ...))")
         self.sm, self.info, self.schedule_name = sm, sm.pp, schedule_name
+        if self.info.chunks > 1 and self.info.stages < 2:
+            raise ConfigError(f"{self.info.chunks} virtual stages need at least 2 pipeline stages to interleave")
         k = getattr(getattr(sm, "config", None), "gradient_accumulation_steps", None)
-        if k is not None:
-            schedule(schedule_name, self.info.stages, int(k), self.info.stage_index)  # a ConfigError now, not at step 1
+        if k is not None:  # a ConfigError now, not at step 1
+            schedule(schedule_name, self.info.stages, int(k), self.info.stage_index, self.info.chunks)
 
     def __call__(self, params, batch):
         raise ShardingError("a pipeline loss runs inside fnzero.train_step(fnzero.pipeline_loss(sm), config), which runs "
@@ -54,71 +58,83 @@ class PipelineLoss:
         except on the last stage —, no auxes). Waits for every send before returning. With
         `wall_clock_breakdown`, waits for a neighbour count as "comm" and only this stage's own
         passes as "forward"/"backward", so the idle share of a step (the bubble) can be measured."""
-        # Long: one loop over the schedule's actions with the forward and backward of one stage inline.
         if has_aux:
             raise ShardingError("has_aux is not supported with pipeline parallelism: the loss is computed on the last "
                                 "stage only")
-        info, sm = self.info, self.sm
-        actions = schedule(self.schedule_name, info.stages, len(micro), info.stage_index)
+        info = self.info
+        run = _Run(self, leaves, micro, scale, collector, timer)
         handles = collector.attach(leaves)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        runs: list = []
-        sends: list = []
-        saved: dict[int, tuple[Any, Any]] = {}  # micro-batch -> (received input, output or loss)
-        prev, nxt = info.stage_index - 1, info.stage_index + 1
         try:
-            for act in actions:
-                j = act.micro
-                if act.kind == "F":
-                    inputs, labels = _pair(micro[j], j)
-                    timer.start()  # waiting for the previous stage is communication (the bubble), not compute
-                    x = inputs if info.first else recv_activation(info.comm, prev, sm.sharding.device, f"act{j}")
-                    timer.stop("comm")
-                    timer.start()
-                    token = STEP_RUNS.set(runs)
-                    try:
-                        out = sm.apply(leaves, x)
-                        if info.last:
-                            out = info.loss_fn(out, labels)
-                            _check_loss(out)
-                            loss_sum += out.detach().to(torch.float64).cpu()
-                    finally:
-                        STEP_RUNS.reset(token)
-                    if not info.last:
-                        sends += send_activation(info.comm, out, nxt, info.stage_index, f"act{j}")
-                    saved[j] = (x, out)
-                    timer.stop("forward")
-                else:
-                    timer.start()
-                    collector.last_micro_batch = j == len(micro) - 1
-                    x, out = saved.pop(j)
-                    if info.last:
-                        scaled = out * scale if scale != 1.0 else out
-                        if scaled.requires_grad:
-                            scaled.backward()
-                    else:
-                        outs = [t for t in boundary_tensors(out, info.stage_index)[0]]
-                        timer.stop("backward")
-                        timer.start()
-                        grads = recv_grads(info.comm, outs, nxt, f"grad{j}")
-                        timer.stop("comm")
-                        timer.start()
-                        needs = [t for t in outs if t.requires_grad]
-                        if needs:
-                            torch.autograd.backward(needs, grads)
-                    if not info.first:
-                        sends += send_grads(info.comm, x, prev, f"grad{j}")
-                    timer.stop("backward")
+            for act in schedule(self.schedule_name, info.stages, len(micro), info.stage_index, info.chunks):
+                (run.forward if act.kind == "F" else run.backward)(act.micro, act.chunk)
             timer.start()
-            for s in sends:
+            for s in run.sends:
                 s.wait()
             collector.finish_backward()
         finally:
             for h in handles:
                 h.remove()
-            for run in runs:
-                run.release()
-        return loss_sum, []
+            for r in run.runs:
+                r.release()
+        return run.loss_sum, []
+
+
+class _Run:
+    """One step's pass of a stage through its schedule: what is in flight between its actions."""
+
+    def __init__(self, loss: PipelineLoss, leaves, micro, scale, collector, timer):
+        self.sm, self.info, self.leaves, self.micro = loss.sm, loss.info, leaves, micro
+        self.scale, self.collector, self.timer = scale, collector, timer
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.runs: list = []  # the apply runs to release after backward
+        self.sends: list = []  # pending point-to-point sends
+        self.saved: dict[tuple[int, int], tuple[Any, Any]] = {}  # (micro, chunk) -> (its input, its output or loss)
+        p, s = self.info.stages, self.info.stage_index
+        self.prev, self.next = (s - 1) % p, (s + 1) % p  # the chunk before rank 0's chunk c is rank p-1's chunk c-1
+
+    def forward(self, j: int, c: int) -> None:
+        info, timer = self.info, self.timer
+        inputs, labels = _pair(self.micro[j], j)
+        timer.start()  # waiting for the previous stage is communication (the bubble), not compute
+        x = inputs if info.first(c) else recv_activation(info.comm, self.prev, self.sm.sharding.device, f"act{j}.{c}")
+        timer.stop("comm")
+        timer.start()
+        token = STEP_RUNS.set(self.runs)
+        try:
+            out = self.sm.apply(self.leaves, x, chunk=c)
+            if info.last(c):
+                out = info.loss_fn(out, labels)
+                _check_loss(out)
+                self.loss_sum += out.detach().to(torch.float64).cpu()
+        finally:
+            STEP_RUNS.reset(token)
+        if not info.last(c):
+            self.sends += send_activation(info.comm, out, self.next, info.stage_index, f"act{j}.{c}")
+        self.saved[(j, c)] = (x, out)
+        timer.stop("forward")
+
+    def backward(self, j: int, c: int) -> None:
+        info, timer = self.info, self.timer
+        timer.start()
+        self.collector.last_micro_batch = j == len(self.micro) - 1  # the chunk's units' last gradients
+        x, out = self.saved.pop((j, c))
+        if info.last(c):
+            scaled = out * self.scale if self.scale != 1.0 else out
+            if scaled.requires_grad:
+                scaled.backward()
+        else:
+            outs = boundary_tensors(out, info.stage_index)[0]
+            timer.stop("backward")
+            timer.start()
+            grads = recv_grads(info.comm, outs, self.next, f"grad{j}.{c}")
+            timer.stop("comm")
+            timer.start()
+            needs = [t for t in outs if t.requires_grad]
+            if needs:
+                torch.autograd.backward(needs, grads)
+        if not info.first(c):
+            self.sends += send_grads(info.comm, x, self.prev, f"grad{j}.{c}")
+        timer.stop("backward")
 
 
 def _pair(mb: Any, j: int) -> tuple[Any, Any]:

@@ -6,10 +6,14 @@ micro-batch (`specs/mesh.md` §Pipeline). Pure functions of (stages, micro-batch
 * 1F1B (PipeDream-flush): stage s runs `p-s-1` warm-up forwards, then alternates one forward and
   one backward, then drains the backwards. The same bubble as GPipe, but at most `p-s`
   micro-batches' activations are alive on stage s; it needs m >= p.
+* Interleaved 1F1B (Megatron's virtual stages): each rank holds `v` chunks of layers (chunk c of
+  rank s is model chunk c·p + s), and micro-batches go through them in groups of p; the bubble
+  shrinks to (p-1)/(v·m+p-1) for more point-to-point messages (v per micro-batch per boundary).
+  It needs m a multiple of p.
 
-Backwards run in micro-batch order on every stage, so each pair of neighbouring stages sends and
-receives in the same order, and the last micro-batch's backward is the last action everywhere
-(its gradients' reductions start from it).
+Backwards run in micro-batch order on every stage (by chunk in reverse, for interleaving), so each
+pair of neighbouring stages sends and receives in the same order, and the last micro-batch's
+backward of each chunk is that chunk's last pass (its units' reductions start from it).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from typing import NamedTuple
 
 from .._errors import ConfigError
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "schedule", "SCHEDULES", "bubble_fraction"]
+__all__ = ["Action", "gpipe", "one_f_one_b", "interleaved", "schedule", "SCHEDULES", "bubble_fraction"]
 
 
 class Action(NamedTuple):
     kind: str  # "F" or "B"
     micro: int
+    chunk: int = 0  # which of the rank's chunks (interleaved schedules)
 
 
 def gpipe(stages: int, micro: int, stage: int) -> list[Action]:
@@ -40,21 +45,51 @@ def one_f_one_b(stages: int, micro: int, stage: int) -> list[Action]:
     return out + [Action("B", j) for j in range(b, micro)]
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved(stages: int, micro: int, stage: int, chunks: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: virtual micro-batch k is micro-batch (k // (p·v))·p + k % p of
+    chunk (k // p) % v (forward) or v-1 - (k // p) % v (backward); stage s runs
+    2(p-s-1) + (v-1)·p warm-up forwards, then one forward and one backward in turn."""
+    p, v = stages, chunks
+
+    def which(k: int, backward: bool) -> tuple[int, int]:
+        c = (k // p) % v
+        return (k // (p * v)) * p + k % p, (v - 1 - c) if backward else c
+
+    total = micro * v
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    out = [Action("F", *which(k, False)) for k in range(warmup)]
+    f, b = warmup, 0
+    while f < total:
+        out += [Action("F", *which(f, False)), Action("B", *which(b, True))]
+        f, b = f + 1, b + 1
+    return out + [Action("B", *which(k, True)) for k in range(b, total)]
 
 
-def schedule(name: str, stages: int, micro: int, stage: int) -> list[Action]:
-    """Stage `stage`'s actions; a ConfigError names the numbers for an unknown schedule or, for
-    1F1B, fewer micro-batches (gradient_accumulation_steps) than stages."""
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+
+
+def schedule(name: str, stages: int, micro: int, stage: int, chunks: int = 1) -> list[Action]:
+    """Stage `stage`'s actions; a ConfigError names the numbers for an unknown schedule, for 1F1B
+    fewer micro-batches (gradient_accumulation_steps) than stages, for the interleaved schedule a
+    micro-batch count that is not a multiple of the stages, and for virtual stages (`chunks` > 1)
+    any schedule but the interleaved one."""
     key = name.lower()
     if key not in SCHEDULES:
         raise ConfigError(f"pipeline schedule {name!r} is not one of {', '.join(SCHEDULES)}")
-    if key == "1f1b" and micro < stages:
-        raise ConfigError(f"the 1F1B schedule needs at least as many micro-batches as stages: gradient_accumulation_steps "
+    if key in ("1f1b", "interleaved") and micro < stages:
+        raise ConfigError(f"the {name} schedule needs at least as many micro-batches as stages: gradient_accumulation_steps "
                           f"is {micro}, the pipeline has {stages} stages (raise it to >= {stages}, or use 'gpipe')")
+    if key == "interleaved":
+        if micro % stages:
+            raise ConfigError(f"the interleaved schedule runs micro-batches in groups of the stage count: "
+                              f"gradient_accumulation_steps is {micro}, not a multiple of the {stages} stages")
+        return interleaved(stages, micro, stage, chunks)
+    if chunks > 1:
+        raise ConfigError(f"a pipeline with {chunks} virtual stages per rank runs the 'interleaved' schedule, not {name!r}")
     return SCHEDULES[key](stages, micro, stage)
 
 
-def bubble_fraction(stages: int, micro: int) -> float:
-    """The idle fraction of a step in theory, for equal stages: (p-1)/(m+p-1)."""
-    return (stages - 1) / (micro + stages - 1)
+def bubble_fraction(stages: int, micro: int, chunks: int = 1) -> float:
+    """The idle fraction of a step in theory, for equal stages: (p-1)/(v·m+p-1) (v = 1 but for
+    interleaving)."""
+    return (stages - 1) / (chunks * micro + stages - 1)

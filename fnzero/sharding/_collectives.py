@@ -52,9 +52,9 @@ class Collectives(Protocol):
     optional form from the five blocking calls, for a custom backend.
 
     Pipeline parallelism also needs point-to-point messages between two ranks of the group (its
-    indices, not global ranks): `send_async(t, dst)` starts sending `t` and returns a pending
-    handle, `recv(out, src)` fills `out` with the next message from `src`. Messages between two
-    ranks arrive in the order they were sent.
+    indices, not global ranks): `send_async(t, dst, tag=0)` starts sending `t` and returns a
+    pending handle, `recv(out, src, tag=0)` fills `out` with the next message from `src` with that
+    tag. Messages between two ranks with one tag arrive in the order they were sent.
     """
 
     rank: int
@@ -279,13 +279,14 @@ class ProcessGroupCollectives:
     def barrier(self):
         self._start("barrier", lambda: PendingTensor(None, dist.barrier(group=self.group, async_op=True))).wait()
 
-    def send_async(self, t, dst: int, label: str = ""):
+    def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         t = t.contiguous()  # kept alive by the handle until the send completes
-        return self._start("send", lambda: PendingTensor(t, dist.isend(t, group=self.group, group_dst=dst)), label)
+        return self._start("send", lambda: PendingTensor(t, dist.isend(t, group=self.group, group_dst=dst, tag=tag)),
+                           label)
 
-    def recv(self, out, src: int, label: str = ""):
-        return self._start("recv", lambda: PendingTensor(out, dist.irecv(out, group=self.group, group_src=src)),
-                           label).wait()
+    def recv(self, out, src: int, label: str = "", tag: int = 0):
+        return self._start("recv", lambda: PendingTensor(out, dist.irecv(out, group=self.group, group_src=src,
+                                                                           tag=tag)), label).wait()
 
 
 # [Note: why a context variable] `fnzero.testing`'s simulated worlds run the same user code as

@@ -161,7 +161,7 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
     interval = getattr(pipe_cfg, "activation_checkpoint_interval", 0) or None
     stage_id = mesh.coords["pp"]
     module = pipe.stage(stage_id, stages, interval, seed_layers=bool(getattr(pipe_cfg, "seed_layers", False)))
-    info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, (module.lo, module.hi),
+    info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, tuple(module.chunks),
                         mesh.world, module.ties)
     return module, mesh, info
 

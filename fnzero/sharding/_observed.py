@@ -79,12 +79,12 @@ class RecordingCollectives:
     def barrier(self):
         return self.inner.barrier()
 
-    def send_async(self, t, dst: int, label: str = ""):
+    def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         self._record("send", t, t.numel())
-        return self.inner.send_async(t, dst, label=label)
+        return self.inner.send_async(t, dst, label=label, tag=tag)
 
-    def recv(self, out, src: int, label: str = ""):
-        return self.inner.recv(out, src, label=label)  # the bytes are counted once, by the sender
+    def recv(self, out, src: int, label: str = "", tag: int = 0):
+        return self.inner.recv(out, src, label=label, tag=tag)  # the bytes are counted once, by the sender
 
     def reset(self) -> list[CollectiveRecord]:
         with self._lock:
@@ -124,7 +124,7 @@ class CheckedCollectives:
         self.rank = inner.rank
         self.world_size = inner.world_size
         self.calls = 0
-        self.p2p_calls: dict[tuple[str, int], int] = {}
+        self.p2p_calls: dict[tuple, int] = {}
 
     def _check(self, op: str, t: torch.Tensor | None) -> None:
         from .._errors import DistributedError
@@ -174,23 +174,23 @@ class CheckedCollectives:
         self._check("barrier", None)
         return self.inner.barrier()
 
-    def _fingerprint(self, peer: tuple[str, int], t: torch.Tensor) -> torch.Tensor:
+    def _fingerprint(self, peer: tuple, t: torch.Tensor) -> torch.Tensor:
         seq = self.p2p_calls.get(peer, 0)
         self.p2p_calls[peer] = seq + 1
         return torch.tensor([seq, t.numel(), hash(str(t.dtype)) % 1_000_003], dtype=torch.int64, device=t.device)
 
-    def send_async(self, t, dst: int, label: str = ""):
-        self.inner.send_async(self._fingerprint(("to", dst), t), dst).wait()
-        return self.inner.send_async(t, dst, label=label)
+    def send_async(self, t, dst: int, label: str = "", tag: int = 0):
+        self.inner.send_async(self._fingerprint(("to", dst, tag), t), dst, tag=tag).wait()
+        return self.inner.send_async(t, dst, label=label, tag=tag)
 
-    def recv(self, out, src: int, label: str = ""):
+    def recv(self, out, src: int, label: str = "", tag: int = 0):
         from .._errors import DistributedError
 
-        mine = self._fingerprint(("from", src), out)
-        theirs = self.inner.recv(torch.empty_like(mine), src)
+        mine = self._fingerprint(("from", src, tag), out)
+        theirs = self.inner.recv(torch.empty_like(mine), src, tag=tag)
         if not bool((theirs == mine).all()):
             raise DistributedError(
                 f"rank {self.rank} expected message #{int(mine[0])} from rank {src} of {int(mine[1])} elements "
                 f"({out.dtype}); rank {src} sent message #{int(theirs[0])} of {int(theirs[1])} elements"
                 + ("" if int(theirs[2]) == int(mine[2]) else " of another dtype"))
-        return self.inner.recv(out, src, label=label)
+        return self.inner.recv(out, src, label=label, tag=tag)

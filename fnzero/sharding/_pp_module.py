@@ -28,17 +28,22 @@ class PipelineInfo:
     stages: int
     comm: Any
     loss_fn: Callable[[Any, Any], Any]
-    layers: tuple[int, int]
+    layers: tuple[tuple[int, int], ...]  # the layer range of each of this rank's chunks
     world: Any = None
     ties: tuple = ()  # TiedWeight per weight shared across stages
 
     @property
-    def first(self) -> bool:
-        return self.stage_index == 0
+    def chunks(self) -> int:
+        """Virtual stages per rank (1 but for the interleaved schedule)."""
+        return len(self.layers)
 
-    @property
-    def last(self) -> bool:
-        return self.stage_index == self.stages - 1
+    def first(self, chunk: int = 0) -> bool:
+        """Whether this rank's `chunk` is the model's first (it reads the inputs)."""
+        return self.stage_index == 0 and chunk == 0
+
+    def last(self, chunk: int = 0) -> bool:
+        """Whether this rank's `chunk` is the model's last (it computes the loss)."""
+        return self.stage_index == self.stages - 1 and chunk == self.chunks - 1
 
 
 class LayerSpec:
@@ -65,11 +70,15 @@ class PipelineModule:
     Layers are `nn.Module`s, `LayerSpec`s (built only on the stage that runs them) or
     parameter-free callables. `num_stages` (default: the config's `pipeline.stages`, or the mesh's)
     stages each run a contiguous run of layers, cut by `partition_method` (`parameters`,
-    `uniform`, `type:<regex>`, as DeepSpeed). `activation_checkpoint_interval` > 0
+    `uniform`, `type:<regex>`, as DeepSpeed, or a list of split points: the indices of the layers
+    that start stages 1, 2, ...). `activation_checkpoint_interval` > 0
     rematerialises every run of that many layers of a stage in backward. `seed_layers` (or the
     config's `pipeline.seed_layers`) builds LayerSpec i from torch seed `base_seed + i`, so its
     initial weights do not depend on which stage builds it (DeepSpeed's option; fnzero leaves
     the caller's RNG stream as it was).
+
+    `virtual_stages` V > 1 cuts the layers into stages·V chunks, rank s holding chunks s,
+    s+stages, ... for the interleaved schedule (`pipeline_loss(sm, "interleaved")`).
 
     Parameter names: a layer's modules keep their names in `names_from` (the model the layers
     were cut from), so a pipeline's checkpoints, exports and pretrained files use the model's own
@@ -82,7 +91,8 @@ class PipelineModule:
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any], *, num_stages: int | None = None,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 seed_layers: bool = False, base_seed: int = 1234, names_from: nn.Module | None = None):
+                 seed_layers: bool = False, base_seed: int = 1234, names_from: nn.Module | None = None,
+                 virtual_stages: int = 1):
         layers = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
         if not layers:
             raise ShardingError("a PipelineModule needs at least one layer")
@@ -91,8 +101,10 @@ class PipelineModule:
                 raise ShardingError(f"pipeline layer {i} is a {type(layer).__name__}, not a module, LayerSpec or callable")
         if not callable(loss_fn):
             raise ShardingError("a PipelineModule needs loss_fn(outputs, labels) -> scalar loss")
-        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1):
-            raise ConfigError(f"num_stages must be a positive integer, got {num_stages!r}")
+        for what, v in (("num_stages", num_stages), ("virtual_stages", virtual_stages)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{what} must be a positive integer, got {v!r}")
+        self.virtual_stages = virtual_stages
         if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
                 or activation_checkpoint_interval < 0:
             raise ConfigError(f"activation_checkpoint_interval must be an integer >= 0, got {activation_checkpoint_interval!r}")
@@ -112,8 +124,10 @@ class PipelineModule:
         return counts
 
     def bounds(self, num_stages: int) -> list[int]:
-        """Layer boundaries of `num_stages` stages (stage s runs layers [b[s], b[s+1]))."""
-        counts = self.param_counts() if self.partition_method.lower() == "parameters" else [0] * len(self.layers)
+        """Layer boundaries of `num_stages` stages, or chunks with virtual stages (stage s runs
+        layers [b[s], b[s+1]))."""
+        by_params = isinstance(self.partition_method, str) and self.partition_method.lower() == "parameters"
+        counts = self.param_counts() if by_params else [0] * len(self.layers)
         return stage_bounds(self.partition_method, self.layers, num_stages, counts)
 
     def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None,
@@ -121,11 +135,14 @@ class PipelineModule:
         """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built); `.ties` lists the
         weights it shares with other stages (`TiedWeight`). `seed_layers` turns seeding on as the
         module's own flag does."""
-        b = self.bounds(num_stages)
+        v = self.virtual_stages
+        b = self.bounds(num_stages * v)  # with virtual stages, chunk c·p + s is rank s's chunk c
+        chunks = [(b[c * num_stages + stage_id], b[c * num_stages + stage_id + 1]) for c in range(v)]
         interval = self.activation_checkpoint_interval if checkpoint_interval is None else checkpoint_interval
         seed = self.base_seed if self.seed_layers or seed_layers else None
-        stage = PipelineStage(self.layers, b[stage_id], b[stage_id + 1], interval, seed, self.names)
-        stage.ties = find_ties(self.layers, b, stage_id, self.names)
+        stage = PipelineStage(self.layers, chunks, interval, seed, self.names)
+        owner = {i: c % num_stages for c in range(num_stages * v) for i in range(b[c], b[c + 1])}
+        stage.ties = find_ties(self.layers, owner, stage_id, self.names)
         if self.source is not None:
             # AutoTP's built-in plan is the model's (its type, its config's head counts); kept out of
             # the module tree (`__dict__`), which must hold only this stage's layers.
@@ -147,11 +164,11 @@ class TiedWeight:
     module: str | None
 
 
-def find_ties(layers: list, bounds: list[int], stage_id: int, names: dict | None = None) -> tuple[TiedWeight, ...]:
-    """The parameters held by layers of more than one stage, in the order of first use (`names`:
-    module id -> its name in the model, as `PipelineStage` registers it)."""
+def find_ties(layers: list, stage_of: dict[int, int], stage_id: int, names: dict | None = None) -> tuple[TiedWeight, ...]:
+    """The parameters held by layers of more than one stage (`stage_of`: layer -> the stage running
+    it), in the order of first use (`names`: module id -> its name in the model, as
+    `PipelineStage` registers it)."""
     names = names or {}
-    stage_of = {i: s for s in range(len(bounds) - 1) for i in range(bounds[s], bounds[s + 1])}
     uses: dict[int, list[tuple[int, str, nn.Module, torch.Tensor]]] = {}
     for i, layer in enumerate(layers):
         if not isinstance(layer, nn.Module):
@@ -176,24 +193,26 @@ def find_ties(layers: list, bounds: list[int], stage_id: int, names: dict | None
 
 
 class PipelineStage(nn.Module):
-    """Layers `[lo, hi)` of a pipeline. Parameter names are the same at any stage count: a layer's
-    modules are registered under their names in the model (`names`: module id -> name) where
-    known, else the layer under its index in the whole pipeline (`"3.weight"`). `unit_paths` are
-    the modules `shard` makes units (each layer, or each named module holding parameters)."""
+    """A rank's layers of a pipeline: one range `[lo, hi)`, or one per chunk with virtual stages
+    (`chunks`). Parameter names are the same at any stage count: a layer's modules are registered
+    under their names in the model (`names`: module id -> name) where known, else the layer under
+    its index in the whole pipeline (`"3.weight"`). `unit_paths` are the modules `shard` makes
+    units (each layer, or each named module holding parameters)."""
 
-    def __init__(self, layers: list, lo: int, hi: int, checkpoint_interval: int = 0, base_seed: int | None = None,
-                 names: dict | None = None):
+    def __init__(self, layers: list, chunks: list[tuple[int, int]], checkpoint_interval: int = 0,
+                 base_seed: int | None = None, names: dict | None = None):
         super().__init__()
-        self.lo, self.hi, self.checkpoint_interval = lo, hi, checkpoint_interval
-        self._fns: list[Callable[[Any], Any]] = []
+        self.chunks, self.checkpoint_interval = [tuple(c) for c in chunks], checkpoint_interval
+        self._fns: list[Callable[[Any], Any]] = []  # every chunk's layers, in order
         self.unit_paths: list[str] = []
-        for i in range(lo, hi):
-            layer = _build(layers[i], None if base_seed is None else base_seed + i)
-            if isinstance(layer, nn.Module):
-                for path, module in _placements(i, layer, names or {}):
-                    if _register(self, path, module) and any(True for _ in module.parameters()):
-                        self.unit_paths.append(path)
-            self._fns.append(layer)
+        for lo, hi in self.chunks:
+            for i in range(lo, hi):
+                layer = _build(layers[i], None if base_seed is None else base_seed + i)
+                if isinstance(layer, nn.Module):
+                    for path, module in _placements(i, layer, names or {}):
+                        if _register(self, path, module) and any(True for _ in module.parameters()):
+                            self.unit_paths.append(path)
+                self._fns.append(layer)
 
     def replace_module(self, old: nn.Module, new: nn.Module) -> None:
         """Put `new` wherever this stage's layers hold `old` (AutoTP replaces modules by name in
@@ -207,8 +226,10 @@ class PipelineStage(nn.Module):
                         if child is old:
                             m._modules[name] = new
 
-    def forward(self, x: Any) -> Any:
-        fns = self._fns
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        start = sum(hi - lo for lo, hi in self.chunks[:chunk])
+        lo, hi = self.chunks[chunk]
+        fns = self._fns[start:start + hi - lo]
         step = self.checkpoint_interval
         if step <= 0 or not self.training:
             for f in fns:

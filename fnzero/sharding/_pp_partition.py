@@ -70,12 +70,23 @@ def layer_type_name(layer) -> str | None:
     return getattr(layer, "__name__", None)
 
 
-def stage_bounds(method: str, layers: Sequence, num_stages: int, param_counts: Sequence[int]) -> list[int]:
-    """The boundaries of `num_stages` stages over `layers` by `method`; a ConfigError names the
-    numbers when there are more stages than layers, or the method is unknown or finds nothing."""
+def stage_bounds(method: "str | Sequence[int]", layers: Sequence, num_stages: int,
+                 param_counts: Sequence[int]) -> list[int]:
+    """The boundaries of `num_stages` stages over `layers` by `method` (or split points: the
+    indices of the layers that start stages 1, 2, ...); a ConfigError names the numbers when there
+    are more stages than layers, the split points do not cut that many non-empty stages, or the
+    method is unknown or finds nothing."""
     n = len(layers)
     if num_stages > n:
         raise ConfigError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers; this model has {n}")
+    if not isinstance(method, str):
+        points = list(method)
+        bounds = [0, *points, n]
+        if len(points) != num_stages - 1 or not all(isinstance(p, int) and not isinstance(p, bool) for p in points) \
+                or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ConfigError(f"split points {points} do not cut {n} layers into {num_stages} non-empty stages: give "
+                              f"{num_stages - 1} increasing layer indices between 1 and {n - 1}")
+        return bounds
     m = method.lower()
     if m == "uniform":
         return partition_uniform(n, num_stages)

@@ -45,11 +45,11 @@ class _Exchange:
         self.ops: list[str | None] = [None] * n
         self._subs: dict[tuple[int, ...], _Exchange] = {}
         self._subs_lock = threading.Lock()
-        self._boxes: dict[tuple[int, int], queue.Queue] = {}  # (src, dst): point-to-point messages in order
+        self._boxes: dict[tuple[int, int, int], queue.Queue] = {}  # (src, dst, tag): messages in order
 
-    def box(self, src: int, dst: int) -> queue.Queue:
+    def box(self, src: int, dst: int, tag: int = 0) -> queue.Queue:
         with self._subs_lock:
-            return self._boxes.setdefault((src, dst), queue.Queue())
+            return self._boxes.setdefault((src, dst, tag), queue.Queue())
 
     def sub(self, ranks: tuple[int, ...]) -> "_Exchange":
         """The exchange of the sub-world of `ranks`, shared by the threads that ask for it."""
@@ -130,12 +130,12 @@ class ThreadCollectives(CollectivesBase):
     def barrier(self):
         self._x.exchange(self.rank, "barrier", None)
 
-    def send_async(self, t, dst: int, label: str = ""):
-        self._x.box(self.rank, dst).put(t.detach().clone())
+    def send_async(self, t, dst: int, label: str = "", tag: int = 0):
+        self._x.box(self.rank, dst, tag).put(t.detach().clone())
         return PendingTensor(t)
 
-    def recv(self, out, src: int, label: str = ""):
-        box, deadline = self._x.box(src, self.rank), time.monotonic() + self._x.timeout
+    def recv(self, out, src: int, label: str = "", tag: int = 0):
+        box, deadline = self._x.box(src, self.rank, tag), time.monotonic() + self._x.timeout
         while True:  # in short waits, so a failed rank (a broken barrier) releases this one
             try:
                 value = box.get(timeout=0.05)
