@@ -315,3 +315,20 @@ def train_pipelined(comm, layers, loss_fn, batches, stages, zero, k, sched, extr
         state, m = step(state, (x[d * per:(d + 1) * per], y[d * per:(d + 1) * per]))
         losses.append(m["loss"])
     return sm.gather(state), losses, sm
+
+
+def hf_model(kind: str, layers: int = 2):
+    """A small float64 Hugging Face causal LM built from a config (nothing downloaded): "gpt2"
+    (Conv1D, fused q|k|v, tied head), "llama" (GQA, untied) or "llama_tied"; vocabulary 51."""
+    import transformers
+
+    with seeded(0):
+        if kind == "gpt2":
+            c = transformers.GPT2Config(vocab_size=51, n_positions=16, n_embd=16, n_layer=layers, n_head=4, resid_pdrop=0,
+                                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+            return transformers.GPT2LMHeadModel(c).double()
+        c = transformers.LlamaConfig(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     tie_word_embeddings=kind == "llama_tied", bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)  # fmt: skip
+        return transformers.LlamaForCausalLM(c).double()

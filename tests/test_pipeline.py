@@ -340,17 +340,7 @@ def test_checkpoints_move_between_pipeline_layouts(tmp_path):
 
 
 def _hf(kind: str):
-    import transformers
-
-    with seeded(0):
-        if kind == "gpt2":
-            c = transformers.GPT2Config(vocab_size=51, n_positions=16, n_embd=16, n_layer=3, n_head=4, resid_pdrop=0,
-                                        embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
-            return transformers.GPT2LMHeadModel(c).double()
-        c = transformers.LlamaConfig(vocab_size=51, hidden_size=16, intermediate_size=22, num_hidden_layers=3,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
-        return transformers.LlamaForCausalLM(c).double()
+    return W.hf_model(kind, layers=3)
 
 
 @pytest.mark.parametrize("kind,world,stages,zero,sched,tp", [

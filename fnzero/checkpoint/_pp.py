@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 
 import torch
@@ -19,9 +18,9 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
-from ._commit import clean_stale, commit, committed, failure_marker, read_part
-from ._io import wait_for
+from ._commit import clean_stale
 from ._nodes import discover_groups
+from ._protocol import Where, index_head, write_and_commit
 
 __all__ = ["save_pipelined", "merge_pipelined"]
 
@@ -53,36 +52,11 @@ def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, up
                               "a pipeline-parallel save needs one directory every rank sees (node-local saves of "
                               "pipelines are not implemented)")
     metas, data = pieces
-    from ._save import _write_rank
 
     extra = {"nonce": nonce, "rng": rng, "stage_units": units, "pipeline_stage": pp.stage_index}
-    plan, ls = sh.plan, state.loss_scale
-    head = {
-        "format": F.FORMAT, "version": F.VERSION, "tag": tag, "nonce": nonce, "created": time.time(),
-        "world_size": n, "stage": plan.stage, "param_dtype": F.dtype_name(plan.param_dtype),
-        "has_master": state.master is not None, "optimizer": type(state.opt_state).__name__,
-        "step": int(state.step), "config": cfg_json, "client_state": client_state,
-        "loss_scale": None if ls is None else {
-            "scale": float(ls.scale), "good_steps": int(ls.good_steps), "hysteresis": int(ls.hysteresis)},
-        "pipeline_stages": pp.stages,
-    }
-    try:
-        _write_rank(staging, rank, metas, data, extra)
-        if rank == 0:
-            parts = [wait_for(lambda r=r: read_part(staging, r, nonce), timeout, f"rank {r}'s part of {tag!r}")
-                     for r in range(n)]
-            commit(root, tag, staging, merge_pipelined(parts, head), nonce, update_latest)
-        else:
-            wait_for(lambda: committed(root, tag, nonce, staging, 0, update_latest), timeout,
-                     f"rank 0 to commit {tag!r}")
-    except BaseException as e:
-        for marker in (os.path.join(staging, f"rank{rank:05d}.failed"), failure_marker(root, tag, nonce, rank)):
-            try:  # tell the other ranks instead of letting them wait for the timeout
-                with open(marker, "w") as f:
-                    f.write(f"{type(e).__name__}: {e}")
-            except OSError:
-                pass
-        raise
+    head = index_head(state, tag, nonce, n, cfg_json, client_state, pipeline_stages=pp.stages)
+    at = Where(root, staging, tag, nonce, rank, n, update_latest, timeout)
+    write_and_commit(at, metas, data, extra, lambda parts: merge_pipelined(parts, head))
     return tag
 
 

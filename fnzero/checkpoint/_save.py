@@ -21,13 +21,11 @@ A crash anywhere before the rename in 3 leaves only a staging dir, which loaders
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import math
 import os
 import random
 import shutil
 import threading
-import time
 from typing import Any
 
 import torch
@@ -35,15 +33,15 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
-from ._commit import clean_stale, commit, committed, failure_marker, merge_parts, read_part
-from ._io import AlignedWriter, wait_for, write_atomic
+from ._commit import clean_stale, commit, committed, merge_parts
+from ._io import wait_for
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
+from ._protocol import Where, index_head, mark_failed, write_and_commit, write_rank
 from ._tree import state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
 
-SEGMENT_BYTES = 32 << 20  # a resharding reader reads at most one extra segment per range end
 _PENDING: dict[tuple[str, int], "SaveHandle"] = {}
 _PENDING_LOCK = threading.Lock()
 
@@ -195,26 +193,6 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None)
     return metas, out
 
 
-def _write_rank(staging: str, rank: int, metas: dict, pieces, extra: dict) -> dict:
-    """Write this rank's data file, then its index part (its done marker); returns the part."""
-    w = AlignedWriter(os.path.join(staging, F.data_name(rank)))
-    tensors = {k: dict(m, segments=[]) for k, m in metas.items()}
-    try:
-        for key, lo, hi, flat in pieces:
-            step = max(1, SEGMENT_BYTES // max(1, flat.element_size()))
-            for a in range(0, hi - lo, step):
-                b = min(hi - lo, a + step)
-                off, crc = w.write(flat[a:b])
-                tensors[key]["segments"].append([rank, off, lo + a, lo + b, crc])
-        size = w.close()
-    except BaseException:
-        w.abort()
-        raise
-    part = dict(extra, rank=rank, size=size, tensors=tensors)
-    write_atomic(os.path.join(staging, F.part_name(rank)), F.pack(part))
-    return part
-
-
 def _node_local(node_local: bool | None, config: Any) -> bool:
     if node_local is not None:
         return bool(node_local)
@@ -222,26 +200,12 @@ def _node_local(node_local: bool | None, config: Any) -> bool:
     return bool(getattr(ck, "use_node_local_storage", False))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Where:
-    """Where and how one save writes: its directories, its identity and its rank's place."""
-
-    root: str
-    staging: str
-    tag: str
-    nonce: int
-    rank: int
-    world: int
-    update_latest: bool
-    timeout: float
-
-
-def _node_local_save(at: _Where, comm, device, groups, metas, pieces, extra, head, plan) -> None:
+def _node_local_save(at: Where, comm, device, groups, metas, pieces, extra, head, plan) -> None:
     """Write this rank's part, exchange every rank's index part (each rank reaches the exchange,
     failed or not, so no rank waits on one that gave up), and commit this group's copy."""
     staging, rank, world, tag, nonce = at.staging, at.rank, at.world, at.tag, at.nonce
     try:
-        part = _write_rank(staging, rank, metas, pieces, extra)
+        part = write_rank(staging, rank, metas, pieces, extra)
     except BaseException as e:  # noqa: BLE001 - reported to every rank through the exchange, then raised
         part, failure = {"failed": f"{type(e).__name__}: {e}"}, e
     else:
@@ -347,38 +311,18 @@ def save(
     metas, pieces = _pieces(state, copy=not blocking, group=group)
     extra = {"nonce": nonce, "rng": _rng_state()}
     plan = sh.plan
-    ls = state.loss_scale
-    head = {
-        "format": F.FORMAT, "version": F.VERSION, "tag": tag, "nonce": nonce, "created": time.time(),
-        "world_size": world, "stage": plan.stage, "param_dtype": F.dtype_name(plan.param_dtype),
-        "has_master": state.master is not None, "optimizer": type(state.opt_state).__name__,
-        "step": int(state.step), "config": cfg_json, "client_state": client_state,
-        "loss_scale": None if ls is None else {
-            "scale": float(ls.scale), "good_steps": int(ls.good_steps), "hysteresis": int(ls.hysteresis)},
-        "units": unit_meta(plan),
-    }
+    head = index_head(state, tag, nonce, world, cfg_json, client_state, units=unit_meta(plan))
+    at = Where(root, staging, tag, nonce, rank, world, update_latest, timeout)
 
     def work():
-        try:
-            if group is not None:
-                at = _Where(root, staging, tag, nonce, rank, world, update_latest, timeout)
+        if group is not None:
+            try:
                 _node_local_save(at, comm, sh.device, groups, metas, pieces, extra, head, plan)
-                return
-            _write_rank(staging, rank, metas, pieces, extra)
-            if rank == 0:
-                parts = [wait_for(lambda r=r: read_part(staging, r, nonce), timeout, f"rank {r}'s part of {tag!r}")
-                         for r in range(world)]
-                commit(root, tag, staging, merge_parts(parts, head), nonce, update_latest)
-            else:
-                wait_for(lambda: committed(root, tag, nonce, staging, 0, update_latest), timeout, f"rank 0 to commit {tag!r}")
-        except BaseException as e:
-            for marker in (os.path.join(staging, f"rank{rank:05d}.failed"), failure_marker(root, tag, nonce, rank)):
-                try:  # tell the other ranks instead of letting them wait for the timeout
-                    with open(marker, "w") as f:
-                        f.write(f"{type(e).__name__}: {e}")
-                except OSError:
-                    pass
-            raise
+            except BaseException as e:
+                mark_failed(at, e)
+                raise
+            return
+        write_and_commit(at, metas, pieces, extra, lambda parts: merge_parts(parts, head))
 
     handle = SaveHandle(root, tag)
     if blocking:

@@ -79,10 +79,7 @@ def shard(
     debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
     pipe = None
     if isinstance(model, PipelineModule):
-        model, mesh, pipe = _stage_for_pp(model, comm, mesh, config, policy, debug)
-        # Units: each layer (or named module); a weight shared with another stage is a unit of its own,
-        # laid out alike on each stage holding it.
-        wrap = _with_tied_units(model, wrap, {t.module for t in pipe.ties if t.module is not None})
+        model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap)
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
@@ -138,9 +135,11 @@ def shard(
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
-                  debug: bool) -> tuple[nn.Module, Mesh, PipelineInfo]:  # fmt: skip
+                  debug: bool, wrap) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
     """This rank's stage of a pipeline model: its layers as a module, the mesh (given, or the
-    config's with the module's stage count), and the stage's place in the pipeline."""
+    config's with the module's stage count), the stage's place in the pipeline, and its units
+    (each layer or named module; a weight shared with another stage is a unit of its own, laid out
+    alike on each stage holding it)."""
     if mesh is None:
         mesh = mesh_from_config(comm, config, pp=pipe.num_stages)
     stages = mesh.shape.pp
@@ -163,7 +162,7 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
     module = pipe.stage(stage_id, stages, interval, seed_layers=bool(getattr(pipe_cfg, "seed_layers", False)))
     info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, tuple(module.chunks),
                         mesh.world, module.ties)
-    return module, mesh, info
+    return module, mesh, info, _with_tied_units(module, wrap, {t.module for t in info.ties if t.module is not None})
 
 
 def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, nn.Module], bool]:
