@@ -10,17 +10,14 @@ stage count, data-parallel size and ZeRO stage, and exports, with no conversion.
 from __future__ import annotations
 
 import os
-import random
 
 
-import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
-from ._commit import clean_stale
 from ._nodes import discover_groups
-from ._protocol import Where, index_head, write_and_commit
+from ._protocol import Where, index_head, start, write_and_commit
 
 __all__ = ["save_pipelined", "merge_pipelined"]
 
@@ -38,14 +35,7 @@ def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, up
     tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
     F.check_client_state(client_state)
     cfg_json = config.to_json() if config is not None and hasattr(config, "to_json") else config
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        clean_stale(root)
-        nonce = random.SystemRandom().getrandbits(62)
-    else:
-        nonce = 0
-    nonce = int(world.broadcast(torch.tensor([nonce], dtype=torch.int64, device=sh.device), 0).cpu()[0])
-    staging = os.path.join(root, f".{tag}.{nonce:016x}.partial")
+    nonce, staging = start(root, world, rank, n, tag, sh.device)
     groups = discover_groups(world, staging, rank, n, sh.device)
     if not groups.shared:
         raise CheckpointError(f"the checkpoint directory {root!r} is not shared by every rank ({groups.describe()}); "

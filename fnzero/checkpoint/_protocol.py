@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
+
+import torch
 
 from .._state import TrainState
 from . import _format as F
-from ._commit import commit, committed, failure_marker, read_part
+from ._commit import clean_stale, commit, committed, failure_marker, read_part
 from ._io import AlignedWriter, wait_for, write_atomic
 
-__all__ = ["Where", "index_head", "write_rank", "write_and_commit", "mark_failed", "SEGMENT_BYTES"]
+__all__ = ["Where", "index_head", "start", "write_rank", "write_and_commit", "mark_failed", "SEGMENT_BYTES"]
 
 SEGMENT_BYTES = 32 << 20  # a resharding reader reads at most one extra segment per range end
 
@@ -30,6 +33,20 @@ class Where:
     world: int
     update_latest: bool
     timeout: float
+
+
+def start(root: str, comm, rank: int, world: int, tag: str, device) -> tuple[int, str]:
+    """Step 1: rank 0 makes the root, removes stale staging dirs and draws the save's nonce,
+    which every rank receives; (nonce, this save's staging directory)."""
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        clean_stale(root)
+        nonce = random.SystemRandom().getrandbits(62)
+    else:
+        nonce = 0
+    if world > 1:  # same nonce everywhere, and rank 0 has made the root
+        nonce = int(comm.broadcast(torch.tensor([nonce], dtype=torch.int64, device=device), 0).cpu()[0])
+    return nonce, os.path.join(root, f".{tag}.{nonce:016x}.partial")
 
 
 def index_head(state: TrainState, tag: str, nonce: int, world: int, cfg_json, client_state, **more) -> dict:

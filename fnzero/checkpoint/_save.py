@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import random
 import shutil
 import threading
 from typing import Any
@@ -37,7 +36,7 @@ from ._commit import clean_stale, commit, committed, merge_parts
 from ._io import wait_for
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
-from ._protocol import Where, index_head, mark_failed, write_and_commit, write_rank
+from ._protocol import Where, index_head, start, mark_failed, write_and_commit, write_rank
 from ._tree import state_leaves, unit_meta
 
 __all__ = ["save", "SaveHandle"]
@@ -283,15 +282,7 @@ def save(
     if prev is not None:
         prev.wait()
 
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        clean_stale(root)
-        nonce = random.SystemRandom().getrandbits(62)
-    else:
-        nonce = 0
-    if world > 1:  # same nonce everywhere, and rank 0 has made the root
-        nonce = int(comm.broadcast(torch.tensor([nonce], dtype=torch.int64, device=sh.device), 0).cpu()[0])
-    staging = os.path.join(root, f".{tag}.{nonce:016x}.partial")
+    nonce, staging = start(root, comm, rank, world, tag, sh.device)
     groups = discover_groups(comm, staging, rank, world, sh.device)
     leader = groups.leader(rank)
     if not groups.shared and not node_local:
