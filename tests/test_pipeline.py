@@ -501,3 +501,29 @@ def test_checkpoints_move_between_the_model_and_its_pipeline_across_meshes(tmp_p
     assert sorted(after) == sorted(saved)
     (back,) = simulated_world(1).run(lambda comm: plain(comm, 1, tmp_path / "b", None))
     assert all(torch.equal(back[n], after[n]) for n in after), "tp2 x pp2 -> one rank"
+
+
+def test_jit_compiles_a_stages_layers_and_runs_other_scopes_eagerly():
+    """specs/mesh.md §Pipeline: fnzero.jit's per-unit scope compiles each layer of a stage (no graph
+    break, same losses); scope "loss" cannot be one graph across point-to-point sends and says so."""
+    layers, batches = _gpt_layers(), _gpt_batches()
+    _, ref_losses = _reference(layers, _lm_loss, batches, k=4)
+
+    def rank(comm, scope):
+        cfg = _cfg(1, 2, 1, 4)
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.jit(fnzero.train_step(fnzero.pipeline_loss(sm), cfg), backend="aot_eager", scope=scope)
+        losses = []
+        for b in batches[:2]:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+        return losses, step.fallback_reason, len(step.graph_breaks)
+
+    for losses, fallback, breaks in simulated_world(2).run(lambda comm: rank(comm, "units")):
+        assert (fallback, breaks) == (None, 0)
+        assert losses == pytest.approx(ref_losses[:2], rel=RTOL)
+    with pytest.warns(fnzero.JitWarning, match="a pipeline schedule sends activations between its stages"):
+        for losses, fallback, _ in simulated_world(2).run(lambda comm: rank(comm, "loss")):
+            assert "pipeline schedule" in fallback
+            assert losses == pytest.approx(ref_losses[:2], rel=RTOL)
