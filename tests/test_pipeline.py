@@ -527,3 +527,29 @@ def test_jit_compiles_a_stages_layers_and_runs_other_scopes_eagerly():
         for losses, fallback, _ in simulated_world(2).run(lambda comm: rank(comm, "loss")):
             assert "pipeline schedule" in fallback
             assert losses == pytest.approx(ref_losses[:2], rel=RTOL)
+
+
+def test_a_pipeline_with_its_optimizer_on_nvme_checkpoints_and_resumes(tmp_path):
+    """offload_optimizer: nvme on each stage: the save reads the store's files into the ordinary
+    format; a fresh NVMe-backed pipeline resumes from it and takes the same next step."""
+    layers = [layer.float() for layer in _gpt_layers()]
+    batches = _gpt_batches()
+    extra = {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nv")}}}
+
+    def rank(comm, resume):
+        cfg = _cfg(1, 2, 1, 4, extra)
+        sm = fnzero.shard(PipelineModule(copy.deepcopy(layers), _lm_loss), config=cfg, comm=comm)
+        state, step = sm.init_state(), fnzero.train_step(fnzero.pipeline_loss(sm), cfg)
+        if resume:
+            state, _ = fnzero.checkpoint.load(tmp_path / "ck", state)
+        else:
+            state, _ = step(state, batches[0])
+            fnzero.checkpoint.save(tmp_path / "ck", state, tag="t")
+        state, m = step(state, batches[1])
+        return m["loss"], sm.gather(state)
+
+    first = simulated_world(2).run(lambda comm: rank(comm, False))
+    again = simulated_world(2).run(lambda comm: rank(comm, True))
+    for (loss_a, params_a), (loss_b, params_b) in zip(first, again):
+        assert loss_a == loss_b
+        assert all(torch.equal(params_a[n], params_b[n]) for n in params_a)

@@ -126,12 +126,18 @@ def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
 def _save_pipelined(path, state: TrainState, tag, client_state, config, update_latest, timeout, node_local) -> SaveHandle:
     """A pipeline stage's part of the job's one checkpoint (`_pp.py`); with tensor parallelism the
     stage is consolidated over its tp ranks first and their rank 0 writes it. Blocking."""
-    from ..offload._checkpoint import is_nvme
+    from ..offload._checkpoint import is_nvme, materialize
     from ._tp import check_supported, consolidated
 
-    if is_nvme(state) or _node_local(node_local, config):
-        raise CheckpointError("a pipeline-parallel save with the optimizer on NVMe, or node-local, is not implemented yet")
+    if _node_local(node_local, config):
+        raise CheckpointError("a node-local save of a pipeline-parallel state is not implemented yet: save to a "
+                              "directory every rank sees")
     pp, tp = state.sharding.pp, state.sharding.tp
+    if is_nvme(state):  # the store's files, read now in the layout a CPU-offload run holds (specs/offload.md)
+        if tp is not None and tp.size > 1:
+            raise CheckpointError("checkpoints of a tensor-parallel state with its optimizer on NVMe are not "
+                                  "implemented yet")
+        state = materialize(state)
     whole, writes = state, True
     if tp is not None and tp.size > 1:
         check_supported(state)
