@@ -32,7 +32,6 @@ def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, up
     world = pp.world
     rank, n = world.rank, world.world_size
     root = os.path.abspath(os.fspath(path))
-    tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
     F.check_client_state(client_state)
     cfg_json = config.to_json() if config is not None and hasattr(config, "to_json") else config
     nonce, staging = start(root, world, rank, n, tag, sh.device)

@@ -133,15 +133,12 @@ def _save_pipelined(path, state: TrainState, tag, client_state, config, update_l
         raise CheckpointError("a node-local save of a pipeline-parallel state is not implemented yet: save to a "
                               "directory every rank sees")
     pp, tp = state.sharding.pp, state.sharding.tp
+    split = tp is not None and tp.size > 1
+    if split:
+        check_supported(state)  # not with the optimizer on NVMe
     if is_nvme(state):  # the store's files, read now in the layout a CPU-offload run holds (specs/offload.md)
-        if tp is not None and tp.size > 1:
-            raise CheckpointError("checkpoints of a tensor-parallel state with its optimizer on NVMe are not "
-                                  "implemented yet")
         state = materialize(state)
-    whole, writes = state, True
-    if tp is not None and tp.size > 1:
-        check_supported(state)
-        whole, writes = consolidated(state), tp.rank == 0  # collective over dp and tp
+    whole, writes = (consolidated(state), tp.rank == 0) if split else (state, True)  # consolidated: over dp and tp
     pieces = _pieces(whole, copy=False) if writes else ({}, [])
     units = unit_meta(whole.sharding.plan) if writes and whole.sharding.rank == 0 else None
     handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))

@@ -18,7 +18,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import Sharding, TrainState
-from ..sharding._plan import ParamSlot, ShardPlan
+from ..sharding._plan import ParamSlot, ShardPlan, padded_size
 from ._tree import Leaf, rebuild_state
 
 __all__ = ["full_plan", "consolidated", "tp_check_view", "fill_tp_leaf"]
@@ -41,7 +41,7 @@ def full_plan(plan: ShardPlan, tp) -> ShardPlan:
             shape = split.full_shape if split is not None else s.shape
             slots.append(ParamSlot(s.name, tuple(shape), offset, s.aliases))
             offset += math.prod(shape)
-        padded = max(n, -(-offset // n) * n)
+        padded = padded_size(offset, n)
         units.append(dataclasses.replace(u, slots=tuple(slots), numel=offset, padded_numel=padded, shard_numel=padded // n))
     return dataclasses.replace(plan, units=tuple(units))
 

@@ -15,7 +15,6 @@ from ._types import describe
 __all__ = ["normalize"]
 
 # Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine.
-NO_EFFECT_BLOCKS: dict[str, str] = {}
 UNSUPPORTED_BLOCKS = (
     "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
@@ -144,11 +143,6 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
             problems.add(f"`{key}` was removed from DeepSpeed; use {advice} instead")
             del parent[leaf]
 
-    for key, why in NO_EFFECT_BLOCKS.items():
-        if key in raw:
-            if raw[key] not in ({}, None):
-                deprecations.append(f"`{key}` has no effect in fnzero: {why}")
-            del raw[key]
     for key in UNSUPPORTED_BLOCKS:
         if key in raw:
             if not _is_off(raw[key]):

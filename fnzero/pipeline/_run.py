@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, ShardingError
+from ..sharding._plan import padded_size
 from ..sharding._runtime import STEP_RUNS
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
@@ -162,7 +163,7 @@ def sum_tied_gradients(grads: dict[str, torch.Tensor], plan, pp) -> dict[str, to
             unit = next(u for u in plan.units if u.module == tie.module)
             g = grads[unit.name]
         else:
-            padded = -(-tie.numel // n) * n
+            padded = padded_size(tie.numel, n)  # the holders' unit holds only this weight
             size = padded // n if plan.placement.optimizer else padded
             g = torch.zeros(size, dtype=next(iter(grads.values())).dtype, device=next(iter(grads.values())).device)
         total = pp.comm.all_reduce(g)

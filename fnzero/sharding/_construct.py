@@ -22,7 +22,7 @@ from ._watchdog import process_watchdog
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
-from ._plan import make_plan
+from ._plan import make_plan, unit_predicate
 from ._runtime import wrap_unit_forward
 
 __all__ = ["shard"]
@@ -168,13 +168,9 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
 def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, nn.Module], bool]:
     """The unit predicate of a pipeline stage: `wrap`'s units (default: the stage's `unit_paths`,
     each layer or named module) and each tied weight's module."""
-    if wrap is None:
-        chosen = set(stage.unit_paths)
-        return lambda path, m: path in chosen or path in tied
-    if not callable(wrap) or isinstance(wrap, type):
-        classes = tuple([wrap] if isinstance(wrap, type) else wrap)
-        return lambda path, m: isinstance(m, classes) or path in tied
-    return lambda path, m: wrap(path, m) or path in tied
+    chosen = set(stage.unit_paths)
+    pred = unit_predicate(wrap) if wrap is not None else (lambda path, m: path in chosen)
+    return lambda path, m: pred(path, m) or path in tied
 
 
 def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,

@@ -117,9 +117,7 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None) -> M
     `pipeline.stages` pipeline stages (or `pp`, a pipeline model's own stage count, when the
     config says "auto"), the rest data parallel."""
     tp_cfg = getattr(config, "tensor_parallel", None)
-    pipe_cfg = getattr(config, "pipeline", None)
-    stages = getattr(pipe_cfg, "stages", "auto")
-    if stages != "auto" and pp is not None and int(stages) != pp:
+    stages = getattr(getattr(config, "pipeline", None), "size", None)  # None: "auto"
+    if stages is not None and pp is not None and stages != pp:
         raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
-    pp = int(stages) if stages != "auto" else (pp or 1)
-    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, pp)
+    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1)

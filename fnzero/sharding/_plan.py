@@ -220,6 +220,21 @@ def owner_module(name: str, unit_modules: list[str]) -> str:
     return best
 
 
+def unit_predicate(wrap: Callable[[str, nn.Module], bool] | Iterable[type]) -> Callable[[str, nn.Module], bool]:
+    """A wrap policy as a predicate `(module_path, module) -> bool`: a predicate as given, module
+    classes (one or several) as an isinstance test."""
+    if not callable(wrap) or isinstance(wrap, type):
+        classes = tuple([wrap] if isinstance(wrap, type) else wrap)
+        return lambda path, m: isinstance(m, classes)
+    return wrap
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """A unit buffer's length: `numel` rounded up to a multiple of the world size (at least one
+    element per rank)."""
+    return max(world_size, -(-numel // world_size) * world_size)
+
+
 def make_plan(
     model: nn.Module,
     world_size: int,
@@ -245,11 +260,7 @@ def make_plan(
     if wrap is None:
         unit_modules = default_unit_modules(model)
     else:
-        if not callable(wrap) or isinstance(wrap, type):
-            classes = tuple([wrap] if isinstance(wrap, type) else wrap)
-            pred = lambda path, m: isinstance(m, classes)  # noqa: E731
-        else:
-            pred = wrap
+        pred = unit_predicate(wrap)
         unit_modules = [p for p, m in model.named_modules() if p and pred(p, m)]
 
     # Tied parameters: one tensor, several names. Keep the first name, remember the others.
@@ -290,7 +301,7 @@ def make_plan(
             slots.append(slot)
             offset += slot.numel
         numel = offset
-        padded = max(world_size, -(-numel // world_size) * world_size)
+        padded = padded_size(numel, world_size)
         units.append(
             UnitPlan(
                 name=module or ROOT_UNIT,

@@ -104,11 +104,10 @@ class PipelineModule:
         for what, v in (("num_stages", num_stages), ("virtual_stages", virtual_stages)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{what} must be a positive integer, got {v!r}")
-        self.virtual_stages = virtual_stages
         if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
                 or activation_checkpoint_interval < 0:
             raise ConfigError(f"activation_checkpoint_interval must be an integer >= 0, got {activation_checkpoint_interval!r}")
-        self.layers, self.loss_fn, self.num_stages = layers, loss_fn, num_stages
+        self.layers, self.loss_fn, self.num_stages, self.virtual_stages = layers, loss_fn, num_stages, virtual_stages
         self.partition_method, self.activation_checkpoint_interval = partition_method, activation_checkpoint_interval
         self.seed_layers, self.base_seed = bool(seed_layers), int(base_seed)
         self.names = {id(m): n for n, m in names_from.named_modules() if n} if names_from is not None else {}
