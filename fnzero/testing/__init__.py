@@ -33,6 +33,8 @@ Assertions
 ----------
 assert_trees_close(a, b, rtol, atol), assert_trees_equal(a, b)
 assert_stage_equivalent(model_factory, loss_fn, cfg, batch, world_size, steps)
+                                    judged against the model's own noise floor when the stated
+                                    tolerance is missed (NoiseFloorWarning, NOISE_FACTOR)
 assert_pure(step, state, batch)
 assert_reshard_roundtrip(model_factory, cfg, save_world, load_world, ...)
 count_collectives(sm) -> CollectiveCounter (`.calls(op)`, `.bytes(op)`, `.ring_bytes()`)
@@ -54,6 +56,7 @@ from ._counting import CollectiveCounter, count_collectives
 from ._data import text_corpus, token_batches
 from ._equivalence import assert_stage_equivalent, default_tolerances
 from ._factories import ModelFactory
+from ._floor import NOISE_FACTOR, NoiseFloorWarning
 from ._models import GPT, MLP, GPTConfig, GPTEmbedding, GPTHead, gpt_layers
 from ._purity import assert_pure
 from ._reshard import assert_reshard_roundtrip, consolidate
@@ -84,6 +87,8 @@ __all__ = [
     "gpt_layers",
     "MLP",
     "ModelFactory",
+    "NOISE_FACTOR",
+    "NoiseFloorWarning",
     "SimulatedWorld",
     "SpawnedWorld",
     "ThreadCollectives",

@@ -45,13 +45,16 @@ def model_dtype(cfg: fnzero.Config, dtype: Any) -> torch.dtype | None:
     return dtype
 
 
-def derive_config(cfg: Any, stage: int | None, world: int, micro: int) -> fnzero.Config:
-    """`cfg` at another stage and world size, with `micro` rows per micro-batch (the batch triad is
-    re-derived: train_batch_size = micro x accumulation x world)."""
+def derive_config(cfg: Any, stage: int | None, world: int, micro: int, accumulation: int | None = None) -> fnzero.Config:
+    """`cfg` at another stage and world size, with `micro` rows per micro-batch (and, when given,
+    `accumulation` micro-batches per step; the batch triad is re-derived: train_batch_size =
+    micro x accumulation x world)."""
     base = fnzero.load_config(cfg) if not isinstance(cfg, fnzero.Config) else cfg
     d = base.to_dict()
     d.pop("train_batch_size", None)
     d["train_micro_batch_size_per_gpu"] = micro
+    if accumulation is not None:
+        d["gradient_accumulation_steps"] = accumulation
     if stage is not None:
         d["zero_optimization"]["stage"] = stage
     return fnzero.load_config(d, world_size=world)
