@@ -103,7 +103,7 @@ def test_top_level_help_lists_every_subcommand():
 @pytest.mark.parametrize("argv, must_mention", [
     (["launch"], ["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts"]),
     (["report"], ["usage: fnzero report"]),
-    (["config"], ["show", "validate", "--world-size"]),
+    (["config"], ["show", "validate", "--world-size", "--auto"]),
     (["export"], ["checkpoint", "out", "--dtype", "--max-shard-size", "--format"]),
     (["checkpoint"], ["info"]),
     (["checkpoint", "info"], ["--verify", "--json"]),
@@ -174,7 +174,8 @@ def test_help_and_config_commands_do_not_import_torch(tmp_path):
     good = tmp_path / "ok.json"
     good.write_text('{"train_batch_size": 8}')
     code = ("import sys, io, contextlib\nfrom fnzero.cli import main\n"
-            "for argv in (['--help'], ['config', 'validate', sys.argv[1]], ['config', 'show', sys.argv[1]], ['plan', '--help']):\n"
+            "for argv in (['--help'], ['config', 'validate', sys.argv[1]], ['config', 'show', sys.argv[1]], ['plan', '--help'],\n"
+            "             ['config', 'validate', sys.argv[1], '--auto', 'lr=1e-3,micro_batch_size=2']):\n"
             "    with contextlib.redirect_stdout(io.StringIO()):\n"
             "        try: main(argv)\n"
             "        except SystemExit: pass\n"
@@ -191,6 +192,78 @@ def test_output_into_a_closed_pipe_ends_quietly():
                        "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=60)
     assert p.stdout == "" and p.stderr == "" and p.returncode == 141, (p.returncode, p.stderr)
+
+
+# A Hugging Face-style config: "auto" where transformers' DeepSpeed docs put it, DeepSpeed's unprefixed
+# ZeRO-3 spellings, and two keys fnzero accepts without acting on them.
+HF_CONFIG = {
+    "fp16": {"enabled": "auto", "auto_cast": True}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "cpu_offload": False, "reduce_bucket_size": "auto",
+                          "prefetch_bucket_size": "auto", "param_persistence_threshold": "auto"},
+    "compile": {"deepcompile": False},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+AUTO = "lr=3e-4,micro_batch_size=4,gradient_accumulation_steps=2,betas=[0.9,0.95],bf16=true,warmup_steps=0.1," \
+       "total_steps=1_000,hidden_size=64"
+
+
+def test_config_validate_fills_auto_as_hf_auto_values(tmp_path):
+    import fnzero
+
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(HF_CONFIG))
+    rc, out, err = run_cli("config", "validate", path, "--auto", AUTO, "--world-size", "2")
+    assert rc == 0 and out.startswith(f"{path}: valid (ZeRO stage 3, world size 2)"), (out, err)
+    rc, out, _ = run_cli("config", "show", path, "--auto", AUTO, "--world-size", "2")
+    assert rc == 0
+    with pytest.warns(fnzero.config.ConfigWarning):  # auto_cast and cpu_offload: as the CLI lists them
+        want = fnzero.config.load_config(HF_CONFIG, world_size=2, auto=fnzero.config.hf_auto_values(
+            lr=3e-4, micro_batch_size=4, gradient_accumulation_steps=2, betas=(0.9, 0.95), bf16=True,
+            warmup_steps=0.1, total_steps=1000, hidden_size=64, world_size=2))
+    shown = json.loads(out)
+    assert shown == want.to_dict()
+    assert (shown["train_batch_size"], shown["optimizer"]["params"]["betas"]) == (16, [0.9, 0.95])
+    assert shown["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert shown["scheduler"]["params"]["warmup_num_steps"] == 100 and shown["bf16"]["enabled"] is True
+
+
+def test_config_validate_without_auto_says_how_to_give_it(tmp_path):
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(HF_CONFIG))
+    rc, out, err = run_cli("config", "validate", path)
+    assert rc == 1 and out == "" and '17 keys are "auto"' in err and "--auto lr=" in err, err
+
+
+@pytest.mark.parametrize("auto,needle", [
+    ("lrr=3e-4,micro_batch_size=4", "`lrr` is not an argument of hf_auto_values; did you mean `lr`?"),
+    ("lr=fast,micro_batch_size=4", "`lr` must be a finite number >= 0, got \"fast\""),
+    ("lr=3e-4,micro_batch_size=0", "`micro_batch_size` must be a positive integer, got 0"),
+    ("lr=3e-4", "micro_batch_size must be given"),
+    ("lr", "'lr' is not NAME=VALUE"),
+])
+def test_config_auto_argument_errors_are_usage_errors(tmp_path, auto, needle):
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(HF_CONFIG))
+    rc, out, err = run_cli("config", "validate", path, "--auto", auto)
+    assert rc == 2 and out == "" and err.startswith("fnzero config: --auto: ") and needle in err, err
+
+
+def test_config_validate_lists_keys_without_effect_as_warnings(tmp_path):
+    path = tmp_path / "warn.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "fp16": {"enabled": True, "auto_cast": True},
+                                "dump_state": True, "zero_optimization": {"stage": 1, "cpu_offload": False}}))
+    rc, out, err = run_cli("config", "validate", path)
+    assert rc == 0 and out == f"{path}: valid (ZeRO stage 1, world size 1), 3 warning(s)\n", (out, err)
+    lines = err.splitlines()
+    assert len(lines) == 3 and all(line.startswith("  - warning: `") for line in lines), err
+    assert "`fp16.auto_cast` is true, which has no effect in fnzero" in err and "`dump_state`" in err
+    assert "`zero_optimization.cpu_offload: false` is deprecated" in err
+    rc, out, err = run_cli("config", "validate", "examples/configs/zero3.json")
+    assert rc == 0 and "warning" not in out + err, (out, err)
 
 
 def test_config_validate_missing_file():

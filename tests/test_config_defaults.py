@@ -51,11 +51,12 @@ DEEPSPEED_0_19_8 = {
     "fp16.loss_scale_window": 1000,
     "fp16.hysteresis": 2,
     "fp16.consecutive_hysteresis": False,
-    "fp16.min_loss_scale": 1.0,
+    "fp16.min_loss_scale": 1,  # typed int there: a fractional value is refused
     # runtime/precision_config.py DeepSpeedBF16Config fields (constants.py's unused
     # BFLOAT16_IMMEDIATE_GRAD_UPDATE_DEFAULT = True is not what the model applies)
     "bf16.enabled": False,
     "bf16.immediate_grad_update": False,
+    "bf16.check_grad_overflow": True,
     "torch_autocast.enabled": False,  # runtime/constants.py TORCH_AUTOCAST_ENABLED_DEFAULT
     "torch_autocast.dtype": None,  # runtime/config.py get_torch_autocast_dtype: None when absent
     "torch_autocast.lower_precision_safe_modules": None,  # runtime/config.py get_lower_precision_safe_modules
@@ -86,6 +87,25 @@ DEEPSPEED_0_19_8 = {
     "zero_optimization.zero_quantized_nontrainable_weights": False,
     "zero_optimization.zero_quantized_gradients": False,
     "zero_optimization.memory_efficient_linear": True,
+    "zero_optimization.use_multi_rank_bucket_allreduce": True,
+    "zero_optimization.compute_grad_norm": True,
+    "zero_optimization.parameter_alignment": False,
+    "zero_optimization.pipeline_loading_checkpoint": False,
+    "zero_optimization.override_module_apply": True,
+    "zero_optimization.log_trace_cache_warnings": False,
+    "zero_optimization.enable_sanity_checks": False,
+    "zero_optimization.save_muon_momentum_buffer_in_memory": False,
+    "zero_optimization.stage3_module_granularity_threshold": 0,  # module_granularity_threshold
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": False,  # use_all_reduce_for_fetch_params
+    "zero_optimization.stage3_allgather_sequential": False,  # allgather_sequential
+    # runtime/zero/leaf_module_config.py DeepSpeedZeroLeafModuleConfig (DEFAULT_LEAF_MODULE_CLASSES ...)
+    "zero_optimization.leaf_module.classes": [
+        "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+        "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+    ],
+    "zero_optimization.leaf_module.names": [],
+    "zero_optimization.leaf_module.name_suffixes": [],
     # runtime/config.py _REMOVED_ZERO_CONFIG_KEYS: MiCS was removed (always off); -1 is its old "off"
     "zero_optimization.mics_shard_size": -1,
     # runtime/swap_tensor/constants.py AIO_*_DEFAULT (thread_count is AIO_INTRA_OP_PARALLELISM_DEFAULT)
@@ -156,6 +176,28 @@ DEEPSPEED_0_19_8 = {
     "pipeline.pipe_partitioned": True,
     "pipeline.grad_partitioned": True,
     "pipeline.use_reentrant": None,
+    # compile/config.py CompileConfig fields
+    "compile.deepcompile": False,
+    "compile.autoep_non_moe": False,
+    "compile.free_activation": False,
+    "compile.free_activation_threshold": 10 * 1024 * 1024,
+    "compile.offload_activation": False,
+    "compile.offload_activation_pin_memory": True,
+    "compile.offload_opt_states": False,
+    "compile.double_buffer": True,
+    "compile.symmetric_memory": False,
+    "compile.debug_log": False,
+    "compile.offload_parameters": False,
+    "compile.sync_before_reduce": False,
+    "compile.sync_after_reduce": False,
+    "compile.sync_before_allgather": False,
+    "compile.sync_after_allgather": False,
+    "compile.keep_int_input_tensors": True,
+    "compile.keep_all_input_tensors": False,
+    "compile.passes": None,
+    # utils/config.py DeepSpeedThroughputTimerConfig (read from timers.throughput)
+    "timers.throughput.enabled": True,
+    "timers.throughput.synchronized": True,
 }
 
 # Resolved defaults fnzero does not follow: none (overlap_comm resolves as runtime/zero/config.py
@@ -165,7 +207,7 @@ DIVERGENCES: dict = {"watchdog.timeout_seconds": 300.0}
 
 OFFLOAD_OPTIMIZER = {  # runtime/zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig fields
     "device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True, "pipeline_read": False,
-    "pipeline_write": False, "fast_init": False, "ratio": 1.0,
+    "pipeline_write": False, "fast_init": False, "ratio": 1.0, "super_offload": False, "cpuadam_cores_perc": 0.8,
 }
 OFFLOAD_PARAM = {  # runtime/zero/offload_config.py DeepSpeedZeroOffloadParamConfig fields
     "device": "none", "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
@@ -264,6 +306,7 @@ def test_scheduler_param_defaults(kind):
 NO_EFFECT = [
     ("fp16.auto_cast", {"fp16": {"enabled": True, "auto_cast": True}}),
     ("dump_state", {"dump_state": True}),
+    ("bf16.check_grad_overflow", {"bf16": {"enabled": True, "check_grad_overflow": False}}),
     ("zero_optimization.ignore_unused_parameters", {"zero_optimization": {"stage": 3, "ignore_unused_parameters": False}}),
     ("zero_optimization.offload_optimizer.ratio",
      {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}),

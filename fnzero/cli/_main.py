@@ -12,7 +12,7 @@ import tempfile
 import threading
 
 from . import _checkpoint as checkpoint_commands
-from ._common import load_config_or_report
+from . import _config as config_commands
 from . import _plan as plan_commands
 
 __all__ = ["build_parser", "main"]
@@ -129,19 +129,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_config(args: argparse.Namespace) -> int:
-    cfg = load_config_or_report(args.file, args.world_size)
-    if cfg is None:
-        return 1
-    if args.action == "show":
-        print(cfg.to_json(indent=2))
-    else:
-        mesh = (f" = {cfg.world_size} data-parallel x {cfg.tensor_parallel.size} tensor-parallel"
-                if cfg.tensor_parallel.size > 1 else "")
-        print(f"{args.file}: valid (ZeRO stage {cfg.zero_optimization.stage}, world size {cfg.world_ranks}{mesh})")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fnzero", description="ZeRO sharding as pure training steps on PyTorch.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -171,12 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("report", help="environment, devices, backends and native-extension status")
 
-    cp = sub.add_parser("config", help="validate or show a DeepSpeed-style JSON config")
-    cp.add_argument("action", choices=["show", "validate"], help="show: the resolved config as JSON; validate: every error at once")
-    cp.add_argument("file", help="path to the JSON config")
-    cp.add_argument("--world-size", type=int, default=None,
-                    help="the job's ranks, used to resolve the batch triad (default 1, or one tensor-parallel group)")
-
+    config_commands.register(sub)
     # Each command family adds its parsers with `set_defaults(func=handler)`, and
     # `handler(args) -> int` is the exit code.
     checkpoint_commands.register(sub)
@@ -220,8 +202,6 @@ def _dispatch(argv: list[str]) -> int:
         return int(args.func(args) or 0)
     if args.command == "report":
         return _cmd_report(args)
-    if args.command == "config":
-        return _cmd_config(args)
     parser.print_help()
     return 0 if args.command is None else 2
 

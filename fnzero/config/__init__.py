@@ -27,18 +27,18 @@ from ._sched_models import (
     WarmupDecayLRParams, WarmupLRParams,
 )
 from ._sections import (
-    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
-    DataTypesConfig, FlopsProfilerConfig, FP16Config, ParallelWriteConfig, TensorboardConfig, TorchAutocastConfig,
-    WatchdogConfig,
+    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CompileConfig,
+    CsvMonitorConfig, DataTypesConfig, FlopsProfilerConfig, FP16Config, ParallelWriteConfig, TensorboardConfig,
+    ThroughputTimerConfig, TimersConfig, TorchAutocastConfig, WatchdogConfig,
 )
-from ._zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from ._zero import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "load_config", "read_config", "Config", "ConfigWarning", "hf_auto_values", "AutoValues",
     "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
     "OptimizerConfig", "SchedulerConfig", "AioConfig", "ActivationCheckpointingConfig", "CommsLoggerConfig",
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",
-    "ParallelWriteConfig", "WatchdogConfig",
+    "ParallelWriteConfig", "WatchdogConfig", "CompileConfig", "TimersConfig", "ThroughputTimerConfig", "LeafModuleConfig",
     "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
     "OPTIMIZER_TYPES",
     "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",

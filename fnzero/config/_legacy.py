@@ -14,15 +14,22 @@ from ._types import describe
 
 __all__ = ["normalize"]
 
-# Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine.
+# Top-level blocks of DeepSpeed features fnzero does not implement. Present-but-off is fine: null,
+# false, {} or `enabled: false`. (`compile` is a model of its own: its off switch is `deepcompile`.)
 UNSUPPORTED_BLOCKS = (
     "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
     "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe", "expert_parallel",
-    "weight_quantization", "compile", "datastates", "zenflow",
+    "weight_quantization", "datastates", "zenflow",
 )
-# Flags of unsupported features: key -> (value that means "off", what the feature is).
+# Of those, the blocks DeepSpeed 0.19.8 reads with `enabled` defaulting to false (HybridEngineConfig,
+# WandbConfig, CometConfig, the autotuning and expert_parallel readers): off unless enabled is true.
+OFF_UNLESS_ENABLED = {"hybrid_engine", "wandb", "comet", "autotuning", "expert_parallel"}
+# Flags of unsupported features: key -> (value that means "off", what the feature is). An off value
+# of None: only null (or absence) is off, as DeepSpeed builds the feature from any object, {} included.
 UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
+    "compile.deepcompile": (False, "DeepCompile; fnzero.jit compiles the step instead"),
+    "datastates_ckpt": (False, "DataStates checkpointing"),  # DeepSpeed: on unless false
     "use_data_before_expert_parallelism": (False, "MoE expert parallelism"),
     "zero_optimization.zero_quantized_weights": (False, "ZeRO++ quantized weights"),
     "zero_optimization.zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
@@ -36,9 +43,11 @@ UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
     "aio.use_gds": (False, "GPUDirect Storage"),
     "sparse_gradients": (False, "CSR sparse gradients"),
 }
+# Of those, the ones DeepSpeed turns on with any value but the off one (an object, null).
+ANY_VALUE_ON = {"datastates_ckpt"}
 # Of those, the keys fnzero's models do not carry (dropped once checked to be off).
 NOT_FIELDS = {
-    "use_data_before_expert_parallelism", "zero_optimization.mics_hierarchical_params_gather",
+    "use_data_before_expert_parallelism", "datastates_ckpt", "zero_optimization.mics_hierarchical_params_gather",
     "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "fp16.fp16_master_weights_and_grads",
     "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
 }
@@ -61,15 +70,32 @@ DEPRECATED: dict[str, tuple[str | None, Any]] = {
     "zero_optimization.cpu_offload": ("offload_optimizer", lambda v: {"device": "cpu"} if v else None),
     "zero_optimization.cpu_offload_param": ("offload_param", lambda v: {"device": "cpu"} if v else None),
     "zero_optimization.cpu_offload_use_pin_memory": (None, None),  # DeepSpeed: set_new_param False
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save",
+                                                                  lambda v: v),
 }
 
-# Old spelling -> current spelling (same section).
+# The second spelling of a field in DeepSpeed 0.19.8's pydantic models (`Field(alias=...)`, read by
+# name or alias) -> fnzero's field, which is whichever of the two DeepSpeed documents. DeepSpeed
+# refuses both spellings in one block (pydantic's extra_forbidden), and so does fnzero, naming both.
+MODEL_ALIASES = {
+    "zero_optimization.prefetch_bucket_size": "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.param_persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.model_persistence_threshold": "zero_optimization.stage3_model_persistence_threshold",
+    "zero_optimization.max_live_parameters": "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.max_reuse_distance": "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.gather_16bit_weights_on_model_save":
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.module_granularity_threshold": "zero_optimization.stage3_module_granularity_threshold",
+    "zero_optimization.use_all_reduce_for_fetch_params": "zero_optimization.stage3_use_all_reduce_for_fetch_params",
+    "zero_optimization.allgather_sequential": "zero_optimization.stage3_allgather_sequential",
+    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
+}
+# Spellings DeepSpeed reads outside its models (it takes one of the two silently when both are
+# given); fnzero takes both when they agree and refuses them, naming both, when they differ.
 ALIASES = {
     "bfloat16": "bf16",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
     "aio.intra_op_parallelism": "aio.thread_count",
-    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",  # DeepSpeed's alias of the field
-    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
 }
 
 
@@ -87,12 +113,31 @@ def _is_off(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled") is False
 
 
+def _rename_aliases(raw: dict[str, Any], problems: Problems) -> None:
+    """Rewrite the other spelling of each key to fnzero's, reporting both spellings given at once."""
+    for table, strict in ((MODEL_ALIASES, True), (ALIASES, False)):
+        for old, new in table.items():
+            parent, leaf = _parent(raw, old)
+            if parent is None or leaf not in parent:
+                continue
+            new_leaf = new.rsplit(".", 1)[-1]
+            if new_leaf in parent and (strict or parent[new_leaf] != parent[leaf]):
+                values = (f" (set to {describe(parent[leaf])} and {describe(parent[new_leaf])})"
+                          if parent[new_leaf] != parent[leaf] else "")
+                problems.add(f"`{old}` and `{new}` are two spellings of one key, both given{values}; keep only "
+                             f"`{new}`" + (" (DeepSpeed refuses both together too)" if strict else ""))
+            else:
+                parent[new_leaf] = parent[leaf]
+            del parent[leaf]
+
+
 def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
     """Rewrite aliases and deprecated keys, report removed/unsupported ones, in place; returns the
     deprecation messages to warn with once the config has loaded."""
     # Long: one self-contained branch per deprecated DeepSpeed key, read top to bottom like the table in
     # specs/config.md.
     deprecations: list[str] = []
+    _rename_aliases(raw, problems)  # first: a deprecated key's replacement may be given in either spelling
     if isinstance(raw.get("zero_optimization"), bool):
         # DeepSpeed 0.19.8 still reads this (read_zero_config_deprecated), with a warning.
         stage = 1 if raw["zero_optimization"] else 0
@@ -126,17 +171,6 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
             "(write that instead)"
         )
 
-    for old, new in ALIASES.items():
-        parent, leaf = _parent(raw, old)
-        if parent is None or leaf not in parent:
-            continue
-        new_leaf = new.rsplit(".", 1)[-1]
-        if new_leaf in parent and parent[new_leaf] != parent[leaf]:
-            problems.add(f"`{old}` is the old spelling of `{new}` and both are set to different values; keep only `{new}`")
-        else:
-            parent[new_leaf] = parent[leaf]
-        del parent[leaf]
-
     for key, advice in REMOVED.items():
         parent, leaf = _parent(raw, key)
         if parent is not None and leaf in parent:
@@ -145,7 +179,10 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
 
     for key in UNSUPPORTED_BLOCKS:
         if key in raw:
-            if not _is_off(raw[key]):
+            value = raw[key]
+            off = _is_off(value) or (key in OFF_UNLESS_ENABLED and isinstance(value, dict)
+                                     and value.get("enabled", False) is False)
+            if not off:
                 problems.add(
                     f"`{key}` is a DeepSpeed feature fnzero does not implement; remove the block"
                     + (" or set enabled: false" if isinstance(raw[key], dict) and "enabled" in raw[key] else "")
@@ -157,11 +194,11 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
         if parent is None or leaf not in parent:
             continue
         value = parent[leaf]
-        if value is off or (off is None and _is_off(value)):
+        if value is off:
             if key in NOT_FIELDS:
                 del parent[leaf]  # accepted when off, but not a field of fnzero's models
             continue
-        if value is True or off is None:
+        if value is True or off is None or key in ANY_VALUE_ON:
             problems.add(
                 f"`{key}` ({what}) is a DeepSpeed feature fnzero does not implement; remove it or set it to "
                 f"{describe(off)}"

@@ -189,6 +189,14 @@ def _optimizer_flags(kind: str, params: dict[str, Any], value: dict[str, Any], p
             "use type Adam with adam_w_mode false for L2-style decay, or drop adam_w_mode"
         )
         del params["adam_w_mode"]
+    if kind in ("Adam", "AdamW") and params.get("torch_adam") is True and params.get("bias_correction") is False:
+        # (true is accepted: it is what torch does, and what `to_json` writes.)
+        problems.add(
+            "`optimizer.params.bias_correction` is false with `torch_adam: true`, but DeepSpeed then builds "
+            "torch.optim.AdamW/Adam, which always corrects bias (and fails on the argument); remove "
+            "bias_correction, or torch_adam"
+        )
+        del params["bias_correction"]
     if params.get("amsgrad") is True:
         problems.add("`optimizer.params.amsgrad` is true, but AMSGrad is not implemented (DeepSpeed's fused Adam rejects it too); set it to false")
         del params["amsgrad"]

@@ -16,9 +16,9 @@ from ._optim_models import OptimizerConfig
 from ._parallel import PipelineConfig, TensorParallelConfig
 from ._sched_models import SchedulerConfig
 from ._sections import (
-    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CsvMonitorConfig,
-    DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TorchAutocastConfig, WatchdogConfig,
-    canonical_dtype,
+    ActivationCheckpointingConfig, AioConfig, BF16Config, CheckpointConfig, CommsLoggerConfig, CompileConfig,
+    CsvMonitorConfig, DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TimersConfig,
+    TorchAutocastConfig, WatchdogConfig, canonical_dtype,
 )
 from ._types import Bool, Float, Int, Model
 from ._zero import ZeroConfig
@@ -71,6 +71,8 @@ class Config(Model):
     tensorboard: TensorboardConfig = Field(default_factory=TensorboardConfig, description="TensorBoard monitor.")
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig, description="CSV monitor.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint options.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="DeepCompile (off; not implemented).")
+    timers: TimersConfig = Field(default_factory=TimersConfig, description="DeepSpeed's throughput timer.")
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig,
                                                   description="AutoTP: tensor parallelism (Megatron-style).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,

@@ -40,6 +40,11 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         "in fp16/bf16 training `ShardedModule.apply` always casts floating-point inputs to the compute dtype, "
         "whatever auto_cast says",
     ),
+    "bf16.check_grad_overflow": (
+        lambda c: False if not c.bf16.check_grad_overflow else None,
+        "fnzero checks every step's gradient norm, and stops with an error naming the step on inf/NaN (DeepSpeed "
+        "with the check on skips that step; with it off, applies it)",
+    ),
     "dump_state": (
         lambda c: True if c.dump_state else None,
         "fnzero prints no engine state; print(cfg.to_json()) shows the resolved config",

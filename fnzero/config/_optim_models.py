@@ -20,6 +20,7 @@ __all__ = [
 ]
 
 NonNegFloat = Annotated[Float, Field(ge=0.0)]
+TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default weight_decay
 PosFloat = Annotated[Float, Field(gt=0.0)]
 
 
@@ -33,11 +34,27 @@ class _AdamBase(Model):
     lr: NonNegFloat = Field(1e-3, description="Learning rate.")
     betas: Pair = Field((0.9, 0.999), description="Coefficients for the running averages of the gradient and its square.")
     eps: NonNegFloat = Field(1e-8, description="Term added to the denominator for numerical stability.")
-    weight_decay: NonNegFloat = Field(0.0, description="Weight decay (decoupled when adam_w_mode is true).")
+    weight_decay: NonNegFloat = Field(
+        0.0, description="Weight decay (decoupled when adam_w_mode is true); 0.01 when absent with torch_adam and "
+        "adam_w_mode true (torch.optim.AdamW's default, as DeepSpeed).")
     bias_correction: Bool = Field(True, description="Apply Adam's bias correction.")
     amsgrad: Literal[False] = Field(False, description="AMSGrad variant; not implemented, must be false.")
-    torch_adam: Bool = Field(False, description="DeepSpeed kernel choice (torch vs fused); accepted, no effect in fnzero.")
+    torch_adam: Bool = Field(
+        False, description="DeepSpeed builds torch.optim.AdamW/Adam instead of its fused kernel: the same update, "
+        "but weight_decay then defaults to 0.01 with decoupled decay (torch's default), and bias_correction "
+        "is refused (torch's Adam has no such argument).")
     fp32_optimizer_states: Bool = Field(True, description="DeepSpeed CPU-Adam storage choice; accepted, no effect (states are fp32).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _torch_adam_weight_decay(cls, data: object) -> object:
+        # A default that depends on another key: with torch_adam, DeepSpeed 0.19.8 builds torch.optim.AdamW
+        # when decay is decoupled (runtime/engine.py get_optimizer_configuration), whose weight_decay
+        # defaults to 0.01 (torch.optim.Adam's, for adam_w_mode false, to 0 as here).
+        if isinstance(data, dict) and data.get("torch_adam") is True and "weight_decay" not in data \
+                and data.get("adam_w_mode", True) is True:
+            return {**data, "weight_decay": TORCH_ADAMW_WEIGHT_DECAY}
+        return data
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> "_AdamBase":

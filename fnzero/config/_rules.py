@@ -46,6 +46,15 @@ def cross_checks(cfg: Config) -> list[str]:
             f"`zero_optimization.stage` is {stage} with `pipeline.stages` {cfg.pipeline.stages}: ZeRO-2 and ZeRO-3 are "
             "incompatible with pipeline parallelism (as in DeepSpeed: every micro-batch's backward would reduce-scatter "
             "its gradients, multiplying the data-parallel traffic by the micro-batch count); use stage 0 or 1")
+    if not cfg.zero_optimization.compute_grad_norm:
+        # As DeepSpeed 0.19.8: its compute_grad_norm_valid, and its stage-1/2 optimizer's check on clipping.
+        why = (f"`zero_optimization.stage` is {stage}, and DeepSpeed allows it only at stage 1 or 2"
+               if stage not in (1, 2) else
+               f"`gradient_clipping` is {cfg.gradient_clipping!r}, and clipping needs the norm (DeepSpeed asks for 0)"
+               if cfg.gradient_clipping > 0 else None)
+        if why:
+            out.append(f"`zero_optimization.compute_grad_norm` is false, but {why}; remove it (fnzero always "
+                       "computes the norm)")
     off_opt = cfg.zero_optimization.offload_optimizer
     off_par = cfg.zero_optimization.offload_param
     if off_par is not None and off_par.device != "none" and stage < 3:

@@ -16,7 +16,8 @@ from ._types import Bool, Float, Int, Model, Str, StrList
 __all__ = [
     "FP16Config", "BF16Config", "TorchAutocastConfig", "AioConfig", "ActivationCheckpointingConfig",
     "CommsLoggerConfig", "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig",
-    "CheckpointConfig", "ParallelWriteConfig", "DType", "canonical_dtype",
+    "CheckpointConfig", "ParallelWriteConfig", "CompileConfig", "TimersConfig", "ThroughputTimerConfig", "DType",
+    "canonical_dtype",
 ]
 
 DType = Literal["fp32", "fp16", "bf16"]
@@ -50,7 +51,8 @@ class FP16Config(Model):
     loss_scale_window: PosInt = Field(1000, description="Overflow-free steps before the scale is raised.")
     hysteresis: PosInt = Field(2, description="Overflows tolerated before the scale is lowered.")
     consecutive_hysteresis: Bool = Field(False, description="Refill hysteresis after every overflow-free step.")
-    min_loss_scale: Annotated[Float, Field(gt=0.0)] = Field(1.0, description="Floor of the dynamic loss scale.")
+    # DeepSpeed 0.19.8 types it `int` (1e-10 or 0.5 is refused there): a whole number > 0.
+    min_loss_scale: PosInt = Field(1, description="Floor of the dynamic loss scale (a whole number, as DeepSpeed).")
 
 
 class BF16Config(Model):
@@ -58,6 +60,9 @@ class BF16Config(Model):
 
     enabled: Bool = Field(False, description="Train with bf16 compute and fp32 master weights.")
     immediate_grad_update: Bool = Field(False, description="DeepSpeed kernel scheduling hint; accepted, no effect.")
+    check_grad_overflow: Bool = Field(
+        True, description="DeepSpeed skips a bf16 step whose gradients overflow; fnzero always checks, and stops "
+        "with an error naming the step (warns when false).")
 
 
 class TorchAutocastConfig(Model):
@@ -176,3 +181,46 @@ class CheckpointConfig(Model):
         if isinstance(value, str):
             return {"ignore": "Ignore", "warn": "Warn", "fail": "Fail"}.get(value.lower(), value)
         return value
+
+
+class CompileConfig(Model):
+    """`compile`: DeepSpeed 0.19.8's DeepCompile (compile/config.py `CompileConfig`). fnzero does not implement
+    DeepCompile (`fnzero.jit` compiles the step instead): `deepcompile: true` is refused by name, and the
+    other keys, which configure DeepCompile or DeepSpeed's `engine.compile()`, are accepted without effect."""
+
+    deepcompile: Literal[False] = Field(False, description="DeepCompile; must be false (not implemented).")
+    autoep_non_moe: Bool = Field(False, description="engine.compile() of AutoEP layers' parents; no effect.")
+    free_activation: Bool = Field(False, description="DeepCompile: free activations eagerly; no effect.")
+    free_activation_threshold: Int = Field(10 * 1024 * 1024, description="DeepCompile: bytes; no effect.")
+    offload_activation: Bool = Field(False, description="DeepCompile: offload activations; no effect.")
+    offload_activation_pin_memory: Bool = Field(True, description="DeepCompile: pinned buffers; no effect.")
+    offload_opt_states: Bool = Field(False, description="DeepCompile: offload optimizer states; no effect.")
+    double_buffer: Bool = Field(True, description="DeepCompile: double buffering; no effect.")
+    symmetric_memory: Bool = Field(False, description="DeepCompile: symmetric memory; no effect.")
+    debug_log: Bool = Field(False, description="DeepCompile: dump graphs; no effect.")
+    offload_parameters: Bool = Field(False, description="DeepCompile: offload parameters; no effect.")
+    sync_before_reduce: Bool = Field(False, description="DeepCompile: synchronise; no effect.")
+    sync_after_reduce: Bool = Field(False, description="DeepCompile: synchronise; no effect.")
+    sync_before_allgather: Bool = Field(False, description="DeepCompile: synchronise; no effect.")
+    sync_after_allgather: Bool = Field(False, description="DeepCompile: synchronise; no effect.")
+    keep_int_input_tensors: Bool = Field(True, description="DeepCompile: input storage; no effect.")
+    keep_all_input_tensors: Bool = Field(False, description="DeepCompile: input storage; no effect.")
+    passes: tuple[Literal["z1", "z3", "autosp", "autotp"], ...] | None = Field(
+        None, description="DeepCompile passes; no effect.")
+
+    _passes = field_validator("passes", mode="before")(
+        classmethod(lambda cls, v: tuple(v) if isinstance(v, list) else v))
+
+
+class ThroughputTimerConfig(Model):
+    """`timers.throughput` (utils/config.py `DeepSpeedThroughputTimerConfig`)."""
+
+    enabled: Bool = Field(True, description="DeepSpeed's throughput timer; fnzero's progress line always reports "
+                          "samples/s (no effect).")
+    synchronized: Bool = Field(True, description="Synchronise the device before timing; no effect in fnzero.")
+
+
+class TimersConfig(Model):
+    """`timers` (DeepSpeed reads only its `throughput` block)."""
+
+    throughput: ThroughputTimerConfig = Field(default_factory=ThroughputTimerConfig, description="Throughput timer.")

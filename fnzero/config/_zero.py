@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from ._types import Bool, Float, Int, Model, Str
+from ._types import Bool, Float, Int, Model, Str, StrList
 
-__all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
+__all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LeafModuleConfig"]
 
 NonNeg = Annotated[Int, Field(ge=0)]
 Device = Literal["none", "cpu", "nvme"]
@@ -39,6 +39,9 @@ class OffloadOptimizerConfig(Model):
     )
     pipeline_read: Bool = Field(False, description="Overlap NVMe reads with the optimizer step (scheduling hint).")
     pipeline_write: Bool = Field(False, description="Overlap NVMe writes with the optimizer step (scheduling hint).")
+    super_offload: Bool = Field(False, description="DeepSpeed's CPU offload for Superchips (stage 3); no effect in fnzero.")
+    cpuadam_cores_perc: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
+        0.8, description="Share of CPU cores DeepSpeed's super_offload Adam uses; no effect in fnzero.")
 
     _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
 
@@ -56,6 +59,30 @@ class OffloadParamConfig(Model):
     max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
 
     _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
+
+
+# DeepSpeed 0.19.8's DEFAULT_LEAF_MODULE_CLASSES (runtime/zero/leaf_module_config.py).
+LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+def _one_or_list(value: object) -> object:
+    # DeepSpeed's leaf-module lists take a single string as a list of one.
+    return [value] if isinstance(value, str) else value
+
+
+class LeafModuleConfig(Model):
+    """`zero_optimization.leaf_module`: modules DeepSpeed's stage 3 gathers whole, without hooks inside."""
+
+    classes: StrList = Field(LEAF_MODULE_CLASSES, description="Qualified class names of leaf modules.")
+    names: StrList = Field((), description="Module names (as in named_modules) of leaf modules.")
+    name_suffixes: StrList = Field((), description="Suffixes of module names of leaf modules.")
+
+    _lists = field_validator("classes", "names", "name_suffixes", mode="before")(
+        classmethod(lambda cls, v: _one_or_list(v)))
 
 
 class ZeroConfig(Model):
@@ -102,3 +129,22 @@ class ZeroConfig(Model):
         -1, description="MiCS sharding (removed in DeepSpeed 0.19.8); values above 0 are not implemented."
     )
     memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")
+    # DeepSpeed 0.19.8 fields that tune its own implementation (accepted, no effect: specs/config.md §Keys).
+    use_multi_rank_bucket_allreduce: Bool = Field(True, description="Combine ranks' reduce buckets into one all-reduce.")
+    compute_grad_norm: Bool = Field(
+        True, description="Compute the global gradient norm; false needs stage 1 or 2 and gradient_clipping 0, as "
+        "DeepSpeed. fnzero always computes it.")
+    parameter_alignment: Bool = Field(False, description="Align each parameter in DeepSpeed's stage-1/2 flat buffers.")
+    pipeline_loading_checkpoint: Bool = Field(False, description="DeepSpeed's pipelined stage-3 checkpoint load.")
+    override_module_apply: Bool = Field(True, description="DeepSpeed patches nn.Module.apply at stage 3; fnzero never does.")
+    log_trace_cache_warnings: Bool = Field(False, description="Log DeepSpeed's stage-3 trace-cache warnings.")
+    enable_sanity_checks: Bool = Field(False, description="DeepSpeed's internal stage-3 sanity checks.")
+    save_muon_momentum_buffer_in_memory: Bool = Field(False, description="DeepSpeed's Muon buffer placement (no Muon "
+                                                       "in fnzero).")
+    stage3_module_granularity_threshold: Int = Field(
+        0, description="DeepSpeed fetches modules finer than this whole (alias module_granularity_threshold).")
+    stage3_use_all_reduce_for_fetch_params: Bool = Field(
+        False, description="Fetch stage-3 parameters with all-reduce (alias use_all_reduce_for_fetch_params).")
+    stage3_allgather_sequential: Bool = Field(
+        False, description="Gather stage-3 parameters one by one, without buckets (alias allgather_sequential).")
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig, description="DeepSpeed's stage-3 leaf modules.")
