@@ -55,6 +55,20 @@ def test_bf16_master_weights_are_exported_not_the_rounded_params(tmp_path):
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, want[k].to(torch.bfloat16)) for k, v in sd16.items())
 
 
+def test_checkpoint_info_names_the_params_own_dtype_and_the_masters(tmp_path, capsys):
+    from fnzero.checkpoint import info
+    from fnzero.cli._main import main
+
+    d, _ = _trained(tmp_path, kind="mlp:5,7,3", stage=2, world=1, precision="bf16")
+    entry = info(d)["checkpoints"][0]
+    assert (entry["param_dtype"], entry["master_dtype"]) == ("bfloat16", "float32")
+    assert main(["checkpoint", "info", d]) == 0
+    assert "66 parameters (bfloat16 params + float32 master)" in capsys.readouterr().out
+    d32, _ = _trained(tmp_path / "fp32", kind="mlp:5,7,3", stage=2, world=1)
+    assert main(["checkpoint", "info", d32]) == 0
+    assert "66 parameters (float32 params), AdamState" in capsys.readouterr().out
+
+
 def test_tied_first_follows_the_safetensors_convention(tmp_path):
     d, _ = _trained(tmp_path)
     p = export(d, tmp_path / "first.safetensors", tied="first", progress=False)[0]

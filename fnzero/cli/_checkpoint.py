@@ -52,9 +52,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for c in rep["checkpoints"]:
         mark = "*" if c["tag"] == rep["latest"] else " "
         if "step" in c:
-            prec = f"{c['param_dtype']}{' + fp32 master' if c['master_weights'] else ''}"
+            prec = f"{c['param_dtype']} params" + (f" + {c['master_dtype']} master" if c["master_dtype"] else "")
             print(f"{mark} {c['tag']}: step {c['step']}, saved by {c['world_size']} rank(s) at ZeRO stage {c['stage']}, "
-                  f"{c['num_params']:,} params ({prec}), {c['optimizer']}, {_human(c['bytes'])}, format v{c['version']}: "
+                  f"{c['num_params']:,} parameters ({prec}), {c['optimizer']}, {_human(c['bytes'])}, format v{c['version']}: "
                   f"{c['health']}")
             if args.config and c.get("config"):
                 print("    config: " + c["config"].replace("\n", "\n    "))
