@@ -226,7 +226,6 @@ def _cast_dtype(stored: torch.dtype, want: torch.dtype | None) -> torch.dtype:
     return want if (want is not None and stored.is_floating_point) else stored
 
 
-
 def export(
     path: str | os.PathLike,
     out: str | os.PathLike,
