@@ -99,14 +99,15 @@ elapsed = time.perf_counter() - t0
 
 # -- checkpoint (resumable at any world size), export, reload with transformers -------------------
 fnzero.checkpoint.save(os.path.join(args.out, "checkpoint"), state, client_state={"step": args.steps}, config=cfg)
+# Every rank calls it; one writes the weights and, from the sharded model's own config, config.json
+# and generation_config.json: the directory is a from_pretrained directory as it is.
 tuned = os.path.join(args.out, "tuned")
 fnzero.checkpoint.export_live(sm, state, tuned, dtype="bf16", tied="first", max_shard_size="1MB")
 probe = next(token_batches(2, args.seq_len, seed=7, split="val"))["x"].to(dist.device)
 with torch.no_grad():
     ours = sm.apply(state.params, input_ids=probe).logits.float()  # every rank: stage 3 gathers
 if dist.rank == 0:
-    hf_config.save_pretrained(tuned)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.bfloat16).to(dist.device)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tuned).to(dist.device)  # bf16, as config.json says
     with torch.no_grad():
         theirs = reloaded(input_ids=probe).logits.float()
     print(f"done: {args.steps} steps in {elapsed:.1f}s, loss {first:.3f} -> {m['loss']:.3f}")

@@ -15,8 +15,8 @@ Run (from the repository root, after the README's setup):
 
 The training step is a pure function `step(state, batch) -> (state, metrics)`; logging happens
 outside it. At the end the run saves a checkpoint under --checkpoint-dir and exports the weights as
-safetensors; run the same command again and it resumes from that checkpoint (at any world size)
-and trains --steps more.
+safetensors; run the same command again, or any command above (another world size, stage, the
+tensor-parallel or the pipeline config), and it resumes from that checkpoint and trains --steps more.
 """
 
 from __future__ import annotations
@@ -68,14 +68,15 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-if stages > 1:  # the GPT as layers (embeddings, blocks, norm + head), cut into stages; each rank keeps its own
-    layers = gpt_layers(**sizes)
-    num_params = sum(p.numel() for layer in layers for p in layer.parameters())
-    sm = fnzero.shard(fnzero.PipelineModule(layers, lm_loss), config=cfg, device=dist.device)
+model = GPT(**sizes)
+num_params = sum(p.numel() for p in model.parameters())
+if stages > 1:  # the GPT as layers (embeddings, blocks, norm + head), cut into stages; each rank keeps its own.
+    # names_from=model: the layers' parameters keep the model's names ('blocks.0.ln1.weight'), so this
+    # run's checkpoints and the plain or tensor-parallel runs' load into each other.
+    pipe = fnzero.PipelineModule(gpt_layers(model=model), lm_loss, names_from=model)
+    sm = fnzero.shard(pipe, config=cfg, device=dist.device)
     loss_fn = fnzero.pipeline_loss(sm, "1f1b")  # micro-batches (gradient_accumulation_steps) flow through the stages
 else:
-    model = GPT(**sizes)
-    num_params = sum(p.numel() for p in model.parameters())
     sm = fnzero.shard(model, config=cfg, device=dist.device)
 
     def loss_fn(params, batch):
@@ -134,9 +135,10 @@ with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens
 elapsed = time.perf_counter() - t0
 if args.checkpoint_dir:  # every rank writes its shards; loadable at any world size
     fnzero.checkpoint.save(args.checkpoint_dir, state, client_state={"step": start + args.steps}, config=cfg)
+    # Every rank calls either export; one rank writes, and every rank gets the paths (or the error).
     if args.export and stages == 1:
         fnzero.checkpoint.export_live(sm, state, os.path.join(args.checkpoint_dir, args.export), dtype="bf16")
-    elif args.export and dist.rank == 0:  # a pipeline's weights are on several ranks: export what they saved
+    elif args.export:  # a pipeline's weights are on several ranks: export what they saved
         fnzero.checkpoint.export(args.checkpoint_dir, os.path.join(args.checkpoint_dir, args.export), dtype="bf16")
 msb = model_state_bytes(state)
 print(f"rank {dist.rank}: model state {msb.total / 2**20:.2f} MiB (params {msb.params / 2**20:.2f}, "

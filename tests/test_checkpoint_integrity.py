@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 
 import msgpack
 import pytest
 import torch
+from torch import nn
 from _ckpt_helpers import setup
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,16 +103,41 @@ def test_version_from_the_future(tmp_path):
         load(d, like=like)
 
 
-@pytest.mark.parametrize("kind,want", [
-    ("mlp:5,8,3", "'params/layers.0.weight': shape \\[8, 5\\] in like=, shape \\[7, 5\\]"),
-    ("mlp:5,7,3,2", "'params/layers.2.weight': shape \\[2, 3\\] in like=, absent in the checkpoint"),
-    ("mlp:5,7", "'params/layers.1.weight': absent in like=, shape \\[3, 7\\] in the checkpoint"),
+@pytest.mark.parametrize("kind,want", [  # saved: mlp:5,7,3
+    ("mlp:5,8,3", "3 differ in shape: 'layers.0.weight' is [8, 5] in the model, [7, 5] in the checkpoint; "
+                  "'layers.0.bias' is [8] in the model, [7] in the checkpoint; 'layers.1.weight' is [3, 8] in the "
+                  "model, [3, 7] in the checkpoint$"),
+    ("mlp:5,7,3,2", ": the model you are loading into has 2 tensor(s) the checkpoint does not: 'layers.2.weight', "
+                    "'layers.2.bias'$"),
+    ("mlp:5,7", ": the checkpoint has 2 the model does not: 'layers.1.weight', 'layers.1.bias'$"),
 ])
-def test_checkpoint_of_another_model_names_the_first_difference(tmp_path, kind, want):
+def test_checkpoint_of_another_model_names_what_differs_in_the_users_words(tmp_path, kind, want):
     d, _, _ = _saved(tmp_path)
     _, _, other, _ = setup(kind, 0, fnzero.LocalCollectives())
-    with pytest.raises(CheckpointError, match="the checkpoint is of another model: first difference at " + want):
+    with pytest.raises(CheckpointError, match="^the checkpoint is of another model: ") as e:
         load(d, like=other)
+    msg, whole = str(e.value), want.endswith("$")
+    assert (msg.endswith(want[:-1]) if whole else want in msg), msg
+    assert "like=" not in msg
+
+
+def test_a_model_named_otherwise_lists_a_few_names_of_each_side_with_counts(tmp_path):
+    from fnzero.testing import GPT, gpt_layers
+
+    with fnzero.testing.seeded(0):
+        model = GPT(vocab_size=37, seq_len=8, d_model=12, n_layer=3, n_head=3)
+    layers = nn.Sequential(*gpt_layers(model=copy.deepcopy(model)))  # the same weights, named '0.wte.weight', ...
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
+    d = str(tmp_path / "gpt")
+    save(d, fnzero.shard(model, config=cfg).init_state())
+    by_index = fnzero.shard(layers, config=cfg).init_state()
+    with pytest.raises(CheckpointError) as e:
+        load(d, like=by_index)
+    msg = str(e.value)
+    assert re.search(r"the model you are loading into has 41 tensor\(s\) the checkpoint does not: '0\.wte\.weight', "
+                     r"'0\.wpe\.weight', '1\.ln1\.weight', '1\.ln1\.bias' and 37 more; the checkpoint has 41 the model "
+                     r"does not: 'wte\.weight', 'wpe\.weight', 'blocks\.0\.ln1\.weight', 'blocks\.0\.ln1\.bias' and "
+                     r"37 more \(the same model named otherwise\?", msg), msg
 
 
 def test_another_optimizer_is_named(tmp_path):

@@ -104,7 +104,7 @@ def test_top_level_help_lists_every_subcommand():
     (["launch"], ["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--max-restarts"]),
     (["report"], ["usage: fnzero report"]),
     (["config"], ["show", "validate", "--world-size", "--auto"]),
-    (["export"], ["checkpoint", "out", "--dtype", "--max-shard-size", "--format"]),
+    (["export"], ["checkpoint", "out", "--dtype", "--max-shard-size", "--format", "--hf-config"]),
     (["checkpoint"], ["info"]),
     (["checkpoint", "info"], ["--verify", "--json"]),
     (["plan"], ["--params", "--world-size", "--gpus-per-node", "--config", "--memory-per-device", "--reserve",

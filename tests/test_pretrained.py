@@ -99,8 +99,8 @@ def test_export_round_trip_is_bit_identical_at_any_world_and_stage(tmp_path):
 
 
 def test_fine_tuned_directory_reloads_with_from_pretrained(hf_dir, tmp_path):
-    """save_pretrained -> fnzero (meta, stage 3) -> one step -> export -> from_pretrained: the
-    same logits as fnzero's gathered model."""
+    """save_pretrained -> fnzero (meta, stage 3) -> one step -> export -> from_pretrained (the
+    export wrote config.json itself): the same logits as fnzero's gathered model."""
     d, _ = hf_dir
     cfg = _cfg(3, 2)
 
@@ -114,7 +114,6 @@ def test_fine_tuned_directory_reloads_with_from_pretrained(hf_dir, tmp_path):
             return sm.apply(state.params, input_ids=IDS).logits
 
     logits = simulated_world(2).run(rank)[0]
-    LLAMA.save_pretrained(tmp_path / "tuned")
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tuned")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=IDS).logits, logits, rtol=0, atol=0)

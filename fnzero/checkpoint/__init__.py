@@ -3,7 +3,7 @@
     import fnzero
     fnzero.checkpoint.save("ckpt", state, tag="step_1000", client_state={"epoch": 3})   # every rank
     state, client_state = fnzero.checkpoint.load("ckpt", like=state)                  # tag: latest
-    fnzero.checkpoint.export("ckpt", "model.safetensors", dtype="bf16")                  # consolidated
+    fnzero.checkpoint.export("ckpt", "out", dtype="bf16", hf_config=model.config)       # every rank; one writes
 
 A runnable round trip in a world of one:
 
@@ -21,14 +21,16 @@ Public API
 ----------
 save(path, state, *, tag, client_state, config, blocking)   -> SaveHandle (`.wait()`)
 load(path, like, *, tag, verify, restore_rng)               -> (state, client_state)
-export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format)   consolidated weights
-export_live(sm, state, out, *, dtype, ...)                  the same from a running job
+export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format, tied, hf_config)
+                                                            consolidated weights from files (every rank, or no process group)
+export_live(sm, state, out, *, dtype, ..., hf_config)       the same from a running job's state (collective)
 info(path, *, verify)                                       tags, world size, stage, sizes, health
 list_tags(path)
 From the shell: `fnzero export CKPT OUT ...` and `fnzero checkpoint info CKPT`.
 """
 
-from ._export import export, export_live
+from ._export import export
+from ._export_live import export_live
 from ._info import info
 from ._load import list_tags, load
 from ._save import SaveHandle, save

@@ -17,6 +17,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
+from ._same_model import mismatch
 from ._tree import Leaf
 
 __all__ = ["saved_slots", "same_units", "fill_by_name"]
@@ -72,9 +73,7 @@ def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.T
             continue
         hit = next((slots[n] for n in (s.name, *s.aliases) if n in slots), None)
         if hit is None or hit[2] != tuple(fs.shape):
-            raise CheckpointError(f"the checkpoint is of another model: {s.name!r} is "
-                                  f"{'absent' if hit is None else f'shape {list(hit[2])}'} there, shape "
-                                  f"{list(fs.shape)} in like=")
+            raise mismatch(s.name, tuple(fs.shape), None if hit is None else hit[2])
         unit, offset, shape = hit
         key = _source(reader, top, field, unit, out.dtype)
         split = tp.split_of(s.name, *s.aliases) if tp is not None else None

@@ -1,4 +1,7 @@
-"""Consolidated weights in `model.state_dict()` naming: safetensors (streamed) or torch files.
+"""Consolidated weights in `model.state_dict()` naming: safetensors (streamed) or torch files,
+from a saved checkpoint (`export`; `_export_live.py` reads a running job's state instead), called
+on every rank: one writes, every rank returns its paths (`_one_writer.py`); with a Hugging Face
+config beside them (`_hf_config.py`).
 
 Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
 each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
@@ -19,10 +22,13 @@ from typing import Callable
 import torch
 
 from .._errors import CheckpointError
+from ..sharding._collectives import default_collectives
+from ._hf_config import hf_source, write_hf_files
 from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve
+from ._one_writer import Rounds, world_device
 
-__all__ = ["export", "export_live", "parse_size", "parse_dtype"]
+__all__ = ["export", "parse_size", "parse_dtype"]
 
 CHUNK_BYTES = 64 << 20
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -72,10 +78,11 @@ class _Entry:
 
 
 class _Progress:
-    """tqdm when installed, else a single rewritten stderr line; silent when disabled."""
+    """tqdm when installed, else a single rewritten stderr line; silent when disabled. `tick` runs
+    after every chunk (the writer's rounds with the other ranks, `_one_writer.py`)."""
 
-    def __init__(self, total: int, enabled: bool, desc: str):
-        self.total, self.done, self.enabled, self.desc = total, 0, enabled, desc
+    def __init__(self, total: int, enabled: bool, desc: str, tick: Callable[[], None] = lambda: None):
+        self.total, self.done, self.enabled, self.desc, self.tick = total, 0, enabled, desc, tick
         self.bar, self.t0, self.last = None, time.monotonic(), 0.0
         if enabled:
             try:
@@ -87,6 +94,7 @@ class _Progress:
 
     def update(self, n: int) -> None:
         self.done += n
+        self.tick()
         if not self.enabled:
             return
         if self.bar is not None:
@@ -170,13 +178,12 @@ def _write_torch(path: str, entries: list[_Entry], prog: _Progress) -> None:
     os.replace(tmp, path)
 
 
-def _write_all(entries, out, fmt, max_shard_size, progress, meta) -> list[str]:
-    if fmt not in ("safetensors", "torch"):
-        raise CheckpointError(f"export format must be 'safetensors' or 'torch', got {fmt!r}")
+def _write_all(entries, out, fmt, max_shard_size, progress, meta, tick=lambda: None) -> list[str]:
     shards = _shards(entries, parse_size(max_shard_size))
     out, paths = _out_paths(os.fspath(out), fmt, len(shards))
     total = sum(e.nbytes for e in entries)
-    prog = _Progress(total, sys.stderr.isatty() if progress is None else progress, f"export {os.path.basename(out)}")
+    prog = _Progress(total, sys.stderr.isatty() if progress is None else progress, f"export {os.path.basename(out)}",
+                     tick)
     try:
         for shard, p in zip(shards, paths):
             if fmt == "safetensors":
@@ -200,9 +207,18 @@ def _write_all(entries, out, fmt, max_shard_size, progress, meta) -> list[str]:
     return written
 
 
-def _names(slot: dict, tied: str) -> list[str]:
+def _check_arguments(dtype, fmt: str, tied: str, max_shard_size) -> torch.dtype | None:
+    """Every argument checked on every rank before any rank writes (the same error everywhere,
+    no collective); the dtype to cast to."""
+    if fmt not in ("safetensors", "torch"):
+        raise CheckpointError(f"export format must be 'safetensors' or 'torch', got {fmt!r}")
     if tied not in ("copy", "first"):
         raise CheckpointError(f"tied must be 'copy' or 'first', got {tied!r}")
+    parse_size(max_shard_size)
+    return parse_dtype(dtype)
+
+
+def _names(slot: dict, tied: str) -> list[str]:
     return [slot["name"], *slot["aliases"]] if tied == "copy" else [slot["name"]]
 
 
@@ -221,93 +237,67 @@ def export(
     format: str = "safetensors",
     tied: str = "copy",
     progress: bool | None = None,
+    hf_config=None,
 ) -> list[str]:
-    """Write the consolidated model weights of checkpoint `path/tag` (default latest) to `out` (a
-    file, or a directory that gets `model.safetensors` / `pytorch_model.bin`); returns the paths
-    written. Trainable weights come from the fp32 master copy when the run had one. With
-    `max_shard_size` ('5GB'), files are `model-0000i-of-0000n.safetensors` plus a HuggingFace
-    `model.safetensors.index.json` (`weight_map`). Integer buffers keep their dtype."""
-    want = parse_dtype(dtype)
-    with Reader(resolve(path, tag)) as rd:
-        ix = rd.index
-        entries = []
-        for u in ix["units"]:
-            key = f"master/{u['name']}" if f"master/{u['name']}" in rd.tensors else f"params/{u['name']}"
-            if key not in rd.tensors:
-                raise CheckpointError(f"the checkpoint has no stored weights for unit {u['name']!r}")
-            for s in u["slots"]:
-                for name in _names(s, tied):
-                    entries.append(_Entry(name, s["shape"], _cast_dtype(rd.dtype(key), want),
-                                          _reader_fill(rd, key, s["offset"], _cast_dtype(rd.dtype(key), want))))
-        for kind in ("frozen", "buffers"):
-            if kind == "frozen" and exclude_frozen:
-                continue
-            for key, t in rd.tensors.items():
-                if key.startswith(kind + "/"):
-                    dt = _cast_dtype(rd.dtype(key), want)
-                    entries.append(_Entry(key[len(kind) + 1:], t["shape"], dt, _reader_fill(rd, key, 0, dt)))
-        meta = {"format": "pt", "fnzero_tag": str(ix["tag"]), "fnzero_step": str(ix["step"])}
-        return _write_all(entries, out, format, max_shard_size, progress, meta)
+    """Export from files: write the consolidated weights of the saved checkpoint `path/tag`
+    (default latest) to `out` (a file, or a directory that gets `model.safetensors` /
+    `pytorch_model.bin`); returns the paths written. Needs no running job and no model (the
+    `fnzero export` command is this function); `export_live` is the form that reads a running
+    job's state instead.
+
+    Call it on every rank, as `save`, or in a process with no process group: with
+    torch.distributed initialised one rank (rank 0) writes, the others wait for it and return
+    the same paths; when it fails, every rank raises, the others with a `CheckpointError` naming
+    the writing rank. (So one rank alone must not call it while the others go on.)
+
+    Trainable weights come from the fp32 master copy when the run had one. With
+    `max_shard_size` ('5GB'), files are `model-0000i-of-0000n.safetensors` plus a Hugging Face
+    `model.safetensors.index.json` (`weight_map`). Integer buffers keep their dtype.
+    `hf_config`: a Hugging Face config (`model.config`), the model itself (then its
+    `generation_config` too) or a `save_pretrained` directory: `config.json` (and
+    `generation_config.json`) are written beside the weights, so
+    `AutoModelForCausalLM.from_pretrained(out)` loads them with nothing else.
+
+    >>> fnzero.checkpoint.export("ckpt", "hf_out", dtype="bf16", hf_config=model.config)  # doctest: +SKIP
+    """
+    want = _check_arguments(dtype, format, tied, max_shard_size)
+    hf = hf_source(hf_config)
+    world = default_collectives()
+    rounds = Rounds([world], writes=world.rank == 0, device=world_device(world))
+    if not rounds.writes:
+        return rounds.result()
+
+    def write() -> list[str]:
+        with Reader(resolve(path, tag)) as rd:
+            entries = _stored_entries(rd, want, tied, exclude_frozen)
+            ix = rd.index
+            meta = {"format": "pt", "fnzero_tag": str(ix["tag"]), "fnzero_step": str(ix["step"])}
+            paths = _write_all(entries, out, format, max_shard_size, progress, meta, tick=rounds.beat)
+        return paths + write_hf_files(hf, os.path.dirname(paths[0]), want)
+
+    return rounds.write(write)
+
+
+def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
+    """What `export` writes from checkpoint `rd`, in `model.state_dict()` names."""
+    entries = []
+    for u in rd.index["units"]:
+        key = f"master/{u['name']}" if f"master/{u['name']}" in rd.tensors else f"params/{u['name']}"
+        if key not in rd.tensors:
+            raise CheckpointError(f"the checkpoint has no stored weights for unit {u['name']!r}")
+        dt = _cast_dtype(rd.dtype(key), want)
+        for s in u["slots"]:
+            for name in _names(s, tied):
+                entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
+    for kind in ("frozen", "buffers"):
+        if kind == "frozen" and exclude_frozen:
+            continue
+        for key, t in rd.tensors.items():
+            if key.startswith(kind + "/"):
+                dt = _cast_dtype(rd.dtype(key), want)
+                entries.append(_Entry(key[len(kind) + 1:], t["shape"], dt, _reader_fill(rd, key, 0, dt)))
+    return entries
 
 
 def _reader_fill(rd: Reader, key: str, base: int, dt: torch.dtype):
     return lambda a, b: rd.read(key, base + a, base + b, torch.empty(b - a, dtype=dt))
-
-
-def export_live(
-    sm,
-    state,
-    out: str | os.PathLike,
-    *,
-    dtype="fp32",
-    max_shard_size: int | str | None = None,
-    exclude_frozen: bool = False,
-    format: str = "safetensors",
-    tied: str = "copy",
-    progress: bool | None = None,
-) -> list[str] | None:
-    """Export from a running job (DeepSpeed's `save_16bit_model`): every rank calls it; units are
-    gathered one at a time (master weights when present) and rank 0 writes. Returns rank 0's paths,
-    None elsewhere."""
-    from ..sharding._module import full_unit
-    from ._tp import consolidated
-
-    tp = state.sharding.tp if state.sharding.tp is not None and state.sharding.tp.size > 1 else None
-    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
-        raise CheckpointError("export_live of a pipeline-parallel state is not implemented yet: save a checkpoint "
-                              "(fnzero.checkpoint.save) and export it (fnzero.checkpoint.export), which needs no "
-                              "running job")
-    if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
-        state = consolidated(state.replace(opt_state=None))
-    want = parse_dtype(dtype)
-    plan, comm = state.sharding.plan, state.sharding.comm
-    src = state.master if state.master is not None else state.params
-    current: dict = {}
-
-    def unit_full(u):
-        if current.get("name") != u.name:
-            current.clear()  # drop the previous unit before gathering the next: one unit alive at a time
-            current.update(name=u.name, full=full_unit(u, src[u.name].detach(), comm).cpu())
-        return current["full"]
-
-    if comm.rank != 0 or (tp is not None and tp.rank != 0):  # one writer: dp rank 0 of tp rank 0
-        for u in plan.units:
-            unit_full(u)
-        comm.barrier()
-        return None
-    entries = []
-    for u in plan.units:
-        dt = _cast_dtype(src[u.name].dtype, want)
-        for s in u.slots:
-            for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
-                entries.append(_Entry(name, s.shape, dt, lambda a, b, u=u, o=s.offset, dt=dt: unit_full(u)[o + a : o + b].to(dt)))
-    for kind, named in (("frozen", state.frozen), ("buffers", state.buffers)):
-        if kind == "frozen" and exclude_frozen:
-            continue
-        for name, t in named.items():
-            dt = _cast_dtype(t.dtype, want)
-            entries.append(_Entry(name, t.shape, dt, lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt)))
-    try:
-        return _write_all(entries, out, format, max_shard_size, progress, {"format": "pt", "fnzero_step": str(int(state.step))})
-    finally:
-        comm.barrier()

@@ -33,10 +33,20 @@ def check(ckpt_dir: str, verify: bool = True) -> Reader:
     return rd
 
 
+def _stored_dtype(ix: dict, top: str) -> str | None:
+    """The dtype the unit tensors under `top/` ('params', 'master') are stored in: the run's own
+    (bf16 params of a bf16 run, its fp32 master), where the index's `param_dtype` is the model's
+    as it was sharded. None when there are none; several joined by '/'."""
+    units = {u["name"] for u in ix["units"]}
+    found = sorted({t["dtype"] for k, t in ix["tensors"].items() if k.startswith(top + "/") and k[len(top) + 1:] in units})
+    return "/".join(found) or None
+
+
 def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     """A summary of checkpoint directory `path`: `latest`, and per tag its step, world size, stage,
-    precision, optimizer, bytes on disk, config JSON and `health` ('ok' or the error a load would
-    raise). `verify=True` also checks every checksum (reads everything)."""
+    precision (`param_dtype`: the dtype the parameters are stored in; `master_dtype`: the master
+    copy's, None without one), optimizer, bytes on disk, config JSON and `health` ('ok' or the
+    error a load would raise). `verify=True` also checks every checksum (reads everything)."""
     root = os.path.abspath(os.fspath(path))
     if entry_kind(os.path.join(root, F.INDEX_NAME)) is not None:  # a single checkpoint directory
         root, tags = os.path.dirname(root), [os.path.basename(root)]
@@ -57,7 +67,8 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
                 ix = rd.index
                 entry.update(
                     step=ix["step"], world_size=ix["world_size"], stage=ix["stage"], version=ix["version"],
-                    param_dtype=ix.get("param_dtype"), master_weights=bool(ix.get("has_master")),
+                    param_dtype=_stored_dtype(ix, "params") or ix.get("param_dtype"),
+                    master_dtype=_stored_dtype(ix, "master"), master_weights=bool(ix.get("has_master")),
                     optimizer=ix.get("optimizer"), fp16_loss_scale=ix.get("loss_scale"),
                     num_params=sum(u["numel"] for u in ix["units"]), bytes=sum(ix["files"]),
                     created=ix.get("created"), config=ix.get("config"),

@@ -21,6 +21,7 @@ from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tp import fill_tp_leaf, tp_check_view
 from ._by_name import fill_by_name, same_units, saved_slots
+from ._same_model import check_model, mismatch
 from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
@@ -218,44 +219,9 @@ class Reader:
             raise CheckpointError(f"{self.dir}: checksum mismatch in {what}: the file is corrupted")
 
 
-# -- matching the new run against the checkpoint ---------------------------------------------------
+# -- matching the new run against the checkpoint (`_same_model.py`) -------------------------------
 def _shape(s) -> tuple:
     return tuple(s) if s is not None else None
-
-
-def check_model(ix: dict, like: TrainState, subset: bool = False) -> None:
-    """Same trainable parameters (names, shapes), same frozen params and buffers; name the first
-    difference. `subset`: like may hold fewer parameters (a pipeline stage), none of another shape."""
-    saved = {}
-    for u in ix["units"]:
-        for s in u["slots"]:
-            for n in (s["name"], *s["aliases"]):
-                saved[n] = _shape(s["shape"])
-    mine = {}
-    for u in unit_meta(like.sharding.plan):
-        for s in u["slots"]:
-            for n in (s["name"], *s["aliases"]):
-                mine[n] = _shape(s["shape"])
-    for kind, name_map in (("frozen", like.frozen), ("buffers", like.buffers)):
-        for n, t in name_map.items():
-            e = ix["tensors"].get(f"{kind}/{n}")
-            saved_shape = _shape(e.get("shape")) if e is not None else None
-            if saved_shape != tuple(t.shape):
-                _mismatch(f"{kind}/{n}", tuple(t.shape), saved_shape)
-    for n, shape in mine.items():
-        if saved.get(n) != shape:
-            _mismatch(f"params/{n}", shape, saved.get(n))
-    for n, shape in saved.items():
-        if n not in mine and not subset:
-            _mismatch(f"params/{n}", None, shape)
-
-
-def _mismatch(path, mine, saved):
-    fmt = lambda s: "absent" if s is None else f"shape {list(s)}"  # noqa: E731
-    raise CheckpointError(
-        f"the checkpoint is of another model: first difference at {path!r}: {fmt(mine)} in like=, "
-        f"{fmt(saved)} in the checkpoint"
-    )
 
 
 def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
@@ -274,8 +240,9 @@ def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
         return f"params/{rest}"
     if leaf.key not in keys:
         raise CheckpointError(
-            f"the checkpoint has no {leaf.key!r}, which like= needs for {leaf.path!r}; was it saved with "
-            f"another optimizer (checkpoint: {reader.index.get('optimizer')}, like=: {type(like.opt_state).__name__})?"
+            f"the checkpoint has no {leaf.key!r}, which the state you are loading into needs for {leaf.path!r}; was "
+            f"it saved with another optimizer (the checkpoint's: {reader.index.get('optimizer')}, the state's: "
+            f"{type(like.opt_state).__name__})?"
         )
     return leaf.key
 
@@ -339,7 +306,7 @@ def load(
                 return fill_tp_leaf(leaf, like, view.sharding.plan, rd.read, key, out).reshape(t.shape).to(t.device)
             if leaf.unit is None:
                 if _shape(entry.get("shape")) != tuple(t.shape):
-                    _mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))
+                    raise mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))
                 rd.read(key, 0, t.numel(), out)
             else:
                 numel = next(u["numel"] for u in ix["units"] if u["name"] == leaf.unit)

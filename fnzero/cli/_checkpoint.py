@@ -17,7 +17,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         paths = export(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, max_shard_size=args.max_shard_size,
                        exclude_frozen=args.exclude_frozen, format=args.format, tied=args.tied,
-                       progress=None if not args.quiet else False)
+                       progress=None if not args.quiet else False, hf_config=args.hf_config)
     except (CheckpointError, OSError) as e:
         print(f"fnzero export: {e}", file=sys.stderr)
         return 1
@@ -52,9 +52,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
     for c in rep["checkpoints"]:
         mark = "*" if c["tag"] == rep["latest"] else " "
         if "step" in c:
-            prec = f"{c['param_dtype']}{' + fp32 master' if c['master_weights'] else ''}"
+            prec = f"{c['param_dtype']} params" + (f" + {c['master_dtype']} master" if c["master_dtype"] else "")
             print(f"{mark} {c['tag']}: step {c['step']}, saved by {c['world_size']} rank(s) at ZeRO stage {c['stage']}, "
-                  f"{c['num_params']:,} params ({prec}), {c['optimizer']}, {_human(c['bytes'])}, format v{c['version']}: "
+                  f"{c['num_params']:,} parameters ({prec}), {c['optimizer']}, {_human(c['bytes'])}, format v{c['version']}: "
                   f"{c['health']}")
             if args.config and c.get("config"):
                 print("    config: " + c["config"].replace("\n", "\n    "))
@@ -77,6 +77,9 @@ def register(sub) -> None:
     ep.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
     ep.add_argument("--tied", choices=["copy", "first"], default="copy",
                     help="tied weights: a copy under every name (default) or the first name only")
+    ep.add_argument("--hf-config", default=None, metavar="DIR",
+                    help="a Hugging Face save_pretrained directory (or config.json) whose config.json, and "
+                         "generation_config.json, are written beside the weights, for from_pretrained")
     ep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ep.set_defaults(func=_cmd_export)
 

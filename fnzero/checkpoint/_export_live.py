@@ -1,0 +1,116 @@
+"""`export_live`: consolidated weights from a running job's state, the collective form of
+`export` (`specs/checkpoint-format.md` §Export)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .._errors import CheckpointError
+from ._export import _Entry, _cast_dtype, _check_arguments, _names, _write_all
+from ._hf_config import hf_source, module_source, write_hf_files
+from ._one_writer import Rounds
+
+__all__ = ["export_live"]
+
+
+class _Gathered:
+    """The whole units of a running job, gathered in plan order by every rank of its data-parallel
+    group, one at a time, each after a round (`_one_writer.py`): the writer asks for a unit when
+    it writes it, the others take part in the same gathers."""
+
+    def __init__(self, plan, src: dict, comm, rounds: Rounds):
+        self.units, self.src, self.comm, self.rounds = plan.units, src, comm, rounds
+        self.index = {u.name: i for i, u in enumerate(plan.units)}
+        self.next, self.full = 0, None  # the next unit to gather; the last one gathered (one alive at a time)
+
+    def upto(self, i: int) -> bool:
+        """Gather units through `i`; False (on a rank that does not write) when the writer stopped."""
+        from ..sharding._module import full_unit
+
+        while self.next <= i:
+            if self.rounds.writes:
+                self.rounds.beat(force=True)
+            elif not self.rounds.follow():
+                return False
+            u = self.units[self.next]
+            self.full = None  # drop the previous unit before gathering the next
+            self.full = full_unit(u, self.src[u.name].detach(), self.comm).cpu()
+            self.next += 1
+        return True
+
+    def of(self, name: str) -> torch.Tensor:
+        self.upto(self.index[name])
+        assert self.next - 1 == self.index[name], "export_live reads the units in plan order"
+        return self.full
+
+
+def export_live(
+    sm,
+    state,
+    out: str | os.PathLike,
+    *,
+    dtype="fp32",
+    max_shard_size: int | str | None = None,
+    exclude_frozen: bool = False,
+    format: str = "safetensors",
+    tied: str = "copy",
+    progress: bool | None = None,
+    hf_config=None,
+) -> list[str]:
+    """Export from a live state (DeepSpeed's `save_16bit_model`), the collective form: every rank
+    calls it with its state; units are gathered one at a time (master weights when present) and
+    one rank writes (data-parallel rank 0 of tensor-parallel rank 0). Every rank returns the paths
+    written; when writing fails, every rank raises, the others with a `CheckpointError` naming
+    the writing rank. `export` is the form that reads a saved checkpoint instead.
+
+    The arguments are `export`'s. `hf_config` defaults to the sharded model's own when it is a
+    Hugging Face model (`sm.module.config`, and its `generation_config`): `config.json` is written
+    beside the weights so `AutoModelForCausalLM.from_pretrained(out)` works with nothing else;
+    `hf_config=False` writes the weights only."""
+    from ._tp import consolidated
+
+    want = _check_arguments(dtype, format, tied, max_shard_size)
+    hf = hf_source(module_source(sm.module) if hf_config is None else hf_config)
+    tp = state.sharding.tp if state.sharding.tp is not None and state.sharding.tp.size > 1 else None
+    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+        raise CheckpointError("export_live of a pipeline-parallel state is not implemented yet: save a checkpoint "
+                              "(fnzero.checkpoint.save) and export it (fnzero.checkpoint.export, on every rank), "
+                              "which needs no running job")
+    if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
+        state = consolidated(state.replace(opt_state=None))
+    plan, comm = state.sharding.plan, state.sharding.comm
+    writes = comm.rank == 0 and (tp is None or tp.rank == 0)
+    rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
+    units = _Gathered(plan, state.master if state.master is not None else state.params, comm, rounds)
+    if not writes:
+        units.upto(len(plan.units) - 1)
+        return rounds.result()
+
+    def write() -> list[str]:
+        paths = _write_all(_live_entries(state, units, want, tied, exclude_frozen), out, format, max_shard_size,
+                           progress, {"format": "pt", "fnzero_step": str(int(state.step))})
+        units.upto(len(plan.units) - 1)  # units with nothing to write: the others gather them too
+        return paths + write_hf_files(hf, os.path.dirname(paths[0]), want)
+
+    return rounds.write(write)
+
+
+def _live_entries(state, units: _Gathered, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
+    """What `export_live` writes from a (tensor-parallel: consolidated) state."""
+    src = state.master if state.master is not None else state.params
+    entries = []
+    for u in state.sharding.plan.units:
+        dt = _cast_dtype(src[u.name].dtype, want)
+        for s in u.slots:
+            for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
+                entries.append(_Entry(name, s.shape, dt,
+                                      lambda a, b, u=u, o=s.offset, dt=dt: units.of(u.name)[o + a: o + b].to(dt)))
+    for kind, named in (("frozen", state.frozen), ("buffers", state.buffers)):
+        if kind == "frozen" and exclude_frozen:
+            continue
+        for name, t in named.items():
+            dt = _cast_dtype(t.dtype, want)
+            entries.append(_Entry(name, t.shape, dt, lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt)))
+    return entries
