@@ -1,4 +1,4 @@
-"""ZeRO stages against DDP and FSDP2 on the same GPT, in one invocation (CPU, gloo).
+"""ZeRO stages against DDP and FSDP2 on the same GPT, in one invocation (CPU and gloo, or CUDA and NCCL).
 
     python benchmarks/bench_zero.py                       # 27.4M GPT, 2 ranks x 1 thread
     python benchmarks/bench_zero.py --model gpt100m --world 4 --configs z0,z3 --steps 2 --warmup 1
@@ -6,6 +6,7 @@
     python benchmarks/bench_zero.py --configs ddp,z0,z3 --rounds 3           # medians of alternating rounds
     python benchmarks/bench_zero.py --configs ddp,z0,z0_jit,z3,z3_jit         # fnzero.jit on every rank
     python benchmarks/bench_zero.py --configs ddp,z0,z1,z2,z3 --rounds 3 --before a16ce74  # this tree vs a commit
+    python benchmarks/bench_zero.py --device cuda --world 2                   # one GPU per rank, NCCL
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
 seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
@@ -16,6 +17,10 @@ cores" column says how much CPU other processes used during the timed window.
 `--before REF` measures every fnzero configuration a second time with the fnzero of git commit REF
 (extracted to a scratch folder and its C extension built there), in the same rounds and alternating
 order, and reports after/before ratios: a change's cost or gain measured side by side.
+
+`--device cuda` puts rank r on accelerator r (NCCL); every framework's model, batches and step are
+there, each timed step ends with a device synchronisation, and each row also reports the peak
+device memory allocated (the RSS columns then count host memory only).
 """
 
 from __future__ import annotations
@@ -65,8 +70,29 @@ def _current_rss_mib():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _rank_device(kind: str):
+    """This rank's device: the CPU, or accelerator `rank` of this node (one per rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = torch.get_device_module(kind)
+    dev = torch.device(kind, dist.get_rank() % mod.device_count())
+    mod.set_device(dev)
+    return dev
+
+
+def _sync(device) -> None:
+    # An accelerator runs the step asynchronously: a step's time ends when its kernels have.
+    import torch
+
+    if device.type != "cpu":
+        torch.get_device_module(device).synchronize(device)
+
+
 def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0,
-           remat: bool = False, nvme_dir: str | None = None):
+           remat: bool = False, nvme_dir: str | None = None, device: str = "cpu"):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -79,16 +105,17 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
         # The same allocator setting for every framework measured (what fnzero.init_distributed does).
         fnzero.memory.return_freed_memory(malloc_threshold)
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = _rank_device(device)
     pre_model = _current_rss_mib()
     torch.manual_seed(0)
-    model = GPT(**model_kw)
+    model = GPT(**model_kw).to(dev)
     psi = sum(p.numel() for p in model.parameters())
     if remat:  # activation checkpointing of every block, the same for every framework
         for block in model.blocks:
             block.forward = fnzero.remat(block.forward)
     g = torch.Generator().manual_seed(rank)
     seq, vocab = model_kw["seq_len"], model_kw["vocab_size"]
-    batches = [torch.randint(0, vocab, (micro, seq + 1), generator=g) for _ in range(4)]
+    batches = [torch.randint(0, vocab, (micro, seq + 1), generator=g).to(dev) for _ in range(4)]
     times, losses, sent = [], [], 0.0
 
     if kind.startswith("z"):
@@ -108,7 +135,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             "zero_optimization": zero,
             "comms_logger": {"enabled": True},
         }, world_size=world)
-        sm = fnzero.shard(model, config=cfg)
+        sm = fnzero.shard(model, config=cfg, device=dev)
         del model
         state = sm.init_state()
 
@@ -121,8 +148,10 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
         for i in range(warmup + steps):
             sm.comm.reset()
             dist.barrier()
+            _sync(dev)
             t = time.perf_counter()
             state, m = step(state, batches[i % 4])
+            _sync(dev)
             times.append(time.perf_counter() - t)
             losses.append(m["loss"])
             if i == warmup + steps - 1:
@@ -137,7 +166,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh(dev.type, (world,))
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -147,14 +176,17 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
         for i in range(warmup + steps):
             b = batches[i % 4]
             dist.barrier()
+            _sync(dev)
             t = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
             loss.backward()
             opt.step()
+            _sync(dev)
             times.append(time.perf_counter() - t)
             losses.append(loss.item())
-    return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib(), "pre_model_mib": pre_model,
+    peak_dev = torch.get_device_module(dev).max_memory_allocated(dev) / 2**20 if dev.type != "cpu" else float("nan")
+    return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib(), "pre_model_mib": pre_model, "peak_dev_mib": peak_dev,
             "psi": psi, "sent": sent, "loss": losses[-1], "fnzero": os.path.dirname(os.path.dirname(fnzero.__file__))}
 
 
@@ -165,7 +197,8 @@ def measure(kind: str, args, env: dict) -> dict:
 
     with CpuMonitor() as mon:
         res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                        args.malloc_mmap_threshold, args.remat, args.nvme_dir, timeout=3600, env=env)
+                        args.malloc_mmap_threshold, args.remat, args.nvme_dir, args.device, timeout=3600, env=env,
+                        backend="gloo" if args.device == "cpu" else "nccl")
     slow = max(res, key=lambda r: r["step_s"])
     psi = slow["psi"]
     stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
@@ -174,6 +207,7 @@ def measure(kind: str, args, env: dict) -> dict:
         tok_s=args.world * args.micro * MODELS[args.model]["seq_len"] / slow["step_s"],
         rss=max(r["peak_rss_mib"] for r in res),
         rss_above=max(r["peak_rss_mib"] - r["pre_model_mib"] for r in res),
+        peak_dev_mib=max(r["peak_dev_mib"] for r in res),
         theory=(IN_MEMORY[kind] * psi / args.world if kind in IN_MEMORY
                 else zero_formula(psi, stage, args.world, False)) / 2**20,
         sent_mb=slow["sent"] / 1e6,
@@ -209,6 +243,8 @@ def measure_at(tree: str, kind: str, args) -> dict:
                "--model", args.model, "--world", str(args.world), "--micro", str(args.micro),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
                "--malloc-mmap-threshold", str(args.malloc_mmap_threshold)] + (["--remat"] if args.remat else [])
+        if args.device != "cpu":  # older commits have no --device; their default is the CPU
+            cmd += ["--device", args.device]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
         subprocess.run(cmd, env=env, check=True)
         with open(out.name) as f:
@@ -236,6 +272,8 @@ def main():
     ap.add_argument("--malloc-mmap-threshold", type=int, default=4 << 20,
                     help="glibc mmap threshold applied in every configuration's ranks, as fnzero.init_distributed "
                          "does (0: glibc's dynamic default)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where every framework's ranks train: the CPU (gloo) or one CUDA device per rank (NCCL)")
     args = ap.parse_args()
 
     from fnzero.memory import allocator_env
@@ -249,7 +287,8 @@ def main():
         return
 
     print(f"machine: {machine()}")
-    print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread, micro-batch {args.micro}, "
+    print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread"
+          f"{f' on {args.device}' if args.device != 'cpu' else ''}, micro-batch {args.micro}, "
           f"median of {args.steps} steps after {args.warmup} warm-up{', blocks rematerialised' if args.remat else ''}, "
           f"glibc mmap threshold "
           f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration"
@@ -271,8 +310,9 @@ def main():
             rows[run] = r = measure(run[0], args, env) if run[1] is None else measure_at(run[1], run[0], args)
             if run[1] and not os.path.samefile(r["fnzero"], run[1]):
                 raise SystemExit(f"the 'before' ranks imported fnzero from {r['fnzero']}, not {run[1]}")
+            dev_mem = f"  peak {args.device} memory {r['peak_dev_mib']:.0f} MiB" if args.device != "cpu" else ""
             print(f"  {f'[round {k}] ' if args.rounds > 1 else ''}{label[run]:34s} {r['step_s']:.3f} s/step  "
-                  f"{r['rss_above']:.0f} MiB above baseline  (other cores {r['other']:.2f})", flush=True)
+                  f"{r['rss_above']:.0f} MiB above baseline{dev_mem}  (other cores {r['other']:.2f})", flush=True)
         per_round.append(rows)
     rows = {run: {key: median([rr[run][key] for rr in per_round]) for key in per_round[0][run] if key != "fnzero"}
             for run in runs}

@@ -5,6 +5,7 @@ exact per-rank bytes, equal to the ZeRO formulas."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -59,7 +60,6 @@ def test_bench_zero_nvme_configurations_train_the_same_model(tmp_path):
 
 
 def test_bench_aio_short_mode_reports_every_round(tmp_path):
-    import shutil
 
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_aio.py"), "--size", "8M", "--rounds", "2",
            "--dir", str(tmp_path)]
@@ -91,3 +91,47 @@ def test_bench_mesh_short_mode_reports_exact_state_and_traffic_per_axis(tmp_path
     assert rows["tp2_z1"]["psi_rank"] < rows["dp2_z1"]["psi_rank"] == rows["dp2_z1"]["psi"]
     assert rows["tp2_z1"]["tp_sent"] > 0 and rows["dp2_z1"]["tp_sent"] == 0
     assert rows["tp2_z1"]["dp_sent"] == 0 < rows["dp2_z1"]["dp_sent"]  # tp 2 on 2 ranks: dp is 1
+
+
+GPU_CHECKS = ["zero_equivalence[world=1]", "zero_equivalence[world=2]", "bf16_step", "fp16_step", "jit_whole_step",
+              "offload_cpu_pinned", "checkpoint_roundtrip", "bench_zero"]
+
+
+def test_gpu_check_skips_every_check_cleanly_without_cuda():
+    """benchmarks/gpu_check.sh where no CUDA device is visible: one SKIP line per check, saying
+    why, and exit status 0 (the whole run is for CUDA machines; --device cpu is its dry run)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["SKIP", name] for name in GPU_CHECKS], p.stdout
+    assert all("no CUDA device" in line for line in lines), p.stdout
+
+
+@pytest.mark.slow  # 30-90 s on 2 shared cores: two runs of spawned ranks (`-m slow` runs it)
+@pytest.mark.multiprocess
+def test_gpu_check_dry_run_on_cpu_passes_and_fails_on_a_wrong_reference(tmp_path):
+    """The checks' own logic, dry-run on gloo: ZeRO-0..3 against plain torch and the checkpoint
+    round trip pass at world size 1; with the reference's weight decay off by 0.1 % the
+    equivalence check FAILs, names the stage and the differing losses, and the exit status is 1.
+    (`benchmarks/gpu_check.py --device cpu` runs every check this way.)"""
+    cmd = ["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--device", "cpu", "--world", "1",
+           "--checks", "zero_equivalence[world=1],checkpoint_roundtrip"]
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    status = [line.split()[:2] for line in p.stdout.splitlines() if not line.startswith("#")]
+    assert status == [["PASS", "zero_equivalence[world=1]"], ["PASS", "checkpoint_roundtrip"]], p.stdout
+    # The same check against a reference that trains something else must fail, naming what differs.
+    with open(os.path.join(ROOT, "benchmarks", "_gpu_checks.py")) as f:
+        src = f.read()
+    wrong = src.replace("weight_decay=WD)", "weight_decay=WD * 1.001)")
+    assert wrong != src
+    (tmp_path / "_gpu_checks.py").write_text(wrong)
+    shutil.copy(os.path.join(ROOT, "benchmarks", "gpu_check.py"), tmp_path)  # imports the copy beside it
+    env["PYTHONPATH"] = ROOT
+    cmd = [sys.executable, str(tmp_path / "gpu_check.py")] + cmd[2:-1] + ["zero_equivalence[world=1]"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "FAIL zero_equivalence[world=1]" in p.stdout and "ZeRO-0, rank 0 of 1" in p.stdout and "losses" in p.stdout
