@@ -25,7 +25,7 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 _CHOICE = re.compile(r"\[([^\[\]]*\|[^\[\]]*)\]")
 # Scripts the README names for the reader's own, never the repository's.
 PLACEHOLDER_SCRIPTS = {"train.py"}
-# First words of setup steps, checked no further than their own rule (`pip install` extras).
+# Setup steps (a virtual environment, its activation): nothing of the repository's to check.
 _SETUP = {"python3 -m venv", ". ", "source "}
 
 
@@ -77,7 +77,7 @@ def commands(text: str) -> list[Command]:
             first = _line_of(text, m.start(2))
             for i, raw in enumerate(m.group(2).splitlines()):
                 if raw.strip() and not raw.lstrip().startswith("#"):
-                    out += _split(first + i, raw.replace("\\|", "|"))
+                    out += _split(first + i, raw)
     prose = _FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # keep line numbers
     for m in _SPAN.finditer(prose):
         span = " ".join(m.group(1).split())
@@ -150,10 +150,9 @@ def _script_exists(script: str, root: str) -> list[str]:
 
 
 def _pip_problems(argv: list[str], root: str) -> list[str]:
-    import tomllib
-
-    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-        extras = tomllib.load(f)["project"].get("optional-dependencies", {})
+    # (read by hand: tomllib is Python 3.11+, and the project supports 3.10)
+    table = _read(os.path.join(root, "pyproject.toml")).split("[project.optional-dependencies]")[-1].split("\n[")[0]
+    extras = re.findall(r"^([\w-]+)\s*=", table, re.M)
     bad = []
     for arg in argv[2:]:
         m = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
