@@ -1,4 +1,6 @@
-"""The examples run from a fresh checkout, in short mode (specs: README's run command)."""
+"""The examples run from a fresh checkout, in short mode (specs: README's run command). The README's
+own commands are run here, read from README.md (`readme_argv`) and shortened by options appended
+after them; tests/test_readme.py checks that each one is."""
 
 import os
 import re
@@ -6,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from _readme import readme_argv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,15 +68,17 @@ def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_an
     tests/test_pipeline.py; a fifth run here would cost more than it proves.)"""
     ckpt = str(tmp_path / "run")
     small = ["--layers", "2", "--d-model", "64", "--checkpoint-dir", ckpt]
-    launch = [sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/train_gpt.py"]
     # (The first run also stands for "the example trains on one process": the loss falls.)
     out = _run([sys.executable, "examples/train_gpt.py", "--config", "examples/configs/zero0.json", "--steps", "30", *small])
     assert f"saved checkpoint {ckpt} (step 30)" in out, out
     start = _losses(out)[0]
     assert _losses(out)[1] < start - 1.0, out
-    chain = [("tp2_zero1", "tensor-parallel 2"), ("pp2_zero1", "2 pipeline stages"), ("zero3", "ZeRO stage 3")]
-    for i, (config, shows) in enumerate(chain):
-        out = _run([*launch, "--config", f"examples/configs/{config}.json", "--steps", "5", *small])
+    # The README's tp, pipeline and headline commands, each resuming the one before (tp on 2 ranks
+    # rather than the README's 4: one tp group, on the suite's 2 cores).
+    chain = [("tp2_zero1", 2, "tensor-parallel 2"), ("pp2_zero1", None, "x 2 pipeline stages"), ("zero3", None, "ZeRO stage 3")]
+    for i, (config, nproc, shows) in enumerate(chain):
+        out = _run(readme_argv("examples/train_gpt.py", f"examples/configs/{config}.json", nproc=nproc,
+                               extra=["--steps", "5", *small]))
         step = 30 + 5 * i
         assert f"resumed from {ckpt} at step {step}" in out and f"(step {step + 5})" in out and shows in out, out
         assert _losses(out)[0] < start - 1.0, (config, out)  # it did not start over
@@ -89,8 +95,8 @@ def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_an
 def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
     """examples/finetune_hf.py: save_pretrained shards -> meta model -> ZeRO-3 on 2 ranks with the
     model's checkpointing and bf16 -> checkpoint -> export -> from_pretrained, same logits."""
-    out = _run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "examples/finetune_hf.py",
-                "--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"])
+    out = _run(readme_argv("examples/finetune_hf.py",
+                           extra=["--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"]))
     first, last = _losses(out)
     assert last < first - 0.5, out
     read = [float(x) for x in re.findall(r"read ([0-9.]+) MiB", out)]

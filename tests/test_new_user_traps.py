@@ -1,6 +1,7 @@
 """The traps a new user fell into, each closed (README "What shard() does to your model"):
-weights written back into a real module, load_state_dict into a sharded model refused, ranks that
-built different weights started equal."""
+weights written back into a real module, load_state_dict into a sharded model refused, a sharded
+model called directly refused, `apply` in the module's own train/eval mode, ranks that built
+different weights started equal."""
 
 import pytest
 import torch
@@ -66,6 +67,47 @@ def test_load_state_dict_into_a_sharded_model_is_an_error_not_a_silent_no_op():
     fnzero.shard(model, config=_cfg(3))
     with pytest.raises(fnzero.ShardingError, match="sm.load_into"):
         model.load_state_dict(weights)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_calling_a_sharded_model_directly_says_to_use_apply_or_load_into(stage):
+    # (It ran on meta placeholders: torch's "Tensor.item() cannot be called on meta tensors" in a
+    # Hugging Face model, a meta result or a unit's message at stage 3 here.)
+    model = _gpt()
+    sm = fnzero.shard(model, config=_cfg(stage))
+    state = sm.init_state()
+    batch = torch.randint(0, 32, (2, 8))
+    with pytest.raises(fnzero.ShardingError, match=r"GPT was given to fnzero.shard.*cannot be called directly. "
+                       r"Run it with sm.apply\(params, ...\).*sm.load_into\(fresh_model, state\)"):
+        model(batch)
+    assert sm.apply(state.params, batch).shape == (2, 8, 32)  # the way to run it, still working
+    # Inside another sharded model's apply it is still this model's placeholders: refused.
+    outer = torch.nn.Linear(8, 8)
+    outer.forward = lambda x: model(x)
+    sm_outer = fnzero.shard(outer, config=_cfg(stage))
+    with pytest.raises(fnzero.ShardingError, match="cannot be called directly"):
+        sm_outer.apply(sm_outer.init_state().params, batch)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_apply_runs_in_the_modules_own_train_or_eval_mode(stage):
+    """README Quickstart: dropout is on in `sm.apply` while the module is in training mode (as
+    built, and as transformers' `from_config` builds), off after `model.eval()`."""
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 2))
+
+    torch.manual_seed(0)
+    model = net()
+    sm = fnzero.shard(model, config=_cfg(stage))
+    state = sm.init_state()
+    reference = sm.load_into(net(), state).eval()
+    x = torch.randn(4, 8)
+    assert model.training and not torch.equal(sm.apply(state.params, x), reference(x))  # dropout on
+    model.eval()
+    torch.testing.assert_close(sm.apply(state.params, x), reference(x), rtol=0, atol=0)
+    model.train()
+    assert not torch.equal(sm.apply(state.params, x), reference(x))
 
 
 def _built_apart(comm, same: bool):

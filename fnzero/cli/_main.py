@@ -15,7 +15,7 @@ from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "split_launch_args"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -178,23 +178,27 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`launch`'s own options, and the script with its arguments (passed through untouched): the
+    script is the first word that is neither an option nor an option's value."""
+    head: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-"):
+            return head, argv[i:]
+        head.append(a)
+        if "=" not in a and a not in ("-h", "--help", "--exit-with-stdin") and i + 1 < len(argv):
+            head.append(argv[i + 1])
+            i += 1
+        i += 1
+    return head, []
+
+
 def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
-    # `launch` passes everything after the script through untouched.
     if argv and argv[0] == "launch":
-        head, rest = [], []
-        i = 1
-        while i < len(argv):
-            a = argv[i]
-            if a.startswith("-"):
-                head.append(a)
-                if "=" not in a and a not in ("-h", "--help", "--exit-with-stdin") and i + 1 < len(argv):
-                    head.append(argv[i + 1])
-                    i += 1
-            else:
-                rest = argv[i:]
-                break
-            i += 1
+        head, rest = split_launch_args(argv[1:])
         args = parser.parse_args(["launch", *head])
         return _cmd_launch(args, rest)
     args = parser.parse_args(argv)

@@ -22,8 +22,8 @@ from ._watchdog import process_watchdog
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
-from ._plan import make_plan, unit_predicate
-from ._runtime import wrap_unit_forward
+from ._plan import ShardPlan, make_plan, unit_predicate
+from ._runtime import ACTIVE_RUN, wrap_unit_forward
 
 __all__ = ["shard"]
 
@@ -128,6 +128,7 @@ def shard(
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
                        buffers, tp=tp_layout, pp=pipe)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
+    model.register_forward_pre_hook(_refuse_direct_calls(plan))
     for u in plan.units:
         if u.placement.params and u.module != "":
             wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
@@ -217,6 +218,29 @@ def _refuse_load_state_dict(module, *args, **kwargs) -> None:
         "the TrainState, so load_state_dict into it keeps nothing. Load weights with "
         "sm.init_state(pretrained=...) or a checkpoint, and copy a state out with sm.load_into(fresh_model, state)"
     )
+
+
+def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
+    """A forward pre-hook on the sharded root module: called directly (`model(x)`), it would run on
+    meta placeholders and fail deep inside with torch's words (`Tensor.item() cannot be called on
+    meta tensors`); say what to do instead. A call made by `sm.apply` (also when a recomputation
+    in backward calls it again, `remat`) runs inside an apply run of this plan and passes; under
+    torch.compile only fnzero's traces call it (`fnzero.jit`), and the check stays out of the graph."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            return
+        run = ACTIVE_RUN.get()
+        if run is not None and run.plan is plan:
+            return
+        raise ShardingError(
+            f"this {type(module).__name__} was given to fnzero.shard: its parameters are meta placeholders and the "
+            "values live in the TrainState, so it cannot be called directly. Run it with sm.apply(params, ...) "
+            "(state.params, or in a loss function the params the step passes), or copy the weights into a fresh "
+            "module with sm.load_into(fresh_model, state) and call that"
+        )
+
+    return hook
 
 
 def _default_device() -> torch.device:
