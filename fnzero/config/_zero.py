@@ -93,7 +93,8 @@ class ZeroConfig(Model):
     )
     contiguous_gradients: Bool = Field(True, description="Copy gradients into one contiguous buffer as produced.")
     reduce_scatter: Bool = Field(True, description="Average gradients with reduce-scatter instead of all-reduce.")
-    reduce_bucket_size: NonNeg = Field(500_000_000, description="Elements reduced per gradient bucket.")
+    reduce_bucket_size: Annotated[Int, Field(gt=0)] = Field(
+        500_000_000, description="Elements reduced per gradient bucket (> 0, as DeepSpeed 0.19.8: 0 is refused there).")
     allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
     allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
     overlap_comm: Bool | None = Field(

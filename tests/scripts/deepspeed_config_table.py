@@ -10,7 +10,8 @@ extra), so the table is checked in, and this script regenerates it where DeepSpe
 
 It walks the pydantic models (`DeepSpeedConfigModel` subclasses) the training config is parsed
 with: each field's name, its `alias`, and the deprecated fields (`json_schema_extra` "deprecated",
-"new_param"). For each spelling it builds a whole config, parses it with DeepSpeed's own
+"new_param"). For each spelling it builds a whole config (with a sample value, and with values on
+each side of every bound the field declares), parses it with DeepSpeed's own
 `DeepSpeedConfig` (one process, world size 1), and records the value DeepSpeed resolved, or that it
 refused the config. It records both spellings given together too, and each field's resolved default.
 """
@@ -58,6 +59,9 @@ SKIPPED = {
 }
 # Values beyond the one sample per field (DeepSpeed types these `int`: a fraction is refused there).
 EXTRA_SAMPLES = {"fp16.min_loss_scale": [0.5, 1e-10, 2.0], "fp16.loss_scale_window": [0.5]}
+# Sections whose bounds are not sampled: fnzero drops these blocks unread when off (hybrid_engine) or
+# refuses them whole (zenflow), so a bound inside them says nothing about fnzero's reading.
+NO_BOUND_SAMPLES = ("hybrid_engine", "zero_optimization.zenflow")
 # A sample DeepSpeed would accept here and fail on later (any string for a preset name).
 SAMPLE_OVERRIDES = {"tensor_parallel.preset_model": "llama"}
 # The config around a deprecated key that turns on offload: DeepSpeed reads offload at stage 3.
@@ -143,6 +147,21 @@ def _sample(info, default):
     return None  # Python objects (mpu, process groups, torch.dtype, tuples): not JSON
 
 
+def _bound_samples(info) -> list:
+    """Values on each side of every bound of a field's constraints (pydantic `gt`/`ge`/`lt`/`le`): the
+    bound itself and one step past it, so fnzero must refuse exactly where DeepSpeed does."""
+    import annotated_types as at
+
+    step = 1 if info.annotation is int else 0.25
+    out: list = []
+    for bound in info.metadata:
+        for kind, sign in ((at.Gt, -1), (at.Ge, -1), (at.Lt, 1), (at.Le, 1)):
+            if isinstance(bound, kind):
+                edge = getattr(bound, kind.__name__.lower())
+                out += [edge, edge + sign * step] if kind in (at.Ge, at.Le) else [edge, edge - sign * step]
+    return out
+
+
 def _nest(path: str, leaf: dict) -> dict:
     node = leaf
     for part in reversed(path.split(".")):
@@ -218,6 +237,8 @@ def _cases_of(path: str, model, getter: str, context: dict) -> list[dict]:
             config = _merge(base, _nest(path, {}))
             entry["default"] = {"config": config, **_parse(config, getter, name)}
         samples = [SAMPLE_OVERRIDES.get(f"{path}.{name}", _sample(info, default))] + EXTRA_SAMPLES.get(f"{path}.{name}", [])
+        if not path.startswith(NO_BOUND_SAMPLES):
+            samples += [v for v in _bound_samples(info) if v not in samples]
         for value in samples:
             if value is None:
                 continue
