@@ -33,6 +33,31 @@ def test_unknown_top_level_key_suggests_nearest():
     fails(cfg(zero_optimisation={"stage": 2}), "`zero_optimisation`", "did you mean `zero_optimization`?")
 
 
+@pytest.mark.parametrize("key", ["local_rank", "cuda_visible_devices", "monitor_config"])
+def test_unknown_top_level_key_is_refused_saying_deepspeed_ignores_it(key):
+    # DeepSpeed reads the top-level keys it knows and ignores the rest; fnzero refuses, and says why.
+    fails(cfg(**{key: 0}), f"`{key}` is not a DeepSpeed config key", "DeepSpeed ignores top-level keys",
+          "misspelt key is never lost silently", "start its name with `_`")
+
+
+def test_comment_keys_at_top_level_are_dropped_as_deepspeed_drops_them():
+    # JSON has no comments; configs carry notes in "_comment"-style keys, which no DeepSpeed key resembles.
+    noted = load_config(cfg(_comment="ZeRO-2 for 8 GPUs", _read_the_docs="https://www.deepspeed.ai/docs/config-json/"))
+    assert noted == load_config(BASE) and "_comment" not in noted.to_json()
+    # Inside a section DeepSpeed's pydantic models refuse extra keys, and so does fnzero.
+    fails(cfg(zero_optimization={"_comment": "x"}), "`zero_optimization._comment` is not a known key")
+
+
+def test_fnzero_own_fields_are_no_config_keys():
+    # Config fields left out of to_json record load_config's arguments; a config cannot set them.
+    own = [name for name, info in Config.model_fields.items() if info.exclude]
+    assert own == ["world_size", "world_ranks"]
+    for name in own:
+        fails(cfg(**{name: 4}), f"`{name}` is not a DeepSpeed config key", "load_config(world_size=...)")
+        fails(BASE, "is not a DeepSpeed config path", auto={name: 4})
+    assert "world_ranks" not in str(fails(cfg(world_rank=4)))  # nor offered as the key meant
+
+
 def test_unknown_nested_key_names_full_path_and_suggests():
     fails(cfg(zero_optimization={"stage3_prefetch_bucket": 1}),
           "`zero_optimization.stage3_prefetch_bucket`", "did you mean `stage3_prefetch_bucket_size`?")

@@ -18,9 +18,12 @@ from ._optim_models import OPTIMIZER_PARAMS
 from ._problems import Problems, join_path, suggest
 from ._sched_models import SCHEDULER_PARAMS
 
-__all__ = ["check_unknown", "all_paths", "canonical_type", "HIDDEN_FIELDS"]
+__all__ = ["check_unknown", "all_paths", "canonical_type"]
 
-HIDDEN_FIELDS = {"world_size"}  # model fields that are not DeepSpeed keys
+# DeepSpeed ignores top-level keys it does not know, so a config may hold notes in keys such as
+# "_comment" (JSON has no comments). No DeepSpeed key starts with "_", so such a key is never a
+# misspelt one: fnzero drops it too. Any other unknown top-level key is refused, saying why.
+COMMENT_PREFIX = "_"
 
 
 def _sub_models(annotation: Any) -> list[type[BaseModel]]:
@@ -39,7 +42,7 @@ def _fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
     """Field name -> its sub-model class (None for scalars and for the per-type params unions)."""
     out: dict[str, type[BaseModel] | None] = {}
     for name, info in model.model_fields.items():
-        if name in HIDDEN_FIELDS:
+        if info.exclude:  # fnzero's own record (world_size, world_ranks), left out of to_json: not a DeepSpeed key
             continue
         subs = _sub_models(info.annotation)
         out[name] = subs[0] if len(subs) == 1 else None
@@ -82,7 +85,25 @@ def _special(path: str, key: str) -> str | None:
         return f"`{join_path(path, key)}` is only a Lamb parameter; clip gradients with the top-level `gradient_clipping` instead"
     if path == "" and key == "seed":
         return "`seed` is not a DeepSpeed config key; seed your run in code (e.g. torch.manual_seed) and remove it"
+    if path == "" and key in ("world_size", "world_ranks"):
+        return (f"`{key}` is not a DeepSpeed config key; fnzero takes the world from load_config(world_size=...) or "
+                "the running process group: remove it")
     return None
+
+
+def _unknown(path: str, key: str, fields: dict[str, Any]) -> str:
+    where = f"`{join_path(path, key)}`"
+    hint = suggest(key, fields)
+    if path:
+        return f"{where} is not a known key{hint}" if hint else \
+            f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
+    # DeepSpeed reads only the top-level keys it knows and ignores the rest without a word.
+    why = ("DeepSpeed ignores top-level keys it does not know, so it has no effect there either; fnzero refuses "
+           "it so that a misspelt key is never lost silently")
+    if hint:
+        return f"{where} is not a DeepSpeed config key{hint} ({why})"
+    return (f"{where} is not a DeepSpeed config key ({why}): remove it, or start its name with "
+            f"`{COMMENT_PREFIX}` to keep it as a comment; the keys are {', '.join(sorted(fields))}")
 
 
 def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
@@ -93,15 +114,10 @@ def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
         fields = _fields(model)
         for key in list(node):
             if key not in fields:
-                message = _special(path, key)
-                if message is None:
-                    where = f"`{join_path(path, key)}`"
-                    message = (
-                        f"{where} is not a known key{suggest(key, fields)}"
-                        if suggest(key, fields)
-                        else f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
-                    )
-                problems.add(message)
+                if path == "" and key.startswith(COMMENT_PREFIX):
+                    del node[key]
+                    continue
+                problems.add(_special(path, key) or _unknown(path, key, fields))
                 del node[key]
                 continue
             value, sub = node[key], fields[key]
