@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fnzero._errors import ConfigError
+from fnzero import config as fnzero_config
 from fnzero.config import AdamParams, Config, ConfigWarning, load_config
 
 BASE = {"train_batch_size": 8}
@@ -200,6 +201,18 @@ def test_several_problems_collected_in_one_error():
 def test_triad_inconsistent_names_numbers():
     fails({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
           "train_batch_size 32 != 4 (micro) × 2 (gas) × 2 (world)", world_size=2)
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel": {"autotp_size": 2}}, {"pipeline": {"stages": 2}}])
+def test_triad_counted_over_every_rank_says_which_world_counts(parallel):
+    # What DeepSpeed without an mpu (the HF Trainer's path) writes for 4 ranks: micro x gas x all ranks.
+    trainer = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    fails({**trainer, **parallel}, "32 counts all 4 ranks", "the 2 data-parallel ranks", "world_size=2", world_size=4)
+    hf = fnzero_config.hf_auto_values(lr=1e-4, micro_batch_size=4, gradient_accumulation_steps=2, world_size=2)
+    auto = {**dict.fromkeys(trainer, "auto"), **parallel}
+    assert load_config(auto, world_size=4, auto=hf).train_batch_size == 16
+    # Any other mismatch is not explained as one of ranks.
+    assert "counts all" not in str(fails({**trainer, "train_batch_size": 24, **parallel}, world_size=4))
 
 
 def test_triad_not_divisible():
