@@ -300,3 +300,22 @@ def test_unprefixed_stage3_keys_take_hf_auto_values():
     z = cfg.zero_optimization
     assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (9000, 1000)
     assert z.stage3_max_live_parameters == 10**9 and z.stage3_gather_16bit_weights_on_model_save is True
+
+
+# What DeepSpeed versions before the removal wrote to switch each removed feature off.
+REMOVED_OFF_FORM = {"sparse_gradients": False, "graph_harvesting": False, "zero_optimization.mics_shard_size": -1,
+                    "zero_optimization.mics_hierarchical_params_gather": False, "zero_optimization.zeropp_loco_param": None}
+
+
+@pytest.mark.parametrize("key", TABLE["removed_keys"])
+def test_keys_deepspeed_removed_load_when_off_warning_that_deepspeed_refuses_them(key):
+    # DeepSpeed 0.19.8 refuses these keys whatever their value (openfold's "amp": {"enabled": false} among
+    # real configs); fnzero reads the off form as off, and says that DeepSpeed would not load the file.
+    *parents, leaf = key.split(".")
+    config = {leaf: REMOVED_OFF_FORM.get(key, {"enabled": False})}
+    for part in reversed(parents):
+        config = {part: config}
+    cfg, errors, caught = _load({**BASE, **config})
+    assert errors is None, errors
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert any(f"`{key}` is off" in m and "DeepSpeed 0.19.8 refuses this key in any form" in m for m in said), said

@@ -126,9 +126,6 @@ class ZeroConfig(Model):
     zero_quantized_weights: Literal[False] = Field(False, description="ZeRO++ weight quantisation; must be false.")
     zero_quantized_nontrainable_weights: Literal[False] = Field(False, description="Must be false (not implemented).")
     zero_quantized_gradients: Literal[False] = Field(False, description="ZeRO++ gradient quantisation; must be false.")
-    mics_shard_size: Annotated[Int, Field(le=0)] = Field(
-        -1, description="MiCS sharding (removed in DeepSpeed 0.19.8); values above 0 are not implemented."
-    )
     memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")
     # DeepSpeed 0.19.8 fields that tune its own implementation (accepted, no effect: specs/config.md §Keys).
     use_multi_rank_bucket_allreduce: Bool = Field(True, description="Combine ranks' reduce buckets into one all-reduce.")

@@ -13,7 +13,8 @@ with: each field's name, its `alias`, and the deprecated fields (`json_schema_ex
 "new_param"). For each spelling it builds a whole config (with a sample value, and with values on
 each side of every bound the field declares), parses it with DeepSpeed's own
 `DeepSpeedConfig` (one process, world size 1), and records the value DeepSpeed resolved, or that it
-refused the config. It records both spellings given together too, and each field's resolved default.
+refused the config. It records both spellings given together too, each field's resolved default, and
+the keys DeepSpeed refuses in any form (removed features).
 """
 
 from __future__ import annotations
@@ -277,8 +278,12 @@ def build() -> dict:
         if why is None:
             raise SystemExit(f"{name} is a config model this script does not place: add it to SECTIONS or SKIPPED")
         skipped.append({"model": name, "why": why})
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS
+
+    # Keys DeepSpeed refuses in any form, off included (runtime/config.py _reject_removed_config_keys).
+    removed = sorted(_REMOVED_TOP_LEVEL_CONFIG_KEYS) + [f"zero_optimization.{k}" for k in sorted(_REMOVED_ZERO_CONFIG_KEYS)]
     return {"deepspeed": VERSION, "generated_by": "tests/scripts/deepspeed_config_table.py", "models": walked,
-            "skipped": skipped, "cases": cases}
+            "skipped": skipped, "removed_keys": removed, "cases": cases}
 
 
 def main(argv: list[str] | None = None) -> int:
