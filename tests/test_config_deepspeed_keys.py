@@ -276,6 +276,7 @@ def test_blocks_deepspeed_leaves_off_are_accepted(block):
 
 @pytest.mark.parametrize("block,name", [({"wandb": {"enabled": True}}, "`wandb`"),
                                         ({"datastates_ckpt": {}}, "`datastates_ckpt`"),
+                                        ({"graph_harvesting": True}, "`graph_harvesting`"),
                                         ({"zero_optimization": {"zenflow": {}}}, "`zero_optimization.zenflow`")])
 def test_blocks_deepspeed_turns_on_are_refused_by_name(block, name):
     errors = _refused(block, name, "does not implement")
