@@ -320,3 +320,48 @@ def test_keys_deepspeed_removed_load_when_off_warning_that_deepspeed_refuses_the
     assert errors is None, errors
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     assert any(f"`{key}` is off" in m and "DeepSpeed 0.19.8 refuses this key in any form" in m for m in said), said
+
+
+
+def _holding(path: str, key: str) -> dict:
+    """A config with `key` inside the object at `path` ("" = the top level)."""
+    leaf: dict = {key: 1}
+    if path in ("optimizer", "scheduler"):
+        leaf = {"type": "Adam" if path == "optimizer" else "WarmupLR", **leaf}
+    if path == "optimizer.params":
+        return {**BASE, "optimizer": {"type": "Adam", "params": leaf}}
+    for part in reversed(path.split(".") if path else []):
+        leaf = {part: leaf}
+    return {**BASE, **leaf}
+
+
+IGNORING = TABLE["unknown_keys_ignored_in"]
+
+
+def test_fnzero_knows_where_deepspeed_ignores_unknown_keys():
+    from fnzero.config._schema import IGNORED_BY_DEEPSPEED
+
+    assert IGNORED_BY_DEEPSPEED == set(IGNORING)
+
+
+@pytest.mark.parametrize("path", IGNORING)
+def test_unknown_key_where_deepspeed_ignores_it_is_refused_saying_so_and_a_comment_is_dropped(path):
+    # DeepSpeed reads these objects key by key (or not at all, the top level's unknown keys) and ignores
+    # what it does not know: fnzero refuses a key that may be misspelt, saying so, and drops a note.
+    errors = _refused(_holding(path, "bogus_key"), "is not a DeepSpeed config key", "DeepSpeed ignores",
+                      "never lost silently")
+    assert len(errors) == 1
+    noted = _holding(path, "_comment")
+    plain = json.loads(json.dumps(noted))
+    node = plain
+    for part in path.split(".") if path else []:
+        node = node[part]
+    del node["_comment"]
+    assert load_config(noted) == load_config(plain)
+
+
+@pytest.mark.parametrize("path", ["zero_optimization", "fp16", "tensor_parallel", "optimizer.params"])
+def test_unknown_key_where_deepspeed_refuses_it_is_refused_as_unknown(path):
+    with pytest.raises(ConfigError) as info:
+        load_config(_holding(path, "_comment"))
+    assert "is not a known key" in str(info.value) and "DeepSpeed ignores" not in str(info.value)

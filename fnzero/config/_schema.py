@@ -20,9 +20,17 @@ from ._sched_models import SCHEDULER_PARAMS
 
 __all__ = ["check_unknown", "all_paths", "canonical_type"]
 
-# DeepSpeed ignores top-level keys it does not know, so a config may hold notes in keys such as
-# "_comment" (JSON has no comments). No DeepSpeed key starts with "_", so such a key is never a
-# misspelt one: fnzero drops it too. Any other unknown top-level key is refused, saying why.
+# The objects in which DeepSpeed 0.19.8 accepts a key it does not know and ignores it: the top level
+# ("") and the sections it reads key by key with dict.get. Its other sections are pydantic models that
+# refuse one, and optimizer/scheduler `params` go to a constructor, which does too (the test table
+# records DeepSpeed's own behaviour, tests/test_config_deepspeed_keys.py holds this set to it).
+IGNORED_BY_DEEPSPEED = frozenset({
+    "", "optimizer", "scheduler", "aio", "activation_checkpointing", "checkpoint", "checkpoint.parallel_write",
+    "data_types", "torch_autocast", "flops_profiler", "timers", "pipeline",
+})
+# Where DeepSpeed ignores unknown keys a config may hold notes in keys such as "_comment" (JSON has no
+# comments). No DeepSpeed key starts with "_", so such a key is never a misspelt one: fnzero drops it
+# too. Any other unknown key there is refused, saying why.
 COMMENT_PREFIX = "_"
 
 
@@ -94,12 +102,13 @@ def _special(path: str, key: str) -> str | None:
 def _unknown(path: str, key: str, fields: dict[str, Any]) -> str:
     where = f"`{join_path(path, key)}`"
     hint = suggest(key, fields)
-    if path:
+    if path not in IGNORED_BY_DEEPSPEED:  # DeepSpeed refuses it too
         return f"{where} is not a known key{hint}" if hint else \
             f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
-    # DeepSpeed reads only the top-level keys it knows and ignores the rest without a word.
-    why = ("DeepSpeed ignores top-level keys it does not know, so it has no effect there either; fnzero refuses "
-           "it so that a misspelt key is never lost silently")
+    # DeepSpeed reads the keys it knows here and ignores the rest without a word.
+    scope = "top-level keys" if not path else f"keys in `{path}`"
+    why = (f"DeepSpeed ignores {scope} it does not know, so it has no effect there either; fnzero refuses it so "
+           "that a misspelt key is never lost silently")
     if hint:
         return f"{where} is not a DeepSpeed config key{hint} ({why})"
     return (f"{where} is not a DeepSpeed config key ({why}): remove it, or start its name with "
@@ -114,7 +123,7 @@ def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
         fields = _fields(model)
         for key in list(node):
             if key not in fields:
-                if path == "" and key.startswith(COMMENT_PREFIX):
+                if path in IGNORED_BY_DEEPSPEED and key.startswith(COMMENT_PREFIX):
                     del node[key]
                     continue
                 problems.add(_special(path, key) or _unknown(path, key, fields))
