@@ -107,6 +107,11 @@ def _target(case: dict) -> str | None:
     return _fnzero_field(case["section"], [field, alias])
 
 
+def _as_unknown(error: str) -> bool:
+    """The error refuses a key as one fnzero does not know (nested, or at the top level)."""
+    return "is not a known key" in error or "is not a DeepSpeed config key" in error
+
+
 def _ids(cases):
     return [f"{c['kind']}:{c['key']}={json.dumps(c['value'])}" for c in cases]
 
@@ -128,7 +133,7 @@ def test_each_spelling_means_what_it_means_in_deepspeed(case):
         named = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} | {f"{case['section']}.{case['field']}"}
         assert named & set(REFUSED), \
             f"DeepSpeed accepts {key} = {case['value']!r} (resolving {verdict['value']!r}); fnzero refused it: {errors}"
-        assert not any("is not a known key" in e for e in errors), errors  # refused by name, not as a typo
+        assert not any(_as_unknown(e) for e in errors), errors  # refused by name, not as a typo
         assert any(f"`{n}`" in e or f"`{n} " in e for n in named & set(REFUSED) for e in errors), errors
         return
     if case["kind"] == "deprecated":
@@ -271,10 +276,11 @@ def test_blocks_deepspeed_leaves_off_are_accepted(block):
 
 @pytest.mark.parametrize("block,name", [({"wandb": {"enabled": True}}, "`wandb`"),
                                         ({"datastates_ckpt": {}}, "`datastates_ckpt`"),
+                                        ({"graph_harvesting": True}, "`graph_harvesting`"),
                                         ({"zero_optimization": {"zenflow": {}}}, "`zero_optimization.zenflow`")])
 def test_blocks_deepspeed_turns_on_are_refused_by_name(block, name):
     errors = _refused(block, name, "does not implement")
-    assert not any("is not a known key" in e for e in errors)
+    assert not any(_as_unknown(e) for e in errors)
 
 
 def test_compute_grad_norm_false_only_where_deepspeed_allows_it():
@@ -295,3 +301,67 @@ def test_unprefixed_stage3_keys_take_hf_auto_values():
     z = cfg.zero_optimization
     assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (9000, 1000)
     assert z.stage3_max_live_parameters == 10**9 and z.stage3_gather_16bit_weights_on_model_save is True
+
+
+# What DeepSpeed versions before the removal wrote to switch each removed feature off.
+REMOVED_OFF_FORM = {"sparse_gradients": False, "graph_harvesting": False, "zero_optimization.mics_shard_size": -1,
+                    "zero_optimization.mics_hierarchical_params_gather": False, "zero_optimization.zeropp_loco_param": None}
+
+
+@pytest.mark.parametrize("key", TABLE["removed_keys"])
+def test_keys_deepspeed_removed_load_when_off_warning_that_deepspeed_refuses_them(key):
+    # DeepSpeed 0.19.8 refuses these keys whatever their value (openfold's "amp": {"enabled": false} among
+    # real configs); fnzero reads the off form as off, and says that DeepSpeed would not load the file.
+    *parents, leaf = key.split(".")
+    config = {leaf: REMOVED_OFF_FORM.get(key, {"enabled": False})}
+    for part in reversed(parents):
+        config = {part: config}
+    cfg, errors, caught = _load({**BASE, **config})
+    assert errors is None, errors
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert any(f"`{key}` is off" in m and "DeepSpeed 0.19.8 refuses this key in any form" in m for m in said), said
+
+
+
+def _holding(path: str, key: str) -> dict:
+    """A config with `key` inside the object at `path` ("" = the top level)."""
+    leaf: dict = {key: 1}
+    if path in ("optimizer", "scheduler"):
+        leaf = {"type": "Adam" if path == "optimizer" else "WarmupLR", **leaf}
+    if path == "optimizer.params":
+        return {**BASE, "optimizer": {"type": "Adam", "params": leaf}}
+    for part in reversed(path.split(".") if path else []):
+        leaf = {part: leaf}
+    return {**BASE, **leaf}
+
+
+IGNORING = TABLE["unknown_keys_ignored_in"]
+
+
+def test_fnzero_knows_where_deepspeed_ignores_unknown_keys():
+    from fnzero.config._schema import IGNORED_BY_DEEPSPEED
+
+    assert IGNORED_BY_DEEPSPEED == set(IGNORING)
+
+
+@pytest.mark.parametrize("path", IGNORING)
+def test_unknown_key_where_deepspeed_ignores_it_is_refused_saying_so_and_a_comment_is_dropped(path):
+    # DeepSpeed reads these objects key by key (or not at all, the top level's unknown keys) and ignores
+    # what it does not know: fnzero refuses a key that may be misspelt, saying so, and drops a note.
+    errors = _refused(_holding(path, "bogus_key"), "is not a DeepSpeed config key", "DeepSpeed ignores",
+                      "never lost silently")
+    assert len(errors) == 1
+    noted = _holding(path, "_comment")
+    plain = json.loads(json.dumps(noted))
+    node = plain
+    for part in path.split(".") if path else []:
+        node = node[part]
+    del node["_comment"]
+    assert load_config(noted) == load_config(plain)
+
+
+@pytest.mark.parametrize("path", ["zero_optimization", "fp16", "tensor_parallel", "optimizer.params"])
+def test_unknown_key_where_deepspeed_refuses_it_is_refused_as_unknown(path):
+    with pytest.raises(ConfigError) as info:
+        load_config(_holding(path, "_comment"))
+    assert "is not a known key" in str(info.value) and "DeepSpeed ignores" not in str(info.value)

@@ -35,7 +35,6 @@ DEEPSPEED_0_19_8 = {
     "memory_breakdown": False,  # runtime/constants.py MEMORY_BREAKDOWN_DEFAULT
     "prescale_gradients": False,  # runtime/constants.py PRESCALE_GRADIENTS_DEFAULT
     "gradient_predivide_factor": 1.0,  # runtime/constants.py GRADIENT_PREDIVIDE_FACTOR_DEFAULT
-    "sparse_gradients": False,  # runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS: removed, i.e. always off
     "dump_state": False,  # runtime/constants.py DUMP_STATE_DEFAULT
     "zero_allow_untested_optimizer": False,  # runtime/constants.py ZERO_ALLOW_UNTESTED_OPTIMIZER_DEFAULT
     "zero_force_ds_cpu_optimizer": True,  # runtime/constants.py ZERO_FORCE_DS_CPU_OPTIMIZER_DEFAULT
@@ -106,8 +105,6 @@ DEEPSPEED_0_19_8 = {
     ],
     "zero_optimization.leaf_module.names": [],
     "zero_optimization.leaf_module.name_suffixes": [],
-    # runtime/config.py _REMOVED_ZERO_CONFIG_KEYS: MiCS was removed (always off); -1 is its old "off"
-    "zero_optimization.mics_shard_size": -1,
     # runtime/swap_tensor/constants.py AIO_*_DEFAULT (thread_count is AIO_INTRA_OP_PARALLELISM_DEFAULT)
     "aio.block_size": 1_048_576,
     "aio.queue_depth": 8,

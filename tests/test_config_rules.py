@@ -8,6 +8,7 @@ import json
 import pytest
 
 from fnzero._errors import ConfigError
+from fnzero import config as fnzero_config
 from fnzero.config import AdamParams, Config, ConfigWarning, load_config
 
 BASE = {"train_batch_size": 8}
@@ -31,6 +32,31 @@ def cfg(**extra) -> dict:
 # specs/config.md §Unknown keys
 def test_unknown_top_level_key_suggests_nearest():
     fails(cfg(zero_optimisation={"stage": 2}), "`zero_optimisation`", "did you mean `zero_optimization`?")
+
+
+@pytest.mark.parametrize("key", ["local_rank", "cuda_visible_devices", "monitor_config"])
+def test_unknown_top_level_key_is_refused_saying_deepspeed_ignores_it(key):
+    # DeepSpeed reads the top-level keys it knows and ignores the rest; fnzero refuses, and says why.
+    fails(cfg(**{key: 0}), f"`{key}` is not a DeepSpeed config key", "DeepSpeed ignores top-level keys",
+          "misspelt key is never lost silently", "start its name with `_`")
+
+
+def test_comment_keys_at_top_level_are_dropped_as_deepspeed_drops_them():
+    # JSON has no comments; configs carry notes in "_comment"-style keys, which no DeepSpeed key resembles.
+    noted = load_config(cfg(_comment="ZeRO-2 for 8 GPUs", _read_the_docs="https://www.deepspeed.ai/docs/config-json/"))
+    assert noted == load_config(BASE) and "_comment" not in noted.to_json()
+    # Inside a section DeepSpeed's pydantic models refuse extra keys, and so does fnzero.
+    fails(cfg(zero_optimization={"_comment": "x"}), "`zero_optimization._comment` is not a known key")
+
+
+def test_fnzero_own_fields_are_no_config_keys():
+    # Config fields left out of to_json record load_config's arguments; a config cannot set them.
+    own = [name for name, info in Config.model_fields.items() if info.exclude]
+    assert own == ["world_size", "world_ranks"]
+    for name in own:
+        fails(cfg(**{name: 4}), f"`{name}` is not a DeepSpeed config key", "load_config(world_size=...)")
+        fails(BASE, "is not a DeepSpeed config path", auto={name: 4})
+    assert "world_ranks" not in str(fails(cfg(world_rank=4)))  # nor offered as the key meant
 
 
 def test_unknown_nested_key_names_full_path_and_suggests():
@@ -177,6 +203,18 @@ def test_triad_inconsistent_names_numbers():
           "train_batch_size 32 != 4 (micro) × 2 (gas) × 2 (world)", world_size=2)
 
 
+@pytest.mark.parametrize("parallel", [{"tensor_parallel": {"autotp_size": 2}}, {"pipeline": {"stages": 2}}])
+def test_triad_counted_over_every_rank_says_which_world_counts(parallel):
+    # What DeepSpeed without an mpu (the HF Trainer's path) writes for 4 ranks: micro x gas x all ranks.
+    trainer = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    fails({**trainer, **parallel}, "32 counts all 4 ranks", "the 2 data-parallel ranks", "world_size=2", world_size=4)
+    hf = fnzero_config.hf_auto_values(lr=1e-4, micro_batch_size=4, gradient_accumulation_steps=2, world_size=2)
+    auto = {**dict.fromkeys(trainer, "auto"), **parallel}
+    assert load_config(auto, world_size=4, auto=hf).train_batch_size == 16
+    # Any other mismatch is not explained as one of ranks.
+    assert "counts all" not in str(fails({**trainer, "train_batch_size": 24, **parallel}, world_size=4))
+
+
 def test_triad_not_divisible():
     fails({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, "30", "4 (micro)", "2 (world)", world_size=2)
 
@@ -291,7 +329,11 @@ def test_pipeline_refuses_zero_2_and_a_world_its_stages_do_not_divide():
 
 @pytest.mark.parametrize("block", ["amp", "elasticity", "comet", "moe", "sparse_attention"])
 def test_unsupported_feature_disabled_is_accepted(block):
-    load_config(cfg(**{block: {"enabled": False}}))
+    if block in ("amp", "elasticity", "sparse_attention"):  # DeepSpeed 0.19.8 refuses these in any form
+        with pytest.warns(ConfigWarning, match=f"`{block}` is off.*DeepSpeed 0.19.8 refuses this key in any form"):
+            load_config(cfg(**{block: {"enabled": False}}))
+    else:
+        load_config(cfg(**{block: {"enabled": False}}))
     fails(cfg(**{block: {"enabled": True}}), f"`{block}` is a DeepSpeed feature")
 
 

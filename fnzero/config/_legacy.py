@@ -42,12 +42,13 @@ UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
     "bf16.bf16_optimizer_states": (False, "bf16 optimizer states"),
     "aio.use_gds": (False, "GPUDirect Storage"),
     "sparse_gradients": (False, "CSR sparse gradients"),
+    "graph_harvesting": (False, "graph harvesting"),
 }
 # Of those, the ones DeepSpeed turns on with any value but the off one (an object, null).
 ANY_VALUE_ON = {"datastates_ckpt"}
 # Of those, the keys fnzero's models do not carry (dropped once checked to be off).
 NOT_FIELDS = {
-    "use_data_before_expert_parallelism", "datastates_ckpt", "zero_optimization.mics_hierarchical_params_gather",
+    "use_data_before_expert_parallelism", "graph_harvesting", "sparse_gradients", "zero_optimization.mics_shard_size", "datastates_ckpt", "zero_optimization.mics_hierarchical_params_gather",
     "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "fp16.fp16_master_weights_and_grads",
     "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
 }
@@ -56,6 +57,15 @@ UNSUPPORTED_SIZES: dict[str, tuple[int, int, str]] = {
     "zero_optimization.zero_hpz_partition_size": (1, 1, "ZeRO++ hierarchical partitioning (hpZ)"),
     "zero_optimization.mics_shard_size": (0, -1, "MiCS sharding"),
 }
+# Keys DeepSpeed 0.19.8 refuses in any form, off included, because it removed the feature
+# (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS). fnzero accepts their off
+# forms, which older DeepSpeed versions wrote, and warns that DeepSpeed itself would refuse them.
+DEEPSPEED_REMOVED = (
+    "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting", "nebula",
+    "progressive_layer_drop", "quantize_training", "sparse_attention", "sparse_gradients",
+    "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.mics_shard_size",
+    "zero_optimization.zeropp_loco_param",
+)
 # Keys DeepSpeed deprecated and replaced: key -> replacement advice.
 REMOVED = {
     "zero_optimization.cpu_offload_params": '`zero_optimization.offload_param: {"device": "cpu"}`',
@@ -131,12 +141,23 @@ def _rename_aliases(raw: dict[str, Any], problems: Problems) -> None:
             del parent[leaf]
 
 
+def _removed_by_deepspeed(raw: dict[str, Any]) -> list[str]:
+    """A warning for each key present that DeepSpeed 0.19.8 refuses whatever its value."""
+    out = []
+    for key in DEEPSPEED_REMOVED:
+        parent, leaf = _parent(raw, key)
+        if parent is not None and leaf in parent:
+            out.append(f"`{key}` is off, so it has no effect in fnzero, but DeepSpeed 0.19.8 refuses this key in any "
+                       "form since it removed the feature: remove it")
+    return out
+
+
 def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
     """Rewrite aliases and deprecated keys, report removed/unsupported ones, in place; returns the
     deprecation messages to warn with once the config has loaded."""
     # Long: one self-contained branch per deprecated DeepSpeed key, read top to bottom like the table in
     # specs/config.md.
-    deprecations: list[str] = []
+    deprecations = _removed_by_deepspeed(raw)  # warned only when the config loads, i.e. when they are off
     _rename_aliases(raw, problems)  # first: a deprecated key's replacement may be given in either spelling
     if isinstance(raw.get("zero_optimization"), bool):
         # DeepSpeed 0.19.8 still reads this (read_zero_config_deprecated), with a warning.
@@ -204,6 +225,10 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
                 f"{describe(off)}"
             )
             del parent[leaf]
+        elif key in NOT_FIELDS:  # no field of fnzero's models would report the wrong type
+            problems.add(f"`{key}` must be {describe(off)} (off), got {describe(value)}: {what} is a DeepSpeed "
+                         "feature fnzero does not implement")
+            del parent[leaf]
         # other wrong types (a string, a number) are left for the type check to report
 
     for key, (limit, off, what) in UNSUPPORTED_SIZES.items():
@@ -211,10 +236,15 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
         if parent is None or leaf not in parent:
             continue
         value = parent[leaf]
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and value > limit:
             problems.add(
                 f"`{key}` is {describe(value)}, which turns on {what}, a DeepSpeed feature fnzero does not "
                 f"implement; remove it or set it to {off}"
             )
+            del parent[leaf]
+        elif key in NOT_FIELDS:  # off (dropped), or a wrong type no field of fnzero's models would report
+            if not number:
+                problems.add(f"`{key}` must be a number ({off} is off), got {describe(value)}")
             del parent[leaf]
     return deprecations

@@ -74,7 +74,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
     if unresolved & set(TRIAD):
         raw.update(dict.fromkeys(TRIAD, 1))  # already reported as "auto"; do not also demand a batch size
     else:
-        raw.update(_batch_triad(raw, world, problems))
+        raw.update(_batch_triad(raw, world, problems, ranks))
     raw["world_size"], raw["world_ranks"] = world, ranks
     cfg = validate_into(Config, raw, (), problems)
     if cfg is None:
@@ -220,8 +220,21 @@ def _positive(raw: dict[str, Any], key: str, problems: Problems) -> int | None:
     return number
 
 
-def _batch_triad(raw: dict[str, Any], world: int, problems: Problems) -> dict[str, int]:
-    """Derive the missing members of train_batch_size = micro x gas x world, as DeepSpeed does, but exactly."""
+def _all_ranks_hint(tbs: int, per_rank: int, world: int, ranks: int) -> str:
+    """Why a train_batch_size counted over every rank is wrong when tensor or pipeline parallelism is on."""
+    if ranks == world or tbs != per_rank * ranks:
+        return ""
+    # DeepSpeed's DeepSpeedConfig without an mpu (the Hugging Face Trainer's path) counts every rank, and so
+    # does hf_auto_values(world_size=<all ranks>); with an mpu (DeepSpeed's own AutoTP example) it counts the
+    # data-parallel ranks only, as fnzero does: the ranks of one model-parallel group see the same samples.
+    return (f" ({tbs} counts all {ranks} ranks, but the ranks of one tensor-parallel group or pipeline see the same "
+            f"samples, so the world here is the {world} data-parallel ranks; with hf_auto_values pass "
+            f"world_size={world})")
+
+
+def _batch_triad(raw: dict[str, Any], world: int, problems: Problems, ranks: int) -> dict[str, int]:
+    """Derive the missing members of train_batch_size = micro x gas x world, as DeepSpeed does, but exactly.
+    `world` is the data-parallel ranks among the job's `ranks` (see _data_parallel_world)."""
     tbs, micro, gas = (_positive(raw, key, problems) for key in TRIAD)
     placeholder = dict.fromkeys(TRIAD, 1)  # keeps validating the rest after a triad problem
     if 0 in (tbs, micro, gas):
@@ -236,7 +249,7 @@ def _batch_triad(raw: dict[str, Any], world: int, problems: Problems) -> dict[st
         if tbs != micro * gas * world:
             problems.add(
                 f"train_batch_size {tbs} != {micro} (micro) × {gas} (gas) × {world} (world) = {micro * gas * world}; "
-                "fix one of them or drop one and let fnzero derive it"
+                "fix one of them or drop one and let fnzero derive it" + _all_ranks_hint(tbs, micro * gas, world, ranks)
             )
             return placeholder
     elif tbs is not None and micro is not None:

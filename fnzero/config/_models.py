@@ -46,7 +46,6 @@ class Config(Model):
     gradient_predivide_factor: Annotated[Float, Field(gt=0.0)] = Field(
         1.0, description="With prescale_gradients, divide by this before reducing and by world/this after."
     )
-    sparse_gradients: Literal[False] = Field(False, description="CSR sparse gradients; not implemented, must be false.")
     dump_state: Bool = Field(False, description="DeepSpeed prints its engine state; no effect in fnzero (warns when true).")
     zero_allow_untested_optimizer: Bool = Field(False, description="Accepted for compatibility; fnzero's optimizers are all supported.")
     zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")

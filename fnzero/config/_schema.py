@@ -18,9 +18,20 @@ from ._optim_models import OPTIMIZER_PARAMS
 from ._problems import Problems, join_path, suggest
 from ._sched_models import SCHEDULER_PARAMS
 
-__all__ = ["check_unknown", "all_paths", "canonical_type", "HIDDEN_FIELDS"]
+__all__ = ["check_unknown", "all_paths", "canonical_type"]
 
-HIDDEN_FIELDS = {"world_size"}  # model fields that are not DeepSpeed keys
+# The objects in which DeepSpeed 0.19.8 accepts a key it does not know and ignores it: the top level
+# ("") and the sections it reads key by key with dict.get. Its other sections are pydantic models that
+# refuse one, and optimizer/scheduler `params` go to a constructor, which does too (the test table
+# records DeepSpeed's own behaviour, tests/test_config_deepspeed_keys.py holds this set to it).
+IGNORED_BY_DEEPSPEED = frozenset({
+    "", "optimizer", "scheduler", "aio", "activation_checkpointing", "checkpoint", "checkpoint.parallel_write",
+    "data_types", "torch_autocast", "flops_profiler", "timers", "pipeline",
+})
+# Where DeepSpeed ignores unknown keys a config may hold notes in keys such as "_comment" (JSON has no
+# comments). No DeepSpeed key starts with "_", so such a key is never a misspelt one: fnzero drops it
+# too. Any other unknown key there is refused, saying why.
+COMMENT_PREFIX = "_"
 
 
 def _sub_models(annotation: Any) -> list[type[BaseModel]]:
@@ -39,7 +50,7 @@ def _fields(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
     """Field name -> its sub-model class (None for scalars and for the per-type params unions)."""
     out: dict[str, type[BaseModel] | None] = {}
     for name, info in model.model_fields.items():
-        if name in HIDDEN_FIELDS:
+        if info.exclude:  # fnzero's own record (world_size, world_ranks), left out of to_json: not a DeepSpeed key
             continue
         subs = _sub_models(info.annotation)
         out[name] = subs[0] if len(subs) == 1 else None
@@ -82,7 +93,26 @@ def _special(path: str, key: str) -> str | None:
         return f"`{join_path(path, key)}` is only a Lamb parameter; clip gradients with the top-level `gradient_clipping` instead"
     if path == "" and key == "seed":
         return "`seed` is not a DeepSpeed config key; seed your run in code (e.g. torch.manual_seed) and remove it"
+    if path == "" and key in ("world_size", "world_ranks"):
+        return (f"`{key}` is not a DeepSpeed config key; fnzero takes the world from load_config(world_size=...) or "
+                "the running process group: remove it")
     return None
+
+
+def _unknown(path: str, key: str, fields: dict[str, Any]) -> str:
+    where = f"`{join_path(path, key)}`"
+    hint = suggest(key, fields)
+    if path not in IGNORED_BY_DEEPSPEED:  # DeepSpeed refuses it too
+        return f"{where} is not a known key{hint}" if hint else \
+            f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
+    # DeepSpeed reads the keys it knows here and ignores the rest without a word.
+    scope = "top-level keys" if not path else f"keys in `{path}`"
+    why = (f"DeepSpeed ignores {scope} it does not know, so it has no effect there either; fnzero refuses it so "
+           "that a misspelt key is never lost silently")
+    if hint:
+        return f"{where} is not a DeepSpeed config key{hint} ({why})"
+    return (f"{where} is not a DeepSpeed config key ({why}): remove it, or start its name with "
+            f"`{COMMENT_PREFIX}` to keep it as a comment; the keys are {', '.join(sorted(fields))}")
 
 
 def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
@@ -93,15 +123,10 @@ def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
         fields = _fields(model)
         for key in list(node):
             if key not in fields:
-                message = _special(path, key)
-                if message is None:
-                    where = f"`{join_path(path, key)}`"
-                    message = (
-                        f"{where} is not a known key{suggest(key, fields)}"
-                        if suggest(key, fields)
-                        else f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
-                    )
-                problems.add(message)
+                if path in IGNORED_BY_DEEPSPEED and key.startswith(COMMENT_PREFIX):
+                    del node[key]
+                    continue
+                problems.add(_special(path, key) or _unknown(path, key, fields))
                 del node[key]
                 continue
             value, sub = node[key], fields[key]

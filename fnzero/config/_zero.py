@@ -93,7 +93,8 @@ class ZeroConfig(Model):
     )
     contiguous_gradients: Bool = Field(True, description="Copy gradients into one contiguous buffer as produced.")
     reduce_scatter: Bool = Field(True, description="Average gradients with reduce-scatter instead of all-reduce.")
-    reduce_bucket_size: NonNeg = Field(500_000_000, description="Elements reduced per gradient bucket.")
+    reduce_bucket_size: Annotated[Int, Field(gt=0)] = Field(
+        500_000_000, description="Elements reduced per gradient bucket (> 0, as DeepSpeed 0.19.8: 0 is refused there).")
     allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
     allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
     overlap_comm: Bool | None = Field(
@@ -125,9 +126,6 @@ class ZeroConfig(Model):
     zero_quantized_weights: Literal[False] = Field(False, description="ZeRO++ weight quantisation; must be false.")
     zero_quantized_nontrainable_weights: Literal[False] = Field(False, description="Must be false (not implemented).")
     zero_quantized_gradients: Literal[False] = Field(False, description="ZeRO++ gradient quantisation; must be false.")
-    mics_shard_size: Annotated[Int, Field(le=0)] = Field(
-        -1, description="MiCS sharding (removed in DeepSpeed 0.19.8); values above 0 are not implemented."
-    )
     memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")
     # DeepSpeed 0.19.8 fields that tune its own implementation (accepted, no effect: specs/config.md §Keys).
     use_multi_rank_bucket_allreduce: Bool = Field(True, description="Combine ranks' reduce buckets into one all-reduce.")

@@ -10,9 +10,11 @@ extra), so the table is checked in, and this script regenerates it where DeepSpe
 
 It walks the pydantic models (`DeepSpeedConfigModel` subclasses) the training config is parsed
 with: each field's name, its `alias`, and the deprecated fields (`json_schema_extra` "deprecated",
-"new_param"). For each spelling it builds a whole config, parses it with DeepSpeed's own
+"new_param"). For each spelling it builds a whole config (with a sample value, and with values on
+each side of every bound the field declares), parses it with DeepSpeed's own
 `DeepSpeedConfig` (one process, world size 1), and records the value DeepSpeed resolved, or that it
-refused the config. It records both spellings given together too, and each field's resolved default.
+refused the config. It records both spellings given together too, each field's resolved default, and
+the keys DeepSpeed refuses in any form (removed features).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ SKIPPED = {
 }
 # Values beyond the one sample per field (DeepSpeed types these `int`: a fraction is refused there).
 EXTRA_SAMPLES = {"fp16.min_loss_scale": [0.5, 1e-10, 2.0], "fp16.loss_scale_window": [0.5]}
+# Sections whose bounds are not sampled: fnzero drops these blocks unread when off (hybrid_engine) or
+# refuses them whole (zenflow), so a bound inside them says nothing about fnzero's reading.
+NO_BOUND_SAMPLES = ("hybrid_engine", "zero_optimization.zenflow")
 # A sample DeepSpeed would accept here and fail on later (any string for a preset name).
 SAMPLE_OVERRIDES = {"tensor_parallel.preset_model": "llama"}
 # The config around a deprecated key that turns on offload: DeepSpeed reads offload at stage 3.
@@ -143,6 +148,21 @@ def _sample(info, default):
     return None  # Python objects (mpu, process groups, torch.dtype, tuples): not JSON
 
 
+def _bound_samples(info) -> list:
+    """Values on each side of every bound of a field's constraints (pydantic `gt`/`ge`/`lt`/`le`): the
+    bound itself and one step past it, so fnzero must refuse exactly where DeepSpeed does."""
+    import annotated_types as at
+
+    step = 1 if info.annotation is int else 0.25
+    out: list = []
+    for bound in info.metadata:
+        for kind, sign in ((at.Gt, -1), (at.Ge, -1), (at.Lt, 1), (at.Le, 1)):
+            if isinstance(bound, kind):
+                edge = getattr(bound, kind.__name__.lower())
+                out += [edge, edge + sign * step] if kind in (at.Ge, at.Le) else [edge, edge - sign * step]
+    return out
+
+
 def _nest(path: str, leaf: dict) -> dict:
     node = leaf
     for part in reversed(path.split(".")):
@@ -218,6 +238,8 @@ def _cases_of(path: str, model, getter: str, context: dict) -> list[dict]:
             config = _merge(base, _nest(path, {}))
             entry["default"] = {"config": config, **_parse(config, getter, name)}
         samples = [SAMPLE_OVERRIDES.get(f"{path}.{name}", _sample(info, default))] + EXTRA_SAMPLES.get(f"{path}.{name}", [])
+        if not path.startswith(NO_BOUND_SAMPLES):
+            samples += [v for v in _bound_samples(info) if v not in samples]
         for value in samples:
             if value is None:
                 continue
@@ -233,6 +255,53 @@ def _cases_of(path: str, model, getter: str, context: dict) -> list[dict]:
                               "config": _merge(base, _nest(path, both)),
                               "deepspeed": _parse(_merge(base, _nest(path, both)), getter, name)})
     return cases
+
+
+# Every object of the training config that can hold keys, and what it needs around an unknown key.
+PROBED = {"": {}, "optimizer": {"type": "Adam", "params": {}}, "scheduler": {"type": "WarmupLR", "params": {}},
+          "optimizer.params": None, "scheduler.params": None}
+PROBED_SECTIONS = ("fp16", "bf16", "zero_optimization", "zero_optimization.offload_optimizer",
+                   "zero_optimization.offload_param", "zero_optimization.leaf_module", "aio", "activation_checkpointing",
+                   "checkpoint", "checkpoint.parallel_write", "data_types", "torch_autocast", "comms_logger",
+                   "flops_profiler", "tensorboard", "csv_monitor", "compile", "timers", "timers.throughput",
+                   "tensor_parallel", "tensor_parallel.tp", "pipeline")
+
+
+def _ignoring_sections() -> list[str]:
+    """The objects in which DeepSpeed accepts a key it does not know (and ignores it): "" is the top level.
+    Sections parsed by a DeepSpeedConfigModel refuse one (pydantic's extra="forbid"); the others are read
+    key by key with dict.get. optimizer.params / scheduler.params go to a constructor, which refuses it."""
+    out = []
+    probes = {**PROBED, **dict.fromkeys(PROBED_SECTIONS, {})}
+    for path, around in probes.items():
+        if around is None:
+            section = path.split(".")[0]
+            config = _merge(BASE, {section: {**PROBED[section], "params": {"bogus_key": 1}}})
+            verdict = _parse_engine_params(config, section)
+        else:
+            context = {"zero_optimization": {"stage": 3}} if path.startswith("zero_optimization.") else {}
+            block = {**around, "bogus_key": 1}
+            config = _merge(BASE, _merge(context, _nest(path, block) if path else block))
+            verdict = _parse(config, "zero_config", None)
+        if "error" not in verdict:
+            out.append(path)
+    return out
+
+
+def _parse_engine_params(config: dict, section: str) -> dict:
+    """`params` goes to the optimizer's / scheduler's constructor, which the engine calls: a key the
+    constructor lacks is a TypeError there (FusedAdam and WarmupLR here)."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.ops.adam import FusedAdam
+
+    target = FusedAdam if section == "optimizer" else lr_schedules.WarmupLR
+    try:
+        inspect.signature(target.__init__).bind(None, None, **config[section]["params"])
+    except TypeError as err:
+        return {"error": f"TypeError: {err}"}
+    return {"value": None}
 
 
 def build() -> dict:
@@ -256,8 +325,12 @@ def build() -> dict:
         if why is None:
             raise SystemExit(f"{name} is a config model this script does not place: add it to SECTIONS or SKIPPED")
         skipped.append({"model": name, "why": why})
+    from deepspeed.runtime.config import _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS
+
+    # Keys DeepSpeed refuses in any form, off included (runtime/config.py _reject_removed_config_keys).
+    removed = sorted(_REMOVED_TOP_LEVEL_CONFIG_KEYS) + [f"zero_optimization.{k}" for k in sorted(_REMOVED_ZERO_CONFIG_KEYS)]
     return {"deepspeed": VERSION, "generated_by": "tests/scripts/deepspeed_config_table.py", "models": walked,
-            "skipped": skipped, "cases": cases}
+            "skipped": skipped, "removed_keys": removed, "unknown_keys_ignored_in": _ignoring_sections(), "cases": cases}
 
 
 def main(argv: list[str] | None = None) -> int:
