@@ -36,13 +36,13 @@ class Optimizer(NamedTuple):
       elementwise: True when each element's update depends on that element alone (Adam, SGD,
         Adagrad, Lion), so a flattened parameter may be cut into shards and each shard updated
         on its own. False for Lamb, whose per-tensor trust ratio needs the whole tensor.
-      graph_update: ``graph_update(grads, opt_state, params, lr, t, momentum=None) ->
-        (params, opt_state)``, or None. The pure update written in plain tensor ops with its
-        scalars as 0-dim tensors (``lr``; ``t``, this step's 1-based number; ``momentum``), so
-        torch.compile traces it into a whole-step graph without recompiling when a schedule
-        changes them (`fnzero.jit(step, scope="step")`). The returned state's count is the input
-        count: the caller advances it (a host counter). Same formulas as ``update``, up to
-        floating-point reassociation.
+      graph_update: ``update`` again, or None: the same signature and contract (pure, the
+        count advanced), written in plain tensor ops so that ``lr`` and ``momentum`` may be
+        0-dim tensors and the step number is read from the state's count as a tensor. The
+        step's phases call it where they call ``update`` when they run inside the whole-step
+        graph (`fnzero.jit(step, scope="step")`): torch.compile traces it, and a schedule that
+        changes the scalars never recompiles. Same formulas as ``update``, up to floating-point
+        reassociation; a chain's ``update`` is traceable already and is its own ``graph_update``.
     """
 
     init: Callable[[Params], OptState]
@@ -119,6 +119,15 @@ def scalars_as(like: torch.Tensor, *xs):
     """Tensor scalars (a `graph_update`'s lr, bias corrections...) in `like`'s dtype: two 0-dim
     tensors promote to the wider dtype, which would turn a 0-dim float32 parameter into float64."""
     return tuple(x.to(like.dtype) if isinstance(x, torch.Tensor) else x for x in xs)
+
+
+def traced_count(count: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a `graph_update`: (the advanced count, this step's 1-based number as a float64 0-dim
+    tensor on the device of `like`'s first tensor), both tensor ops, so a graph takes the count
+    as an input and does not specialise on its value."""
+    new = count + 1
+    device = like[0].device if like else count.device
+    return new, new.to(device=device, dtype=torch.float64)
 
 
 def zeros_count() -> torch.Tensor:

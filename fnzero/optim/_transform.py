@@ -6,7 +6,9 @@ ends in `scale_by_learning_rate`, which makes them `-lr * direction`. Step-level
 cannot compute alone are passed explicitly as `extra` keywords by whoever runs the chain (the
 training step does): `lr` (the schedule's), `momentum` (OneCycle's), `global_norm` (the gradient
 norm over every rank), `loss_scale`. Each transform reads the keywords it knows and ignores the
-rest.
+rest. The extras may be numbers or 0-dim tensors, and step numbers are read from the states'
+counts as tensors, never as Python numbers: the same `update` runs eagerly and traced inside the
+whole-step graph (`fnzero.jit(step, scope="step")`), where the extras are graph inputs.
 
     >>> import torch
     >>> from fnzero import optim
@@ -88,6 +90,11 @@ def _map(fn, *trees):
     return optree.tree_map(fn, *trees)
 
 
+def _step_number(count: torch.Tensor) -> torch.Tensor:
+    """This update's 1-based number, float64, as a tensor (a trace keeps the count an input)."""
+    return (count + 1).to(torch.float64)
+
+
 def _stateless(fn: Callable[..., Params], elementwise: bool = True) -> GradientTransformation:
     return GradientTransformation(lambda params: (), lambda u, s, params=None, **extra: (fn(u, params, extra), s),
                                   elementwise)
@@ -124,7 +131,7 @@ def scale_by_learning_rate(lr: float = 1e-3) -> GradientTransformation:
 
     def fn(u, p, extra):
         step_lr = extra.get("lr")
-        step_lr = lr if step_lr is None else float(step_lr)
+        step_lr = lr if step_lr is None else step_lr
         return _map(lambda x: x * -step_lr, u)
 
     return _stateless(fn)
@@ -148,8 +155,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_co
             return ScaleByAdamState(zeros_count(), _map(torch.zeros_like, params), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
-        t = int(s.count) + 1
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
+        t = _step_number(s.count)
         mu = _map(lambda m, g: m + (g.to(m.dtype) - m) * (1.0 - beta1), s.mu, u)
         nu = _map(lambda v, g: v * b2 + g.to(v.dtype) * g.to(v.dtype) * (1.0 - b2), s.nu, u)
         bc1 = 1.0 - beta1**t if bias_correction else 1.0
@@ -173,9 +180,9 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
             return TraceState(zeros_count(), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        mom = momentum if extra.get("momentum") is None else float(extra["momentum"])
-        first = int(s.count) == 0
-        buf = _map(lambda b, g: g.to(b.dtype).clone() if first else b * mom + g.to(b.dtype) * (1.0 - dampening),
+        mom = momentum if extra.get("momentum") is None else extra["momentum"]
+        first = s.count == 0  # a tensor: the buffer starts at the first gradient, chosen elementwise
+        buf = _map(lambda b, g: torch.where(first.to(b.device), g.to(b.dtype), b * mom + g.to(b.dtype) * (1.0 - dampening)),
                    s.trace, u)
         out = _map(lambda g, b: g + b * mom, u, buf) if nesterov else buf
         return out, TraceState(s.count + 1, buf)
@@ -191,7 +198,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
             return ScaleByLionState(zeros_count(), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
         out = _map(lambda m, g: torch.sign(m * beta1 + g.to(m.dtype) * (1.0 - beta1)), s.mu, u)
         mu = _map(lambda m, g: m * b2 + g.to(m.dtype) * (1.0 - b2), s.mu, u)
         return out, ScaleByLionState(s.count + 1, mu)
@@ -217,8 +224,8 @@ def scale_by_lr_decay(lr_decay: float) -> GradientTransformation:
     """Adagrad's `lr_decay`: the t-th update (1-based) is divided by `1 + (t - 1) * lr_decay`."""
 
     def update(u, s, params=None, **extra):
-        t = int(s.count) + 1
-        return _map(lambda x: x / (1.0 + (t - 1) * lr_decay), u), CountState(s.count + 1)
+        t = _step_number(s.count)
+        return _map(lambda x: x / (1.0 + (t - 1.0) * lr_decay), u), CountState(s.count + 1)
 
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
 
@@ -227,9 +234,9 @@ def scale_by_bias_correction(b1: float, b2: float) -> GradientTransformation:
     """Lamb's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`, applied to the whole update."""
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
-        t = int(s.count) + 1
-        factor = (1.0 - b2**t) ** 0.5 / (1.0 - beta1**t)
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
+        t = _step_number(s.count)
+        factor = (1.0 - b2**t).sqrt() / (1.0 - beta1**t)
         return _map(lambda x: x * factor, u), CountState(s.count + 1)
 
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
@@ -255,8 +262,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def fn(u, p, extra):
         norm = extra.get("global_norm")
         if norm is None:
-            norm = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in optree.tree_leaves(u)) ** 0.5
-        coef = max_norm / (float(norm) + 1e-6)
+            leaves = optree.tree_leaves(u)
+            norm = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64) for x in leaves]).square().sum().sqrt() \
+                if leaves else 0.0
+        coef = max_norm / (norm + 1e-6)
+        if isinstance(coef, torch.Tensor):  # traced (or a tensor norm): no branch on its value
+            return _map(lambda x: x * coef.clamp(max=1.0).to(x.device), u)
         return u if coef >= 1.0 else _map(lambda x: x * coef, u)
 
     return _stateless(fn)
@@ -267,7 +278,7 @@ def scale_by_loss_scale() -> GradientTransformation:
 
     def fn(u, p, extra):
         s = extra.get("loss_scale")
-        return u if s in (None, 1.0) else _map(lambda x: x / float(s), u)
+        return u if s is None or (not isinstance(s, torch.Tensor) and s == 1.0) else _map(lambda x: x / s, u)
 
     return _stateless(fn)
 
@@ -276,8 +287,10 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """Run a chain where fnzero runs an optimizer (`fnzero.train_step(..., optimizer=)`,
     `sm.init_state(optimizer=)`): `update` returns new parameters, `update_` writes them into the
     given ones. The step's `lr`, `momentum` and `global_norm` (of the gradients the chain is
-    given, over every rank) arrive as the chain's extras; it has no traced
-    `graph_update`, so `fnzero.jit(scope="step")` compiles the loss only for it."""
+    given, over every rank) arrive as the chain's extras. The chain's `update` is written in
+    tensor ops throughout, so it is also the `graph_update` that `fnzero.jit(scope="step")`
+    traces into the whole-step graph (a transform of a user's that reads a Python number from
+    a tensor cannot be traced: that step then compiles the loss only, and says why)."""
 
     def update_(grads, opt_state, params, lr=None, *, momentum=None, **extra):
         with torch.no_grad():
@@ -290,4 +303,5 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
             return apply_updates(params, updates), new_state
 
-    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, takes_extras=True)
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update,
+                     takes_extras=True)

@@ -1,8 +1,13 @@
 """The update half of a step: the optimizer on this rank's slice (on the device, on the host with
 ZeRO-Offload, or streamed through NVMe files with ZeRO-Infinity), then publishing the new
-parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.md`)."""
+parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.md`).
+
+`update_on_device` and `publish_params` take the state's tensors rather than a `TrainState`, so
+the eager step and the whole-step graph (whose inputs are those tensors) run the same phases."""
 
 from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -13,42 +18,48 @@ from ..sharding._plan import ShardPlan
 from ..sharding._gather import unit_views
 from ._phases import next_state
 
-__all__ = ["update_on_device", "host_update", "publish_params"]
+__all__ = ["OptimizerScalars", "update_on_device", "host_update", "publish_params"]
 
 
-def update_on_device(state: TrainState, grads: dict[str, torch.Tensor], factor: float, lr: float, momentum, opt,
-                     donate: bool, param_dtype: torch.dtype, global_norm: float):
-    """The optimizer's update of this rank's slice, gradients scaled by `factor` first; returns
-    (new slices in the compute dtype, new master or None, new optimizer state). `global_norm` is
-    the norm of the scaled gradients over every rank, for optimizers that take it."""
-    plan, rank = state.sharding.plan, state.sharding.rank
-    if factor != 1.0:
+class OptimizerScalars(NamedTuple):
+    """One optimizer step's numbers: Python floats eagerly, 0-dim tensors inside a graph."""
+
+    factor: Any  # unscale x clip: multiplies the reduced gradients first
+    lr: Any  # the schedule's; None: the optimizer's own
+    momentum: Any  # OneCycle's; None: the optimizer's own
+    global_norm: Any  # the norm of the factored gradients over every rank, for chains that read it
+
+
+def update_on_device(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
+                     grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
+                     param_dtype: torch.dtype):
+    """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
+    this rank's slice, gradients scaled by `scalars.factor` first (in place: they are this step's
+    own); returns (new slices in the compute dtype, new master or None, new optimizer state)."""
+    factor = scalars.factor
+    if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
             g.mul_(factor)
-    if state.master is not None:
-        target = state.master
-    else:
-        target = optimizer_view(plan, rank, state.params, opt.elementwise)
+    target = master if master is not None else optimizer_view(plan, rank, params, opt.elementwise)
     if not opt.elementwise:
         grads = _per_param(plan, grads)
-        if state.master is not None:
+        if master is not None:
             target = _per_param(plan, target)
-    update = opt.update_ if donate else opt.update
-    extras = {"global_norm": global_norm} if opt.takes_extras else {}
-    new_target, new_opt_state = update(grads, state.opt_state, target, lr, momentum=momentum, **extras)
+    extras = {"global_norm": scalars.global_norm} if opt.takes_extras else {}
+    new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum, **extras)
     if not opt.elementwise:
-        new_target = _per_unit(plan, new_target, like=state.master if state.master is not None else state.params)
-    if state.master is None:
+        new_target = _per_unit(plan, new_target, like=master if master is not None else params)
+    if master is None:
         return new_target, None, new_opt_state
     return {k: t.to(param_dtype) for k, t in new_target.items()}, new_target, new_opt_state
 
 
-def publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donate: bool) -> dict[str, torch.Tensor]:
+def publish_params(plan: ShardPlan, comm, params: dict[str, torch.Tensor], new_slices: dict[str, torch.Tensor],
+                   donate: bool) -> dict[str, torch.Tensor]:
     """The next state's parameters from each unit's updated slice (compute dtype): kept as they are
     where the optimizer updated the whole unit or parameters are held as shards; all-gathered into
     the replicated buffer where only the optimizer state is sharded (into the input state's own
-    buffer when donated)."""
-    plan, comm = state.sharding.plan, state.sharding.comm
+    buffer, `params`, when donated)."""
     new_params: dict[str, torch.Tensor] = {}
     pending = {}
     for u in plan.units:  # start every gather first: the backend runs them back to back
@@ -58,7 +69,7 @@ def publish_params(state: TrainState, new_slices: dict[str, torch.Tensor], donat
         elif donate:
             # Into the input state's own buffer; the shard is copied first since it may be a
             # view of that very buffer (fp32 training updates the parameters' slice in place).
-            pending[u.name] = comm.all_gather_async(t.clone(), out=state.params[u.name], label=u.name)
+            pending[u.name] = comm.all_gather_async(t.clone(), out=params[u.name], label=u.name)
         else:
             pending[u.name] = comm.all_gather_async(t, label=u.name)
     for name, p in pending.items():
@@ -98,7 +109,7 @@ def host_update(state: TrainState, grads, factor: float, lr: float, momentum, op
         u.name: state.params[u.name] if u.name in in_store else out[u.name] if out[u.name] is not None else new_master[u.name]
         for u in plan.units
     }
-    new_params = publish_params(state, new_slices, donate)
+    new_params = publish_params(plan, sh.comm, state.params, new_slices, donate)
     return next_state(state, new_params, new_master if state.master is not None else None, new_opt, new_ls)
 
 
