@@ -51,7 +51,8 @@ def adagrad(
             return AdagradState(zeros_count(), optree.tree_map(lambda p: torch.full_like(p, init_acc), params))
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
         step_lr = default_lr if lr is None else float(lr)
@@ -70,7 +71,7 @@ def adagrad(
         return params, opt_state
 
     def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
-                     momentum: torch.Tensor | None = None):
+                     momentum: torch.Tensor | None = None, **extras):
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
         lr = default_lr if lr is None else lr

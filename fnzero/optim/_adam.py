@@ -105,7 +105,8 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
             )
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
         p, treedef = optree.tree_flatten(params)
@@ -121,7 +122,7 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
         return params, opt_state
 
     def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
-                     momentum: torch.Tensor | None = None):
+                     momentum: torch.Tensor | None = None, **extras):
         lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
         p, treedef = optree.tree_flatten(params)

@@ -1,8 +1,12 @@
 """The `Optimizer` triple and the pytree plumbing every update rule shares.
 
 An optimizer is data: two pure functions (`init`, `update`), one explicitly in-place function
-(`update_`) and a flag. Nothing is hidden in an object, so a training step can be written as a
-function of (params, opt_state) and the sharding layer can slice the state like any pytree.
+(`update_`), a traceable `graph_update` and a property (`elementwise`). Nothing is hidden in an
+object, so a training step can be written as a function of (params, opt_state) and the sharding
+layer can slice the state like any pytree. Every implementation has this one calling convention,
+wherever its state lives: torch's kernels on the device, fnzero's C kernels on the host
+(`host_optimizer`), a chain (`as_optimizer`), or any of them streamed through NVMe files
+(`fnzero.offload`).
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ class Optimizer(NamedTuple):
 
     Attributes:
       init: ``init(params) -> opt_state``; pure. The state's tensors have the params' dtypes.
-      update: ``update(grads, opt_state, params, lr=None, *, momentum=None) -> (params, opt_state)``;
-        pure: its inputs are left untouched and the results share no storage with them.
-        ``lr=None`` means the factory's ``lr``; ``momentum`` (a OneCycle schedule's value)
-        replaces beta1 (Adam, Lamb, Lion) or SGD's ``momentum`` for this step.
+      update: ``update(grads, opt_state, params, lr=None, *, momentum=None, **extras) ->
+        (params, opt_state)``; pure: its inputs are left untouched and the results share no
+        storage with them (the one documented exception: an NVMe state's files, which a step
+        advances, so only the newest state steps; `fnzero.offload`). ``lr=None`` means the
+        factory's ``lr``; ``momentum`` (a OneCycle schedule's value) replaces beta1 (Adam, Lamb,
+        Lion) or SGD's ``momentum`` for this step. ``extras`` are the step's numbers that a
+        shard cannot compute alone (``global_norm``, the norm of the gradients over every rank);
+        every implementation accepts them and reads those it knows (a chain's transforms do).
       update_: the same signature and arithmetic, but it may write the result into the
         ``params`` and ``opt_state`` buffers it is given and returns those same objects. This is
         the one, named, place where buffers are reused; ``grads`` are never written.
@@ -50,9 +58,6 @@ class Optimizer(NamedTuple):
     update_: UpdateFn
     elementwise: bool
     graph_update: UpdateFn | None = None
-    # Whether `update` takes the step's extras as keywords (`global_norm=`, the norm of the
-    # gradients it is given over every rank): chains run through `as_optimizer` do.
-    takes_extras: bool = False
 
 
 def pure(update_: UpdateFn) -> UpdateFn:
@@ -62,11 +67,12 @@ def pure(update_: UpdateFn) -> UpdateFn:
     sharded engine) can keep the old state alive without defensive copies of their own.
     """
 
-    def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
+               momentum: float | None = None, **extras):
         with torch.no_grad():
             params = optree.tree_map(torch.clone, params)
             opt_state = optree.tree_map(torch.clone, opt_state)
-        return update_(grads, opt_state, params, lr, momentum=momentum)
+        return update_(grads, opt_state, params, lr, momentum=momentum, **extras)
 
     update.__doc__ = update_.__doc__
     return update

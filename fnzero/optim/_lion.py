@@ -44,7 +44,8 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
             return LionState(zeros_count(), optree.tree_map(torch.zeros_like, params))
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
         p, treedef = optree.tree_flatten(params)
@@ -65,7 +66,7 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
         return params, opt_state
 
     def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
-                     momentum: torch.Tensor | None = None):
+                     momentum: torch.Tensor | None = None, **extras):
         lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
         p, treedef = optree.tree_flatten(params)

@@ -65,7 +65,8 @@ def sgd(
         return SGDState(zeros_count(), buf)
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         mom = default_mom if momentum is None else check.momentum_override(name, momentum, hi_open=False)
         if mom != 0.0 and not has_buffer:
@@ -89,7 +90,7 @@ def sgd(
         return params, opt_state
 
     def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
-                     momentum: torch.Tensor | None = None):
+                     momentum: torch.Tensor | None = None, **extras):
         if momentum is not None and not has_buffer:
             raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
         lr = default_lr if lr is None else lr

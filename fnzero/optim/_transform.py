@@ -25,6 +25,7 @@ a user's own included, in `fnzero.train_step`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -36,7 +37,7 @@ __all__ = [
     "GradientTransformation", "chain", "apply_updates", "scale", "scale_by_learning_rate", "scale_by_adam",
     "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay", "scale_by_trust_ratio",
     "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale", "CountState", "ScaleByAdamState",
-    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer",
+    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer", "not_elementwise",
 ]
 
 
@@ -44,11 +45,35 @@ class GradientTransformation(NamedTuple):
     """init(params) -> state; update(updates, state, params=None, **extra) -> (updates, state).
 
     `elementwise`: each element's update depends on that element alone, so a flat shard can be
-    updated on its own (False where a transform reads whole tensors: trust ratios)."""
+    updated on its own (False where a transform reads whole tensors: trust ratios). `name`: how
+    messages name it (the factory and its arguments); `parts`: a chain's transforms."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]
     elementwise: bool = True
+    name: str = ""
+    parts: tuple = ()
+
+
+def _named(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """A transform factory whose results are named by the call that made them, so an error can
+    say which transform of a chain it means (`not_elementwise`)."""
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        return factory(*args, **kwargs)._replace(name=f"{factory.__name__}({shown})")
+
+    return make
+
+
+def not_elementwise(tx: GradientTransformation) -> list[str]:
+    """The transforms of `tx` (a chain's, recursively) that read whole tensors, by name."""
+    if tx.elementwise:
+        return []
+    if not tx.parts:
+        return [tx.name or "a transform without a name"]
+    return [name for t in tx.parts for name in not_elementwise(t)]
 
 
 class CountState(NamedTuple):
@@ -113,7 +138,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, all(t.elementwise for t in transforms))
+    return GradientTransformation(init, update, all(t.elementwise for t in transforms),
+                                  f"chain({', '.join(t.name or '?' for t in transforms)})", tuple(transforms))
 
 
 def apply_updates(params: Params, updates: Params) -> Params:
@@ -121,11 +147,13 @@ def apply_updates(params: Params, updates: Params) -> Params:
     return _map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 
+@_named
 def scale(factor: float) -> GradientTransformation:
     """`factor * updates`."""
     return _stateless(lambda u, p, e: _map(lambda x: x * factor, u))
 
 
+@_named
 def scale_by_learning_rate(lr: float = 1e-3) -> GradientTransformation:
     """`-lr * updates`; the step's `lr=` extra (its schedule) replaces the default."""
 
@@ -137,6 +165,7 @@ def scale_by_learning_rate(lr: float = 1e-3) -> GradientTransformation:
     return _stateless(fn)
 
 
+@_named
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """`updates + weight_decay * params`: before the adaptive scaling it is an L2 penalty (Adam),
     after it decoupled weight decay (AdamW)."""
@@ -145,6 +174,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     return _stateless(lambda u, p, e: _map(lambda x, w: x + weight_decay * w.to(x.dtype), u, p))
 
 
+@_named
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_correction: bool = True,
                   eps_inside_sqrt: bool = False) -> GradientTransformation:
     """Adam's direction `m_hat / (sqrt(v_hat) + eps)` (eps under the root with `eps_inside_sqrt`;
@@ -171,6 +201,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_co
     return GradientTransformation(init, update)
 
 
+@_named
 def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
     """SGD momentum as torch.optim.SGD keeps it: the buffer starts at the first gradient, then
     `buf = momentum * buf + (1 - dampening) * g`; the update is `buf` (or `g + momentum * buf`)."""
@@ -190,6 +221,7 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     """Lion's direction `sign(b1 * m + (1 - b1) * g)`, then `m = b2 * m + (1 - b2) * g`."""
 
@@ -206,6 +238,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
     """Adagrad's direction: `g / (sqrt(sum of g^2) + eps)`, the sum started at the initial value."""
 
@@ -220,6 +253,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> 
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_lr_decay(lr_decay: float) -> GradientTransformation:
     """Adagrad's `lr_decay`: the t-th update (1-based) is divided by `1 + (t - 1) * lr_decay`."""
 
@@ -230,6 +264,7 @@ def scale_by_lr_decay(lr_decay: float) -> GradientTransformation:
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
 
 
+@_named
 def scale_by_bias_correction(b1: float, b2: float) -> GradientTransformation:
     """Lamb's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`, applied to the whole update."""
 
@@ -242,6 +277,7 @@ def scale_by_bias_correction(b1: float, b2: float) -> GradientTransformation:
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
 
 
+@_named
 def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> GradientTransformation:
     """Lamb's per-tensor trust ratio `||p|| / ||u||`, clamped; 1 where either norm is zero. It
     reads whole tensors, so the chain is not elementwise."""
@@ -254,6 +290,7 @@ def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> Gr
     return _stateless(lambda u, p, e: _map(ratio, u, p), elementwise=False)
 
 
+@_named
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale the updates by `max_norm / (norm + 1e-6)` when below 1 (torch's clip_grad_norm_).
     The norm is the step's `global_norm=` extra (over every rank's shard); without it, this
@@ -273,6 +310,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     return _stateless(fn)
 
 
+@_named
 def scale_by_loss_scale() -> GradientTransformation:
     """Divide by the step's `loss_scale=` extra (fp16 training); nothing without it."""
 
@@ -303,5 +341,4 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
             return apply_updates(params, updates), new_state
 
-    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update,
-                     takes_extras=True)
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update)

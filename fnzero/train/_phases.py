@@ -6,7 +6,7 @@
     norm_and_loss       one all-reduce of two numbers
     step_verdict        the metrics, the fp16 overflow verdict and the next loss scale (host)
     clip_factor         unscale x clip, one factor
-    update_on_device    the optimizer (`_update.py`)
+    optimizer_update    the optimizer, wherever its state is (`_update.py`)
     publish_params      the new parameters by placement (`_update.py`)
     next_state
 

@@ -33,47 +33,53 @@ from ._phases import (
     StepSetup, Timer, clip_factor, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
-from ..optim._config import params_dict
+from ..optim._transform import not_elementwise
 from ..sharding._policy import offload_device
 from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
-from ._update import OptimizerScalars, host_update, publish_params, update_on_device
+from ._update import OptimizerScalars, optimizer_update, publish_params
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
 
 def optimizer_or_config(optimizer, config, rank: int = 0) -> "_optim.Optimizer":
-    """The optimizer implementation a step or an initial state runs. A given one (a chain is run
-    through `as_optimizer`) runs where the parameters are. Else the config's `optimizer` block,
-    implemented where its state is placed: on the parameters' device (torch's fused kernels), on
-    the host with `offload_optimizer: cpu` (fnzero's C kernels), or streamed through files with
-    `nvme` (the same kernels; `rank` names this process's files)."""
+    """The optimizer implementation a step or an initial state runs: a given one (a chain is run
+    through `as_optimizer`), else the config's `optimizer` block, on the parameters' device
+    (torch's fused kernels) or, with `offload_optimizer`, on the host (fnzero's C kernels for the
+    config's type). Either runs where its state is placed: with `offload_optimizer: cpu` on host
+    tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
+    time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
+    there, naming the transform that reads whole tensors."""
     where = offload_device(config)
     if optimizer is None:
-        if where is None:
-            return _optim.from_config(config)
-        if where == "cpu":
-            return _optim.host_from_config(config)
-        params = _optim_params(config)
-        return nvme_optimizer(config.optimizer.type, params, store_options_from_config(config, rank))
-    if where is not None:
-        raise ShardingError(
-            "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
-            "optimizer= runs where the parameters are: remove one of them"
-        )
+        opt = _optim.from_config(config) if where is None else _optim.host_from_config(config)
+    else:
+        opt = _given_optimizer(optimizer, where)
+    if where == "nvme":
+        label = config.optimizer.type.lower() if optimizer is None else "optimizer"
+        return nvme_optimizer(opt, store_options_from_config(config, rank), label)
+    return opt
+
+
+def _given_optimizer(optimizer, where: str | None) -> "_optim.Optimizer":
     if isinstance(optimizer, _optim.GradientTransformation):
+        blocked = not_elementwise(optimizer)
+        if where is not None and blocked:
+            raise ShardingError(
+                f"offload_optimizer ({where}) runs the optimizer on flat shards of the master weights; the "
+                f"chain's {', '.join(blocked)} reads whole tensors (it is not elementwise): remove the offload "
+                "or that transform"
+            )
         return _optim.as_optimizer(optimizer)
     if isinstance(optimizer, _optim.Optimizer):
+        if where is not None and not optimizer.elementwise:
+            raise ShardingError(f"offload_optimizer ({where}) runs the optimizer on flat shards of the master "
+                                "weights; the optimizer= given is not elementwise: remove the offload")
         return optimizer
     raise ShardingError(
         f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
         f"{type(optimizer).__name__}"
     )
-
-
-def _optim_params(config) -> dict:
-    _optim.host_from_config(config)  # the type and every value checked as for the host
-    return params_dict(getattr(config.optimizer, "params", None))
 
 
 def train_step(
@@ -173,7 +179,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     timer = Timer(policy.timings, sh.device)
     grads, loss_sum, auxes = _gradients(state, setup, loss_fn, policy, has_aux, timer)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
-    # `unscale * clip_coef` just before the optimizer, fused into the kernel when offloading.
+    # `unscale * clip_coef` just before the optimizer.
     unscale = unscale_factor(setup.prediv, setup.n, setup.k, setup.scale)
     pp = sh.pp.comm if sh.pp is not None else None
     units = units_for_norm(sh.plan, sh.pp)
@@ -188,14 +194,10 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
 
     factor, global_norm = clip_factor(policy.clip, metrics["grad_norm"], unscale)
     timer.start()
-    if policy.offload_optimizer is not None:
-        new_state = host_update(state, grads, factor, setup.lr, setup.momentum, opt, donate, new_ls)
-        timer.stop("optimizer")
-        return new_state, metrics
     scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
-    new_slices, new_master, new_opt_state = update_on_device(
+    new_slices, new_master, new_opt_state = optimizer_update(
         sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
-        opt.update_ if donate else opt.update, setup.param_dtype)
+        opt.update_ if donate else opt.update, setup.param_dtype, donate)
     timer.stop("optimizer")
     timer.start()
     new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate)

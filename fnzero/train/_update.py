@@ -1,8 +1,12 @@
-"""The update half of a step: the optimizer on this rank's slice (on the device, on the host with
-ZeRO-Offload, or streamed through NVMe files with ZeRO-Infinity), then publishing the new
+"""The update half of a step: the optimizer on this rank's slice, then publishing the new
 parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.md`).
 
-`update_on_device` and `publish_params` take the state's tensors rather than a `TrainState`, so
+One phase for every placement of the optimizer state: on the device, on the host with
+ZeRO-Offload (the master is a host tensor), or streamed through NVMe files with ZeRO-Infinity
+(the store holds the master). Which implementation runs is the `Optimizer` the step was built
+with (`optimizer_or_config`); the phase calls its `update` the same way for all of them.
+
+`optimizer_update` and `publish_params` take the state's tensors rather than a `TrainState`, so
 the eager step and the whole-step graph (whose inputs are those tensors) run the same phases."""
 
 from __future__ import annotations
@@ -11,14 +15,11 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._state import TrainState
-from ..offload._state import NvmeOptState
 from ..sharding._module import optimizer_view
 from ..sharding._plan import ShardPlan
 from ..sharding._gather import unit_views
-from ._phases import next_state
 
-__all__ = ["OptimizerScalars", "update_on_device", "host_update", "publish_params"]
+__all__ = ["OptimizerScalars", "optimizer_update", "publish_params"]
 
 
 class OptimizerScalars(NamedTuple):
@@ -30,28 +31,45 @@ class OptimizerScalars(NamedTuple):
     global_norm: Any  # the norm of the factored gradients over every rank, for chains that read it
 
 
-def update_on_device(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
+def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
                      grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
-                     param_dtype: torch.dtype):
+                     param_dtype: torch.dtype, donate: bool):
     """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
-    this rank's slice, gradients scaled by `scalars.factor` first (in place: they are this step's
-    own); returns (new slices in the compute dtype, new master or None, new optimizer state)."""
+    this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
+    master or None, new optimizer state).
+
+    The gradients are multiplied by `scalars.factor` first (in place: they are this step's own)
+    and moved to where the optimizer's target is: the master (on the host with offload), else
+    this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
+    A new master becomes the compute parameters by one conversion, written into the input's own
+    buffers when donated and the sizes agree."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
             g.mul_(factor)
+    where = master if master is not None else params
+    grads = {k: g if g.device == where[k].device else g.to(where[k].device) for k, g in grads.items()}
     target = master if master is not None else optimizer_view(plan, rank, params, opt.elementwise)
     if not opt.elementwise:
         grads = _per_param(plan, grads)
         if master is not None:
             target = _per_param(plan, target)
-    extras = {"global_norm": scalars.global_norm} if opt.takes_extras else {}
-    new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum, **extras)
+    new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
+                                       global_norm=scalars.global_norm)
     if not opt.elementwise:
         new_target = _per_unit(plan, new_target, like=master if master is not None else params)
     if master is None:
         return new_target, None, new_opt_state
-    return {k: t.to(param_dtype) for k, t in new_target.items()}, new_target, new_opt_state
+    return {k: _compute_copy(t, params[k], param_dtype, donate) for k, t in new_target.items()}, new_target, new_opt_state
+
+
+def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.dtype, donate: bool) -> torch.Tensor:
+    """The new master in the compute dtype on the parameters' device: into the donated parameter
+    buffer when it is this slice's size (stage 0's whole units, stage 3's shards), else new (stages
+    1-2 all-gather it into the buffer next)."""
+    if donate and param.numel() == master.numel() and param.dtype == param_dtype:
+        return param.copy_(master)
+    return master.to(device=param.device, dtype=param_dtype)
 
 
 def publish_params(plan: ShardPlan, comm, params: dict[str, torch.Tensor], new_slices: dict[str, torch.Tensor],
@@ -75,42 +93,6 @@ def publish_params(plan: ShardPlan, comm, params: dict[str, torch.Tensor], new_s
     for name, p in pending.items():
         new_params[name] = p.wait()
     return {u.name: new_params[u.name] for u in plan.units}
-
-
-def host_update(state: TrainState, grads, factor: float, lr: float, momentum, opt, donate: bool, new_ls):
-    """ZeRO-Offload and ZeRO-Infinity: the host implementation `opt` (C kernels, in memory or
-    streamed through the NVMe store's files) updates the fp32 master shard, with the gradient
-    factor and the 16-bit (or device) copy of the new parameters fused into its pass."""
-    sh = state.sharding
-    plan, rank = sh.plan, sh.rank
-    if state.master is not None:
-        master = state.master
-    else:
-        master = optimizer_view(plan, rank, state.params, True)
-    # Where each unit's new parameters go: the kernel writes them straight into the next
-    # state's buffers (parameter shards, or whole units where the optimizer is replicated), else into a staging shard.
-    out = {}
-    nvme = isinstance(state.opt_state, NvmeOptState)  # the master is on disk
-    # `offload_param: nvme`: these units' parameters are the master file itself (placeholders here).
-    in_store = {u.name for u in plan.units if nvme and state.opt_state.holds_params and u.placement.params}
-    for u in plan.units:
-        p = state.params[u.name]
-        if u.name in in_store:
-            out[u.name] = None
-        elif state.master is None and not nvme:
-            out[u.name] = None  # fp32 on the host: the master *is* the parameter slice
-        else:
-            numel = master[u.name].numel()
-            out[u.name] = p.new_empty(numel) if not donate or p.numel() != numel else p
-    update = opt.update_ if donate else opt.update
-    new_master, new_opt = update(grads, state.opt_state, None if nvme else master, lr, momentum=momentum,
-                                 grad_scale=factor, out={k: v for k, v in out.items() if v is not None})
-    new_slices = {
-        u.name: state.params[u.name] if u.name in in_store else out[u.name] if out[u.name] is not None else new_master[u.name]
-        for u in plan.units
-    }
-    new_params = publish_params(plan, sh.comm, state.params, new_slices, donate)
-    return next_state(state, new_params, new_master if state.master is not None else None, new_opt, new_ls)
 
 
 def _per_param(plan: ShardPlan, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from ..sharding._functional import FunctionalCollectives
 from ._grads import GradientCollector, traced_forward_backward
 from ._phases import StepSetup, clip_factor, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
 from ._step import TrainStep
-from ._update import OptimizerScalars, publish_params, update_on_device
+from ._update import OptimizerScalars, optimizer_update, publish_params
 
 __all__ = ["WholeStep", "whole_step_unsupported"]
 
@@ -140,9 +140,9 @@ class WholeStep:
         unscale = unscale_factor(c.prediv, c.n, c.k, scale)
         norm_sq, loss_total = norm_and_loss(plan.units, grads, unscale, loss_sum, comm, c.device)
         factor, global_norm = clip_factor(policy.clip, norm_sq.sqrt(), unscale)
-        new_slices, new_master, new_opt = update_on_device(
+        new_slices, new_master, new_opt = optimizer_update(
             plan, c.rank, params, master, opt_state, grads, OptimizerScalars(factor, lr, momentum, global_norm),
-            step.opt, step.opt.graph_update, c.param_dtype)
+            step.opt, step.opt.graph_update, c.param_dtype, donate=False)
         # Parameters are never sharded in this graph; gathered where only the optimizer state is.
         new_params = publish_params(plan, comm, params, new_slices, donate=False)
         if c.donate:
