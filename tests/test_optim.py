@@ -308,14 +308,13 @@ MOMENTUM = {"adamw", "adam_l2", "adam_foreach", "adam_nobc", "lion", "sgd", "sgd
 
 
 def run_graph_update(opt, params, grads, lrs, moms=None):
-    """`graph_update` driven as the whole-step graph drives it: 0-dim float64 scalars, the count
-    advanced by the caller."""
+    """`graph_update` driven as the whole-step graph drives it: 0-dim float64 scalars; it advances
+    the count itself, as `update` does."""
     state = opt.init(params)
     f64 = lambda x: torch.tensor(float(x), dtype=torch.float64)  # noqa: E731
     for i, (g, lr) in enumerate(zip(grads, lrs)):
         mom = None if moms is None else f64(moms[i])
-        params, state = opt.graph_update(g, state, params, f64(lr), f64(i + 1), mom)
-        state = state._replace(count=state.count + 1)
+        params, state = opt.graph_update(g, state, params, f64(lr), momentum=mom)
     return params, state
 
 
@@ -352,7 +351,7 @@ def test_graph_update_compiles_once_for_every_lr():
         state = opt.init(params)
         for i, g in enumerate(grads):
             lr = torch.tensor(1e-2 * (i + 1), dtype=torch.float64)
-            params, state = compiled(g, state, params, lr, torch.tensor(float(i + 1), dtype=torch.float64))
+            params, state = compiled(g, state, params, lr)
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 1

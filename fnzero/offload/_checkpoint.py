@@ -13,18 +13,12 @@ from typing import Callable
 
 import torch
 
-from ..optim._adagrad import AdagradState
-from ..optim._adam import AdamState
-from ..optim._lion import LionState
 from ..sharding._module import optimizer_view
 from .._state import TrainState
 from ..sharding._param_store import is_placeholder
 from ._state import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
-
-_STATE_TYPES = {"adam": AdamState, "adagrad": AdagradState, "lion": LionState}
-
 
 def is_nvme(state: TrainState) -> bool:
     return isinstance(state.opt_state, NvmeOptState)
@@ -37,10 +31,12 @@ def _master_in_params(state: TrainState) -> bool:
 
 def _in_memory(state: TrainState, tensor: Callable[[str, str], torch.Tensor]) -> TrainState:
     """`state` in the CPU-offload layout, each unit's master/moment being `tensor(unit, kind)`;
-    parameters held in the store (`offload_param: nvme`) are its master in the compute dtype."""
-    store = state.opt_state.store
-    moments = {kind: {u: tensor(u, kind) for u in store.units} for kind in store.kinds[1:]}
-    new_opt = _STATE_TYPES[store.optimizer](count=state.opt_state.count.clone(), **moments)
+    parameters held in the store (`offload_param: nvme`) are its master in the compute dtype. The
+    optimizer's state is its own structure (`StoreLayout`), the resident leaves copied."""
+    st = state.opt_state
+    store = st.store
+    resident = tuple(r.clone() if isinstance(r, torch.Tensor) else r for r in st.resident)
+    new_opt = st.layout.assemble(tensor, resident)
     master = None if _master_in_params(state) else {u: tensor(u, "master") for u in store.units}
     params = {
         u: (master[u] if master is not None else tensor(u, "master")).to(p.dtype) if is_placeholder(p) else p
@@ -68,13 +64,15 @@ def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
         master = loaded.master
     else:
         master = optimizer_view(plan, rank, loaded.params, True)
+    files, resident = like.opt_state.layout.split(loaded.opt_state)
     for u in store.units:
         store.write(u, "master", master[u])
         for kind in store.kinds[1:]:
-            store.write(u, kind, getattr(loaded.opt_state, kind)[u])
-    count = int(loaded.opt_state.count)
+            store.write(u, kind, files[(kind, u)])
+    count = int(loaded.step)  # the optimizer steps applied, as the store counts them
     store.set_step(count)
     # Parameters held in the store go back to placeholders: their values are the master just written.
     params = {u: like.params[u] if is_placeholder(like.params[u]) else p for u, p in loaded.params.items()}
     return loaded.replace(params=params, master=None,
-                          opt_state=dataclasses.replace(like.opt_state, count=torch.tensor(count, dtype=torch.int64)))
+                          opt_state=dataclasses.replace(like.opt_state, count=torch.tensor(count, dtype=torch.int64),
+                                                        resident=resident))

@@ -24,14 +24,15 @@ import torch
 from .. import _ext
 from ._nvme_files import (
     _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, MANIFEST, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
-    check_unit_tensors, checked_create_args, flat_cpu, pack_header, read_manifest, stale_stores,
+    check_unit_tensors, checked_create_args, chunk_span, flat_cpu, pack_header, read_manifest, stale_stores,
     take_lock, write_json_atomic,
 )
 
 __all__ = ["NvmeOptimizerStore", "NvmeStoreError", "OPTIMIZERS", "stale_stores"]
 
 # optimizer -> (kernel, its state buffers besides the master, in the kernel's argument order).
-# Names follow fnzero.optim's AdamState / AdagradState / LionState.
+# Names follow fnzero.optim's AdamState / AdagradState / LionState. `create(kernel=, kinds=)`
+# streams any other elementwise update (`_nvme_optimizer.py`: an `Optimizer`'s, a sub-group at a time).
 OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "adam": (_ext.adam_step_, ("exp_avg", "exp_avg_sq")),
     "adagrad": (_ext.adagrad_step_, ("sum",)),
@@ -47,12 +48,13 @@ class NvmeOptimizerStore:
 
     # -- construction -------------------------------------------------------------------------
     def __init__(self, path: str, manifest: dict, *, writable: bool, buffer_count: int = 4, aio: Any = None,
-                 use_cext: bool | None = None):  # fmt: skip
+                 use_cext: bool | None = None, kernel: Callable[..., None] | None = None):  # fmt: skip
         self.path = path
         self._manifest = manifest
         self.optimizer: str = manifest["optimizer"]
-        self._kernel, moments = OPTIMIZERS[self.optimizer]
-        self.kinds: tuple[str, ...] = ("master", *moments)
+        named = OPTIMIZERS.get(self.optimizer, (None, ()))
+        self._kernel = kernel if kernel is not None else named[0]  # None: a caller's kernel, opened to read
+        self.kinds: tuple[str, ...] = ("master", *manifest.get("kinds", named[1]))
         self._units: dict[str, tuple[int, int]] = {name: (numel, off) for name, numel, off in manifest["units"]}
         self.sub_group_size: int = manifest["sub_group_size"]
         self.buffer_count = buffer_count
@@ -68,13 +70,18 @@ class NvmeOptimizerStore:
     @classmethod
     def create(cls, directory: str | os.PathLike, master: dict[str, torch.Tensor], *, optimizer: str = "adam",
                sub_group_size: int = 10**9, buffer_count: int = 4, aio: Any = None, rank: int = 0,
-               use_cext: bool | None = None) -> NvmeOptimizerStore:  # fmt: skip
+               use_cext: bool | None = None, kernel: Callable[..., None] | None = None,
+               kinds: tuple[str, ...] = ()) -> NvmeOptimizerStore:  # fmt: skip
         """New scratch files under `directory`/fnzero-rank{rank}-{uuid}/ holding a copy of `master`
         (fp32, any shapes, flattened) and zero optimizer state; durable (fsynced) on return, so the
         caller may drop `master`. `aio`: DeepSpeed's aio block (mapping or object; block_size,
         queue_depth, thread_count used; single_submit/overlap_events accepted, the thread pool
-        always overlaps). `use_cext`: None = C kernels and I/O when built, False = the fallbacks."""
-        aio, flat = checked_create_args(master, optimizer, sorted(OPTIMIZERS), sub_group_size, buffer_count, rank, aio)
+        always overlaps). `use_cext`: None = C kernels and I/O when built, False = the fallbacks.
+        `kernel` and `kinds`: a caller's elementwise update and its state kinds, `optimizer` then a
+        label; the kernel is called as the named ones are (in place on each kind's sub-group)."""
+        aio, flat = checked_create_args(master, optimizer, sorted(OPTIMIZERS), sub_group_size, buffer_count, rank, aio,
+                                        kernel, kinds)
+        kinds = tuple(kinds) if kernel is not None else OPTIMIZERS[optimizer][1]
         units, off = [], HEADER
         for name, t in flat.items():  # each unit starts on an aligned block, so whole-chunk I/O can be O_DIRECT
             units.append([name, t.numel(), off])
@@ -84,9 +91,9 @@ class NvmeOptimizerStore:
         path = os.path.join(os.fspath(directory), f"{PREFIX}{rank}-{store_id.hex}")
         os.mkdir(path, 0o700)  # new every time: nothing of an earlier run is ever opened
         manifest = {"format": FORMAT, "version": VERSION, "uuid": store_id.hex, "rank": rank, "optimizer": optimizer,
-                    "sub_group_size": sub_group_size, "units": units, "file_bytes": off, "state": "creating",
-                    "step": None, "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
-        self = cls(path, manifest, writable=True, buffer_count=buffer_count, aio=aio, use_cext=use_cext)
+                    "kinds": list(kinds), "sub_group_size": sub_group_size, "units": units, "file_bytes": off,
+                    "state": "creating", "step": None, "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
+        self = cls(path, manifest, writable=True, buffer_count=buffer_count, aio=aio, use_cext=use_cext, kernel=kernel)
         try:
             self._lock()
             self._save_manifest(fsync=False)
@@ -227,14 +234,7 @@ class NvmeOptimizerStore:
             self._drain()
 
     def _span(self, name: str, start: int, n: int) -> tuple[int, int]:
-        """(file offset, elements to transfer) of a chunk. A unit's last chunk is rounded up into the
-        unit's padding when it starts aligned, so a sub_group_size that is a multiple of 1024 keeps
-        every transfer O_DIRECT (the padding is read and written back unchanged)."""
-        numel, base = self._units[name]
-        off = base + start * _ELEM
-        if start + n == numel and off % _ext.ALIGN == 0:
-            n = _round_up(n, _PAGE_ELEMS)
-        return off, n
+        return chunk_span(*self._units[name], start, n)
 
     def _buffers(self) -> list[dict[str, torch.Tensor]]:
         # Kept between steps (like DeepSpeed's pinned swap buffers): B x cap x 4 bytes per state kind.

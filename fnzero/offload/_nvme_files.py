@@ -61,11 +61,14 @@ def write_json_atomic(path: str, obj: dict, fsync: bool) -> None:
 
 
 def checked_create_args(master: Any, optimizer: str, optimizers: list[str], sub_group_size: int, buffer_count: int,
-                        rank: int, aio: Any) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
+                        rank: int, aio: Any, kernel: Any = None, kinds: Any = ()) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
     """`NvmeOptimizerStore.create`'s arguments checked: (the aio block in the store's names, the
     master shards flattened)."""
-    if optimizer not in optimizers:
+    if kernel is None and optimizer not in optimizers:
         raise ValueError(f"NvmeOptimizerStore: optimizer must be one of {optimizers}, got {optimizer!r}")
+    bad = [k for k in kinds if not isinstance(k, str) or k == "master" or not k.replace(".", "").replace("_", "").isalnum()]
+    if kernel is not None and (bad or len(set(kinds)) != len(tuple(kinds))):
+        raise ValueError(f"NvmeOptimizerStore: kinds must be distinct file names other than 'master', got {kinds!r}")
     for name, v, lo in (("sub_group_size", sub_group_size, 1), ("buffer_count", buffer_count, 2), ("rank", rank, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"NvmeOptimizerStore: {name} must be an integer >= {lo}, got {v!r}")
@@ -179,3 +182,14 @@ def stale_stores(directory: str | os.PathLike, *, remove: bool = False) -> list[
         for p in found:
             shutil.rmtree(p, ignore_errors=True)
     return found
+
+
+def chunk_span(numel: int, base: int, start: int, n: int) -> tuple[int, int]:
+    """(file offset, elements to transfer) of a chunk of the unit of `numel` elements at file
+    offset `base`. A unit's last chunk is rounded up into the unit's padding when it starts
+    aligned, so a sub_group_size that is a multiple of 1024 keeps every transfer O_DIRECT (the
+    padding is read and written back unchanged)."""
+    off = base + start * _ELEM
+    if start + n == numel and off % _ext.ALIGN == 0:
+        n = _round_up(n, _PAGE_ELEMS)
+    return off, n

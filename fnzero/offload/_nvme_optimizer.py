@@ -1,12 +1,17 @@
-"""ZeRO-Infinity's implementation of the Adam, AdamW, Adagrad and Lion chains: the host kernels
-(`fnzero.optim`'s host implementations, the same keywords) streamed through an
+"""ZeRO-Infinity: any elementwise `Optimizer` with its state streamed through an
 `NvmeOptimizerStore`'s files, sub-group by sub-group (`specs/offload.md §NVMe store`).
 
-It is an `Optimizer` like the others: `init(master)` writes the fp32 master shards and zero moments
-to new files and returns an `NvmeOptState`; `update_` runs one step through them. The master lives
-in the files, so the returned parameters are None and `out` (the step's extra, as on the host)
-receives the new parameters. The files change in place, so `update` is `update_`: only the newest
-state can take a step, and an older one is refused.
+The config's optimizer is the host kernels' (`fnzero.optim.host_optimizer`), a user's chain is
+`as_optimizer(chain)`: the store calls the optimizer's own `update_` on each sub-group, with the
+per-unit leaves of its state (moments, momentum buffers: the store's *kinds*) read from and
+written back to the files, and its other leaves (step counts) held in memory
+(`NvmeOptState.resident`, `_layout.py`). It is an `Optimizer` with the one calling convention:
+`init(master)` writes the fp32 master shards and the initial state to new files; `update(grads,
+state, params, ...)` returns the new parameters in `params`' dtype (new buffers; `update_`, the
+donated form, writes them into `params`) and the next state. The master lives in the files, so
+the parameters it is given say only where the new ones go (placeholders of parameters the store
+itself holds are returned as they are). The files change in place: that is the one exception to
+purity (`Optimizer`), and only the newest state can take a step; an older one is refused.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import torch
 
 from .._errors import ShardingError
 from ..optim._base import Optimizer
-from ..optim._host import host_hyper, kernel_kwargs
+from ..sharding._param_store import is_placeholder
+from ._layout import CHUNK, StoreLayout, layout_of
 from ._nvme import NvmeOptimizerStore
 from ._state import NvmeOptState
 
 __all__ = ["StoreOptions", "nvme_optimizer", "store_options_from_config"]
+
+_STORE_OUT = (torch.float32, torch.bfloat16, torch.float16)  # what the store writes new parameters into
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,24 +56,56 @@ def store_options_from_config(cfg: Any, rank: int) -> StoreOptions:
                         _aio_kwargs(aio), rank)  # fmt: skip
 
 
-def nvme_optimizer(name: str, params: dict, store: StoreOptions | None = None) -> Optimizer:
-    """The NVMe implementation of optimizer type `name` with `params` (a config's `params` block).
-    `store` is needed by `init` only: a step reads its store from the state it is given."""
-    kind, hyper = host_hyper(name, params)
+def _sub_group_kernel(inner: Optimizer, layout: StoreLayout):
+    """The store's kernel: `inner.update_` on one sub-group, in place on its chunks."""
+
+    def kernel(master, g, *states, out16=None, grad_scale=1.0, lr=None, momentum=None, resident=(), extras=None,
+               **ignored):  # (the store's own keywords: step, num_threads, use_cext)
+        if grad_scale != 1.0:
+            g = g * grad_scale
+        state = layout.chunk_state(dict(zip(layout.kinds, states)), resident)
+        new_p, new_s = inner.update_({CHUNK: g}, state, {CHUNK: master}, lr, momentum=momentum, **(extras or {}))
+        _put(master, new_p[CHUNK])
+        chunks, _ = layout.chunk_parts(new_s)
+        for buf, kind in zip(states, layout.kinds):
+            _put(buf, chunks[kind])
+        if out16 is not None:
+            out16.copy_(master)
+
+    return kernel
+
+
+def _put(buf: torch.Tensor, value: torch.Tensor) -> None:
+    if value is not buf:
+        buf.copy_(value)
+
+
+def nvme_optimizer(inner: Optimizer, store: StoreOptions | None = None, label: str = "optimizer") -> Optimizer:
+    """`inner`, an elementwise Optimizer, with its state in NVMe files; `label` names it in the
+    store's manifest. `store` is needed by `init` only: a step reads its store from the state."""
+    if not inner.elementwise:
+        raise ShardingError("an NVMe optimizer store updates its files a sub-group at a time, which needs an "
+                            "elementwise optimizer")
 
     def init(master: dict[str, torch.Tensor]) -> NvmeOptState:
         if store is None:
             raise ShardingError("nvme_optimizer(...).init needs StoreOptions: where to write the files")
-        flat = {k: v.detach().to(device="cpu", dtype=torch.float32) for k, v in master.items()}
-        s = NvmeOptimizerStore.create(store.directory, flat, optimizer=kind, sub_group_size=store.sub_group_size,
+        flat = {k: v.detach().to(device="cpu", dtype=torch.float32).reshape(-1) for k, v in master.items()}
+        layout, resident = layout_of(inner, list(flat))
+        s = NvmeOptimizerStore.create(store.directory, flat, optimizer=label, kernel=_sub_group_kernel(inner, layout),
+                                      kinds=layout.kinds, sub_group_size=store.sub_group_size,
                                       buffer_count=store.buffer_count, aio=store.aio, rank=store.rank)  # fmt: skip
         # Scratch files of this run: removed when the process ends (a killed process leaves them;
         # fnzero.offload.stale_stores finds and removes those).
         atexit.register(s.close)
-        return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=s)
+        for unit, t in flat.items():  # a state that does not start at zero (the files do), one unit at a time
+            chunks, _ = layout.chunk_parts(inner.init({CHUNK: t}))
+            for kind, value in chunks.items():
+                if value.any():
+                    s.write(unit, kind, value)
+        return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=s, resident=resident, layout=layout)
 
-    def update_(grads, opt_state: NvmeOptState, master=None, lr=None, *, momentum=None, grad_scale=1.0, out=None,
-                **extra):  # fmt: skip
+    def update_(grads, opt_state: NvmeOptState, params, lr=None, *, momentum=None, **extras):
         s, count = opt_state.store, int(opt_state.count)
         if (s.last_step or 0) != count:
             raise ShardingError(
@@ -73,16 +113,30 @@ def nvme_optimizer(name: str, params: dict, store: StoreOptions | None = None) -
                 "with offload_optimizer device nvme the files are updated in place, so only the newest state "
                 "can take a step"
             )
-        out = {k: v for k, v in (out or {}).items() if v is not None}
-        on_host = {k: v for k, v in out.items() if v.device.type == "cpu"}
-        s.step({k: g.to("cpu") for k, g in grads.items()}, step=count + 1, out=on_host, grad_scale=grad_scale,
-               **kernel_kwargs(kind, hyper, hyper["lr"] if lr is None else lr, momentum))
-        for k, v in out.items():
-            if k not in on_host:  # accelerator parameters: copy the host result over
-                v.copy_(s.read(k, "master").to(v.dtype))
-        return None, dataclasses.replace(opt_state, count=torch.tensor(count + 1, dtype=torch.int64))
+        out = {k: p for k, p in params.items() if not is_placeholder(p)}
+        direct = {k: p for k, p in out.items() if p.device.type == "cpu" and p.dtype in _STORE_OUT and p.is_contiguous()}
+        s.step({k: g.to("cpu") for k, g in grads.items()}, step=count + 1, out=direct, lr=lr, momentum=momentum,
+               resident=opt_state.resident, extras=extras)
+        for k, p in out.items():
+            if k not in direct:  # accelerator (or other-dtype) parameters: copied from the new master
+                p.copy_(s.read(k, "master").to(p.dtype))
+        return params, dataclasses.replace(opt_state, count=torch.tensor(count + 1, dtype=torch.int64),
+                                           resident=_next_resident(inner, opt_state, lr, momentum, extras))
 
-    return Optimizer(init=init, update=update_, update_=update_, elementwise=True, takes_extras=True)
+    def update(grads, opt_state: NvmeOptState, params, lr=None, *, momentum=None, **extras):
+        fresh = {k: p if is_placeholder(p) else torch.empty_like(p) for k, p in params.items()}
+        return update_(grads, opt_state, fresh, lr, momentum=momentum, **extras)
+
+    return Optimizer(init=init, update=update, update_=update_, elementwise=True)
+
+
+def _next_resident(inner: Optimizer, opt_state: NvmeOptState, lr, momentum, extras) -> tuple:
+    """The in-memory leaves after the step, from the same update on an empty sub-group (every
+    sub-group started from the same ones and advanced them alike)."""
+    layout, empty = opt_state.layout, torch.zeros(0)
+    state = layout.chunk_state({kind: empty for kind in layout.kinds}, opt_state.resident)
+    _, new_state = inner.update({CHUNK: empty}, state, {CHUNK: empty}, lr, momentum=momentum, **extras)
+    return layout.chunk_parts(new_state)[1]
 
 
 def _aio_kwargs(aio: dict | None) -> dict | None:

@@ -8,7 +8,9 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
+from ._base import (
+    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+)
 
 __all__ = ["AdagradState", "adagrad"]
 
@@ -49,7 +51,8 @@ def adagrad(
             return AdagradState(zeros_count(), optree.tree_map(lambda p: torch.full_like(p, init_acc), params))
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
         step_lr = default_lr if lr is None else float(lr)
@@ -67,11 +70,13 @@ def adagrad(
             torch._foreach_addcdiv_(gp, gg, std, value=-clr)
         return params, opt_state
 
-    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
-                     momentum: torch.Tensor | None = None):
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
+                     momentum: torch.Tensor | None = None, **extras):
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
+        lr = default_lr if lr is None else lr
         p, treedef = optree.tree_flatten(params)
+        count, t = traced_count(opt_state.count, p)
         g = leaves_like(treedef, grads, "grads")
         acc = leaves_like(treedef, opt_state.sum, "opt_state.sum")
         clr = lr / (1.0 + (t - 1.0) * lr_decay)
@@ -84,6 +89,6 @@ def adagrad(
             (clr_,) = scalars_as(pp, clr)
             new_p.append(pp - clr_ * gg / (aa.sqrt() + eps))
             new_acc.append(aa)
-        return optree.tree_unflatten(treedef, new_p), AdagradState(opt_state.count, optree.tree_unflatten(treedef, new_acc))
+        return optree.tree_unflatten(treedef, new_p), AdagradState(count, optree.tree_unflatten(treedef, new_acc))
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)

@@ -14,7 +14,9 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
+from ._base import (
+    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+)
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -103,7 +105,8 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
             )
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
         p, treedef = optree.tree_flatten(params)
@@ -118,13 +121,15 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
                 _foreach_step_(gp, gg, gm, gv, t, step_lr, b1, beta2, eps, weight_decay, adam_w_mode, bias_correction)
         return params, opt_state
 
-    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
-                     momentum: torch.Tensor | None = None):
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
+                     momentum: torch.Tensor | None = None, **extras):
+        lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
         p, treedef = optree.tree_flatten(params)
         g = leaves_like(treedef, grads, "grads")
         m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
         v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        count, t = traced_count(opt_state.count, p)
         if bias_correction:
             step_size = lr / (1.0 - b1**t)
             bc2_sqrt = (1.0 - beta2**t).sqrt()
@@ -146,7 +151,7 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
             new_m.append(mm)
             new_v.append(vv)
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)  # noqa: E731
-        return unflat(new_p), AdamState(opt_state.count, unflat(new_m), unflat(new_v))
+        return unflat(new_p), AdamState(count, unflat(new_m), unflat(new_v))
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)
 

@@ -1,8 +1,12 @@
 """The `Optimizer` triple and the pytree plumbing every update rule shares.
 
 An optimizer is data: two pure functions (`init`, `update`), one explicitly in-place function
-(`update_`) and a flag. Nothing is hidden in an object, so a training step can be written as a
-function of (params, opt_state) and the sharding layer can slice the state like any pytree.
+(`update_`), a traceable `graph_update` and a property (`elementwise`). Nothing is hidden in an
+object, so a training step can be written as a function of (params, opt_state) and the sharding
+layer can slice the state like any pytree. Every implementation has this one calling convention,
+wherever its state lives: torch's kernels on the device, fnzero's C kernels on the host
+(`host_optimizer`), a chain (`as_optimizer`), or any of them streamed through NVMe files
+(`fnzero.offload`).
 """
 
 from __future__ import annotations
@@ -26,23 +30,27 @@ class Optimizer(NamedTuple):
 
     Attributes:
       init: ``init(params) -> opt_state``; pure. The state's tensors have the params' dtypes.
-      update: ``update(grads, opt_state, params, lr=None, *, momentum=None) -> (params, opt_state)``;
-        pure: its inputs are left untouched and the results share no storage with them.
-        ``lr=None`` means the factory's ``lr``; ``momentum`` (a OneCycle schedule's value)
-        replaces beta1 (Adam, Lamb, Lion) or SGD's ``momentum`` for this step.
+      update: ``update(grads, opt_state, params, lr=None, *, momentum=None, **extras) ->
+        (params, opt_state)``; pure: its inputs are left untouched and the results share no
+        storage with them (the one documented exception: an NVMe state's files, which a step
+        advances, so only the newest state steps; `fnzero.offload`). ``lr=None`` means the
+        factory's ``lr``; ``momentum`` (a OneCycle schedule's value) replaces beta1 (Adam, Lamb,
+        Lion) or SGD's ``momentum`` for this step. ``extras`` are the step's numbers that a
+        shard cannot compute alone (``global_norm``, the norm of the gradients over every rank);
+        every implementation accepts them and reads those it knows (a chain's transforms do).
       update_: the same signature and arithmetic, but it may write the result into the
         ``params`` and ``opt_state`` buffers it is given and returns those same objects. This is
         the one, named, place where buffers are reused; ``grads`` are never written.
       elementwise: True when each element's update depends on that element alone (Adam, SGD,
         Adagrad, Lion), so a flattened parameter may be cut into shards and each shard updated
         on its own. False for Lamb, whose per-tensor trust ratio needs the whole tensor.
-      graph_update: ``graph_update(grads, opt_state, params, lr, t, momentum=None) ->
-        (params, opt_state)``, or None. The pure update written in plain tensor ops with its
-        scalars as 0-dim tensors (``lr``; ``t``, this step's 1-based number; ``momentum``), so
-        torch.compile traces it into a whole-step graph without recompiling when a schedule
-        changes them (`fnzero.jit(step, scope="step")`). The returned state's count is the input
-        count: the caller advances it (a host counter). Same formulas as ``update``, up to
-        floating-point reassociation.
+      graph_update: ``update`` again, or None: the same signature and contract (pure, the
+        count advanced), written in plain tensor ops so that ``lr`` and ``momentum`` may be
+        0-dim tensors and the step number is read from the state's count as a tensor. The
+        step's phases call it where they call ``update`` when they run inside the whole-step
+        graph (`fnzero.jit(step, scope="step")`): torch.compile traces it, and a schedule that
+        changes the scalars never recompiles. Same formulas as ``update``, up to floating-point
+        reassociation; a chain's ``update`` is traceable already and is its own ``graph_update``.
     """
 
     init: Callable[[Params], OptState]
@@ -50,9 +58,6 @@ class Optimizer(NamedTuple):
     update_: UpdateFn
     elementwise: bool
     graph_update: UpdateFn | None = None
-    # Whether `update` takes the step's extras as keywords (`global_norm=`, the norm of the
-    # gradients it is given over every rank): chains run through `as_optimizer` do.
-    takes_extras: bool = False
 
 
 def pure(update_: UpdateFn) -> UpdateFn:
@@ -62,11 +67,12 @@ def pure(update_: UpdateFn) -> UpdateFn:
     sharded engine) can keep the old state alive without defensive copies of their own.
     """
 
-    def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
+               momentum: float | None = None, **extras):
         with torch.no_grad():
             params = optree.tree_map(torch.clone, params)
             opt_state = optree.tree_map(torch.clone, opt_state)
-        return update_(grads, opt_state, params, lr, momentum=momentum)
+        return update_(grads, opt_state, params, lr, momentum=momentum, **extras)
 
     update.__doc__ = update_.__doc__
     return update
@@ -119,6 +125,15 @@ def scalars_as(like: torch.Tensor, *xs):
     """Tensor scalars (a `graph_update`'s lr, bias corrections...) in `like`'s dtype: two 0-dim
     tensors promote to the wider dtype, which would turn a 0-dim float32 parameter into float64."""
     return tuple(x.to(like.dtype) if isinstance(x, torch.Tensor) else x for x in xs)
+
+
+def traced_count(count: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a `graph_update`: (the advanced count, this step's 1-based number as a float64 0-dim
+    tensor on the device of `like`'s first tensor), both tensor ops, so a graph takes the count
+    as an input and does not specialise on its value."""
+    new = count + 1
+    device = like[0].device if like else count.device
+    return new, new.to(device=device, dtype=torch.float64)
 
 
 def zeros_count() -> torch.Tensor:

@@ -89,7 +89,7 @@ def host_from_config(cfg: Any) -> Optimizer:
     ``cfg.optimizer``; a ConfigError for a type no host kernel computes (SGD, Lamb).
 
     >>> from types import SimpleNamespace as NS
-    >>> host_from_config(NS(optimizer=NS(type="Lion", params={"lr": 1e-4}))).takes_extras
+    >>> host_from_config(NS(optimizer=NS(type="Lion", params={"lr": 1e-4}))).elementwise
     True
     """
     kind = optimizer_kind(cfg)

@@ -1,16 +1,11 @@
 """Host implementations of the Adam, AdamW, Adagrad and Lion chains: fnzero's C kernels over flat
 fp32 shards in host memory (ZeRO-Offload, `specs/offload.md`).
 
-Each is an `Optimizer` like the device ones, with the same state layout (AdamState, AdagradState,
-LionState), so checkpoints and resharding do not care where the step ran. Two step-level extras
-are fused into the kernel's single pass over memory, passed as keywords like the chains' extras:
-
-  grad_scale  multiplies the gradients first (the step's unscale x clip factor);
-  out         {unit: tensor} receiving the new parameters (bf16/fp16 written by the kernel
-              itself; fp32 or another device copied from the result).
-
-The NVMe store (`fnzero.offload`) streams the same kernels through files with the same keywords
-(`kernel_kwargs`). Checked against the chains by `tests/test_optim_chains.py`.
+Each is an `Optimizer` with the device ones' calling convention and state layout (AdamState,
+AdagradState, LionState), so the step calls it as it calls any optimizer, and checkpoints and
+resharding do not care where the step ran. The NVMe optimizer (`fnzero.offload`) streams the
+same `update_` through its files, a sub-group at a time. Checked against the chains by
+`tests/test_optim_chains.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from .. import _ext
 from .._errors import ConfigError
 from ._adagrad import AdagradState
 from ._adam import AdamState
-from ._base import Optimizer, zeros_count
+from ._base import Optimizer, pure, zeros_count
 from ._lion import LionState
 
 __all__ = ["HOST_KERNELS", "host_optimizer", "kernel_kwargs"]
@@ -75,8 +70,7 @@ def host_optimizer(name: str, **params: Any) -> Optimizer:
 
     >>> import torch
     >>> opt = host_optimizer("AdamW", lr=0.1)
-    >>> p, s = opt.update({"u": torch.ones(3)}, opt.init({"u": torch.ones(3)}), {"u": torch.ones(3)}, None,
-    ...                   grad_scale=0.5)
+    >>> p, s = opt.update({"u": torch.ones(3)}, opt.init({"u": torch.ones(3)}), {"u": torch.ones(3)})
     >>> [round(x, 4) for x in p["u"].tolist()], int(s.count)
     ([0.9, 0.9, 0.9], 1)
     """
@@ -91,39 +85,20 @@ def host_optimizer(name: str, **params: Any) -> Optimizer:
             return AdagradState(zeros_count(), {k: torch.full_like(v, acc) for k, v in master.items()})
         return LionState(zeros_count(), zeros())
 
-    def update_(grads, opt_state, master, lr=None, *, momentum=None, grad_scale=1.0, out=None, **extra):
+    def update_(grads, opt_state, master, lr=None, *, momentum=None, **extras):
         step = int(opt_state.count) + 1
         kw = kernel_kwargs(kind, hyper, hyper["lr"] if lr is None else lr, momentum)
         for unit, p in master.items():
             g = grads[unit]
             if g.device != p.device or g.dtype != torch.float32:
                 g = g.to(device=p.device, dtype=torch.float32)
-            dst = out.get(unit) if out is not None else None
-            # The kernel writes 16-bit copies on the host; other targets are filled after.
-            fused = dst is not None and dst.device == p.device and dst.dtype in (torch.bfloat16, torch.float16)
-            o16 = dst if fused else None
             if kind == "adam":
-                _ext.adam_step_(p, g, opt_state.exp_avg[unit], opt_state.exp_avg_sq[unit], step=step,
-                                grad_scale=grad_scale, out16=o16, **kw)  # fmt: skip
+                _ext.adam_step_(p, g, opt_state.exp_avg[unit], opt_state.exp_avg_sq[unit], step=step, **kw)
             elif kind == "adagrad":
-                _ext.adagrad_step_(p, g, opt_state.sum[unit], step=step, grad_scale=grad_scale, out16=o16, **kw)
+                _ext.adagrad_step_(p, g, opt_state.sum[unit], step=step, **kw)
             else:
-                _ext.lion_step_(p, g, opt_state.exp_avg[unit], grad_scale=grad_scale, out16=o16, **kw)
-            if dst is not None and not fused:
-                dst.copy_(p.to(dst.dtype), non_blocking=True)
-        return master, opt_state._replace(count=torch.tensor(step, dtype=torch.int64))
+                _ext.lion_step_(p, g, opt_state.exp_avg[unit], **kw)
+        opt_state.count.fill_(step)
+        return master, opt_state
 
-    def update(grads, opt_state, master, lr=None, *, momentum=None, grad_scale=1.0, out=None, **extra):
-        master = {k: v.clone() for k, v in master.items()}
-        opt_state = type(opt_state)(*(_clone(x) for x in opt_state))
-        return update_(grads, opt_state, master, lr, momentum=momentum, grad_scale=grad_scale, out=out)
-
-    return Optimizer(init=init, update=update, update_=update_, elementwise=True, takes_extras=True)
-
-
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, dict):
-        return {k: v.clone() for k, v in x.items()}
-    return x
+    return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True)

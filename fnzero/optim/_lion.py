@@ -9,7 +9,9 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
+from ._base import (
+    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+)
 
 __all__ = ["LionState", "lion"]
 
@@ -42,7 +44,8 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
             return LionState(zeros_count(), optree.tree_map(torch.zeros_like, params))
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
         p, treedef = optree.tree_flatten(params)
@@ -62,10 +65,12 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
             torch._foreach_add_(gm, gg, alpha=1.0 - beta2)
         return params, opt_state
 
-    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
-                     momentum: torch.Tensor | None = None):
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
+                     momentum: torch.Tensor | None = None, **extras):
+        lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
         p, treedef = optree.tree_flatten(params)
+        count, _ = traced_count(opt_state.count, p)
         g = leaves_like(treedef, grads, "grads")
         m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
         new_p, new_m = [], []
@@ -77,6 +82,6 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
                 pp = pp * (1.0 - lr_ * weight_decay)
             new_p.append(pp - lr_ * c)
             new_m.append(mm * beta2 + gg * (1.0 - beta2))
-        return optree.tree_unflatten(treedef, new_p), LionState(opt_state.count, optree.tree_unflatten(treedef, new_m))
+        return optree.tree_unflatten(treedef, new_p), LionState(count, optree.tree_unflatten(treedef, new_m))
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)

@@ -10,7 +10,9 @@ import torch
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, zeros_count
+from ._base import (
+    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+)
 
 __all__ = ["SGDState", "sgd"]
 
@@ -63,7 +65,8 @@ def sgd(
         return SGDState(zeros_count(), buf)
 
     @torch.no_grad()
-    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None):
+    def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
+                **extras):
         step_lr = default_lr if lr is None else float(lr)
         mom = default_mom if momentum is None else check.momentum_override(name, momentum, hi_open=False)
         if mom != 0.0 and not has_buffer:
@@ -86,12 +89,14 @@ def sgd(
             torch._foreach_add_(gp, gg, alpha=-step_lr)
         return params, opt_state
 
-    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor, t: torch.Tensor,
-                     momentum: torch.Tensor | None = None):
+    def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
+                     momentum: torch.Tensor | None = None, **extras):
         if momentum is not None and not has_buffer:
             raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
+        lr = default_lr if lr is None else lr
         mom = default_mom if momentum is None else momentum
         p, treedef = optree.tree_flatten(params)
+        count, t = traced_count(opt_state.count, p)
         g = leaves_like(treedef, grads, "grads")
         buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
         new_p, new_buf = [], []
@@ -107,6 +112,6 @@ def sgd(
                 gg = gg + bb * mom_ if nesterov else bb
             new_p.append(pp - lr_ * gg)
         state_buf = optree.tree_unflatten(treedef, new_buf) if has_buffer else None
-        return optree.tree_unflatten(treedef, new_p), SGDState(opt_state.count, state_buf)
+        return optree.tree_unflatten(treedef, new_p), SGDState(count, state_buf)
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)

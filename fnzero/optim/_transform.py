@@ -6,7 +6,9 @@ ends in `scale_by_learning_rate`, which makes them `-lr * direction`. Step-level
 cannot compute alone are passed explicitly as `extra` keywords by whoever runs the chain (the
 training step does): `lr` (the schedule's), `momentum` (OneCycle's), `global_norm` (the gradient
 norm over every rank), `loss_scale`. Each transform reads the keywords it knows and ignores the
-rest.
+rest. The extras may be numbers or 0-dim tensors, and step numbers are read from the states'
+counts as tensors, never as Python numbers: the same `update` runs eagerly and traced inside the
+whole-step graph (`fnzero.jit(step, scope="step")`), where the extras are graph inputs.
 
     >>> import torch
     >>> from fnzero import optim
@@ -23,6 +25,7 @@ a user's own included, in `fnzero.train_step`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -34,7 +37,7 @@ __all__ = [
     "GradientTransformation", "chain", "apply_updates", "scale", "scale_by_learning_rate", "scale_by_adam",
     "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay", "scale_by_trust_ratio",
     "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale", "CountState", "ScaleByAdamState",
-    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer",
+    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer", "not_elementwise",
 ]
 
 
@@ -42,11 +45,35 @@ class GradientTransformation(NamedTuple):
     """init(params) -> state; update(updates, state, params=None, **extra) -> (updates, state).
 
     `elementwise`: each element's update depends on that element alone, so a flat shard can be
-    updated on its own (False where a transform reads whole tensors: trust ratios)."""
+    updated on its own (False where a transform reads whole tensors: trust ratios). `name`: how
+    messages name it (the factory and its arguments); `parts`: a chain's transforms."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]
     elementwise: bool = True
+    name: str = ""
+    parts: tuple = ()
+
+
+def _named(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """A transform factory whose results are named by the call that made them, so an error can
+    say which transform of a chain it means (`not_elementwise`)."""
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        return factory(*args, **kwargs)._replace(name=f"{factory.__name__}({shown})")
+
+    return make
+
+
+def not_elementwise(tx: GradientTransformation) -> list[str]:
+    """The transforms of `tx` (a chain's, recursively) that read whole tensors, by name."""
+    if tx.elementwise:
+        return []
+    if not tx.parts:
+        return [tx.name or "a transform without a name"]
+    return [name for t in tx.parts for name in not_elementwise(t)]
 
 
 class CountState(NamedTuple):
@@ -88,6 +115,11 @@ def _map(fn, *trees):
     return optree.tree_map(fn, *trees)
 
 
+def _step_number(count: torch.Tensor) -> torch.Tensor:
+    """This update's 1-based number, float64, as a tensor (a trace keeps the count an input)."""
+    return (count + 1).to(torch.float64)
+
+
 def _stateless(fn: Callable[..., Params], elementwise: bool = True) -> GradientTransformation:
     return GradientTransformation(lambda params: (), lambda u, s, params=None, **extra: (fn(u, params, extra), s),
                                   elementwise)
@@ -106,7 +138,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, all(t.elementwise for t in transforms))
+    return GradientTransformation(init, update, all(t.elementwise for t in transforms),
+                                  f"chain({', '.join(t.name or '?' for t in transforms)})", tuple(transforms))
 
 
 def apply_updates(params: Params, updates: Params) -> Params:
@@ -114,22 +147,25 @@ def apply_updates(params: Params, updates: Params) -> Params:
     return _map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 
+@_named
 def scale(factor: float) -> GradientTransformation:
     """`factor * updates`."""
     return _stateless(lambda u, p, e: _map(lambda x: x * factor, u))
 
 
+@_named
 def scale_by_learning_rate(lr: float = 1e-3) -> GradientTransformation:
     """`-lr * updates`; the step's `lr=` extra (its schedule) replaces the default."""
 
     def fn(u, p, extra):
         step_lr = extra.get("lr")
-        step_lr = lr if step_lr is None else float(step_lr)
+        step_lr = lr if step_lr is None else step_lr
         return _map(lambda x: x * -step_lr, u)
 
     return _stateless(fn)
 
 
+@_named
 def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     """`updates + weight_decay * params`: before the adaptive scaling it is an L2 penalty (Adam),
     after it decoupled weight decay (AdamW)."""
@@ -138,6 +174,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
     return _stateless(lambda u, p, e: _map(lambda x, w: x + weight_decay * w.to(x.dtype), u, p))
 
 
+@_named
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_correction: bool = True,
                   eps_inside_sqrt: bool = False) -> GradientTransformation:
     """Adam's direction `m_hat / (sqrt(v_hat) + eps)` (eps under the root with `eps_inside_sqrt`;
@@ -148,8 +185,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_co
             return ScaleByAdamState(zeros_count(), _map(torch.zeros_like, params), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
-        t = int(s.count) + 1
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
+        t = _step_number(s.count)
         mu = _map(lambda m, g: m + (g.to(m.dtype) - m) * (1.0 - beta1), s.mu, u)
         nu = _map(lambda v, g: v * b2 + g.to(v.dtype) * g.to(v.dtype) * (1.0 - b2), s.nu, u)
         bc1 = 1.0 - beta1**t if bias_correction else 1.0
@@ -164,6 +201,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, bias_co
     return GradientTransformation(init, update)
 
 
+@_named
 def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
     """SGD momentum as torch.optim.SGD keeps it: the buffer starts at the first gradient, then
     `buf = momentum * buf + (1 - dampening) * g`; the update is `buf` (or `g + momentum * buf`)."""
@@ -173,9 +211,9 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
             return TraceState(zeros_count(), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        mom = momentum if extra.get("momentum") is None else float(extra["momentum"])
-        first = int(s.count) == 0
-        buf = _map(lambda b, g: g.to(b.dtype).clone() if first else b * mom + g.to(b.dtype) * (1.0 - dampening),
+        mom = momentum if extra.get("momentum") is None else extra["momentum"]
+        first = s.count == 0  # a tensor: the buffer starts at the first gradient, chosen elementwise
+        buf = _map(lambda b, g: torch.where(first.to(b.device), g.to(b.dtype), b * mom + g.to(b.dtype) * (1.0 - dampening)),
                    s.trace, u)
         out = _map(lambda g, b: g + b * mom, u, buf) if nesterov else buf
         return out, TraceState(s.count + 1, buf)
@@ -183,6 +221,7 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Gr
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     """Lion's direction `sign(b1 * m + (1 - b1) * g)`, then `m = b2 * m + (1 - b2) * g`."""
 
@@ -191,7 +230,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
             return ScaleByLionState(zeros_count(), _map(torch.zeros_like, params))
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
         out = _map(lambda m, g: torch.sign(m * beta1 + g.to(m.dtype) * (1.0 - beta1)), s.mu, u)
         mu = _map(lambda m, g: m * b2 + g.to(m.dtype) * (1.0 - b2), s.mu, u)
         return out, ScaleByLionState(s.count + 1, mu)
@@ -199,6 +238,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> GradientTransformation:
     """Adagrad's direction: `g / (sqrt(sum of g^2) + eps)`, the sum started at the initial value."""
 
@@ -213,28 +253,31 @@ def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> 
     return GradientTransformation(init, update)
 
 
+@_named
 def scale_by_lr_decay(lr_decay: float) -> GradientTransformation:
     """Adagrad's `lr_decay`: the t-th update (1-based) is divided by `1 + (t - 1) * lr_decay`."""
 
     def update(u, s, params=None, **extra):
-        t = int(s.count) + 1
-        return _map(lambda x: x / (1.0 + (t - 1) * lr_decay), u), CountState(s.count + 1)
+        t = _step_number(s.count)
+        return _map(lambda x: x / (1.0 + (t - 1.0) * lr_decay), u), CountState(s.count + 1)
 
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
 
 
+@_named
 def scale_by_bias_correction(b1: float, b2: float) -> GradientTransformation:
     """Lamb's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`, applied to the whole update."""
 
     def update(u, s, params=None, **extra):
-        beta1 = b1 if extra.get("momentum") is None else float(extra["momentum"])
-        t = int(s.count) + 1
-        factor = (1.0 - b2**t) ** 0.5 / (1.0 - beta1**t)
+        beta1 = b1 if extra.get("momentum") is None else extra["momentum"]
+        t = _step_number(s.count)
+        factor = (1.0 - b2**t).sqrt() / (1.0 - beta1**t)
         return _map(lambda x: x * factor, u), CountState(s.count + 1)
 
     return GradientTransformation(lambda params: CountState(zeros_count()), update)
 
 
+@_named
 def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> GradientTransformation:
     """Lamb's per-tensor trust ratio `||p|| / ||u||`, clamped; 1 where either norm is zero. It
     reads whole tensors, so the chain is not elementwise."""
@@ -247,6 +290,7 @@ def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> Gr
     return _stateless(lambda u, p, e: _map(ratio, u, p), elementwise=False)
 
 
+@_named
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale the updates by `max_norm / (norm + 1e-6)` when below 1 (torch's clip_grad_norm_).
     The norm is the step's `global_norm=` extra (over every rank's shard); without it, this
@@ -255,19 +299,24 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def fn(u, p, extra):
         norm = extra.get("global_norm")
         if norm is None:
-            norm = sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in optree.tree_leaves(u)) ** 0.5
-        coef = max_norm / (float(norm) + 1e-6)
+            leaves = optree.tree_leaves(u)
+            norm = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64) for x in leaves]).square().sum().sqrt() \
+                if leaves else 0.0
+        coef = max_norm / (norm + 1e-6)
+        if isinstance(coef, torch.Tensor):  # traced (or a tensor norm): no branch on its value
+            return _map(lambda x: x * coef.clamp(max=1.0).to(x.device), u)
         return u if coef >= 1.0 else _map(lambda x: x * coef, u)
 
     return _stateless(fn)
 
 
+@_named
 def scale_by_loss_scale() -> GradientTransformation:
     """Divide by the step's `loss_scale=` extra (fp16 training); nothing without it."""
 
     def fn(u, p, extra):
         s = extra.get("loss_scale")
-        return u if s in (None, 1.0) else _map(lambda x: x / float(s), u)
+        return u if s is None or (not isinstance(s, torch.Tensor) and s == 1.0) else _map(lambda x: x / s, u)
 
     return _stateless(fn)
 
@@ -276,8 +325,10 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """Run a chain where fnzero runs an optimizer (`fnzero.train_step(..., optimizer=)`,
     `sm.init_state(optimizer=)`): `update` returns new parameters, `update_` writes them into the
     given ones. The step's `lr`, `momentum` and `global_norm` (of the gradients the chain is
-    given, over every rank) arrive as the chain's extras; it has no traced
-    `graph_update`, so `fnzero.jit(scope="step")` compiles the loss only for it."""
+    given, over every rank) arrive as the chain's extras. The chain's `update` is written in
+    tensor ops throughout, so it is also the `graph_update` that `fnzero.jit(scope="step")`
+    traces into the whole-step graph (a transform of a user's that reads a Python number from
+    a tensor cannot be traced: that step then compiles the loss only, and says why)."""
 
     def update_(grads, opt_state, params, lr=None, *, momentum=None, **extra):
         with torch.no_grad():
@@ -290,4 +341,4 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
             return apply_updates(params, updates), new_state
 
-    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, takes_extras=True)
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update)

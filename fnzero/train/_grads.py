@@ -1,7 +1,11 @@
-"""The eager step's forward and backward: each micro-batch's loss is differentiated with respect to
-fresh aliases of `state.params`, and a hook on each alias hands the unit's gradient to the
-`GradientCollector`, which reduces it by the unit's placement while backward still runs
-(`specs/sharding.md` §Step, `specs/collectives.md`)."""
+"""A step's forward and backward, and the `GradientCollector` that reduces each unit's gradient by
+its placement (`specs/sharding.md` §Step, `specs/collectives.md`).
+
+Eagerly (`forward_backward`) each micro-batch's loss is differentiated with respect to fresh
+aliases of `state.params`, and a hook on each alias hands the unit's gradient to the collector
+while backward still runs. Inside the whole-step graph (`traced_forward_backward`) autograd hooks
+cannot be traced, so `torch.func.grad_and_value` gives each micro-batch's gradients and they are
+handed to the same collector, over functional collectives: one reduction rule for both."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from ..sharding._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ._policy import StepPolicy
 
-__all__ = ["GradientCollector", "forward_backward"]
+__all__ = ["GradientCollector", "forward_backward", "traced_forward_backward"]
 
 
 class GradientCollector:
@@ -49,26 +53,28 @@ class GradientCollector:
         return [leaves[u.name].register_post_accumulate_grad_hook(self._hook_for(u)) for u in self.plan.units]
 
     def _hook_for(self, u: UnitPlan) -> Callable[[torch.Tensor], None]:
-        name, pl = u.name, u.placement
-        reduce_now = pl.grads and not pl.params
-
         def hook(leaf: torch.Tensor) -> None:
             g = leaf.grad
             leaf.grad = None
-            if reduce_now:
-                pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv), label=name)
-                self.inflight.append((name, pending, "shard"))
-                self._drain(2 if self.overlap else 0)
-                return
-            g = g.to(self.accum_dtype)
-            if name in self.launched:
-                self.late[name] = g if name not in self.late else self.late[name].add_(g)
-                return
-            self._add(name, g)
-            if self.overlap and self.last_micro_batch and not pl.grads:
-                self._launch_final(u)
+            self.receive(u, g)
 
         return hook
+
+    def receive(self, u: UnitPlan, g: torch.Tensor) -> None:
+        """Unit `u`'s gradient of one micro-batch (or of one reentrant region's backward)."""
+        name, pl = u.name, u.placement
+        if pl.grads and not pl.params:  # sharded gradients of a gathered unit: reduce now
+            pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv), label=name)
+            self.inflight.append((name, pending, "shard"))
+            self._drain(2 if self.overlap else 0)
+            return
+        g = g.to(self.accum_dtype)
+        if name in self.launched:
+            self.late[name] = g if name not in self.late else self.late[name].add_(g)
+            return
+        self._add(name, g)
+        if self.overlap and self.last_micro_batch and not pl.grads:
+            self._launch_final(u)
 
     def _add(self, name: str, g: torch.Tensor) -> None:
         prev = self.acc.get(name)
@@ -136,12 +142,7 @@ def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor
             finally:
                 STEP_RUNS.reset(token)
             timer.stop("forward")
-            loss, aux = out if has_aux else (out, None)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ShardingError(
-                    f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
-                    f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-                )
+            loss, aux = _loss_and_aux(out, has_aux)
             timer.start()
             if trim_heap:
                 trim_between_passes()
@@ -163,3 +164,40 @@ def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor
         for run in runs:
             run.release()
     return loss_sum, auxes
+
+
+def traced_forward_backward(loss_fn: Callable[..., Any], params: dict[str, torch.Tensor], micro: list[Any], scale,
+                            has_aux: bool, collector: GradientCollector,
+                            device: torch.device) -> tuple[torch.Tensor, list[Any]]:
+    """`forward_backward` as the whole-step graph runs it: `torch.func.grad_and_value` per
+    micro-batch (the loss times `scale`, a 0-dim tensor), each unit's gradient handed to the
+    collector as the eager hooks hand it; returns (Σ loss as float64, auxes)."""
+
+    def scaled_loss(p, mb):
+        loss, aux = _loss_and_aux(loss_fn(p, mb), has_aux)
+        # (grad_and_value's aux must be tensors: a user's aux is passed only when there is one.)
+        return (loss * scale).reshape(()), ((loss.detach(), aux) if has_aux else loss.detach())
+
+    grad_fn = torch.func.grad_and_value(scaled_loss, has_aux=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    auxes = []
+    for i, mb in enumerate(micro):
+        collector.last_micro_batch = i == len(micro) - 1
+        grads, (_, out) = grad_fn(params, mb)
+        loss, aux = out if has_aux else (out, None)
+        for u in collector.plan.units:
+            collector.receive(u, grads[u.name])
+        loss_sum = loss_sum + loss.to(torch.float64)
+        auxes.append(aux)
+    collector.finish_backward()
+    return loss_sum, auxes
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    loss, aux = out if has_aux else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ShardingError(
+            f"loss_fn must return a scalar tensor{' (first of the pair, has_aux=True)' if has_aux else ''}, "
+            f"got {type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+        )
+    return loss, aux

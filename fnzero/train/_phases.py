@@ -1,12 +1,25 @@
-"""The phases of a training step that the eager step (`_step.py`) and the whole-step graph
-(`_whole_step.py`) share. Each is a small pure function of tensors, a unit's `Placement` and a
-`Collectives`: the eager step passes the state's own collectives, the graph passes torch's
-traceable functional collectives (`fnzero/sharding/_functional.py`), so the reduction of each
-placement is written once (`specs/sharding.md` §Step, `specs/architecture.md`).
+"""The phases of a training step, which the eager step (`_step.py`) and the whole-step graph
+(`_whole_step.py`) both run, in the same order (`specs/architecture.md` §How a batch flows):
+
+    step_setup          the host's decisions before any tensor work (micro-batches, lr, ...)
+    gradients           reduced by placement (`_grads.py`: hooks eagerly, torch.func in a graph)
+    norm_and_loss       one all-reduce of two numbers
+    step_verdict        the metrics, the fp16 overflow verdict and the next loss scale (host)
+    clip_factor         unscale x clip, one factor
+    optimizer_update    the optimizer, wherever its state is (`_update.py`)
+    publish_params      the new parameters by placement (`_update.py`)
+    next_state
+
+Each is a small function of tensors, a unit's `Placement` and a `Collectives`: the eager step
+passes the state's own collectives and Python numbers, the graph passes torch's traceable
+functional collectives (`fnzero/sharding/_functional.py`) and 0-dim tensors, so each rule is
+written once and a fix in one is a fix in both (`specs/sharding.md` §Step).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from typing import Any
 
@@ -22,10 +35,71 @@ from ._policy import StepPolicy
 
 __all__ = [
     "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
-    "clip_coefficient", "loss_scale_after", "next_state", "Timer",
+    "clip_coefficient", "clip_factor", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """What the host decides before a step's tensor work, for the eager step and the graph alike."""
+
+    micro: list  # the micro-batches
+    step_no: int  # applied steps before this one
+    scale: float  # the fp16 loss scale, 1.0 without loss scaling
+    lr: float | None  # the schedule's; None: the optimizer keeps its own
+    momentum: float | None  # OneCycle's beta1/momentum; None: the optimizer's own
+    param_dtype: torch.dtype
+    accum_dtype: torch.dtype
+    prediv: float  # what gradients are divided by before they are summed across ranks
+    n: int  # data-parallel ranks
+    k: int  # micro-batches
+
+
+def unscale_factor(prediv: float, n: int, k: int, scale):
+    """What the reduced gradients (sums over n ranks and k micro-batches of gradients of the loss
+    times `scale`, each divided by `prediv`) are multiplied by to become the mean gradient; `scale`
+    is a tensor in a graph, so a new loss scale does not recompile."""
+    return prediv / (n * k * scale)
+
+
+def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched) -> StepSetup:
+    """The micro-batches (checked), the schedule's lr and momentum for this step (None where the
+    optimizer keeps its own: no schedule), the loss scale and the gradient dtypes."""
+    sh = state.sharding
+    plan, n, k = sh.plan, sh.comm.world_size, policy.accumulation_steps
+    micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
+    step_no = int(state.step)
+    param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
+    accum_dtype = accum_dtype_for(policy, param_dtype)
+    has_momentum = sched is not None and sched.momentum is not None
+    return StepSetup(
+        micro=micro, step_no=step_no,
+        scale=float(state.loss_scale.scale) if state.loss_scale is not None else 1.0,
+        lr=float(sched(step_no)) if sched is not None else None,
+        momentum=float(sched.momentum(step_no)) if has_momentum else None,
+        param_dtype=param_dtype, accum_dtype=accum_dtype,
+        prediv=predivisor(policy, plan, n, param_dtype, accum_dtype), n=n, k=k,
+    )
+
+
+def step_verdict(state: TrainState, setup: StepSetup, policy: StepPolicy, norm_sq: float, loss_total: float,
+                 auxes: list, has_aux: bool) -> tuple[dict[str, Any], Any]:
+    """(metrics, next loss scale) from the two numbers every rank agreed on. `metrics["skipped"]`
+    is the fp16 overflow verdict (a non-finite norm on any rank): the step is then not applied.
+    Without loss scaling a non-finite norm raises (`loss_scale_after`)."""
+    overflow = not math.isfinite(norm_sq)
+    metrics: dict[str, Any] = {
+        "loss": loss_total / (setup.k * setup.n),
+        "lr": setup.lr,
+        "grad_norm": math.sqrt(norm_sq) if not overflow else float("inf"),
+        "loss_scale": setup.scale if state.loss_scale is not None else None,
+        "skipped": overflow,
+    }
+    if has_aux:
+        metrics["aux"] = auxes if setup.k > 1 else auxes[0]
+    return metrics, loss_scale_after(state, policy, overflow, setup.step_no, state.sharding.comm.rank)
 
 
 def split_micro_batches(batch: Any, k: int, rows: int | None = None) -> list[Any]:
@@ -209,6 +283,13 @@ def clip_coefficient(clip: float, grad_norm):
         return 1.0
     coef = clip / (grad_norm + 1e-6)
     return torch.clamp(coef, max=1.0) if isinstance(coef, torch.Tensor) else min(coef, 1.0)
+
+
+def clip_factor(clip: float, grad_norm, unscale):
+    """(what the reduced gradients are multiplied by before the optimizer, the norm of the result):
+    one factor for unscaling and `gradient_clipping`; floats eagerly, tensors in a graph."""
+    coef = clip_coefficient(clip, grad_norm)
+    return unscale * coef, grad_norm * coef
 
 
 def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step_no: int, rank: int):

@@ -19,7 +19,6 @@ One mechanism serves every placement (`specs/sharding.md`, `specs/collectives.md
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any, Callable
 
 import torch
@@ -31,51 +30,56 @@ from .._state import TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward
 from ._phases import (
-    Timer, accum_dtype_for, clip_coefficient, loss_scale_after, next_state, norm_and_loss, predivisor,
-    micro_batch_rows, split_micro_batches,
+    StepSetup, Timer, clip_factor, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
-from ..optim._config import params_dict
+from ..optim._transform import not_elementwise
 from ..sharding._policy import offload_device
 from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
-from ._update import host_update, publish_params, update_on_device
+from ._update import OptimizerScalars, optimizer_update, publish_params
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
 
 def optimizer_or_config(optimizer, config, rank: int = 0) -> "_optim.Optimizer":
-    """The optimizer implementation a step or an initial state runs. A given one (a chain is run
-    through `as_optimizer`) runs where the parameters are. Else the config's `optimizer` block,
-    implemented where its state is placed: on the parameters' device (torch's fused kernels), on
-    the host with `offload_optimizer: cpu` (fnzero's C kernels), or streamed through files with
-    `nvme` (the same kernels; `rank` names this process's files)."""
+    """The optimizer implementation a step or an initial state runs: a given one (a chain is run
+    through `as_optimizer`), else the config's `optimizer` block, on the parameters' device
+    (torch's fused kernels) or, with `offload_optimizer`, on the host (fnzero's C kernels for the
+    config's type). Either runs where its state is placed: with `offload_optimizer: cpu` on host
+    tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
+    time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
+    there, naming the transform that reads whole tensors."""
     where = offload_device(config)
     if optimizer is None:
-        if where is None:
-            return _optim.from_config(config)
-        if where == "cpu":
-            return _optim.host_from_config(config)
-        params = _optim_params(config)
-        return nvme_optimizer(config.optimizer.type, params, store_options_from_config(config, rank))
-    if where is not None:
-        raise ShardingError(
-            "offload_optimizer runs the config's optimizer type in fnzero's host kernels; a custom "
-            "optimizer= runs where the parameters are: remove one of them"
-        )
+        opt = _optim.from_config(config) if where is None else _optim.host_from_config(config)
+    else:
+        opt = _given_optimizer(optimizer, where)
+    if where == "nvme":
+        label = config.optimizer.type.lower() if optimizer is None else "optimizer"
+        return nvme_optimizer(opt, store_options_from_config(config, rank), label)
+    return opt
+
+
+def _given_optimizer(optimizer, where: str | None) -> "_optim.Optimizer":
     if isinstance(optimizer, _optim.GradientTransformation):
+        blocked = not_elementwise(optimizer)
+        if where is not None and blocked:
+            raise ShardingError(
+                f"offload_optimizer ({where}) runs the optimizer on flat shards of the master weights; the "
+                f"chain's {', '.join(blocked)} reads whole tensors (it is not elementwise): remove the offload "
+                "or that transform"
+            )
         return _optim.as_optimizer(optimizer)
     if isinstance(optimizer, _optim.Optimizer):
+        if where is not None and not optimizer.elementwise:
+            raise ShardingError(f"offload_optimizer ({where}) runs the optimizer on flat shards of the master "
+                                "weights; the optimizer= given is not elementwise: remove the offload")
         return optimizer
     raise ShardingError(
         f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
         f"{type(optimizer).__name__}"
     )
-
-
-def _optim_params(config) -> dict:
-    _optim.host_from_config(config)  # the type and every value checked as for the host
-    return params_dict(getattr(config.optimizer, "params", None))
 
 
 def train_step(
@@ -144,19 +148,18 @@ class TrainStep:
             return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux)
 
 
-def _gradients(state: TrainState, micro: list, loss_fn, policy: StepPolicy, prediv: float, accum_dtype, scale: float,
-               has_aux: bool, timer: Timer):
+def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy, has_aux: bool, timer: Timer):
     """Every micro-batch's forward and backward, with the gradients reduced by placement as they
     come: (gradient per unit, Σ loss, auxes). A pipeline's schedule runs them across its stages,
     and sums the copies of weights its stages share."""
     sh = state.sharding
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
-    collector = GradientCollector(sh.plan, sh.comm, policy, prediv, accum_dtype)
+    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype)
     trim = policy.trim_heap and sh.device.type == "cpu"
     if isinstance(loss_fn, PipelineLoss):
-        loss_sum, auxes = loss_fn.forward_backward(leaves, micro, scale, has_aux, collector, trim, timer)
+        loss_sum, auxes = loss_fn.forward_backward(leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
     else:
-        loss_sum, auxes = forward_backward(loss_fn, leaves, micro, scale, has_aux, collector, trim, timer)
+        loss_sum, auxes = forward_backward(loss_fn, leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
     grads = collector.gradients(sh.device)
     if sh.pp is not None and sh.pp.ties:
         grads = sum_tied_gradients(grads, sh.plan, sh.pp)
@@ -164,60 +167,39 @@ def _gradients(state: TrainState, micro: list, loss_fn, policy: StepPolicy, pred
 
 
 def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
-    """The step's phases in order: forward/backward per micro-batch with gradients reduced by
-    placement, one all-reduce of norm and loss, the overflow verdict, clipping, the optimizer,
-    publishing the parameters (`specs/architecture.md` §How a batch flows)."""
+    """The step's phases (`_phases.py`) in order, eagerly: forward/backward per micro-batch with
+    gradients reduced by placement, one all-reduce of norm and loss, the verdict (skip an fp16
+    overflow), clipping, the optimizer, publishing the parameters. The whole-step graph
+    (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
     sh = state.sharding
-    plan, comm = sh.plan, sh.comm
-    n, k = comm.world_size, policy.accumulation_steps
-    micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
+    setup = step_setup(state, batch, policy, sched)
     watchdog = process_watchdog()
     if watchdog is not None:  # its verdicts name the step a rank was stuck in
-        watchdog.step = int(state.step) + 1
-    scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
-    param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
-    accum_dtype = accum_dtype_for(policy, param_dtype)
-    prediv = predivisor(policy, plan, n, param_dtype, accum_dtype)
-
+        watchdog.step = setup.step_no + 1
     timer = Timer(policy.timings, sh.device)
-    grads, loss_sum, auxes = _gradients(state, micro, loss_fn, policy, prediv, accum_dtype, scale, has_aux, timer)
+    grads, loss_sum, auxes = _gradients(state, setup, loss_fn, policy, has_aux, timer)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
-    # `inv * clip_coef` just before the optimizer, fused into the kernel when offloading.
-    inv = prediv / (n * k * scale)
+    # `unscale * clip_coef` just before the optimizer.
+    unscale = unscale_factor(setup.prediv, setup.n, setup.k, setup.scale)
     pp = sh.pp.comm if sh.pp is not None else None
-    units = units_for_norm(plan, sh.pp)
-    norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, inv, loss_sum, comm, sh.device, sh.tp, pp))
+    units = units_for_norm(sh.plan, sh.pp)
+    norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, unscale, loss_sum, sh.comm, sh.device,
+                                                            sh.tp, pp))
     timer.stop("comm")
-    overflow = not math.isfinite(norm_sq)
-    grad_norm = math.sqrt(norm_sq) if not overflow else float("inf")
-    step_no = int(state.step)
-    metrics: dict[str, Any] = {
-        "loss": loss_total / (k * n),
-        "lr": float(sched(step_no)) if sched is not None else None,
-        "grad_norm": grad_norm,
-        "loss_scale": scale if state.loss_scale is not None else None,
-        "skipped": bool(overflow),
-    }
-    if has_aux:
-        metrics["aux"] = auxes if k > 1 else auxes[0]
+    metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, auxes, has_aux)
     if timer.on:
         metrics["timings"] = timer.totals  # filled in place until the step returns
-    new_ls = loss_scale_after(state, policy, overflow, step_no, comm.rank)
-    if overflow:
+    if metrics["skipped"]:
         return state.replace(loss_scale=new_ls), metrics
 
-    coef = clip_coefficient(policy.clip, grad_norm)
-    factor = inv * coef
-    momentum = float(sched.momentum(step_no)) if getattr(sched, "momentum", None) is not None else None
+    factor, global_norm = clip_factor(policy.clip, metrics["grad_norm"], unscale)
     timer.start()
-    if policy.offload_optimizer is not None:
-        new_state = host_update(state, grads, factor, metrics["lr"], momentum, opt, donate, new_ls)
-        timer.stop("optimizer")
-        return new_state, metrics
-    new_slices, new_master, new_opt_state = update_on_device(state, grads, factor, metrics["lr"], momentum, opt,
-                                                             donate, param_dtype, grad_norm * coef)
+    scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
+    new_slices, new_master, new_opt_state = optimizer_update(
+        sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
+        opt.update_ if donate else opt.update, setup.param_dtype, donate)
     timer.stop("optimizer")
     timer.start()
-    new_params = publish_params(state, new_slices, donate)
+    new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate)
     timer.stop("comm")
     return next_state(state, new_params, new_master, new_opt_state, new_ls), metrics
