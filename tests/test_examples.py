@@ -75,10 +75,13 @@ def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_an
     assert _losses(out)[1] < start - 1.0, out
     # The README's tp, pipeline and headline commands, each resuming the one before (tp on 2 ranks
     # rather than the README's 4: one tp group, on the suite's 2 cores).
-    chain = [("tp2_zero1", 2, "tensor-parallel 2"), ("pp2_zero1", None, "x 2 pipeline stages"), ("zero3", None, "ZeRO stage 3")]
-    for i, (config, nproc, shows) in enumerate(chain):
-        out = _run(readme_argv("examples/train_gpt.py", f"examples/configs/{config}.json", nproc=nproc,
-                               extra=["--steps", "5", *small]))
+    more = ["--steps", "5", *small]
+    chain = [(readme_argv("examples/train_gpt.py", "examples/configs/tp2_zero1.json", nproc=2, extra=more), "tensor-parallel 2"),
+             (readme_argv("examples/train_gpt.py", "examples/configs/pp2_zero1.json", extra=more), "x 2 pipeline stages"),
+             (readme_argv("examples/train_gpt.py", "examples/configs/zero3.json", extra=more), "ZeRO stage 3")]
+    for i, (argv, shows) in enumerate(chain):
+        out = _run(argv)
+        config = argv[argv.index("--config") + 1]
         step = 30 + 5 * i
         assert f"resumed from {ckpt} at step {step}" in out and f"(step {step + 5})" in out and shows in out, out
         assert _losses(out)[0] < start - 1.0, (config, out)  # it did not start over
