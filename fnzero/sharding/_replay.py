@@ -1,19 +1,22 @@
-"""Initialising a meta model's tensors slice by slice: its init code runs once on the meta tensors
-while the writes are recorded, and each rank replays the record for the elements it keeps.
+"""Initialising a meta model's tensors slice by slice: its init code runs once over stand-ins for
+the meta tensors while the writes are recorded, and each rank replays the record for the
+elements it keeps.
 
 [Note: recorded initialisation]
 Materialising a region and running its init code costs every rank the whole model's init work,
 though at stage 3 a rank keeps 1/N of it. Init code is, almost always, a short sequence of
 in-place writes per tensor: a random fill (`normal_`, `uniform_`, ...), a constant fill (whole,
 or a row such as an embedding's padding index), a copy from a real tensor computed on the side
-(rotary `inv_freq`), and elementwise arithmetic with scalars (`trunc_normal_`'s `erfinv_`,
-`mul_`, `add_`, `clamp_`). Every element of such a tensor can be computed on its own, so:
+(rotary `inv_freq`), and elementwise arithmetic with scalars (`mul_`, `add_`, `clamp_`). Every
+element of such a tensor can be computed on its own, so:
 
-1. `record` runs the init code on the meta tensors (free: meta ops compute nothing) under a
-   dispatch mode that writes down, per tensor, each op that writes it. Anything else that writes
-   a region tensor (an `out=` op, a write reading another meta tensor, a random fill of a part,
-   a fill with the caller's own generator) makes the region `Unreplayable`, and it is
-   materialised whole as before (`_materialize.py`).
+1. The region's modules hold a `_Standin` per tensor while their init code runs (`Recording`):
+   a storage-less tensor that says it lives on the host (init code skips meta tensors: torch's
+   `trunc_normal_` and `orthogonal_` return them untouched) and writes down each op that writes
+   it. Anything else (an `out=` op, a write that reads another tensor being initialised, a
+   random fill of a part, a fill with the init code's own generator, a read such as `.item()` or
+   a comparison) makes the region `Unreplayable`, and it is materialised whole as before
+   (`_materialize.py`).
 2. `TensorRecord.fill` replays a tensor's ops from its last whole overwrite (earlier writes,
    such as `reset_parameters()` before `_init_weights`, are discarded unexecuted) over the
    requested elements, in chunks of `CHUNK` elements aligned at the tensor's start. A random op's
@@ -161,7 +164,7 @@ def sentinel_fill(t: torch.Tensor) -> None:
 
 class Recording:
     """Stand-ins for a region's meta tensors, to be put in their modules while the init code runs,
-    and the records of what it wrote. `records()` raises Unreplayable if any op could not be
+    and the records of what it wrote. `result()` raises Unreplayable if any op could not be
     recorded (the op also raised, which the caller catches, unless the init code swallowed it)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], seed: int):
