@@ -9,7 +9,8 @@
     python benchmarks/bench_zero.py --device cuda --world 2                   # one GPU per rank, NCCL
 
 For each configuration a fresh set of rank processes trains `warmup + steps` steps (micro-batch 4,
-seq 128, fp32 AdamW) and reports the slower rank's median step time, tokens/s, peak RSS above the
+seq 128, fp32 AdamW, gradient norm clipped at `--clip` 1.0 in every configuration, so the final
+losses agree within fp32 noise) and reports the slower rank's median step time, tokens/s, peak RSS above the
 pre-model baseline (ru_maxrss), the model-state formula, and ring-equivalent bytes sent per rank
 per step. Ratios are against DDP measured in the same run. The machine is shared: the "other
 cores" column says how much CPU other processes used during the timed window.
@@ -92,7 +93,7 @@ def _sync(device) -> None:
 
 
 def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, malloc_threshold: int = 0,
-           remat: bool = False, nvme_dir: str | None = None, device: str = "cpu"):
+           remat: bool = False, nvme_dir: str | None = None, device: str = "cpu", clip: float = 1.0):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -132,6 +133,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
         cfg = fnzero.load_config({
             "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+            "gradient_clipping": clip,  # written out: every row clips at the same norm (`--clip`)
             "zero_optimization": zero,
             "comms_logger": {"enabled": True},
         }, world_size=world)
@@ -181,10 +183,14 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten())
             loss.backward()
+            if clip > 0:  # as fnzero's rows: the global norm over all ranks' gradients (DTensor-aware for FSDP2)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             opt.step()
             _sync(dev)
             times.append(time.perf_counter() - t)
-            losses.append(loss.item())
+            mean = loss.detach().clone()  # the mean over ranks, as fnzero's metric (outside the timed window)
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
     peak_dev = torch.get_device_module(dev).max_memory_allocated(dev) / 2**20 if dev.type != "cpu" else float("nan")
     return {"step_s": median(times[warmup:]), "peak_rss_mib": _rss_mib(), "pre_model_mib": pre_model, "peak_dev_mib": peak_dev,
             "psi": psi, "sent": sent, "loss": losses[-1], "fnzero": os.path.dirname(os.path.dirname(fnzero.__file__))}
@@ -197,8 +203,8 @@ def measure(kind: str, args, env: dict) -> dict:
 
     with CpuMonitor() as mon:
         res = run_world(worker, args.world, kind, MODELS[args.model], args.micro, args.steps, args.warmup,
-                        args.malloc_mmap_threshold, args.remat, args.nvme_dir, args.device, timeout=3600, env=env,
-                        backend="gloo" if args.device == "cpu" else "nccl")
+                        args.malloc_mmap_threshold, args.remat, args.nvme_dir, args.device, args.clip, timeout=3600,
+                        env=env, backend="gloo" if args.device == "cpu" else "nccl")
     slow = max(res, key=lambda r: r["step_s"])
     psi = slow["psi"]
     stage = int(kind[1]) if kind.startswith("z") else (3 if kind == "fsdp2" else 0)
@@ -239,11 +245,12 @@ def measure_at(tree: str, kind: str, args) -> dict:
     import subprocess
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--json", out.name,
+        cmd = ([sys.executable, os.path.abspath(__file__), "--one", kind, "--json", out.name,
                "--model", args.model, "--world", str(args.world), "--micro", str(args.micro),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
-               "--malloc-mmap-threshold", str(args.malloc_mmap_threshold)] + (["--remat"] if args.remat else [])
-        if args.device != "cpu":  # older commits have no --device; their default is the CPU
+               "--malloc-mmap-threshold", str(args.malloc_mmap_threshold), "--clip", str(args.clip)]
+               + (["--remat"] if args.remat else []))
+        if args.device != "cpu":
             cmd += ["--device", args.device]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
         subprocess.run(cmd, env=env, check=True)
@@ -268,6 +275,9 @@ def main():
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # measure_at's child: one row to --json
     ap.add_argument("--nvme-dir", default=tempfile.gettempdir(),
                     help="where the z3_nvme* configurations keep their scratch files")
+    ap.add_argument("--clip", type=float, default=1.0,
+                    help="gradient-norm clip of every configuration: fnzero's gradient_clipping and "
+                         "torch.nn.utils.clip_grad_norm_ for DDP and FSDP2 (0: none), so every row trains the same thing")
     ap.add_argument("--remat", action="store_true", help="activation checkpointing of every block, in every configuration")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=4 << 20,
                     help="glibc mmap threshold applied in every configuration's ranks, as fnzero.init_distributed "
@@ -290,6 +300,7 @@ def main():
     print(f"model {args.model} {MODELS[args.model]}, {args.world} ranks x 1 thread"
           f"{f' on {args.device}' if args.device != 'cpu' else ''}, micro-batch {args.micro}, "
           f"median of {args.steps} steps after {args.warmup} warm-up{', blocks rematerialised' if args.remat else ''}, "
+          f"gradient norm clipped at {args.clip} in every configuration, "
           f"glibc mmap threshold "
           f"{args.malloc_mmap_threshold or 'dynamic (default)'} in every configuration"
           f"{' with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)' if args.malloc_mmap_threshold else ''}\n")

@@ -192,13 +192,143 @@ def test_a_model_sharded_twice_is_refused():
             fnzero.shard(model, config=_cfg(3, 1))
 
 
-@given(factory=ft.models(), stage=st.integers(0, 3), world=st.integers(2, 5))
+@given(factory=ft.models(), stage=st.integers(0, 3), world=st.integers(2, 5), chunk=st.sampled_from([1, 3, 64, 1 << 18]))
 @settings(max_examples=20, deadline=None)
-def test_drawn_models_initialise_the_same_at_any_world(factory, stage, world):
-    """Odd sizes, padding, tied and frozen parameters: a meta build's gathered initial state is
-    the same bits on one rank at stage 0 and on every rank of any world at any stage."""
-    ref = _initial(factory, 0, 1, seed=4)[0]
-    for r, got in enumerate(_initial(factory, stage, world, seed=4)):
+def test_drawn_models_initialise_the_same_at_any_world(factory, stage, world, chunk):
+    """Odd sizes, padding, tied and frozen parameters, replay chunks that shards start and end
+    inside: a meta build's gathered initial state is the same bits on one rank at stage 0 and on
+    every rank of any world at any stage."""
+    from unittest import mock
+
+    from fnzero.sharding import _replay
+
+    with mock.patch.object(_replay, "CHUNK", chunk):
+        ref = _initial(factory, 0, 1, seed=4)[0]
+        each = _initial(factory, stage, world, seed=4)
+    for r, got in enumerate(each):
         assert got.keys() == ref.keys()
         assert all(torch.equal(got[n], ref[n]) for n in ref), (stage, world, r)
         assert not any(t.is_floating_point() and torch.isnan(t).any() for t in got.values())
+
+
+# Replayed initialisation (`sharding/_replay.py`): a rank computes only the chunks it keeps.
+
+
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), chunk=st.sampled_from([1, 7, 16, 64, 4096]),
+       cuts=st.lists(st.integers(0, 1600), min_size=2, max_size=6))
+@settings(max_examples=40, deadline=None)
+def test_a_replayed_range_is_that_range_of_the_whole(rows, cols, chunk, cuts):
+    """Any range of a recorded tensor replays to the same bits as that range of the whole: chunks
+    are computed whole, so no element depends on the part asked for (the world size)."""
+    from unittest import mock
+
+    from fnzero.sharding import _replay
+
+    with torch.device("meta"):
+        w, b, i = torch.empty(rows, cols), torch.empty(cols, dtype=torch.float64), torch.empty(rows, dtype=torch.int32)
+        never = torch.empty(3)
+
+    def init(t):
+        torch.nn.init.kaiming_uniform_(t["w"], a=5**0.5)  # overwritten whole below: never replayed
+        torch.nn.init.normal_(t["w"], std=0.02)
+        t["w"].mul_(2.0).add_(0.5).clamp_(min=0.4, max=0.6)  # elementwise arithmetic with scalars
+        t["w"][0].zero_()  # a row, as an embedding's padding index
+        t["b"].copy_(torch.arange(cols) * 0.5)  # from a tensor computed on the side
+        t["i"].data.random_(0, 10)
+
+    with mock.patch.object(_replay, "CHUNK", chunk):
+        recs = _replay.record(init, {"w": w, "b": b, "i": i, "never": never}, seed=3)
+        assert [o.kind for o in recs["w"].ops] == ["random", "random", "pointwise", "pointwise", "pointwise", "fill"]
+        assert recs["never"].untouched() and not any(recs[n].untouched() for n in "wbi")
+        for name, rec in recs.items():
+            whole = rec.whole().reshape(-1)
+            for k, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                lo, hi = sorted((min(lo, rec.numel), min(hi, rec.numel)))
+                dtype = rec.dtype if k % 2 else torch.float64  # another dtype: converted as it is written
+                part = torch.empty(hi - lo, dtype=dtype)
+                rec.fill(lo, hi, part)
+                assert torch.equal(part, whole[lo:hi].to(dtype)) or (name == "never" and part.isnan().all())
+        assert torch.equal(recs["b"].whole(), torch.arange(cols) * 0.5) and bool((recs["w"].whole()[0] == 0).all())
+
+
+def test_each_rank_computes_only_the_chunks_it_keeps():
+    """ZeRO-3 over 4 ranks: a rank replays its shard's chunks (and at most one chunk more at each
+    end of each tensor it overlaps), and the gathered values are the same bits as on one rank."""
+    import threading
+    from unittest import mock
+
+    from fnzero.sharding import _replay
+
+    factory = lambda: torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])  # noqa: E731
+    done: dict[int, int] = {}
+    chunk = _replay.TensorRecord._chunk
+
+    def counted(rec, c, c0, c1, buf):
+        done[threading.get_ident()] = done.get(threading.get_ident(), 0) + (c1 - c0)
+        return chunk(rec, c, c0, c1, buf)
+
+    def initial(world):
+        def rank(comm):
+            sm = fnzero.shard(factory, config=_cfg(3, world), comm=comm, init_seed=5, wrap=[torch.nn.Linear])
+            return sm.state_dict(sm.init_state())
+
+        done.clear()
+        return simulated_world(world).run(rank), dict(done)
+
+    with mock.patch.object(_replay, "CHUNK", 256), mock.patch.object(_replay.TensorRecord, "_chunk", counted):
+        (want,), whole = initial(1)
+        got, each = initial(4)
+    total = 3 * (64 * 64 + 64)
+    assert sum(whole.values()) == total  # one rank: every element once, the discarded reset never
+    assert len(each) == 4 and all(n <= total / 4 + 3 * 2 * 2 * 256 for n in each.values()), each
+    for r in got:
+        assert all(torch.equal(r[n], want[n]) for n in want)
+
+
+class _Odd(torch.nn.Module):
+    """Init code that cannot be replayed by slices: such a region is materialised whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.orth = torch.nn.Linear(6, 6)  # orthogonal_: a QR of a temporary, copied in
+        self.unit = torch.nn.Linear(6, 6)  # scaled by its own norm: reads its values
+        self.trunc = torch.nn.Linear(6, 6)  # trunc_normal_: rejection sampling (and a no-op on meta tensors)
+        self.plain = torch.nn.Linear(6, 3)
+
+    def _init_weights(self, m):
+        if m is self.orth:
+            torch.nn.init.orthogonal_(m.weight)
+        elif m is self.unit:
+            m.weight.mul_(1.0 / float(m.weight.norm()))
+        elif m is self.trunc:
+            torch.nn.init.trunc_normal_(m.weight, std=0.02, a=-0.03, b=0.03)
+
+
+def test_init_code_that_cannot_be_replayed_is_run_on_the_materialised_region():
+    from fnzero.sharding._materialize import MetaInitializer, Recorded
+    from fnzero.sharding._plan import make_plan
+
+    with torch.device("meta"):
+        model = _Odd()
+    plan = make_plan(model, 1, 3, wrap=[torch.nn.Linear])
+    init = MetaInitializer(model, plan, 0)
+    kinds = {}
+    for region in ("orth", "unit", "trunc", "plain"):
+        with init.initialised(region) as values:
+            kinds[region] = isinstance(values, Recorded)
+    assert kinds == {"orth": False, "unit": False, "trunc": False, "plain": True}
+    assert all(t.is_meta for t in model.parameters())  # the attempt to record left the model as it was
+
+    def initial(world):
+        def rank(comm):
+            sm = fnzero.shard(_Odd, config=_cfg(3, world), comm=comm, init_seed=2, wrap=[torch.nn.Linear])
+            return sm.state_dict(sm.init_state())
+
+        return simulated_world(world).run(rank)
+
+    (want,) = initial(1)
+    torch.testing.assert_close(want["orth.weight"] @ want["orth.weight"].T, torch.eye(6), atol=1e-5, rtol=0)
+    assert float(want["unit.weight"].norm()) == pytest.approx(1.0)
+    assert float(want["trunc.weight"].abs().max()) <= 0.03  # not reset_parameters()' kaiming values (up to 0.41)
+    for r in initial(2) + initial(4):
+        assert all(torch.equal(r[n], want[n]) for n in want)

@@ -47,10 +47,12 @@ def shard(
 
     `model` may be built on the meta device (`with torch.device("meta"): model = ...`), or be a
     zero-argument factory that `shard` calls there: then no rank holds the whole model. Each rank
-    materialises one region (a unit) at a time on the host, runs the model's own init code on it
-    (`reset_parameters()`, Hugging Face's `_init_weights`), and keeps its shards; the values depend
-    only on `init_seed` (default: torch's initial seed on rank 0), never on the world size or the
-    rank (`specs/sharding.md` §Meta construction). `device` defaults to the accelerator if any.
+    runs the model's own init code (`reset_parameters()`, Hugging Face's `_init_weights`) one region
+    (a unit) at a time, recorded on the meta tensors, and computes only the elements of its shards
+    (init code that cannot be replayed so runs over the region materialised on the host); the
+    values depend only on `init_seed` (default: torch's initial seed on rank 0), never on the world
+    size or the rank (`specs/sharding.md` §Meta construction). `device` defaults to the accelerator
+    if any.
 
     Tensor parallelism (`specs/mesh.md`): with `tensor_parallel.autotp_size` > 1 in the config (or
     a `mesh` from `fnzero.make_mesh(comm, tp=...)`), each layer's weights are first split over the

@@ -1,5 +1,6 @@
 """The initial flat buffers of a sharded model: from a built model's own storage, released unit by
-unit, or from a meta model materialised region by region (`_materialize.py`)."""
+unit, or from a meta model initialised region by region, each rank computing what it keeps
+(`_materialize.py`, `_replay.py`)."""
 
 from __future__ import annotations
 
@@ -66,16 +67,23 @@ def is_released(model: nn.Module) -> bool:
     return any(getattr(p, "_fnzero_released", False) for p in model.parameters())
 
 
-def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, value_of, device: torch.device,
+def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device,
           checksums: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    flat = torch.zeros(unit.padded_numel, dtype=plan.param_dtype, device=device)
+    """This rank's part of `unit`'s flat buffer (its shard where parameters are sharded, else the
+    whole buffer); `fill(name, lo, hi, out)` writes elements [lo, hi) of parameter `name`'s flat
+    value into `out`. Only the part kept is filled, unless the whole buffer's checksum is asked."""
+    lo, hi = (0, unit.padded_numel) if checksums is not None or not plan.params_sharded(unit) else unit.shard_range(rank)
+    flat = torch.empty(hi - lo, dtype=plan.param_dtype, device=device)
+    flat[max(0, unit.numel - lo) :].zero_()  # the padding: the slots lie back to back from 0 to numel
     for slot in unit.slots:
-        flat[slot.offset : slot.offset + slot.numel].copy_(value_of(slot.name).reshape(-1))
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a < b:
+            fill(slot.name, a - slot.offset, b - slot.offset, flat[a - lo : b - lo])
     if checksums is not None:
         checksums[unit.name] = checksum(flat)
-    if plan.params_sharded(unit):
-        lo, hi = unit.shard_range(rank)
-        flat = flat[lo:hi].clone()
+        if plan.params_sharded(unit):
+            lo, hi = unit.shard_range(rank)
+            flat = flat[lo:hi].clone()
     return flat
 
 
@@ -114,7 +122,8 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
     initial = {}
     with torch.no_grad():
         for u in plan.units:
-            initial[u.name] = _flat(u, plan, rank, lambda n: named[n], device, checksums)
+            initial[u.name] = _flat(u, plan, rank, lambda n, lo, hi, out: out.copy_(named[n].detach().reshape(-1)[lo:hi]),
+                                    device, checksums)
             for slot in u.slots:
                 _release(owners, named.pop(slot.name))
                 for alias in slot.aliases:
@@ -124,20 +133,34 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
     return initial, frozen, buffers, []
 
 
+def _filler(values, named: dict[str, torch.Tensor], tp):
+    """`_flat`'s fill for a meta model's region: from the region's values, each tensor computed
+    for the part asked only; with tensor parallelism, whole then cut to this rank's slice."""
+    def fill(n: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        key = id(named[n])
+        if key not in values:  # a real tensor of a partly-meta model, outside the region
+            out.copy_(_cut(tp, n, named[n].detach()).reshape(-1)[lo:hi])
+        elif tp is not None and tp.split_of(n) is not None:
+            out.copy_(_cut(tp, n, values.whole(key)).reshape(-1)[lo:hi])
+        else:
+            values.fill(key, lo, hi, out)
+
+    return fill
+
+
 def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
                       compute_dtype: torch.dtype | None, seed: int, tp=None, split_model: nn.Module | None = None) -> Initial:
-    """From a model built on the meta device: each region is materialised on the host, initialised
-    by the model's own init code and dropped again (`_materialize.py`); this rank keeps its shards.
+    """From a model built on the meta device: region by region, the model's own init code is
+    recorded and replayed for the elements this rank keeps only, or, where it cannot be replayed
+    so, run over the region materialised on the host (`_materialize.py`); this rank keeps its shards.
 
     With tensor parallelism, `model` is the whole model (a meta copy taken before the split) and
-    `split_model` the split one `plan` describes: each region is initialised whole, as without
+    `split_model` the split one `plan` describes: each tensor is initialised whole, as without
     tensor parallelism, and cut to this rank's slices (`tp`, a TPLayout), so the values never
     depend on the mesh."""
     init = MetaInitializer(model, plan, seed)
     named = dict(model.named_parameters(remove_duplicate=False))
-    names: dict[int, str] = {}
-    for n, t in [*model.named_buffers(remove_duplicate=False), *named.items()]:
-        names.setdefault(id(t), n)
+    names = init.names
     buffer_name = {id(b): n for n, b in model.named_buffers()}  # one name each, as `named_buffers()` gives
     frozen_ids = {id(named[n]): n for n in plan.frozen}
     unit_of_region = {u.module: u for u in plan.units}
@@ -153,19 +176,17 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
         # A unit's parameters registered outside its region (tied across units, so in the root
         # unit) are initialised with it, by the modules that own them.
         extra = tuple(m for slot in unit.slots for m, _, _ in init.owners.get(id(named[slot.name]), ())) if unit else ()
-        with init.materialized(region, extra) as mat:
-            values = mat.values
-            uninitialised += [names[k] for k in values if k in names and mat.untouched(k) and names[k] not in uninitialised]
-            with torch.no_grad():
-                if unit is not None:
-                    initial[unit.name] = _flat(unit, plan, rank, lambda n: _cut(tp, n, values.get(id(named[n]), named[n])),
-                                               device)  # fmt: skip
-                for key, v in values.items():
-                    if key in frozen_ids and frozen_ids[key] not in frozen:
-                        v = _cut(tp, frozen_ids[key], v)
-                        frozen[frozen_ids[key]] = v.detach().to(device=device, dtype=compute_dtype or v.dtype)
-                    if key in buffer_name:
-                        buffers.setdefault(buffer_name[key], v.detach().to(device))
+        with init.initialised(region, extra) as values, torch.no_grad():
+            uninitialised += [names[k] for k in values.keys()
+                              if k in names and values.untouched(k) and names[k] not in uninitialised]
+            if unit is not None:
+                initial[unit.name] = _flat(unit, plan, rank, _filler(values, named, tp), device)
+            for key in values.keys():
+                if key in frozen_ids and frozen_ids[key] not in frozen:
+                    v = _cut(tp, frozen_ids[key], values.whole(key))
+                    frozen[frozen_ids[key]] = v.to(device=device, dtype=compute_dtype or v.dtype)
+                if key in buffer_name and buffer_name[key] not in buffers:
+                    buffers[buffer_name[key]] = values.whole(key).to(device)
     missing = [n for n in plan.frozen if n not in frozen and named[n].is_meta]
     if missing:
         raise ShardingError(f"model built on the meta device: frozen parameters {missing} were never materialised")

@@ -7,28 +7,30 @@ no rank ever holds the whole model. The modules are grouped into *regions*: a un
 subtree without the unit modules nested in it, and the rest of the model for the root. For each
 region in turn, every rank
 
-1. gives the region's modules real (host) storage, filled with a sentinel (NaN, or the integer
-   minimum) so that anything the init code leaves untouched is caught;
-2. runs the model's own init code over them as eager construction does: every module's
-   `reset_parameters()` (what its constructor ran), then the nearest `_init_weights(module)` above
-   each (Hugging Face's `PreTrainedModel`, or any model with the same hook), children before
-   parents, with torch's CPU generator seeded from (seed, region name) inside `fork_rng`; real
-   tensors of a partly-meta model are kept as they were;
-3. keeps its own slice of each unit's flat buffer, the frozen parameters and the buffers, and
-   puts the meta placeholders back, so at most one region is materialised at a time.
+1. runs the model's own init code over the region's meta tensors as eager construction does:
+   every module's `reset_parameters()` (what its constructor ran), then the nearest
+   `_init_weights(module)` above each (Hugging Face's `PreTrainedModel`, or any model with the
+   same hook), children before parents, with torch's CPU generator seeded from (seed, region
+   name) inside `fork_rng`, recording each write (`_replay.py`);
+2. where the record can be replayed element by element (random fills, constant fills, copies
+   from real tensors, elementwise arithmetic: nearly all init code), computes only the elements
+   it keeps: its slice of each unit's flat buffer, the frozen parameters and buffers whole
+   (`Recorded`; see [Note: recorded initialisation]);
+3. otherwise gives the region's modules real (host) storage, filled with a sentinel (NaN, or the
+   integer minimum) so that anything the init code leaves untouched is caught, runs the init code
+   again over it (real tensors of a partly-meta model are kept as they were), keeps its slice and
+   puts the meta placeholders back, so at most one region is materialised at a time (`Region`).
 
-The seed of each region depends only on the seed and the region's name, and every rank computes
-the whole region, so the initial parameters are the same bits at any world size and rank. They
-are not the bits eager construction draws (that consumes one RNG stream across the whole model),
-but the same distributions. A tensor the init code did not write (its version counter did not
-move, or a float still holds NaN) is recorded; `init_state` names it unless pretrained weights
-supply it.
+Both depend only on the seed and the region's and tensors' names, never on which part a rank
+keeps, so the initial parameters are the same bits at any world size and rank. They are not the
+bits eager construction draws (that consumes one RNG stream across the whole model), but the same
+distributions. A tensor the init code did not write whole is recorded; `init_state` names it
+unless pretrained weights supply it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from typing import Any, Callable, Iterator
 
@@ -37,8 +39,9 @@ from torch import nn
 
 from .._errors import ShardingError
 from ._plan import ShardPlan, owner_module
+from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fill
 
-__all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "GLOBAL_RNG_LOCK"]
+__all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "Recorded", "GLOBAL_RNG_LOCK"]
 
 
 # Init code draws from torch's global RNG, which is process-wide: the reseeding and the draws of
@@ -61,26 +64,13 @@ def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(t.is_meta for t in model.buffers())
 
 
-def _region_seed(seed: int, region: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{region}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _sentinel_fill(t: torch.Tensor) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(False)  # no sentinel value: the version counter tells (`Region.untouched`)
-    else:
-        t.fill_(torch.iinfo(t.dtype).min)
-
-
 def _untouched(t: torch.Tensor) -> bool:
     """Whether `t` still holds the sentinel somewhere (a float) or everywhere (an integer)."""
     if t.numel() == 0 or t.dtype == torch.bool:
         return False
     if t.is_floating_point() or t.is_complex():
-        return bool(torch.isnan(t).any())
+        # One reduction first: a sum without NaN proves there is none (+inf and -inf may also make one)
+        return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
@@ -114,6 +104,10 @@ class MetaInitializer:
                     if t is not None:
                         self.owners.setdefault(id(t), []).append((m, kind, leaf))
         self.init_owner = self._init_owners()
+        # Each tensor's first name (its random draws are named by it when its init is replayed).
+        self.names: dict[int, str] = {}
+        for n, t in [*model.named_buffers(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]:
+            self.names.setdefault(id(t), n)
         # Each module's region: the innermost unit module at or above it ('' for the root), found
         # as the plan finds a parameter's unit.
         self.region = {id(m): owner_module(self.paths[id(m)] + ".", unit_paths) for m in self.post_order}
@@ -142,11 +136,75 @@ class MetaInitializer:
                 rest.append(r)
         return list(order) + rest
 
+    def _modules(self, region: str, extra: tuple[nn.Module, ...]) -> list[nn.Module]:
+        return [m for m in self.post_order if self.region[id(m)] == region or any(m is e for e in extra)]
+
+    def _run_init(self, modules: list[nn.Module], region: str) -> None:
+        """The model's init code over `modules`, as eager construction runs it: every module's
+        constructor-time reset, then the model's init pass, each children before parents; torch's
+        CPU generator seeded from (seed, region)."""
+        with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
+            # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
+            # every accelerator's generator.
+            torch.default_generator.manual_seed(seed_of(self.seed, region))
+            for m in modules:
+                _reset(m)
+            for m in modules:
+                owner = self.init_owner.get(id(m))
+                if owner is not None:
+                    owner._init_weights(m)
+
+    @contextlib.contextmanager
+    def initialised(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region | Recorded"]:
+        """`region`'s initial values (and `extra`'s): recorded and replayed over the parts a rank
+        asks for (`_replay.py`), or, where the init code cannot be replayed so, materialised."""
+        modules = self._modules(region, extra)
+        recorded = self._recorded(modules, region)
+        if recorded is not None:
+            yield recorded
+            return
+        with self.materialized(region, extra) as mat:
+            yield mat
+
+    def _recorded(self, modules: list[nn.Module], region: str) -> "Recorded | None":
+        """The init code of `region` run over stand-ins for its meta tensors (`_replay.py`) and
+        recorded; None if it cannot be replayed (the modules are then as they were)."""
+        tensors: dict[int, torch.Tensor] = {}
+        for m in modules:
+            for t in [*m._parameters.values(), *m._buffers.values()]:
+                if t is not None:
+                    tensors.setdefault(id(t), t)
+        if not all(t.is_meta for t in tensors.values()):
+            return None  # real tensors are the init code's to read but not to change: materialised
+        try:
+            recording = Recording({self.names[k]: t for k, t in tensors.items()}, self.seed)
+        except Unreplayable:
+            return None
+        owners = {id(o): o for k in tensors for o, _, _ in self.owners[k]} | {id(m): m for m in modules}
+        tables = [(m, dict(m._parameters), dict(m._buffers)) for m in owners.values()]
+        stands = {k: recording.standins[self.names[k]] for k in tensors}
+        for k, stand in stands.items():
+            for owner, kind, leaf in self.owners[k]:
+                getattr(owner, kind)[leaf] = stand
+        try:
+            self._run_init(modules, region)
+            records = recording.result()
+        except Exception:  # Unreplayable, raised by a stand-in (init code that reads values, `.item()`)
+            records = None
+        # The init code wrote into the stand-ins, or replaced or added tensors (then materialised).
+        kept = all(getattr(o, kind).get(leaf) is stands[k] for k in tensors for o, kind, leaf in self.owners[k])
+        kept = kept and all(m._parameters.keys() == p.keys() and m._buffers.keys() == b.keys() for m, p, b in tables)
+        for m, params, bufs in tables:
+            m._parameters.clear(), m._parameters.update(params), m._buffers.clear(), m._buffers.update(bufs)
+        if records is None or not kept:
+            return None
+        return Recorded({k: records[self.names[k]] for k in tensors})
+
     @contextlib.contextmanager
     def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region"]:
         """Give `region`'s modules (and `extra`) real host storage and run their init; yields the
         values by id of the meta tensor. The meta tensors are put back on exit."""
-        modules = [m for m in self.post_order if self.region[id(m)] == region or any(m is e for e in extra)]
+        modules = self._modules(region, extra)
         out = Region()
         swapped: list[tuple[dict, str, Any]] = []
         try:
@@ -156,7 +214,7 @@ class MetaInitializer:
                         if t is None or not t.is_meta or id(t) in out.values:
                             continue
                         real = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                        _sentinel_fill(real)
+                        sentinel_fill(real)
                         if isinstance(t, nn.Parameter):
                             real = nn.Parameter(real, requires_grad=t.requires_grad)
                         out.values[id(t)] = real
@@ -170,18 +228,8 @@ class MetaInitializer:
             fresh = {id(v) for v in out.values.values()}
             keep = [(t, t.detach().clone()) for m in modules for kind in ("_parameters", "_buffers")
                     for t in getattr(m, kind).values() if t is not None and not t.is_meta and id(t) not in fresh]
-            with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
-                # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
-                # every accelerator's generator.
-                torch.default_generator.manual_seed(_region_seed(self.seed, region))
-                # As eager construction: every module's constructor-time reset, then the model's
-                # init pass, each children before parents.
-                for m in modules:
-                    _reset(m)
-                for m in modules:
-                    owner = self.init_owner.get(id(m))
-                    if owner is not None:
-                        owner._init_weights(m)
+            self._run_init(modules, region)
+            with torch.no_grad():
                 for t, saved in keep:
                     t.copy_(saved)
             for key, real in list(out.values.items()):  # an init that replaced a tensor instead
@@ -203,11 +251,47 @@ class Region:
         self.values: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
 
+    def __contains__(self, key: int) -> bool:
+        return key in self.values
+
+    def keys(self):
+        return self.values.keys()
+
     def untouched(self, key: int) -> bool:
         v = self.values[key]
         if self.versions[key] != -1 and v._version == self.versions[key]:
             return True
         return _untouched(v)
+
+    def whole(self, key: int) -> torch.Tensor:
+        return self.values[key].detach()
+
+    def fill(self, key: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of the flat value into `out`."""
+        out.copy_(self.values[key].detach().reshape(-1)[lo:hi])
+
+
+class Recorded:
+    """A region's init code recorded (`_replay.py`): id(meta tensor) -> its record, computed
+    for the parts asked for only, the same bits whichever parts are asked."""
+
+    def __init__(self, records: dict[int, TensorRecord]):
+        self.records = records
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.records
+
+    def keys(self):
+        return self.records.keys()
+
+    def untouched(self, key: int) -> bool:
+        return self.records[key].untouched()
+
+    def whole(self, key: int) -> torch.Tensor:
+        return self.records[key].whole()
+
+    def fill(self, key: int, lo: int, hi: int, out: torch.Tensor) -> None:
+        self.records[key].fill(lo, hi, out)
 
 
 def _reset(m: nn.Module) -> None:
