@@ -31,6 +31,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
+from ..config import Config
 from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
 from ._io import wait_for
@@ -198,8 +199,8 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None)
 def _node_local(node_local: bool | None, config: Any) -> bool:
     if node_local is not None:
         return bool(node_local)
-    ck = getattr(config, "checkpoint", None)
-    return bool(getattr(ck, "use_node_local_storage", False))
+    # A config given as a JSON string is only stored; its checkpoint block is not read here.
+    return isinstance(config, Config) and config.checkpoint.use_node_local_storage
 
 
 def _node_local_save(at: Where, comm, device, groups, metas, pieces, extra, head, plan) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from ._models import Config
-from ._sched_models import WarmupLRParams
+from ._sched_models import OneCycleParams, WarmupLRParams
 
 __all__ = ["resolve", "cross_checks"]
 
@@ -104,7 +104,7 @@ def cross_checks(cfg: Config) -> list[str]:
                 f"{params.warmup_min_lr!r}; swap them"
             )
         if (
-            sched.type == "OneCycle" and getattr(params, "cycle_momentum", False)
+            isinstance(params, OneCycleParams) and params.cycle_momentum
             and cfg.optimizer is not None and cfg.optimizer.type in ("SGD", "Adagrad")
         ):
             out.append(

@@ -51,9 +51,8 @@ def store_options_from_config(cfg: Any, rank: int) -> StoreOptions:
     `sub_group_size` and the `aio` block, for `rank`."""
     z = cfg.zero_optimization
     oo = z.offload_optimizer
-    aio = cfg.aio.model_dump() if getattr(cfg, "aio", None) is not None else None
     return StoreOptions(str(oo.nvme_path), max(1, int(z.sub_group_size)), max(2, int(oo.buffer_count)),
-                        _aio_kwargs(aio), rank)  # fmt: skip
+                        _aio_kwargs(cfg.aio.model_dump()), rank)  # fmt: skip
 
 
 def _sub_group_kernel(inner: Optimizer, layout: StoreLayout):
@@ -139,10 +138,8 @@ def _next_resident(inner: Optimizer, opt_state: NvmeOptState, lr, momentum, extr
     return layout.chunk_parts(new_state)[1]
 
 
-def _aio_kwargs(aio: dict | None) -> dict | None:
+def _aio_kwargs(aio: dict) -> dict:
     """The config's aio block in the names the store takes (DeepSpeed renamed thread_count)."""
-    if aio is None:
-        return None
     keys = {"block_size", "queue_depth", "thread_count", "single_submit", "overlap_events"}
     out = {k: v for k, v in aio.items() if k in keys and v is not None}
     if "thread_count" not in out and aio.get("intra_op_parallelism") is not None:

@@ -48,12 +48,12 @@ def params_dict(params: Any) -> dict[str, Any]:
 
 def optimizer_kind(cfg: Any) -> str:
     """The lower-cased optimizer type of `cfg`, checked."""
-    block = getattr(cfg, "optimizer", None)
+    block = cfg.optimizer
     if block is None:
         raise ConfigError(
             'the config has no `optimizer` block; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}'
         )
-    kind = str(getattr(block, "type", "")).lower()
+    kind = str(block.type).lower()
     if kind not in FACTORIES:
         raise ConfigError(f"optimizer type {block.type!r} is not supported; use one of {', '.join(CANONICAL)}")
     return kind
@@ -62,37 +62,40 @@ def optimizer_kind(cfg: Any) -> str:
 def from_config(cfg: Any) -> Optimizer:
     """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params``.
 
-    >>> from types import SimpleNamespace as NS
-    >>> cfg = NS(optimizer=NS(type="AdamW", params={"lr": 3e-4, "weight_decay": 0.01}))
+    >>> import fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 1,
+    ...                           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}})
     >>> from_config(cfg).elementwise
     True
     """
     kind = optimizer_kind(cfg)
-    return FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))
+    return FACTORIES[kind](**params_dict(cfg.optimizer.params))
 
 
 def chain_from_config(cfg: Any) -> GradientTransformation:
     """The chain of gradient transformations that ``cfg.optimizer`` names, with its ``params``:
     the definition the fused optimizer of `from_config` computes.
 
-    >>> from types import SimpleNamespace as NS
-    >>> chain_from_config(NS(optimizer=NS(type="Lamb", params={"lr": 1e-3}))).elementwise
+    >>> import fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
+    >>> chain_from_config(cfg).elementwise
     False
     """
     kind = optimizer_kind(cfg)
-    FACTORIES[kind](**params_dict(getattr(cfg.optimizer, "params", None)))  # the same checks of every value
-    return CHAINS[kind](**params_dict(getattr(cfg.optimizer, "params", None)))
+    FACTORIES[kind](**params_dict(cfg.optimizer.params))  # the same checks of every value
+    return CHAINS[kind](**params_dict(cfg.optimizer.params))
 
 
 def host_from_config(cfg: Any) -> Optimizer:
     """The host implementation (fnzero's C kernels over flat fp32 shards: ZeRO-Offload) of
     ``cfg.optimizer``; a ConfigError for a type no host kernel computes (SGD, Lamb).
 
-    >>> from types import SimpleNamespace as NS
-    >>> host_from_config(NS(optimizer=NS(type="Lion", params={"lr": 1e-4}))).elementwise
+    >>> import fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
+    >>> host_from_config(cfg).elementwise
     True
     """
     kind = optimizer_kind(cfg)
-    params = params_dict(getattr(cfg.optimizer, "params", None))
+    params = params_dict(cfg.optimizer.params)
     FACTORIES[kind](**params)  # the same checks of every value
     return host_optimizer(cfg.optimizer.type, **params)

@@ -26,10 +26,10 @@ CANONICAL = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRange
 
 def _optimizer_values(cfg: Any) -> tuple[str | None, float | None, float | None]:
     """(optimizer kind, its lr, its beta1 or momentum), or Nones without an optimizer block."""
-    if getattr(cfg, "optimizer", None) is None:
+    if cfg.optimizer is None:
         return None, None, None
     kind = optimizer_kind(cfg)
-    params = params_dict(getattr(cfg.optimizer, "params", None))
+    params = params_dict(cfg.optimizer.params)
     lr = params.get("lr", DEFAULT_LR[kind])
     betas = params.get("betas", (0.9, 0.999) if kind != "lion" else (0.9, 0.99))
     mom = float(betas[0]) if kind in HAS_BETAS else None
@@ -43,15 +43,15 @@ def from_config(cfg: Any) -> Schedule:
     OneCycle cycles momentum only for optimizers with betas (Adam, AdamW, Lamb, Lion), as
     DeepSpeed does; for SGD and Adagrad its ``momentum`` is None.
 
-    >>> from types import SimpleNamespace as NS
-    >>> cfg = NS(optimizer=NS(type="AdamW", params={"lr": 0.1}),
-    ...          scheduler=NS(type="WarmupCosineLR", params={"total_num_steps": 10, "warmup_num_steps": 2}))
+    >>> import fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+    ...     "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}}})
     >>> s = from_config(cfg)
     >>> s(0), round(s(10), 8)
     (0.0, 1e-05)
     """
     kind, base_lr, base_mom = _optimizer_values(cfg)
-    block = getattr(cfg, "scheduler", None)
+    block = cfg.scheduler
     if block is None:
         if base_lr is None:
             raise ConfigError(
@@ -59,11 +59,11 @@ def from_config(cfg: Any) -> Schedule:
                 'add e.g. "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}'
             )
         return constant(base_lr)
-    name = str(getattr(block, "type", ""))
+    name = str(block.type)
     factory = FACTORIES.get(name.lower())
     if factory is None:
         raise ConfigError(f"scheduler type {name!r} is not supported; use one of {', '.join(CANONICAL)}")
-    params = params_dict(getattr(block, "params", None))
+    params = params_dict(block.params)
     if factory is warmup_cosine_lr and base_lr is None:
         raise ConfigError("WarmupCosineLR scales the optimizer's lr, but the config has no `optimizer` block")
     extra: dict[str, Any] = {"base_lr": base_lr}

@@ -32,7 +32,7 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
                allow_unexpected: bool = False, optimizer=None, check_ranks_equal: bool = True) -> TrainState:
     """This rank's initial TrainState from `sm`'s initial values (see `ShardedModule.init_state`)."""
     sm.initial_values()  # raises when handed over already
-    if optimizer is None and (sm.config is None or getattr(sm.config, "optimizer", None) is None):
+    if optimizer is None and (sm.config is None or sm.config.optimizer is None):
         raise ShardingError(
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )

@@ -63,21 +63,19 @@ def step_policy(cfg) -> StepPolicy:
             consecutive_hysteresis=bool(f.consecutive_hysteresis),
             min_scale=float(f.min_loss_scale),
         )
-    data_types = getattr(cfg, "data_types", None)
-    accum = getattr(data_types, "grad_accum_dtype", None) if data_types is not None else None
     return StepPolicy(
         accumulation_steps=int(cfg.gradient_accumulation_steps),
         clip=float(cfg.gradient_clipping or 0.0),
         loss_scale=ls,
-        accum_dtype=DTYPES[accum],
-        comm_dtype=DTYPES[getattr(cfg, "communication_data_type", None)],
-        predivide_factor=float(getattr(cfg, "gradient_predivide_factor", 1.0) or 1.0),
-        prescale_gradients=bool(getattr(cfg, "prescale_gradients", False)),
+        accum_dtype=DTYPES[cfg.data_types.grad_accum_dtype],
+        comm_dtype=DTYPES[cfg.communication_data_type],
+        predivide_factor=float(cfg.gradient_predivide_factor),
+        prescale_gradients=bool(cfg.prescale_gradients),
         offload_optimizer=offload_device(cfg),
         # Overlap changes only when collectives run, never their results, so fnzero overlaps
         # unless the config explicitly says `overlap_comm: false`.
-        overlap_comm=getattr(getattr(cfg, "zero_optimization", None), "overlap_comm", None) is not False,
-        timings=bool(getattr(cfg, "wall_clock_breakdown", False)),
-        micro_batch=getattr(cfg, "train_micro_batch_size_per_gpu", None),
-        config_world=getattr(cfg, "world_size", None),
+        overlap_comm=cfg.zero_optimization.overlap_comm is not False,
+        timings=bool(cfg.wall_clock_breakdown),
+        micro_batch=cfg.train_micro_batch_size_per_gpu,
+        config_world=cfg.world_size,
     )

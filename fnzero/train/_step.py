@@ -126,7 +126,7 @@ class TrainStep:
         self.policy = step_policy(config)
         self.opt = optimizer_or_config(optimizer, config)
         # A given optimizer keeps its own learning rate unless the config schedules one.
-        own_lr = optimizer is not None and getattr(config, "scheduler", None) is None
+        own_lr = optimizer is not None and config.scheduler is None
         self.sched = None if own_lr else _schedules.from_config(config)
 
     def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":

@@ -49,7 +49,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:
-        kind = str(getattr(getattr(step.config, "optimizer", None), "type", "this optimizer"))
+        block = step.config.optimizer
+        kind = block.type if block is not None else "this optimizer"
         return f"the {kind} optimizer has no traceable update (graph_update)"
     if step.policy.timings:
         return "wall_clock_breakdown times phases that a single graph does not separate"
