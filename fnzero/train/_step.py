@@ -37,7 +37,6 @@ from ._phases import (
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._config import params_dict
 from ..sharding._policy import offload_device
-from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
 from ._update import host_update, publish_params, update_on_device
 
@@ -171,9 +170,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     plan, comm = sh.plan, sh.comm
     n, k = comm.world_size, policy.accumulation_steps
     micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
-    watchdog = process_watchdog()
-    if watchdog is not None:  # its verdicts name the step a rank was stuck in
-        watchdog.step = int(state.step) + 1
+    if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
+        sh.watchdog.at_step(int(state.step) + 1)
     scale = float(state.loss_scale.scale) if state.loss_scale is not None else 1.0
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
     accum_dtype = accum_dtype_for(policy, param_dtype)
