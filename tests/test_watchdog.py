@@ -58,6 +58,7 @@ def test_the_rank_that_does_not_come_names_itself_and_the_collective():
     for d in dogs:
         for _ in range(12):
             d.issue("all_reduce")
+    dogs[1].at_step(2)  # stuck between steps 2 and 3: the collective is named at the waiting rank's step
     dogs[0].issue("all_gather", "blocks.2")
     with dogs[0].waiting(13, "all_gather", "blocks.2"):
         _tick(dogs)
@@ -67,7 +68,8 @@ def test_the_rank_that_does_not_come_names_itself_and_the_collective():
     assert ended == [1]  # the late rank, first (the waiting one gives it a grace)
     verdict = dogs[0].verdict()
     assert verdict.startswith("fnzero watchdog: rank 1 did not reach collective #13 (all_gather of unit 'blocks.2') "
-                              "at step 3 within 0.5s: rank(s) [0] reached it"), verdict
+                              "at step 3 within 0.5s: rank(s) [0] reached it. This rank's last collective was #12 "
+                              "(all_reduce) at step 2."), verdict
 
 
 def test_a_silent_stuck_rank_is_named_and_ended_by_the_ranks_that_wait():

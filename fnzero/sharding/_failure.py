@@ -31,8 +31,8 @@ import traceback
 
 from .._errors import DistributedError
 
-__all__ = ["LINGER_S", "VERDICT_PREFIX", "explain_failure", "uncaught", "peers_at_fault", "leave_record", "write_error_file", "record_exception", "linger",
-           "root_cause"]
+__all__ = ["LINGER_S", "VERDICT_PREFIX", "explain_failure", "uncaught", "peers_at_fault", "leave_record",
+           "write_error_file", "record_exception", "process_alive", "linger", "root_cause"]
 
 # How long a rank that failed because of a peer waits for the launcher to stop it. torchrun's
 # agent checks its workers every 0.1 s (every 1 s under `fnzero launch`) and stops the rest at
@@ -103,6 +103,23 @@ def record_exception(rank: int, exc: BaseException, peers: tuple[int, ...]) -> N
         message = f"{type(exc).__name__}: {exc}"
         write_error_file(message, "".join(traceback.format_exception(exc)))
         leave_record(rank, [rank], message, "error")
+
+
+def process_alive(pid) -> bool:
+    """Whether process `pid` of this machine still runs (True when it cannot be known)."""
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped by the launcher is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def linger(seconds: float = LINGER_S) -> None:

@@ -1,14 +1,13 @@
 """The collective watchdog: a rank that does not reach a collective is named, and the job ends
 (`specs/collectives.md` §Watchdog).
 
-Without it, a rank stuck inside a step (a deadlock, a stuck data loader, a lost device) keeps
-every other rank waiting until the process group's timeout (600 s by default), and then gloo
-reports "Timed out waiting ... for send operation" on a rank that did nothing wrong.
+Without it, a stuck rank (a deadlock, a stuck data loader, a lost device) keeps the others
+waiting until the process group's timeout, and gloo then fails a rank that did nothing wrong.
 
 How it works. Every collective fnzero issues over a process group gets a sequence number. Each
-rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store: the
-number of collectives it has issued, the one it is blocked in (and since when), the step, and the
-kind and unit of each. Each watchdog also reads the others':
+rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store (the
+collectives issued, the one it is blocked in and since when, the step, kinds and units) and
+reads the others':
 
 * A rank that has not issued collective #S while another has waited in #S for `timeout_s` is the
   stuck one: it writes a verdict (the collective, the step, the ranks waiting, its own Python
@@ -19,8 +18,7 @@ kind and unit of each. Each watchdog also reads the others':
   and end the stuck rank's process when it runs on their machine (else their own).
 * A rank that dies (SIGKILL, OOM) or raises stops beating or says so at exit: a collective that
   fails with a backend error is reported as a `DistributedError` naming those ranks.
-* `timeout_s` never exceeds `limit_s`, half the process group's timeout: the watchdog judges
-  before the backend's own timeout fails a waiting rank, which would blame that rank.
+* `timeout_s` is at most `limit_s`, half the process group's timeout: it judges before gloo does.
 * At exit, a rank leaves what the launcher needs to blame the rank at fault (`_failure.py`).
 
 The watchdog runs on its own connection to the store, never issues collectives, and only reads
@@ -42,8 +40,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ._failure import (LINGER_S, VERDICT_PREFIX as _PREFIX, leave_record, linger, peers_at_fault, record_exception, uncaught,
-                       write_error_file)
+from ._failure import (LINGER_S, VERDICT_PREFIX as _PREFIX, leave_record, linger, peers_at_fault, process_alive,
+                       record_exception, uncaught, write_error_file)
 
 __all__ = ["Watchdog", "start_watchdog", "process_watchdog"]
 
@@ -114,9 +112,12 @@ class Watchdog:
         """Context for a blocking wait on collective #seq."""
         return _Waiting(self, seq, kind, unit)
 
-    def describe(self, seq: int, kind: str, unit: str) -> str:
+    def describe(self, seq: int, kind: str, unit: str, step: int | None = None) -> str:
+        """Collective #seq, named; at `step` (default: this rank's; a stuck rank names the one
+        the waiting ranks are in, as it may be stuck between steps)."""
         where = f" of unit {unit!r}" if unit else ""
-        at = f" at step {self.step}" if self.step is not None else ""
+        step = self.step if step is None else step
+        at = f" at step {step}" if step is not None else ""
         return f"collective #{seq} ({kind}{where}){at}"
 
     # -- the thread --------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class Watchdog:
         now = time.time()
         stale_after = 3 * self.poll_s + 1.0 if stale_after is None else stale_after
         return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
-            (b.get("host") == _MACHINE and not _alive(b.get("pid"))) or self._age(r, now) > stale_after))
+            (b.get("host") == _MACHINE and not process_alive(b.get("pid"))) or self._age(r, now) > stale_after))
 
     def _age(self, r: int, now: float) -> float:
         """Seconds, on this host's clock, since rank r's heartbeat last changed (clocks of other
@@ -272,12 +273,14 @@ class Watchdog:
         late = sorted(r for r, t in ahead.items() if t > self.timeout_s)
         if late:
             seq = me + 1
-            blocked = [b["blocked"] for b in others.values() if b.get("blocked") and b["blocked"][0] == seq]
-            kind, unit = (blocked[0][1], blocked[0][2]) if blocked else ("a collective", "")
+            blocked = [b for b in others.values() if b.get("blocked") and b["blocked"][0] == seq]
+            kind, unit, step = ((blocked[0]["blocked"][1], blocked[0]["blocked"][2], blocked[0]["step"]) if blocked
+                                else ("a collective", "", None))
             self._end(
-                f"rank {self.rank} did not reach {self.describe(seq, kind, unit)} within {self.timeout_s:g}s: "
+                f"rank {self.rank} did not reach {self.describe(seq, kind, unit, step)} within {self.timeout_s:g}s: "
                 f"rank(s) {late} reached it. This rank's last collective was #{me} "
-                f"({' of unit '.join(x for x in self.last if x) or 'none'}).\nWhere this rank is:\n{self._main_stack()}",
+                f"({' of unit '.join(x for x in self.last if x) or 'none'}){f' at step {self.step}' if self.step else ''}."
+                f"\nWhere this rank is:\n{self._main_stack()}",
                 stuck=[self.rank], beats=beats,
             )
             return
@@ -332,27 +335,11 @@ class Watchdog:
         if self.rank in stuck or not stuck or not all(self._beside(r, beats) and not beats[r].get("done") for r in stuck):
             self._exit(1)
             return
-        for pid in [beats[r].get("pid") for r in stuck if _alive(beats[r].get("pid"))]:
+        for pid in [beats[r].get("pid") for r in stuck if process_alive(beats[r].get("pid"))]:
             with contextlib.suppress(OSError, TypeError):
                 self._kill(pid)
         if self._deadline is None:
             self._deadline = time.monotonic() + LINGER_S + 5.0
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child not yet reaped by the launcher is a zombie: gone all the same
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class _Waiting:
