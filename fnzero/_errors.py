@@ -26,4 +26,15 @@ class CheckpointError(FnzeroError, ValueError):
 
 
 class DistributedError(FnzeroError, RuntimeError):
-    """A collective failed, timed out, or ranks disagreed about what to do."""
+    """A collective failed, timed out, or ranks disagreed about what to do.
+
+    `ranks`: the ranks at fault where fnzero knows them (a rank the collective watchdog judged
+    stuck, a peer that died or raised first), else empty. A rank whose error names other ranks
+    failed because of them, and ends after them (`specs/collectives.md` §Blame).
+    """
+
+    ranks: tuple[int, ...] = ()  # also for subclasses whose other base's __init__ runs instead
+
+    def __init__(self, *args: object, ranks: tuple[int, ...] | list[int] = ()):
+        super().__init__(*args)
+        self.ranks = tuple(int(r) for r in ranks)

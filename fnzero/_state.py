@@ -17,9 +17,9 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None):
+    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None):
         self.plan = plan
         self.comm = comm  # the data-parallel ranks: ZeRO shards over them
         self.device = torch.device(device)
@@ -29,6 +29,9 @@ class Sharding:
         # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
         # and the pipeline's collectives; None without pipeline parallelism.
         self.pp = pp
+        # The job's collective watchdog (`fnzero.sharding._watchdog`), told by the step which step
+        # runs; None without one (one process, a simulated world, its own collectives).
+        self.watchdog = watchdog
 
     @property
     def rank(self) -> int:

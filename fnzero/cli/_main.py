@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -69,30 +68,60 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _run_torchrun(argv: list[str]) -> int:
-    """torchrun's agent on this node; its exit status, and the watchdog's verdict when it failed."""
+    """torchrun's agent on this node; its exit status. When it failed, the last line names the
+    rank at fault, from what the ranks left (`sharding/_failure.py`) or else torchrun's own root
+    cause."""
     from torch.distributed import run as torchrun
 
     from .._ext._heap import allocator_env
+    from ..sharding._failure import root_cause
 
     os.environ.update(allocator_env())  # inherited by every worker torchrun starts
-    # The collective watchdog of each rank leaves its verdict here (`sharding/_watchdog.py`), so
-    # the summary below can name the rank at fault whichever rank torchrun saw fail first.
+    # Each rank leaves its error, or the watchdog's verdict, here (`sharding/_failure.py`), so the
+    # last line can name the rank at fault and say what happened.
     failures = tempfile.mkdtemp(prefix="fnzero-launch-")
     os.environ["FNZERO_FAILURE_DIR"] = failures
+    # torchrun copies its root cause's error file to its own: there, not a logged complaint that
+    # it has none (each worker is given its own path).
+    os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(failures, "torchrun.error"))
+    exits: dict[int, int] = {}
     try:
         torchrun.main(argv)
         code = 0
     except SystemExit as e:  # torchrun exits with the failing worker's code
         code = int(e.code or 0)
-    except Exception as e:  # ChildFailedError: the failing rank's error was already printed above
+    except Exception as e:  # ChildFailedError: its summary names torchrun's root cause
         print(f"fnzero launch: {type(e).__name__}: {e}", file=sys.stderr)
         code = 1
+        exits = {int(r): f.exitcode for r, f in getattr(e, "failures", {}).items()}
+        if exits:
+            first = e.get_first_failure()[0]
+            exits = {first: exits[first], **exits}  # torchrun's root cause first
     finally:
-        verdicts = _verdicts(failures)
+        cause = root_cause(failures)
         shutil.rmtree(failures, ignore_errors=True)
-    if code and verdicts:
-        print(f"fnzero launch: root cause: {verdicts[0]}", file=sys.stderr)
+    if code and (cause or exits):
+        print(f"fnzero launch: root cause: {_blame(cause, exits)}", file=sys.stderr)
     return code
+
+
+def _blame(cause: tuple[list[int], str, int | None] | None, exits: dict[int, int]) -> str:
+    """One line: the rank(s) at fault, how each ended (torchrun's exit status), what happened."""
+    def ended(r: int) -> str:
+        code = exits.get(r)
+        if code is None:
+            return ""
+        try:
+            return f" (ended by {signal.Signals(-code).name})" if code < 0 else f" (exit status {code})"
+        except ValueError:
+            return f" (exit status {code})"
+
+    if cause is None:  # no rank said anything: a failure before `init_distributed`, say
+        r = next(iter(exits))
+        return f"rank {r}{ended(r)}, torchrun's first observed failure: see its output above"
+    ranks, message, seen_by = cause
+    who = ", ".join(f"rank {r}{ended(r)}" for r in ranks)
+    return f"{who}: {message}" if seen_by is None else f"{who}, as rank {seen_by} saw it: {message}"
 
 
 def _exit_with_stdin() -> None:
@@ -107,19 +136,6 @@ def _exit_with_stdin() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="fnzero-launch-stdin", daemon=True).start()
-
-
-def _verdicts(folder: str) -> list[str]:
-    """The watchdog verdicts the ranks of this node left, first written first."""
-    out = []
-    for name in os.listdir(folder):
-        try:
-            with open(os.path.join(folder, name)) as f:
-                v = json.load(f)
-            out.append((os.path.getmtime(os.path.join(folder, name)), str(v["message"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return [m for _, m in sorted(out)]
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

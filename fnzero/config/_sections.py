@@ -118,8 +118,8 @@ class WatchdogConfig(Model):
     wait in a collective for another rank that does not come, before the job ends naming it."""
 
     timeout_seconds: Annotated[Float, Field(ge=0.0)] = Field(
-        300.0, description="Seconds a collective may wait for a missing rank (0 = off; the process group's own "
-        "timeout, 600 s on gloo, still applies).")
+        300.0, description="Seconds a collective may wait for a missing rank (0 = off; at most half the process "
+        "group's timeout, init_distributed's timeout_s, so that the rank is named before that timeout fails another).")
 
 
 class DataTypesConfig(Model):

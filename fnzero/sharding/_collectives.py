@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from .._errors import DistributedError
 from ._direct import start_direct_all_gather, start_direct_reduce_scatter
-from ._watchdog import explain_failure, process_watchdog
+from ._failure import explain_failure
+from ._watchdog import process_watchdog
 
 __all__ = [
     "Collectives",
@@ -191,7 +192,8 @@ class _Watched:
         except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", "Timed out waiting ..."
             if not _backend_error(e):
                 raise
-            raise DistributedError(explain_failure(self._wd, self._seq, self._kind, e, self._label)) from e
+            message, ranks = explain_failure(self._wd, self._seq, self._kind, e, self._label)
+            raise DistributedError(message, ranks=ranks) from e
 
 
 class ProcessGroupCollectives:
@@ -225,7 +227,8 @@ class ProcessGroupCollectives:
         except RuntimeError as e:
             if not _backend_error(e):
                 raise
-            raise DistributedError(explain_failure(self.watchdog, seq, kind, e, label)) from e
+            message, ranks = explain_failure(self.watchdog, seq, kind, e, label)
+            raise DistributedError(message, ranks=ranks) from e
 
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()

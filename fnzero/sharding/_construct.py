@@ -16,9 +16,8 @@ from ._autotp import TPRule, parallelize, rules_from_config
 from ._mesh import Mesh, mesh_from_config
 from ._tp_layout import TPLayout
 from ._policy import shard_policy
-from ._collectives import Collectives, default_collectives
+from ._collectives import Collectives, ProcessGroupCollectives, default_collectives
 from ._observed import CheckedCollectives, RecordingCollectives
-from ._watchdog import process_watchdog
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
@@ -94,9 +93,11 @@ def shard(
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
-    watchdog = process_watchdog()
-    if watchdog is not None and config is not None and getattr(config, "watchdog", None) is not None:
-        watchdog.timeout_s = float(config.watchdog.timeout_seconds)
+    # The job's collective watchdog, which the default group's collectives carry: the step tells
+    # it the step running, through the state's `Sharding`.
+    watchdog = world.watchdog if isinstance(world, ProcessGroupCollectives) else None
+    if watchdog is not None and config is not None:
+        watchdog.set_timeout(config.watchdog.timeout_seconds)
     comm = _observed(comm, config, debug)
     params0 = list(model.parameters())
     if device is None:
@@ -128,7 +129,7 @@ def shard(
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe)
+                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     for u in plan.units:

@@ -47,7 +47,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     every collective, so a rank that dies makes the others fail instead of hang.
     `watchdog_s` starts the collective watchdog: a rank missing from a collective that long ends
     the job, named (`specs/collectives.md` §Watchdog; 0 = off; a config's
-    `watchdog.timeout_seconds` given to `shard` replaces it).
+    `watchdog.timeout_seconds` given to `shard` replaces it). It never waits more than half of
+    `timeout_s`, so that it names the stuck rank before the backend's timeout fails another.
     `malloc_mmap_threshold` sets this process's allocator policy (`fnzero.memory.return_freed_memory`);
     None or 0 leaves glibc's defaults.
 
@@ -83,7 +84,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
             backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,
         )
-    start_watchdog(dist.get_rank(), dist.get_world_size(), watchdog_s)
+    start_watchdog(dist.get_rank(), dist.get_world_size(), watchdog_s, timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, backend, device)
 
 

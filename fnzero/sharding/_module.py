@@ -73,7 +73,7 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None):
+                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None):
         self.module = module
         self.plan = plan
         self.comm = comm
@@ -81,7 +81,7 @@ class ShardedModule:
         self.config = config
         self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
-        self.sharding = Sharding(plan, comm, device, tp, pp)
+        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)

@@ -1,14 +1,13 @@
 """The collective watchdog: a rank that does not reach a collective is named, and the job ends
 (`specs/collectives.md` §Watchdog).
 
-Without it, a rank stuck inside a step (a deadlock, a stuck data loader, a lost device) keeps
-every other rank waiting until the process group's timeout (600 s by default), and then gloo
-reports "Timed out waiting ... for send operation" on a rank that did nothing wrong.
+Without it, a stuck rank (a deadlock, a stuck data loader, a lost device) keeps the others
+waiting until the process group's timeout, and gloo then fails a rank that did nothing wrong.
 
 How it works. Every collective fnzero issues over a process group gets a sequence number. Each
-rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store: the
-number of collectives it has issued, the one it is blocked in (and since when), the step, and the
-kind and unit of each. Each watchdog also reads the others':
+rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store (the
+collectives issued, the one it is blocked in and since when, the step, kinds and units) and
+reads the others':
 
 * A rank that has not issued collective #S while another has waited in #S for `timeout_s` is the
   stuck one: it writes a verdict (the collective, the step, the ranks waiting, its own Python
@@ -16,9 +15,11 @@ kind and unit of each. Each watchdog also reads the others':
 * A rank waiting in #S learns of the verdict when its collective fails (the stuck rank's sockets
   close) and raises `DistributedError` with it; if the stuck rank cannot act (its main thread
   holds the GIL in C code), the waiting ranks write the verdict themselves after a grace period
-  and exit.
-* A rank that dies (SIGKILL, OOM) stops beating: a collective that fails with a backend error is
-  reported as a `DistributedError` naming the ranks whose heartbeat stopped.
+  and end the stuck rank's process when it runs on their machine (else their own).
+* A rank that dies (SIGKILL, OOM) or raises stops beating or says so at exit: a collective that
+  fails with a backend error is reported as a `DistributedError` naming those ranks.
+* `timeout_s` is at most `limit_s`, half the process group's timeout: it judges before gloo does.
+* At exit, a rank leaves what the launcher needs to blame the rank at fault (`_failure.py`).
 
 The watchdog runs on its own connection to the store, never issues collectives, and only reads
 and writes small strings; its cost is one store round trip per rank per `poll_s`.
@@ -27,8 +28,11 @@ and writes small strings; its cost is one store round trip per rank per `poll_s`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -36,7 +40,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["Watchdog", "start_watchdog", "process_watchdog", "verdict_file", "explain_failure"]
+from ._failure import (LINGER_S, VERDICT_PREFIX as _PREFIX, leave_record, linger, peers_at_fault, process_alive,
+                       record_exception, uncaught, write_error_file)
+
+__all__ = ["Watchdog", "start_watchdog", "process_watchdog"]
 
 # Per torchrun restart attempt, as torch's own worker keys: a restarted job starts with no verdict.
 _KEY = f"fnzero/watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
@@ -57,34 +64,43 @@ def _machine() -> str:
 
 
 _MACHINE = _machine()
-_PREFIX = "fnzero watchdog: "
-
-
-def verdict_file(rank: int) -> str | None:
-    """Where `fnzero launch` asked this rank to leave its verdict (FNZERO_FAILURE_DIR), or None."""
-    d = os.environ.get("FNZERO_FAILURE_DIR")
-    return os.path.join(d, f"rank{rank:05d}.json") if d else None
 
 
 class Watchdog:
     """The per-process state the collectives update (cheap: attribute writes) and the thread
-    that publishes and judges it."""
+    that publishes and judges it. Its users hold it through what they were given (the default
+    group's `ProcessGroupCollectives.watchdog`, a state's `Sharding.watchdog`) and tell it the
+    config's timeout (`set_timeout`) and the step running (`at_step`)."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, poll_s: float = 1.0,
-                 exit_fn: Callable[[int], Any] = os._exit):
+                 exit_fn: Callable[[int], Any] = os._exit, limit_s: float = math.inf,
+                 kill_fn: Callable[[int], Any] = lambda pid: os.kill(pid, signal.SIGKILL)):
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout_s, self.poll_s, self._exit = float(timeout_s), float(poll_s), exit_fn
+        self.poll_s, self._exit, self._kill = float(poll_s), exit_fn, kill_fn
+        self.limit_s = float(limit_s)  # half the process group's timeout: judge before the backend fails a rank
+        self.timeout_s = min(float(timeout_s), self.limit_s)
         self.issued = 0  # collectives issued so far; the last one is #issued
         self.last: tuple[str, str] = ("", "")  # (kind, unit) of the last issued
         self.blocked: tuple[int, str, str, float] | None = None  # (seq, kind, unit, since) while waiting
         self.step: int | None = None
+        self.failed: str | None = None  # this rank's own error, said at exit
         self._announced = False
         self._seen: dict[int, tuple[float, float]] = {}  # rank -> (its beat's time, when seen here)
         self._ahead: dict[int, tuple[int, float]] = {}  # rank -> (my count, since): that rank has issued more
         self._behind: dict[int, tuple[int, float]] = {}  # rank -> (its count, since): that rank has issued less
         self._main = threading.main_thread()
         self._stop = threading.Event()
+        self._deadline: float | None = None  # set when this rank ended the stuck: it ends by then
         self._thread = threading.Thread(target=self._run, name="fnzero-watchdog", daemon=True)
+
+    # -- what shard and the step call ------------------------------------------------------------
+    def set_timeout(self, seconds: float) -> None:
+        """The config's `watchdog.timeout_seconds` (0 = off), held within `limit_s`."""
+        self.timeout_s = min(float(seconds), self.limit_s)
+
+    def at_step(self, step: int) -> None:
+        """The step now running, for the verdicts."""
+        self.step = int(step)
 
     # -- what the collectives call (the main thread) ---------------------------------------------
     def issue(self, kind: str, unit: str = "") -> int:
@@ -96,36 +112,62 @@ class Watchdog:
         """Context for a blocking wait on collective #seq."""
         return _Waiting(self, seq, kind, unit)
 
-    def describe(self, seq: int, kind: str, unit: str) -> str:
+    def describe(self, seq: int, kind: str, unit: str, step: int | None = None) -> str:
+        """Collective #seq, named; at `step` (default: this rank's; a stuck rank names the one
+        the waiting ranks are in, as it may be stuck between steps)."""
         where = f" of unit {unit!r}" if unit else ""
-        at = f" at step {self.step}" if self.step is not None else ""
+        step = self.step if step is None else step
+        at = f" at step {step}" if step is not None else ""
         return f"collective #{seq} ({kind}{where}){at}"
 
     # -- the thread --------------------------------------------------------------------------------
     def start(self) -> "Watchdog":
         self._publish()
         self._thread.start()
-        atexit.register(self.finish)
+        atexit.register(self._at_exit)
         return self
 
-    def finish(self) -> None:
-        """At a normal exit: say so, so the others do not take this rank's end for a death; then
-        let go of the store here, in the main thread, with the watchdog thread stopped (a store
-        client torn down by interpreter shutdown while that thread is inside a call aborts the
-        process: "terminate called without an active exception")."""
+    def finish(self, error: BaseException | None = None) -> None:
+        """At exit: say so (with this rank's own `error`, if one ends it), so the others do not
+        take this rank's end for a death and can name it; then let go of the store here, in the
+        main thread, with the watchdog thread stopped (a store client torn down by interpreter
+        shutdown while that thread is inside a call aborts the process: "terminate called
+        without an active exception")."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 10)
+        if error is not None and not peers_at_fault(error, self.rank):
+            self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         try:
             self._publish(done=True)
         except Exception:
             pass
         self.store = None
 
+    def _at_exit(self) -> None:
+        """A rank that an uncaught error ends leaves its records (`_failure.py`); one that failed
+        because of peers on this machine then lingers until the launcher, which has seen them
+        end, stops it: torchrun blames the peers, never this rank."""
+        error = uncaught()
+        peers = peers_at_fault(error, self.rank)
+        try:
+            near = peers and all(self._beside(r, self.beats()) for r in peers)
+        except Exception:
+            near = False
+        self.finish(error)
+        if error is not None:
+            record_exception(self.rank, error, peers)
+        if near:
+            linger()
+
+    def _beside(self, r: int, beats: dict[int, dict]) -> bool:
+        return r in beats and beats[r].get("host") == _MACHINE
+
     def _publish(self, done: bool = False) -> None:
         b = self.blocked
         beat = {"t": time.time(), "issued": self.issued, "last": list(self.last), "step": self.step,
-                "blocked": None if b is None else [b[0], b[1], b[2], b[3]], "pid": os.getpid(), "host": _MACHINE, "done": done}
+                "blocked": None if b is None else [b[0], b[1], b[2], b[3]], "pid": os.getpid(), "host": _MACHINE,
+                "done": done, "failed": self.failed}
         self.store.set(f"{_KEY}/beat/{self.rank}", json.dumps(beat))
 
     def beats(self) -> dict[int, dict]:
@@ -139,18 +181,31 @@ class Watchdog:
         return out
 
     def verdict(self) -> str | None:
+        """The verdict in force, if any rank has judged."""
+        return self.verdict_ranks()[0]
+
+    def verdict_ranks(self) -> tuple[str | None, list[int]]:
+        """(the verdict in force or None, the ranks it names as stuck)."""
         k = f"{_KEY}/verdict"
         v = self.store.get(k).decode() if self.store.check([k]) else ""
-        return v or None
+        if not v:
+            return None, []
+        record = json.loads(v)
+        return record["message"], [int(r) for r in record["ranks"]]
 
     def _run(self) -> None:
         failures = 0
         while not self._stop.wait(self.poll_s):
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                self._exit(1)
+                return
             try:
                 self._publish()
                 beats = self.beats()
-                self._announce(self.verdict())
-                self._judge(beats)
+                verdict = self.verdict()
+                self._announce(verdict)
+                if verdict is None:  # once judged, the rank named ends (or is ended): judge no more
+                    self._judge(beats)
                 self._bury(beats)
                 failures = 0
             except Exception:  # a store hiccup: try again; gone for good (the job is ending): stop
@@ -173,7 +228,7 @@ class Watchdog:
         now = time.time()
         stale_after = 3 * self.poll_s + 1.0 if stale_after is None else stale_after
         return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
-            (b.get("host") == _MACHINE and not _alive(b.get("pid"))) or self._age(r, now) > stale_after))
+            (b.get("host") == _MACHINE and not process_alive(b.get("pid"))) or self._age(r, now) > stale_after))
 
     def _age(self, r: int, now: float) -> float:
         """Seconds, on this host's clock, since rank r's heartbeat last changed (clocks of other
@@ -191,7 +246,7 @@ class Watchdog:
             last = "; ".join(f"rank {r} last at collective #{beats[r]['issued']} step {beats[r]['step']}, "
                              f"{now - beats[r]['t']:.0f}s ago" for r in dead)
             self._end(f"rank(s) {dead} stopped (killed, out of memory, or crashed) while rank {self.rank} waited in "
-                      f"{self.describe(*b[:3])}: {last}", stuck=dead, seq=b[0])
+                      f"{self.describe(*b[:3])}: {last}", stuck=dead, beats=beats)
 
     def _since(self, table: dict[int, tuple[int, float]], r: int, key: int, now: float, holds: bool) -> float:
         """How long `holds` has been true for rank r with nothing changed (`key`), in seconds."""
@@ -218,13 +273,15 @@ class Watchdog:
         late = sorted(r for r, t in ahead.items() if t > self.timeout_s)
         if late:
             seq = me + 1
-            blocked = [b["blocked"] for b in others.values() if b.get("blocked") and b["blocked"][0] == seq]
-            kind, unit = (blocked[0][1], blocked[0][2]) if blocked else ("a collective", "")
+            blocked = [b for b in others.values() if b.get("blocked") and b["blocked"][0] == seq]
+            kind, unit, step = ((blocked[0]["blocked"][1], blocked[0]["blocked"][2], blocked[0]["step"]) if blocked
+                                else ("a collective", "", None))
             self._end(
-                f"rank {self.rank} did not reach {self.describe(seq, kind, unit)} within {self.timeout_s:g}s: "
+                f"rank {self.rank} did not reach {self.describe(seq, kind, unit, step)} within {self.timeout_s:g}s: "
                 f"rank(s) {late} reached it. This rank's last collective was #{me} "
-                f"({' of unit '.join(x for x in self.last if x) or 'none'}). Where this rank is:\n{self._main_stack()}",
-                stuck=[self.rank], seq=seq,
+                f"({' of unit '.join(x for x in self.last if x) or 'none'}){f' at step {self.step}' if self.step else ''}."
+                f"\nWhere this rank is:\n{self._main_stack()}",
+                stuck=[self.rank], beats=beats,
             )
             return
         # The stuck rank had its chance to speak for itself (and two heartbeats to be heard).
@@ -238,54 +295,51 @@ class Watchdog:
                              f"{' (it finished and exited)' if beats[r].get('done') else ''}" for r in missing if r in beats)
             where = self.describe(*b[:3]) if b is not None else self.describe(me, *self.last)
             self._end(f"rank(s) {missing} did not reach {where} within {self.timeout_s:g}s (rank {self.rank} is "
-                      f"there). {seen}", stuck=missing, seq=b[0] if b is not None else me)
+                      f"there). {seen}", stuck=missing, beats=beats)
         elif b is not None and now - b[3] > grace and all(x["issued"] >= b[0] for x in beats.values()):
             self._end(f"{self.describe(*b[:3])} did not complete within {self.timeout_s:g}s although every rank "
-                      "reached it: the backend or a device is not answering", stuck=[], seq=b[0])
+                      "reached it: the backend or a device is not answering", stuck=[], beats=beats)
 
     def _main_stack(self) -> str:
         frame = sys._current_frames().get(self._main.ident)
         return "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "  (unknown)\n"
 
-    def _record(self, message: str, stuck: list[int], seq: int) -> str:
+    def _record(self, message: str, stuck: list[int]) -> tuple[str, list[int]]:
         """Leave the verdict where the other ranks and the launcher find it and print it; the
-        first verdict written wins. Returns the verdict in force."""
+        first verdict written wins. A stuck rank's verdict is also its error in torchrun's
+        summary. Returns the verdict in force and the ranks it names."""
         full = _PREFIX + message
         try:
-            self.store.compare_set(f"{_KEY}/verdict", "", full)
-            full = self.verdict() or full
+            self.store.compare_set(f"{_KEY}/verdict", "", json.dumps({"message": full, "ranks": stuck}))
+            in_force = self.verdict_ranks()
+            full, stuck = (in_force[0], in_force[1]) if in_force[0] else (full, stuck)
         except Exception:
             pass
-        path = verdict_file(self.rank)
-        if path and not os.path.exists(path):
-            with open(path, "w") as f:
-                json.dump({"rank": self.rank, "stuck": stuck, "seq": seq, "message": full}, f)
+        leave_record(self.rank, stuck, full, "verdict")
+        if self.rank in stuck:  # read as a traceback: where it is, then what it did not do
+            first = full.splitlines()[0]
+            write_error_file(first, f"{self._main_stack()}{first}\n")
         self._announce(full)
-        return full
+        return full, stuck
 
-    def _end(self, message: str, stuck: list[int], seq: int) -> None:
+    def _end(self, message: str, stuck: list[int], beats: dict[int, dict]) -> None:
         """Record the verdict, give the other ranks' watchdogs two heartbeats to print it, then
-        end this process: its main thread is blocked in the backend (or stuck), so an exception
-        could not reach it."""
-        self._record(message, stuck, seq)
+        end the stuck: this process if it is one of them (its main thread is blocked in the
+        backend, or stuck, so an exception could not reach it). A rank that judged others, all
+        on this machine and none finished, ends their processes instead, so that the launcher
+        sees them fail first; its own collective then fails with the verdict, and it lingers at
+        exit until the launcher stops it (or ends itself after `LINGER_S` and a margin). Else it
+        ends itself."""
+        _, stuck = self._record(message, stuck)
         time.sleep(2 * self.poll_s)
-        self._exit(1)
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child not yet reaped by the launcher is a zombie: gone all the same
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+        if self.rank in stuck or not stuck or not all(self._beside(r, beats) and not beats[r].get("done") for r in stuck):
+            self._exit(1)
+            return
+        for pid in [beats[r].get("pid") for r in stuck if process_alive(beats[r].get("pid"))]:
+            with contextlib.suppress(OSError, TypeError):
+                self._kill(pid)
+        if self._deadline is None:
+            self._deadline = time.monotonic() + LINGER_S + 5.0
 
 
 class _Waiting:
@@ -301,38 +355,9 @@ class _Waiting:
         self.wd.blocked = None
 
 
-def explain_failure(wd: Watchdog | None, seq: int, kind: str, error: BaseException, label: str = "") -> str:
-    """Why collective #seq failed with a backend error, for a `DistributedError`: the verdict of
-    a stuck rank, else the ranks that are gone, else the backend's words. Quick: torchrun stops
-    the other ranks a moment after one fails."""
-    what = wd.describe(seq, kind, label) if wd is not None else f"a {kind}"
-    raw = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    if wd is None:
-        return f"{what} failed ({raw}); a peer rank probably died: see its own error above"
-    try:
-        deadline = time.time() + wd.poll_s + 0.5
-        while True:
-            verdict = wd.verdict()
-            if verdict:
-                return f"{what} failed because {verdict[len(_PREFIX):]}"
-            beats = wd.beats()
-            dead = wd.dead(beats)
-            if dead:
-                return f"{what} failed: rank(s) {dead} stopped (killed, out of memory, or crashed) ({raw})"
-            ended = sorted(r for r, b in beats.items() if r != wd.rank and b.get("done"))
-            if ended:
-                return (f"{what} failed: rank(s) {ended} ended their process (after an error of their own? see "
-                        f"their output) ({raw})")
-            if time.time() > deadline:
-                break
-            time.sleep(0.05)
-    except Exception:  # the store went with the job
-        pass
-    return f"{what} failed ({raw}); a peer rank probably died: see its own error above"
-
-
-# The watchdog of this process's default group, started by `init_distributed` (one per process,
-# as the default group itself is).
+# The watchdog of this process's default group: process state as torch's default group is,
+# written only by `start_watchdog` (`init_distributed` calls it) and read by the default group's
+# `ProcessGroupCollectives`, through which `shard` and the step reach it.
 _PROCESS: list[Watchdog] = []
 
 
@@ -340,20 +365,22 @@ def process_watchdog() -> Watchdog | None:
     return _PROCESS[0] if _PROCESS else None
 
 
-def start_watchdog(rank: int, world_size: int, timeout_s: float) -> Watchdog | None:
+def start_watchdog(rank: int, world_size: int, timeout_s: float, group_timeout_s: float) -> Watchdog | None:
     """Start this process's watchdog on its own client connection to the job's store
     (MASTER_ADDR and MASTER_PORT, as `init_distributed` used); None without one, or with
-    `timeout_s` <= 0 (off). A second call sets the timeout of the running one."""
+    `timeout_s` <= 0 (off). It judges within half the process group's timeout
+    (`group_timeout_s`), whatever `timeout_s` asks. A second call sets the running one's timeout."""
     import datetime
 
     import torch.distributed as dist
 
     if _PROCESS:
-        _PROCESS[0].timeout_s = float(timeout_s)
+        _PROCESS[0].limit_s = group_timeout_s / 2
+        _PROCESS[0].set_timeout(timeout_s)
         return _PROCESS[0]
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if world_size < 2 or not addr or not port or timeout_s <= 0:
         return None
     store = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=datetime.timedelta(seconds=10))
-    _PROCESS.append(Watchdog(store, rank, world_size, timeout_s).start())
+    _PROCESS.append(Watchdog(store, rank, world_size, timeout_s, limit_s=group_timeout_s / 2).start())
     return _PROCESS[0]

@@ -35,7 +35,6 @@ from ._phases import (
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
 from ..sharding._policy import offload_device
-from ..sharding._watchdog import process_watchdog
 from ._policy import StepPolicy, step_policy
 from ._update import OptimizerScalars, optimizer_update, publish_params
 
@@ -173,9 +172,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
     sh = state.sharding
     setup = step_setup(state, batch, policy, sched)
-    watchdog = process_watchdog()
-    if watchdog is not None:  # its verdicts name the step a rank was stuck in
-        watchdog.step = setup.step_no + 1
+    if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
+        sh.watchdog.at_step(setup.step_no + 1)
     timer = Timer(policy.timings, sh.device)
     grads, loss_sum, auxes = _gradients(state, setup, loss_fn, policy, has_aux, timer)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
