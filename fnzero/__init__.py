@@ -74,7 +74,7 @@ _LAZY = {
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
         "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
     ), ".sharding"),
-    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding._world_config"),
+    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding.construct._world_config"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
     ), ".train"),
@@ -113,7 +113,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
         init_distributed, make_mesh, shard, vocab_parallel_cross_entropy,
     )
-    from .sharding._world_config import hf_auto_values, load_config
+    from .sharding.construct._world_config import hf_auto_values, load_config
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 

@@ -29,7 +29,7 @@ class Sharding:
         # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
         # and the pipeline's collectives; None without pipeline parallelism.
         self.pp = pp
-        # The job's collective watchdog (`fnzero.sharding._watchdog`), told by the step which step
+        # The job's collective watchdog (`fnzero.sharding.comm._watchdog`), told by the step which step
         # runs; None without one (one process, a simulated world, its own collectives).
         self.watchdog = watchdog
 

@@ -152,7 +152,7 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=()):
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
     (float64, k=4); return rank 0's view, and every rank's results of the tp and pp cases."""
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
@@ -194,7 +194,7 @@ def assert_close_tree(got: dict, want: dict, rtol: float, atol: float = 0.0, wha
 def spawned_donate_matches_pure():
     """World function: at stages 1-2 the donated step gathers new parameters into the input's own
     buffers; it must equal the pure step exactly. Returns the largest difference per case."""
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out = {}
@@ -219,7 +219,7 @@ def spawned_jit_runs(runs, steps):
     {key: largest parameter and loss differences, graph breaks}."""
     import torch._dynamo
 
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     out, last = {}, None

@@ -26,7 +26,7 @@ LAYERS = {
 }
 ROOT_API = 9  # `fnzero/__init__.py`: re-exports layers 0-7, so only cli and testing import it
 # (importing module, imported module): the exceptions specs/architecture.md names.
-EXCEPTIONS = {("fnzero.sharding._module", "fnzero.train._init")}
+EXCEPTIONS = {("fnzero.sharding.construct._module", "fnzero.train._init")}
 
 
 def _modules(root=ROOT):
@@ -113,6 +113,43 @@ def test_a_layer_violation_is_caught(tmp_path):
     assert _violations(tmp_path) == [
         "fnzero/config/_probe.py:1 imports fnzero.train._step (layer 6 > 1)",
         "fnzero/config/_probe.py:4 imports fnzero.sharding (layer 3 > 1)",
+    ]
+
+
+# specs/architecture.md §Inside sharding: its sub-packages, bottom to top (tp and pp side by side).
+SHARDING = {"comm": 0, "zero": 1, "tp": 2, "pp": 2, "construct": 3}
+
+
+def _sharding_violations(root=ROOT) -> list[str]:
+    bad = []
+    for path, mod, is_pkg in _modules(root):
+        parts = mod.split(".")
+        if parts[:2] != ["fnzero", "sharding"] or len(parts) < 4:
+            continue  # sharding/__init__.py re-exports them all
+        for line, target in _imports(path, mod, is_pkg):
+            sub = target.split(".")[2:3]
+            if target.startswith("fnzero.sharding.") and sub and sub[0] in SHARDING and sub[0] != parts[2] \
+                    and SHARDING[sub[0]] >= SHARDING[parts[2]]:
+                bad.append(f"{path.relative_to(root)}:{line} imports {target} ({sub[0]} is not below {parts[2]})")
+    return bad
+
+
+def test_sharding_sub_packages_import_downwards():
+    assert set(SHARDING) == {p.name for p in (PKG / "sharding").iterdir() if (p / "__init__.py").exists()}
+    bad = _sharding_violations()
+    assert not bad, "imports against specs/architecture.md §Inside sharding:\n" + "\n".join(bad)
+
+
+def test_a_sharding_sub_package_violation_is_caught(tmp_path):
+    for sub in ("", "/zero", "/tp", "/pp"):
+        (tmp_path / f"fnzero/sharding{sub}").mkdir(parents=True)
+        (tmp_path / f"fnzero/sharding{sub}/__init__.py").write_text("")
+    (tmp_path / "fnzero/__init__.py").write_text("")
+    (tmp_path / "fnzero/sharding/zero/_plan.py").write_text("def f():\n    from ..tp._ops import g\n")
+    (tmp_path / "fnzero/sharding/tp/_ops.py").write_text("from ..pp._module import m\nfrom ..zero._plan import f\n")
+    assert _sharding_violations(tmp_path) == [
+        "fnzero/sharding/tp/_ops.py:1 imports fnzero.sharding.pp._module (pp is not below tp)",
+        "fnzero/sharding/zero/_plan.py:2 imports fnzero.sharding.tp._ops (tp is not below zero)",
     ]
 
 

@@ -163,7 +163,7 @@ def test_config_and_step_are_stored(tmp_path):
 
 # -- real processes ------------------------------------------------------------------------------
 def _spawned_save(d):
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     _, _, state, step = setup("gpt_tied", 2, comm)

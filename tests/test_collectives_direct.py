@@ -34,7 +34,7 @@ def _compare_with_gloo(group):
     """Direct exchanges against gloo's collectives on `group`; returns what the tests assert."""
     import torch.distributed as dist
 
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives(group)
     n, r = comm.world_size, comm.rank
@@ -75,7 +75,7 @@ def _switched_off():
 
     import torch.distributed as dist
 
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     old = os.environ.get("FNZERO_GLOO_DIRECT")
     os.environ["FNZERO_GLOO_DIRECT"] = "0"
@@ -221,7 +221,7 @@ def _peer_fails(rank, port, how, q):
 
     import torch.distributed as dist
 
-    from fnzero.sharding._collectives import ProcessGroupCollectives
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -259,7 +259,7 @@ def test_a_failed_peer_raises_instead_of_hanging(how, within):
     # one, is imported in the child: the server does not see the tests' sys.path).
     ctx = mp.get_context("forkserver")
     # (The same server as fnzero.testing's worlds: whichever starts it first sets what it preloads.)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "fnzero", "fnzero.testing", "fnzero.sharding._collectives"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "fnzero", "fnzero.testing", "fnzero.sharding.comm._collectives"])
     q = ctx.Queue()
     procs = [ctx.Process(target=_peer_fails, args=(r, port, how, q)) for r in range(2)]
     for p in procs:

@@ -25,8 +25,8 @@ import transformers
 from optree import tree_leaves as optree_leaves
 
 import fnzero
-from fnzero.sharding._collectives import PendingTensor
-from fnzero.sharding._plan import default_unit_modules
+from fnzero.sharding.comm._collectives import PendingTensor
+from fnzero.sharding.zero._plan import default_unit_modules
 from fnzero.testing import simulated_world
 
 import _worlds as W

@@ -120,7 +120,7 @@ def test_stage3_never_all_reduces_gradients():
 
 def test_debug_collectives_names_the_first_divergence():
     def rank_fn(comm):
-        from fnzero.sharding._observed import CheckedCollectives
+        from fnzero.sharding.comm._observed import CheckedCollectives
 
         c = CheckedCollectives(comm)
         c.all_reduce(torch.ones(3))
@@ -314,7 +314,7 @@ def test_stage3_step_frees_its_apply_runs_without_the_cycle_collector():
     the 27.4M GPT, donate=False). The step releases every run once backward is done."""
     import gc
 
-    from fnzero.sharding._runtime import ApplyRun
+    from fnzero.sharding.zero._runtime import ApplyRun
 
     cfg = _cfg(3, 2)
 

@@ -305,8 +305,8 @@ class _Odd(torch.nn.Module):
 
 
 def test_init_code_that_cannot_be_replayed_is_run_on_the_materialised_region():
-    from fnzero.sharding._materialize import MetaInitializer, Recorded
-    from fnzero.sharding._plan import make_plan
+    from fnzero.sharding.construct._materialize import MetaInitializer, Recorded
+    from fnzero.sharding.zero._plan import make_plan
 
     with torch.device("meta"):
         model = _Odd()

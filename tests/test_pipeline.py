@@ -428,7 +428,7 @@ def test_seeded_layer_specs_build_the_same_weights_at_any_stage_count():
 def test_debug_collectives_check_point_to_point_messages():
     """specs/collectives.md §Pipeline: with debug_collectives each message carries a fingerprint;
     a receiver expecting another size names both sides, and a correct pipeline runs unchanged."""
-    from fnzero.sharding._observed import CheckedCollectives
+    from fnzero.sharding.comm._observed import CheckedCollectives
 
     def mismatch(comm):
         checked = CheckedCollectives(comm)

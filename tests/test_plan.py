@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fnzero import ShardingError
-from fnzero.sharding._module import full_unit
-from fnzero.sharding._plan import ROOT_UNIT, make_plan
+from fnzero.sharding.construct._module import full_unit
+from fnzero.sharding.zero._plan import ROOT_UNIT, make_plan
 from fnzero.testing import GPT, MLP
 from fnzero.testing._threads import simulated_world
 
@@ -129,7 +129,7 @@ def test_shard_then_gather_round_trips(numels, world):
 def test_each_stage_is_the_one_before_plus_one_sharded_kind():
     """specs/sharding.md §Placements: stage 3 = stage 2 + parameters, and so on down; the stage a
     placement reports is the preset it is."""
-    from fnzero.sharding._placement import Placement, placement_for_stage
+    from fnzero.sharding.zero._placement import Placement, placement_for_stage
 
     kinds = ("optimizer", "grads", "params")
     for stage in range(4):
@@ -145,7 +145,7 @@ def test_each_stage_is_the_one_before_plus_one_sharded_kind():
 
 
 def test_a_plan_from_a_placement_equals_the_plan_from_its_stage_and_persistent_units_drop_params():
-    from fnzero.sharding._placement import placement_for_stage
+    from fnzero.sharding.zero._placement import placement_for_stage
 
     model = GPT(n_layer=2)
     for stage in range(4):

@@ -13,7 +13,7 @@ import torch
 import fnzero
 import fnzero.testing as ft
 from fnzero.sharding import CollectivesBase
-from fnzero.sharding._plan import UnitPlan
+from fnzero.sharding.zero._plan import UnitPlan
 
 MLP = ft.ModelFactory("mlp", sizes=(3, 5, 2))
 GPT = ft.ModelFactory("gpt", gpt=tuple(sorted(dict(vocab_size=11, seq_len=4, d_model=6, n_layer=2, n_head=2, mlp_ratio=1, tied=True).items())))

@@ -11,7 +11,7 @@ import torch
 
 import fnzero
 import fnzero.testing as ft
-from fnzero.sharding._collectives import LocalCollectives, default_collectives
+from fnzero.sharding.comm._collectives import LocalCollectives, default_collectives
 
 
 def train_fn():

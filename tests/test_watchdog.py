@@ -8,8 +8,8 @@ import os
 import time
 
 import fnzero
-from fnzero.sharding._failure import explain_failure, root_cause
-from fnzero.sharding._watchdog import Watchdog
+from fnzero.sharding.comm._failure import explain_failure, root_cause
+from fnzero.sharding.comm._watchdog import Watchdog
 
 
 class _Store:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .._errors import CheckpointError
-from ..sharding._collectives import default_collectives
+from ..sharding.comm._collectives import default_collectives
 from ._hf_config import hf_source, write_hf_files
 from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve

@@ -27,7 +27,7 @@ class _Gathered:
 
     def upto(self, i: int) -> bool:
         """Gather units through `i`; False (on a rank that does not write) when the writer stopped."""
-        from ..sharding._module import full_unit
+        from ..sharding.construct._module import full_unit
 
         while self.next <= i:
             if self.rounds.writes:

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError
-from ..sharding._collectives import ProcessGroupCollectives, default_collectives
-from ..sharding._construct import _default_device
+from ..sharding.comm._collectives import ProcessGroupCollectives, default_collectives
+from ..sharding.construct._construct import _default_device
 
 __all__ = ["Rounds", "world_device", "job_rank"]
 

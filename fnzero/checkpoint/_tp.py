@@ -18,7 +18,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import Sharding, TrainState
-from ..sharding._plan import ParamSlot, ShardPlan, padded_size
+from ..sharding.zero._plan import ParamSlot, ShardPlan, padded_size
 from ._tree import Leaf, rebuild_state
 
 __all__ = ["full_plan", "consolidated", "tp_check_view", "fill_tp_leaf"]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._errors import CheckpointError
-from ..sharding._plan import ShardPlan
+from ..sharding.zero._plan import ShardPlan
 from .._state import TrainState
 
 __all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta"]

@@ -33,7 +33,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         args.nproc_per_node = args.num_gpus
     if args.exit_with_stdin:
         _exit_with_stdin()
-    from ..sharding._dist import free_port
+    from ..sharding.comm._dist import free_port
 
     argv = ["--nproc-per-node", str(args.nproc_per_node)]
     nnodes = args.nnodes
@@ -74,7 +74,7 @@ def _run_torchrun(argv: list[str]) -> int:
     from torch.distributed import run as torchrun
 
     from .._ext._heap import allocator_env
-    from ..sharding._failure import root_cause
+    from ..sharding.comm._failure import root_cause
 
     os.environ.update(allocator_env())  # inherited by every worker torchrun starts
     # Each rank leaves its error, or the watchdog's verdict, here (`sharding/_failure.py`), so the

@@ -40,7 +40,7 @@ import math
 import re
 from fractions import Fraction
 
-from ..sharding._placement import placement_for_stage
+from ..sharding.zero._placement import placement_for_stage
 from ._state_bytes import zero_formula
 
 __all__ = [

@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from ..sharding._module import optimizer_view
+from ..sharding.construct._module import optimizer_view
 from .._state import TrainState
-from ..sharding._param_store import is_placeholder
+from ..sharding.zero._param_store import is_placeholder
 from ._state import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]

@@ -24,7 +24,7 @@ import torch
 
 from .._errors import ShardingError
 from ..optim._base import Optimizer
-from ..sharding._param_store import is_placeholder
+from ..sharding.zero._param_store import is_placeholder
 from ._layout import CHUNK, StoreLayout, layout_of
 from ._nvme import NvmeOptimizerStore
 from ._state import NvmeOptState

@@ -13,8 +13,8 @@ along the mesh's `pp` axis, run by a schedule inside the ordinary training step.
                                      a Hugging Face GPT-2 / Llama-family causal LM as pipeline layers
 """
 
-from ..sharding._pp_module import LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight
-from ..sharding._pp_partition import partition_balanced, partition_uniform, stage_bounds
+from ..sharding.pp._module import LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight
+from ..sharding.pp._partition import partition_balanced, partition_uniform, stage_bounds
 from ._hf import causal_lm_loss, hf_causal_lm, hf_pipeline_layers
 from ._run import PipelineLoss, pipeline_loss
 from ._schedule import Action, bubble_fraction, gpipe, one_f_one_b, schedule

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, ShardingError
-from ..sharding._plan import padded_size
-from ..sharding._runtime import STEP_RUNS
+from ..sharding.zero._plan import padded_size
+from ..sharding.zero._runtime import STEP_RUNS
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
 

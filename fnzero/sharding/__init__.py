@@ -17,20 +17,20 @@
 
 from __future__ import annotations
 
-from ._collectives import (
+from .comm._collectives import (
     Collectives, CollectivesBase, LocalCollectives, ProcessGroupCollectives, current_world_size, default_collectives,
     providing_collectives,
 )
-from ._observed import RecordingCollectives
-from ._construct import shard
-from ._dist import DistInfo, init_distributed
-from ._module import PretrainedWarning, ShardedModule
-from ._placement import Placement, placement_for_stage
-from ._plan import ShardPlan, UnitPlan
-from ._autotp import TPRule
-from ._mesh import Mesh, MeshShape, make_mesh
-from ._tp_layout import ParamSplit, TPLayout
-from ._tp_ops import vocab_parallel_cross_entropy
+from .comm._observed import RecordingCollectives
+from .construct._construct import shard
+from .comm._dist import DistInfo, init_distributed
+from .construct._module import PretrainedWarning, ShardedModule
+from .zero._placement import Placement, placement_for_stage
+from .zero._plan import ShardPlan, UnitPlan
+from .tp._autotp import TPRule
+from .comm._mesh import Mesh, MeshShape, make_mesh
+from .tp._layout import ParamSplit, TPLayout
+from .tp._ops import vocab_parallel_cross_entropy
 
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .._errors import DistributedError
-from ..sharding._collectives import CollectivesBase, PendingTensor
+from ..sharding.comm._collectives import CollectivesBase, PendingTensor
 from ._context import RNG_LOCK, rank_context
 
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from ._jit import CompileRecord, JittedStep, JitWarning, jit
-from ..sharding._remat import remat
+from ..sharding.zero._remat import remat
 from ._step import TrainStep, split_micro_batches, train_step
 
 __all__ = ["CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step"]

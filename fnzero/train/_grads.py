@@ -15,8 +15,8 @@ import torch
 
 from .._errors import ShardingError
 from .._ext._heap import trim_between_passes
-from ..sharding._plan import ShardPlan, UnitPlan
-from ..sharding._runtime import STEP_RUNS
+from ..sharding.zero._plan import ShardPlan, UnitPlan
+from ..sharding.zero._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ._policy import StepPolicy
 

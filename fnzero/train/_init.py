@@ -18,9 +18,9 @@ from torch import nn
 from .._errors import ShardingError
 from .._state import TrainState
 from ..checkpoint._pretrained import load_pretrained
-from ..sharding._module import PretrainedWarning, ShardedModule, optimizer_view
-from ..sharding._param_store import placeholder
-from ..sharding._gather import unit_views
+from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
+from ..sharding.zero._param_store import placeholder
+from ..sharding.zero._gather import unit_views
 from ._loss_scale import init_loss_scale
 from ._policy import step_policy
 from ._step import optimizer_or_config

@@ -245,7 +245,7 @@ class _UnitsStep:
         return hit if owner is None else functools.partial(hit, owner)
 
     def __call__(self, state: TrainState, batch: Any):
-        from ..sharding._runtime import UNIT_COMPILER
+        from ..sharding.zero._runtime import UNIT_COMPILER
 
         token = UNIT_COMPILER.set(self._compiled_forward)
         try:

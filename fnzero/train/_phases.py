@@ -28,8 +28,8 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..sharding._placement import Placement
-from ..sharding._plan import ShardPlan, UnitPlan
+from ..sharding.zero._placement import Placement
+from ..sharding.zero._plan import ShardPlan, UnitPlan
 from ._loss_scale import update_loss_scale
 from ._policy import StepPolicy
 

@@ -34,7 +34,7 @@ from ._phases import (
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
-from ..sharding._policy import offload_device
+from ..sharding.zero._policy import offload_device
 from ._policy import StepPolicy, step_policy
 from ._update import OptimizerScalars, optimizer_update, publish_params
 

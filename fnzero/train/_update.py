@@ -15,9 +15,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..sharding._module import optimizer_view
-from ..sharding._plan import ShardPlan
-from ..sharding._gather import unit_views
+from ..sharding.construct._module import optimizer_view
+from ..sharding.zero._plan import ShardPlan
+from ..sharding.zero._gather import unit_views
 
 __all__ = ["OptimizerScalars", "optimizer_update", "publish_params"]
 

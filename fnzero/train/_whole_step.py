@@ -27,8 +27,8 @@ import optree
 import torch
 
 from .._state import TrainState
-from ..sharding._collectives import ProcessGroupCollectives
-from ..sharding._functional import FunctionalCollectives
+from ..sharding.comm._collectives import ProcessGroupCollectives
+from ..sharding.comm._functional import FunctionalCollectives
 from ._grads import GradientCollector, traced_forward_backward
 from ._phases import StepSetup, clip_factor, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
 from ._step import TrainStep

@@ -9,9 +9,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from .._errors import ShardingError
+from ..._errors import ShardingError
 from ._materialize import MetaInitializer
-from ._plan import ShardPlan, UnitPlan
+from ..comm._observed import checksum
+from ..zero._plan import ShardPlan, UnitPlan
 
 __all__ = ["Initial", "InitialValues", "checksum", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
 
@@ -31,27 +32,6 @@ class InitialValues:
     # unit name -> a checksum of the unit's whole initial buffer, when each rank built its own
     # copy of the model (`init_state` compares them across ranks: `checksum`).
     checksums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-
-
-_CHUNK = 1 << 22
-
-
-def checksum(flat: torch.Tensor) -> torch.Tensor:
-    """Two int64 numbers that differ, in practice, when two buffers differ by any bit: the sum of
-    the buffer's 32-bit words, and the sum of each word times its position (so a permutation
-    counts too), both wrapping. Integer sums do not depend on the reduction order, so equal
-    buffers give equal checksums on any thread count or device."""
-    raw = flat.detach().reshape(-1).view(torch.uint8)
-    pad = (-raw.numel()) % 4
-    if pad:
-        raw = torch.cat([raw, raw.new_zeros(pad)])
-    words = raw.view(torch.int32)
-    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    for lo in range(0, words.numel(), _CHUNK):
-        w = words[lo : lo + _CHUNK].to(torch.int64)
-        pos = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=flat.device)
-        total += torch.stack([w.sum(), (w * pos).sum()])
-    return total
 
 
 def placeholder_param(p: torch.Tensor) -> nn.Parameter:

@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from .._errors import DistributedError
+from ..._errors import DistributedError
 
 __all__ = ["LINGER_S", "VERDICT_PREFIX", "explain_failure", "uncaught", "peers_at_fault", "leave_record",
            "write_error_file", "record_exception", "process_alive", "linger", "root_cause"]

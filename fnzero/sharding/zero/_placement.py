@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._errors import ShardingError
+from ..._errors import ShardingError
 
 __all__ = ["Placement", "placement_for_stage", "REPLICATED"]
 

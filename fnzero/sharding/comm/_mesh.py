@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import ConfigError
+from ..._errors import ConfigError
 from ._collectives import Collectives, LocalCollectives, ProcessGroupCollectives
 
 __all__ = ["Mesh", "MeshShape", "make_mesh", "mesh_from_config"]
@@ -116,8 +116,8 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None) -> M
     """The mesh a config asks for: `tensor_parallel.autotp_size` tensor-parallel ranks,
     `pipeline.stages` pipeline stages (or `pp`, a pipeline model's own stage count, when the
     config says "auto"), the rest data parallel."""
-    tp_cfg = getattr(config, "tensor_parallel", None)
-    stages = getattr(getattr(config, "pipeline", None), "size", None)  # None: "auto"
+    tp_cfg = config.tensor_parallel if config is not None else None
+    stages = config.pipeline.size if config is not None else None  # None: "auto"
     if stages is not None and pp is not None and stages != pp:
         raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
     return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1)

@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .._errors import ShardingError
-from ._plan import ShardPlan, owner_module
+from ..._errors import ShardingError
+from ..zero._plan import ShardPlan, owner_module
 from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fill
 
 __all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "Recorded", "GLOBAL_RNG_LOCK"]

@@ -11,9 +11,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .._errors import ConfigError, ShardingError
-from ._pp_partition import stage_bounds
-from ._remat import remat
+from ..._errors import ConfigError, ShardingError
+from ._partition import stage_bounds
+from ..zero._remat import remat
 
 __all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage", "TiedWeight", "find_ties"]
 

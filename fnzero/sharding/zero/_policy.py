@@ -35,15 +35,17 @@ class ShardPolicy:
 
 def config_precision(cfg) -> str:
     """fp16 or bf16 when that block of the config is enabled, else fp32."""
-    fp16 = getattr(getattr(cfg, "fp16", None), "enabled", False)
-    bf16 = getattr(getattr(cfg, "bf16", None), "enabled", False)
-    return "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    if cfg is None:
+        return "fp32"
+    return "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
 
 
 def offload_device(cfg, block: str = "offload_optimizer") -> str | None:
     """`zero_optimization.<block>.device`, None when absent or "none"."""
-    oo = getattr(getattr(cfg, "zero_optimization", None), block, None)
-    dev = getattr(oo, "device", None)
+    if cfg is None:
+        return None
+    oo = getattr(cfg.zero_optimization, block)  # the block is named by the caller
+    dev = oo.device if oo is not None else None
     return None if dev in (None, "none") else str(dev)
 
 
@@ -67,7 +69,7 @@ def shard_policy(cfg, stage: "int | Placement | None" = None) -> ShardPolicy:
 
 
 def _autocast_dtype(cfg) -> torch.dtype | str | None:
-    ac = getattr(cfg, "torch_autocast", None)
+    ac = cfg.torch_autocast
     if ac is None or not ac.enabled:
         return None
     return DTYPES[ac.dtype] if ac.dtype is not None else "default"

@@ -11,15 +11,15 @@ import optree
 import torch
 from torch import nn
 
-from .._errors import ShardingError
-from .._state import Sharding, TrainState
-from ._collectives import Collectives
+from ..._errors import ShardingError
+from ..._state import Sharding, TrainState
+from ..comm._collectives import Collectives
 from ._initial import InitialValues, is_released
-from ._param_store import is_placeholder, read_shard
-from ._policy import ShardPolicy
-from ._tp_ops import vocab_parallel_cross_entropy
-from ._plan import ShardPlan, UnitPlan
-from ._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
+from ..zero._param_store import is_placeholder, read_shard
+from ..zero._policy import ShardPolicy
+from ..tp._ops import vocab_parallel_cross_entropy
+from ..zero._plan import ShardPlan, UnitPlan
+from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
 
 __all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
 
@@ -225,7 +225,7 @@ class ShardedModule:
         # [Note: the one upward import] The state holds what layers above sharding define (the
         # optimizer's state, the loss scale, offload stores, pretrained weights), so it is built
         # by the training layer (`fnzero/train/_init.py`); this method is its public door.
-        from ..train._init import init_state
+        from ...train._init import init_state
 
         return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
                           check_ranks_equal=check_ranks_equal)

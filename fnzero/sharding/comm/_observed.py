@@ -11,7 +11,7 @@ import torch
 
 from ._collectives import _SUM, Collectives
 
-__all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives"]
+__all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class CheckedCollectives:
         self.p2p_calls: dict[tuple, int] = {}
 
     def _check(self, op: str, t: torch.Tensor | None) -> None:
-        from .._errors import DistributedError
+        from ..._errors import DistributedError
 
         dtype_code = hash(str(t.dtype)) % 1_000_003 if t is not None else 0
         mine = torch.tensor([self.calls, self._OPS[op], dtype_code, t.numel() if t is not None else 0], dtype=torch.int64)
@@ -184,7 +184,7 @@ class CheckedCollectives:
         return self.inner.send_async(t, dst, label=label, tag=tag)
 
     def recv(self, out, src: int, label: str = "", tag: int = 0):
-        from .._errors import DistributedError
+        from ..._errors import DistributedError
 
         mine = self._fingerprint(("from", src, tag), out)
         theirs = self.inner.recv(torch.empty_like(mine), src, tag=tag)
@@ -194,3 +194,24 @@ class CheckedCollectives:
                 f"({out.dtype}); rank {src} sent message #{int(theirs[0])} of {int(theirs[1])} elements"
                 + ("" if int(theirs[2]) == int(mine[2]) else " of another dtype"))
         return self.inner.recv(out, src, label=label, tag=tag)
+
+
+_CHECKSUM_CHUNK = 1 << 22
+
+
+def checksum(flat: torch.Tensor) -> torch.Tensor:
+    """Two int64 numbers that differ, in practice, when two buffers differ by any bit: the sum of
+    the buffer's 32-bit words, and the sum of each word times its position (so a permutation
+    counts too), both wrapping. Integer sums do not depend on the reduction order, so equal
+    buffers give equal checksums on any thread count or device."""
+    raw = flat.detach().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    words = raw.view(torch.int32)
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for lo in range(0, words.numel(), _CHECKSUM_CHUNK):
+        w = words[lo : lo + _CHECKSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=flat.device)
+        total += torch.stack([w.sum(), (w * pos).sum()])
+    return total

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._tp_ops import copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_embedding
+from ._ops import copy_to_tp, gather_from_tp, reduce_from_tp, vocab_parallel_embedding
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
 

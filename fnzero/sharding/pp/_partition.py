@@ -13,7 +13,7 @@ import math
 import re
 from typing import Sequence
 
-from .._errors import ConfigError
+from ..._errors import ConfigError
 
 __all__ = ["partition_uniform", "partition_balanced", "stage_bounds", "layer_type_name"]
 

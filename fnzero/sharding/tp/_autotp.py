@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import ConfigError, ShardingError
-from ._tp_layout import ParamSplit, TPLayout
-from ._tp_modules import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..._errors import ConfigError, ShardingError
+from ._layout import ParamSplit, TPLayout
+from ._modules import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 __all__ = ["TPRule", "builtin_plan", "parallelize", "rules_from_config"]
 
@@ -154,7 +154,7 @@ def check_group_agrees(model: nn.Module, comm) -> None:
     params = [p for _, p in model.named_parameters() if not p.is_meta]
     if comm.world_size == 1 or not params:
         return
-    from ._initial import checksum
+    from ..comm._observed import checksum
 
     mine = torch.stack([checksum(p.detach().cpu()) for p in params]).reshape(-1)
     every = comm.all_gather(mine).view(comm.world_size, -1)
@@ -248,7 +248,7 @@ def _use_parallel_loss(model: nn.Module, layout: TPLayout) -> None:
     `model.loss_function`)."""
     if not hasattr(model, "loss_function"):
         return
-    from ._tp_ops import vocab_parallel_cross_entropy
+    from ._ops import vocab_parallel_cross_entropy
 
     start, comm = layout.vocab_start(), layout.comm
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping
 
-from .. import config as _config
-from ._collectives import current_world_size
+from ... import config as _config
+from ..comm._collectives import current_world_size
 
 __all__ = ["load_config", "hf_auto_values"]
 

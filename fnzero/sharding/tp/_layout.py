@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from ._tp_ops import split_sizes
+from ._ops import split_sizes
 
 __all__ = ["ParamSplit", "TPLayout"]
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._errors import ShardingError
+from ..._errors import ShardingError
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
 from ._param_store import is_placeholder

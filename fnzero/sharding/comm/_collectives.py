@@ -14,7 +14,7 @@ from typing import Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from .._errors import DistributedError
+from ..._errors import DistributedError
 from ._direct import start_direct_all_gather, start_direct_reduce_scatter
 from ._failure import explain_failure
 from ._watchdog import process_watchdog

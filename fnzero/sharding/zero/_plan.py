@@ -10,7 +10,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .._errors import ShardingError
+from ..._errors import ShardingError
 from ._placement import Placement, placement_for_stage
 
 __all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]

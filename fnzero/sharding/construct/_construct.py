@@ -10,21 +10,30 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .._errors import ConfigError, ShardingError
-from ._pp_module import PipelineInfo, PipelineModule
-from ._autotp import TPRule, parallelize, rules_from_config
-from ._mesh import Mesh, mesh_from_config
-from ._tp_layout import TPLayout
-from ._policy import shard_policy
-from ._collectives import Collectives, ProcessGroupCollectives, default_collectives
-from ._observed import CheckedCollectives, RecordingCollectives
+from ..._errors import ConfigError, ShardingError
+from ..pp._module import PipelineInfo, PipelineModule
+from ..tp._autotp import TPRule, parallelize, rules_from_config
+from ..comm._mesh import Mesh, mesh_from_config
+from ..tp._layout import TPLayout
+from ..zero._policy import shard_policy
+from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
+from ..comm._observed import CheckedCollectives, RecordingCollectives
 from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
-from ._plan import ShardPlan, make_plan, unit_predicate
-from ._runtime import ACTIVE_RUN, wrap_unit_forward
+from ..zero._plan import ShardPlan, make_plan, unit_predicate
+from ..zero._runtime import ACTIVE_RUN, wrap_unit_forward
 
 __all__ = ["shard"]
+
+
+def _job_watchdog(world: Collectives, config):
+    """The job's collective watchdog, which the default group's collectives carry (None in a
+    simulated world): the step tells it the step running, through the state's `Sharding`."""
+    watchdog = world.watchdog if isinstance(world, ProcessGroupCollectives) else None
+    if watchdog is not None and config is not None:
+        watchdog.set_timeout(config.watchdog.timeout_seconds)
+    return watchdog
 
 
 def shard(
@@ -89,15 +98,11 @@ def shard(
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
     meta = is_meta_model(model)
     whole = None  # a meta model split over tp: its regions are initialised whole, then cut (`_initial.py`)
-    if meta and (mesh is not None or getattr(getattr(config, "tensor_parallel", None), "size", 1) > 1):
+    if meta and (mesh is not None or (config is not None and config.tensor_parallel.size > 1)):
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
-    # The job's collective watchdog, which the default group's collectives carry: the step tells
-    # it the step running, through the state's `Sharding`.
-    watchdog = world.watchdog if isinstance(world, ProcessGroupCollectives) else None
-    if watchdog is not None and config is not None:
-        watchdog.set_timeout(config.watchdog.timeout_seconds)
+    watchdog = _job_watchdog(world, config)
     comm = _observed(comm, config, debug)
     params0 = list(model.parameters())
     if device is None:
@@ -125,7 +130,7 @@ def shard(
     else:
         initial, frozen, buffers, uninitialised = initial_from_model(
             model, plan, comm.rank, device, policy.compute_dtype, checksums if comm.world_size > 1 else None)
-    from .._ext._heap import trim_freed_memory
+    from ..._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
@@ -154,16 +159,16 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
             f"ZeRO stage {policy.placement.stage} with {stages} pipeline stages: ZeRO-2 and ZeRO-3 are incompatible "
             "with pipeline parallelism (as in DeepSpeed: every micro-batch's backward would reduce-scatter its "
             "gradients); use stage 0 or 1")
-    dp_cfg = getattr(config, "world_size", None)
+    dp_cfg = config.world_size if config is not None else None
     if config is not None and config.world_ranks == mesh.shape.world_size and dp_cfg != mesh.shape.dp:
         raise ConfigError(
             f"the config's batch sizes were resolved for {dp_cfg} data-parallel ranks but this mesh has {mesh.shape.dp} "
             f"({stages} pipeline stages); set pipeline.stages to {stages} in the config so the batch triad counts "
             "data-parallel ranks only")
-    pipe_cfg = getattr(config, "pipeline", None)
-    interval = getattr(pipe_cfg, "activation_checkpoint_interval", 0) or None
+    interval = (config.pipeline.activation_checkpoint_interval or None) if config is not None else None
+    seed_layers = config is not None and config.pipeline.seed_layers
     stage_id = mesh.coords["pp"]
-    module = pipe.stage(stage_id, stages, interval, seed_layers=bool(getattr(pipe_cfg, "seed_layers", False)))
+    module = pipe.stage(stage_id, stages, interval, seed_layers=seed_layers)
     info = PipelineInfo(stage_id, stages, _observed(mesh.pp, config, debug), pipe.loss_fn, tuple(module.chunks),
                         mesh.world, module.ties)
     return module, mesh, info, _with_tied_units(module, wrap, {t.module for t in info.ties if t.module is not None})
@@ -182,7 +187,7 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
                   pipe: PipelineInfo | None = None) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
     """With a mesh (given, or the config's `tensor_parallel.autotp_size`): AutoTP over its
     tensor-parallel ranks. (the data-parallel collectives ZeRO shards over, the layout or None)."""
-    tp_cfg = getattr(config, "tensor_parallel", None)
+    tp_cfg = config.tensor_parallel if config is not None else None
     if mesh is None and tp_cfg is not None and tp_cfg.size > 1:
         mesh = mesh_from_config(comm, config)
     if mesh is None:
@@ -200,14 +205,14 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
             "tensor_parallel.partition_config.layer_specs (patterns over parameter names, partition_type row or "
             "column) or shard(..., tp_plan=[TPRule(...)])"
         )
-    vocab = getattr(tp_cfg, "vocab_parallel_lm_head", None) if tp_cfg is not None else None
+    vocab = tp_cfg.vocab_parallel_lm_head if tp_cfg is not None else None
     # The tp axis' traffic is recorded apart from dp's (`sm.tp.comm.records`), and checked too.
     return mesh.dp, parallelize(model, rules, _observed(mesh.tp, config, debug), vocab_parallel=vocab)
 
 
 def _observed(comm: Collectives, config: Any, debug: bool) -> Collectives:
     """`comm` recorded (the config's comms_logger) and checked across ranks (debug_collectives)."""
-    logger = getattr(config, "comms_logger", None)
+    logger = config.comms_logger if config is not None else None
     if logger is not None and logger.enabled and not isinstance(comm, RecordingCollectives):
         comm = RecordingCollectives(comm)
     return CheckedCollectives(comm) if debug else comm

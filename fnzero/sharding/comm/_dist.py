@@ -10,7 +10,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .._errors import DistributedError
+from ..._errors import DistributedError
 from ._collectives import provided_collectives
 from ._watchdog import start_watchdog
 
@@ -62,7 +62,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         backend = getattr(comm, "backend", "provided")
         return DistInfo(comm.rank, comm.world_size, comm.rank, backend, torch.device("cpu"))
     if malloc_mmap_threshold:
-        from .._ext._heap import return_freed_memory
+        from ..._ext._heap import return_freed_memory
 
         return_freed_memory(malloc_mmap_threshold)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS")

@@ -33,8 +33,7 @@ def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, pr
     >>> f(torch.ones(2, 4, requires_grad=True)).backward()
     """
     if config is not None:
-        ac = getattr(config, "activation_checkpointing", None)
-        cpu_offload = bool(getattr(ac, "cpu_checkpointing", False)) or cpu_offload
+        cpu_offload = config.activation_checkpointing.cpu_checkpointing or cpu_offload
     if fn is None:
         return functools.partial(remat, cpu_offload=cpu_offload, preserve_rng_state=preserve_rng_state)
 
