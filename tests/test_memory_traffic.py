@@ -140,7 +140,7 @@ def test_stage3_frees_regathered_params_before_their_gradient_is_assembled(monke
 
     import torch.nn.functional as F
 
-    from fnzero.sharding import _runtime
+    from fnzero.sharding.zero import _runtime
 
     regathered, checked = {}, []
     orig_regather, orig_backward = _runtime.UnitRuntime.regather, _runtime.GatherUnit.backward

@@ -200,7 +200,7 @@ def test_drawn_models_initialise_the_same_at_any_world(factory, stage, world, ch
     every rank of any world at any stage."""
     from unittest import mock
 
-    from fnzero.sharding import _replay
+    from fnzero.sharding.construct import _replay
 
     with mock.patch.object(_replay, "CHUNK", chunk):
         ref = _initial(factory, 0, 1, seed=4)[0]
@@ -222,7 +222,7 @@ def test_a_replayed_range_is_that_range_of_the_whole(rows, cols, chunk, cuts):
     are computed whole, so no element depends on the part asked for (the world size)."""
     from unittest import mock
 
-    from fnzero.sharding import _replay
+    from fnzero.sharding.construct import _replay
 
     with torch.device("meta"):
         w, b, i = torch.empty(rows, cols), torch.empty(cols, dtype=torch.float64), torch.empty(rows, dtype=torch.int32)
@@ -257,7 +257,7 @@ def test_each_rank_computes_only_the_chunks_it_keeps():
     import threading
     from unittest import mock
 
-    from fnzero.sharding import _replay
+    from fnzero.sharding.construct import _replay
 
     factory = lambda: torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])  # noqa: E731
     done: dict[int, int] = {}

@@ -52,7 +52,7 @@ def test_tied_and_frozen_parameters(stage):
 
 def test_a_dropped_shard_gradient_is_caught():
     """The check above can fail: zeroing one rank's gradient contribution breaks equivalence."""
-    from fnzero.sharding import _collectives
+    from fnzero.sharding.comm import _collectives
 
     class Dropping(_collectives.LocalCollectives):
         pass
