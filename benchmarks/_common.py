@@ -67,3 +67,16 @@ def _own_cpu() -> float:
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def rank_device(kind: str):
+    """This rank's device: the CPU, or accelerator `rank` of this node (one per rank)."""
+    import torch
+    import torch.distributed as dist
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = torch.get_device_module(kind)
+    dev = torch.device(kind, dist.get_rank() % mod.device_count())
+    mod.set_device(dev)
+    return dev

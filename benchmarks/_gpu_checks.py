@@ -23,22 +23,14 @@ import fnzero
 from fnzero.checkpoint import load, save
 from fnzero.testing import ModelFactory, assert_trees_close, assert_trees_equal, default_tolerances, step_loss
 
+from _common import rank_device  # benchmarks/_common.py, beside this file
+
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 1.0
 ROWS = 8  # global rows per step; each rank trains on its contiguous ROWS / world
 GPT64 = ModelFactory("gpt", gpt=tuple(dict(vocab_size=97, seq_len=16, d_model=32, n_layer=2, n_head=2).items()),
                      dtype=torch.float64)
 GPT32 = dataclasses.replace(GPT64, dtype=torch.float32)
 MLP32 = ModelFactory("mlp", sizes=(8, 16, 4), dtype=torch.float32)
-
-
-def rank_device(kind: str) -> torch.device:
-    """This rank's device: the CPU, or accelerator `rank` of this node (one per rank)."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    mod = torch.get_device_module(kind)
-    dev = torch.device(kind, dist.get_rank() % mod.device_count())
-    mod.set_device(dev)
-    return dev
 
 
 def config(stage: int, precision: str = "fp32", k: int = 1, zero: dict | None = None) -> fnzero.Config:

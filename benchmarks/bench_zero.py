@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _common import CpuMonitor, machine, median  # noqa: E402
+from _common import CpuMonitor, machine, median, rank_device  # noqa: E402
 
 MODELS = {
     "gpt27m": dict(vocab_size=8192, seq_len=128, d_model=512, n_layer=6, n_head=8),
@@ -71,19 +71,6 @@ def _current_rss_mib():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _rank_device(kind: str):
-    """This rank's device: the CPU, or accelerator `rank` of this node (one per rank)."""
-    import torch
-    import torch.distributed as dist
-
-    if kind == "cpu":
-        return torch.device("cpu")
-    mod = torch.get_device_module(kind)
-    dev = torch.device(kind, dist.get_rank() % mod.device_count())
-    mod.set_device(dev)
-    return dev
-
-
 def _sync(device) -> None:
     # An accelerator runs the step asynchronously: a step's time ends when its kernels have.
     import torch
@@ -106,7 +93,7 @@ def worker(kind: str, model_kw: dict, micro: int, steps: int, warmup: int, mallo
         # The same allocator setting for every framework measured (what fnzero.init_distributed does).
         fnzero.memory.return_freed_memory(malloc_threshold)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = _rank_device(device)
+    dev = rank_device(device)
     pre_model = _current_rss_mib()
     torch.manual_seed(0)
     model = GPT(**model_kw).to(dev)
