@@ -332,3 +332,37 @@ def test_init_code_that_cannot_be_replayed_is_run_on_the_materialised_region():
     assert float(want["trunc.weight"].abs().max()) <= 0.03  # not reset_parameters()' kaiming values (up to 0.41)
     for r in initial(2) + initial(4):
         assert all(torch.equal(r[n], want[n]) for n in want)
+
+
+class _FilledThroughAView(torch.nn.Linear):
+    """Init code that fills whole tensors through permuted views (`zeros_(w.T)`) after its draws."""
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            if self.in_features == 5:  # the only write to the weight goes through its transpose
+                torch.nn.init.zeros_(self.weight.T)
+                self.bias.fill_(0.5)
+            else:
+                super().reset_parameters()
+                self.weight.mT.fill_(0.25)
+                self.bias[1:].zero_()  # a part: the rest keeps the draw
+
+
+def _filled_through_a_view():
+    return torch.nn.Sequential(_FilledThroughAView(5, 7), _FilledThroughAView(7, 3))
+
+
+def test_a_whole_fill_through_a_permuted_view_is_a_whole_fill():
+    def initial(world):
+        def rank(comm):
+            sm = fnzero.shard(_filled_through_a_view, config=_cfg(3, world), comm=comm, init_seed=4, wrap=[torch.nn.Linear])
+            return sm.state_dict(sm.init_state())
+
+        return simulated_world(world).run(rank)
+
+    (want,) = initial(1)  # a fill through `w.T` once left the tensor "uninitialised" and init_state refused it
+    assert torch.equal(want["0.weight"], torch.zeros(7, 5)) and torch.equal(want["0.bias"], torch.full((7,), 0.5))
+    assert torch.equal(want["1.weight"], torch.full((3, 7), 0.25))
+    assert torch.equal(want["1.bias"][1:], torch.zeros(2)) and want["1.bias"][0] != 0
+    for r in initial(2) + initial(4):
+        assert all(torch.equal(r[n], want[n]) for n in want)

@@ -253,7 +253,10 @@ def _classify(func, view: torch.Tensor, base: torch.Tensor, args: tuple, kwargs:
     if packet in _FILL and not whole:
         if view.dtype != base.dtype or any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
             raise Unreplayable(f"{func} of a part, reinterpreted or from a meta tensor")
-        return _Op("fill", func, tuple(args), {}, _positions(view, base))
+        pos = _positions(view, base)
+        if pos.numel() != base.numel() or torch.unique(pos).numel() != base.numel():
+            return _Op("fill", func, tuple(args), {}, pos)
+        whole = True  # every element once, through a permuted view (`zeros_(w.T)`): one value everywhere
     if not whole:
         raise Unreplayable(f"{func} writes a part of the tensor")
     if packet in _RANDOM:
