@@ -150,8 +150,10 @@ class Watchdog:
         end, stops it: torchrun blames the peers, never this rank."""
         error = uncaught()
         peers = peers_at_fault(error, self.rank)
-        try:
-            near = peers and all(self._beside(r, self.beats()) for r in peers)
+        try:  # a peer that ended cleanly (done, not failed) is no culprit the launcher will stop us for
+            beats = self.beats()
+            near = peers and all(self._beside(r, beats) and (beats[r].get("failed") or not beats[r].get("done"))
+                                 for r in peers)
         except Exception:
             near = False
         self.finish(error)
