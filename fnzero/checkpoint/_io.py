@@ -164,8 +164,9 @@ class AlignedWriter:
             pass
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write a small file so that readers see the old content or the new, never a torn one."""
+def write_atomic(path: str, data: bytes, sync_dir: bool = True) -> None:
+    """Write a small file so that readers see the old content or the new, never a torn one.
+    `sync_dir=False` leaves the directory's fsync to whoever moves the directory next."""
     d = os.path.dirname(path) or "."
     tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}.{time.monotonic_ns()}")
     with open(tmp, "wb") as f:
@@ -173,7 +174,8 @@ def write_atomic(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(d)
+    if sync_dir:
+        fsync_dir(d)
 
 
 class PendingCrc:

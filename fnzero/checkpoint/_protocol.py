@@ -109,5 +109,8 @@ def write_rank(staging: str, rank: int, metas: dict, pieces, extra: dict) -> dic
         w.abort()
         raise
     part = dict(extra, rank=rank, size=size, tensors=tensors)
-    write_atomic(os.path.join(staging, F.part_name(rank)), F.pack(part))
+    # The part's appearance is this rank's done marker: the committer may rename the staging
+    # directory as soon as it sees it, so this rank's own fsync of that directory could find it
+    # gone. The committer fsyncs the staging directory before its rename (`commit`).
+    write_atomic(os.path.join(staging, F.part_name(rank)), F.pack(part), sync_dir=False)
     return part
