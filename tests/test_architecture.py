@@ -19,12 +19,13 @@ LAYERS = {
     "offload": 4, "pipeline": 4,
     "checkpoint": 5,
     "train": 6,
-    "memory": 7,
-    "monitor": 8,
-    "cli": 9,
-    "testing": 10,
+    "inference": 7,
+    "memory": 8,
+    "monitor": 9,
+    "cli": 10,
+    "testing": 11,
 }
-ROOT_API = 9  # `fnzero/__init__.py`: re-exports layers 0-7, so only cli and testing import it
+ROOT_API = 10  # `fnzero/__init__.py`: re-exports layers 0-8, so only cli and testing import it
 # (importing module, imported module): the exceptions specs/architecture.md names.
 EXCEPTIONS = {("fnzero.sharding.construct._module", "fnzero.train._init")}
 
