@@ -9,6 +9,7 @@ run resumes from base + adapters, and adapters of another shape or config are on
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import peft
@@ -239,3 +240,28 @@ def test_peft_names_map_to_the_base_model():
         "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default.weight": None,
     }
     assert peft_names({"model.layers.0.mlp.up_proj.weight"}) is None  # not a PEFT model: names as they are
+
+
+def _gloo_rank(base_dir: str, out: str):
+    from fnzero.sharding import ProcessGroupCollectives
+
+    comm, cfg = ProcessGroupCollectives(), _cfg(3, 2)
+    sm = fnzero.shard(_peft(), config=cfg, comm=comm)
+    state = _train(sm, sm.init_state(pretrained=base_dir), cfg, steps=2)
+    paths = fnzero.checkpoint.export_adapters(sm, state, out)
+    again = fnzero.shard(_peft(), config=cfg, comm=comm)
+    resumed = again.init_state(pretrained=base_dir, adapters=out)
+    return paths, _logits(sm, state.params), _logits(again, resumed.params)
+
+
+@pytest.mark.multiprocess
+def test_gloo_ranks_export_once_and_resume(llama_dir, tmp_path):
+    """§Export, §Resume on real processes: one rank writes, both return its paths; PEFT loads them
+    to fnzero's logits, and a stage-3 run resumed from them on both ranks computes the same."""
+    from fnzero.testing import run_world
+
+    (p0, trained, resumed), (p1, _, resumed1) = run_world(_gloo_rank, 2, str(llama_dir), str(tmp_path / "lora"),
+                                                          timeout=120)
+    assert p0 == p1 and sorted(os.listdir(tmp_path / "lora")) == ["adapter_config.json", "adapter_model.safetensors"]
+    for got in (_logits(_real(llama_dir, adapters=tmp_path / "lora")), resumed, resumed1):
+        torch.testing.assert_close(got, trained, rtol=0, atol=1e-9)

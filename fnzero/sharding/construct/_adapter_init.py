@@ -54,6 +54,7 @@ class AdapterInit:
             inits = []
             for name in dict.fromkeys(names):
                 init = getattr(configs.get(name), "init_lora_weights", True)
+                init = init.lower() if isinstance(init, str) else init  # PEFT compares these lower-cased
                 variant = getattr(m, "lora_variant", {}).get(name)
                 if init not in _REPLAYED or variant is not None:
                     what = f"init_lora_weights={init!r}" if init not in _REPLAYED else f"the {type(variant).__name__}"
