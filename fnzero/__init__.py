@@ -24,7 +24,9 @@ hf_auto_values, AutoValues  fill a Hugging Face-style config's "auto" keys from 
 ConfigWarning               a config key fnzero accepts but does not act on (warned once at load).
 shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`. The model
     may be built on the meta device (or be a factory), and `init_state(pretrained=dir)` loads
-    safetensors / save_pretrained weights into the shards (`PretrainedWarning`: tensors missing).
+    safetensors / save_pretrained weights into the shards (`PretrainedWarning`: tensors missing);
+    a `peft.get_peft_model` model reads its base model's files, and `adapters=dir` a PEFT adapter
+    directory (`specs/peft.md`).
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
 Placement                   what of a unit is sharded (optimizer state, gradients, parameters); a
     ZeRO stage names one of four presets, and `shard(..., stage=)` takes either.
@@ -42,7 +44,8 @@ vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary,
 pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut
     into stages (`shard` keeps this rank's), run by a GPipe or 1F1B schedule inside `train_step`.
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
-checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`).
+checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`);
+    `export_adapters` writes a PEFT model's adapters as PEFT's own directory.
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
 memory                      exact per-rank model-state bytes, the ZeRO formulas and the planner's estimates.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;

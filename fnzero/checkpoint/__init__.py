@@ -24,6 +24,7 @@ load(path, like, *, tag, verify, restore_rng)               -> (state, client_st
 export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format, tied, hf_config)
                                                             consolidated weights from files (every rank, or no process group)
 export_live(sm, state, out, *, dtype, ..., hf_config)       the same from a running job's state (collective)
+export_adapters(sm, state, out, *, adapter, dtype)          a PEFT model's adapters as PEFT's own directory (collective)
 info(path, *, verify)                                       tags, world size, stage, sizes, health
 list_tags(path)
 From the shell: `fnzero export CKPT OUT ...` and `fnzero checkpoint info CKPT`.
@@ -33,6 +34,7 @@ from ._export import export
 from ._export_live import export_live
 from ._info import info
 from ._load import list_tags, load
+from ._peft_export import export_adapters
 from ._save import SaveHandle, save
 
-__all__ = ["save", "load", "export", "export_live", "info", "list_tags", "SaveHandle"]
+__all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle"]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from ._peft_names import peft_names
 
 __all__ = ["PretrainedReport", "PretrainedLoad", "TensorEntry", "index_pretrained", "load_pretrained"]
 
@@ -52,13 +53,15 @@ class TensorEntry:
 class PretrainedReport:
     """What `init_state(pretrained=...)` did: `loaded` and `missing` (kept at the model's own
     initialisation) by state_dict name, `unexpected` names in the files (ignored when allowed),
-    and `bytes_read` by this rank."""
+    and `bytes_read` by this rank. `adapters`: a PEFT model's adapter tensors, which no base
+    model's file has (they keep PEFT's initialisation; not in `missing`)."""
 
     loaded: list[str]
     missing: list[str]
     unexpected: list[str]
     bytes_read: int
     files: list[str]
+    adapters: list[str] = dataclasses.field(default_factory=list)
 
 
 def _read_header(path: str) -> dict[str, TensorEntry]:
@@ -181,7 +184,9 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     entries = index_pretrained(path)
     slots = {n for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
     known = slots | set(frozen) | set(buffers)
-    entries = _adapt_prefix(entries, known, base_prefix)
+    peft = peft_names(known)  # a PEFT model reads its base model's names (`_peft_names.py`)
+    entries = _adapt_prefix(entries, peft.base_names() if peft else known, base_prefix)
+    entries = peft.to_model(entries) if peft else entries
     unexpected = sorted(n for n in entries if n not in known)
     if unexpected and not allow_unexpected:
         raise CheckpointError(
@@ -215,8 +220,10 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             jobs.append((n, entries[n], (table, split)))
     if bad_shape:
         raise CheckpointError(f"pretrained weights {os.fspath(path)!r}: shapes differ from the model's: " + "; ".join(bad_shape))
-    report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=missing, unexpected=unexpected,
-                              bytes_read=0, files=sorted({e.file for e in entries.values()}))
+    adapters = set(peft.adapters()) if peft else set()
+    report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=[n for n in missing if n not in adapters],
+                              unexpected=unexpected, bytes_read=0, files=sorted({e.file for e in entries.values()}),
+                              adapters=[n for n in missing if n in adapters])
     return PretrainedLoad(jobs, plan, rank, initial, report, tp)
 
 

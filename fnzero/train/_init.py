@@ -17,6 +17,7 @@ from torch import nn
 
 from .._errors import ShardingError
 from .._state import TrainState
+from ..checkpoint._peft_adapters import load_adapters
 from ..checkpoint._pretrained import load_pretrained
 from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
 from ..sharding.zero._param_store import placeholder
@@ -29,7 +30,8 @@ __all__ = ["init_state"]
 
 
 def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *,
-               allow_unexpected: bool = False, optimizer=None, check_ranks_equal: bool = True) -> TrainState:
+               allow_unexpected: bool = False, optimizer=None, check_ranks_equal: bool = True,
+               adapters: str | os.PathLike | None = None) -> TrainState:
     """This rank's initial TrainState from `sm`'s initial values (see `ShardedModule.init_state`)."""
     sm.initial_values()  # raises when handed over already
     if optimizer is None and (sm.config is None or sm.config.optimizer is None):
@@ -37,9 +39,14 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
+    # PEFT adapters (`specs/peft.md` §Resume) are checked first: a mismatch is found before the base is read.
+    read_adapters = None if adapters is None else load_adapters(adapters, sm.module, sm.plan, sm.comm.rank,
+                                                                sm.initial_values().params, tp=sm.tp)
     if pretrained is not None:
         _load_pretrained(sm, pretrained, allow_unexpected)
     loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
+    if read_adapters is not None:
+        loaded |= _read_adapters(sm, *read_adapters)
     unset = [n for n in sm.initial_values().uninitialised if n not in loaded]
     if unset:
         raise ShardingError(
@@ -154,9 +161,24 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
     if missing:
         warnings.warn(
             f"pretrained weights {os.fspath(path)!r} lack {len(missing)} tensor(s), which keep the model's own "
-            f"initialisation: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}",
+            f"initialisation: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}"
+            + _adapters_note(sm.pretrained_report.adapters),
             PretrainedWarning, stacklevel=4,
         )
+
+
+def _read_adapters(sm: ShardedModule, names: list[str], read) -> set[str]:
+    try:
+        read()
+    except BaseException:
+        sm.drop_initial()  # partly overwritten: never hand it out
+        raise
+    return set(names)
+
+
+def _adapters_note(adapters: list[str]) -> str:
+    # A PEFT model's adapters are in no base model's file: their own init is expected, not a gap.
+    return f" (and {len(adapters)} adapter tensor(s), which PEFT initialised, as expected)" if adapters else ""
 
 
 def _non_persistent_buffers(model: nn.Module) -> set[str]:

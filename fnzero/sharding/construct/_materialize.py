@@ -39,6 +39,7 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ..zero._plan import ShardPlan, owner_module
+from ._adapter_init import AdapterInit
 from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fill
 
 __all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "Recorded", "GLOBAL_RNG_LOCK"]
@@ -104,6 +105,7 @@ class MetaInitializer:
                     if t is not None:
                         self.owners.setdefault(id(t), []).append((m, kind, leaf))
         self.init_owner = self._init_owners()
+        self.adapters = AdapterInit(model, self.paths)  # PEFT's layers init their own adapters
         # Each tensor's first name (its random draws are named by it when its init is replayed).
         self.names: dict[int, str] = {}
         for n, t in [*model.named_buffers(remove_duplicate=False), *model.named_parameters(remove_duplicate=False)]:
@@ -141,8 +143,8 @@ class MetaInitializer:
 
     def _run_init(self, modules: list[nn.Module], region: str) -> None:
         """The model's init code over `modules`, as eager construction runs it: every module's
-        constructor-time reset, then the model's init pass, each children before parents; torch's
-        CPU generator seeded from (seed, region)."""
+        constructor-time reset, then the model's init pass, each children before parents, then
+        PEFT's adapter init (`_adapter_init.py`); torch's CPU generator seeded from (seed, region)."""
         with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
             # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
             # every accelerator's generator.
@@ -151,8 +153,9 @@ class MetaInitializer:
                 _reset(m)
             for m in modules:
                 owner = self.init_owner.get(id(m))
-                if owner is not None:
+                if owner is not None and not self.adapters.model_init_skips(m):
                     owner._init_weights(m)
+            self.adapters.run(modules)
 
     @contextlib.contextmanager
     def initialised(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region | Recorded"]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, Collection
 
 import optree
 import torch
@@ -199,7 +199,8 @@ class ShardedModule:
 
     # ---------------------------------------------------------------------------------------------
     def init_state(self, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
-                   optimizer=None, check_ranks_equal: bool = True) -> TrainState:
+                   optimizer=None, check_ranks_equal: bool = True,
+                   adapters: str | os.PathLike | None = None) -> TrainState:
         """This rank's initial TrainState, built from the model's parameters at `shard` time.
 
         `pretrained`: a safetensors file, or a directory written by transformers' `save_pretrained`
@@ -211,6 +212,11 @@ class ShardedModule:
         tensor, and a truncated file names the file. Parameters the files lack keep the model's
         own initialisation and are listed in a `PretrainedWarning`; `sm.pretrained_report` says
         what was loaded and how many bytes this rank read.
+
+        `adapters`: a PEFT model's adapter directory (`PeftModel.save_pretrained`,
+        `fnzero.checkpoint.export_adapters`) read over the adapters' initial values, with the base
+        weights from `pretrained` (`specs/peft.md` §Resume); its tensors, shapes and config must
+        be the model's adapter's.
 
         `optimizer`: an `Optimizer` or a chain of gradient transformations instead of the
         config's `optimizer` block (give the same one to `fnzero.train_step`).
@@ -228,7 +234,7 @@ class ShardedModule:
         from ...train._init import init_state
 
         return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
-                          check_ranks_equal=check_ranks_equal)
+                          check_ranks_equal=check_ranks_equal, adapters=adapters)
 
     def initial_values(self) -> InitialValues:
         """What the first TrainState is built from, until `hand_over_initial` gives it away."""
@@ -264,16 +270,20 @@ class ShardedModule:
 
     # ---------------------------------------------------------------------------------------------
     def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None,
-               rank0_only: bool = False) -> dict[str, torch.Tensor]:
+               rank0_only: bool = False, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Consolidated trainable parameters, `model.state_dict()` names (tied names included), on
         every rank (or only rank 0 with `rank0_only`: the others take part in the gathers and get
-        an empty dict). Given a TrainState, its master weights are used when it has them."""
+        an empty dict). Given a TrainState, its master weights are used when it has them.
+        `names`: only these, gathering only the units that hold them (a PEFT model's adapters
+        without the rest); every rank gives the same."""
         if isinstance(params, TrainState):
             src = params.master if params.master is not None else params.params
         else:
             src = params
         out = {}
         for u in self.plan.units:
+            if names is not None and not any(n in names for s in u.slots for n in (s.name, *s.aliases)):
+                continue
             shard = src[u.name].detach()
             if self._param_store is not None and is_placeholder(shard):
                 shard = read_shard(self._param_store, u.name, shard)
@@ -283,6 +293,8 @@ class ShardedModule:
             if rank0_only and self.comm.rank != 0:
                 continue
             for name, t in unit_views(u, full).items():
+                if names is not None and name not in names:
+                    continue
                 if self.tp is not None:
                     t = self.tp.gather_full(name, t)  # collective over the tensor-parallel ranks
                 out[name] = t.to(dtype) if dtype is not None else t.clone()
