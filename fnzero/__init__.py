@@ -43,6 +43,9 @@ TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
 pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut
     into stages (`shard` keeps this rank's), run by a GPipe or 1F1B schedule inside `train_step`.
+init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inference(model, config, **kwargs)`:
+    its keys and defaults (dtype fp16; int8 = weight-only per-channel int8), tensor_parallel.tp_size as
+    AutoTP, checkpoint= read per rank, max_out_tokens; `engine(...)` and `engine.generate(...)` (`specs/inference.md`).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`);
     `export_adapters` writes a PEFT model's adapters as PEFT's own directory.
@@ -78,6 +81,7 @@ _LAZY = {
         "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
     ), ".sharding"),
     **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding.construct._world_config"),
+    **dict.fromkeys(("InferenceEngine", "init_inference"), ".inference"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
     ), ".train"),
@@ -117,6 +121,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         init_distributed, make_mesh, shard, vocab_parallel_cross_entropy,
     )
     from .sharding.construct._world_config import hf_auto_values, load_config
+    from .inference import InferenceEngine, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 
@@ -134,6 +139,8 @@ __all__ = [
     "DistributedError",
     "FnzeroError",
     "hf_auto_values",
+    "InferenceEngine",
+    "init_inference",
     "JitWarning",
     "JittedStep",
     "LayerSpec",

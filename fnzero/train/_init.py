@@ -26,7 +26,7 @@ from ._loss_scale import init_loss_scale
 from ._policy import step_policy
 from ._step import optimizer_or_config
 
-__all__ = ["init_state"]
+__all__ = ["init_state", "initial_params"]
 
 
 def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *,
@@ -39,23 +39,6 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
-    # PEFT adapters (`specs/peft.md` §Resume) are checked first: a mismatch is found before the base is read.
-    read_adapters = None if adapters is None else load_adapters(adapters, sm.module, sm.plan, sm.comm.rank,
-                                                                sm.initial_values().params, tp=sm.tp)
-    if pretrained is not None:
-        _load_pretrained(sm, pretrained, allow_unexpected)
-    loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
-    if read_adapters is not None:
-        loaded |= _read_adapters(sm, *read_adapters)
-    unset = [n for n in sm.initial_values().uninitialised if n not in loaded]
-    if unset:
-        raise ShardingError(
-            f"model built on the meta device: its init code left {len(unset)} tensor(s) uninitialised"
-            f"{' and the pretrained weights lack them' if pretrained is not None else ''}: "
-            f"{', '.join(unset[:8])}{' ...' if len(unset) > 8 else ''}. fnzero initialises a meta model with "
-            "each module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
-            "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
-        )
     plan = sm.plan
     if not opt.elementwise and (plan.placement.optimizer or sm.tp is not None):
         kind = sm.config.optimizer.type if optimizer is None else "optimizer="
@@ -64,9 +47,8 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
             f"optimizer {kind} is not elementwise (it normalises per tensor) and cannot update {where}; use it at "
             "ZeRO stage 0 without tensor parallelism"
         )
-    if check_ranks_equal:
-        _check_ranks_start_equal(sm, loaded)
-    initial = sm.hand_over_initial().params
+    initial = initial_params(sm, pretrained, allow_unexpected=allow_unexpected, check_ranks_equal=check_ranks_equal,
+                             adapters=adapters, stacklevel=5)
     params, master, opt_state = _params_and_optimizer(sm, initial, opt)
     frozen, buffers = sm.constants
     return TrainState(
@@ -79,6 +61,37 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         loss_scale=init_loss_scale(step_policy(sm.config).loss_scale),
         sharding=sm.sharding,
     )
+
+
+def initial_params(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
+                   check_ranks_equal: bool = True, adapters: str | os.PathLike | None = None,
+                   stacklevel: int = 4) -> dict[str, torch.Tensor]:
+    """The model's initial parameters, handed over from `sm` (unit name -> flat buffer or shard, in the
+    plan's dtype), with `pretrained` loaded and every rank's build checked: what a state needs before
+    any optimizer is involved (an inference state has none). `stacklevel`: the frame a
+    `PretrainedWarning` points at, as `warnings.warn` counts from the loader below this function (3:
+    this function's caller; 4, the default: its caller's caller)."""
+    sm.initial_values()  # raises when handed over already
+    # PEFT adapters (`specs/peft.md` §Resume) are checked first: a mismatch is found before the base is read.
+    read_adapters = None if adapters is None else load_adapters(adapters, sm.module, sm.plan, sm.comm.rank,
+                                                                sm.initial_values().params, tp=sm.tp)
+    if pretrained is not None:
+        _load_pretrained(sm, pretrained, allow_unexpected, stacklevel)
+    loaded = set(sm.pretrained_report.loaded) if pretrained is not None else set()
+    if read_adapters is not None:
+        loaded |= _read_adapters(sm, *read_adapters)
+    unset = [n for n in sm.initial_values().uninitialised if n not in loaded]
+    if unset:
+        raise ShardingError(
+            f"model built on the meta device: its init code left {len(unset)} tensor(s) uninitialised"
+            f"{' and the pretrained weights lack them' if pretrained is not None else ''}: "
+            f"{', '.join(unset[:8])}{' ...' if len(unset) > 8 else ''}. fnzero initialises a meta model with "
+            "each module's reset_parameters() and the model's _init_weights(module) (Hugging Face's hook); give "
+            "these modules one of them, load them with init_state(pretrained=...), or build the model on a real device"
+        )
+    if check_ranks_equal:
+        _check_ranks_start_equal(sm, loaded)
+    return sm.hand_over_initial().params
 
 
 def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
@@ -143,7 +156,7 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     return params, master, opt.init(target)
 
 
-def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
+def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel: int) -> None:
     """Pretrained weights into the initial values, frozen parameters and buffers; checked before
     any byte is read, and the initial values dropped if reading fails partway."""
     persistent = {n for n, _ in sm.module.named_buffers()} - _non_persistent_buffers(sm.module)
@@ -163,7 +176,7 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool) -> None:
             f"pretrained weights {os.fspath(path)!r} lack {len(missing)} tensor(s), which keep the model's own "
             f"initialisation: {', '.join(missing[:12])}{' ...' if len(missing) > 12 else ''}"
             + _adapters_note(sm.pretrained_report.adapters),
-            PretrainedWarning, stacklevel=4,
+            PretrainedWarning, stacklevel=stacklevel,
         )
 
 

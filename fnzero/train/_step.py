@@ -137,6 +137,10 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         if not isinstance(state, TrainState):
             raise ShardingError(f"train_step expects a fnzero.TrainState, got {type(state).__name__}")
+        if state.opt_state is None:  # an optimizer's state is never None (a stateless one's is `()`)
+            raise ShardingError(
+                "this state has no optimizer state: it was made for inference (fnzero.init_inference, whose int8 "
+                "weights cannot be trained either); train a state from sm.init_state() with an optimizer")
         if (state.loss_scale is None) != (self.policy.loss_scale is None):
             raise ShardingError(
                 "the state's loss scaling does not match this step's config (fp16 on one side only); "

@@ -106,14 +106,14 @@ def _module_pattern(param_pattern: str) -> str:
     return p if p.startswith((".*", "^")) else ".*" + p
 
 
-def check_heads(model: nn.Module, tp: int) -> None:
+def check_heads(model: nn.Module, tp: int, key_name: str = "tensor_parallel.autotp_size") -> None:
     """A ConfigError naming the numbers when `tp` does not divide the attention (or key/value)
-    heads or the hidden size of `model`'s config."""
+    heads or the hidden size of `model`'s config; `key_name`: the config key that asked for `tp`."""
     c = getattr(model, "config", None)
     for key in ("num_attention_heads", "num_key_value_heads", "n_head", "hidden_size", "d_model"):
         n = getattr(c, key, None)
         if isinstance(n, int) and n % tp:
-            raise ConfigError(f"tensor_parallel.autotp_size {tp} does not divide the model's {key} {n}: each rank "
+            raise ConfigError(f"{key_name} {tp} does not divide the model's {key} {n}: each rank "
                               f"must hold whole attention heads (choose a size that divides {n})")  # fmt: skip
 
 

@@ -1,0 +1,127 @@
+"""`fnzero.init_inference`: DeepSpeed-Inference's entry point, over `fnzero.shard` (`specs/inference.md`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._errors import ConfigError
+from .._state import TrainState
+from ..sharding.comm._collectives import current_world_size
+from ..sharding.construct._construct import _default_device, shard
+from ..sharding.construct._module import ShardedModule
+from ..sharding.construct._world_config import load_config
+from ..sharding.tp._autotp import check_heads
+from ..train._init import initial_params
+from ._engine import InferenceEngine
+from ._inference_config import InferenceConfig, read_inference_config
+from ._int8 import int8_targets, quantize_model
+from ._no_effect import refuse_objects, warn_no_effect
+
+__all__ = ["init_inference"]
+
+PRECISION_BLOCK = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """DeepSpeed's `deepspeed.init_inference(model, config=None, **kwargs)` on fnzero: `model` laid
+    out for inference over this world's ranks, its weights read from `checkpoint` when given.
+
+    `config`: None, a dict, a path or JSON text of DeepSpeed-Inference keys; `kwargs`: the same
+    keys, merged over it (one key with two different values in both is DeepSpeed's `Conflicting
+    argument` ConfigError). Keys, aliases and defaults are DeepSpeed 0.19.8's (`specs/inference.md`):
+
+    * `dtype` (default torch.float16, as DeepSpeed's): the model is converted to it (torch dtypes or
+      "fp32"/"float32"/"float", "bf16"/"bfloat16", "fp16"/"half", "int8"; fnzero also takes float64).
+      `torch.int8` quantises the weights of the linear layers (except the output head) to int8 with
+      one scale per output channel; the rest keeps the model's dtype (`specs/inference.md` §int8).
+    * `tensor_parallel={"tp_size": N}` (alias `tp`; deprecated `mp_size`): fnzero's AutoTP splits
+      each layer over N ranks (the world must be a multiple of N, and N divide the model's heads);
+      the other ranks of the world hold replicas.
+    * `checkpoint`: a safetensors file or a `save_pretrained` directory (under `base_dir` when given),
+      each rank reading only its own bytes; the model may be built on the meta device.
+    * `max_out_tokens` (alias `max_tokens`, default 1024): `engine.generate` refuses more tokens.
+    * `zero`: a ZeRO section (`{"stage": 3}`: each rank holds 1/dp of the parameters, gathered
+      layer by layer; `offload_param` as `fnzero.shard` supports it).
+
+    Keys for DeepSpeed's CUDA kernels (`replace_with_kernel_inject`, `enable_cuda_graph`, ...) are
+    accepted and warn (`ConfigWarning`) that they have no effect. The model is put in eval mode.
+
+    >>> import torch, fnzero
+    >>> engine = fnzero.init_inference(torch.nn.Linear(3, 2), dtype=torch.float32)
+    >>> engine(torch.ones(1, 3)).shape
+    torch.Size([1, 2])
+    """
+    cfg, given = read_inference_config(config, kwargs)
+    refuse_objects(cfg)
+    warn_no_effect(cfg, given, stacklevel=2)
+    _check_model(model, cfg)
+    world = current_world_size()
+    tp = cfg.tensor_parallel.tp_size
+    if world % tp:
+        raise ConfigError(f"tensor_parallel.tp_size {tp} does not divide the world size {world}: the world is "
+                          f"data-parallel replicas x tensor-parallel ranks, so it must be a multiple of {tp}")
+    if tp > 1:
+        check_heads(model, tp, "tensor_parallel.tp_size")
+    shard_cfg = _shard_config(cfg, world)
+    int8 = cfg.dtype == torch.int8
+    if not int8:
+        model.to(cfg.dtype)  # DeepSpeed's _convert_to_dtype (a meta model is converted too)
+    targets = int8_targets(model) if int8 else []
+    for path in targets:  # held whole per rank, outside ZeRO's units, until quantised (`_int8.py`)
+        model.get_submodule(path).weight.requires_grad_(False)
+    model.eval()
+    sm = shard(model, config=shard_cfg, device=_default_device())
+    params = initial_params(sm, cfg.checkpoint_path, stacklevel=4)
+    compute = sm.policy.compute_dtype or sm.plan.param_dtype
+    frozen, buffers = sm.constants
+    if targets:
+        frozen = quantize_model(sm.module, frozen, targets)
+        sm.replace_constants(frozen, buffers)
+    state = TrainState(params={n: t.to(compute) for n, t in params.items()}, master=None, opt_state=None,
+                       frozen=frozen, buffers=buffers, step=torch.zeros((), dtype=torch.int64), loss_scale=None,
+                       sharding=sm.sharding)
+    return InferenceEngine(sm, state, cfg)
+
+
+def _check_model(model: Any, cfg: InferenceConfig) -> None:
+    if isinstance(model, (ShardedModule, TrainState)):
+        what = "int8 weights cannot be trained, and a" if cfg.dtype == torch.int8 else "a"
+        raise ConfigError(
+            f"init_inference takes the model itself (an nn.Module, on any device or the meta device), not a "
+            f"{type(model).__name__}: {what} {type(model).__name__} belongs to training (its optimizer state and "
+            "master weights). Export the trained weights (fnzero.checkpoint.export, or sm.state_dict(state) saved "
+            "with safetensors) and call init_inference(fresh model, checkpoint=that file or directory)")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"init_inference takes an nn.Module, got a {type(model).__name__}")
+
+
+def _shard_config(cfg: InferenceConfig, world: int):
+    """The training-config form of the inference keys `fnzero.shard` reads: the ZeRO section, the
+    tensor-parallel size and the 16-bit precision block."""
+    zero = dict(cfg.zero)
+    offload = zero.get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+        raise ConfigError("`zero.offload_optimizer` asks to offload an optimizer, and an inference engine has none "
+                          "(int8 weights cannot be trained either); remove it")
+    param_device = (zero.get("offload_param") or {}).get("device") if isinstance(zero.get("offload_param"), dict) else None
+    if param_device == "nvme":
+        raise ConfigError("`zero.offload_param` device nvme: fnzero reads stage-3 parameter shards from the NVMe "
+                          "store of an NVMe-offloaded optimizer, which an inference engine does not have; use device "
+                          "cpu, or no offload")
+    if cfg.dtype == torch.int8 and zero.get("stage") == 3:
+        raise ConfigError("dtype int8 with `zero.stage` 3: int8 weights are held whole on each rank (tensor-parallel "
+                          "slices), outside the units ZeRO-3 shards; use stage 0, or a floating dtype")
+    raw = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+           # Whole logits out of the LM head (gathered over the vocabulary), as the model's callers expect.
+           "tensor_parallel": {"autotp_size": cfg.tensor_parallel.tp_size if cfg.tensor_parallel.tp_size > 1 else 0,
+                               "vocab_parallel_lm_head": False}}
+    if cfg.dtype in PRECISION_BLOCK:
+        raw[PRECISION_BLOCK[cfg.dtype]] = {"enabled": True}
+    try:
+        return load_config(raw, world_size=world)
+    except ConfigError as err:
+        raise ConfigError(f"DeepSpeed-Inference's `zero` section is read as a training config's "
+                          f"zero_optimization: {err}") from None
