@@ -48,6 +48,8 @@ memory                      exact per-rank model-state bytes, the ZeRO formulas 
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
     CollectivesBase derives the async and option-taking forms for a custom backend.
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
+generate                    text from a sharded model (any stage, tensor-parallel, offloaded): greedy or
+    sampled as transformers' `generate()`, with a KV cache, the same tokens on every rank (`specs/generation.md`).
 tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
 FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
 """
@@ -78,6 +80,7 @@ _LAZY = {
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
     ), ".train"),
+    "generate": ".inference",
 }
 
 
@@ -115,6 +118,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     )
     from .sharding.construct._world_config import hf_auto_values, load_config
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
+    from .inference import generate
 
 
 __all__ = [
@@ -130,6 +134,7 @@ __all__ = [
     "DistInfo",
     "DistributedError",
     "FnzeroError",
+    "generate",
     "hf_auto_values",
     "JitWarning",
     "JittedStep",
