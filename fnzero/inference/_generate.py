@@ -9,13 +9,15 @@ the same tokens whatever the bits of their logits.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
 from ..sharding.tp._ops import gather_from_tp
+from ..sharding.zero._runtime import STEP_RUNS
 from ._model_calls import ModelCalls, max_positions, model_calls
 from ._prompt import agree_on_prompt, attention_mask_for, check_length
 from ._sampling import choose_tokens
@@ -104,10 +106,11 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
     seq = ids
     for step in range(settings.max_new_tokens):
         feed = seq if cache is None or step == 0 else seq[:, -1:]
-        if calls.keywords:
-            out = sm.apply(params, **calls.inputs(feed, step_mask, positions, cache))
-        else:
-            out = sm.apply(params, feed)
+        with _runs_released():
+            if calls.keywords:
+                out = sm.apply(params, **calls.inputs(feed, step_mask, positions, cache))
+            else:
+                out = sm.apply(params, feed)
         logits = _full_vocab(sm, calls.last_logits(out))
         del out  # the prefill's whole-sequence logits are not kept into the next token
         tokens = _agreed_tokens(sm, logits, settings, generator)
@@ -123,6 +126,23 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
         if positions is not None:
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
     return seq
+
+
+@contextlib.contextmanager
+def _runs_released() -> Iterator[None]:
+    """Release the apply runs of one forward as soon as it returns. A stage-3 run and its units'
+    runtimes reference each other, and the run keeps the root unit's gathered buffer bound: left
+    to the cycle collector, several tokens' root buffers (embeddings and LM head, the largest
+    unit of a language model) would be alive at once. With no backward to come, nothing needs
+    them after the forward (the step does the same after its backward, `ApplyRun.release`)."""
+    runs: list = []
+    token = STEP_RUNS.set(runs)
+    try:
+        yield
+    finally:
+        STEP_RUNS.reset(token)
+        for run in runs:
+            run.release()
 
 
 def _full_vocab(sm, logits: torch.Tensor) -> torch.Tensor:
