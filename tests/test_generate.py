@@ -35,16 +35,16 @@ def build(kind: str) -> torch.nn.Module:
         if kind == "llama":  # RoPE, GQA; pad 0 in its config
             c = t.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                              bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.5)  # fmt: skip
             return t.LlamaForCausalLM(c).eval()
         if kind == "gpt2":  # learned positions, fused q|k|v Conv1D, tied head; no pad token
             c = t.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0,
-                             embd_pdrop=0, attn_pdrop=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+                             embd_pdrop=0, attn_pdrop=0, bos_token_id=1, eos_token_id=2, initializer_range=0.5)  # fmt: skip
             return t.GPT2LMHeadModel(c).eval()
         if kind == "qwen2":  # biased q/k/v projections
             c = t.Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                              bos_token_id=1, eos_token_id=2)  # fmt: skip
+                              bos_token_id=1, eos_token_id=2, initializer_range=0.5)  # fmt: skip
             return t.Qwen2ForCausalLM(c).eval()
     raise ValueError(kind)
 
