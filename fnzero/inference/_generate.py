@@ -81,7 +81,8 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
 def _check_ids(input_ids: Any) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
             or input_ids.dtype == torch.bool or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:  # fmt: skip
-        got = f"shape {tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        got = (f"shape {tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
+               else type(input_ids).__name__)
         raise ShardingError(f"generate: input_ids must be a non-empty (batch, prompt) tensor of token ids, got {got}")
     return input_ids.long()
 
@@ -161,7 +162,10 @@ def _agreed_tokens(sm, logits: torch.Tensor, settings: GenerationSettings,
     through each group (a broadcast's source is a global rank; a sum needs none)."""
     groups = _groups(sm)
     chooser = all(g.rank == 0 for g in groups)
-    tokens = choose_tokens(logits, settings, generator) if chooser else logits.new_zeros(logits.shape[0], dtype=torch.long)
+    if chooser:
+        tokens = choose_tokens(logits, settings, generator)
+    else:
+        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     for g in groups:
         if g.world_size > 1:
             tokens = g.all_reduce(tokens if g.rank == 0 else torch.zeros_like(tokens))
