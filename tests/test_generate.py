@@ -88,7 +88,7 @@ def test_tokens_equal_transformers_generate(kind, world, tp, zero, use_cache, tm
         nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
         zero = {"offload_param": nvme, "offload_optimizer": nvme}
     eos, want_greedy, want_sampled = reference(kind, use_cache)
-    cfg = config(world // tp, zero=zero, tp=tp)
+    cfg = config(world, zero=zero, tp=tp)
 
     def rank(comm):
         sm = fnzero.shard(build(kind), config=cfg, comm=comm)
@@ -178,7 +178,7 @@ def test_bad_input_is_one_clear_error():
 def _generate_on_a_gloo_rank() -> tuple[torch.Tensor, torch.Tensor]:
     import torch.distributed as dist
 
-    cfg = config(dist.get_world_size() // 2, tp=2)
+    cfg = config(dist.get_world_size(), tp=2)
     sm = fnzero.shard(build("llama"), config=cfg)
     state = sm.init_state()
     eos, _, _ = reference("llama")
