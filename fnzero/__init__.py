@@ -54,6 +54,8 @@ memory                      exact per-rank model-state bytes, the ZeRO formulas 
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
     CollectivesBase derives the async and option-taking forms for a custom backend.
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
+generate                    text from a sharded model (any stage, tensor-parallel, offloaded): greedy or
+    sampled as transformers' `generate()`, with a KV cache, the same tokens on every rank (`specs/generation.md`).
 tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
 FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
 """
@@ -81,7 +83,7 @@ _LAZY = {
         "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
     ), ".sharding"),
     **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding.construct._world_config"),
-    **dict.fromkeys(("InferenceEngine", "init_inference"), ".inference"),
+    **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
     ), ".train"),
@@ -121,7 +123,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         init_distributed, make_mesh, shard, vocab_parallel_cross_entropy,
     )
     from .sharding.construct._world_config import hf_auto_values, load_config
-    from .inference import InferenceEngine, init_inference
+    from .inference import InferenceEngine, generate, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 
@@ -138,6 +140,7 @@ __all__ = [
     "DistInfo",
     "DistributedError",
     "FnzeroError",
+    "generate",
     "hf_auto_values",
     "InferenceEngine",
     "init_inference",
