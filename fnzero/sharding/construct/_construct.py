@@ -141,12 +141,17 @@ def shard(
                        buffers, tp=tp_layout, pp=pipe, watchdog=watchdog)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
+    _wrap_sharded_units(model, plan, sm)
+    return sm
+
+
+def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
+    """Route each module whose trainable or frozen unit is sharded through the apply run, once."""
     wrapped = set()
-    for u in (*plan.units, *plan.frozen_units):  # a module with a trainable unit, a frozen one, or both
+    for u in (*plan.units, *plan.frozen_units):
         if u.placement.params and u.module != "" and u.module not in wrapped:
             wrapped.add(u.module)
             wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
-    return sm
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
