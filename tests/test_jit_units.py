@@ -188,7 +188,8 @@ def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
     # the recomputed forward would be eager while the first was compiled (dropout draws differ).
     from types import SimpleNamespace
 
-    from fnzero.sharding.zero._runtime import UNIT_COMPILER, _forward_to_run
+    from fnzero.sharding.zero._runtime import UNIT_COMPILER
+    from fnzero.sharding.zero._unit_forward import _forward_to_run
 
     module, inner = torch.nn.Linear(2, 2), (lambda x: x)
     compiled = lambda m, f: ("compiled", m, f)  # noqa: E731

@@ -289,11 +289,19 @@ def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_
         for s in u["slots"]:
             for name in _names(s, tied):
                 entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
+    for u in [] if exclude_frozen else rd.index.get("frozen_units", []):  # stage 3 (`_frozen.py`)
+        key = f"frozen/{u['name']}"
+        if key not in rd.tensors:  # saved with exclude_frozen_parameters
+            continue
+        dt = _cast_dtype(rd.dtype(key), want)
+        for s in u["slots"]:
+            for name in _names(s, tied):
+                entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
     for kind in ("frozen", "buffers"):
         if kind == "frozen" and exclude_frozen:
             continue
         for key, t in rd.tensors.items():
-            if key.startswith(kind + "/"):
+            if key.startswith(kind + "/") and "unit" not in t:
                 dt = _cast_dtype(rd.dtype(key), want)
                 entries.append(_Entry(key[len(kind) + 1:], t["shape"], dt, _reader_fill(rd, key, 0, dt)))
     return entries

@@ -20,9 +20,9 @@ class _Gathered:
     group, one at a time, each after a round (`_one_writer.py`): the writer asks for a unit when
     it writes it, the others take part in the same gathers."""
 
-    def __init__(self, plan, src: dict, comm, rounds: Rounds):
-        self.units, self.src, self.comm, self.rounds = plan.units, src, comm, rounds
-        self.index = {u.name: i for i, u in enumerate(plan.units)}
+    def __init__(self, units, src: dict, comm, rounds: Rounds):
+        self.units, self.src, self.comm, self.rounds = units, src, comm, rounds
+        self.index = {u.name: i for i, u in enumerate(units)}
         self.next, self.full = 0, None  # the next unit to gather; the last one gathered (one alive at a time)
 
     def upto(self, i: int) -> bool:
@@ -83,21 +83,25 @@ def export_live(
     plan, comm = state.sharding.plan, state.sharding.comm
     writes = comm.rank == 0 and (tp is None or tp.rank == 0)
     rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
-    units = _Gathered(plan, state.master if state.master is not None else state.params, comm, rounds)
+    units = _Gathered(plan.units, state.master if state.master is not None else state.params, comm, rounds)
+    # Stage 3's frozen units, gathered after every trainable unit (`_live_entries`), unless left out.
+    frozen = _Gathered(() if exclude_frozen else plan.frozen_units, state.frozen, comm, rounds)
     if not writes:
-        units.upto(len(plan.units) - 1)
+        units.upto(len(units.units) - 1)
+        frozen.upto(len(frozen.units) - 1)
         return rounds.result()
 
     def write() -> list[str]:
-        paths = _write_all(_live_entries(state, units, want, tied, exclude_frozen), out, format, max_shard_size,
-                           progress, {"format": "pt", "fnzero_step": str(int(state.step))})
-        units.upto(len(plan.units) - 1)  # units with nothing to write: the others gather them too
+        paths = _write_all(_live_entries(state, units, frozen, want, tied, exclude_frozen), out, format,
+                           max_shard_size, progress, {"format": "pt", "fnzero_step": str(int(state.step))})
+        units.upto(len(units.units) - 1)  # units with nothing to write: the others gather them too
+        frozen.upto(len(frozen.units) - 1)
         return paths + write_hf_files(hf, os.path.dirname(paths[0]), want)
 
     return rounds.write(write)
 
 
-def _live_entries(state, units: _Gathered, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
+def _live_entries(state, units: _Gathered, frozen: _Gathered, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
     """What `export_live` writes from a (tensor-parallel: consolidated) state."""
     src = state.master if state.master is not None else state.params
     entries = []
@@ -107,7 +111,19 @@ def _live_entries(state, units: _Gathered, want, tied: str, exclude_frozen: bool
             for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
                 entries.append(_Entry(name, s.shape, dt,
                                       lambda a, b, u=u, o=s.offset, dt=dt: units.of(u.name)[o + a: o + b].to(dt)))
-    for kind, named in (("frozen", state.frozen), ("buffers", state.buffers)):
+    last = len(units.units) - 1
+
+    def frozen_piece(u, o: int, a: int, b: int, dt) -> torch.Tensor:
+        units.upto(last)  # every rank gathers the trainable units first, whatever was written
+        return frozen.of(u.name)[o + a: o + b].to(dt)
+
+    for u in frozen.units:
+        dt = _cast_dtype(state.frozen[u.name].dtype, want)
+        for s in u.slots:
+            for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
+                entries.append(_Entry(name, s.shape, dt, lambda a, b, u=u, o=s.offset, dt=dt: frozen_piece(u, o, a, b, dt)))
+    whole = {n: state.frozen[n] for n in state.sharding.plan.frozen}
+    for kind, named in (("frozen", whole), ("buffers", state.buffers)):
         if kind == "frozen" and exclude_frozen:
             continue
         for name, t in named.items():

@@ -220,30 +220,14 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
         cuda = r.get("cuda")
         if cuda is not None and not (isinstance(cuda, list) and all(isinstance(c, bytes) for c in cuda)):
             raise CheckpointError(f"index.rng[{i}].cuda: expected a list of bytes or nil")
-    units = _req(ix, "units", list, "index")
     unit_numel: dict[str, int] = {}
-    for i, u in enumerate(units):
-        w = f"index.units[{i}]"
-        if not isinstance(u, dict):
-            raise CheckpointError(f"{w}: expected a map")
-        name = _name(u.get("name"), f"{w}.name")
-        numel = _int(u, "numel", w)
-        end = 0
-        for j, s in enumerate(_req(u, "slots", list, w)):
-            sw = f"{w}.slots[{j}]"
-            if not isinstance(s, dict):
-                raise CheckpointError(f"{sw}: expected a map")
-            _name(s.get("name"), f"{sw}.name")
-            shape = _shape(_req(s, "shape", list, sw), sw)
-            off = _int(s, "offset", sw)
-            if off != end:
-                raise CheckpointError(f"{sw}: offset {off}, expected {end} (slots must be packed in order)")
-            end = off + math.prod(shape)
-            for a in _req(s, "aliases", list, sw):
-                _name(a, f"{sw}.aliases")
-        if end != numel:
-            raise CheckpointError(f"{w}: slots cover {end} elements but numel is {numel}")
-        unit_numel[name] = numel
+    _validate_units(_req(ix, "units", list, "index"), "units", "", unit_numel)
+    frozen_units = ix.get("frozen_units", [])  # stage 3: the frozen parameters' units (`frozen/NAME` on disk)
+    if not isinstance(frozen_units, list):
+        raise CheckpointError("index.frozen_units: expected a list")
+    _validate_units(frozen_units, "frozen_units", "frozen/", unit_numel)
+    if not isinstance(ix.get("frozen_excluded", False), bool):
+        raise CheckpointError("index.frozen_excluded: expected a bool")
     files = _req(ix, "files", list, "index")
     if len(files) != world or not all(isinstance(f, int) and 0 <= f <= _INT64[1] for f in files):
         raise CheckpointError(f"index.files: expected {world} non-negative byte sizes, one per saving rank")
@@ -268,6 +252,33 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
                     f"data file {data_name(r)} is {have} bytes, the index says {size}: truncated or replaced"
                 )
     return ix
+
+
+def _validate_units(units: list, field: str, prefix: str, unit_numel: dict[str, int]) -> None:
+    """Each unit's slots packed in order and covering its numel; its numel into `unit_numel` under
+    `prefix` + its name."""
+    for i, u in enumerate(units):
+        w = f"index.{field}[{i}]"
+        if not isinstance(u, dict):
+            raise CheckpointError(f"{w}: expected a map")
+        name = _name(u.get("name"), f"{w}.name")
+        numel = _int(u, "numel", w)
+        end = 0
+        for j, s in enumerate(_req(u, "slots", list, w)):
+            sw = f"{w}.slots[{j}]"
+            if not isinstance(s, dict):
+                raise CheckpointError(f"{sw}: expected a map")
+            _name(s.get("name"), f"{sw}.name")
+            shape = _shape(_req(s, "shape", list, sw), sw)
+            off = _int(s, "offset", sw)
+            if off != end:
+                raise CheckpointError(f"{sw}: offset {off}, expected {end} (slots must be packed in order)")
+            end = off + math.prod(shape)
+            for a in _req(s, "aliases", list, sw):
+                _name(a, f"{sw}.aliases")
+        if end != numel:
+            raise CheckpointError(f"{w}: slots cover {end} elements but numel is {numel}")
+        unit_numel[prefix + name] = numel
 
 
 def _shape(shape, where) -> list[int]:

@@ -21,6 +21,7 @@ from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tp import fill_tp_leaf, tp_check_view
 from ._by_name import fill_by_name, same_units, saved_slots
+from ._frozen import fill_frozen
 from ._same_model import check_model, mismatch
 from ._tree import Leaf, rebuild_state, unit_meta
 
@@ -269,11 +270,14 @@ def load(
     tag: str | None = None,
     verify: bool = True,
     restore_rng: bool = True,
+    keep_frozen: bool = False,
 ) -> tuple[TrainState, Any]:
     """Read checkpoint `path/tag` (default: `latest`) into a state laid out like `like`; returns
     `(state, client_state)`. Any world size, stage and precision of the same model; every rank calls
     it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
-    (and CUDA) generator to the state saved by rank `rank % saved_world_size`."""
+    (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
+    `like`'s frozen parameters instead of reading them (a checkpoint saved with
+    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's)."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
@@ -283,13 +287,14 @@ def load(
         raise CheckpointError("loading into a tensor-parallel state with its optimizer on NVMe is not implemented yet")
     if is_nvme(like):
         # Load as the CPU-offload layout, then write master and moments into like's store.
-        state, client = load(path, like_in_memory(like), tag=tag, verify=verify, restore_rng=restore_rng)
+        state, client = load(path, like_in_memory(like), tag=tag, verify=verify, restore_rng=restore_rng,
+                             keep_frozen=keep_frozen)
         return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
         view = tp_check_view(like) if tp is not None else like  # whole shapes: what the files hold
         stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
-        check_model(ix, view, subset=stage_only)
+        check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
         # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
         # layers): each parameter is found by its name (`_by_name.py`).
         slots = saved_slots(ix) if stage_only or not same_units(ix, unit_meta(view.sharding.plan)) else None
@@ -297,6 +302,9 @@ def load(
         def fill(leaf: Leaf) -> torch.Tensor:
             t = leaf.tensor
             out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
+            if leaf.path.startswith("frozen/"):  # by parameter name, however it was stored (`_frozen.py`)
+                fplan = view.sharding.plan if tp is not None else None
+                return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_by_name(leaf, like, rd, slots, out, tp, fplan).reshape(t.shape).to(t.device)

@@ -127,7 +127,7 @@ def load_adapters(path, module, plan, rank: int, initial: dict[str, torch.Tensor
             with torch.no_grad():
                 for k, e in entries.items():
                     u, s = slots[names.to_model[k]]
-                    _load_slot(reader, e, u, s, None, plan, rank, initial)
+                    _load_slot(reader, e, u, s, None, initial, plan, rank)
         finally:
             reader.close()
 

@@ -4,9 +4,9 @@ A safetensors file, or a directory as transformers' `save_pretrained` writes it 
 or shards listed by `model.safetensors.index.json`). Every header is read and checked before any
 tensor data: names, shapes, dtypes and byte ranges, against the model and against the file sizes
 (a truncated file is found here, naming the file and the tensor). Then each rank reads, with
-positioned reads, only the bytes of the elements it keeps: its slice of each stage-3 unit, the
-whole unit at stages 0-2, and every frozen parameter and buffer (replicated). Values are cast to
-the dtype the model trains in.
+positioned reads, only the bytes of the elements it keeps: its slice of each stage-3 unit (frozen
+units too), the whole unit at stages 0-2, and every buffer and frozen parameter held whole
+(replicated). Values are cast to the dtype the model trains in.
 
 Written by hand rather than through `safetensors.safe_open`: the format is a length-prefixed JSON
 header and raw little-endian bytes, and positioned reads make the bytes each rank reads exact
@@ -182,8 +182,10 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     if sys.byteorder != "little":
         raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
     entries = index_pretrained(path)
-    slots = {n for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
-    known = slots | set(frozen) | set(buffers)
+    # Frozen units (stage 3) are filled like trainable ones, into `frozen` (unit -> this rank's shard).
+    units = [(u, initial) for u in plan.units] + [(u, frozen) for u in plan.frozen_units]
+    slots = {n for u, _ in units for s in u.slots for n in (s.name, *s.aliases)}
+    known = slots | set(plan.frozen) | set(buffers)
     peft = peft_names(known)  # a PEFT model reads its base model's names (`_peft_names.py`)
     entries = _adapt_prefix(entries, peft.base_names() if peft else known, base_prefix)
     entries = peft.to_model(entries) if peft else entries
@@ -196,7 +198,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
         )
     jobs: list[tuple[str, TensorEntry, Any]] = []  # (model name, entry, where it goes)
     bad_shape, missing = [], []
-    for u in plan.units:
+    for u, target in units:
         for s in u.slots:
             e = next((entries[n] for n in (s.name, *s.aliases) if n in entries), None)
             if e is None:
@@ -206,9 +208,10 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             want = tuple(split.full_shape) if split is not None else tuple(s.shape)
             if e.shape != want:
                 bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(want)}")
-            jobs.append((s.name, e, (u, s, split)))
-    for table in (frozen, buffers):
-        for n, t in table.items():
+            jobs.append((s.name, e, (u, s, split, target)))
+    for table, names in ((frozen, plan.frozen), (buffers, list(buffers))):
+        for n in names:
+            t = table[n]
             if n not in entries:
                 if table is frozen or n in persistent:
                     missing.append(n)
@@ -257,8 +260,8 @@ class PretrainedLoad:
         try:
             with torch.no_grad():
                 for name, e, where in self.jobs:
-                    if len(where) == 3:
-                        _load_slot(reader, e, *where, self.plan, self.rank, self.initial, self.tp)
+                    if len(where) == 4:
+                        _load_slot(reader, e, *where, self.plan, self.rank, self.tp)
                     else:
                         table, split = where
                         t = table[name]
@@ -272,11 +275,11 @@ class PretrainedLoad:
         return self.report
 
 
-def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, split, plan, rank: int, initial: dict[str, torch.Tensor],
+def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, split, held: dict[str, torch.Tensor], plan, rank: int,
                tp=None) -> None:  # fmt: skip
-    """The elements of `slot` that this rank holds, read from `e` into the unit's buffer (a
-    tensor-parallel slice: the whole tensor read, then cut)."""
-    buf = initial[unit.name]
+    """The elements of `slot` that this rank holds, read from `e` into the unit's buffer in `held`
+    (a tensor-parallel slice: the whole tensor read, then cut)."""
+    buf = held[unit.name]
     lo, hi = unit.shard_range(rank) if plan.params_sharded(unit) else (0, unit.padded_numel)
     a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
     if a >= b:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .._errors import CheckpointError
 from .._state import TrainState
+from ._frozen import check_frozen
 from ._tree import unit_meta
 
 __all__ = ["check_model", "mismatch"]
@@ -23,21 +24,24 @@ def _slot_shapes(units) -> dict[str, tuple]:
     return {n: _shape(s["shape"]) for u in units for s in u["slots"] for n in (s["name"], *s["aliases"])}
 
 
-def check_model(ix: dict, like: TrainState, subset: bool = False) -> None:
-    """Same trainable parameters (names, shapes), same frozen parameters and buffers, else one
-    `CheckpointError` listing the differences. `subset`: the state may hold fewer parameters (a
-    pipeline stage), none of another shape."""
+def check_model(ix: dict, like: TrainState, subset: bool = False, keep_frozen: bool = False) -> None:
+    """Same trainable parameters (names, shapes), same frozen parameters (unless kept from
+    `like`, or left out of the checkpoint) and buffers, else one `CheckpointError` listing the
+    differences. `subset`: the state may hold fewer parameters (a pipeline stage), none of
+    another shape."""
     saved, mine = _slot_shapes(ix["units"]), _slot_shapes(unit_meta(like.sharding.plan))
     only_mine = [n for n in mine if n not in saved]
     only_saved = [] if subset else [n for n in saved if n not in mine]
     reshaped = [(n, mine[n], saved[n]) for n in mine if n in saved and saved[n] != mine[n]]
-    for kind, what in (("frozen", "frozen parameter"), ("buffers", "buffer")):
-        for n, t in getattr(like, kind).items():
-            e = ix["tensors"].get(f"{kind}/{n}")
-            if e is None:
-                only_mine.append(f"{n} ({what})")
-            elif _shape(e.get("shape")) != tuple(t.shape):
-                reshaped.append((f"{n} ({what})", tuple(t.shape), _shape(e.get("shape"))))
+    frozen_missing, frozen_reshaped = check_frozen(ix, like, keep_frozen)
+    only_mine += frozen_missing
+    reshaped += frozen_reshaped
+    for n, t in like.buffers.items():
+        e = ix["tensors"].get(f"buffers/{n}")
+        if e is None:
+            only_mine.append(f"{n} (buffer)")
+        elif _shape(e.get("shape")) != tuple(t.shape):
+            reshaped.append((f"{n} (buffer)", tuple(t.shape), _shape(e.get("shape"))))
     if only_mine or only_saved or reshaped:
         raise CheckpointError(describe(only_mine, only_saved, reshaped))
 

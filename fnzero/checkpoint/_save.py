@@ -38,7 +38,7 @@ from ._io import wait_for
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
 from ._protocol import Where, index_head, start, mark_failed, write_and_commit, write_rank
-from ._tree import state_leaves, unit_meta
+from ._tree import state_leaves, unit_meta, units_by_key
 
 __all__ = ["save", "SaveHandle"]
 
@@ -157,18 +157,21 @@ def _rng_state() -> dict:
     return out
 
 
-def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None):
-    """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order.
+def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None, exclude_frozen: bool = False):
+    """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order;
+    nothing of the frozen parameters with `exclude_frozen`.
 
     `group` (a node-local save, `_nodes.py`): the ranks sharing this rank's directory. Each group
     then writes a whole copy of what is replicated: its first rank the non-unit leaves, its ranks
     in equal parts the unit leaves every rank holds whole."""
     plan, rank = state.sharding.plan, state.sharding.rank
-    units = {u.name: u for u in plan.units}
+    units = units_by_key(plan)
     seen: set[tuple[str, int, int]] = set()
     metas: dict[str, dict] = {}
     out = []
     for leaf in state_leaves(state):
+        if exclude_frozen and leaf.path.startswith("frozen/"):
+            continue
         t = leaf.tensor.detach()
         if leaf.key in metas and metas[leaf.key]["dtype"] != F.dtype_name(t.dtype):
             raise CheckpointError(f"{leaf.path}: dtype {t.dtype} differs from another leaf stored as {leaf.key!r}")
@@ -221,7 +224,7 @@ def _node_local_save(at: Where, comm, device, groups, metas, pieces, extra, head
         raise CheckpointError(f"rank(s) {sorted(failed)} failed to write their part of {tag!r}: {failed}")
     leader = groups.leader(rank)
     if rank == leader:
-        units = {u.name: u.numel for u in plan.units}
+        units = {k: u.numel for k, u in units_by_key(plan).items()}
         numel = {k: units[m["unit"]] if "unit" in m else math.prod(m["shape"]) for k, m in metas.items()}
         commit(at.root, tag, staging, merge_for_group(parts, head, groups, rank, numel), nonce, at.update_latest)
     else:
@@ -239,8 +242,14 @@ def save(
     update_latest: bool = True,
     timeout: float = 1800.0,
     node_local: bool | None = None,
+    exclude_frozen_parameters: bool = False,
 ) -> SaveHandle:
     """Write `state` as checkpoint `path/tag` (default tag `step_{state.step}`). Every rank calls it.
+
+    `exclude_frozen_parameters` (DeepSpeed's `save_checkpoint` keyword): leave the frozen
+    (requires_grad=False) parameters out, as a LoRA run's small checkpoint; loading it then needs
+    them from elsewhere (`load(..., keep_frozen=True)` into a state made with
+    `init_state(pretrained=base)`). `specs/checkpoint-format.md` §Frozen parameters.
 
     `client_state`: plain data (msgpack-able) returned by `load`. `config`: a `fnzero.Config`
     stored as JSON. `blocking=False` copies this rank's part of the state to CPU memory, writes it in
@@ -257,10 +266,14 @@ def save(
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+        if exclude_frozen_parameters:
+            raise CheckpointError("save(..., exclude_frozen_parameters=True) of a pipeline-parallel state is not "
+                                  "implemented yet")
         return _save_pipelined(path, state, tag, client_state, config, update_latest, timeout, node_local)
     if state.sharding.tp is not None and state.sharding.tp.size > 1:
         return _save_tensor_parallel(path, state, tag=tag, client_state=client_state, config=config,
-                                     update_latest=update_latest, timeout=timeout, node_local=node_local)
+                                     update_latest=update_latest, timeout=timeout, node_local=node_local,
+                                     exclude_frozen_parameters=exclude_frozen_parameters)
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):
@@ -303,10 +316,11 @@ def save(
     if rank == leader != 0:
         clean_stale(root, keep=staging)
 
-    metas, pieces = _pieces(state, copy=not blocking, group=group)
+    metas, pieces = _pieces(state, copy=not blocking, group=group, exclude_frozen=exclude_frozen_parameters)
     extra = {"nonce": nonce, "rng": _rng_state()}
     plan = sh.plan
-    head = index_head(state, tag, nonce, world, cfg_json, client_state, units=unit_meta(plan))
+    head = index_head(state, tag, nonce, world, cfg_json, client_state, units=unit_meta(plan),
+                      frozen_units=unit_meta(plan, frozen=True), frozen_excluded=bool(exclude_frozen_parameters))
     at = Where(root, staging, tag, nonce, rank, world, update_latest, timeout)
 
     def work():

@@ -5,7 +5,11 @@ Every tensor of a state is either
   buffer, a rank's shard, or one parameter's slot: Lamb's per-parameter state at stage 0). On disk it
   is stored under a *key* naming the unit (`opt_state/exp_avg/blocks.0`), as element ranges of that
   unit's real elements `[0, unit.numel)`, whatever world size or stage wrote it; or
-* a *replicated leaf* (frozen parameters, buffers, optimizer step counts), stored whole under its path.
+* a *replicated leaf* (frozen parameters held whole, buffers, optimizer step counts), stored whole
+  under its path.
+
+A frozen unit's buffer (stage 3, `ShardPlan.frozen_units`) is a unit leaf of unit `frozen/NAME`
+(its name is the trainable unit's of the same module; no unit name holds a slash).
 
 Paths join field names, NamedTuple field names, dict keys and list indices with '/', which no
 module path or state_dict name contains.
@@ -22,7 +26,9 @@ from .._errors import CheckpointError
 from ..sharding.zero._plan import ShardPlan
 from .._state import TrainState
 
-__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta"]
+__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN"]
+
+FROZEN = "frozen/"  # a frozen unit's name on disk and in `Leaf.unit`: FROZEN + its name
 
 
 @dataclasses.dataclass
@@ -72,13 +78,20 @@ def _rebuild(obj: Any, path: str, fn: Callable[[str, torch.Tensor], torch.Tensor
 _FIELDS = ("params", "master", "opt_state", "frozen", "buffers")
 
 
+def units_by_key(plan: ShardPlan) -> dict:
+    """Every unit by its name in `Leaf.unit` and on disk: trainable units by name, frozen ones as
+    FROZEN + name."""
+    return {**{u.name: u for u in plan.units}, **{FROZEN + u.name: u for u in plan.frozen_units}}
+
+
 def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> Leaf:
     top = path.split("/", 1)[0]
     prefix, _, last = path.rpartition("/")
-    if top in ("frozen", "buffers") or not prefix:
+    frozen_unit = plan.frozen_unit(last) if prefix == "frozen" else None
+    if (top in ("frozen", "buffers") and frozen_unit is None) or not prefix:
         return Leaf(path, path, t)
-    units = {u.name: u for u in plan.units}
-    u = units.get(last)
+    u = frozen_unit if frozen_unit is not None else plan.trainable_unit(last)
+    name = FROZEN + last if frozen_unit is not None else last
     if u is not None and t.dim() == 1:
         if t.numel() == u.padded_numel:
             lo = 0
@@ -89,7 +102,7 @@ def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> 
                 f"{path}: {t.numel()} elements is neither unit {u.name!r}'s full buffer ({u.padded_numel}) "
                 f"nor its shard ({u.shard_numel}); the state does not match its own plan"
             )
-        return Leaf(path, path, t, u.name, lo, lo + t.numel())
+        return Leaf(path, path, t, name, lo, lo + t.numel())
     hit = slots.get(last)
     if hit is not None and tuple(t.shape) == hit[1].shape:
         u, slot = hit
@@ -125,13 +138,14 @@ def rebuild_state(like: TrainState, fn: Callable[[Leaf], torch.Tensor], **change
     return like.replace(**new, **changes)
 
 
-def unit_meta(plan: ShardPlan) -> list[dict]:
-    """The model's trainable-parameter layout as stored in the index (and compared at load)."""
+def unit_meta(plan: ShardPlan, frozen: bool = False) -> list[dict]:
+    """The model's trainable-parameter layout as stored in the index (and compared at load); with
+    `frozen`, its frozen units' (the index's `frozen_units`)."""
     return [
         {
             "name": u.name,
             "numel": u.numel,
             "slots": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "aliases": list(s.aliases)} for s in u.slots],
         }
-        for u in plan.units
+        for u in (plan.frozen_units if frozen else plan.units)
     ]

@@ -3,7 +3,8 @@
 `model_state_bytes(state)` counts what the state holds (parameters, master weights, optimizer
 state, unique storage only) plus the gradient buffer the step holds: the whole padded unit where
 gradients are replicated (stages 0-1), this rank's shard where they are sharded (stages 2-3), in
-the gradient-accumulation dtype.
+the gradient-accumulation dtype. Frozen parameters are counted apart, as held: this rank's shard
+of each frozen unit at stage 3, whole at stages 0-2 (`specs/sharding.md` §Frozen parameters).
 `zero_formula(...)` gives the ZeRO paper's figure for comparison.
 """
 
@@ -27,10 +28,11 @@ class ModelStateBytes:
     master: int
     optimizer: int
     grads: int
+    frozen: int = 0  # requires_grad=False parameters, as held (shards at stage 3)
 
     @property
     def total(self) -> int:
-        return self.params + self.master + self.optimizer + self.grads
+        return self.params + self.master + self.optimizer + self.grads + self.frozen
 
 
 def _unique_bytes(tree, seen: set) -> int:
@@ -62,7 +64,8 @@ def model_state_bytes(state: TrainState, grad_dtype: torch.dtype | None = None) 
     grads = 0
     for u in plan.units:
         grads += (u.shard_numel if u.placement.grads else u.padded_numel) * esize
-    return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads)
+    frozen = _unique_bytes(state.frozen, seen)
+    return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads, frozen=frozen)
 
 
 def zero_formula(num_params: int, stage: int, world_size: int, mixed_precision: bool) -> float:

@@ -30,6 +30,16 @@ def _unit_tensor(parts: list[torch.Tensor], unit) -> torch.Tensor:
     return full.reshape(-1)[: unit.numel].detach().clone()
 
 
+def _frozen_by_name(states: Sequence[fnzero.TrainState]) -> dict[str, torch.Tensor]:
+    """The frozen parameters by name, whether held whole or (stage 3) in frozen units."""
+    plan = states[0].sharding.plan
+    out = {n: states[0].frozen[n] for n in plan.frozen}
+    for u in plan.frozen_units:
+        full = _unit_tensor([s.frozen[u.name] for s in states], u)
+        out.update({s.name: full[s.offset: s.offset + s.numel].view(s.shape) for s in u.slots})
+    return out
+
+
 def consolidate(states: Sequence[fnzero.TrainState]) -> dict[str, Any]:
     """The logical content of one TrainState per rank (rank order) as one world-size-independent
     pytree: `params`, `master`, `opt_state` (unit-indexed leaves consolidated), `frozen`,
@@ -57,7 +67,7 @@ def consolidate(states: Sequence[fnzero.TrainState]) -> dict[str, Any]:
         "params": by_unit("params"),
         "master": by_unit("master"),
         "opt_state": optree.tree_unflatten(spec, merged),
-        "frozen": dict(s0.frozen),
+        "frozen": _frozen_by_name(states),
         "buffers": dict(s0.buffers),
         "step": s0.step,
         "loss_scale": s0.loss_scale,

@@ -19,6 +19,7 @@ from .._errors import ShardingError
 from .._state import TrainState
 from ..checkpoint._peft_adapters import load_adapters
 from ..checkpoint._pretrained import load_pretrained
+from ..sharding.construct._initial import frozen_checksum_key
 from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
 from ..sharding.zero._param_store import placeholder
 from ..sharding.zero._gather import unit_views
@@ -103,7 +104,8 @@ def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
     kept only its shard, so there is nothing left to broadcast, and a silent repair would hide
     a seed bug that also shows in dropout and data order.)"""
     sums, world = sm.initial_values().checksums, sm.comm.world_size
-    names = [u.name for u in sm.plan.units if u.name in sums and not all(s.name in loaded for s in u.slots)]
+    keyed = [(u.name, u) for u in sm.plan.units] + [(frozen_checksum_key(u), u) for u in sm.plan.frozen_units]
+    names = [k for k, u in keyed if k in sums and not all(s.name in loaded for s in u.slots)]
     if world == 1 or not names:
         return
     every = sm.comm.all_gather(torch.stack([sums[n] for n in names]).reshape(-1)).view(world, len(names), 2)

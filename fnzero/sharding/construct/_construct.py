@@ -22,7 +22,8 @@ from ._initial import InitialValues, initial_from_meta, initial_from_model, is_r
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
 from ..zero._plan import ShardPlan, make_plan, unit_predicate
-from ..zero._runtime import ACTIVE_RUN, wrap_unit_forward
+from ..zero._runtime import ACTIVE_RUN
+from ..zero._unit_forward import wrap_unit_forward
 
 __all__ = ["shard"]
 
@@ -121,7 +122,10 @@ def shard(
             f"zero_optimization.offload_param device 'nvme' needs sharded parameters, stage 3 (this run is "
             f"stage {policy.placement.stage})"
         )
-    plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold)
+    # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
+    # parameters), except tensor-parallel slices, which stay whole by name.
+    plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold,
+                     shard_frozen=tp_layout is None)
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         initial, frozen, buffers, uninitialised = initial_from_meta(
@@ -137,10 +141,17 @@ def shard(
                        buffers, tp=tp_layout, pp=pipe, watchdog=watchdog)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
-    for u in plan.units:
-        if u.placement.params and u.module != "":
-            wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
+    _wrap_sharded_units(model, plan, sm)
     return sm
+
+
+def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
+    """Route each module whose trainable or frozen unit is sharded through the apply run, once."""
+    wrapped = set()
+    for u in (*plan.units, *plan.frozen_units):
+        if u.placement.params and u.module != "" and u.module not in wrapped:
+            wrapped.add(u.module)
+            wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,

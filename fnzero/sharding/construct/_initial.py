@@ -48,10 +48,11 @@ def is_released(model: nn.Module) -> bool:
 
 
 def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device,
-          checksums: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+          checksums: dict[str, torch.Tensor] | None = None, key: str | None = None) -> torch.Tensor:
     """This rank's part of `unit`'s flat buffer (its shard where parameters are sharded, else the
     whole buffer); `fill(name, lo, hi, out)` writes elements [lo, hi) of parameter `name`'s flat
-    value into `out`. Only the part kept is filled, unless the whole buffer's checksum is asked."""
+    value into `out`. Only the part kept is filled, unless the whole buffer's checksum is asked
+    (stored under `key`, default the unit's name)."""
     lo, hi = (0, unit.padded_numel) if checksums is not None or not plan.params_sharded(unit) else unit.shard_range(rank)
     flat = torch.empty(hi - lo, dtype=plan.param_dtype, device=device)
     flat[max(0, unit.numel - lo) :].zero_()  # the padding: the slots lie back to back from 0 to numel
@@ -60,7 +61,7 @@ def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device
         if a < b:
             fill(slot.name, a - slot.offset, b - slot.offset, flat[a - lo : b - lo])
     if checksums is not None:
-        checksums[unit.name] = checksum(flat)
+        checksums[key or unit.name] = checksum(flat)
         if plan.params_sharded(unit):
             lo, hi = unit.shard_range(rank)
             flat = flat[lo:hi].clone()
@@ -89,6 +90,16 @@ def _release(owners, p: torch.Tensor) -> None:
         mod._parameters[leaf] = ph
 
 
+def frozen_checksum_key(unit: UnitPlan) -> str:
+    """Where a frozen unit's checksum is kept beside the trainable units' (same names)."""
+    return f"{unit.name} (frozen)"
+
+
+def _frozen_dtype(plan: ShardPlan, compute_dtype: torch.dtype | None) -> torch.dtype:
+    # Frozen parameters take part in the 16-bit forward like the trainable ones.
+    return compute_dtype or plan.param_dtype
+
+
 def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
                        compute_dtype: torch.dtype | None, checksums: dict[str, torch.Tensor] | None) -> Initial:
     """From a model built on a real device; its parameter storage is released unit by unit, so
@@ -100,10 +111,17 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
     buffers = {n: b.detach().to(device) for n, b in model.named_buffers()}
     owners = _owners(model)
     initial = {}
+
+    def fill(n: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        out.copy_(named[n].detach().reshape(-1)[lo:hi])
+
     with torch.no_grad():
-        for u in plan.units:
-            initial[u.name] = _flat(u, plan, rank, lambda n, lo, hi, out: out.copy_(named[n].detach().reshape(-1)[lo:hi]),
-                                    device, checksums)
+        for u in (*plan.units, *plan.frozen_units):
+            if u in plan.frozen_units:  # (a frozen unit's name is its module's trainable unit's)
+                flat = _flat(u, plan, rank, fill, device, checksums, frozen_checksum_key(u))
+                frozen[u.name] = flat.to(_frozen_dtype(plan, compute_dtype))
+            else:
+                initial[u.name] = _flat(u, plan, rank, fill, device, checksums)
             for slot in u.slots:
                 _release(owners, named.pop(slot.name))
                 for alias in slot.aliases:
@@ -144,6 +162,7 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
     buffer_name = {id(b): n for n, b in model.named_buffers()}  # one name each, as `named_buffers()` gives
     frozen_ids = {id(named[n]): n for n in plan.frozen}
     unit_of_region = {u.module: u for u in plan.units}
+    frozen_of_region = {u.module: u for u in plan.frozen_units}
     initial: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -151,16 +170,20 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
     for n, b in model.named_buffers():
         if not b.is_meta:
             buffers[n] = b.detach().to(device)
-    for region in init.regions(list(unit_of_region)):
-        unit = unit_of_region.get(region)
+    for region in init.regions(list(dict.fromkeys([*unit_of_region, *frozen_of_region]))):
+        unit, funit = unit_of_region.get(region), frozen_of_region.get(region)
         # A unit's parameters registered outside its region (tied across units, so in the root
         # unit) are initialised with it, by the modules that own them.
-        extra = tuple(m for slot in unit.slots for m, _, _ in init.owners.get(id(named[slot.name]), ())) if unit else ()
+        extra = tuple(m for u in (unit, funit) if u is not None for slot in u.slots
+                      for m, _, _ in init.owners.get(id(named[slot.name]), ()))
         with init.initialised(region, extra) as values, torch.no_grad():
             uninitialised += [names[k] for k in values.keys()
                               if k in names and values.untouched(k) and names[k] not in uninitialised]
             if unit is not None:
                 initial[unit.name] = _flat(unit, plan, rank, _filler(values, named, tp), device)
+            if funit is not None:
+                frozen[funit.name] = _flat(funit, plan, rank, _filler(values, named, tp), device).to(
+                    _frozen_dtype(plan, compute_dtype))
             for key in values.keys():
                 if key in frozen_ids and frozen_ids[key] not in frozen:
                     v = _cut(tp, frozen_ids[key], values.whole(key))

@@ -81,7 +81,7 @@ class MetaInitializer:
     def __init__(self, model: nn.Module, plan: ShardPlan, seed: int):
         self.model = model
         self.seed = seed
-        unit_paths = [u.module for u in plan.units if u.module != ""]
+        unit_paths = list(dict.fromkeys(u.module for u in (*plan.units, *plan.frozen_units) if u.module != ""))
         modules = dict(model.named_modules(remove_duplicate=False))
         self.paths = {id(m): p for p, m in reversed(list(modules.items()))}  # first path of each module
         # Children before parents, as `Module.apply` visits them.

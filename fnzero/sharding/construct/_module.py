@@ -19,7 +19,9 @@ from ..zero._param_store import is_placeholder, read_shard
 from ..zero._policy import ShardPolicy
 from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ShardPlan, UnitPlan
-from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, route_unit_forward, unit_views
+from ..zero._plan import ROOT_UNIT
+from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
+from ..zero._unit_forward import route_unit_forward
 
 __all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
 
@@ -86,6 +88,7 @@ class ShardedModule:
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
         self._frozen: dict[str, torch.Tensor] = dict(frozen or {})
+        self._frozen_unit_names = frozenset(u.name for u in plan.frozen_units)  # keys of shards in `_frozen`
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         # `offload_param: nvme`: the NVMe store sharded units are read from (`read_params_from`).
         self._param_store = None
@@ -116,7 +119,8 @@ class ShardedModule:
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
             # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
-            return self._call(self._tensors((u, params[u.name]) for u in plan.units), args, kwargs)
+            held = [(u, params[u.name]) for u in plan.units] + [(u, self._frozen[u.name]) for u in plan.frozen_units]
+            return self._call(self._tensors(held), args, kwargs)
         return self._apply_gathering(params, args, kwargs)
 
     def _route_units(self) -> None:
@@ -124,18 +128,25 @@ class ShardedModule:
         sharded units are routed already, by the wrapper that gathers them)."""
         if self._units_routed:
             return
-        for u in self.plan.units:
-            if u.module != "" and not self.plan.params_sharded(u):
-                route_unit_forward(self.module.get_submodule(u.module), self._backward_runs)
+        units = (*self.plan.units, *self.plan.frozen_units)
+        sharded = {u.module for u in units if self.plan.params_sharded(u)}
+        for module in dict.fromkeys(u.module for u in units):
+            if module != "" and module not in sharded:
+                route_unit_forward(self.module.get_submodule(module), self._backward_runs)
         self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
         """What the module's forward reads, by state_dict name: the views of each (unit, full
-        buffer[, stage-3 runtime]) in `fulls`, the frozen parameters and the buffers."""
+        buffer[, stage-3 runtime]) in `fulls` (frozen units too), the frozen parameters held
+        whole and the buffers."""
         tensors: dict[str, torch.Tensor] = {}
         for u, full, *rt in fulls:
             tensors.update(unit_views(u, full, *rt))
-        tensors.update(self._frozen)
+        # Frozen tensors held whole, by name: every entry but the frozen units' shards (int8 inference
+        # adds its scales here, `inference/_int8.py`), and the other names of tied ones.
+        units = self._frozen_unit_names
+        tensors.update({n: t for n, t in self._frozen.items() if n not in units})
+        tensors.update({alias: self._frozen[n] for alias, n in self.plan.frozen_aliases if n in self._frozen})
         tensors.update(self._buffers)
         return tensors
 
@@ -164,14 +175,14 @@ class ShardedModule:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
-                       shard_store=self._param_store, backward_runs=self._backward_runs)
-        fulls, live = [], []
-        for u in plan.units:
-            if plan.params_sharded(u) and u.module != "":
-                continue  # gathered when its forward runs
-            full, rt = run.gather_unit(u)
-            live.append((full, rt))
-            fulls.append((u, full, rt))
+                       shard_store=self._param_store, backward_runs=self._backward_runs, frozen=self._frozen)
+        # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
+        # parts gathered for the whole forward; the other sharded units when their forward runs.
+        fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
+        fulls += [(u, self._frozen[u.name], None) for u in plan.frozen_units if not plan.params_sharded(u)]
+        root = run.gather_parts(ROOT_UNIT)
+        fulls += root
+        live = [(full, rt) for _, full, rt in root]
         tensors = self._tensors(fulls)
         stack = contextlib.ExitStack()
         token = ACTIVE_RUN.set(run)
@@ -315,10 +326,22 @@ class ShardedModule:
     def state_dict(self, state: TrainState, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Like `model.state_dict()`: trainable, frozen parameters and buffers, consolidated."""
         out = self.gather(state, dtype=dtype)
-        for name, t in {**state.frozen, **state.buffers}.items():
+        out.update(self._whole_frozen(state.frozen, dtype))
+        whole = {n: state.frozen[n] for n in self.plan.frozen}
+        whole.update({alias: state.frozen[n] for alias, n in self.plan.frozen_aliases})
+        for name, t in {**whole, **state.buffers}.items():
             if self.tp is not None and name in state.frozen:
                 t = self.tp.gather_full(name, t)  # a frozen split parameter: collective over the tp ranks
             out[name] = t.to(dtype) if (dtype is not None and t.is_floating_point()) else t.clone()
+        return out
+
+    def _whole_frozen(self, frozen: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """The frozen units' parameters, whole, by state_dict name (tied names included)."""
+        out = {}
+        for u in self.plan.frozen_units:
+            full = full_unit(u, frozen[u.name].detach(), self.comm)
+            for name, t in unit_views(u, full).items():
+                out[name] = t.to(dtype) if dtype is not None else t.clone()
         return out
 
     def load_into(self, model: nn.Module, state: TrainState, *, strict: bool = True) -> nn.Module:

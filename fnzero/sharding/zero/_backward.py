@@ -77,19 +77,22 @@ class LazyParameters(dict):
 class UnitBinder:
     """Binds one stage-3 unit's gathered views into its modules' lazy tables, and unbinds them.
 
-    `gather() -> (full, views)`: the unit's full buffer, gathered for backward and differentiable
-    with respect to the shard, and its parameter views by state_dict name. While bound, `full` is
-    also what a recomputation that calls the unit's own (wrapped) forward binds, so a unit is
-    gathered once per recomputation whichever way the model reaches its parameters.
+    `units`: the unit's sharded parts (its trainable and its frozen unit, `ShardPlan.frozen_units`).
+    `gather() -> (fulls, views)`: each part's full buffer by whether it is frozen, gathered for
+    backward (the trainable one differentiable with respect to the shard), and their parameter
+    views by state_dict name. While bound, `fulls` is also what a recomputation that calls the
+    unit's own (wrapped) forward binds, so a unit is gathered once per recomputation whichever way
+    the model reaches its parameters.
     """
 
-    def __init__(self, unit: UnitPlan, root: nn.Module, gather: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]):
-        self.unit = unit
+    def __init__(self, units: list[UnitPlan], root: nn.Module,
+                 gather: Callable[[], tuple[dict[bool, torch.Tensor], dict[str, torch.Tensor]]]):
+        self.units = units
         self.gather = gather
         self.bound = False
-        self.full: torch.Tensor | None = None
+        self.fulls: dict[bool, torch.Tensor] = {}
         self.tables: dict[str, tuple[nn.Module, str]] = {}  # state_dict name -> (owner, leaf)
-        for slot in unit.slots:
+        for slot in (s for u in units for s in u.slots):
             for name in (slot.name, *slot.aliases):
                 owner, _, leaf = name.rpartition(".")
                 self.tables[name] = (root.get_submodule(owner) if owner else root, leaf)
@@ -100,7 +103,7 @@ class UnitBinder:
         self._placeholders = {name: dict.__getitem__(owner._parameters, leaf) for name, (owner, leaf) in self.tables.items()}
 
     def bind(self) -> None:
-        self.full, views = self.gather()
+        self.fulls, views = self.gather()
         self.bound = True
         for name, (owner, leaf) in self.tables.items():
             dict.__setitem__(owner._parameters, leaf, views[name])
@@ -108,7 +111,7 @@ class UnitBinder:
     def unbind(self) -> None:
         if not self.bound:
             return
-        self.bound, self.full = False, None
+        self.bound, self.fulls = False, {}
         for name, (owner, leaf) in self.tables.items():
             dict.__setitem__(owner._parameters, leaf, self._placeholders[name])
 
@@ -154,6 +157,7 @@ class BackwardBinding:
             stack.callback(owner.__dict__.__setitem__, "_parameters", original)
         for b in self.binders:
             stack.callback(b.unbind)  # runs before the tables are restored (LIFO)
+        stack.callback(self.run.drop_regathered)  # frozen copies no unit input's backward freed
         self.bound_runs.append(self.run)
         stack.callback(self.bound_runs.remove, self.run)
         self._stack = stack

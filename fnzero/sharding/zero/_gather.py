@@ -72,6 +72,12 @@ class UnitRuntime:
     def release_regathered(self, grad_outputs):
         self.bwd_full = None
 
+    def release_after_backward(self) -> None:
+        """A frozen unit's backward is done (`_frozen.py`): free its re-gathered copy, unbind it."""
+        self.bwd_full = None
+        if self.binder is not None:
+            self.binder.unbind()
+
     def regather(self) -> torch.Tensor:
         if self.run.deferred_regather == self.unit.name:
             self.run.deferred_regather = None  # backward got here before any hooked output's gradient

@@ -76,13 +76,42 @@ class UnitPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """The sharding of a model's trainable parameters for one world size and placement."""
+    """The sharding of a model's parameters for one world size and placement.
+
+    Frozen (requires_grad=False) parameters are never in the optimizer. Where the placement shards
+    parameters (stage 3) they are laid out per unit module like the trainable ones, in units of
+    their own (`frozen_units`, named as the trainable unit of the same module), held as this rank's
+    shard and gathered with the module's trainable unit; otherwise they are held whole by name
+    (`frozen`). `specs/sharding.md` §Frozen parameters.
+    """
 
     units: tuple[UnitPlan, ...]
     world_size: int
     placement: Placement  # the preset every unit starts from (`UnitPlan.placement` may drop params)
-    frozen: tuple[str, ...]  # requires_grad=False parameters: replicated, outside the optimizer
+    frozen: tuple[str, ...]  # frozen parameters held whole by name (all of them unless `frozen_units`)
     param_dtype: torch.dtype
+    frozen_units: tuple[UnitPlan, ...] = ()  # stage 3: frozen parameters laid out per unit module
+    # (alias, name) for each other name of a tied frozen parameter held whole (GPT-2's frozen
+    # `lm_head.weight` is `transformer.wte.weight`): bound and exported under both names.
+    frozen_aliases: tuple[tuple[str, str], ...] = ()
+
+    def frozen_unit(self, name: str) -> UnitPlan | None:
+        """The frozen unit of that name (the module's trainable unit's name), or None."""
+        return next((u for u in self.frozen_units if u.name == name), None)
+
+    def trainable_unit(self, name: str) -> UnitPlan | None:
+        """The trainable unit of that name, or None (a module may hold frozen parameters only)."""
+        return next((u for u in self.units if u.name == name), None)
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        """Every frozen parameter's state_dict name (the first, for tied ones), whole or in a unit."""
+        return self.frozen + tuple(s.name for u in self.frozen_units for s in u.slots)
+
+    @property
+    def num_frozen(self) -> int:
+        """Elements of the frozen parameters laid out in units (tied ones once, padding excluded)."""
+        return sum(u.numel for u in self.frozen_units)
 
     @property
     def unit_names(self) -> tuple[str, ...]:
@@ -105,8 +134,8 @@ class ShardPlan:
 
     @property
     def any_sharded_params(self) -> bool:
-        """Whether some unit's parameters are held as a shard and gathered in forward."""
-        return any(self.params_sharded(u) for u in self.units)
+        """Whether some unit's parameters (trainable or frozen) are held as a shard and gathered in forward."""
+        return any(self.params_sharded(u) for u in (*self.units, *self.frozen_units))
 
     def held_numel(self, unit: UnitPlan) -> int:
         """Elements of the unit's entry in `TrainState.params`: its shard when its parameters are
@@ -235,12 +264,37 @@ def padded_size(numel: int, world_size: int) -> int:
     return max(world_size, -(-numel // world_size) * world_size)
 
 
+def _lay_out(members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]], unit_modules: list[str],
+             world_size: int, placement: Placement, persistence_threshold: int) -> tuple[UnitPlan, ...]:
+    """One unit per module in `members` (module path -> its parameters: name, aliases, shape), the
+    root first, then in `unit_modules` order; each a flat buffer padded to `world_size`."""
+    order = [m for m in unit_modules if m in members]
+    if "" in members:
+        order = [""] + order
+    units = []
+    for module in order:
+        offset = 0
+        slots = []
+        for name, aliases, shape in members[module]:
+            slot = ParamSlot(name=name, shape=shape, offset=offset, aliases=aliases)
+            slots.append(slot)
+            offset += slot.numel
+        padded = padded_size(offset, world_size)
+        units.append(UnitPlan(
+            name=module or ROOT_UNIT, module=module, slots=tuple(slots), numel=offset, padded_numel=padded,
+            shard_numel=padded // world_size,
+            placement=placement.without_params() if offset < persistence_threshold else placement,
+        ))
+    return tuple(units)
+
+
 def make_plan(
     model: nn.Module,
     world_size: int,
     placement: "Placement | int",
     wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
     persistence_threshold: int = 0,
+    shard_frozen: bool = True,
 ) -> ShardPlan:
     """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
 
@@ -251,9 +305,10 @@ def make_plan(
     FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
     enclosing unit module; parameters under no unit module, and tied parameters whose names fall in
     different units, go to the root unit, which stays gathered for the whole forward.
+
+    Frozen parameters: where `placement` shards parameters and `shard_frozen`, grouped into frozen
+    units by the same rules; else held whole by name (`ShardPlan.frozen`).
     """
-    # Long: wrap policy, tied-weight grouping and layout are one pass over the parameters, whose order is
-    # the plan.
     if world_size < 1:
         raise ShardingError(f"world_size must be >= 1, got {world_size}")
     placement = placement_for_stage(placement)
@@ -279,40 +334,23 @@ def make_plan(
     param_dtype = dtypes.pop() if dtypes else torch.float32
 
     members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = {}
-    frozen: list[str] = []
+    frozen_members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]] = {}
     for pid, names in names_of.items():
         p = tensors[pid]
-        if not p.requires_grad:
-            frozen.append(names[0])
-            continue
         owners = {owner_module(n, unit_modules) for n in names}
         owner = owners.pop() if len(owners) == 1 else ""
-        members.setdefault(owner, []).append((names[0], tuple(names[1:]), tuple(p.shape)))
-
-    units = []
-    order = [m for m in unit_modules if m in members]
-    if "" in members:
-        order = [""] + order
-    for module in order:
-        offset = 0
-        slots = []
-        for name, aliases, shape in members[module]:
-            slot = ParamSlot(name=name, shape=shape, offset=offset, aliases=aliases)
-            slots.append(slot)
-            offset += slot.numel
-        numel = offset
-        padded = padded_size(numel, world_size)
-        units.append(
-            UnitPlan(
-                name=module or ROOT_UNIT,
-                module=module,
-                slots=tuple(slots),
-                numel=numel,
-                padded_numel=padded,
-                shard_numel=padded // world_size,
-                placement=placement.without_params() if numel < persistence_threshold else placement,
-            )
-        )
-    return ShardPlan(
-        units=tuple(units), world_size=world_size, placement=placement, frozen=tuple(frozen), param_dtype=param_dtype
-    )
+        group = members if p.requires_grad else frozen_members
+        group.setdefault(owner, []).append((names[0], tuple(names[1:]), tuple(p.shape)))
+    units = _lay_out(members, unit_modules, world_size, placement, persistence_threshold)
+    frozen: tuple[str, ...] = ()
+    frozen_units: tuple[UnitPlan, ...] = ()
+    if placement.params and shard_frozen:
+        frozen_units = _lay_out(frozen_members, unit_modules, world_size, placement, persistence_threshold)
+    else:
+        frozen = tuple(name for group in frozen_members.values() for name, _, _ in group)
+        order = {n: i for i, n in enumerate(n for names in names_of.values() for n in names[:1])}
+        frozen = tuple(sorted(frozen, key=order.__getitem__))  # model order, as before
+    aliases = tuple((alias, name) for group in frozen_members.values() for name, more, _ in group for alias in more
+                    if not frozen_units)
+    return ShardPlan(units=units, world_size=world_size, placement=placement, frozen=frozen,
+                     param_dtype=param_dtype, frozen_units=frozen_units, frozen_aliases=aliases)

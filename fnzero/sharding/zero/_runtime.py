@@ -22,12 +22,12 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
+from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
 from ._param_store import is_placeholder
 from ._plan import ShardPlan, UnitPlan
 
-__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER",
-           "route_unit_forward"]
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER"]
 
 # [Note: why context variables] The three below carry what fnzero's code needs inside code it does
 # not call: a model's own forward (called by `torch.func.functional_call`), torch's saved-tensor
@@ -55,26 +55,27 @@ class ApplyRun:
     keep gathered parameters out of autograd's saved tensors."""
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
-                 shard_store=None, backward_runs: "list[ApplyRun] | None" = None):
+                 shard_store=None, backward_runs: "list[ApplyRun] | None" = None,
+                 frozen: dict[str, torch.Tensor] | None = None):
         self.plan = plan
         self.comm = comm
         self.params = params
+        self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
         self.shard_store = shard_store  # `offload_param: nvme` (`_param_store.py`)
         self._live: dict[int, UnitRuntime] = {}
         self.rts: dict[str, UnitRuntime] = {}
-        self.order: list[str] = []  # stage-3 units in the order this forward gathered them
+        self.frts: dict[str, UnitRuntime] = {}  # the frozen units' runtimes (same names as `rts`)
+        self.order: list[str] = []  # stage-3 units (by name) in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
         self.deferred_regather: str | None = None  # see `finish_forward`
         # Units whose saved views are kept rather than re-gathered in backward, by the previous
         # forward's order (`GatherSchedule.kept_units`): the unit gathered last, needed again first
         # (FSDP2 likewise leaves the root gathered), and those within stage3_max_reuse_distance.
         # A performance cache: a wrong guess only costs a gather or a buffer kept.
-        self.keep: frozenset[str] = (
-            schedule.kept_units(lambda n: plan.unit(n).padded_numel) if schedule is not None else frozenset()
-        )
+        self.keep: frozenset[str] = schedule.kept_units(self._numel) if schedule is not None else frozenset()
         # Parameter bindings in force right now, outermost first: ("tensors", module, {name: t})
-        # for the root, ("unit", unit, module) for a gathered stage-3 unit. `fnzero.remat`
+        # for the root, ("unit", name, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
         # Bound again while backward runs, for recomputation inside the model (`_backward.py`);
@@ -100,50 +101,71 @@ class ApplyRun:
         if self.backward is not None:
             self.backward.release()
             self.backward = None
-        for rt in self.rts.values():
+        for rt in (*self.rts.values(), *self.frts.values()):
             rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = None
         self.rts.clear()
+        self.frts.clear()
         self._live.clear()
         self.bindings.clear()
-        self.params = {}
+        self.params, self.frozen = {}, {}
 
-    # -- prefetch ---------------------------------------------------------------------------------
-    def _runtime(self, unit: UnitPlan) -> UnitRuntime:
-        rt = self.rts.get(unit.name)
+    def drop_regathered(self) -> None:
+        """Free the frozen units' copies re-gathered for backward (the backward pass is over; a
+        unit whose inputs needed no gradient had nothing else to free it: `_frozen.py`)."""
+        for rt in self.frts.values():
+            rt.bwd_full = None
+
+    # -- the parts of a unit: its trainable and its frozen buffer ---------------------------------
+    def _runtime(self, unit: UnitPlan, frozen: bool = False) -> UnitRuntime:
+        table, held = (self.frts, self.frozen) if frozen else (self.rts, self.params)
+        rt = table.get(unit.name)
         if rt is None:
-            p = self.params[unit.name]
+            p = held[unit.name]
             store = self.shard_store if self.shard_store is not None and is_placeholder(p) else None
-            rt = self.rts[unit.name] = UnitRuntime(unit, p, self.comm, self, store)
+            rt = table[unit.name] = UnitRuntime(unit, p, self.comm, self, store)
         return rt
 
+    def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
+        """(unit, is frozen) for each part of unit `name` held as a shard and gathered in forward."""
+        parts = [(self.plan.trainable_unit(name), False), (self.plan.frozen_unit(name), True)]
+        return [(u, f) for u, f in parts if u is not None and self.plan.params_sharded(u)]
+
+    def _numel(self, name: str) -> int:
+        return sum(u.padded_numel for u in (self.plan.trainable_unit(name), self.plan.frozen_unit(name)) if u)
+
+    def _packed(self, name: str) -> bool:
+        """Whether autograd saved views of some part of unit `name` (re-gathered in backward)."""
+        return any(rt.packed for rt in (self.rts.get(name), self.frts.get(name)) if rt is not None)
+
+    # -- prefetch ---------------------------------------------------------------------------------
     def prefetch_forward(self, name: str) -> None:
-        """Start gathering the unit that followed `name` in the last forward."""
+        """Start gathering the unit that followed `name` in the last forward (both its parts)."""
         nxt = self.schedule.next_unit(name) if self.schedule is not None else None
-        if nxt is None or nxt in self.rts:
+        if nxt is None or nxt in self.rts or nxt in self.frts:
             return
-        cur, unit = self.plan.unit(name), self.plan.unit(nxt)
-        if unit.padded_numel > self.schedule.prefetch_numel or (
-            cur.padded_numel + unit.padded_numel > self.schedule.max_live_numel
-        ):
+        n = self._numel(nxt)
+        if n > self.schedule.prefetch_numel or self._numel(name) + n > self.schedule.max_live_numel:
             return
-        rt = self._runtime(unit)
-        rt.pending = self.comm.all_gather_async(rt.shard_values(), label=unit.name)
+        for unit, frozen in self.sharded_parts(nxt):
+            rt = self._runtime(unit, frozen)
+            rt.pending = self.comm.all_gather_async(rt.shard_values(), label=unit.name)
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
         units this forward gathered and autograd kept views of (known once forward is done)."""
         if self.schedule is None:
             return
+        self._start_regather(name)  # the other part of this unit, if autograd saved views of it
         if self._bwd_prev is None:
-            packed = [n for n in self.order if self.rts[n].packed]
+            packed = [n for n in self.order if self._packed(n)]
             self._bwd_prev = {b: a for a, b in zip(packed, packed[1:])}
         self._start_regather(self._bwd_prev.get(name))
 
     def _start_regather(self, name: str | None) -> None:
-        rt = self.rts.get(name) if name is not None else None
-        if rt is None or rt.bwd_full is not None or rt.bwd_pending is not None:
-            return
-        rt.bwd_pending = self.comm.all_gather_async(rt.shard_values(), label=name)
+        for rt in (self.rts.get(name), self.frts.get(name)) if name is not None else ():
+            if rt is None or not rt.packed or rt.bwd_full is not None or rt.bwd_pending is not None:
+                continue
+            rt.bwd_pending = self.comm.all_gather_async(rt.shard_values(), label=name)
 
     @torch.compiler.disable
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:
@@ -153,11 +175,14 @@ class ApplyRun:
         if not outputs:
             return
         binders = []
-        for u in self.plan.units:
-            if self.plan.params_sharded(u) and u.module != "":
-                rt = self._runtime(u)
-                rt.binder = UnitBinder(u, module, lambda u=u, rt=rt: self._bind_for_backward(u, rt))
-                binders.append(rt.binder)
+        for name in dict.fromkeys(u.name for u in (*self.plan.units, *self.plan.frozen_units) if u.module != ""):
+            parts = self.sharded_parts(name)
+            if not parts:
+                continue
+            binder = UnitBinder([u for u, _ in parts], module, lambda parts=parts: self._bind_for_backward(parts))
+            for u, frozen in parts:
+                self._runtime(u, frozen).binder = binder
+            binders.append(binder)
         self.backward = BackwardBinding(module, root_tensors, binders, self, self.backward_runs)
         for t in outputs:
             t.register_hook(self.backward.enter_until_backward_ends)
@@ -166,9 +191,14 @@ class ApplyRun:
         with torch.enable_grad():
             return GatherUnit.apply(self.params[unit.name], self._runtime(unit), True)
 
-    def _bind_for_backward(self, unit: UnitPlan, rt: UnitRuntime) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        full = self._gather_for_backward(unit)
-        return full, unit_views(unit, full, rt)
+    def _bind_for_backward(self, parts) -> tuple[dict[bool, torch.Tensor], dict[str, torch.Tensor]]:
+        """Each part's buffer gathered for backward (is frozen -> buffer) and their views."""
+        fulls, views = {}, {}
+        for unit, frozen in parts:
+            rt = self._runtime(unit, frozen)
+            full = fulls[frozen] = rt.regather() if frozen else self._gather_for_backward(unit)
+            views.update(unit_views(unit, full, rt))
+        return fulls, views
 
     @torch.compiler.disable
     def finish_forward(self, out: Any) -> None:
@@ -179,8 +209,8 @@ class ApplyRun:
             # unit's own re-gather would have: still ahead of the kept unit's backward, but not
             # during the loss computation that follows forward, which holds the forward's peak
             # (logits and their log-softmax on top of every activation).
-            if self.order[-1] in self.keep and not self.rts[self.order[-1]].packed:
-                packed = [n for n in self.order if self.rts[n].packed]
+            if self.order[-1] in self.keep and not self._packed(self.order[-1]):
+                packed = [n for n in self.order if self._packed(n)]
                 if not packed:
                     return
                 # torch's pytree also opens containers models register there (HF's ModelOutput).
@@ -234,11 +264,7 @@ class ApplyRun:
                 if kind == "tensors":
                     stack.enter_context(swap_tensors(a, b))
                 else:
-                    unit, module = a, b
-                    full, rt = self.gather_unit(unit, prefetch=False)
-                    prefix = unit.module + "."
-                    local = {n[len(prefix):]: t for n, t in unit_views(unit, full, rt).items()}
-                    stack.enter_context(swap_tensors(module, local))
+                    stack.enter_context(swap_tensors(b, self._local_views(a, prefetch=False)))
             yield
 
     def gather_unit(self, unit: UnitPlan, prefetch: bool = True) -> tuple[torch.Tensor, UnitRuntime | None]:
@@ -258,7 +284,7 @@ class ApplyRun:
                 return self._gather_for_backward(unit), rt
             if not rt.binder.bound:
                 rt.binder.bind()
-            return rt.binder.full, rt
+            return rt.binder.fulls[False], rt
         rt = self._runtime(unit)
         if prefetch:
             self.order.append(unit.name)
@@ -266,6 +292,44 @@ class ApplyRun:
         if prefetch:
             self.prefetch_forward(unit.name)
         return full, rt
+
+    def gather_frozen(self, unit: UnitPlan) -> tuple[torch.Tensor, UnitRuntime | None]:
+        """A frozen unit's full flat buffer (no gradient flows to it), gathered where it is sharded."""
+        p = self.frozen[unit.name]
+        if not self.plan.params_sharded(unit):
+            return p, None
+        rt = self._runtime(unit, frozen=True)
+        if self.backward is not None and self.backward.active:
+            if rt.binder is None:
+                return rt.regather(), rt
+            if not rt.binder.bound:
+                rt.binder.bind()
+            return rt.binder.fulls[True], rt
+        return rt.gather(), rt
+
+    def gather_parts(self, name: str, prefetch: bool = True) -> list[tuple[UnitPlan, torch.Tensor, UnitRuntime]]:
+        """Unit `name`'s sharded parts gathered: (unit, full buffer, runtime) each. With `prefetch`
+        (a forward), the unit is recorded in this forward's order and the next one prefetched."""
+        out = []
+        for unit, frozen in self.sharded_parts(name):
+            if frozen:
+                out.append((unit, *self.gather_frozen(unit)))
+            else:
+                out.append((unit, *self.gather_unit(unit, prefetch=False)))
+        if prefetch and not (self.backward is not None and self.backward.active):
+            self.order.append(name)
+            self.prefetch_forward(name)
+        return out
+
+    def _local_views(self, name: str, prefetch: bool = True, stack: contextlib.ExitStack | None = None):
+        """Unit `name`'s gathered parameters by names relative to its module (marked live on `stack`)."""
+        local = {}
+        for unit, full, rt in self.gather_parts(name, prefetch):
+            if stack is not None:
+                stack.enter_context(self.live(full, rt))
+            prefix = unit.module + "."
+            local.update({n[len(prefix):]: t for n, t in unit_views(unit, full, rt).items()})
+        return local
 
     @contextlib.contextmanager
     def live(self, full: torch.Tensor, rt: UnitRuntime | None):
@@ -280,8 +344,8 @@ class ApplyRun:
         finally:
             self._live.pop(ptr, None)
 
-    def unit_forward(self, unit: UnitPlan, module: nn.Module, forward, args, kwargs):
-        stack = self._enter_unit(unit, module)
+    def unit_forward(self, name: str, module: nn.Module, forward, args, kwargs):
+        stack, args, kwargs = self._enter_unit(name, module, args, kwargs)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -290,20 +354,20 @@ class ApplyRun:
     # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
     # frames whole, and compiles the unit's own `forward` called between them.
     @torch.compiler.disable
-    def _enter_unit(self, unit: UnitPlan, module: nn.Module) -> contextlib.ExitStack:
-        full, rt = self.gather_unit(unit)
-        prefix = unit.module + "."
-        local = {name[len(prefix):]: t for name, t in unit_views(unit, full, rt).items()}
-        self.bindings.append(("unit", unit, module))
+    def _enter_unit(self, name: str, module: nn.Module, args: tuple, kwargs: dict):
         stack = contextlib.ExitStack()
+        self.bindings.append(("unit", name, module))
         try:
-            stack.enter_context(self.live(full, rt))
+            local = self._local_views(name, stack=stack)
             stack.enter_context(swap_tensors(module, local))
+            frt = self.frts.get(name)
+            if frt is not None and frt.unit.name not in self.keep:
+                args, kwargs = release_after_backward(args, kwargs, frt.release_after_backward)
         except BaseException:
             stack.close()
             self.bindings.pop()
             raise
-        return stack
+        return stack, args, kwargs
 
     @torch.compiler.disable
     def _exit_unit(self, stack: contextlib.ExitStack) -> None:
@@ -316,53 +380,3 @@ class ApplyRun:
         unit_forward, recursive=False,
         reason="fnzero ZeRO-3: a sharded unit all-gathers its parameter shards before its forward (eager)",
     )
-
-
-def wrap_unit_forward(module: nn.Module, unit: UnitPlan, backward_runs: "list[ApplyRun]") -> None:
-    """Route `module`'s forward through the active ApplyRun, which gathers the unit's parameters.
-    In backward (a recomputation) that is the run bound for it, the last of `backward_runs`."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        run = ACTIVE_RUN.get()
-        if run is None and backward_runs:
-            run = backward_runs[-1]
-        if run is None:
-            raise ShardingError(
-                f"module {unit.module!r} holds stage-3 sharded parameters; call it through "
-                "ShardedModule.apply(params, ...) rather than directly"
-            )
-        return run.unit_forward(unit, module, _forward_to_run(module, inner, run), args, kwargs)
-
-    forward.__wrapped__ = inner  # type: ignore[attr-defined]
-    module.forward = torch.compiler.disable(
-        forward, recursive=False,
-        reason=f"fnzero ZeRO-3: unit {unit.name!r} gathers its parameter shards (an all-gather) before its forward",
-    )
-
-
-def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
-    """The unit's own forward, or the compiled one while `fnzero.jit(scope="units")` runs a step.
-
-    A recomputation in backward may run on autograd's device thread, where the step's context
-    variable is not set: it then takes the compiler its run was made under, so the recomputed
-    forward is the same graph as the first one (inductor's dropout draws differ from eager's)."""
-    compiler = UNIT_COMPILER.get()
-    if compiler is None and run is not None:
-        compiler = run.unit_compiler
-    return inner if compiler is None else compiler(module, inner)
-
-
-def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None" = None) -> None:
-    """Let `fnzero.jit(scope="units")` run a gathered (stage 0-2, or persistent) unit's forward as
-    its own compiled graph; otherwise, and inside any torch.compile trace, the forward is unchanged."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return inner(*args, **kwargs)  # (traced through: a whole-loss graph stays one graph)
-        run = backward_runs[-1] if backward_runs else None  # bound while backward recomputes
-        return _forward_to_run(module, inner, run)(*args, **kwargs)
-
-    forward.__wrapped__ = inner  # type: ignore[attr-defined]
-    module.forward = forward
