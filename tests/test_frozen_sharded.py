@@ -263,3 +263,27 @@ def test_a_tied_frozen_weight_serves_every_name(stage):
     for r, got in enumerate(simulated_world(2).run(rank)):
         assert "lm_head.weight" in got
         W.assert_close_tree({k: got[k] for k in want}, want, rtol=RTOL, atol=ATOL, what=f"stage {stage} rank {r}")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_loaded_frozen_weights_and_buffers_are_what_the_model_computes_with(tmp_path, stage):
+    """`checkpoint.load` writes frozen parameters and buffers into the tensors the module binds
+    (`specs/checkpoint-format.md` §Frozen parameters): a model built under another seed, loaded,
+    computes what the saved one did (frozen weight, BatchNorm running statistics)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2)).double()
+        m[0].weight.requires_grad_(False)
+        return m
+
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    config = cfg(1, stage)
+    sm = fnzero.shard(build(0), config=config)
+    state = sm.init_state()
+    with torch.no_grad():
+        sm.apply(state.params, x)  # the running statistics move
+    want = sm.apply(state.params, x)
+    checkpoint.save(tmp_path / "c", state)
+    other = fnzero.shard(build(1), config=config)
+    loaded, _ = checkpoint.load(tmp_path / "c", like=other.init_state())
+    torch.testing.assert_close(other.apply(loaded.params, x), want, rtol=0, atol=0)

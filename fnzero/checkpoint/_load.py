@@ -325,7 +325,7 @@ def load(
                 out[n_real:].zero_()  # padding
             return out.reshape(t.shape).to(t.device)
 
-        state = rebuild_state(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
+        state = _rebuild_into_constants(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
         ls = ix.get("loss_scale")
         if like.loss_scale is not None and ls is not None:
             L = like.loss_scale
@@ -338,3 +338,25 @@ def load(
             pp = like.sharding.pp  # a pipeline's ranks restore by their rank in the job
             _restore_rng(ix, pp.world.rank if pp is not None and pp.world is not None else like.sharding.rank)
         return state, ix.get("client_state")
+
+
+def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
+    """`rebuild_state(like, fill)`, except that frozen parameters and buffers are written into
+    `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
+    they were). They are the module's: `ShardedModule.apply` binds the tensors the state was built
+    with (`init_state` hands them over), not a state's; new tensors would be saved and exported
+    while the model kept computing with the old ones."""
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def leaf_value(leaf: Leaf) -> torch.Tensor:
+        value = fill(leaf)
+        if not leaf.path.startswith(("frozen/", "buffers/")):
+            return value
+        pending.append((leaf.tensor, value))
+        return leaf.tensor
+
+    state = rebuild_state(like, leaf_value, **changes)
+    with torch.no_grad():
+        for own, value in pending:
+            own.copy_(value)
+    return state
