@@ -106,3 +106,18 @@ def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
     assert len(read) == 2 and len(set(read)) == 1, out  # each rank its own half
     assert "max abs diff 0\n" in out, out
     assert os.path.exists(tmp_path / "checkpoint" / "latest") and os.path.exists(tmp_path / "tuned" / "config.json")
+
+
+@pytest.mark.multiprocess
+def test_lora_generate_two_ranks_adapters_generate_as_peft_and_transformers(tmp_path):
+    """examples/lora_generate.py: a meta-built PEFT LoRA Llama at ZeRO-3 on 2 ranks with its
+    checkpointing, each rank holding half the frozen base; sampling while it trains; adapters out
+    in PEFT's format; `PeftModel.from_pretrained` + transformers' generate give fnzero.generate's tokens."""
+    out = _run(readme_argv("examples/lora_generate.py",
+                           extra=["--steps", "4", "--sample-every", "2", "--new-tokens", "6", "--out", str(tmp_path)]))
+    held = re.findall(r"rank \d: model state [0-9.]+ MiB, of which its part of the frozen base ([0-9.]+) MiB "
+                      r"\(the whole base: ([0-9.]+) MiB\)", out)
+    assert len(held) == 2 and all(abs(2 * float(part) - float(whole)) < 0.02 for part, whole in held), out
+    assert len(re.findall(r"^step \d: loss [0-9.]+; sampled: ", out, re.M)) == 2, out
+    assert "greedy True, seeded sampling True" in out, out
+    assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]

@@ -77,9 +77,21 @@ class ModelCalls:
 
 
 def model_calls(module: nn.Module) -> ModelCalls:
-    taken = set(inspect.signature(module.forward).parameters)
+    taken = set(inspect.signature(_forward_of(module).forward).parameters)
     keywords = "input_ids" in taken
     cache_key = next((k for k in ("cache", "past_key_values") if k in taken), None) if keywords else None
     return ModelCalls(keywords=keywords, cache_key=cache_key, position_ids=keywords and "position_ids" in taken,
                       attention_mask=keywords and "attention_mask" in taken, use_cache=keywords and "use_cache" in taken,
                       logits_to_keep=keywords and "logits_to_keep" in taken)  # fmt: skip
+
+
+def _forward_of(module: nn.Module) -> nn.Module:
+    """The module whose forward's signature says what the model takes. A PEFT wrapper's forward
+    (`forward(*args, **kwargs)`, or a few named inputs and `**kwargs`) hands its keywords on to
+    the model it wraps (`get_base_model()`), whose forward names them all."""
+    base = getattr(module, "get_base_model", None)
+    if callable(base):
+        inner = base()
+        if isinstance(inner, nn.Module) and inner is not module:
+            return inner
+    return module
