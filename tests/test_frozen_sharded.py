@@ -23,7 +23,7 @@ import transformers
 
 import fnzero
 from fnzero import checkpoint
-from fnzero.testing import simulated_world
+from fnzero.testing import run_world, simulated_world
 
 import _worlds as W
 
@@ -137,11 +137,29 @@ def test_peft_lora_gpt2_fused_attention_equals_torch():
 
 
 @pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")  # the gathering apply stays eager
-def test_peft_lora_under_jit():
-    # One rank: torch.compile is not thread-safe. Per-unit graphs (the default) with the model's
-    # checkpoint inside each layer's graph, and the whole loss as one graph.
-    check("llama", 1, "non-reentrant", steps=2, jit={"backend": "aot_eager"})
+def test_peft_lora_under_jit_whole_loss():
+    # One rank: torch.compile is not thread-safe (per-unit graphs run on real ranks below). The
+    # whole loss as one graph, the gathering apply eager inside it.
     check("llama", 1, "off", steps=2, jit={"backend": "aot_eager", "scope": "loss"})
+
+
+def _lora_under_jit_on_a_gloo_rank(world: int, steps: int) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    config = cfg(world)
+    sm = fnzero.shard(lora_model("llama", "non-reentrant"), config=config)
+    state = train(sm, sm.init_state(), config, steps, dist.get_rank(), {"backend": "aot_eager"})
+    return sm.state_dict(state)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_peft_lora_under_jit_on_gloo_ranks(world):
+    """Real processes (torch.compile per process): per-unit graphs with the model's checkpointing
+    inside, the frozen base gathered and re-gathered around them, equal to plain torch."""
+    want = reference("llama", world, 2)
+    for r, got in enumerate(run_world(_lora_under_jit_on_a_gloo_rank, world, world, 2, timeout=300)):
+        W.assert_close_tree(got, want, rtol=RTOL, atol=ATOL, what=f"jit lora rank {r}/{world}")
 
 
 def test_a_rank_holds_its_share_of_the_frozen_base():
