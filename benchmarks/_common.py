@@ -52,12 +52,19 @@ class CpuMonitor:
         return self
 
     def __exit__(self, *exc):
-        wall = time.monotonic() - self.t0
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (_busy_jiffies() - self.b0) / hz
-        own = _own_cpu() - self.own0
-        self.other_cores = max(0.0, (busy - own) / wall) if wall > 0 else 0.0
+        self.wall = time.monotonic() - self.t0
+        self.busy = (_busy_jiffies() - self.b0) / os.sysconf("SC_CLK_TCK")
+        self.own = _own_cpu() - self.own0
         return False
+
+    @property
+    def other_cores(self) -> float:
+        return max(0.0, (self.busy - self.own) / self.wall) if self.wall > 0 else 0.0
+
+    def add_own(self, cpu_seconds: float) -> None:
+        """Count CPU seconds of processes this one did not wait for (ranks forked by a fork
+        server are not its children) as the benchmark's own."""
+        self.own += cpu_seconds
 
 
 def _own_cpu() -> float:
