@@ -16,17 +16,20 @@ leave the process):
   z3_cpu   ZeRO-3, offload_param cpu, 2 ranks      z3_nvme  ZeRO-3, offload_param nvme, 2 ranks
 
 fnzero's rows build the model on the meta device and load it with init_state(pretrained=dir)
-(plain SGD: no optimizer state, so the state is the parameters). After one warm-up call (2 new
-tokens), the timed call; tokens/s = new tokens x batch / its wall time (the slower rank), and its
-ratio to `hf`. Per rank: peak RSS above the process's baseline after the imports (VmHWM, reset
-through /proc/self/clear_refs), while building and while generating, beside the formula
+(plain SGD: no optimizer state, so the state is the parameters; z3_nvme's AdamW state lies on
+NVMe). One warm-up call, then the timed call, both the same: tokens/s = new tokens x batch / its
+wall time (the slower rank), and its ratio to `hf`. Per rank: the timed call's peak RSS above the
+process's RSS after its imports (VmHWM, reset through /proc/self/clear_refs before the call),
+beside the formula
 
   this rank's share of the model (state bytes in memory, fnzero.memory.model_state_bytes)
   + two of the largest unit, gathered (ZeRO-3 rows)
   + the KV cache: 2 x layers x batch x kv_heads x head_dim x (prompt + new) x 4 bytes / tp
 
-and whether each row's tokens equal transformers'. "other cores" is the CPU the rest of the
-machine used during the row (0 = the benchmark had it to itself).
+with what was resident before the call (the share plus first-call costs that stay, such as
+kernels' caches), what the call added to it, and the peak while building; and whether each row's
+tokens equal transformers'. "other cores" is the CPU the rest of the machine used during the row
+(0 = the benchmark had it to itself).
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ ROWS = {  # row: (processes, label)
     "z3_cpu": (2, "fnzero ZeRO-3, offload_param cpu, 2 ranks"),
     "z3_nvme": (2, "fnzero ZeRO-3, offload_param nvme, 2 ranks"),
 }
-WARMUP_TOKENS = 2
 MIB = 2**20
 
 
@@ -123,12 +125,15 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
     with torch.device("meta"):  # import the modeling code (lazy in transformers) before the baseline
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**hf_dict, "num_hidden_layers": 1}))
     import transformers.generation.utils  # noqa: F401
+
+    import fnzero.inference  # noqa: F401
     dist.barrier()
     base, t0 = _reset_peak(), time.perf_counter()
     out: dict = {}
     if row == "hf":
         model = transformers.LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
-        out.update(share=sum(p.numel() * p.element_size() for p in model.parameters()), largest_unit=0)
+        out.update(share=sum(p.numel() * p.element_size() for p in model.parameters()), largest_unit=0, root_unit=0,
+                   largest_layer=0)
 
         def gen(n):
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
@@ -137,18 +142,21 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
         sm = fnzero.shard(lambda: transformers.LlamaForCausalLM(hf), config=cfg)
         state = sm.init_state(pretrained=pretrained)
         held = fnzero.memory.model_state_bytes(state)
+        gathered = row != "tp2"  # ZeRO-3: units are gathered for their forward
         out.update(share=held.params + held.master + held.optimizer, units=len(sm.plan.units),
-                   largest_unit=max(u.numel for u in sm.plan.units) * 4 if row != "tp2" else 0)
+                   largest_unit=max(u.numel for u in sm.plan.units) * 4 if gathered else 0,
+                   root_unit=sum(u.numel for u in sm.plan.units if u.module == "") * 4 if gathered else 0,
+                   largest_layer=max((u.numel for u in sm.plan.units if u.module), default=0) * 4 if gathered else 0)
 
         def gen(n):
             return fnzero.generate(sm, state, ids, mask, max_new_tokens=n, do_sample=False)
-    out.update(build_s=time.perf_counter() - t0, build_peak=_status("VmHWM") - base)
-    _reset_peak()
-    gen(WARMUP_TOKENS)
+    out.update(build_s=time.perf_counter() - t0, build_peak=_status("VmHWM") - base, built=_status("VmRSS") - base)
+    gen(new_tokens)  # warm-up: first-call costs (kernels' caches, lazy imports) stay resident after it
     dist.barrier()
+    out["resident"] = _reset_peak() - base
     t = time.perf_counter()
     tokens = gen(new_tokens)
-    out.update(wall=time.perf_counter() - t, gen_peak=_status("VmHWM") - base, tokens=tokens)
+    out.update(wall=time.perf_counter() - t, peak=_status("VmHWM") - base, tokens=tokens)
     dist.barrier()
     cpu = os.times()
     out["cpu_s"] = cpu.user + cpu.system  # this process's, since it was forked
@@ -183,37 +191,42 @@ def run_row(row: str, pretrained: str, cfg, ids, mask, args) -> dict:
             "tokens_per_s": args.new_tokens * batch / wall}
 
 
-def print_table(results: dict, psi: int, args) -> None:
-    base = results.get("hf")
-    print(f"\n| row | tokens/s | vs hf | rank | peak RSS generating | peak RSS building | formula "
-          f"(share + 2 units + KV) | share | largest unit | KV cache | within | tokens == hf | other cores |")
-    print("|" + "---|" * 13)
+def same_tokens(r: dict, hf: dict | None) -> bool | None:
+    """Whether every rank of row `r` returned the hf row's tokens (None without an hf row)."""
+    if hf is None:
+        return None
+    want = hf["ranks"][0]["tokens"]
+    return all(x["tokens"].shape == want.shape and bool((x["tokens"] == want).all()) for x in r["ranks"])
+
+
+def print_table(results: dict) -> None:
+    hf = results.get("hf")
+    print("\n| row | tokens/s | vs hf | tokens == hf | other cores | rank | peak RSS | formula | within | share "
+          "| 2 units | root unit | layer | KV cache | resident - share | peak - resident | call within 2 units + KV "
+          "| peak building |")
+    print("|" + "---|" * 18)
     for row, r in results.items():
-        same = "baseline" if row == "hf" else ("n/a" if base is None else
-                                               "yes" if all(_equal(x["tokens"], base["ranks"][0]["tokens"])
-                                                            for x in r["ranks"]) else "NO")
-        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "n/a"
-        tps, other = f"{r['tokens_per_s']:.1f}", f"{r['other_cores']:.2f}"
+        same = {None: "n/a", True: "yes", False: "NO"}[same_tokens(r, hf)] if row != "hf" else "baseline"
+        head = [row, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf else "n/a",
+                same, f"{r['other_cores']:.2f}"]
         for k, x in enumerate(r["ranks"]):
-            formula = x["share"] + 2 * x["largest_unit"] + r["kv"]
-            first = k == 0
-            print(f"| {row if first else ''} | {tps if first else ''} | {ratio if first else ''} "
-                  f"| {k} | {x['gen_peak'] / MIB:.0f} MiB | {x['build_peak'] / MIB:.0f} MiB | {formula / MIB:.0f} MiB "
-                  f"| {x['share'] / MIB:.0f} MiB | {x['largest_unit'] / MIB:.0f} MiB | {r['kv'] / MIB:.1f} MiB "
-                  f"| {'ok' if x['gen_peak'] <= formula else 'OVER'} | {same if first else ''} "
-                  f"| {other if first else ''} |")
-    print("\npeak RSS: above the process's RSS after its imports; 'building' is from_pretrained / shard + "
-          "init_state(pretrained=), 'generating' the warm-up and the timed call (the state included). "
-          "share: the whole model for hf; the 2-unit term applies to ZeRO-3 rows only.")
+            units, call = 2 * x["largest_unit"], x["peak"] - x["resident"]
+            formula = x["share"] + units + r["kv"]
+            cells = (head if k == 0 else [""] * len(head)) + [str(k), f"{x['peak'] / MIB:.0f}", f"{formula / MIB:.0f}",
+                                                              "ok" if x["peak"] <= formula else "OVER"]
+            cells += [f"{v / MIB:.1f}" for v in (x["share"], units, x["root_unit"], x["largest_layer"], r["kv"],
+                                                 x["resident"] - x["share"], call)]
+            cells += ["ok" if call <= units + r["kv"] else "OVER", f"{x['build_peak'] / MIB:.0f}"]
+            print("| " + " | ".join(cells) + " |")
+    print("\nMiB. peak RSS: of the timed call, above the process's RSS after its imports. formula = share + 2 units "
+          "+ KV cache: share, the model state this rank holds in memory (hf: the whole model); 2 units, twice the "
+          "largest unit (ZeRO-3 rows; the root unit holds the embeddings, final norm and LM head, and stays gathered "
+          "for the whole of each forward, a layer only for its own); KV cache / tp. resident: after building and "
+          "the warm-up call (resident - share: first-call costs that stay, such as kernels' caches; hf's row shows "
+          "them too). peak building: from_pretrained, or shard + init_state(pretrained=).")
 
 
-def _equal(a, b) -> bool:
-    import torch
-
-    return a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=16)
@@ -227,7 +240,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the weight files go (default: a temp dir, removed)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where z3_nvme keeps its scratch files")
     p.add_argument("--json", default=None, help="also write the rows to this file")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = args.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
@@ -252,15 +265,14 @@ def main() -> None:
         for row in rows:
             results[row] = r = run_row(row, d, cfg, ids, mask, args)
             print(f"  {row:8s} {r['tokens_per_s']:8.1f} tokens/s  peak RSS generating "
-                  f"{' / '.join(str(round(x['gen_peak'] / MIB)) for x in r['ranks'])} MiB  "
+                  f"{' / '.join(str(round(x['peak'] / MIB)) for x in r['ranks'])} MiB  "
                   f"(other cores {r['other_cores']:.2f})", flush=True)
-    print_table(results, psi, args)
+    print_table(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "args": vars(args), "psi": psi, "rows": {
                 row: {**{k: v for k, v in r.items() if k != "ranks"},
-                      "tokens_equal_hf": "hf" in results and all(_equal(x["tokens"], results["hf"]["ranks"][0]["tokens"])
-                                                                 for x in r["ranks"]),
+                      "tokens_equal_hf": same_tokens(r, results.get("hf")),
                       "ranks": [{k: v for k, v in x.items() if k != "tokens"} for x in r["ranks"]]}
                 for row, r in results.items()}}, f, indent=2)
 
