@@ -7,7 +7,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["machine", "CpuMonitor", "median"]
+__all__ = ["machine", "CpuMonitor", "median", "proc_status"]
 
 
 def machine() -> str:
@@ -87,3 +87,12 @@ def rank_device(kind: str):
     dev = torch.device(kind, dist.get_rank() % mod.device_count())
     mod.set_device(dev)
     return dev
+
+
+def proc_status(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM, ...), in bytes; 0 where it is absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0

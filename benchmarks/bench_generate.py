@@ -46,7 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import CpuMonitor, machine  # noqa: E402
+from _common import CpuMonitor, machine, proc_status as _status  # noqa: E402
 
 ROWS = {  # row: (processes, label)
     "hf": (1, "transformers generate(), 1 process"),
@@ -102,14 +102,6 @@ def split_root(path: str, module) -> bool:
     return type(module).__name__ == "LlamaDecoderLayer" or path in ("model.embed_tokens", "lm_head")
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _reset_peak() -> int:
     """VmHWM := VmRSS; returns VmRSS."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -148,7 +140,8 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
     else:
         cfg = fnzero.load_config(row_config(row, dist.get_world_size(), nvme_dir), world_size=dist.get_world_size())
-        sm = fnzero.shard(lambda: transformers.LlamaForCausalLM(hf), config=cfg, wrap=split_root if "split" in row else None)
+        wrap = split_root if "split" in row else None
+        sm = fnzero.shard(lambda: transformers.LlamaForCausalLM(hf), config=cfg, wrap=wrap)
         state = sm.init_state(pretrained=pretrained)
         held = fnzero.memory.model_state_bytes(state)
         gathered = row != "tp2"  # ZeRO-3: units are gathered for their forward
@@ -211,8 +204,8 @@ def same_tokens(r: dict, hf: dict | None) -> bool | None:
 def print_table(results: dict) -> None:
     hf = results.get("hf")
     print("\n| row | tokens/s | vs hf | tokens == hf | other cores | rank | peak RSS | formula | within | share "
-          "| 2 units | root unit | largest other unit | KV cache | resident - share | peak - resident | call within 2 units + KV "
-          "| peak building |")
+          "| 2 units | root unit | largest other unit | KV cache | resident - share | peak - resident "
+          "| call within 2 units + KV | peak building |")
     print("|" + "---|" * 18)
     for row, r in results.items():
         same = {None: "n/a", True: "yes", False: "NO"}[same_tokens(r, hf)] if row != "hf" else "baseline"
