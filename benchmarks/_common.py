@@ -7,7 +7,7 @@ import platform
 import statistics
 import time
 
-__all__ = ["machine", "CpuMonitor", "median"]
+__all__ = ["machine", "CpuMonitor", "median", "proc_status"]
 
 
 def machine() -> str:
@@ -52,12 +52,19 @@ class CpuMonitor:
         return self
 
     def __exit__(self, *exc):
-        wall = time.monotonic() - self.t0
-        hz = os.sysconf("SC_CLK_TCK")
-        busy = (_busy_jiffies() - self.b0) / hz
-        own = _own_cpu() - self.own0
-        self.other_cores = max(0.0, (busy - own) / wall) if wall > 0 else 0.0
+        self.wall = time.monotonic() - self.t0
+        self.busy = (_busy_jiffies() - self.b0) / os.sysconf("SC_CLK_TCK")
+        self.own = _own_cpu() - self.own0
         return False
+
+    @property
+    def other_cores(self) -> float:
+        return max(0.0, (self.busy - self.own) / self.wall) if self.wall > 0 else 0.0
+
+    def add_own(self, cpu_seconds: float) -> None:
+        """Count CPU seconds of processes this one did not wait for (ranks forked by a fork
+        server are not its children) as the benchmark's own."""
+        self.own += cpu_seconds
 
 
 def _own_cpu() -> float:
@@ -80,3 +87,12 @@ def rank_device(kind: str):
     dev = torch.device(kind, dist.get_rank() % mod.device_count())
     mod.set_device(dev)
     return dev
+
+
+def proc_status(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM, ...), in bytes; 0 where it is absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -37,7 +37,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine  # noqa: E402
+from _common import machine, proc_status as _status  # noqa: E402
 
 
 def llama_config(hidden: int, layers: int, vocab: int):
@@ -76,14 +76,6 @@ def write_pretrained(cfg, out: str, shard_bytes: int = 512 << 20) -> int:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     cfg.save_pretrained(out)
     return sum(math.prod(s) for s in shapes.values())
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _rchar() -> int:

@@ -135,3 +135,27 @@ def test_gpu_check_dry_run_on_cpu_passes_and_fails_on_a_wrong_reference(tmp_path
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
     assert "FAIL zero_equivalence[world=1]" in p.stdout and "ZeRO-0, rank 0 of 1" in p.stdout and "losses" in p.stdout
+
+
+@pytest.mark.multiprocess
+def test_bench_generate_short_mode_gives_transformers_tokens_and_prints_peak_rss(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_generate.py on a tiny Llama, rows hf and z3_2: fnzero's ZeRO-3 ranks return
+    transformers' generate() tokens, and each rank's measured peak RSS is printed beside its formula.
+    (Run in this process: its ranks fork from the test session's fork server, which has imported
+    torch and fnzero already.)"""
+    import json
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_generate
+
+    js = tmp_path / "gen.json"
+    bench_generate.main(["--hidden", "64", "--layers", "2", "--vocab", "256", "--heads", "4", "--kv-heads", "2",
+                         "--batch", "2", "--prompt", "8", "--new-tokens", "4", "--rows", "hf,z3_2", "--dir",
+                         str(tmp_path), "--json", str(js)])
+    out = capsys.readouterr().out
+    rows = json.loads(js.read_text())["rows"]
+    assert rows["z3_2"]["tokens_equal_hf"] is True and len(rows["z3_2"]["ranks"]) == 2
+    assert all(x["peak"] > 0 and x["share"] > 0 for r in rows.values() for x in r["ranks"])
+    assert "z3_2" in out and "peak RSS generating" in out
+    table = [line.split(" | ") for line in out.splitlines() if line.startswith("| z3_2 |")]
+    assert len(table) == 1 and table[0][3] == "yes", out  # tokens == hf
