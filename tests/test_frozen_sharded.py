@@ -252,8 +252,9 @@ def test_offload_param_with_a_frozen_base_equals_no_offload(tmp_path, device):
 def test_a_lora_state_with_its_frozen_base_on_nvme_saves_loads_and_exports(tmp_path):
     """A stage-3 LoRA state whose frozen shards are in the parameter store, 2 ranks: `checkpoint.save`
     reads them; `checkpoint.load` into a model built under another seed writes them into that
-    state's store (its frozen entries stay placeholders) and the loaded model computes what the
-    saved one did; `export_live` and `load_into` read through the store too."""
+    state's store (its frozen entries stay placeholders; `keep_frozen` leaves the store as it was)
+    and the loaded model computes what the saved one did; `export_live` and `load_into` read
+    through the store too."""
     from safetensors.torch import load_file
 
     from fnzero.sharding.zero._param_store import is_placeholder
@@ -271,15 +272,19 @@ def test_a_lora_state_with_its_frozen_base_on_nvme_saves_loads_and_exports(tmp_p
         other = fnzero.shard(lora_model(seed=7, dtype=torch.float32), config=config, comm=comm)
         like = other.init_state()
         before = other.state_dict(like)
+        kept, _ = checkpoint.load(tmp_path / "c", like, tag="t", restore_rng=False, keep_frozen=True)
+        kept = other.state_dict(kept)  # (read before the next load writes the store)
         loaded, _ = checkpoint.load(tmp_path / "c", like, tag="t", restore_rng=False)
         placeholders = all(is_placeholder(loaded.frozen[u.name]) for u in other.plan.frozen_units)
         again = other.apply(loaded.params, input_ids=ids).logits.detach()
         fresh = other.load_into(lora_model(seed=3, dtype=torch.float32), loaded).state_dict()
-        return want, logits, before, other.state_dict(loaded), again, placeholders, paths, fresh
+        return want, logits, before, kept, other.state_dict(loaded), again, placeholders, paths, fresh
 
-    for want, logits, before, got, again, placeholders, paths, fresh in simulated_world(2).run(rank):
+    for want, logits, before, kept, got, again, placeholders, paths, fresh in simulated_world(2).run(rank):
         frozen = [n for n in want if "lora_" not in n]
         assert any(not torch.equal(before[n], want[n]) for n in frozen), "the other seed built another base"
+        W.assert_close_tree(kept, {n: before[n] if n in frozen else want[n] for n in want}, rtol=0, atol=0,
+                            what="keep_frozen keeps the store's base")
         assert placeholders
         W.assert_close_tree(got, want, rtol=0, atol=0, what="loaded through the store")
         W.assert_close_tree(fresh, want, rtol=0, atol=0, what="load_into")

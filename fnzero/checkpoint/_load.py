@@ -303,8 +303,6 @@ def load(
         def fill(leaf: Leaf) -> torch.Tensor:
             t = leaf.tensor
             out = prefer_huge_pages(torch.empty(t.numel(), dtype=t.dtype))  # every element is read or zeroed below
-            if keep_frozen and leaf.path.startswith("frozen/") and is_placeholder(t):
-                return t  # kept: its values are in the store already
             if leaf.path.startswith("frozen/"):  # by parameter name, however it was stored (`_frozen.py`)
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
@@ -358,7 +356,7 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
         value = fill(leaf)
         field = leaf.path.partition("/")[0]
         if field in ("params", "frozen") and is_placeholder(leaf.tensor):
-            if value is not leaf.tensor:  # (a kept frozen shard is the store's already)
+            if not is_placeholder(value):  # (a kept frozen shard, `keep_frozen`, is the store's already)
                 stored.append((sources.of(field == "frozen"), leaf.path.partition("/")[2], value))
             return leaf.tensor
         if field not in ("frozen", "buffers"):
