@@ -17,7 +17,7 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources")
 
     def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None):
         self.plan = plan
@@ -32,6 +32,10 @@ class Sharding:
         # The job's collective watchdog (`fnzero.sharding.comm._watchdog`), told by the step which step
         # runs; None without one (one process, a simulated world, its own collectives).
         self.watchdog = watchdog
+        # Where the placeholder shards of the state's `params` and `frozen` are read from
+        # (`offload_param: nvme`, `fnzero/sharding/zero/_param_store.py`): set once, when the first
+        # state is made and before any state holds a placeholder; None while every shard is in memory.
+        self.shard_sources = None
 
     @property
     def rank(self) -> int:

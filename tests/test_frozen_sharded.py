@@ -102,15 +102,19 @@ def train(sm, state, config, steps: int, rank: int, jit: dict | None = None):
 
 
 def run_lora(kind: str, world: int, gc: str, steps: int = 3, jit: dict | None = None, extra: dict | None = None,
-             dtype=torch.float64):
+             dtype=torch.float64, inspect=None):
+    """Each rank's (plan, consolidated state_dict after `steps`, bytes of its state's tensors), and
+    `inspect(sm, first state)` last when given."""
     config = cfg(world, extra=extra)
 
     def rank(comm):
         model = lora_model(kind, gc, dtype=dtype)
         comm.barrier()  # every rank built its model before any checkpointed backward forks the RNG
         sm = fnzero.shard(model, config=config, comm=comm)
-        state = train(sm, sm.init_state(), config, steps, comm.rank, jit)
-        return sm.plan, sm.state_dict(state), _state_bytes(state)
+        first = sm.init_state()
+        seen = () if inspect is None else (inspect(sm, first),)
+        state = train(sm, first, config, steps, comm.rank, jit)
+        return (sm.plan, sm.state_dict(state), _state_bytes(state), *seen)
 
     return simulated_world(world).run(rank)
 
@@ -235,18 +239,76 @@ def test_checkpoint_without_frozen_is_smaller_and_loads_onto_a_pretrained_base(s
         _load(root, 2, 3, "small")
 
 
+def _held_and_stored(sm, state):
+    """(whether every sharded frozen unit's entry is a placeholder, the state's model_state_bytes)."""
+    from fnzero.sharding.zero._param_store import is_placeholder
+
+    units = [u for u in sm.plan.frozen_units if sm.plan.params_sharded(u)]
+    return bool(units) and all(is_placeholder(state.frozen[u.name]) for u in units), fnzero.memory.model_state_bytes(state)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_offload_param_with_a_frozen_base_equals_no_offload(tmp_path, device):
     """`offload_param` (cpu; nvme, with the optimizer on nvme) trains a LoRA model as without it.
     float32: the host optimizer's kernels take fp32 only, so the two runs differ by the rounding of
-    their Adam arithmetic. (With nvme the trainable shards are read from the store; the frozen
-    shards stay in memory: `specs/offload.md` §Parameters.)"""
+    their Adam arithmetic. With nvme the trainable shards are read from the optimizer's store and
+    the frozen shards from the parameter store: the state holds placeholders for both, which count
+    no memory, and `stored` is what the run without offload holds (`specs/offload.md` §Parameters)."""
     where = {"device": device} if device == "cpu" else {"device": "nvme", "nvme_path": str(tmp_path)}
     off = run_lora("llama", 2, "non-reentrant", 2, extra={"offload_param": where, "offload_optimizer": dict(where)},
-                   dtype=torch.float32)
-    plain = run_lora("llama", 2, "non-reentrant", 2, dtype=torch.float32)
-    for (_, got, _), (_, want, _) in zip(off, plain):
+                   dtype=torch.float32, inspect=_held_and_stored)
+    plain = run_lora("llama", 2, "non-reentrant", 2, dtype=torch.float32, inspect=_held_and_stored)
+    for (_, got, _, (stored, m)), (_, want, _, (_, p)) in zip(off, plain):
         W.assert_close_tree(got, want, rtol=1e-5, atol=1e-7, what=f"offload_param {device}")
+        assert p.frozen > 0 and p.stored == 0
+        if device == "nvme":
+            assert stored and (m.params, m.frozen, m.stored) == (0, 0, p.params + p.frozen), (m, p)
+        else:
+            assert not stored and (m.frozen, m.stored) == (p.frozen, 0)
+
+
+def test_a_lora_state_with_its_frozen_base_on_nvme_saves_loads_and_exports(tmp_path):
+    """A stage-3 LoRA state whose frozen shards are in the parameter store, 2 ranks: `checkpoint.save`
+    reads them; `checkpoint.load` into a model built under another seed writes them into that
+    state's store (its frozen entries stay placeholders; `keep_frozen` leaves the store as it was)
+    and the loaded model computes what the saved one did; `export_live` and `load_into` read
+    through the store too."""
+    from safetensors.torch import load_file
+
+    from fnzero.sharding.zero._param_store import is_placeholder
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config = cfg(2, extra={"offload_param": nvme, "offload_optimizer": nvme})
+    ids = chunk(9, 0)
+
+    def rank(comm):
+        sm = fnzero.shard(lora_model(dtype=torch.float32), config=config, comm=comm)
+        state = train(sm, sm.init_state(), config, 1, comm.rank)
+        want, logits = sm.state_dict(state), sm.apply(state.params, input_ids=ids).logits.detach()
+        checkpoint.save(tmp_path / "c", state, tag="t")
+        paths = checkpoint.export_live(sm, state, tmp_path / "export", hf_config=False)
+        other = fnzero.shard(lora_model(seed=7, dtype=torch.float32), config=config, comm=comm)
+        like = other.init_state()
+        before = other.state_dict(like)
+        kept, _ = checkpoint.load(tmp_path / "c", like, tag="t", restore_rng=False, keep_frozen=True)
+        kept = other.state_dict(kept)  # (read before the next load writes the store)
+        loaded, _ = checkpoint.load(tmp_path / "c", like, tag="t", restore_rng=False)
+        placeholders = all(is_placeholder(loaded.frozen[u.name]) for u in other.plan.frozen_units)
+        again = other.apply(loaded.params, input_ids=ids).logits.detach()
+        fresh = other.load_into(lora_model(seed=3, dtype=torch.float32), loaded).state_dict()
+        return want, logits, before, kept, other.state_dict(loaded), again, placeholders, paths, fresh
+
+    for want, logits, before, kept, got, again, placeholders, paths, fresh in simulated_world(2).run(rank):
+        frozen = [n for n in want if "lora_" not in n]
+        assert any(not torch.equal(before[n], want[n]) for n in frozen), "the other seed built another base"
+        W.assert_close_tree(kept, {n: before[n] if n in frozen else want[n] for n in want}, rtol=0, atol=0,
+                            what="keep_frozen keeps the store's base")
+        assert placeholders
+        W.assert_close_tree(got, want, rtol=0, atol=0, what="loaded through the store")
+        W.assert_close_tree(fresh, want, rtol=0, atol=0, what="load_into")
+        torch.testing.assert_close(again, logits, rtol=0, atol=0)
+        exported = {k: v for p in paths if p.endswith(".safetensors") for k, v in load_file(p).items()}
+        W.assert_close_tree({k: exported[k] for k in want}, want, rtol=0, atol=0, what="export_live")
 
 
 def _gpt2_frozen_embeddings() -> torch.nn.Module:

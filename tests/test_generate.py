@@ -107,6 +107,33 @@ def test_tokens_equal_transformers_generate(kind, world, tp, zero, use_cache, tm
     assert (want_greedy[1, IDS.shape[1] + 2:] == (eos[0] if pad is None else pad)).all()
 
 
+def test_zero_inference_with_parameters_on_nvme_generates_transformers_tokens(tmp_path):
+    """`init_inference(..., zero={stage 3, offload_param nvme})` on 2 ranks, a Llama whose embedding
+    is frozen (a frozen unit beside the trainable ones): every shard is a placeholder over the
+    parameter store, and the greedy and sampled tokens are transformers' (`specs/inference.md`
+    §ZeRO-Inference)."""
+    from fnzero.sharding.zero._param_store import is_placeholder
+
+    eos, want_greedy, want_sampled = reference("llama")
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+
+    def rank():
+        model = build("llama")
+        model.model.embed_tokens.weight.requires_grad_(False)
+        engine = fnzero.init_inference(model, dtype=torch.float32, zero=zero)
+        plan, state = engine.sharded.plan, engine.state
+        held = [state.params[u.name] for u in plan.units] + [state.frozen[u.name] for u in plan.frozen_units]
+        greedy = engine.generate(IDS, MASK, max_new_tokens=NEW, eos_token_id=eos)
+        sampled = engine.generate(IDS, MASK, max_new_tokens=NEW, generator=torch.Generator().manual_seed(3), **SAMPLING)
+        return greedy, sampled, bool(plan.frozen_units) and all(is_placeholder(t) for t in held)
+
+    for r, (greedy, sampled, placeholders) in enumerate(simulated_world(2).run(rank)):
+        assert torch.equal(greedy, want_greedy), f"rank {r}: {greedy} != {want_greedy}"
+        assert torch.equal(sampled, want_sampled), f"rank {r}: {sampled} != {want_sampled}"
+        assert placeholders
+
+
 def test_generation_between_training_steps_leaves_the_trajectory_bit_identical():
     """fnzero's GPT (no cache: the sequence is re-run per token) at stage 3 on 2 ranks: training
     with a generation after the first step ends in bit-identical parameters and losses, and the

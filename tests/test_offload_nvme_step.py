@@ -141,3 +141,13 @@ def test_param_offload_to_nvme_says_what_it_needs(tmp_path, zero, match):
     with pytest.raises(fnzero.ConfigError, match=match):
         W.config(3, extra={"zero_optimization": {"stage": 3, **zero,
                                                  "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+
+
+def test_param_offload_to_nvme_without_an_optimizer_block_loads_and_init_state_says_what_it_needs(tmp_path):
+    # specs/offload.md §Parameters: a config without an optimizer (ZeRO-Inference's) loads; a state to
+    # train from it needs the optimizer on NVMe, which holds the trainable shards.
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    sm = fnzero.shard(torch.nn.Linear(4, 4), config=cfg)
+    with pytest.raises(fnzero.ShardingError, match="needs offload_optimizer device 'nvme'"):
+        sm.init_state(optimizer=fnzero.optim.adamw(lr=1e-3))

@@ -8,6 +8,7 @@ import os
 import torch
 
 from .._errors import CheckpointError
+from ..sharding.zero._param_store import ShardSource, held, read_placeholders, sources_of
 from ._export import _Entry, _cast_dtype, _check_arguments, _names, _write_all
 from ._hf_config import hf_source, module_source, write_hf_files
 from ._one_writer import Rounds
@@ -20,8 +21,9 @@ class _Gathered:
     group, one at a time, each after a round (`_one_writer.py`): the writer asks for a unit when
     it writes it, the others take part in the same gathers."""
 
-    def __init__(self, units, src: dict, comm, rounds: Rounds):
+    def __init__(self, units, src: dict, comm, rounds: Rounds, source: ShardSource | None = None):
         self.units, self.src, self.comm, self.rounds = units, src, comm, rounds
+        self.source = source  # where placeholder shards are read from (`offload_param: nvme`)
         self.index = {u.name: i for i, u in enumerate(units)}
         self.next, self.full = 0, None  # the next unit to gather; the last one gathered (one alive at a time)
 
@@ -36,7 +38,7 @@ class _Gathered:
                 return False
             u = self.units[self.next]
             self.full = None  # drop the previous unit before gathering the next
-            self.full = full_unit(u, self.src[u.name].detach(), self.comm).cpu()
+            self.full = full_unit(u, held(self.src[u.name], self.source, u.name), self.comm).cpu()
             self.next += 1
         return True
 
@@ -79,13 +81,15 @@ def export_live(
                               "(fnzero.checkpoint.save) and export it (fnzero.checkpoint.export, on every rank), "
                               "which needs no running job")
     if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
-        state = consolidated(state.replace(opt_state=None))
+        state = consolidated(read_placeholders(state).replace(opt_state=None))
     plan, comm = state.sharding.plan, state.sharding.comm
     writes = comm.rank == 0 and (tp is None or tp.rank == 0)
     rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
-    units = _Gathered(plan.units, state.master if state.master is not None else state.params, comm, rounds)
+    sources = sources_of(state.sharding)  # shards in NVMe stores are read a unit at a time
+    units = _Gathered(plan.units, state.master if state.master is not None else state.params, comm, rounds,
+                      sources.params)
     # Stage 3's frozen units, gathered after every trainable unit (`_live_entries`), unless left out.
-    frozen = _Gathered(() if exclude_frozen else plan.frozen_units, state.frozen, comm, rounds)
+    frozen = _Gathered(() if exclude_frozen else plan.frozen_units, state.frozen, comm, rounds, sources.frozen)
     if not writes:
         units.upto(len(units.units) - 1)
         frozen.upto(len(frozen.units) - 1)

@@ -14,6 +14,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
+from ..sharding.zero._param_store import is_placeholder
 from ._tree import FROZEN, Leaf
 
 __all__ = ["saved_frozen", "check_frozen", "fill_frozen"]
@@ -61,8 +62,8 @@ def fill_frozen(leaf: Leaf, like: TrainState, reader, out: torch.Tensor, keep: b
     """`leaf` (a frozen parameter by name, or a frozen unit's shard) read from the checkpoint by
     parameter name into `out` (flat), or `like`'s own values when `keep`. With `tp` (a TPLayout,
     `fplan` its whole-shape plan) a parameter is read whole and cut to this rank's slice."""
-    if keep:
-        return out.copy_(leaf.tensor.detach().reshape(-1))
+    if keep:  # (a placeholder's values are in its store already: `_load.py` writes nothing back)
+        return leaf.tensor if is_placeholder(leaf.tensor) else out.copy_(leaf.tensor.detach().reshape(-1))
     if reader.index.get("frozen_excluded"):
         raise CheckpointError(
             f"the checkpoint {reader.dir!r} was saved without its frozen parameters (exclude_frozen_parameters=True), "

@@ -16,6 +16,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import LossScaleState, TrainState
+from ..sharding.zero._param_store import ShardSource, is_placeholder, sources_of
 from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
@@ -345,12 +346,20 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
     they were). They are the module's: `ShardedModule.apply` binds the tensors the state was built
     with (`init_state` hands them over), not a state's; new tensors would be saved and exported
-    while the model kept computing with the old ones."""
+    while the model kept computing with the old ones. A shard whose values are in a store
+    (`offload_param: nvme`, a placeholder in `like`) is written into the store and stays a placeholder."""
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stored: list[tuple[ShardSource, str, torch.Tensor]] = []
+    sources = sources_of(like.sharding)
 
     def leaf_value(leaf: Leaf) -> torch.Tensor:
         value = fill(leaf)
-        if not leaf.path.startswith(("frozen/", "buffers/")):
+        field = leaf.path.partition("/")[0]
+        if field in ("params", "frozen") and is_placeholder(leaf.tensor):
+            if not is_placeholder(value):  # (a kept frozen shard, `keep_frozen`, is the store's already)
+                stored.append((sources.of(field == "frozen"), leaf.path.partition("/")[2], value))
+            return leaf.tensor
+        if field not in ("frozen", "buffers"):
             return value
         pending.append((leaf.tensor, value))
         return leaf.tensor
@@ -359,4 +368,6 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     with torch.no_grad():
         for own, value in pending:
             own.copy_(value)
+    for source, unit, value in stored:
+        source.write(unit, value)
     return state

@@ -31,6 +31,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
+from ..sharding.zero._param_store import read_placeholders
 from ..config import Config
 from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
@@ -265,6 +266,9 @@ def save(
     # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
+    # Shards kept in NVMe stores (`offload_param: nvme`) are read now, as the optimizer store's are
+    # below: the checkpoint is an ordinary one (`specs/offload.md` §Parameters).
+    state = read_placeholders(state, frozen=not exclude_frozen_parameters)
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
         if exclude_frozen_parameters:
             raise CheckpointError("save(..., exclude_frozen_parameters=True) of a pipeline-parallel state is not "

@@ -72,8 +72,9 @@ def cross_checks(cfg: Config) -> list[str]:
             f"`zero_optimization.offload_optimizer.ratio` is {off_opt.ratio!r} but partial offload needs "
             f"`zero_optimization.stage` 3 (got {stage}); set ratio 1.0 or stage 3"
         )
-    if off_par is not None and off_par.device == "nvme":
-        # fnzero reads parameter shards from the optimizer's master file (specs/offload.md §Parameters).
+    if off_par is not None and off_par.device == "nvme" and cfg.optimizer is not None:
+        # fnzero reads trainable parameter shards from the optimizer's master file (specs/offload.md
+        # §Parameters). Without an optimizer block (ZeRO-Inference's configs) `init_state` checks it.
         if off_opt is None or off_opt.device != "nvme":
             got = "not set" if off_opt is None else f"{off_opt.device!r}"
             out.append(

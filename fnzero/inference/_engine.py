@@ -22,7 +22,8 @@ class InferenceEngine:
     `sharded`: the `ShardedModule`; `state`: this rank's `TrainState`, which holds the parameters
     (`state.params`, with int8 weights and their scales in `state.frozen` for dtype int8) and no
     optimizer state, master copy or loss scale (`master` and `opt_state` are None): it is not a
-    state to train. `module`: the model (its tensors are fnzero's placeholders: calling it raises;
+    state to train. With `zero.offload_param` nvme its stage-3 shards are placeholders over files
+    (`specs/offload.md` §Parameters). `module`: the model (its tensors are fnzero's placeholders: calling it raises;
     call the engine). `config`: the model's own config (Hugging Face's `model.config`), as
     DeepSpeed's engine has it; `inference_config`: the resolved `InferenceConfig`."""
 

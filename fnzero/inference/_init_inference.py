@@ -14,6 +14,7 @@ from ..sharding.construct._construct import _default_device, shard
 from ..sharding.construct._module import ShardedModule
 from ..sharding.construct._world_config import load_config
 from ..sharding.tp._autotp import check_heads
+from ..offload._nvme_params import store_shards
 from ..train._init import initial_params
 from ._engine import InferenceEngine
 from ._inference_config import InferenceConfig, read_inference_config
@@ -44,7 +45,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
       each rank reading only its own bytes; the model may be built on the meta device.
     * `max_out_tokens` (alias `max_tokens`, default 1024): `engine.generate` refuses more tokens.
     * `zero`: a ZeRO section (`{"stage": 3}`: each rank holds 1/dp of the parameters, gathered
-      layer by layer; `offload_param` as `fnzero.shard` supports it).
+      layer by layer; `offload_param` `{"device": "nvme", "nvme_path": ...}` keeps those shards in
+      files there instead, each read just before its gather; `cpu` on a CPU run).
 
     Keys for DeepSpeed's CUDA kernels (`replace_with_kernel_inject`, `enable_cuda_graph`, ...) are
     accepted and warn (`ConfigWarning`) that they have no effect. The model is put in eval mode.
@@ -74,13 +76,15 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
         model.get_submodule(path).weight.requires_grad_(False)
     model.eval()
     sm = shard(model, config=shard_cfg, device=_default_device())
-    params = initial_params(sm, cfg.checkpoint_path, stacklevel=4)
     compute = sm.policy.compute_dtype or sm.plan.param_dtype
+    params = {n: t.to(compute) for n, t in initial_params(sm, cfg.checkpoint_path, stacklevel=4).items()}
+    if sm.policy.offload_param == "nvme":  # ZeRO-Inference: the shards in a parameter store, placeholders here
+        params = store_shards(sm, params)
     frozen, buffers = sm.constants
     if targets:
         frozen = quantize_model(sm.module, frozen, targets)
         sm.replace_constants(frozen, buffers)
-    state = TrainState(params={n: t.to(compute) for n, t in params.items()}, master=None, opt_state=None,
+    state = TrainState(params=params, master=None, opt_state=None,
                        frozen=frozen, buffers=buffers, step=torch.zeros((), dtype=torch.int64), loss_scale=None,
                        sharding=sm.sharding)
     return InferenceEngine(sm, state, cfg)
@@ -106,11 +110,6 @@ def _shard_config(cfg: InferenceConfig, world: int):
     if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
         raise ConfigError("`zero.offload_optimizer` asks to offload an optimizer, and an inference engine has none "
                           "(int8 weights cannot be trained either); remove it")
-    param_device = (zero.get("offload_param") or {}).get("device") if isinstance(zero.get("offload_param"), dict) else None
-    if param_device == "nvme":
-        raise ConfigError("`zero.offload_param` device nvme: fnzero reads stage-3 parameter shards from the NVMe "
-                          "store of an NVMe-offloaded optimizer, which an inference engine does not have; use device "
-                          "cpu, or no offload")
     if cfg.dtype == torch.int8 and zero.get("stage") == 3:
         raise ConfigError("dtype int8 with `zero.stage` 3: int8 weights are held whole on each rank (tensor-parallel "
                           "slices), outside the units ZeRO-3 shards; use stage 0, or a floating dtype")

@@ -5,6 +5,8 @@ state, unique storage only) plus the gradient buffer the step holds: the whole p
 gradients are replicated (stages 0-1), this rank's shard where they are sharded (stages 2-3), in
 the gradient-accumulation dtype. Frozen parameters are counted apart, as held: this rank's shard
 of each frozen unit at stage 3, whole at stages 0-2 (`specs/sharding.md` §Frozen parameters).
+Shards kept in NVMe stores (`offload_param: nvme`, placeholders in the state) hold no memory: they
+count 0 and are reported apart, in `stored` (`specs/offload.md` §Parameters).
 `zero_formula(...)` gives the ZeRO paper's figure for comparison.
 """
 
@@ -18,6 +20,7 @@ import optree
 import torch
 
 from .._state import TrainState
+from ..sharding.zero._param_store import is_placeholder, stored_bytes
 
 __all__ = ["ModelStateBytes", "model_state_bytes", "peak_rss_bytes", "zero_formula"]
 
@@ -29,6 +32,7 @@ class ModelStateBytes:
     optimizer: int
     grads: int
     frozen: int = 0  # requires_grad=False parameters, as held (shards at stage 3)
+    stored: int = 0  # parameter shards (trainable and frozen) kept in NVMe files instead: not in `total`
 
     @property
     def total(self) -> int:
@@ -38,8 +42,8 @@ class ModelStateBytes:
 def _unique_bytes(tree, seen: set) -> int:
     total = 0
     for t in optree.tree_leaves(tree):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            continue  # scalars (step counts) are not model state
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or is_placeholder(t):
+            continue  # scalars (step counts) are not model state; a placeholder's values are in a store
         st = t.untyped_storage()
         key = (st.data_ptr(), t.device)
         if key in seen:
@@ -65,7 +69,8 @@ def model_state_bytes(state: TrainState, grad_dtype: torch.dtype | None = None) 
     for u in plan.units:
         grads += (u.shard_numel if u.placement.grads else u.padded_numel) * esize
     frozen = _unique_bytes(state.frozen, seen)
-    return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads, frozen=frozen)
+    stored = stored_bytes(state.params) + stored_bytes(state.frozen)
+    return ModelStateBytes(params=params, master=master, optimizer=optimizer, grads=grads, frozen=frozen, stored=stored)
 
 
 def zero_formula(num_params: int, stage: int, world_size: int, mixed_precision: bool) -> float:

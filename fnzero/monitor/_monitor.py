@@ -277,6 +277,8 @@ class Monitor:
             m = model_state_bytes(state)
             parts.append(f"model state {_mib(m.total)} (params {_mib(m.params)}, master {_mib(m.master)}, "
                          f"optimizer {_mib(m.optimizer)}, grads {_mib(m.grads)}){_mesh_share(state.sharding)}")
+            if m.stored:  # `offload_param: nvme`: shards in files, not in memory
+                parts.append(f"parameter shards on NVMe {_mib(m.stored)}")
         parts.append(f"peak RSS {_mib(peak_rss_bytes())}")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             parts.append(f"cuda peak allocated {_mib(torch.cuda.max_memory_allocated())}")

@@ -24,7 +24,7 @@ import torch
 from .. import _ext
 from ._nvme_files import (
     _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, MANIFEST, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
-    check_unit_tensors, checked_create_args, chunk_span, flat_cpu, pack_header, read_manifest, stale_stores,
+    check_unit_tensors, checked_create_args, chunk_span, check_file, flat_cpu, pack_header, read_manifest, stale_stores,
     take_lock, write_json_atomic,
 )
 
@@ -313,19 +313,9 @@ class NvmeOptimizerStore:
             raise NvmeStoreError(errno.EIO, self._broken, self.path)
 
     def _check_files(self) -> None:
-        """Each file still there, the one opened, and long enough: otherwise raise naming it
-        (an open fd would keep reading a deleted file, and a truncated one short)."""
-        want = self._manifest["file_bytes"]
+        """Each file still there, the one opened, and long enough (`check_file`)."""
         for kind in self.kinds:
-            p = self._file(kind)
-            try:
-                st = os.stat(p)
-            except FileNotFoundError:
-                raise NvmeStoreError(errno.ENOENT, "store file is missing (deleted while in use?)", p) from None
-            if (st.st_dev, st.st_ino) != self._ino[kind]:
-                raise NvmeStoreError(errno.ESTALE, "store file was replaced while in use", p)
-            if st.st_size < want:
-                raise NvmeStoreError(errno.EIO, f"store file is truncated: {st.st_size} bytes, {want} expected", p)
+            check_file(self._file(kind), self._ino[kind], self._manifest["file_bytes"])
 
     def _header(self, kind: str) -> bytes:
         return pack_header(self._manifest, sum(numel for numel, _ in self._units.values()), kind)

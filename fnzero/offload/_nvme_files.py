@@ -140,6 +140,20 @@ def check_header(h: _ext.AioHandle, path: str, file_bytes: int, expected: bytes)
                                            "file, another version, or corrupt)", path)  # fmt: skip
 
 
+def check_file(path: str, ino: tuple[int, int], want: int) -> None:
+    """A store's file still there, the one opened (`ino`: its (st_dev, st_ino) then) and at least
+    `want` bytes long: otherwise raise naming it (an open fd would keep reading a deleted file, and
+    a truncated one short)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise NvmeStoreError(errno.ENOENT, "store file is missing (deleted while in use?)", path) from None
+    if (st.st_dev, st.st_ino) != ino:
+        raise NvmeStoreError(errno.ESTALE, "store file was replaced while in use", path)
+    if st.st_size < want:
+        raise NvmeStoreError(errno.EIO, f"store file is truncated: {st.st_size} bytes, {want} expected", path)
+
+
 def take_lock(path: str) -> int:
     """Lock the store directory `path` for this process; the descriptor to keep open. Held for the
     store's life; the kernel drops it when the process dies, which is how `stale_stores` tells

@@ -29,5 +29,5 @@ class NvmeOptState:
     resident: tuple = ()
     layout: Any = optree.dataclasses.field(pytree_node=False, default=None)
     # `offload_param: nvme`: stage-3 parameter shards are read from the store's master file and
-    # `TrainState.params` holds placeholders for them (`fnzero/sharding/_param_store.py`).
+    # `TrainState.params` holds placeholders for them (`fnzero/sharding/zero/_param_store.py`).
     holds_params: bool = optree.dataclasses.field(pytree_node=False, default=False)

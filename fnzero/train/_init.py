@@ -21,7 +21,8 @@ from ..checkpoint._peft_adapters import load_adapters
 from ..checkpoint._pretrained import load_pretrained
 from ..sharding.construct._initial import frozen_checksum_key
 from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
-from ..sharding.zero._param_store import placeholder
+from ..offload._nvme_params import store_shards
+from ..sharding.zero._param_store import ShardSource, placeholder
 from ..sharding.zero._gather import unit_views
 from ._loss_scale import init_loss_scale
 from ._policy import step_policy
@@ -128,16 +129,24 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     cd = sm.policy.compute_dtype or plan.param_dtype
     params = {name: t.to(cd) for name, t in initial.items()}
     offload = sm.policy.offload_optimizer
+    if sm.policy.offload_param == "nvme" and offload != "nvme":  # a config without an optimizer block allows it
+        raise ShardingError(
+            "zero_optimization.offload_param device 'nvme' for training needs offload_optimizer device 'nvme' at the "
+            "same nvme_path: fnzero reads trainable parameter shards from the optimizer's master file (without an "
+            "optimizer, fnzero.init_inference keeps them in a parameter store)"
+        )
     if offload == "nvme":
         opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
         if sm.policy.offload_param == "nvme":
-            # The shards are read from the store's master file when gathered (`_param_store.py`).
+            # The shards are read from the store's master file when gathered (`_param_store.py`);
+            # the frozen ones, which no optimizer holds, from a parameter store of their own.
             params = {
                 u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]
                 for u in plan.units
             }
             opt_state = dataclasses.replace(opt_state, holds_params=True)
-            sm.read_params_from(opt_state.store)
+            sm.read_shards_from(params=ShardSource(opt_state.store, "master"))
+            store_shards(sm)
         return params, None, opt_state  # the master is on disk, with the moments
     # A separate fp32 master copy exists for 16-bit training, and for offload when the
     # parameters live on an accelerator (the master then stays on the host).

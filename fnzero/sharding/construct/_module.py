@@ -15,7 +15,7 @@ from ..._errors import ShardingError
 from ..._state import Sharding, TrainState
 from ..comm._collectives import Collectives
 from ._initial import InitialValues, is_released
-from ..zero._param_store import is_placeholder, read_shard
+from ..zero._param_store import ShardSource, ShardSources, held, sources_of
 from ..zero._policy import ShardPolicy
 from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ShardPlan, UnitPlan
@@ -90,8 +90,6 @@ class ShardedModule:
         self._frozen: dict[str, torch.Tensor] = dict(frozen or {})
         self._frozen_unit_names = frozenset(u.name for u in plan.frozen_units)  # keys of shards in `_frozen`
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
-        # `offload_param: nvme`: the NVMe store sharded units are read from (`read_params_from`).
-        self._param_store = None
         self._units_routed = False  # see `_route_units`
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
         # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
@@ -175,7 +173,7 @@ class ShardedModule:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
-                       shard_store=self._param_store, backward_runs=self._backward_runs, frozen=self._frozen)
+                       sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen)
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
@@ -269,10 +267,13 @@ class ShardedModule:
         """New values for the frozen parameters and buffers `apply` binds (pretrained weights)."""
         self._frozen, self._buffers = dict(frozen), dict(buffers)
 
-    def read_params_from(self, store) -> None:
-        """`offload_param: nvme`: sharded units' parameters are read from `store` when gathered
-        (`_param_store.py`); the state holds placeholders for them."""
-        self._param_store = store
+    def read_shards_from(self, *, params: ShardSource | None = None, frozen: ShardSource | None = None) -> None:
+        """`offload_param: nvme`: the placeholder shards of trainable (`params`) and frozen units are
+        read from these sources when gathered, saved or consolidated (`_param_store.py`); a source
+        not given is kept. Set while the first state is made, before any state holds a placeholder:
+        every state of this model shares the sharding that carries them."""
+        old = sources_of(self.sharding)
+        self.sharding.shard_sources = ShardSources(params=params or old.params, frozen=frozen or old.frozen)
 
     @property
     def constants(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -295,10 +296,7 @@ class ShardedModule:
         for u in self.plan.units:
             if names is not None and not any(n in names for s in u.slots for n in (s.name, *s.aliases)):
                 continue
-            shard = src[u.name].detach()
-            if self._param_store is not None and is_placeholder(shard):
-                shard = read_shard(self._param_store, u.name, shard)
-            full = full_unit(u, shard, self.comm)
+            full = full_unit(u, held(src[u.name], sources_of(self.sharding).params, u.name), self.comm)
             if full.numel() != u.padded_numel:
                 full = self.comm.all_gather(full)
             if rank0_only and self.comm.rank != 0:
@@ -337,9 +335,9 @@ class ShardedModule:
 
     def _whole_frozen(self, frozen: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """The frozen units' parameters, whole, by state_dict name (tied names included)."""
-        out = {}
+        out, source = {}, sources_of(self.sharding).frozen
         for u in self.plan.frozen_units:
-            full = full_unit(u, frozen[u.name].detach(), self.comm)
+            full = full_unit(u, held(frozen[u.name], source, u.name), self.comm)
             for name, t in unit_views(u, full).items():
                 out[name] = t.to(dtype) if dtype is not None else t.clone()
         return out

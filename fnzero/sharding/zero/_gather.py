@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._param_store import read_shard
+from ._param_store import ShardSource, held
 from ._plan import UnitPlan
 
 if TYPE_CHECKING:  # annotations only: the run and the binder hold these runtimes, not the reverse
@@ -43,14 +43,14 @@ class UnitRuntime:
     """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
     buffer re-gathered for backward."""
 
-    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "store", "binder")
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder")
 
-    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", store=None):
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", source: ShardSource | None = None):
         self.unit = unit
         self.shard = shard
         self.comm = comm
         self.run = run
-        self.store = store  # `offload_param: nvme`: where a placeholder shard's values are read from
+        self.source = source  # `offload_param: nvme`: where a placeholder shard's values are read from
         self.pending = None  # forward prefetch in flight
         self.bwd_full = None
         self.bwd_pending = None  # backward prefetch in flight
@@ -59,9 +59,7 @@ class UnitRuntime:
 
     def shard_values(self) -> torch.Tensor:
         """What this rank contributes to a gather: the shard, or its values read from NVMe."""
-        if self.store is not None:
-            return read_shard(self.store, self.unit.name, self.shard)
-        return self.shard.detach()
+        return held(self.shard, self.source, self.unit.name)
 
     def gather(self) -> torch.Tensor:
         if self.pending is not None:

@@ -1,29 +1,41 @@
 """Parameter shards kept in a store instead of memory: `offload_param: {device: nvme}` at stage 3
 (`specs/offload.md` §Parameters).
 
-With the optimizer state on NVMe, the store's master file already holds every unit's fp32 shard,
-and a stage-3 parameter shard is that shard in the compute dtype. So the state keeps no copy: each
-sharded unit's entry in `TrainState.params` is a *placeholder*, a tensor of the shard's shape and
-dtype over one element of storage (stride 0), and a unit's shard is read from the store just
-before its all-gather, in forward and again for its backward. The gradient of the loss with
-respect to the placeholder is the unit's reduced gradient shard, as for an in-memory shard, and
-the optimizer step writes the new master straight to the file (no copy-out).
+A sharded unit whose values live in a store has a *placeholder* in the state (`TrainState.params`
+or `.frozen`): a tensor of the shard's shape and dtype over one element of storage (stride 0).
+Its shard is read from the store just before its all-gather, in forward and again for its
+backward; the gradient with respect to a trainable placeholder is the unit's reduced gradient
+shard, as for an in-memory shard. Two stores hold shards:
 
-Reading the fp32 master and rounding it to 16 bits gives the same bits as the kernel's fused
-16-bit copy-out (round to nearest even), so a run with offloaded parameters equals the same run
-without, bit for bit (tested). The cost: each step reads the shard twice (forward and backward),
-4Ψ/N bytes each, even in 16-bit training.
+* trainable units of a training state: the NVMe optimizer store's master file, which holds every
+  unit's fp32 shard already (a stage-3 parameter shard is that shard in the compute dtype), so
+  the state keeps no copy and the step writes the new master straight to the file. Reading the
+  fp32 master and rounding it to 16 bits gives the same bits as the kernel's fused copy-out
+  (round to nearest even), so such a run equals the run without, bit for bit (tested);
+* frozen units, and every unit of an inference state (no optimizer master): the read-only
+  parameter store (`fnzero/offload/_nvme_params.py`), written once when the state is made.
+
+This layer defines only how a store is *read* (`ShardSource`: an object with `read(unit, kind)`
+and `write(unit, kind, value)`, and the kind to use); the stores themselves are the offload
+layer's, handed in through `Sharding.shard_sources` (`ShardedModule.read_shards_from`), so every
+holder of the state (the runtime, `gather`, checkpoints, memory counts) finds them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
-__all__ = ["placeholder", "is_placeholder", "read_shard"]
+from ..._state import TrainState
+
+__all__ = ["ShardSource", "ShardSources", "placeholder", "is_placeholder", "sources_of", "held", "read_placeholders",
+           "stored_bytes"]
 
 
 def placeholder(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A stand-in for a shard whose values are in the store: its shape and dtype, no memory."""
+    """A stand-in for a shard whose values are in a store: its shape and dtype, no memory."""
     return torch.empty_strided((numel,), (0,), dtype=dtype, device=device)
 
 
@@ -31,6 +43,62 @@ def is_placeholder(t: torch.Tensor) -> bool:
     return t.dim() == 1 and t.numel() > 1 and t.stride(0) == 0
 
 
-def read_shard(store, unit: str, like: torch.Tensor) -> torch.Tensor:
-    """The unit's current shard from `store`, in `like`'s dtype and on its device."""
-    return store.read(unit, "master").to(device=like.device, dtype=like.dtype)
+@dataclasses.dataclass(frozen=True)
+class ShardSource:
+    """Where one kind of placeholder shard is read from: `store.read(unit, kind)` (a CPU tensor of
+    any float dtype) and, for `checkpoint.load`, `store.write(unit, kind, value)`."""
+
+    store: Any
+    kind: str
+
+    def read(self, unit: str, like: torch.Tensor) -> torch.Tensor:
+        """The unit's current shard, in `like`'s dtype and on its device."""
+        return self.store.read(unit, self.kind).to(device=like.device, dtype=like.dtype)
+
+    def write(self, unit: str, value: torch.Tensor) -> None:
+        self.store.write(unit, self.kind, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSources:
+    """The sources of a state's placeholders: `params` for trainable units, `frozen` for frozen ones."""
+
+    params: ShardSource | None = None
+    frozen: ShardSource | None = None
+
+    def of(self, frozen: bool) -> ShardSource | None:
+        return self.frozen if frozen else self.params
+
+
+NO_SOURCES = ShardSources()
+
+
+def sources_of(sharding) -> ShardSources:
+    """The shard sources a `Sharding` carries (none: every shard is in memory)."""
+    return getattr(sharding, "shard_sources", None) or NO_SOURCES
+
+
+def held(t: torch.Tensor, source: ShardSource | None, unit: str) -> torch.Tensor:
+    """`t`'s values: `t` itself (detached), or a placeholder's shard read from `source`."""
+    if source is not None and is_placeholder(t):
+        return source.read(unit, t)
+    return t.detach()
+
+
+def read_placeholders(state: TrainState, *, frozen: bool = True) -> TrainState:
+    """`state` with every placeholder in `params` (and `frozen`, unless `frozen=False`) replaced by
+    its shard read from its store: what saving whole tensors needs. The state itself is unchanged."""
+    sources = sources_of(state.sharding)
+    if sources is NO_SOURCES:
+        return state
+    changes: dict[str, dict[str, torch.Tensor]] = {}
+    for field, source in (("params", sources.params), ("frozen", sources.frozen if frozen else None)):
+        tensors = getattr(state, field)
+        if source is not None and any(is_placeholder(t) for t in tensors.values()):
+            changes[field] = {k: held(t, source, k) for k, t in tensors.items()}
+    return state.replace(**changes) if changes else state
+
+
+def stored_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes the placeholders among `tensors` stand for (held in a store, not in memory)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values() if is_placeholder(t))

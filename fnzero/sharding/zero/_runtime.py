@@ -24,7 +24,7 @@ from ..._errors import ShardingError
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
-from ._param_store import is_placeholder
+from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan
 
 __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER"]
@@ -55,14 +55,14 @@ class ApplyRun:
     keep gathered parameters out of autograd's saved tensors."""
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
-                 shard_store=None, backward_runs: "list[ApplyRun] | None" = None,
+                 sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
                  frozen: dict[str, torch.Tensor] | None = None):
         self.plan = plan
         self.comm = comm
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
-        self.shard_store = shard_store  # `offload_param: nvme` (`_param_store.py`)
+        self.sources = sources  # where placeholder shards are read from (`offload_param: nvme`, `_param_store.py`)
         self._live: dict[int, UnitRuntime] = {}
         self.rts: dict[str, UnitRuntime] = {}
         self.frts: dict[str, UnitRuntime] = {}  # the frozen units' runtimes (same names as `rts`)
@@ -120,9 +120,7 @@ class ApplyRun:
         table, held = (self.frts, self.frozen) if frozen else (self.rts, self.params)
         rt = table.get(unit.name)
         if rt is None:
-            p = held[unit.name]
-            store = self.shard_store if self.shard_store is not None and is_placeholder(p) else None
-            rt = table[unit.name] = UnitRuntime(unit, p, self.comm, self, store)
+            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], self.comm, self, self.sources.of(frozen))
         return rt
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:

@@ -1,0 +1,203 @@
+"""Parameter shards no optimizer holds, in a file: `offload_param: {device: nvme}` for stage 3's
+frozen units (a LoRA model's base), and for every sharded unit of an inference state, which has no
+optimizer master to read them from (`specs/offload.md` §Parameters).
+
+`NvmeParamStore` is written once, when the state is made, and then read a unit at a time, just
+before the unit's all-gather (`fnzero/sharding/zero/_param_store.py`); only `checkpoint.load`
+writes it again. Each shard is stored in its own dtype, at an aligned offset, so a read is one
+O_DIRECT `pread` where the file system allows it. The directory follows the optimizer store's
+conventions (`_nvme.py`, `_nvme_files.py`): new for every store (`fnzero-rank{r}-params-{uuid}`),
+locked for the store's life so `stale_stores` finds what killed runs left, a manifest, a header
+tying the file to it; removed at process exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import uuid
+from typing import Any
+
+import torch
+
+from .. import _ext
+from ..sharding.construct._module import ShardedModule
+from ..sharding.zero._param_store import ShardSource, placeholder
+from ._nvme_files import (_HDR, HEADER, MANIFEST, PREFIX, VERSION, _round_up, check_file,
+                          pack_header, take_lock, write_json_atomic)
+from ._nvme_optimizer import _aio_kwargs
+
+__all__ = ["NvmeParamStore", "store_shards"]
+
+FORMAT = "fnzero-nvme-param-store"
+_FILE = "shards.bin"
+
+
+class NvmeParamStore:
+    """One rank's parameter shards in a file: `read(unit, kind)` (a new CPU tensor in the shard's
+    own dtype), `write(unit, kind, value)`. `kind` is "params" (trainable units) or "frozen". Made
+    by `create`; not thread-safe (one per rank)."""
+
+    def __init__(self, path: str, manifest: dict, engine: _ext.AioEngine):
+        self.path = path
+        self._manifest = manifest
+        self._where = {(kind, unit): (getattr(torch, dtype), numel, off)
+                       for kind, unit, dtype, numel, off in manifest["shards"]}
+        self._engine = engine
+        self._handle: _ext.AioHandle | None = None
+        self._ino = (0, 0)
+        self._lock_fd = -1
+
+    @classmethod
+    def create(cls, directory: str | os.PathLike, shards: dict[str, dict[str, torch.Tensor]], *, rank: int = 0,
+               aio: Any = None, use_cext: bool | None = None) -> NvmeParamStore:  # fmt: skip
+        """New files under `directory`/fnzero-rank{rank}-params-{uuid}/ holding `shards` (kind ->
+        unit -> floating-point tensor, any device and shape, flattened), fsynced on return, so the
+        caller may drop them. `aio`: DeepSpeed's aio block (block_size, queue_depth, thread_count)."""
+        entries, off = [], HEADER
+        for kind, units in shards.items():
+            for unit, t in units.items():
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                    raise ValueError(f"NvmeParamStore: shards[{kind!r}][{unit!r}] must be a floating-point tensor")
+                entries.append([kind, unit, str(t.dtype).removeprefix("torch."), t.numel(), off])
+                off += _round_up(t.numel() * t.element_size(), _ext.ALIGN)  # each shard on an aligned block
+        os.makedirs(directory, exist_ok=True)
+        store_id = uuid.uuid4()
+        path = os.path.join(os.fspath(directory), f"{PREFIX}{rank}-params-{store_id.hex}")
+        os.mkdir(path, 0o700)
+        manifest = {"format": FORMAT, "version": VERSION, "uuid": store_id.hex, "rank": rank, "shards": entries,
+                    "file_bytes": off, "state": "creating", "pid": os.getpid(), "host": socket.gethostname()}
+        self = cls(path, manifest, _ext.AioEngine.from_config(aio or {}, use_cext=use_cext))
+        try:
+            self._lock_fd = take_lock(path)
+            write_json_atomic(os.path.join(path, MANIFEST), manifest, fsync=False)
+            file = os.path.join(path, _FILE)
+            self._handle = _ext.AioHandle(file, "w", engine=self._engine, size=off)
+            st = os.stat(file)
+            self._ino = (st.st_dev, st.st_ino)
+            header = _ext.aligned_empty(HEADER, torch.uint8).zero_()
+            total = sum(e[3] for e in entries)
+            header[: _HDR.size].copy_(torch.frombuffer(bytearray(pack_header(manifest, total, "shards")), dtype=torch.uint8))
+            self._handle.pwrite(header, 0)
+            for kind, units in shards.items():
+                for unit, t in units.items():
+                    self._put(unit, kind, t)
+            self._handle.sync()
+            manifest["state"] = "clean"
+            write_json_atomic(os.path.join(path, MANIFEST), manifest, fsync=True)
+            _ext.fsync_dir(path)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # -- what is stored -----------------------------------------------------------------------
+    def units(self, kind: str) -> dict[str, int]:
+        """unit name -> number of elements, of one kind."""
+        return {unit: numel for (k, unit), (_, numel, _) in self._where.items() if k == kind}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shards themselves (without the file's header and alignment padding)."""
+        return sum(numel * dtype.itemsize for dtype, numel, _ in self._where.values())
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return self._manifest["file_bytes"]
+
+    def __repr__(self) -> str:
+        return f"NvmeParamStore({self.path!r}, shards={len(self._where)}, bytes={self.nbytes})"
+
+    # -- reading and writing --------------------------------------------------------------------
+    def read(self, unit: str, kind: str) -> torch.Tensor:
+        """The unit's shard of `kind`, a new flat CPU tensor in its stored dtype."""
+        dtype, numel, off = self._entry(unit, kind)
+        nbytes = numel * dtype.itemsize
+        # The whole aligned block: the transfer stays O_DIRECT (each shard's padding is in the file).
+        buf = _ext.aligned_empty(_round_up(nbytes, _ext.ALIGN), torch.uint8)
+        self._handle.pread(buf, off)
+        return buf[:nbytes].view(dtype)
+
+    def write(self, unit: str, kind: str, value: torch.Tensor) -> None:
+        """Replace the unit's shard of `kind` with `value` (any float dtype and shape, its element
+        count), converted to the stored dtype (`checkpoint.load`)."""
+        self._entry(unit, kind)
+        self._put(unit, kind, value)
+        self._handle.sync()
+
+    def _put(self, unit: str, kind: str, value: torch.Tensor) -> None:
+        dtype, numel, off = self._where[(kind, unit)]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != numel:
+            raise ValueError(f"NvmeParamStore.write: {kind} {unit!r} takes a float tensor of {numel} elements")
+        nbytes = numel * dtype.itemsize
+        buf = _ext.aligned_empty(_round_up(nbytes, _ext.ALIGN), torch.uint8)
+        buf[nbytes:].zero_()
+        buf[:nbytes].view(dtype).copy_(value.detach().reshape(-1))
+        self._handle.pwrite(buf, off)
+
+    def _entry(self, unit: str, kind: str) -> tuple[torch.dtype, int, int]:
+        if self._handle is None:
+            raise ValueError(f"NvmeParamStore: the store at {self.path} is closed")
+        entry = self._where.get((kind, unit))
+        if entry is None:
+            raise KeyError(f"NvmeParamStore: no {kind} shard of unit {unit!r} (it holds "
+                           f"{sorted(u for _, u in self._where)[:8]}...)")
+        check_file(os.path.join(self.path, _FILE), self._ino, self._manifest["file_bytes"])
+        return entry
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self, delete: bool = True) -> None:
+        """Wait for outstanding I/O, close the file; `delete` removes the directory. Idempotent."""
+        try:
+            if self._handle is not None:
+                self._handle.close()
+        finally:
+            self._handle = None
+            self._engine.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+            if delete:
+                shutil.rmtree(self.path, ignore_errors=True)
+
+    def __del__(self) -> None:  # forgotten: free the fd and threads, keep the files (`stale_stores` finds them)
+        try:
+            self.close(delete=False)
+        except Exception:
+            pass
+
+
+def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+    """`offload_param: nvme`: write this rank's shards that no optimizer holds to a new
+    `NvmeParamStore` under `offload_param.nvme_path`: every stage-3 sharded frozen unit of `sm`
+    and, given `params` (an inference state's, unit -> shard), every sharded trainable unit. The
+    model's frozen constants and the returned params hold placeholders for them, and `sm` reads
+    them through the store (`read_shards_from`). The files are removed at process exit."""
+    plan = sm.plan
+    frozen, buffers = sm.constants
+
+    def stored(units, held):  # persistent units stay gathered; one-element shards cannot be placeholders
+        return {u.name: held[u.name] for u in units if plan.params_sharded(u) and u.shard_numel > 1}
+
+    shards = {"frozen": stored(plan.frozen_units, frozen), "params": stored(plan.units, params) if params else {}}
+    shards = {kind: units for kind, units in shards.items() if units}
+    if not shards:
+        return params
+    cfg = sm.config
+    store = NvmeParamStore.create(str(cfg.zero_optimization.offload_param.nvme_path), shards, rank=sm.comm.rank,
+                                  aio=_aio_kwargs(cfg.aio.model_dump()))
+    # Scratch files of this run: removed when the process ends (a killed process leaves them;
+    # fnzero.offload.stale_stores finds and removes those).
+    atexit.register(store.close)
+    device = sm.sharding.device
+
+    def placeholders(held, kind):
+        return {k: placeholder(t.numel(), t.dtype, device) if k in shards.get(kind, ()) else t for k, t in held.items()}
+
+    sm.replace_constants(placeholders(frozen, "frozen"), buffers)
+    sm.read_shards_from(frozen=ShardSource(store, "frozen") if "frozen" in shards else None,
+                        params=ShardSource(store, "params") if "params" in shards else None)
+    return placeholders(params, "params") if params is not None else None
+
