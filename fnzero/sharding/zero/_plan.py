@@ -243,9 +243,10 @@ def make_plan(
     sharded, units under `persistence_threshold` elements keep them gathered.
 
     `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
-    FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
-    enclosing unit module; parameters under no unit module, and tied parameters whose names fall in
-    different units, go to the root unit, which stays gathered for the whole forward.
+    FSDP's ModuleWrapPolicy); default `default_unit_modules` (a model's layers, and its untied
+    input embedding and output head). A parameter belongs to its innermost enclosing unit module;
+    parameters under no unit module, and tied parameters whose names fall in different units, go
+    to the root unit, which stays gathered for the whole forward.
 
     Frozen parameters: where `placement` shards parameters and `shard_frozen`, grouped into frozen
     units by the same rules; else held whole by name (`ShardPlan.frozen`).

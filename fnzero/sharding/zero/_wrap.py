@@ -102,7 +102,7 @@ def _embedding_pair(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     for m in model.modules():
         try:
             pair = (m.get_input_embeddings(), m.get_output_embeddings())
-        except (AttributeError, NotImplementedError, TypeError):
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
             continue  # not a transformers model, or one that names no embeddings
         if all(isinstance(x, nn.Module) for x in pair):
             return pair  # type: ignore[return-value]
@@ -116,5 +116,6 @@ def _encloses(outer: str, inner: str) -> bool:
 
 
 def _in_model_order(model: nn.Module, paths: list[str]) -> list[str]:
+    # A path named_modules skips (a module registered twice) keeps its place after the others.
     order = {path: i for i, (path, _) in enumerate(model.named_modules())}
-    return sorted(set(paths), key=order.__getitem__)
+    return sorted(dict.fromkeys(paths), key=lambda p: order.get(p, len(order)))
