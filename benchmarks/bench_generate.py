@@ -12,8 +12,9 @@ leave the process):
 
   hf       transformers' model.generate() in one process: from_pretrained(dir) (the baseline)
   z3_2     fnzero.generate at ZeRO-3 on 2 ranks    z3_4  the same on 4 ranks
-  z3_2_split  z3_2 with the embeddings and the LM head as units of their own (shard(wrap=)), not
-           in the root unit that stays gathered for the whole of each forward
+  z3_2_root  z3_2 with the embeddings and the LM head in the root unit, gathered for the whole of
+           each forward (shard(wrap=) with the decoder layers only: the default before they
+           became units of their own)
   tp2      tensor parallelism 2 (AutoTP, ZeRO-0) on 2 ranks
   z3_cpu   ZeRO-3, offload_param cpu, 2 ranks      z3_nvme  ZeRO-3, offload_param nvme, 2 ranks
 
@@ -52,7 +53,7 @@ ROWS = {  # row: (processes, label)
     "hf": (1, "transformers generate(), 1 process"),
     "z3_2": (2, "fnzero ZeRO-3, 2 ranks"),
     "z3_4": (4, "fnzero ZeRO-3, 4 ranks"),
-    "z3_2_split": (2, "fnzero ZeRO-3, 2 ranks, embeddings and LM head their own units (wrap=)"),
+    "z3_2_root": (2, "fnzero ZeRO-3, 2 ranks, embeddings and LM head in the root unit (wrap=)"),
     "tp2": (2, "fnzero tensor parallel 2 (ZeRO-0)"),
     "z3_cpu": (2, "fnzero ZeRO-3, offload_param cpu, 2 ranks"),
     "z3_nvme": (2, "fnzero ZeRO-3, offload_param nvme, 2 ranks"),
@@ -96,10 +97,11 @@ def row_config(row: str, world: int, nvme_dir: str | None) -> dict:
             "zero_optimization": zero, **({"tensor_parallel": {"autotp_size": 2}} if row == "tp2" else {})}
 
 
-def split_root(path: str, module) -> bool:
-    """Units: each decoder layer (the default), and the embeddings and the LM head each on its own,
-    gathered only for their own forward rather than with the root for the whole of it."""
-    return type(module).__name__ == "LlamaDecoderLayer" or path in ("model.embed_tokens", "lm_head")
+def layers_only(path: str, module) -> bool:
+    """Units: each decoder layer, the rest (embeddings, final norm, LM head) in the root unit, which
+    stays gathered for the whole of each forward (the default keeps the embeddings and the LM head
+    in units of their own, gathered for their own forward only)."""
+    return type(module).__name__ == "LlamaDecoderLayer"
 
 
 def _reset_peak() -> int:
@@ -140,7 +142,7 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
     else:
         cfg = fnzero.load_config(row_config(row, dist.get_world_size(), nvme_dir), world_size=dist.get_world_size())
-        wrap = split_root if "split" in row else None
+        wrap = layers_only if row == "z3_2_root" else None
         sm = fnzero.shard(lambda: transformers.LlamaForCausalLM(hf), config=cfg, wrap=wrap)
         state = sm.init_state(pretrained=pretrained)
         held = fnzero.memory.model_state_bytes(state)
@@ -223,8 +225,8 @@ def print_table(results: dict) -> None:
             print("| " + " | ".join(cells) + " |")
     print("\nMiB. peak RSS: of the timed call, above the process's RSS after its imports. formula = share + 2 units "
           "+ KV cache: share, the model state this rank holds in memory (hf: the whole model); 2 units, twice the "
-          "largest unit (ZeRO-3 rows; the root unit holds the embeddings, final norm and LM head, and stays gathered "
-          "for the whole of each forward, a layer only for its own); KV cache / tp. resident: after building and "
+          "largest unit (ZeRO-3 rows; the root unit holds the final norm, and the embeddings and LM head in z3_2_root, and "
+          "stays gathered for the whole of each forward, any other unit only for its own); KV cache / tp. resident: after building and "
           "the warm-up call (resident - share: first-call costs that stay, such as kernels' caches; hf's row shows "
           "them too). peak building: from_pretrained, or shard + init_state(pretrained=).")
 
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=32, help="prompt length, padding included")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--rows", default="hf,z3_2,z3_4,z3_2_split,tp2,z3_cpu,z3_nvme")
+    p.add_argument("--rows", default="hf,z3_2,z3_4,z3_2_root,tp2,z3_cpu,z3_nvme")
     p.add_argument("--dir", default=None, help="where the weight files go (default: a temp dir, removed)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where z3_nvme keeps its scratch files")
     p.add_argument("--json", default=None, help="also write the rows to this file")

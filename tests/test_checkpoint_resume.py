@@ -161,6 +161,54 @@ def test_config_and_step_are_stored(tmp_path):
     assert fnzero.load_config(c["config"], world_size=1) == cfg
 
 
+def _llama(seed):
+    import transformers
+
+    torch.manual_seed(seed)
+    hf = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(hf).double()
+    model.model.embed_tokens.requires_grad_(False)  # a frozen unit in the new layout, root in the old
+    return model
+
+
+def test_checkpoint_of_the_old_root_layout_loads_into_embedding_and_head_units(tmp_path):
+    # specs/sharding.md §Plan: an untied language model's embedding and head became units of their
+    # own; a checkpoint saved when they were in the root (here through wrap=) loads by parameter
+    # name (specs/checkpoint-format.md §Loading by name), frozen embedding and Adam moments included.
+    import transformers
+
+    d = str(tmp_path / "ck")
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}, world_size=2)
+    ids = torch.randint(0, 64, (2, 2, 2, 8), generator=torch.Generator().manual_seed(0))
+
+    def run(comm, wrap, seed, load_from):
+        sm = fnzero.shard(_llama(seed), config=cfg, comm=comm, wrap=wrap)
+
+        def loss_fn(params, x):  # computed here: transformers' labels= loss is float32
+            logits = sm.apply(params, input_ids=x).logits
+            return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+
+        step = fnzero.train_step(loss_fn, cfg)
+        state = sm.init_state(check_ranks_equal=False)
+        if load_from:
+            state, _ = load(load_from, like=state)
+        else:
+            state, _ = step(state, ids[0, comm.rank])
+            save(d, state, tag="old")
+        state, m = step(state, ids[1, comm.rank])
+        return sm.plan.unit_names, m["loss"], sm.gather(state)
+
+    old = simulated_world(2).run(lambda comm: run(comm, transformers.models.llama.modeling_llama.LlamaDecoderLayer, 0, None))
+    new = simulated_world(2).run(lambda comm: run(comm, None, 1, d))
+    assert old[0][0] == ("<root>", "model.layers.0", "model.layers.1")
+    assert new[0][0] == ("<root>", "model.layers.0", "model.layers.1", "lm_head")  # the embedding: frozen unit
+    assert new[0][1] == pytest.approx(old[0][1], rel=1e-12)  # the frozen embedding was loaded
+    for name, want in old[0][2].items():
+        torch.testing.assert_close(new[0][2][name], want, rtol=1e-9, atol=1e-12, msg=name)  # and the moments
+
+
 # -- real processes ------------------------------------------------------------------------------
 def _spawned_save(d):
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives

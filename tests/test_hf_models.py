@@ -171,11 +171,12 @@ def test_checkpointing_under_jit(stage):
 
 
 def test_default_units_are_the_models_layers():
-    # As FSDP's transformer wrap policy: the _no_split_modules layers, the rest in the root unit.
-    assert default_unit_modules(build("llama")) == ["model.layers.0", "model.layers.1"]
+    # specs/sharding.md §Plan: as FSDP's transformer wrap policy, the _no_split_modules layers; an
+    # untied language model's input embedding and head are units too (FSDP2/torchtitan wrap them).
+    assert default_unit_modules(build("llama")) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head"]
     # BertForMaskedLM declares nothing itself; its BertModel names BertEmbeddings and BertLayer.
     assert default_unit_modules(build("bert")) == ["bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
-    t5 = default_unit_modules(build("t5"))
+    t5 = default_unit_modules(build("t5"))  # tied: `shared` serves both, so the root keeps it
     assert t5 == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)]
     # A stage-3 plan gathers one layer at a time; embeddings, final norm and the tied head are root.
     sm = fnzero.shard(build("gpt2"), config=config(3, 1, 1))
@@ -184,6 +185,18 @@ def test_default_units_are_the_models_layers():
                                             "transformer.ln_f.weight", "transformer.ln_f.bias"]
     assert root.slots[0].aliases == ("lm_head.weight",)
     assert len(sm.plan.units) == 3
+    # Untied: the embedding and the head are sharded units gathered for their own forward; only
+    # the final norm stays in the root.
+    plan = fnzero.shard(build("llama"), config=config(3, 1, 1)).plan
+    assert plan.unit_names == ("<root>", "model.embed_tokens", "model.layers.0", "model.layers.1", "lm_head")
+    assert [s.name for s in plan.unit("<root>").slots] == ["model.norm.weight"]
+    for name in ("model.embed_tokens", "lm_head"):
+        assert [s.name for s in plan.unit(name).slots] == [f"{name}.weight"] and plan.params_sharded(plan.unit(name))
+    # The same Llama with its head tied to its embedding: one tensor, kept in the root.
+    tied = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=36, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=True))
+    assert default_unit_modules(tied) == ["model.layers.0", "model.layers.1"]
 
 
 class _Lora(torch.nn.Module):

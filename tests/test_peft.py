@@ -219,6 +219,20 @@ def test_inits_that_read_base_weights_are_refused_on_meta():
         fnzero.shard(_peft(init_lora_weights="pissa"), config=_cfg(0, 1))
 
 
+def test_stage3_units_of_the_wrapped_embedding_and_head():
+    # specs/sharding.md §Plan: through PEFT's wrapper the untied Llama's embedding and head are units
+    # of their own; modules_to_save's trainable copy of the head and the frozen original are the
+    # trainable and frozen units of one module, gathered together for its forward.
+    plan = fnzero.shard(_peft(), config=_cfg(3, 1)).plan
+    head, embed = "base_model.model.lm_head", "base_model.model.model.embed_tokens"
+    assert plan.unit_names[-1] == head and embed not in plan.unit_names  # the embedding is frozen
+    assert [s.name for s in plan.unit(head).slots] == [f"{head}.modules_to_save.default.weight"]
+    assert [s.name for s in plan.frozen_unit(head).slots] == [f"{head}.original_module.weight"]
+    assert [s.name for s in plan.frozen_unit(embed).slots] == [f"{embed}.weight"]
+    assert [s.name for s in plan.frozen_unit("<root>").slots] == ["base_model.model.model.norm.weight"]
+    assert plan.params_sharded(plan.unit(head)) and plan.params_sharded(plan.frozen_unit(embed))
+
+
 def test_peft_names_map_to_the_base_model():
     names = {
         "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",

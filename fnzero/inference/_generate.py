@@ -133,8 +133,8 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
 def _runs_released() -> Iterator[None]:
     """Release the apply runs of one forward as soon as it returns. A stage-3 run and its units'
     runtimes reference each other, and the run keeps the root unit's gathered buffer bound: left
-    to the cycle collector, several tokens' root buffers (embeddings and LM head, the largest
-    unit of a language model) would be alive at once. With no backward to come, nothing needs
+    to the cycle collector, several tokens' root buffers (a tied language model's embeddings
+    and LM head, its largest unit) would be alive at once. With no backward to come, nothing needs
     them after the forward (the step does the same after its backward, `ApplyRun.release`)."""
     runs: list = []
     token = STEP_RUNS.set(runs)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ._placement import Placement, placement_for_stage
+from ._wrap import default_unit_modules, no_split_classes
 
 __all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
 
@@ -180,66 +181,6 @@ class ShardPlan:
         return sum(u.padded_numel for u in self.units)
 
 
-def default_unit_modules(model: nn.Module) -> list[str]:
-    """Default wrap policy.
-
-    A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
-    model or any submodule): each module of those classes is a unit and the rest of the model is
-    the root unit, as FSDP's transformer wrap policy groups it.
-
-    Otherwise each direct child of the root that holds parameters is a unit, except that
-    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
-    For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
-    """
-    layer_classes = no_split_classes(model)
-    if layer_classes:
-        return _layer_units(model, layer_classes)
-    out: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if not any(True for _ in child.parameters()):
-                continue
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-                visit(path + ".", child)
-            else:
-                out.append(path)
-
-    visit("", model)
-    return out
-
-
-def no_split_classes(model: nn.Module) -> set[str]:
-    """Class names the model declares as layers not to split (`_no_split_modules`, any submodule)."""
-    names: set[str] = set()
-    for m in model.modules():
-        declared = getattr(m, "_no_split_modules", None)
-        if isinstance(declared, (list, tuple, set)):
-            names.update(n for n in declared if isinstance(n, str))
-    present = {type(m).__name__ for m in model.modules()}
-    return names & present
-
-
-def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
-    """Units for a model with named layers: each layer (outermost, in module order). Everything
-    outside them (embeddings, final norm, head) stays in the root unit, gathered for the whole
-    forward, as FSDP's transformer wrap policy leaves it: code outside a module may read its
-    parameters directly (an encoder reading `embed_positions.weight`), which only the root allows."""
-    out: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if type(child).__name__ in layer_classes:
-                out.append(path)
-            else:
-                visit(path + ".", child)
-
-    visit("", model)
-    return out
-
-
 def owner_module(name: str, unit_modules: list[str]) -> str:
     """The innermost unit module (path) that encloses parameter `name`; "" for the root unit."""
     best = ""
@@ -302,9 +243,10 @@ def make_plan(
     sharded, units under `persistence_threshold` elements keep them gathered.
 
     `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
-    FSDP's ModuleWrapPolicy); default `default_unit_modules`. A parameter belongs to its innermost
-    enclosing unit module; parameters under no unit module, and tied parameters whose names fall in
-    different units, go to the root unit, which stays gathered for the whole forward.
+    FSDP's ModuleWrapPolicy); default `default_unit_modules` (a model's layers, and its untied
+    input embedding and output head). A parameter belongs to its innermost enclosing unit module;
+    parameters under no unit module, and tied parameters whose names fall in different units, go
+    to the root unit, which stays gathered for the whole forward.
 
     Frozen parameters: where `placement` shards parameters and `shard_frozen`, grouped into frozen
     units by the same rules; else held whole by name (`ShardPlan.frozen`).

@@ -1,0 +1,121 @@
+"""The default wrap policy: which modules of a model are units (`specs/sharding.md` §Plan).
+
+A model that names its layers gets one unit per layer, and its untied input embedding and output
+head one each; the rest (final norm, positions, anything read outside a module) is the root
+unit. Any other model: one unit per direct child, containers opened."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["default_unit_modules", "no_split_classes", "embedding_units"]
+
+
+def default_unit_modules(model: nn.Module) -> list[str]:
+    """Default wrap policy.
+
+    A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
+    model or any submodule): each module of those classes is a unit, and so are its input
+    embedding and output head when they are not tied (`embedding_units`); the rest of the model
+    is the root unit, as FSDP's transformer wrap policy groups it.
+
+    Otherwise each direct child of the root that holds parameters is a unit, except that
+    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
+    For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
+    """
+    layer_classes = no_split_classes(model)
+    if layer_classes:
+        layers = _layer_units(model, layer_classes)
+        return _in_model_order(model, layers + embedding_units(model, layers))
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if not any(True for _ in child.parameters()):
+                continue
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+                visit(path + ".", child)
+            else:
+                out.append(path)
+
+    visit("", model)
+    return out
+
+
+def no_split_classes(model: nn.Module) -> set[str]:
+    """Class names the model declares as layers not to split (`_no_split_modules`, any submodule)."""
+    names: set[str] = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, (list, tuple, set)):
+            names.update(n for n in declared if isinstance(n, str))
+    present = {type(m).__name__ for m in model.modules()}
+    return names & present
+
+
+def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
+    """Each layer (outermost, in module order). What lies outside them stays in the root unit,
+    gathered for the whole forward, as FSDP's transformer wrap policy leaves it: code outside a
+    module may read its parameters directly (an encoder reading `embed_positions.weight`), which
+    only the root allows."""
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if type(child).__name__ in layer_classes:
+                out.append(path)
+            else:
+                visit(path + ".", child)
+
+    visit("", model)
+    return out
+
+
+def embedding_units(model: nn.Module, layers: list[str]) -> list[str]:
+    """The paths of the model's input embedding and output head (transformers'
+    `get_input_embeddings()` / `get_output_embeddings()`, through a PEFT wrapper too), as units of
+    their own: a language model's largest tensors (vocabulary x hidden each), which in the root
+    unit a stage-3 rank would hold whole for the whole forward. Both or neither, and neither when
+    they share a parameter (tied weights: one tensor serves both, so it stays in the root) or when
+    either lies inside a layer unit or encloses one. A module the model reads the weight of outside
+    its forward would need the root: `shard(wrap=...)` keeps it there."""
+    pair = _embedding_pair(model)
+    if pair is None:
+        return []
+    embedding, head = pair
+    if {id(p) for p in embedding.parameters()} & {id(p) for p in head.parameters()}:
+        return []  # tied
+    paths = {id(m): path for path, m in model.named_modules() if path}
+    chosen = [paths.get(id(embedding)), paths.get(id(head))]
+    for path in chosen:
+        if path is None or not any(True for _ in model.get_submodule(path).parameters()):
+            return []
+        if any(_encloses(path, layer) or _encloses(layer, path) for layer in layers):
+            return []
+    return chosen  # type: ignore[return-value]
+
+
+def _embedding_pair(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(input embedding, output head) of the outermost module that names both as modules, or None."""
+    for m in model.modules():
+        try:
+            pair = (m.get_input_embeddings(), m.get_output_embeddings())
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
+            continue  # not a transformers model, or one that names no embeddings
+        if all(isinstance(x, nn.Module) for x in pair):
+            return pair  # type: ignore[return-value]
+        if pair[0] is not None:
+            return None  # the model's own answer: no head (a base model)
+    return None
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    return inner == outer or inner.startswith(outer + ".")
+
+
+def _in_model_order(model: nn.Module, paths: list[str]) -> list[str]:
+    # A path named_modules skips (a module registered twice) keeps its place after the others.
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    return sorted(dict.fromkeys(paths), key=lambda p: order.get(p, len(order)))
