@@ -134,7 +134,8 @@ def test_fp16_overflow_skips_and_rescales_as_eager(donate):
     assert [m["skipped"] for m in b["metrics"]] == skipped
     assert [m["loss_scale"] for m in b["metrics"]] == [m["loss_scale"] for m in a["metrics"]]
     assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-3
-    W.assert_close_tree(b["params"], a["params"], rtol=1e-3, atol=1e-4, what="fp16")
+    W.assert_close_tree(W.without_key_bias(b["params"]), W.without_key_bias(a["params"]), rtol=1e-3, atol=1e-4,
+                        what="fp16")  # the key bias moves by its gradient's rounding noise (`_worlds.py`)
 
 
 def test_bf16_with_fp32_master_and_donation_match_eager():

@@ -28,7 +28,9 @@ def test_offloaded_step_equals_in_memory_step(stage, precision):
     # Same math, two fp32 Adam kernels (torch's fused and fnzero's C): a few ulp per step, which
     # Adam turns into at most ~1e-5 absolute on near-zero-gradient parameters over 4 steps at lr 1e-2.
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
-    W.assert_close_tree(got["params"], ref["params"], rtol=1e-4, atol=5e-5, what=f"offload stage {stage} {precision}")
+    # In fp16 the key bias, whose gradient is rounding noise, moves with the kernels' roundings.
+    W.assert_close_tree(W.without_key_bias(got["params"]), W.without_key_bias(ref["params"]), rtol=1e-4, atol=5e-5,
+                        what=f"offload stage {stage} {precision}")
 
 
 @pytest.mark.parametrize("stage", [1, 3])
