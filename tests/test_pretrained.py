@@ -250,3 +250,26 @@ def test_torch_pickles_are_refused_with_a_way_out(tmp_path):
     torch.save({"w": torch.ones(1)}, tmp_path / "pytorch_model.bin")
     msg = _rank0_error(tmp_path)
     assert "pickles are not loaded" in msg and "safe_serialization" in msg
+
+
+def test_transformers_renames_of_its_own_files_are_applied(tmp_path):
+    """GPT-NeoX's head is `lm_head.weight` in the model and `embed_out.weight` in its
+    save_pretrained files (transformers renames it on load); fnzero reads transformers' renames
+    (`specs/checkpoint-format.md` §Pretrained), so the head is loaded, not refused as unexpected."""
+    cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    saved = transformers.GPTNeoXForCausalLM(cfg).double().eval()
+    saved.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_out.weight" in f.keys()  # the file's own name for the head
+    torch.manual_seed(1)
+    sm = fnzero.shard(transformers.GPTNeoXForCausalLM(cfg).double().eval(), stage=3, config=fnzero.load_config(
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}}))
+    state = sm.init_state(pretrained=tmp_path)
+    assert "lm_head.weight" in sm.pretrained_report.loaded and not sm.pretrained_report.missing
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sm.apply(state.params, input_ids=ids).logits, saved(input_ids=ids).logits,
+                               rtol=0, atol=0)

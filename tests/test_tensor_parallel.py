@@ -193,6 +193,25 @@ def test_bad_meshes_and_plans_are_config_errors_naming_the_numbers():
         shard(lambda: MLP([3, 4, 2]), _cfg(2, 2))
 
 
+def test_a_layer_with_a_forward_of_its_own_is_refused_not_split():
+    """Gemma's embedding is an nn.Embedding that scales its output in its own forward: Llama's
+    plan (the same module names) would replace it by a split embedding without the scale."""
+    import transformers
+
+    from fnzero.sharding.tp._autotp import PLANS
+
+    def gemma():
+        with seeded(0):
+            return transformers.GemmaForCausalLM(transformers.GemmaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=8))
+
+    cfg = _cfg(2, 2)
+    with pytest.raises(fnzero.DistributedError, match="ConfigError: AutoTP rule .* matched module 'model.embed_tokens', "
+                                                      "a GemmaTextScaledWordEmbedding: a Embedding with a forward of its own"):
+        simulated_world(2).run(lambda comm: fnzero.shard(gemma(), config=cfg, comm=comm, tp_plan=PLANS["llama"]))
+
+
 def test_layer_specs_in_deepspeeds_format_split_any_model():
     """`partition_config.layer_specs` (patterns over parameter names, row/column) plan a model
     fnzero has no built-in plan for."""

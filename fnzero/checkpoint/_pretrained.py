@@ -172,7 +172,8 @@ class _Reader:
 
 def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
                     buffers: dict[str, torch.Tensor], persistent: set[str], *,
-                    allow_unexpected: bool = False, base_prefix: str = "", tp=None) -> "PretrainedLoad":
+                    allow_unexpected: bool = False, base_prefix: str = "", tp=None,
+                    rename=None) -> "PretrainedLoad":
     """Check `path` against the model (names, shapes, files) without reading tensor data; the
     returned load's `run()` then overwrites `initial` (unit -> flat buffer or this rank's shard),
     `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
@@ -186,6 +187,8 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
     units = [(u, initial) for u in plan.units] + [(u, frozen) for u in plan.frozen_units]
     slots = {n for u, _ in units for s in u.slots for n in (s.name, *s.aliases)}
     known = slots | set(plan.frozen) | set(buffers)
+    if rename is not None:  # transformers' own renames of its files' names (`_hf_renames.py`)
+        entries = _renamed(entries, rename, known)
     peft = peft_names(known)  # a PEFT model reads its base model's names (`_peft_names.py`)
     entries = _adapt_prefix(entries, peft.base_names() if peft else known, base_prefix)
     entries = peft.to_model(entries) if peft else entries
@@ -228,6 +231,17 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                               unexpected=unexpected, bytes_read=0, files=sorted({e.file for e in entries.values()}),
                               adapters=[n for n in missing if n in adapters])
     return PretrainedLoad(jobs, plan, rank, initial, report, tp)
+
+
+def _renamed(entries: dict[str, TensorEntry], rename, known: set[str]) -> dict[str, TensorEntry]:
+    """Each file name the model does not know, by `rename` where that gives a name it does not
+    have yet (a PEFT model's names are its base's, under a prefix: the renamed name may be one of
+    those, so it is kept unless it collides)."""
+    out = {}
+    for name, e in entries.items():
+        new = name if name in known else rename(name)
+        out[new if new not in entries or new == name else name] = e
+    return out
 
 
 def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str) -> dict[str, TensorEntry]:

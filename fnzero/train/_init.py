@@ -18,6 +18,7 @@ from torch import nn
 from .._errors import ShardingError
 from .._state import TrainState
 from ..checkpoint._peft_adapters import load_adapters
+from ..checkpoint._hf_renames import hf_renames
 from ..checkpoint._pretrained import load_pretrained
 from ..sharding.construct._initial import frozen_checksum_key
 from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
@@ -174,7 +175,8 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel
     frozen, buffers = sm.constants  # entries replaced, not written into
     base_prefix = getattr(sm.module, "base_model_prefix", "") or ""
     load = load_pretrained(path, sm.plan, sm.comm.rank, sm.initial_values().params, frozen, buffers, persistent,
-                           allow_unexpected=allow_unexpected, base_prefix=str(base_prefix), tp=sm.tp)  # checked: nothing read yet
+                           allow_unexpected=allow_unexpected, base_prefix=str(base_prefix), tp=sm.tp,
+                           rename=hf_renames(sm.module))  # checked: nothing read yet
     try:
         sm.pretrained_report = load.run()
     except BaseException:

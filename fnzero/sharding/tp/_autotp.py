@@ -182,6 +182,19 @@ def _vocab_parallel(model: nn.Module, asked: bool | None, heads: list[str]) -> b
     return bool(heads) and hasattr(model, "loss_function") and getattr(model, "config", None) is not None
 
 
+def _check_torch_forward(name: str, module: nn.Module, rule: TPRule) -> None:
+    """A split layer computes what torch's Linear or Embedding computes. A subclass with a forward
+    of its own would lose what that forward adds (Gemma's embedding multiplies its output by
+    sqrt(hidden): split by a Llama plan, its logits were silently wrong), so it is refused."""
+    for base in (nn.Embedding, nn.Linear):
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            raise ConfigError(
+                f"AutoTP rule {rule.pattern!r} matched module {name!r}, a {type(module).__name__}: a {base.__name__} "
+                f"with a forward of its own, which the split layer would not run (it computes {base.__name__}'s "
+                "alone). Leave it whole (no rule for it), or write the model a plan whose rules skip it"
+            )
+
+
 def _split_module(name, module, rule, comm, vp, done, splits, names) -> nn.Module | None:
     tp, rank = comm.world_size, comm.rank
     weight = getattr(module, "weight", None)
@@ -193,11 +206,13 @@ def _split_module(name, module, rule, comm, vp, done, splits, names) -> nn.Modul
     if isinstance(module, nn.Embedding) or rule.style == "vocab":
         if not vp:
             return None  # replicated
+        _check_torch_forward(name, module, rule)
         w = _slice(weight, 0, rule.blocks, comm, done, splits, names)
         return VocabParallelEmbedding(w, ParamSplit(tuple(weight.shape), 0, tp).start(rank), comm,
                                       getattr(module, "padding_idx", None))  # fmt: skip
     if not isinstance(module, nn.Linear) and layout != "in_out":
         raise ConfigError(f"AutoTP can split Linear, Conv1D and Embedding modules; {name!r} is {type(module).__name__}")
+    _check_torch_forward(name, module, rule)
     out_dim, in_dim = (0, 1) if layout == "out_in" else (1, 0)
     if rule.style == "head":
         tied = id(weight) in done or len(names[id(weight)]) > 1
