@@ -157,13 +157,16 @@ def _process_group_rank():
 
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
     from fnzero.sharding.comm._functional import FunctionalCollectives
+    from fnzero.sharding.comm._watchdog import start_watchdog
 
+    start_watchdog(dist.get_rank(), dist.get_world_size(), 60, 120)  # as init_distributed does
     comm = ProcessGroupCollectives()
     r, n = comm.rank, comm.world_size
     table = [[2, 0], [1, 3]]  # rank 0 keeps 2, sends none; rank 1 sends 1, keeps 3
     x = _input(r, sum(table[r]), (3,))
     out = {"x": x, "eq": comm.all_to_all(_input(r, 4)),
            "uneq": comm.all_to_all_async(x, input_split_sizes=table[r], label="experts").wait(),
+           "watched": (comm.watchdog.issued, comm.watchdog.last),
            "bf16": comm.all_to_all(x.to(torch.bfloat16), input_split_sizes=table[r],
                                    output_split_sizes=[table[0][r], table[1][r]])}
     rec = RecordingCollectives(comm)
@@ -199,6 +202,8 @@ def test_process_group_functional_and_checked_forms_on_gloo():
         assert torch.equal(res[r]["uneq"], want) and torch.equal(res[r]["functional"], want)
         assert torch.equal(res[r]["bf16"], want.to(torch.bfloat16))
         assert torch.equal(res[r]["traced"], want * 2 + 1)
+        # Numbered and labelled by the watchdog like every collective: the equal one, the sizes, the data.
+        assert res[r]["watched"] == (3, ("all_to_all", "experts"))
         assert res[r]["bytes"] == (sum(table[r]) - table[r][r]) * 3 * 8
         assert "needs output_split_sizes" in res[r]["functional_error"]
         assert "rank 0 sends 1 rows to rank 1, which expects 2 from it" in res[r]["checked_error"]
