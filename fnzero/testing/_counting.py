@@ -21,12 +21,13 @@ from .._state import Sharding, TrainState
 
 __all__ = ["count_collectives", "CollectiveCounter"]
 
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send")
 
 
 class CollectiveCounter:
     """Collectives recorded on this rank. Bytes are logical (`specs/collectives.md` §Traffic):
-    all_gather counts the gathered output, reduce_scatter and all_reduce the full input."""
+    all_gather counts the gathered output, reduce_scatter and all_reduce the full input,
+    all_to_all what leaves this rank (every chunk but the one it keeps)."""
 
     def __init__(self, comm: RecordingCollectives):
         self.comm = comm
@@ -50,7 +51,7 @@ class CollectiveCounter:
 
     def ring_bytes(self, op: str | None = None) -> float:
         """Ring-equivalent bytes this rank sends: all_reduce x 2(N-1)/N, all_gather and
-        reduce_scatter x (N-1)/N, broadcast x 1."""
+        reduce_scatter x (N-1)/N, broadcast and all_to_all x 1."""
         return self.comm.ring_bytes_sent(self._select(op))
 
     def ops(self) -> list[str]:

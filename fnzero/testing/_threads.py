@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .._errors import DistributedError
+from ..sharding.comm._all_to_all import check_agreement, resolve_splits
 from ..sharding.comm._collectives import CollectivesBase, PendingTensor
 from ._context import RNG_LOCK, rank_context
 
@@ -129,6 +130,14 @@ class ThreadCollectives(CollectivesBase):
 
     def barrier(self):
         self._x.exchange(self.rank, "barrier", None)
+
+    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        # Every rank sees every call, so a disagreement (dtype, row shape, sizes) is the same
+        # error on all of them, naming the ranks, as the debug checker's on a real world.
+        calls = self._x.exchange(self.rank, "all_to_all", (tensor.detach().clone(), ins, outs))
+        check_agreement([(t.dtype, tuple(t.shape[1:]), i, o) for t, i, o in calls])
+        return torch.cat([t.split(i)[self.rank] for t, i, _ in calls])
 
     def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         self._x.box(self.rank, dst, tag).put(t.detach().clone())

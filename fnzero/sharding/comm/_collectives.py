@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from ..._errors import DistributedError
+from ._all_to_all import gathered_all_to_all, resolve_splits
 from ._direct import start_direct_all_gather, start_direct_reduce_scatter
 from ._failure import explain_failure
 from ._watchdog import process_watchdog
@@ -42,7 +43,10 @@ class Collectives(Protocol):
 
     `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
     `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
-    `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`.
+    `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`;
+    `all_to_all(t, input_split_sizes=, output_split_sizes=)` splits dim 0 of `t` into one chunk
+    per rank (equal, or by the sizes), sends chunk j to rank j and concatenates what every rank
+    sent here, in rank order (torch's `all_to_all_single`; `_all_to_all.py`).
 
     The `_async` forms start the collective and return a `PendingTensor` whose `wait()` gives the
     result: the step overlaps gradient reductions with backward, and sharded units prefetch the
@@ -69,12 +73,27 @@ class Collectives(Protocol):
     def all_reduce_async(self, t: torch.Tensor, donate: bool = False, label: str = "") -> "PendingTensor": ...
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor: ...
     def barrier(self) -> None: ...
+    def all_to_all(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None, label: str = "") -> torch.Tensor: ...
+    def all_to_all_async(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
+                         output_split_sizes: Sequence[int] | None = None, label: str = "") -> "PendingTensor": ...
 
 
 class CollectivesBase:
     """The optional forms of `Collectives` from the blocking ones a subclass defines (`all_gather`,
     `reduce_scatter(full, donate=False)`, `all_reduce`, `broadcast`, `barrier`): async calls
-    complete at once, `out=` is a copy, `donate` is passed on."""
+    complete at once, `out=` is a copy, `donate` is passed on; all-to-all is made of all-gathers
+    (right, at N times the bytes: a backend that can should define its own)."""
+
+    def all_to_all(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
+                   output_split_sizes: Sequence[int] | None = None, label: str = "") -> torch.Tensor:
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        return gathered_all_to_all(self, tensor, ins, outs)
+
+    def all_to_all_async(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
+                         output_split_sizes: Sequence[int] | None = None, label: str = "") -> "PendingTensor":
+        return PendingTensor(self.all_to_all(tensor, input_split_sizes=input_split_sizes,
+                                             output_split_sizes=output_split_sizes, label=label))
 
     def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None, label: str = "") -> "PendingTensor":
         t = self.all_gather(shard)
@@ -145,6 +164,14 @@ class LocalCollectives:
 
     def barrier(self):
         return None
+
+    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        resolve_splits(self, tensor, input_split_sizes, output_split_sizes)  # the same errors as N > 1
+        return tensor.clone()
+
+    def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        return PendingTensor(self.all_to_all(tensor, input_split_sizes=input_split_sizes,
+                                             output_split_sizes=output_split_sizes))
 
 
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
@@ -281,6 +308,18 @@ class ProcessGroupCollectives:
 
     def barrier(self):
         self._start("barrier", lambda: PendingTensor(None, dist.barrier(group=self.group, async_op=True))).wait()
+
+    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
+                                     output_split_sizes=output_split_sizes, label=label).wait()
+
+    def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        # Gloo and NCCL both have all_to_all_single, uneven splits included; it is one exchange
+        # already, so gloo needs no direct form (§Interface.gloo). The handle keeps `tensor` alive.
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
+        return self._start("all_to_all", lambda: PendingTensor(out, _KeepAlive(dist.all_to_all_single(
+            out, tensor, outs, ins, group=self.group, async_op=True), tensor)), label)
 
     def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         t = t.contiguous()  # kept alive by the handle until the send completes

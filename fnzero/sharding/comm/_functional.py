@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..._errors import DistributedError
+from ._all_to_all import resolve_splits
 from ._collectives import CollectivesBase
 
 __all__ = ["FunctionalCollectives"]
@@ -48,6 +50,19 @@ class FunctionalCollectives(CollectivesBase):
         import torch.distributed._functional_collectives as funcol
 
         return funcol.broadcast(t, src, self.group)
+
+    def all_to_all(self, tensor: torch.Tensor, *, input_split_sizes=None, output_split_sizes=None,
+                   label: str = "") -> torch.Tensor:
+        if input_split_sizes is not None and output_split_sizes is None and self.world_size > 1:
+            # Learning them would read a tensor's values while the graph is traced.
+            raise DistributedError(f"rank {self.rank}: a traced all_to_all needs output_split_sizes with "
+                                   f"input_split_sizes: the graph must know its shapes", ranks=(self.rank,))
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        if self.world_size == 1:
+            return tensor
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_to_all_single(tensor, outs, ins, self.group)
 
     def barrier(self) -> None:  # a graph has no barrier: its collectives order it
         return None

@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from ._all_to_all import check_agreement, resolve_splits, sent_numel
 from ._collectives import _SUM, Collectives
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
@@ -29,7 +30,8 @@ class RecordingCollectives:
 
     Logical bytes follow `specs/collectives.md`: all_gather counts the gathered output,
     reduce_scatter and all_reduce count the full input, so that ring-equivalent bytes sent per rank
-    are `all_reduce * 2(N-1)/N` and `all_gather/reduce_scatter * (N-1)/N`.
+    are `all_reduce * 2(N-1)/N` and `all_gather/reduce_scatter * (N-1)/N`; all_to_all counts
+    what leaves this rank (every chunk but its own), sent as it is.
     """
 
     def __init__(self, inner: Collectives):
@@ -79,6 +81,16 @@ class RecordingCollectives:
     def barrier(self):
         return self.inner.barrier()
 
+    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
+                                     output_split_sizes=output_split_sizes, label=label).wait()
+
+    def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        # Sizes resolved here, so that learning the output sizes is itself a recorded all-to-all.
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        self._record("all_to_all", tensor, sent_numel(tensor, ins, self.rank))
+        return self.inner.all_to_all_async(tensor, input_split_sizes=ins, output_split_sizes=outs, label=label)
+
     def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         self._record("send", t, t.numel())
         return self.inner.send_async(t, dst, label=label, tag=tag)
@@ -102,7 +114,7 @@ class RecordingCollectives:
                 total += r.bytes * 2 * (n - 1) / n
             elif r.op in ("all_gather", "reduce_scatter"):
                 total += r.bytes * (n - 1) / n
-            elif r.op in ("broadcast", "send"):
+            elif r.op in ("broadcast", "send", "all_to_all"):
                 total += r.bytes
         return total
 
@@ -115,7 +127,7 @@ class CheckedCollectives:
     Costs one small all-gather per collective: for debugging, not for production runs.
     """
 
-    _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5}
+    _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5, "all_to_all": 6}
     # Point-to-point messages are checked pairwise: each carries a fingerprint (the pair's message
     # index, element count, dtype) that the receiver compares with what it expects.
 
@@ -126,18 +138,21 @@ class CheckedCollectives:
         self.calls = 0
         self.p2p_calls: dict[tuple, int] = {}
 
-    def _check(self, op: str, t: torch.Tensor | None) -> None:
+    def _check(self, op: str, t: torch.Tensor | None, numel: int | None = None) -> None:
         from ..._errors import DistributedError
 
         dtype_code = hash(str(t.dtype)) % 1_000_003 if t is not None else 0
-        mine = torch.tensor([self.calls, self._OPS[op], dtype_code, t.numel() if t is not None else 0], dtype=torch.int64)
+        numel = (t.numel() if t is not None else 0) if numel is None else numel
+        mine = torch.tensor([self.calls, self._OPS[op], dtype_code, numel], dtype=torch.int64)
         if t is not None and t.device.type != "cpu":
             mine = mine.to(t.device)
         everyone = self.inner.all_gather(mine).cpu().view(self.world_size, 4)
         self.calls += 1
         if not bool((everyone == everyone[0]).all()):
             names = {v: k for k, v in self._OPS.items()}
-            desc = [f"rank {r}: {names.get(int(row[1]), '?')} of {int(row[3])} elements" for r, row in enumerate(everyone)]
+            desc = [f"rank {r}: {names.get(int(row[1]), '?')} of {int(row[3])} elements"
+                    + ("" if int(row[2]) == int(everyone[0][2]) else " of another dtype than rank 0's")
+                    for r, row in enumerate(everyone)]
             raise DistributedError(
                 f"ranks diverged at collective #{self.calls - 1} (this is rank {self.rank}): " + "; ".join(desc)
             )
@@ -173,6 +188,21 @@ class CheckedCollectives:
     def barrier(self):
         self._check("barrier", None)
         return self.inner.barrier()
+
+    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
+                                     output_split_sizes=output_split_sizes, label=label).wait()
+
+    def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+        # The fingerprint's element count is a row's (chunks differ in rows, never in row shape);
+        # then every rank's split sizes are compared: a rank sending rows its peer does not expect
+        # would hang the exchange or fill it with garbage.
+        ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
+        self._check("all_to_all", tensor, numel=tensor.shape[1:].numel())
+        n = self.world_size
+        sizes = self.inner.all_gather(torch.tensor(ins + outs, dtype=torch.int64, device=tensor.device))
+        check_agreement([(None, None, s[:n], s[n:]) for s in sizes.cpu().view(n, 2 * n).tolist()])
+        return self.inner.all_to_all_async(tensor, input_split_sizes=ins, output_split_sizes=outs, label=label)
 
     def _fingerprint(self, peer: tuple, t: torch.Tensor) -> torch.Tensor:
         seq = self.p2p_calls.get(peer, 0)
