@@ -191,6 +191,9 @@ def test_bad_meshes_and_plans_are_config_errors_naming_the_numbers():
         shard(lambda: _hf_model("llama"), _cfg(4, 4))
     with pytest.raises(fnzero.DistributedError, match="ConfigError: tensor parallelism over 2 ranks: fnzero has no built-in AutoTP plan for MLP"):
         shard(lambda: MLP([3, 4, 2]), _cfg(2, 2))
+    with pytest.raises(fnzero.DistributedError, match="no built-in AutoTP plan for tensor_parallel.preset_model 'phi3' "
+                                                      r"\(one of DeepSpeed's presets; fnzero's built-in plans are "):
+        shard(lambda: MLP([4, 4, 2]), _cfg(2, 2, preset_model="phi3"))
 
 
 def test_a_layer_with_a_forward_of_its_own_is_refused_not_split():

@@ -16,8 +16,8 @@ from ._types import Bool, Int, Model, Str, StrList
 
 __all__ = ["PipelineConfig", "TensorParallelConfig", "LayerSpec", "PartitionConfig", "TPSizeConfig", "PRESET_MODELS"]
 
-# DeepSpeed's presets (module_inject/autotp_config.py); fnzero's AutoTP knows the names of these
-# models' projections.
+# DeepSpeed's presets (module_inject/autotp_config.py), accepted as DeepSpeed accepts them; a preset
+# fnzero has no built-in plan for (`sharding/tp/_autotp.py` PLANS) is refused by `shard`, naming the ones it has.
 PRESET_MODELS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")
 
 

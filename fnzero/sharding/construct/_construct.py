@@ -12,7 +12,7 @@ from torch import nn
 
 from ..._errors import ConfigError, ShardingError
 from ..pp._module import PipelineInfo, PipelineModule
-from ..tp._autotp import TPRule, parallelize, rules_from_config
+from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
 from ..comm._mesh import Mesh, mesh_from_config
 from ..tp._layout import TPLayout
 from ..zero._policy import shard_policy
@@ -211,6 +211,10 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
         rules = [TPRule(f"^{re.escape(t.module)}$", "skip") for t in pipe.ties if t.module is not None] + rules
     if not rules:
         kind = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+        preset = getattr(tp_cfg, "preset_model", None)
+        if preset is not None:
+            kind = (f"tensor_parallel.preset_model {preset!r} (one of DeepSpeed's presets; fnzero's built-in "
+                    f"plans are {', '.join(sorted(PLANS))})")
         raise ConfigError(
             f"tensor parallelism over {mesh.shape.tp} ranks: fnzero has no built-in AutoTP plan for {kind}; give "
             "tensor_parallel.partition_config.layer_specs (patterns over parameter names, partition_type row or "
