@@ -367,3 +367,26 @@ def test_loaded_frozen_weights_and_buffers_are_what_the_model_computes_with(tmp_
     other = fnzero.shard(build(1), config=config)
     loaded, _ = checkpoint.load(tmp_path / "c", like=other.init_state())
     torch.testing.assert_close(other.apply(loaded.params, x), want, rtol=0, atol=0)
+
+
+def test_frozen_shards_held_on_the_host_train_as_in_memory():
+    """`offload_param: cpu` on an accelerator keeps the frozen shards in a host store
+    (`offload/_host_params.py`) and the state's placeholders on the device. A CPU run has no
+    device apart from the host, so `init_state` makes no store there; this builds the state as it
+    does on an accelerator and trains: equal to plain torch, the frozen shards placeholders."""
+    from fnzero.offload._nvme_params import store_shards
+    from fnzero.sharding.zero._param_store import is_placeholder
+
+    config = cfg(2)
+    want = reference("llama", 2, 2)
+
+    def rank(comm):
+        sm = fnzero.shard(lora_model("llama", "non-reentrant"), config=config, comm=comm)
+        state = sm.init_state()
+        store_shards(sm, where="cpu")  # what init_state does on an accelerator (`train/_init.py`)
+        state = state.replace(frozen=sm.constants[0])
+        assert all(is_placeholder(t) for t in state.frozen.values())
+        return sm.state_dict(train(sm, state, config, 2, comm.rank))
+
+    for r, got in enumerate(simulated_world(2).run(rank)):
+        W.assert_close_tree(got, want, rtol=RTOL, atol=ATOL, what=f"host-held frozen shards rank {r}")

@@ -52,7 +52,8 @@ class OffloadParamConfig(Model):
     device: Device = Field("none", description="Where parameter shards live: none, cpu or nvme.")
     nvme_path: Str | None = Field(None, description="Directory on an NVMe drive; required when device is nvme.")
     pin_memory: Bool = Field(
-        True, description="Page-locked host memory (DeepSpeed's default true); no effect: fnzero's host buffers are pageable."
+        True, description="Page-locked host memory for the host shards of device cpu on an accelerator (DeepSpeed's default "
+                          "true); no effect otherwise."
     )
     buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers; no effect (shards are read from the optimizer's file).")
     buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")

@@ -80,6 +80,8 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     params = {n: t.to(compute) for n, t in initial_params(sm, cfg.checkpoint_path, stacklevel=4).items()}
     if sm.policy.offload_param == "nvme":  # ZeRO-Inference: the shards in a parameter store, placeholders here
         params = store_shards(sm, params)
+    elif sm.policy.offload_param == "cpu" and sm.sharding.device.type != "cpu":  # in host memory (a CPU run's already are)
+        params = store_shards(sm, params, where="cpu")
     frozen, buffers = sm.constants
     if targets:
         frozen = quantize_model(sm.module, frozen, targets)

@@ -27,6 +27,7 @@ from ..sharding.construct._module import ShardedModule
 from ..sharding.zero._param_store import ShardSource, placeholder
 from ._nvme_files import (_HDR, HEADER, MANIFEST, PREFIX, VERSION, _round_up, check_file,
                           pack_header, take_lock, write_json_atomic)
+from ._host_params import HostParamStore
 from ._nvme_optimizer import _aio_kwargs
 
 __all__ = ["NvmeParamStore", "store_shards"]
@@ -169,12 +170,14 @@ class NvmeParamStore:
             pass
 
 
-def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
-    """`offload_param: nvme`: write this rank's shards that no optimizer holds to a new
-    `NvmeParamStore` under `offload_param.nvme_path`: every stage-3 sharded frozen unit of `sm`
-    and, given `params` (an inference state's, unit -> shard), every sharded trainable unit. The
-    model's frozen constants and the returned params hold placeholders for them, and `sm` reads
-    them through the store (`read_shards_from`). The files are removed at process exit."""
+def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = None, *,
+                 where: str = "nvme") -> dict[str, torch.Tensor] | None:
+    """`offload_param`: move this rank's shards that no optimizer holds into a store, `where` is
+    "nvme" (a new `NvmeParamStore` under `offload_param.nvme_path`, its files removed at process
+    exit) or "cpu" (a `HostParamStore`, pinned where the device allows): every stage-3 sharded
+    frozen unit of `sm` and, given `params` (an inference state's, unit -> shard), every sharded
+    trainable unit. The model's frozen constants and the returned params hold placeholders for
+    them, and `sm` reads them through the store (`read_shards_from`)."""
     plan = sm.plan
     frozen, buffers = sm.constants
 
@@ -185,13 +188,17 @@ def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = Non
     shards = {kind: units for kind, units in shards.items() if units}
     if not shards:
         return params
-    cfg = sm.config
-    store = NvmeParamStore.create(str(cfg.zero_optimization.offload_param.nvme_path), shards, rank=sm.comm.rank,
-                                  aio=_aio_kwargs(cfg.aio.model_dump()))
-    # Scratch files of this run: removed when the process ends (a killed process leaves them;
-    # fnzero.offload.stale_stores finds and removes those).
-    atexit.register(store.close)
     device = sm.sharding.device
+    if where == "cpu":
+        pin = device.type != "cpu" and bool(sm.config.zero_optimization.offload_param.pin_memory)
+        store: Any = HostParamStore(shards, pin=pin)
+    else:
+        cfg = sm.config
+        store = NvmeParamStore.create(str(cfg.zero_optimization.offload_param.nvme_path), shards, rank=sm.comm.rank,
+                                      aio=_aio_kwargs(cfg.aio.model_dump()))
+        # Scratch files of this run: removed when the process ends (a killed process leaves them;
+        # fnzero.offload.stale_stores finds and removes those).
+        atexit.register(store.close)
 
     def placeholders(held, kind):
         return {k: placeholder(t.numel(), t.dtype, device) if k in shards.get(kind, ()) else t for k, t in held.items()}

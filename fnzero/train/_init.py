@@ -19,6 +19,7 @@ from .._errors import ShardingError
 from .._state import TrainState
 from ..checkpoint._peft_adapters import load_adapters
 from ..checkpoint._hf_renames import hf_renames
+from ..config import ConfigWarning
 from ..checkpoint._pretrained import load_pretrained
 from ..sharding.construct._initial import frozen_checksum_key
 from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
@@ -53,6 +54,8 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
     initial = initial_params(sm, pretrained, allow_unexpected=allow_unexpected, check_ranks_equal=check_ranks_equal,
                              adapters=adapters, stacklevel=5)
     params, master, opt_state = _params_and_optimizer(sm, initial, opt)
+    if sm.policy.offload_param == "cpu" and sm.sharding.device.type != "cpu":
+        _frozen_to_host(sm)
     frozen, buffers = sm.constants
     return TrainState(
         params=params,
@@ -95,6 +98,21 @@ def initial_params(sm: ShardedModule, pretrained: str | os.PathLike | None = Non
     if check_ranks_equal:
         _check_ranks_start_equal(sm, loaded)
     return sm.hand_over_initial().params
+
+
+def _frozen_to_host(sm: ShardedModule) -> None:
+    """`offload_param: cpu` on an accelerator: the frozen shards, which no optimizer holds, live in
+    host memory and are copied to the device for their gathers (`offload/_host_params.py`). The
+    trainable shards of a training state stay in device memory: the step's reduce-scatter and
+    optimizer work on them there (a LoRA model's adapters, a small part)."""
+    store_shards(sm, where="cpu")
+    trainable = [u.name for u in sm.plan.units if u.placement.params]
+    if trainable:
+        warnings.warn(ConfigWarning(
+            f"zero_optimization.offload_param device 'cpu' on {sm.sharding.device.type}: the frozen parameter shards "
+            f"are held in host memory, but the {len(trainable)} trainable sharded unit(s) stay in device memory "
+            "(host-resident trainable shards are not implemented; offload_param device 'nvme' with offload_optimizer "
+            "on nvme moves them off the device)"), stacklevel=4)
 
 
 def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:

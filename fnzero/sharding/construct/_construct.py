@@ -109,12 +109,6 @@ def shard(
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
     device = torch.device(device)
-    if policy.offload_param == "cpu" and device.type != "cpu":
-        raise ShardingError(
-            f"zero_optimization.offload_param device 'cpu' on {device.type} is not implemented yet "
-            "(parameter shards stay in device memory); remove offload_param, or use device 'nvme' with "
-            "offload_optimizer on nvme. On CPU runs, device 'cpu' is what already happens and is accepted"
-        )
     # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
     # only a stage passed here can still differ from the config's.
     if policy.offload_param == "nvme" and not policy.placement.params:
