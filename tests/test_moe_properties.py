@@ -13,7 +13,8 @@ from fnzero.moe import MoE, capacity_for
 
 def _layer(hidden, experts, k, **kw) -> MoE:
     g = torch.Generator().manual_seed(7)
-    expert = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.Tanh(), torch.nn.Linear(2 * hidden, hidden))
+    expert = torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.Tanh(),
+                                 torch.nn.Linear(2 * hidden, hidden))
     layer = MoE(hidden, expert, num_experts=experts, k=k, generator=torch.Generator().manual_seed(1), **kw).double()
     with torch.no_grad():
         for p in layer.parameters():
@@ -99,7 +100,8 @@ def test_randomness_comes_from_the_generator(case):
 @pytest.mark.parametrize("policy", ["Jitter", "RSample"])
 def test_noisy_gate_policies_act_in_training_only(policy):
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    noisy, plain = _layer(4, 4, 1, noisy_gate_policy=policy, use_rts=False).eval(), _layer(4, 4, 1, use_rts=False).eval()
+    noisy = _layer(4, 4, 1, noisy_gate_policy=policy, use_rts=False).eval()
+    plain = _layer(4, 4, 1, use_rts=False).eval()
     assert torch.equal(noisy(x)[0], plain(x)[0])
 
 

@@ -51,7 +51,8 @@ def main(out_path: str) -> None:
         "coefficient.bias": torch.randn(2, generator=g, dtype=torch.float64) * 0.3,
     }
     for name in ("mlp", *(f"expert{i}" for i in range(EXPERTS))):
-        for key, shape in (("0.weight", (FFN, HIDDEN)), ("0.bias", (FFN,)), ("2.weight", (HIDDEN, FFN)), ("2.bias", (HIDDEN,))):
+        shapes = (("0.weight", (FFN, HIDDEN)), ("0.bias", (FFN,)), ("2.weight", (HIDDEN, FFN)), ("2.bias", (HIDDEN,)))
+        for key, shape in shapes:
             tensors[f"{name}.{key}"] = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.4
     meta = []
     for i, case in enumerate(cases()):
