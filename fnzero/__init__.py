@@ -47,6 +47,9 @@ init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inferenc
     its keys and defaults (dtype fp16; int8 = weight-only per-channel int8), tensor_parallel.tp_size as
     AutoTP, checkpoint= read per rank, max_out_tokens; `engine(...)` and `engine.generate(...)` (`specs/inference.md`).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
+moe                         Mixture of Experts: `moe.MoE`, DeepSpeed's `deepspeed.moe.layer.MoE` (its arguments,
+    results and state_dict names; expert-parallel size 1 so far), its randomness from an explicit generator
+    (`specs/moe.md`).
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`);
     `export_adapters` writes a PEFT model's adapters as PEFT's own directory.
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
@@ -74,7 +77,7 @@ __version__ = "0.1.0"
 # `fnzero` command answers `--help` and checks configs at once (torch takes seconds to import).
 # Every name below is public all the same: `fnzero.shard`, `from fnzero import shard`, `dir()`.
 _LAZY = {
-    **dict.fromkeys(("checkpoint", "memory", "optim", "pipeline", "schedules"), ""),
+    **dict.fromkeys(("checkpoint", "memory", "moe", "optim", "pipeline", "schedules"), ""),
     **dict.fromkeys(("LayerSpec", "PipelineModule", "pipeline_loss"), ".pipeline"),
     **dict.fromkeys(("LossScaleState", "Sharding", "TrainState"), "._state"),
     **dict.fromkeys((
@@ -114,7 +117,7 @@ def tree_clone(tree):
 
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
-    from . import checkpoint, memory, optim, pipeline, schedules
+    from . import checkpoint, memory, moe, optim, pipeline, schedules
     from .pipeline import LayerSpec, PipelineModule, pipeline_loss
     from ._state import LossScaleState, Sharding, TrainState
     from .sharding import (
@@ -168,6 +171,7 @@ __all__ = [
     "load_config",
     "make_mesh",
     "memory",
+    "moe",
     "optim",
     "pipeline",
     "pipeline_loss",

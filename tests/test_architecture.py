@@ -16,7 +16,7 @@ LAYERS = {
     "_ext": 1, "config": 1, "_state": 1, "_cext": 1,
     "optim": 2, "schedules": 2,
     "sharding": 3,
-    "offload": 4, "pipeline": 4,
+    "offload": 4, "pipeline": 4, "moe": 4,
     "checkpoint": 5,
     "train": 6,
     "inference": 7,

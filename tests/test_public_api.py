@@ -8,7 +8,7 @@ import pytest
 import fnzero
 
 PACKAGES = ["fnzero", "fnzero.config", "fnzero.optim", "fnzero.schedules", "fnzero.checkpoint", "fnzero.testing",
-            "fnzero.monitor", "fnzero.memory", "fnzero.inference"]
+            "fnzero.monitor", "fnzero.memory", "fnzero.inference", "fnzero.moe"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

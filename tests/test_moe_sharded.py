@@ -1,0 +1,121 @@
+"""A GPT-like model with MoE layers trains under `fnzero.shard` at ZeRO 0-3 as in plain PyTorch
+(`specs/moe.md` §Under ZeRO).
+
+Routing is per call: capacity, dropped tokens and `l_aux` depend on which tokens share a forward, so
+the reference runs each (rank, micro-batch) chunk as its own forward, weighted as DDP weighs it, with
+torch.optim.AdamW and clip_grad_norm_. Random token selection and the top-2 second-expert sample stay
+on: each rank's layers draw from their own generators, and the reference hands every chunk the
+generators of the rank that runs it. float64, 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fnzero
+from fnzero.moe import MoE
+from fnzero.testing import seeded, simulated_world
+
+VOCAB, SEQ, HIDDEN, EXPERTS, LR, CLIP, WORLD, ACCUM, STEPS = 64, 8, 16, 4, 1e-2, 0.5, 2, 2, 2
+
+
+class _MoEBlock(nn.Module):
+    def __init__(self, k: int, use_residual: bool, seed: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)
+        self.attn = nn.MultiheadAttention(HIDDEN, 2, batch_first=True)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+        self.moe = MoE(HIDDEN, expert, num_experts=EXPERTS, k=k, capacity_factor=1.0, min_capacity=0,
+                       use_residual=use_residual, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():  # DeepSpeed's experts start as copies of one; make them differ
+            for e in self.moe.deepspeed_moe.experts.deepspeed_experts:
+                for p in e.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        out, l_aux, _ = self.moe(self.ln2(x))
+        return x + out, l_aux
+
+
+class MoEGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(SEQ, HIDDEN)
+        self.blocks = nn.ModuleList([_MoEBlock(2, False, 11), _MoEBlock(1, True, 12)])
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        l_aux = x.new_zeros(())
+        for block in self.blocks:
+            x, aux = block(x)
+            l_aux = l_aux + aux
+        return self.head(x), l_aux
+
+
+def _loss(apply, batch):
+    logits, l_aux = apply(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) + 0.01 * l_aux
+
+
+def _build() -> MoEGPT:
+    with seeded(0):
+        return MoEGPT().double()
+
+
+def _chunk(step: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + i)
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+
+
+def _generators(model):
+    return [m.moe.generator for m in model.blocks]
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    model = _build()
+    rank_generators = [[torch.Generator().set_state(g.get_state()) for g in _generators(model)] for _ in range(WORLD)]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(STEPS):
+        opt.zero_grad()
+        for r in range(WORLD):
+            for block, g in zip(model.blocks, rank_generators[r]):
+                block.moe.generator = g
+            for i in range(ACCUM):
+                (_loss(model, _chunk(s, r * ACCUM + i)) / (WORLD * ACCUM)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sharded(stage: int) -> list[dict[str, torch.Tensor]]:
+    cfg = fnzero.load_config({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }, world_size=WORLD)
+
+    def rank(comm):
+        sm = fnzero.shard(_build(), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda params, batch: _loss(lambda x: sm.apply(params, x), batch), cfg)
+        for s in range(STEPS):
+            state, _ = step(state, [_chunk(s, comm.rank * ACCUM + i) for i in range(ACCUM)])
+        return sm.gather(state)
+
+    return simulated_world(WORLD).run(rank)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_moe_gpt_equals_plain_torch(stage):
+    want = _reference()
+    for got in _sharded(stage):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
