@@ -137,3 +137,24 @@ def test_parameter_names_are_deepspeeds():
         *(f"deepspeed_moe.experts.deepspeed_experts.{i}.{p}" for i in range(2) for p in ("weight", "bias"))])
     assert layer.mlp is expert and layer.deepspeed_moe.experts.deepspeed_experts[0] is not expert
     assert torch.equal(layer.deepspeed_moe.experts.deepspeed_experts[1].weight, expert.weight)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_a_layer_that_draws_is_refused_and_one_that_does_not_is_exact(reentrant):
+    """specs/moe.md §Randomness: a recomputation would draw other routes, so it is refused; with the
+    randomness off the checkpointed layer's gradients equal the plain ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(layer, x, ckpt):
+        x = x.clone().requires_grad_(True)
+        out = checkpoint(lambda t: layer(t)[0], x, use_reentrant=reentrant) if ckpt else layer(x)[0]
+        out.square().sum().backward()
+        return [x.grad] + [p.grad for p in layer.parameters()]
+
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match="run again inside backward"):
+        grads(_layer(6, 4, 1, use_rts=True), x, True)
+    plain, ckpt = (_layer(6, 4, 1, use_rts=False) for _ in range(2))
+    ckpt.load_state_dict(plain.state_dict())
+    for g, h in zip(grads(plain, x, False), grads(ckpt, x, True)):
+        torch.testing.assert_close(h, g, rtol=0, atol=0)

@@ -167,10 +167,24 @@ class MoE(nn.Module):
             self.mlp = expert  # the module passed in, not a copy, as DeepSpeed's
             self.coefficient = nn.Linear(hidden_size, 2)
 
+    def draws_at_random(self) -> bool:
+        """Whether a forward now draws from `generator`: random token selection (top-1) and the noisy
+        policies while training, the top-2 second-expert sample in either mode (as DeepSpeed's)."""
+        gate = self.deepspeed_moe.gate
+        if gate.k == 2:
+            return gate.top2_2nd_expert_sampling
+        return self.training and (gate.use_rts or gate.noisy_gate_policy is not None)
+
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         if hidden_states.shape[-1] != self.hidden_size:
             raise ConfigError(f"MoE input's last dimension is {hidden_states.shape[-1]}, "
                               f"hidden_size is {self.hidden_size}")
+        if torch._C._current_graph_task_id() != -1 and self.draws_at_random():
+            raise ConfigError(
+                "MoE layer run again inside backward (activation checkpointing recomputing it) while its routing "
+                "draws at random: the recomputed routes would differ from the forward's and the gradients be wrong "
+                "(`specs/moe.md` §Randomness). Leave the MoE layer out of the checkpointed region, or turn its "
+                "randomness off (use_rts=False, noisy_gate_policy=None, top2_2nd_expert_sampling=False)")
         output = self.deepspeed_moe(hidden_states, self.generator, used_token)
         if self.use_residual:
             dense = self.mlp(hidden_states)
