@@ -39,8 +39,19 @@ def _initial(factory, stage, world, seed=11):
     return simulated_world(world).run(rank)
 
 
+def _llama_partly_frozen():
+    # A frozen-only embedding unit and a frozen-only decoder layer: their own init regions at every
+    # stage (stage 3 holds them as frozen units, stages 0-2 whole by name), so the same bits.
+    model = transformers.LlamaForCausalLM(LLAMA)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
 FACTORIES = {
     "llama": lambda: transformers.LlamaForCausalLM(LLAMA),
+    "llama_partly_frozen": _llama_partly_frozen,
     "gpt2": lambda: transformers.GPT2LMHeadModel(GPT2),  # tied embeddings
     "fnzero_gpt": lambda: GPT(vocab_size=64, seq_len=8, d_model=16, n_layer=2, n_head=2, tied=True),
 }
