@@ -53,7 +53,9 @@ class ShardSource:
 
     def read(self, unit: str, like: torch.Tensor) -> torch.Tensor:
         """The unit's current shard, in `like`'s dtype and on its device."""
-        return self.store.read(unit, self.kind).to(device=like.device, dtype=like.dtype)
+        # Not blocking: a pinned host shard (`offload/_host_params.py`) then copies by DMA while
+        # the host goes on to issue the gather; a pageable one copies synchronously as before.
+        return self.store.read(unit, self.kind).to(device=like.device, dtype=like.dtype, non_blocking=True)
 
     def write(self, unit: str, value: torch.Tensor) -> None:
         self.store.write(unit, self.kind, value)

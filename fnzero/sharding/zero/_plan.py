@@ -4,6 +4,7 @@ each rank owns. Pure data, the same on every rank (`specs/sharding.md`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Iterable
 
@@ -96,13 +97,23 @@ class ShardPlan:
     # `lm_head.weight` is `transformer.wte.weight`): bound and exported under both names.
     frozen_aliases: tuple[tuple[str, str], ...] = ()
 
+    # Units by name, made once per plan: the runtime looks units up on every gather (a scan per
+    # lookup was O(units) Python work per unit per forward). Not fields: not compared, not copied.
+    @functools.cached_property
+    def _units_by_name(self) -> dict[str, UnitPlan]:
+        return {u.name: u for u in self.units}
+
+    @functools.cached_property
+    def _frozen_units_by_name(self) -> dict[str, UnitPlan]:
+        return {u.name: u for u in self.frozen_units}
+
     def frozen_unit(self, name: str) -> UnitPlan | None:
         """The frozen unit of that name (the module's trainable unit's name), or None."""
-        return next((u for u in self.frozen_units if u.name == name), None)
+        return self._frozen_units_by_name.get(name)
 
     def trainable_unit(self, name: str) -> UnitPlan | None:
         """The trainable unit of that name, or None (a module may hold frozen parameters only)."""
-        return next((u for u in self.units if u.name == name), None)
+        return self._units_by_name.get(name)
 
     @property
     def frozen_names(self) -> tuple[str, ...]:
@@ -119,10 +130,7 @@ class ShardPlan:
         return tuple(u.name for u in self.units)
 
     def unit(self, name: str) -> UnitPlan:
-        for u in self.units:
-            if u.name == name:
-                return u
-        raise KeyError(name)
+        return self._units_by_name[name]
 
     @property
     def stage(self) -> int:
