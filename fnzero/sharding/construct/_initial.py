@@ -116,8 +116,10 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
         out.copy_(named[n].detach().reshape(-1)[lo:hi])
 
     with torch.no_grad():
-        for u in (*plan.units, *plan.frozen_units):
-            if u in plan.frozen_units:  # (a frozen unit's name is its module's trainable unit's)
+        # Each unit with its kind: a frozen unit's name is its module's trainable unit's (and `in`
+        # over the units would compare whole plans of slots, units² times).
+        for u, is_frozen in [*((u, False) for u in plan.units), *((u, True) for u in plan.frozen_units)]:
+            if is_frozen:
                 flat = _flat(u, plan, rank, fill, device, checksums, frozen_checksum_key(u))
                 frozen[u.name] = flat.to(_frozen_dtype(plan, compute_dtype))
             else:
