@@ -1,0 +1,74 @@
+"""`ExpertGroup`: a module holding a layer's experts, which expert parallelism splits over the
+`ep` ranks (`specs/mesh.md §Expert parallelism`).
+
+`fnzero.shard` finds every `ExpertGroup` in a model, checks that its expert count divides over
+the mesh's ep ranks, and calls `split_experts(comm)`: the module keeps this rank's experts
+(`expert_range`) under their global names and sends tokens to the other ranks' experts through
+`comm` (`all_to_all_grad`). Its parameters are expert parameters: ZeRO shards them over the
+expert-data-parallel ranks (those holding the same experts) and reduces their gradients there,
+while dense parameters are sharded and reduced over every data-parallel rank. An `ExpertGroup`
+is always a ZeRO unit of its own, so no unit mixes the two.
+
+Until split (ep 1, or a model that was never sharded) the module holds every expert and runs
+them all: the same model object unsharded is the reference for the sharded run.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..._errors import ConfigError
+
+__all__ = ["ExpertGroup", "expert_range", "check_expert_split"]
+
+
+def expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """The global ids `[lo, hi)` of the experts ep rank `ep_rank` holds: consecutive blocks of
+    `num_experts / ep_size`, in rank order (DeepSpeed's)."""
+    per = num_experts // ep_size
+    return ep_rank * per, (ep_rank + 1) * per
+
+
+def check_expert_split(num_experts: int, ep_size: int, where: str) -> None:
+    """ConfigError naming the numbers unless `ep_size` ranks can hold equal shares of the experts."""
+    if ep_size < 1 or num_experts % ep_size:
+        raise ConfigError(f"{where}: {num_experts} experts do not divide over {ep_size} expert-parallel ranks "
+                          f"(num_experts must be a multiple of the expert-parallel size)")
+
+
+class ExpertGroup(nn.Module):
+    """Base of the modules that hold a layer's experts and can be split over expert-parallel ranks.
+
+    Subclasses define `num_experts` (the layer's global expert count) and `_keep_experts(lo, hi)`
+    (drop every expert outside `[lo, hi)`, keeping the parameter names the whole layer has, so
+    checkpoints and pretrained files read the same at any ep size), and run their forward through
+    `self.ep_comm` when it is set (None: every expert is here)."""
+
+    num_experts: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ep_comm = None  # the expert-parallel ranks' Collectives once split; None: all experts here
+        self.expert_lo, self.expert_hi = 0, None  # this rank's global expert ids (hi None: all)
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_comm is None else self.ep_comm.world_size
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def split_experts(self, comm, where: str = "") -> None:
+        """Keep the experts of `comm.rank` of `comm.world_size` expert-parallel ranks, and route
+        tokens through `comm`."""
+        if self.ep_comm is not None:
+            raise ConfigError(f"{where or type(self).__name__}: its experts are split over expert-parallel ranks already")
+        check_expert_split(self.num_experts, comm.world_size, where or type(self).__name__)
+        lo, hi = expert_range(self.num_experts, comm.world_size, comm.rank)
+        if comm.world_size > 1:
+            self._keep_experts(lo, hi)
+        self.ep_comm, self.expert_lo, self.expert_hi = comm, lo, hi
+
+    def _keep_experts(self, lo: int, hi: int) -> None:
+        raise NotImplementedError
