@@ -17,9 +17,9 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None):
+    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None):
         self.plan = plan
         self.comm = comm  # the data-parallel ranks: ZeRO shards over them
         self.device = torch.device(device)
@@ -29,6 +29,10 @@ class Sharding:
         # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
         # and the pipeline's collectives; None without pipeline parallelism.
         self.pp = pp
+        # The expert-parallel layout (`fnzero.sharding.ep.EPLayout`): the modules holding this rank's
+        # experts, the ep group they exchange tokens over and the expert-data-parallel group their
+        # units are sharded and reduced over; None without expert parallelism.
+        self.ep = ep
         # The job's collective watchdog (`fnzero.sharding.comm._watchdog`), told by the step which step
         # runs; None without one (one process, a simulated world, its own collectives).
         self.watchdog = watchdog
@@ -45,11 +49,16 @@ class Sharding:
     def world_size(self) -> int:
         return self.comm.world_size
 
+    @property
+    def expert_comm(self):
+        """The collectives expert units are sharded and reduced over; None without expert parallelism."""
+        return self.ep.expert_dp if self.ep is not None else None
+
     # Two states share a sharding when they share plan and communicator; identity is enough for the
     # communicator (one per process group) and keeps treespec comparison cheap.
     def __eq__(self, other):
         return (isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
-                and other.tp == self.tp and other.pp == self.pp)
+                and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep)
 
     def __hash__(self):
         return hash((self.plan, id(self.comm)))

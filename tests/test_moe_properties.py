@@ -106,7 +106,8 @@ def test_noisy_gate_policies_act_in_training_only(policy):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(ep_size=2, num_experts=4), "expert parallelism is not built yet"),
+    (dict(ep_size=3, num_experts=4), "num_experts=4 is not divisible by ep_size=3"),
+    (dict(ep_size=0, num_experts=4), "ep_size=0 must be a positive integer"),
     (dict(enable_expert_tensor_parallelism=True), "expert tensor parallelism is not built yet"),
     (dict(k=3, num_experts=4), "k=3"),
     (dict(k=2, num_experts=1), "k=2 exceeds num_experts=1"),

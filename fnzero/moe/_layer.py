@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ConfigError
+from ..sharding.ep._group import ExpertGroup
+from ..sharding.ep._ops import all_to_all_grad
 from ._gating import Routes, top1_routes, top2_routes, uniform_noise
 
 __all__ = ["MoE", "TopKGate", "Experts", "MOELayer"]
@@ -52,21 +54,65 @@ class TopKGate(nn.Module):
                            generator=generator)
 
 
-class Experts(nn.Module):
-    """`num_experts` deep copies of one expert module (all start with its weights, as DeepSpeed's)."""
+class Experts(ExpertGroup):
+    """`num_experts` deep copies of one expert module (all start with its weights, as DeepSpeed's).
 
-    def __init__(self, expert: nn.Module, num_experts: int):
+    Split over expert-parallel ranks (`ExpertGroup.split_experts`, which `fnzero.shard` calls) it keeps
+    its experts under their global ids, `deepspeed_experts.{i}`, so names read the same at any ep size."""
+
+    def __init__(self, expert: nn.Module, num_experts: int, ep_size: int = 1):
         super().__init__()
+        self.num_experts = num_experts
+        self.wanted_ep_size = ep_size  # the layer's `ep_size`: the mesh's must match (`fnzero.shard` checks)
         self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_experts))
 
+    def _keep_experts(self, lo: int, hi: int) -> None:
+        kept = {str(i): self.deepspeed_experts[i] for i in range(lo, hi)}
+        self.deepspeed_experts = nn.ModuleDict(kept)
+
+    def name_on(self, name: str, ep_rank: int) -> tuple[str, bool]:
+        """`deepspeed_experts.{i}.<rest>` here is `deepspeed_experts.{i - lo + lo there}.<rest>` on `ep_rank`."""
+        head, index, rest = name.split(".", 2)
+        there = int(index) - self.expert_lo + ep_rank * self.num_local_experts
+        return f"{head}.{there}.{rest}", False
+
+    def local_experts(self) -> list[nn.Module]:
+        """This rank's experts in global id order."""
+        experts = self.deepspeed_experts
+        return list(experts.values() if isinstance(experts, nn.ModuleDict) else experts)
+
     def forward(self, buffers: torch.Tensor) -> torch.Tensor:
-        """[ep, experts, capacity, hidden] -> the same shape; expert i sees its [ep, 1, capacity, hidden]
+        """[ep, experts here, capacity, hidden] -> the same shape; expert i sees its [ep, 1, capacity, hidden]
         block, the shape DeepSpeed hands it (a tuple output's first element is taken, as there)."""
+        experts = self.local_experts()
         outputs = []
-        for block, expert in zip(buffers.chunk(len(self.deepspeed_experts), dim=1), self.deepspeed_experts):
+        for block, expert in zip(buffers.chunk(len(experts), dim=1), experts):
             out = expert(block)
             outputs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outputs, dim=1)
+
+
+def _exchange(buffers: torch.Tensor, experts: Experts, same_capacity: bool) -> torch.Tensor:
+    """The experts' outputs for this rank's [experts, capacity, hidden] buffers, wherever the experts are.
+
+    Split over ep ranks, the buffers' blocks go to the ranks holding their experts and the outputs come
+    back by all-to-all (DeepSpeed's order: rank j receives every rank's block for its experts, as
+    [ep, experts here, capacity, hidden]). Without dropping, capacity differs by rank: every rank pads
+    its buffers with empty slots to the group's largest (one small all-gather), as DeepSpeed's gate
+    all-reduces the capacity; empty slots have weight 0 in the combine."""
+    comm = experts.ep_comm
+    if comm is None or comm.world_size == 1:
+        return experts(buffers.unsqueeze(0)).reshape(buffers.shape[0], buffers.shape[1], -1)
+    num_experts, capacity, hidden = buffers.shape
+    most = capacity
+    if not same_capacity:
+        mine = torch.tensor([capacity], dtype=torch.int64, device=buffers.device)
+        most = int(comm.all_gather(mine).max())
+        buffers = torch.cat([buffers, buffers.new_zeros(num_experts, most - capacity, hidden)], dim=1)
+    received = all_to_all_grad(buffers.reshape(num_experts * most, hidden), comm, label="moe dispatch")
+    out = experts(received.view(comm.world_size, num_experts // comm.world_size, most, hidden))
+    back = all_to_all_grad(out.reshape(num_experts * most, -1).contiguous(), comm, label="moe combine")
+    return back.view(num_experts, most, -1)[:, :capacity]
 
 
 def _dispatch(tokens: torch.Tensor, routes: Routes, num_experts: int) -> torch.Tensor:
@@ -108,15 +154,17 @@ class MOELayer(nn.Module):
         routes = self.gate(tokens, generator, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         buffers = _dispatch(tokens, routes, self.num_experts)
-        expert_out = self.experts(buffers.unsqueeze(0)).reshape(buffers.shape[0], buffers.shape[1], -1)
+        expert_out = _exchange(buffers, self.experts, self.gate.drop_tokens)
         return _combine(expert_out, routes, tokens.shape[0]).reshape(hidden_states.shape)
 
 
 def _check_arguments(hidden_size, num_experts, ep_size, k, capacity_factor, eval_capacity_factor, min_capacity,
                      noisy_gate_policy, enable_expert_tensor_parallelism) -> None:
-    if ep_size != 1:
-        raise ConfigError(f"MoE ep_size={ep_size}: expert parallelism is not built yet (next step); "
-                          "use ep_size=1, every rank holding all experts")
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ConfigError(f"MoE ep_size={ep_size!r} must be a positive integer")
+    if num_experts >= 1 and num_experts % ep_size:
+        raise ConfigError(f"MoE num_experts={num_experts} is not divisible by ep_size={ep_size}: each of the "
+                          f"{ep_size} expert-parallel ranks holds num_experts / ep_size experts")
     if enable_expert_tensor_parallelism:
         raise ConfigError("MoE enable_expert_tensor_parallelism=True: expert tensor parallelism is not built yet")
     if hidden_size < 1 or num_experts < 1:
@@ -154,7 +202,6 @@ class MoE(nn.Module):
         _check_arguments(hidden_size, num_experts, ep_size, k, capacity_factor, eval_capacity_factor, min_capacity,
                          noisy_gate_policy, enable_expert_tensor_parallelism)
         self.hidden_size, self.num_experts, self.ep_size, self.k = hidden_size, num_experts, ep_size, k
-        self.num_local_experts = num_experts // ep_size
         self.use_residual = use_residual
         if generator is None:
             seed = int(torch.randint(0, 2**62, (), device="cpu"))
@@ -162,10 +209,16 @@ class MoE(nn.Module):
         self.generator = generator
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
-        self.deepspeed_moe = MOELayer(gate, Experts(expert, self.num_local_experts), num_experts)
+        # Every expert until `fnzero.shard` splits them over the mesh's ep ranks (which must be ep_size).
+        self.deepspeed_moe = MOELayer(gate, Experts(expert, num_experts, ep_size), num_experts)
         if use_residual:
             self.mlp = expert  # the module passed in, not a copy, as DeepSpeed's
             self.coefficient = nn.Linear(hidden_size, 2)
+
+    @property
+    def num_local_experts(self) -> int:
+        """The experts this rank holds: num_experts / ep_size once `fnzero.shard` split them, else all."""
+        return self.deepspeed_moe.experts.num_local_experts
 
     def draws_at_random(self) -> bool:
         """Whether a forward now draws from `generator`: random token selection (top-1) and the noisy

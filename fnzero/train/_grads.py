@@ -15,7 +15,7 @@ import torch
 
 from .._errors import ShardingError
 from .._ext._heap import trim_between_passes
-from ..sharding.zero._plan import ShardPlan, UnitPlan
+from ..sharding.zero._plan import ShardPlan, UnitPlan, comm_for
 from ..sharding.zero._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ._policy import StepPolicy
@@ -37,8 +37,10 @@ class GradientCollector:
     end (`late`). Every rank runs the same graph, hence the same units and the same order.
     """
 
-    def __init__(self, plan: ShardPlan, comm, policy: StepPolicy, prediv: float, accum_dtype: torch.dtype):
+    def __init__(self, plan: ShardPlan, comm, policy: StepPolicy, prediv: float, accum_dtype: torch.dtype,
+                 expert_comm=None):
         self.plan, self.comm, self.policy = plan, comm, policy
+        self.expert_comm = expert_comm  # expert units reduce over the expert-data-parallel ranks (`comm_for`)
         self.prediv, self.accum_dtype = prediv, accum_dtype
         self.overlap = policy.overlap_comm and comm.world_size > 1
         self.last_micro_batch = False
@@ -64,7 +66,7 @@ class GradientCollector:
         """Unit `u`'s gradient of one micro-batch (or of one reentrant region's backward)."""
         name, pl = u.name, u.placement
         if pl.grads and not pl.params:  # sharded gradients of a gathered unit: reduce now
-            pending = self.comm.reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv), label=name)
+            pending = self._comm(u).reduce_scatter_async(prepare_for_comm(g, self.policy, self.prediv), label=name)
             self.inflight.append((name, pending, "shard"))
             self._drain(2 if self.overlap else 0)
             return
@@ -75,6 +77,9 @@ class GradientCollector:
         self._add(name, g)
         if self.overlap and self.last_micro_batch and not pl.grads:
             self._launch_final(u)
+
+    def _comm(self, u: UnitPlan):
+        return comm_for(u, self.comm, self.expert_comm)
 
     def _add(self, name: str, g: torch.Tensor) -> None:
         prev = self.acc.get(name)
@@ -93,9 +98,9 @@ class GradientCollector:
         self.launched.add(u.name)
         g = prepare_for_comm(self.acc[u.name], self.policy, self.prediv)
         if u.placement.optimizer:
-            pending = self.comm.reduce_scatter_async(g, label=u.name)
+            pending = self._comm(u).reduce_scatter_async(g, label=u.name)
         else:
-            pending = self.comm.all_reduce_async(g, donate=True, label=u.name)  # the accumulator is this step's own
+            pending = self._comm(u).all_reduce_async(g, donate=True, label=u.name)  # the accumulator is this step's own
         self.inflight.append((u.name, pending, "final"))
 
     def finish_backward(self) -> None:
@@ -103,7 +108,8 @@ class GradientCollector:
         self._drain(0)
         for name, g in self.late.items():  # in hook order, the same on every rank
             g = prepare_for_comm(g, self.policy, self.prediv)
-            self.reduced[name].add_(reduce_whole(self.comm, g, self.plan.unit(name).placement).to(self.accum_dtype))
+            u = self.plan.unit(name)
+            self.reduced[name].add_(reduce_whole(self._comm(u), g, u.placement).to(self.accum_dtype))
 
     def gradients(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Every unit's reduced gradient (a shard where the optimizer state is sharded, else the
@@ -117,7 +123,7 @@ class GradientCollector:
                     sharded = u.placement.params or u.placement.optimizer
                     g = torch.zeros(u.shard_numel if sharded else u.padded_numel, dtype=self.accum_dtype, device=device)
                 elif not u.placement.grads:
-                    g = reduce_whole(self.comm, prepare_for_comm(g, self.policy, self.prediv), u.placement)
+                    g = reduce_whole(self._comm(u), prepare_for_comm(g, self.policy, self.prediv), u.placement)
                     g = g.to(self.accum_dtype)
             grads[u.name] = g
         return grads

@@ -123,18 +123,29 @@ def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
     are not compared. (Raising rather than broadcasting rank 0's model: at stage 3 each rank
     kept only its shard, so there is nothing left to broadcast, and a silent repair would hide
     a seed bug that also shows in dropout and data order.)"""
-    sums, world = sm.initial_values().checksums, sm.comm.world_size
+    sums = sm.initial_values().checksums
     keyed = [(u.name, u) for u in sm.plan.units] + [(frozen_checksum_key(u), u) for u in sm.plan.frozen_units]
-    names = [k for k, u in keyed if k in sums and not all(s.name in loaded for s in u.slots)]
+    names = [(k, u.is_expert) for k, u in keyed if k in sums and not all(s.name in loaded for s in u.slots)]
+    # Expert units hold other experts on each ep rank: compared among the ranks holding the same ones.
+    groups = [(sm.comm, "rank", [k for k, expert in names if not expert])]
+    if sm.sharding.expert_comm is not None:
+        groups.append((sm.sharding.expert_comm, "expert-data-parallel rank", [k for k, expert in names if expert]))
+    for comm, who, keys in groups:
+        _compare_checksums(comm, who, keys, sums, len(names))
+
+
+def _compare_checksums(comm, who: str, names: list[str], sums: dict[str, torch.Tensor], total: int) -> None:
+    """Raise naming the ranks of `comm` whose checksums of `names` differ from its rank 0's."""
+    world = comm.world_size
     if world == 1 or not names:
         return
-    every = sm.comm.all_gather(torch.stack([sums[n] for n in names]).reshape(-1)).view(world, len(names), 2)
+    every = comm.all_gather(torch.stack([sums[n] for n in names]).reshape(-1)).view(world, len(names), 2)
     differ = {r: [n for i, n in enumerate(names) if not torch.equal(every[r, i], every[0, i])] for r in range(1, world)}
     differ = {r: units for r, units in differ.items() if units}
     if differ:
-        ranks = "; ".join(f"rank {r} in {units[:4]}{' ...' if len(units) > 4 else ''}" for r, units in differ.items())
+        ranks = "; ".join(f"{who} {r} in {units[:4]}{' ...' if len(units) > 4 else ''}" for r, units in differ.items())
         raise ShardingError(
-            f"the ranks built different initial weights: {ranks} (of {len(names)} units) differ from rank 0's. "
+            f"the ranks built different initial weights: {ranks} (of {total} units) differ from {who} 0's. "
             "Each rank's shard would come from its own init and the first step would train a patchwork. Build the "
             "model under the same seed on every rank (torch.manual_seed(seed) before constructing it), build it on "
             "the meta device (fnzero seeds its init), or load pretrained weights"

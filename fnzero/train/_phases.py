@@ -217,11 +217,12 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                  comm, device: torch.device, tp=None, pp=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  comm, device: torch.device, tp=None, pp=None, expert_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks): `_norm_and_loss` on this rank's
     units, then, with pipeline parallelism (`pp`, the pipeline's collectives), summed over the
-    stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers."""
-    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp)
+    stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers.
+    `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated."""
+    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm)
     if pp is None or pp.world_size == 1:
         return norm_sq, loss
     both = pp.all_reduce(torch.stack([norm_sq, loss]))
@@ -229,13 +230,15 @@ def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], i
 
 
 def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                   comm, device: torch.device, tp=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   comm, device: torch.device, tp=None, expert_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
     all-reduce of two numbers (three with tensor parallelism). `inv` unscales the reduced gradients. Shards' squares are summed
     across ranks; a replicated gradient's is global already and is added after the sum. With
     tensor parallelism (`tp`, a TPLayout), the squares of split parameters are summed over the
     tensor-parallel ranks too (one more all-reduce of one number); replicated ones, equal there,
-    count once."""
+    count once. An expert unit differs across the ep ranks, so its squares are summed over the dp
+    ranks like a shard's; held whole (optimizer state replicated) it is the same on its
+    expert-data-parallel ranks, so each of them adds its share, 1 / their number."""
     dtypes = {g.dtype for g in grads.values()}
     norm_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
     # [sharded over dp, replicated over dp] x [replicated over tp, split over tp]
@@ -245,8 +248,10 @@ def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], 
         if not g.numel():
             continue
         lo = u.shard_range(comm.rank)[0] if u.placement.optimizer else 0
+        summed = u.placement.optimizer or u.is_expert  # differs across the dp ranks: summed over them
+        share = 1.0 if u.placement.optimizer or not u.is_expert else 1.0 / expert_comm.world_size
         for part, split in _tp_parts(u, g, lo, tp):
-            sq[0 if u.placement.optimizer else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square()
+            sq[0 if summed else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square() * share
     ii = inv * inv
     loss = loss_sum.to(device=device, dtype=torch.float64)
     if tp is None:  # two numbers: [Σ shards' squares, loss]

@@ -157,7 +157,7 @@ def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy,
     and sums the copies of weights its stages share."""
     sh = state.sharding
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
-    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype)
+    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype, sh.expert_comm)
     trim = policy.trim_heap and sh.device.type == "cpu"
     if isinstance(loss_fn, PipelineLoss):
         loss_sum, auxes = loss_fn.forward_backward(leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
@@ -186,7 +186,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     pp = sh.pp.comm if sh.pp is not None else None
     units = units_for_norm(sh.plan, sh.pp)
     norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, unscale, loss_sum, sh.comm, sh.device,
-                                                            sh.tp, pp))
+                                                            sh.tp, pp, sh.expert_comm))
     timer.stop("comm")
     metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, auxes, has_aux)
     if timer.on:
@@ -202,6 +202,6 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
         opt.update_ if donate else opt.update, setup.param_dtype, donate)
     timer.stop("optimizer")
     timer.start()
-    new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate)
+    new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)
     timer.stop("comm")
     return next_state(state, new_params, new_master, new_opt_state, new_ls), metrics

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..sharding.construct._module import optimizer_view
-from ..sharding.zero._plan import ShardPlan
+from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
 
 __all__ = ["OptimizerScalars", "optimizer_update", "publish_params"]
@@ -73,11 +73,11 @@ def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.
 
 
 def publish_params(plan: ShardPlan, comm, params: dict[str, torch.Tensor], new_slices: dict[str, torch.Tensor],
-                   donate: bool) -> dict[str, torch.Tensor]:
+                   donate: bool, expert_comm=None) -> dict[str, torch.Tensor]:
     """The next state's parameters from each unit's updated slice (compute dtype): kept as they are
     where the optimizer updated the whole unit or parameters are held as shards; all-gathered into
     the replicated buffer where only the optimizer state is sharded (into the input state's own
-    buffer, `params`, when donated)."""
+    buffer, `params`, when donated). Expert units gather over `expert_comm` (`comm_for`)."""
     new_params: dict[str, torch.Tensor] = {}
     pending = {}
     for u in plan.units:  # start every gather first: the backend runs them back to back
@@ -87,9 +87,9 @@ def publish_params(plan: ShardPlan, comm, params: dict[str, torch.Tensor], new_s
         elif donate:
             # Into the input state's own buffer; the shard is copied first since it may be a
             # view of that very buffer (fp32 training updates the parameters' slice in place).
-            pending[u.name] = comm.all_gather_async(t.clone(), out=params[u.name], label=u.name)
+            pending[u.name] = comm_for(u, comm, expert_comm).all_gather_async(t.clone(), out=params[u.name], label=u.name)
         else:
-            pending[u.name] = comm.all_gather_async(t, label=u.name)
+            pending[u.name] = comm_for(u, comm, expert_comm).all_gather_async(t, label=u.name)
     for name, p in pending.items():
         new_params[name] = p.wait()
     return {u.name: new_params[u.name] for u in plan.units}

@@ -46,6 +46,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
         return "tensor parallelism's collectives run inside the model's layers"
     if state.sharding.pp is not None:
         return "a pipeline schedule sends activations between its stages' forwards"
+    if state.sharding.ep is not None:
+        return "expert parallelism's all-to-all runs inside the model's MoE layers"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

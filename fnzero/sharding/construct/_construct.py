@@ -15,6 +15,8 @@ from ..pp._module import PipelineInfo, PipelineModule
 from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
 from ..comm._mesh import Mesh, mesh_from_config
 from ..tp._layout import TPLayout
+from ..ep._layout import EPLayout
+from ..ep._split import split_for_ep, wanted_ep_size
 from ..zero._policy import shard_policy
 from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
 from ..comm._observed import CheckedCollectives, RecordingCollectives
@@ -89,8 +91,11 @@ def shard(
     comm = comm if comm is not None else default_collectives()
     debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
     pipe = None
+    ep = wanted_ep_size(model, config) if isinstance(model, nn.Module) else 1
+    if mesh is None and ep > 1 and not isinstance(model, PipelineModule):
+        mesh = mesh_from_config(comm, config, ep=ep)
     if isinstance(model, PipelineModule):
-        model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap)
+        model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
     if not isinstance(model, nn.Module):
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
@@ -103,6 +108,7 @@ def shard(
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
+    ep_layout = _split_for_ep(model, mesh, ep, config, debug, meta)
     watchdog = _job_watchdog(world, config)
     comm = _observed(comm, config, debug)
     params0 = list(model.parameters())
@@ -119,7 +125,8 @@ def shard(
     # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
     # parameters), except tensor-parallel slices, which stay whole by name.
     plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold,
-                     shard_frozen=tp_layout is None)
+                     shard_frozen=tp_layout is None, expert_modules=ep_layout.modules if ep_layout else (),
+                     ep=ep_layout.size if ep_layout else 1)
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         initial, frozen, buffers, uninitialised = initial_from_meta(
@@ -132,7 +139,7 @@ def shard(
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog)
+                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)
@@ -149,13 +156,13 @@ def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) ->
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
-                  debug: bool, wrap) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
+                  debug: bool, wrap, ep: int = 1) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
     """This rank's stage of a pipeline model: its layers as a module, the mesh (given, or the
     config's with the module's stage count), the stage's place in the pipeline, and its units
     (each layer or named module; a weight shared with another stage is a unit of its own, laid out
     alike on each stage holding it)."""
     if mesh is None:
-        mesh = mesh_from_config(comm, config, pp=pipe.num_stages)
+        mesh = mesh_from_config(comm, config, pp=pipe.num_stages, ep=ep)
     stages = mesh.shape.pp
     if pipe.num_stages not in (None, stages):
         raise ConfigError(f"the PipelineModule asks for {pipe.num_stages} stages (num_stages) but the mesh has {stages}")
@@ -217,6 +224,26 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
     vocab = tp_cfg.vocab_parallel_lm_head if tp_cfg is not None else None
     # The tp axis' traffic is recorded apart from dp's (`sm.tp.comm.records`), and checked too.
     return mesh.dp, parallelize(model, rules, _observed(mesh.tp, config, debug), vocab_parallel=vocab)
+
+
+def _split_for_ep(model: nn.Module, mesh: Mesh | None, ep: int, config: Any, debug: bool,
+                  meta: bool) -> EPLayout | None:
+    """With a mesh whose ep axis splits the experts: each `ExpertGroup` keeps this rank's experts
+    (`specs/mesh.md §Expert parallelism`); the layout, or None without expert parallelism."""
+    mesh_ep = mesh.shape.ep if mesh is not None else 1
+    if ep > 1 and mesh_ep != ep:
+        raise ConfigError(f"the model's MoE layers ask for expert-parallel size {ep} but the mesh given has ep {mesh_ep}; "
+                          f"make the mesh with fnzero.make_mesh(comm, ep={ep})")
+    if mesh_ep == 1:
+        return None
+    if meta:
+        raise ConfigError("expert parallelism over a model built on the meta device is not built yet: build the model "
+                          "on the host (each rank then keeps its own experts), or load pretrained weights into it")
+    layout = split_for_ep(model, _observed(mesh.ep, config, debug), _observed(mesh.expert_dp, config, debug))
+    if layout is None:
+        raise ConfigError(f"the mesh has {mesh_ep} expert-parallel ranks but the model has no experts to split (no "
+                          "fnzero.moe.MoE layer, and no Hugging Face MoE block AutoEP replaced)")
+    return layout
 
 
 def _observed(comm: Collectives, config: Any, debug: bool) -> Collectives:

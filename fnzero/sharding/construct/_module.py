@@ -18,7 +18,7 @@ from ._initial import InitialValues, is_released
 from ..zero._param_store import ShardSource, ShardSources, held, sources_of
 from ..zero._policy import ShardPolicy
 from ..tp._ops import vocab_parallel_cross_entropy
-from ..zero._plan import ShardPlan, UnitPlan
+from ..zero._plan import ShardPlan, UnitPlan, comm_for
 from ..zero._plan import ROOT_UNIT
 from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
 from ..zero._unit_forward import route_unit_forward
@@ -75,7 +75,7 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None):
+                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None):
         self.module = module
         self.plan = plan
         self.comm = comm
@@ -83,7 +83,8 @@ class ShardedModule:
         self.config = config
         self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
-        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog)
+        self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts
+        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
@@ -173,7 +174,8 @@ class ShardedModule:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
-                       sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen)
+                       sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
+                       expert_comm=self.sharding.expert_comm)
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
@@ -294,14 +296,19 @@ class ShardedModule:
             src = params
         out = {}
         for u in self.plan.units:
-            if names is not None and not any(n in names for s in u.slots for n in (s.name, *s.aliases)):
+            if names is not None and not u.is_expert and not any(n in names for s in u.slots for n in (s.name, *s.aliases)):
                 continue
-            full = full_unit(u, held(src[u.name], sources_of(self.sharding).params, u.name), self.comm)
+            unit_comm = comm_for(u, self.comm, self.sharding.expert_comm)
+            full = full_unit(u, held(src[u.name], sources_of(self.sharding).params, u.name), unit_comm)
             if full.numel() != u.padded_numel:
-                full = self.comm.all_gather(full)
+                full = unit_comm.all_gather(full)
+            views = unit_views(u, full)
+            if u.is_expert:  # every ep rank's experts of this layer (each holds the same layout)
+                every = self.ep.comm.all_gather(full).view(self.ep.size, -1)
+                views = self.ep.consolidate(u.module, [unit_views(u, every[j]) for j in range(self.ep.size)])
             if rank0_only and self.comm.rank != 0:
                 continue
-            for name, t in unit_views(u, full).items():
+            for name, t in views.items():
                 if names is not None and name not in names:
                     continue
                 if self.tp is not None:

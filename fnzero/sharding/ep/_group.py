@@ -72,3 +72,10 @@ class ExpertGroup(nn.Module):
 
     def _keep_experts(self, lo: int, hi: int) -> None:
         raise NotImplementedError
+
+    def name_on(self, name: str, ep_rank: int) -> tuple[str, bool]:
+        """What this rank's parameter `name` (relative to this module) is on ep rank `ep_rank`:
+        (its name there, whether the whole layer's tensor is the ep ranks' pieces concatenated
+        along dim 0). The default: the same name, one piece per rank (experts stacked in one
+        tensor, as Hugging Face's). Modules naming each expert apart override it."""
+        return name, True

@@ -143,10 +143,11 @@ class GatherUnit(torch.autograd.Function):
         rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
         if rt.binder is not None:
             rt.binder.unbind()
-        if grad_full.dtype in (torch.float16, torch.bfloat16) and rt.comm.world_size > 1:
+        dp_world = rt.comm.world_size * rt.unit.ep  # an expert unit's gradient holds its ep group's tokens too
+        if grad_full.dtype in (torch.float16, torch.bfloat16) and dp_world > 1:
             # A 16-bit sum over ranks can overflow where each addend does not: divide first
             # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).
-            grad_full = grad_full / rt.comm.world_size
+            grad_full = grad_full / dp_world
         # Autograd made `grad_full` for this node alone (the concatenation of the parameter
         # gradients), so the exchange may receive into it.
         return rt.comm.reduce_scatter(grad_full, donate=True), None, None

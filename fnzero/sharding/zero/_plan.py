@@ -15,7 +15,7 @@ from ..._errors import ShardingError
 from ._placement import Placement, placement_for_stage
 from ._wrap import default_unit_modules, no_split_classes
 
-__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
+__all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "comm_for", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
 
 ROOT_UNIT = "<root>"
 """Name of the unit that holds parameters owned by no unit module (and tied parameters shared by two)."""
@@ -44,7 +44,11 @@ class UnitPlan:
     """A group of parameters gathered and reduced together as one flat buffer.
 
     `numel` counts real elements; the buffer is padded with zeros to `padded_numel`, a multiple of
-    the world size, and rank r owns `[r * shard_numel, (r + 1) * shard_numel)`.
+    the number of ranks sharing it, and rank r of them owns `[r * shard_numel, (r + 1) * shard_numel)`.
+
+    An expert unit (`ep` > 1: the experts of one MoE layer this rank holds, `specs/mesh.md
+    §Expert parallelism`) is shared by the expert-data-parallel ranks only, the dp ranks holding the
+    same experts: dp rank d is rank d // ep of them. Every method takes the dp rank.
     """
 
     name: str
@@ -54,6 +58,11 @@ class UnitPlan:
     padded_numel: int
     shard_numel: int
     placement: Placement  # what of this unit is sharded: the plan's, less parameters when persistent
+    ep: int = 1  # expert-parallel ranks splitting this unit's experts (1: a dense unit)
+
+    @property
+    def is_expert(self) -> bool:
+        return self.ep > 1
 
     @property
     def persistent(self) -> bool:
@@ -61,7 +70,8 @@ class UnitPlan:
         return not self.placement.params
 
     def shard_range(self, rank: int) -> tuple[int, int]:
-        lo = rank * self.shard_numel
+        """Dp rank `rank`'s part of the buffer."""
+        lo = (rank // self.ep) * self.shard_numel
         return lo, lo + self.shard_numel
 
     def real_range(self, rank: int) -> tuple[int, int]:
@@ -189,6 +199,12 @@ class ShardPlan:
         return sum(u.padded_numel for u in self.units)
 
 
+def comm_for(unit: UnitPlan, comm, expert_comm):
+    """The collectives a unit is sharded and reduced over: the data-parallel ranks' (`comm`), or for
+    an expert unit the expert-data-parallel ranks' (`expert_comm`)."""
+    return expert_comm if unit.ep > 1 else comm
+
+
 def owner_module(name: str, unit_modules: list[str]) -> str:
     """The innermost unit module (path) that encloses parameter `name`; "" for the root unit."""
     best = ""
@@ -214,9 +230,11 @@ def padded_size(numel: int, world_size: int) -> int:
 
 
 def _lay_out(members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]]]], unit_modules: list[str],
-             world_size: int, placement: Placement, persistence_threshold: int) -> tuple[UnitPlan, ...]:
+             world_size: int, placement: Placement, persistence_threshold: int,
+             expert_modules: frozenset[str] = frozenset(), ep: int = 1) -> tuple[UnitPlan, ...]:
     """One unit per module in `members` (module path -> its parameters: name, aliases, shape), the
-    root first, then in `unit_modules` order; each a flat buffer padded to `world_size`."""
+    root first, then in `unit_modules` order; each a flat buffer padded to the ranks sharing it:
+    `world_size`, or `world_size / ep` for the units of `expert_modules`."""
     order = [m for m in unit_modules if m in members]
     if "" in members:
         order = [""] + order
@@ -228,11 +246,13 @@ def _lay_out(members: dict[str, list[tuple[str, tuple[str, ...], tuple[int, ...]
             slot = ParamSlot(name=name, shape=shape, offset=offset, aliases=aliases)
             slots.append(slot)
             offset += slot.numel
-        padded = padded_size(offset, world_size)
+        unit_ep = ep if module in expert_modules else 1
+        sharing = world_size // unit_ep
+        padded = padded_size(offset, sharing)
         units.append(UnitPlan(
             name=module or ROOT_UNIT, module=module, slots=tuple(slots), numel=offset, padded_numel=padded,
-            shard_numel=padded // world_size,
-            placement=placement.without_params() if offset < persistence_threshold else placement,
+            shard_numel=padded // sharing,
+            placement=placement.without_params() if offset < persistence_threshold else placement, ep=unit_ep,
         ))
     return tuple(units)
 
@@ -244,6 +264,8 @@ def make_plan(
     wrap: Callable[[str, nn.Module], bool] | Iterable[type] | None = None,
     persistence_threshold: int = 0,
     shard_frozen: bool = True,
+    expert_modules: Iterable[str] = (),
+    ep: int = 1,
 ) -> ShardPlan:
     """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
 
@@ -258,6 +280,9 @@ def make_plan(
 
     Frozen parameters: where `placement` shards parameters and `shard_frozen`, grouped into frozen
     units by the same rules; else held whole by name (`ShardPlan.frozen`).
+
+    `expert_modules` (paths) hold the experts this rank keeps of `ep` expert-parallel ranks: each is
+    a unit of its own, shared by the `world_size / ep` ranks holding the same experts.
     """
     if world_size < 1:
         raise ShardingError(f"world_size must be >= 1, got {world_size}")
@@ -267,6 +292,12 @@ def make_plan(
     else:
         pred = unit_predicate(wrap)
         unit_modules = [p for p, m in model.named_modules() if p and pred(p, m)]
+    experts = frozenset(expert_modules)
+    if experts:
+        if ep < 1 or world_size % ep:
+            raise ShardingError(f"expert-parallel size {ep} must divide the data-parallel world size {world_size}")
+        order = {p: i for i, (p, _) in enumerate(model.named_modules())}
+        unit_modules = sorted(set(unit_modules) | experts, key=order.__getitem__)
 
     # Tied parameters: one tensor, several names. Keep the first name, remember the others.
     names_of: dict[int, list[str]] = {}
@@ -291,11 +322,11 @@ def make_plan(
         owner = owners.pop() if len(owners) == 1 else ""
         group = members if p.requires_grad else frozen_members
         group.setdefault(owner, []).append((names[0], tuple(names[1:]), tuple(p.shape)))
-    units = _lay_out(members, unit_modules, world_size, placement, persistence_threshold)
+    units = _lay_out(members, unit_modules, world_size, placement, persistence_threshold, experts, ep)
     frozen: tuple[str, ...] = ()
     frozen_units: tuple[UnitPlan, ...] = ()
     if placement.params and shard_frozen:
-        frozen_units = _lay_out(frozen_members, unit_modules, world_size, placement, persistence_threshold)
+        frozen_units = _lay_out(frozen_members, unit_modules, world_size, placement, persistence_threshold, experts, ep)
     else:
         frozen = tuple(name for group in frozen_members.values() for name, _, _ in group)
         order = {n: i for i, n in enumerate(n for names in names_of.values() for n in names[:1])}

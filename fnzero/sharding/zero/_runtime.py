@@ -25,7 +25,7 @@ from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
 from ._param_store import NO_SOURCES, ShardSources
-from ._plan import ShardPlan, UnitPlan
+from ._plan import ShardPlan, UnitPlan, comm_for
 
 __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER"]
 
@@ -56,9 +56,10 @@ class ApplyRun:
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
                  sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
-                 frozen: dict[str, torch.Tensor] | None = None):
+                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None):
         self.plan = plan
         self.comm = comm
+        self.expert_comm = expert_comm  # expert units' gathers (`comm_for`)
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
@@ -120,7 +121,8 @@ class ApplyRun:
         table, held = (self.frts, self.frozen) if frozen else (self.rts, self.params)
         rt = table.get(unit.name)
         if rt is None:
-            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], self.comm, self, self.sources.of(frozen))
+            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm_for(unit, self.comm, self.expert_comm), self,
+                                                self.sources.of(frozen))
         return rt
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
@@ -146,7 +148,7 @@ class ApplyRun:
             return
         for unit, frozen in self.sharded_parts(nxt):
             rt = self._runtime(unit, frozen)
-            rt.pending = self.comm.all_gather_async(rt.shard_values(), label=unit.name)
+            rt.pending = rt.comm.all_gather_async(rt.shard_values(), label=unit.name)
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
@@ -163,7 +165,7 @@ class ApplyRun:
         for rt in (self.rts.get(name), self.frts.get(name)) if name is not None else ():
             if rt is None or not rt.packed or rt.bwd_full is not None or rt.bwd_pending is not None:
                 continue
-            rt.bwd_pending = self.comm.all_gather_async(rt.shard_values(), label=name)
+            rt.bwd_pending = rt.comm.all_gather_async(rt.shard_values(), label=name)
 
     @torch.compiler.disable
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:

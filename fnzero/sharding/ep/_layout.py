@@ -1,0 +1,52 @@
+"""`EPLayout`: where a model's experts are, for the step, checkpoints and reports
+(`specs/mesh.md §Expert parallelism`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+__all__ = ["EPLayout"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EPLayout:
+    """This rank's place among the expert-parallel ranks, and the modules holding its experts.
+
+    `comm`: the ep group (tokens travel there by all-to-all); `expert_dp`: the expert-data-parallel
+    group (ZeRO shards and reduces expert units there); `modules`: the `ExpertGroup` paths, each a
+    unit of the plan with `ep` = `size`; `num_experts`: path -> the layer's global expert count;
+    `renames`: path -> the module's `ExpertGroup.name_on`."""
+
+    comm: Any
+    expert_dp: Any
+    modules: tuple[str, ...]
+    num_experts: dict[str, int]
+    renames: dict[str, Callable[[str, int], tuple[str, bool]]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def consolidate(self, module: str, views: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole layer's parameters (full names) from every ep rank's `views` of the expert unit
+        of `module` (rank order; each names tensors as this rank does): renamed to the names they
+        have there, and pieces of one stacked tensor concatenated along dim 0."""
+        import torch
+
+        rename, prefix = self.renames[module], module + "."
+        out: dict[str, Any] = {}
+        pieces: dict[str, list] = {}
+        for ep_rank, named in enumerate(views):
+            for name, t in named.items():
+                there, stacked = rename(name[len(prefix):], ep_rank)
+                if stacked:
+                    pieces.setdefault(prefix + there, []).append(t)
+                else:
+                    out[prefix + there] = t
+        out.update({name: torch.cat(ts, dim=0) for name, ts in pieces.items()})
+        return out
