@@ -147,11 +147,13 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=()):
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
-    (float64, k=4); return rank 0's view, and every rank's results of the tp and pp cases."""
+    (float64, k=4), then every (stage, ep) expert-parallel case on the MoE GPT of
+    tests/test_moe_sharded.py; return rank 0's view, and every rank's results of the tp, pp and ep
+    cases."""
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
@@ -168,9 +170,13 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=()):
         layers = pipe_gpt_layers() if tp == 1 else pipe_gpt_of_model  # tp: the GPT's own AutoTP plan and names
         params, losses, _ = train_pipelined(comm, layers, lm_loss, pipe_gpt_batches(), stages, stage, 4, sched, extra)
         out[f"pp|{stages}|{stage}|{sched}|{tp}|rank{comm.rank}"] = {"losses": losses, "params": params}
+    for stage, ep in ep_cases:
+        import test_moe_sharded as moe
+
+        out[f"ep|{stage}|{ep}|rank{comm.rank}"] = {"params": moe.train_on_rank(comm, stage, ep)}
     if comm.rank == 0:
         return out
-    return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|"))}
+    return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}
 
 
 def without_key_bias(params: dict) -> dict:

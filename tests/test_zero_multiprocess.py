@@ -30,13 +30,16 @@ RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 TP_CASES = {1: [], 2: [("gpt_tp", 0, 2)], 4: [("gpt_tp", 1, 2), ("gpt_tp", 3, 2)]}
 # Pipeline parallelism (specs/mesh.md §Pipeline): (stages, ZeRO stage, schedule) per world size.
 PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b", 1), (2, 1, "1f1b", 2)]}
+# Expert parallelism (specs/mesh.md §Expert parallelism): (ZeRO stage, ep) per world size.
+EP_CASES = {1: [], 2: [(3, 2)], 4: [(1, 2), (3, 4)]}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
 def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
-    (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world], timeout=600)
+    (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world],
+                             EP_CASES[world], timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -99,6 +102,20 @@ def test_pipelines_match_reference(world_results):
             W.assert_close_tree(got["params"], want, rtol=RTOL_F64, atol=1e-12,
                                 what=f"pp{stages} x dp{world // (stages * tp)} x tp{tp} z{stage} {sched} rank {rank}")
             assert got["losses"] == pytest.approx(ref_losses, rel=RTOL_F64)
+
+
+def test_expert_parallel_moe_matches_reference(world_results):
+    """Experts split over ep real gloo ranks (sub-groups of the default process group), tokens
+    exchanged by all_to_all_single, expert units ZeRO-sharded over the expert-data-parallel ranks:
+    every rank's consolidated parameters equal plain torch's (float64)."""
+    import test_moe_sharded as moe
+
+    world, out = world_results
+    if not EP_CASES[world]:
+        pytest.skip("expert parallelism needs 2 or more ranks")
+    want = moe._reference(world)
+    for stage, ep in EP_CASES[world]:
+        moe.assert_equal_to_reference([out[f"ep|{stage}|{ep}|rank{r}"]["params"] for r in range(world)], want)
 
 
 def test_float32_losses_match_reference(world_results, references):
