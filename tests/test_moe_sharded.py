@@ -116,11 +116,11 @@ def _reference(world: int = WORLD) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def config(stage: int, world: int):
+def config(stage: int, world: int, **more):
     return fnzero.load_config({
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **more,
     }, world_size=world)
 
 
@@ -182,3 +182,71 @@ def test_expert_parallel_composes_with_tensor_parallel_attention(stage):
     """tp 2 x dp 2 (ep 2): attention heads split over the tp ranks, each MoE layer's experts over
     the ep ranks of each tp coordinate; the dp ranks' chunks make the global batch."""
     assert_equal_to_reference(_sharded(stage, 4, ep=2, tp=2), _reference(2))
+
+
+class _EmbedLayer(nn.Module):
+    def __init__(self, model: MoEGPT):
+        super().__init__()
+        self.wte, self.wpe = model.wte, model.wpe
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return x, x.new_zeros(())
+
+
+class _BlockLayer(nn.Module):
+    def __init__(self, block: _MoEBlock):
+        super().__init__()
+        self.block = block
+
+    def forward(self, carried):
+        x, l_aux = carried
+        x, aux = self.block(x)
+        return x, l_aux + aux
+
+
+class _HeadLayer(nn.Module):
+    def __init__(self, head: nn.Linear):
+        super().__init__()
+        self.head = head
+
+    def forward(self, carried):
+        x, l_aux = carried
+        return self.head(x), l_aux
+
+
+def _pipe_loss(outputs, labels):
+    logits, l_aux = outputs
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + 0.01 * l_aux
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_expert_parallel_composes_with_pipeline_stages(stage):
+    """pp 2 x dp 2 (ep 2): embedding and first MoE block on stage 0, second block and head on stage
+    1, each stage's experts split over its dp ranks; micro-batch j of a step is chunk j (1F1B)."""
+    from fnzero.pipeline import PipelineModule
+
+    def rank(comm):
+        model = _build()
+        layers = [_EmbedLayer(model), _BlockLayer(model.blocks[0]), _BlockLayer(model.blocks[1]),
+                  _HeadLayer(model.head)]
+        pipe = PipelineModule(layers, _pipe_loss, num_stages=2, partition_method="uniform", names_from=model)
+        cfg = config(stage, 4, pipeline={"stages": 2})
+        mesh = fnzero.make_mesh(comm, pp=2, ep=2)
+        sm = fnzero.shard(pipe, config=cfg, comm=comm, mesh=mesh)
+        assert sm.ep is not None
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm, "1f1b"), cfg)
+        d = mesh.coords["dp"]
+        for s in range(STEPS):
+            chunks = [_chunk(s, d * ACCUM + i) for i in range(ACCUM)]
+            batch = torch.cat(chunks)
+            state, _ = step(state, (batch[:, :-1], batch[:, 1:]))
+        return sm.gather(state)
+
+    want = _reference(2)
+    for got in simulated_world(4).run(rank):
+        assert got and set(got) < set(want)
+        for name in got:
+            torch.testing.assert_close(_without_key_bias(name, got[name]), _without_key_bias(name, want[name]),
+                                       rtol=1e-9, atol=1e-12, msg=name)
