@@ -250,3 +250,25 @@ def test_expert_parallel_composes_with_pipeline_stages(stage):
         for name in got:
             torch.testing.assert_close(_without_key_bias(name, got[name]), _without_key_bias(name, want[name]),
                                        rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_meta_construction_gives_each_rank_its_experts_as_without_expert_parallelism():
+    """A meta model: each rank initialises only its experts (replayed by their global names), and the
+    consolidated weights are the bits of the unsplit model's at ep 1, at ZeRO 1 and 3."""
+
+    def run(world: int, ep: int, stage: int):
+        def rank(comm):
+            with torch.device("meta"):
+                model = MoEGPT().double()
+            mesh = fnzero.make_mesh(comm, ep=ep) if ep > 1 else None
+            sm = fnzero.shard(model, config=config(stage, world), comm=comm, mesh=mesh, init_seed=5)
+            return sm.gather(sm.init_state())
+
+        return simulated_world(world).run(rank)
+
+    (want,) = run(1, 1, 3)
+    assert all(not t.isnan().any() for t in want.values())
+    for world, ep, stage in [(2, 2, 3), (4, 2, 1), (4, 4, 3)]:
+        for got in run(world, ep, stage):
+            assert got.keys() == want.keys()
+            assert [n for n in want if not torch.equal(got[n], want[n])] == [], (world, ep, stage)

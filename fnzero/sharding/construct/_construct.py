@@ -236,9 +236,6 @@ def _split_for_ep(model: nn.Module, mesh: Mesh | None, ep: int, config: Any, deb
                           f"make the mesh with fnzero.make_mesh(comm, ep={ep})")
     if mesh_ep == 1:
         return None
-    if meta:
-        raise ConfigError("expert parallelism over a model built on the meta device is not built yet: build the model "
-                          "on the host (each rank then keeps its own experts), or load pretrained weights into it")
     layout = split_for_ep(model, _observed(mesh.ep, config, debug), _observed(mesh.expert_dp, config, debug))
     if layout is None:
         raise ConfigError(f"the mesh has {mesh_ep} expert-parallel ranks but the model has no experts to split (no "
