@@ -272,3 +272,27 @@ def test_meta_construction_gives_each_rank_its_experts_as_without_expert_paralle
         for got in run(world, ep, stage):
             assert got.keys() == want.keys()
             assert [n for n in want if not torch.equal(got[n], want[n])] == [], (world, ep, stage)
+
+
+def test_pretrained_weights_load_each_ranks_experts_only(tmp_path):
+    """`init_state(pretrained=dir)` at ep 2 on 4 ranks: each rank reads its own experts (the others'
+    are in the files and expected, not read) and the consolidated weights are the files'."""
+    from safetensors.torch import save_file
+
+    source = {k: v.contiguous() for k, v in _build().state_dict().items()}
+    save_file(source, str(tmp_path / "model.safetensors"))
+
+    def rank(comm):
+        with torch.device("meta"):
+            model = MoEGPT().double()
+        mesh = fnzero.make_mesh(comm, ep=2)
+        sm = fnzero.shard(model, config=config(3, 4), comm=comm, mesh=mesh)
+        state = sm.init_state(pretrained=tmp_path)
+        experts = {n.split("deepspeed_experts.")[1].split(".")[0] for n in sm.pretrained_report.loaded if "experts." in n}
+        lo = mesh.coords["ep"] * EXPERTS // 2
+        assert experts == {str(lo), str(lo + 1)} and not sm.pretrained_report.unexpected
+        return sm.gather(state)
+
+    for got in simulated_world(4).run(rank):
+        assert got.keys() == source.keys()
+        assert [n for n in source if not torch.equal(got[n], source[n])] == []

@@ -173,20 +173,22 @@ class _Reader:
 def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor],
                     buffers: dict[str, torch.Tensor], persistent: set[str], *,
                     allow_unexpected: bool = False, base_prefix: str = "", tp=None,
-                    rename=None) -> "PretrainedLoad":
+                    rename=None, ep=None) -> "PretrainedLoad":
     """Check `path` against the model (names, shapes, files) without reading tensor data; the
     returned load's `run()` then overwrites `initial` (unit -> flat buffer or this rank's shard),
     `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
     `base_model_prefix` (transformers), for files of the base model loaded into a model with a
     head, or the other way round. `tp` (a TPLayout): the model holds tensor-parallel slices; the
-    files' whole tensors are read and cut (`specs/mesh.md`)."""
+    files' whole tensors are read and cut (`specs/mesh.md`). `ep` (an EPLayout): the model holds this
+    rank's experts; other ranks' experts in the files are expected and not read, and of a tensor
+    stacking a layer's experts only this rank's rows are read (`specs/mesh.md §Expert parallelism`)."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
     entries = index_pretrained(path)
     # Frozen units (stage 3) are filled like trainable ones, into `frozen` (unit -> this rank's shard).
     units = [(u, initial) for u in plan.units] + [(u, frozen) for u in plan.frozen_units]
     slots = {n for u, _ in units for s in u.slots for n in (s.name, *s.aliases)}
-    known = slots | set(plan.frozen) | set(buffers)
+    known = slots | set(plan.frozen) | set(buffers) | (ep.elsewhere if ep is not None else frozenset())
     if rename is not None:  # transformers' own renames of its files' names (`_hf_renames.py`)
         entries = _renamed(entries, rename, known)
     peft = peft_names(known)  # a PEFT model reads its base model's names (`_peft_names.py`)
@@ -207,11 +209,11 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             if e is None:
                 missing.append(s.name)
                 continue
-            split = tp.split_of(s.name, *s.aliases) if tp is not None else None
-            want = tuple(split.full_shape) if split is not None else tuple(s.shape)
+            cut = _cut_of(tp, ep, s.name, *s.aliases)
+            want = tuple(cut[0].full_shape) if cut is not None else tuple(s.shape)
             if e.shape != want:
                 bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(want)}")
-            jobs.append((s.name, e, (u, s, split, target)))
+            jobs.append((s.name, e, (u, s, cut, target)))
     for table, names in ((frozen, plan.frozen), (buffers, list(buffers))):
         for n in names:
             t = table[n]
@@ -219,18 +221,28 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                 if table is frozen or n in persistent:
                     missing.append(n)
                 continue
-            split = tp.split_of(n) if tp is not None and table is frozen else None
-            want = tuple(split.full_shape) if split is not None else tuple(t.shape)
+            cut = _cut_of(tp, ep, n) if table is frozen else None
+            want = tuple(cut[0].full_shape) if cut is not None else tuple(t.shape)
             if entries[n].shape != want:
                 bad_shape.append(f"{n}: file {list(entries[n].shape)}, model {list(want)}")
-            jobs.append((n, entries[n], (table, split)))
+            jobs.append((n, entries[n], (table, cut)))
     if bad_shape:
         raise CheckpointError(f"pretrained weights {os.fspath(path)!r}: shapes differ from the model's: " + "; ".join(bad_shape))
     adapters = set(peft.adapters()) if peft else set()
     report = PretrainedReport(loaded=[n for n, _, _ in jobs], missing=[n for n in missing if n not in adapters],
                               unexpected=unexpected, bytes_read=0, files=sorted({e.file for e in entries.values()}),
                               adapters=[n for n in missing if n in adapters])
-    return PretrainedLoad(jobs, plan, rank, initial, report, tp)
+    return PretrainedLoad(jobs, plan, rank, initial, report)
+
+
+def _cut_of(tp, ep, name: str, *aliases: str):
+    """(ParamSplit, this rank's index along its axis) for a parameter held as a tensor-parallel slice
+    or as this rank's rows of stacked experts; None for one held as the file has it."""
+    split = tp.split_of(name, *aliases) if tp is not None else None
+    if split is not None:
+        return split, tp.rank
+    split = ep.split_of(name) if ep is not None else None
+    return (split, ep.rank) if split is not None else None
 
 
 def _renamed(entries: dict[str, TensorEntry], rename, known: set[str]) -> dict[str, TensorEntry]:
@@ -265,9 +277,8 @@ def _adapt_prefix(entries: dict[str, TensorEntry], known: set[str], prefix: str)
 class PretrainedLoad:
     """A checked load, ready to read (`load_pretrained`)."""
 
-    def __init__(self, jobs, plan, rank: int, initial: dict[str, torch.Tensor], report: PretrainedReport, tp=None):
+    def __init__(self, jobs, plan, rank: int, initial: dict[str, torch.Tensor], report: PretrainedReport):
         self.jobs, self.plan, self.rank, self.initial, self.report = jobs, plan, rank, initial, report
-        self.tp = tp
 
     def run(self) -> PretrainedReport:
         reader = _Reader()
@@ -275,13 +286,13 @@ class PretrainedLoad:
             with torch.no_grad():
                 for name, e, where in self.jobs:
                     if len(where) == 4:
-                        _load_slot(reader, e, *where, self.plan, self.rank, self.tp)
+                        _load_slot(reader, e, *where, self.plan, self.rank)
                     else:
-                        table, split = where
+                        table, cut = where
                         t = table[name]
                         value = reader.read(e, 0, math.prod(e.shape)).reshape(e.shape)
-                        if split is not None:
-                            value = split.local(value, self.tp.rank)
+                        if cut is not None:
+                            value = cut[0].local(value, cut[1])
                         table[name] = value.to(device=t.device, dtype=t.dtype)
         finally:
             reader.close()
@@ -289,18 +300,24 @@ class PretrainedLoad:
         return self.report
 
 
-def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, split, held: dict[str, torch.Tensor], plan, rank: int,
-               tp=None) -> None:  # fmt: skip
+def _load_slot(reader: _Reader, e: TensorEntry, unit, slot, cut, held: dict[str, torch.Tensor], plan,
+               rank: int) -> None:  # fmt: skip
     """The elements of `slot` that this rank holds, read from `e` into the unit's buffer in `held`
-    (a tensor-parallel slice: the whole tensor read, then cut)."""
+    (a tensor-parallel slice: the whole tensor read, then cut; rows along dim 0, such as stacked
+    experts: read alone, one contiguous range of the file)."""
     buf = held[unit.name]
     lo, hi = unit.shard_range(rank) if plan.params_sharded(unit) else (0, unit.padded_numel)
     a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
     if a >= b:
         return
-    if split is not None:
+    first = 0  # where the slot's elements start in the file's tensor
+    if cut is not None and cut[0].dim == 0 and cut[0].blocks == 1:
+        split, index = cut
+        first = split.start(index) * math.prod(split.full_shape[1:])
+        cut = None
+    if cut is not None:
         whole = reader.read(e, 0, math.prod(e.shape)).reshape(e.shape)
-        values = split.local(whole, tp.rank).reshape(-1)[a - slot.offset: b - slot.offset]
+        values = cut[0].local(whole, cut[1]).reshape(-1)[a - slot.offset: b - slot.offset]
     else:
-        values = reader.read(e, a - slot.offset, b - a)
+        values = reader.read(e, first + a - slot.offset, b - a)
     buf[a - lo : b - lo].copy_(values.to(buf.dtype))

@@ -205,7 +205,7 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel
     base_prefix = getattr(sm.module, "base_model_prefix", "") or ""
     load = load_pretrained(path, sm.plan, sm.comm.rank, sm.initial_values().params, frozen, buffers, persistent,
                            allow_unexpected=allow_unexpected, base_prefix=str(base_prefix), tp=sm.tp,
-                           rename=hf_renames(sm.module))  # checked: nothing read yet
+                           rename=hf_renames(sm.module), ep=sm.ep)  # checked: nothing read yet
     try:
         sm.pretrained_report = load.run()
     except BaseException:

@@ -23,6 +23,18 @@ class EPLayout:
     modules: tuple[str, ...]
     num_experts: dict[str, int]
     renames: dict[str, Callable[[str, int], tuple[str, bool]]] = dataclasses.field(default_factory=dict)
+    # Full names of the whole layers' expert parameters this rank does not hold (other ranks' experts,
+    # named apart), and of those it holds a dim-0 piece of (stacked experts) -> the whole tensor's shape.
+    elsewhere: frozenset[str] = frozenset()
+    stacked: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def split_of(self, name: str):
+        """How the whole tensor of a stacked expert parameter is cut over the ep ranks (a `ParamSplit`
+        along dim 0), or None for a parameter this rank holds whole."""
+        from ..tp._layout import ParamSplit
+
+        shape = self.stacked.get(name)
+        return ParamSplit(shape, 0, self.size) if shape is not None else None
 
     @property
     def size(self) -> int:

@@ -49,7 +49,15 @@ def split_for_ep(model: nn.Module, ep_comm, expert_dp_comm) -> EPLayout | None:
     groups = expert_groups(model)
     if not groups:
         return None
+    elsewhere, stacked = set(), {}
     for path, group in groups:
         group.split_experts(ep_comm, where=path or type(model).__name__)
+        for name, p in group.named_parameters():
+            for rank in range(ep_comm.world_size):
+                there, is_stacked = group.name_on(name, rank)
+                if is_stacked:
+                    stacked[f"{path}.{there}"] = (p.shape[0] * ep_comm.world_size, *p.shape[1:])
+                elif rank != ep_comm.rank:
+                    elsewhere.add(f"{path}.{there}")
     return EPLayout(ep_comm, expert_dp_comm, tuple(p for p, _ in groups), {p: g.num_experts for p, g in groups},
-                    {p: g.name_on for p, g in groups})
+                    {p: g.name_on for p, g in groups}, frozenset(elsewhere), stacked)
