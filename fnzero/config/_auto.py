@@ -20,6 +20,7 @@ import textwrap
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ._expert import ExpertParallelConfig
 from ._parse import plain_tree
 from ._problems import Problems, config_error, join_path, suggest
 from ._schema import all_paths
@@ -232,8 +233,9 @@ def _is_auto(value: Any) -> bool:
 
 
 # Keys whose "auto" is DeepSpeed's own value, not a Trainer placeholder (pipeline.stages: as many
-# stages as the PipelineModule asks for).
-NATIVE_AUTO = {"pipeline.stages"}
+# stages as the PipelineModule asks for; expert_parallel's routing and kernel keys: the preset's choice).
+NATIVE_AUTO = {"pipeline.stages"} | {f"expert_parallel.{name}" for name, field in
+                                     ExpertParallelConfig.model_fields.items() if field.default == "auto"}
 
 
 def find_auto(raw: dict[str, Any]) -> list[tuple[str, tuple[Any, ...]]]:

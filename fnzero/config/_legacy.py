@@ -19,18 +19,20 @@ __all__ = ["normalize"]
 UNSUPPORTED_BLOCKS = (
     "hybrid_engine", "compression_training", "quantize_training",
     "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
-    "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe", "expert_parallel",
+    "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe",
     "weight_quantization", "datastates", "zenflow",
 )
+# (`moe` is no DeepSpeed 0.19.8 key: its runtime/config.py reads none, so DeepSpeed ignores it; MoE layers
+# are configured in code, `deepspeed.moe.layer.MoE`, and AutoEP by `expert_parallel`, a model of its own.)
 # Of those, the blocks DeepSpeed 0.19.8 reads with `enabled` defaulting to false (HybridEngineConfig,
-# WandbConfig, CometConfig, the autotuning and expert_parallel readers): off unless enabled is true.
-OFF_UNLESS_ENABLED = {"hybrid_engine", "wandb", "comet", "autotuning", "expert_parallel"}
+# WandbConfig, CometConfig, the autotuning reader): off unless enabled is true.
+OFF_UNLESS_ENABLED = {"hybrid_engine", "wandb", "comet", "autotuning"}
 # Flags of unsupported features: key -> (value that means "off", what the feature is). An off value
 # of None: only null (or absence) is off, as DeepSpeed builds the feature from any object, {} included.
 UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
     "compile.deepcompile": (False, "DeepCompile; fnzero.jit compiles the step instead"),
     "datastates_ckpt": (False, "DataStates checkpointing"),  # DeepSpeed: on unless false
-    "use_data_before_expert_parallelism": (False, "MoE expert parallelism"),
+    "use_data_before_expert_parallelism": (False, "the data-before-expert (D + E) rank order of expert-parallel groups"),
     "zero_optimization.zero_quantized_weights": (False, "ZeRO++ quantized weights"),
     "zero_optimization.zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
     "zero_optimization.zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),

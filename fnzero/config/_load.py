@@ -16,6 +16,7 @@ from typing import Any
 from pydantic_core import PydanticCustomError
 
 from ._auto import fill_auto
+from ._expert import expert_world_rule
 from ._legacy import normalize
 from ._models import Config
 from ._noop import ConfigWarning, warn_no_effect
@@ -83,6 +84,8 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
     assert cfg is not None
     cfg = resolve(cfg)
     problems.extend(cross_checks(cfg))
+    if world_size is not None:  # without a world there is nothing for autoep_size to divide
+        problems.extend(expert_world_rule(cfg.expert_parallel, cfg.world_size))
     problems.raise_if_any(label)
     for message in deprecations:  # only for a config that loaded: a refused one is not also warned about
         warnings.warn(message, ConfigWarning, stacklevel=stacklevel)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from ._expert import ExpertParallelConfig
 from ._optim_models import OptimizerConfig
 from ._parallel import PipelineConfig, TensorParallelConfig
 from ._sched_models import SchedulerConfig
@@ -76,6 +77,8 @@ class Config(Model):
                                                   description="AutoTP: tensor parallelism (Megatron-style).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig,
                                      description="Pipeline parallelism of a fnzero.pipeline.PipelineModule.")
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig,
+                                                  description="AutoEP: MoE experts split over expert-parallel ranks.")
     # Not a DeepSpeed key: the data-parallel world size the batch triad was resolved against.
     # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
     world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")
@@ -84,6 +87,10 @@ class Config(Model):
 
     _dt = field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")(
         classmethod(lambda cls, v: canonical_dtype(v))
+    )
+    # DeepSpeed 0.19.8's parse_autoep_config: `if not param_dict: return AutoEPConfig()` (null, false: the defaults).
+    _ep = field_validator("expert_parallel", mode="before")(
+        classmethod(lambda cls, v: {} if v is None or v is False else v)
     )
 
     @property

@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ._expert import NO_EFFECT_KEYS as EXPERT_NO_EFFECT
+from ._expert import ExpertParallelConfig
 from ._models import Config
 from ._types import describe
 
@@ -131,6 +133,20 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",
     ),
 }
+
+
+def _expert_value(field: str) -> Callable[[Config], Any]:
+    """The user's value of `expert_parallel.<field>` when the block is enabled and it is not DeepSpeed's default."""
+    default = ExpertParallelConfig.model_fields[field].default
+
+    def value_of(cfg: Config) -> Any:
+        value = getattr(cfg.expert_parallel, field)
+        return value if cfg.expert_parallel.enabled and value != default else None
+    return value_of
+
+
+# A disabled block has no effect at all (as in DeepSpeed), so it never warns.
+NO_EFFECT.update({f"expert_parallel.{field}": (_expert_value(field), why) for field, why in EXPERT_NO_EFFECT.items()})
 
 
 def warn_no_effect(cfg: Config, stacklevel: int = 2) -> list[str]:

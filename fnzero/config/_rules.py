@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ._expert import expert_rules
 from ._models import Config
 from ._sched_models import OneCycleParams, WarmupLRParams
 
@@ -112,4 +113,5 @@ def cross_checks(cfg: Config) -> list[str]:
                 f"`scheduler.params.cycle_momentum` is true but optimizer {cfg.optimizer.type} has no betas to cycle "
                 "(DeepSpeed silently turns it off); set cycle_momentum false"
             )
+    out.extend(expert_rules(cfg.expert_parallel, cfg.tensor_parallel.size, cfg.tensor_parallel.preset_model))
     return out

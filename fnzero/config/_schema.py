@@ -26,7 +26,7 @@ __all__ = ["check_unknown", "all_paths", "canonical_type"]
 # records DeepSpeed's own behaviour, tests/test_config_deepspeed_keys.py holds this set to it).
 IGNORED_BY_DEEPSPEED = frozenset({
     "", "optimizer", "scheduler", "aio", "activation_checkpointing", "checkpoint", "checkpoint.parallel_write",
-    "data_types", "torch_autocast", "flops_profiler", "timers", "pipeline",
+    "data_types", "torch_autocast", "flops_profiler", "timers", "pipeline", "expert_parallel",
 })
 # Where DeepSpeed ignores unknown keys a config may hold notes in keys such as "_comment" (JSON has no
 # comments). No DeepSpeed key starts with "_", so such a key is never a misspelt one: fnzero drops it

@@ -264,7 +264,7 @@ PROBED_SECTIONS = ("fp16", "bf16", "zero_optimization", "zero_optimization.offlo
                    "zero_optimization.offload_param", "zero_optimization.leaf_module", "aio", "activation_checkpointing",
                    "checkpoint", "checkpoint.parallel_write", "data_types", "torch_autocast", "comms_logger",
                    "flops_profiler", "tensorboard", "csv_monitor", "compile", "timers", "timers.throughput",
-                   "tensor_parallel", "tensor_parallel.tp", "pipeline")
+                   "tensor_parallel", "tensor_parallel.tp", "pipeline", "expert_parallel")
 
 
 def _ignoring_sections() -> list[str]:
