@@ -296,3 +296,15 @@ def test_pretrained_weights_load_each_ranks_experts_only(tmp_path):
     for got in simulated_world(4).run(rank):
         assert got.keys() == source.keys()
         assert [n for n in source if not torch.equal(got[n], source[n])] == []
+
+
+def test_the_configs_expert_parallel_block_sets_the_meshs_ep():
+    """DeepSpeed's `expert_parallel` block (`autoep_size`) makes the mesh's ep without a mesh given:
+    each ep rank keeps its half of every layer's experts."""
+    cfg = config(3, 4, expert_parallel={"enabled": True, "autoep_size": 2})
+
+    def rank(comm):
+        sm = fnzero.shard(_build(), config=cfg, comm=comm)
+        return sm.ep.size, [sorted(b.moe.deepspeed_moe.experts.deepspeed_experts.keys()) for b in sm.module.blocks]
+
+    assert simulated_world(4).run(rank) == [(2, [["0", "1"]] * 2), (2, [["2", "3"]] * 2)] * 2
