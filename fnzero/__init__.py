@@ -36,9 +36,10 @@ jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forwa
     whole step as one graph at stages 0-2 (scope="step") (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
-make_mesh, Mesh             the ranks as a pipeline x data-parallel x tensor-parallel grid
-    (`specs/mesh.md`); the config's `tensor_parallel.autotp_size` and `pipeline.stages` build one
-    inside `shard`.
+make_mesh, Mesh             the ranks as a pipeline x data-parallel x tensor-parallel grid, the dp axis
+    divided into expert-parallel groups with `ep=` (`specs/mesh.md`); the config's
+    `tensor_parallel.autotp_size`, `pipeline.stages` and `expert_parallel.autoep_size` (or the MoE
+    layers' `ep_size`) build one inside `shard`.
 TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
 pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut
@@ -48,8 +49,8 @@ init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inferenc
     AutoTP, checkpoint= read per rank, max_out_tokens; `engine(...)` and `engine.generate(...)` (`specs/inference.md`).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 moe                         Mixture of Experts: `moe.MoE`, DeepSpeed's `deepspeed.moe.layer.MoE` (its arguments,
-    results and state_dict names; expert-parallel size 1 so far), its randomness from an explicit generator
-    (`specs/moe.md`).
+    results and state_dict names), its experts split over expert-parallel ranks by `shard` and reached by
+    all-to-all, its randomness from an explicit generator (`specs/moe.md`).
 checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`);
     `export_adapters` writes a PEFT model's adapters as PEFT's own directory.
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.

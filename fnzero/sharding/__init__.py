@@ -9,7 +9,10 @@
     default_collectives, providing_collectives, current_world_size
                                      the collectives (and world) code runs over when it names none
     init_distributed, DistInfo       join torchrun's process group
-    make_mesh, Mesh, MeshShape       the ranks as a dp x tp grid, with each axis' collectives
+    make_mesh, Mesh, MeshShape       the ranks as a pp x dp x tp grid (dp divided into ep x edp for
+                                     expert parallelism), with each axis' collectives
+    ExpertGroup, EPLayout            expert parallelism: the base of modules holding a layer's experts
+                                     (split over the ep ranks by `shard`), and where they are
     TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each
                                      parameter is (`specs/mesh.md`)
     vocab_parallel_cross_entropy     the cross-entropy of logits split over the vocabulary
@@ -31,10 +34,12 @@ from .tp._autotp import TPRule
 from .comm._mesh import Mesh, MeshShape, make_mesh
 from .tp._layout import ParamSplit, TPLayout
 from .tp._ops import vocab_parallel_cross_entropy
+from .ep._group import ExpertGroup
+from .ep._layout import EPLayout
 
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
     "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
-    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy",
+    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout",
 ]
