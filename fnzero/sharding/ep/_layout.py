@@ -6,7 +6,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-__all__ = ["EPLayout"]
+__all__ = ["EPLayout", "StackedSplit"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedSplit:
+    """A tensor stacking a layer's experts along dim 0, cut into `size` equal runs of rows: the
+    interface of tensor parallelism's `ParamSplit` that readers of whole tensors use (`full_shape`,
+    `dim`, `blocks`, `start`, `local`)."""
+
+    full_shape: tuple[int, ...]
+    size: int
+    dim: int = 0
+    blocks: int = 1
+
+    def start(self, rank: int) -> int:
+        return rank * (self.full_shape[0] // self.size)
+
+    def local(self, full, rank: int):
+        """Rank's rows of `full` (a copy, contiguous)."""
+        per = self.full_shape[0] // self.size
+        return full.narrow(0, rank * per, per).contiguous()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -28,13 +48,11 @@ class EPLayout:
     elsewhere: frozenset[str] = frozenset()
     stacked: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
-    def split_of(self, name: str):
-        """How the whole tensor of a stacked expert parameter is cut over the ep ranks (a `ParamSplit`
-        along dim 0), or None for a parameter this rank holds whole."""
-        from ..tp._layout import ParamSplit
-
+    def split_of(self, name: str) -> "StackedSplit | None":
+        """How the whole tensor of a stacked expert parameter is cut over the ep ranks, or None for
+        a parameter this rank holds whole."""
         shape = self.stacked.get(name)
-        return ParamSplit(shape, 0, self.size) if shape is not None else None
+        return StackedSplit(shape, self.size) if shape is not None else None
 
     @property
     def size(self) -> int:
