@@ -11,16 +11,20 @@ DeepSeek's gate) run on the same inputs in both, so 1e-12 of the largest value h
 from __future__ import annotations
 
 import copy
+import doctest
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from fnzero._errors import ConfigError
+from fnzero.sharding.comm._observed import RecordingCollectives
+from fnzero.sharding.ep import _autoep
 from fnzero.sharding.ep import AUTOEP_PRESETS, ExpertGroup, HFExpertGroup, autoep_replace
 from fnzero.testing import seeded, simulated_world
 
@@ -38,6 +42,14 @@ FAMILIES = {
         output_router_logits=True)),
     "olmoe": lambda: OlmoeForCausalLM(OlmoeConfig(**_COMMON, intermediate_size=8, num_experts=4, eos_token_id=2,
                                                   output_router_logits=True)),
+    "qwen3_5_moe": lambda: Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
+        **_COMMON, head_dim=8, moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4,
+        linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"], use_cache=False)),
+    "deepseek_v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(
+        **{**_COMMON, "num_key_value_heads": 2}, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4,
+        n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=4, topk_method="group_limited_greedy", n_group=2, topk_group=1)),
     # Grouped sigmoid routing (2 groups, 1 kept), a shared expert, and a dense first layer the
     # preset's pattern matches but which has no experts.
     "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
@@ -98,7 +110,7 @@ def test_split_experts_equal_the_unsplit_model(family, ep):
         return (*_loss_and_grads(model, comm.rank), held)
 
     for r, (logits, grads, held) in enumerate(simulated_world(ep).run(rank)):
-        assert len(held) == (1 if family == "deepseek_v3" else 2)
+        assert len(held) == (1 if family.startswith("deepseek") else 2)  # DeepSeek's first layer is dense
         _close(logits, want[r][0], f"rank {r} logits")
         for name, g in grads.items():
             path, _, leaf = name.rpartition(".")
@@ -148,6 +160,8 @@ def test_presets_follow_deepspeeds_names_and_patterns():
         "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert autoep_replace(copy.deepcopy(model), moe_layer_pattern=r"model\.layers\.1\.mlp") == [
         "model.layers.1.mlp.experts"]
+    result = doctest.testmod(_autoep)  # autoep_replace's example
+    assert result.attempted and not result.failed
 
 
 def _llama():
@@ -180,3 +194,47 @@ def test_bad_presets_patterns_and_splits_are_config_errors_naming_them():
     paths = autoep_replace(mixtral)
     with pytest.raises(ConfigError, match="4 experts do not divide over 3 expert-parallel ranks"):
         mixtral.get_submodule(paths[0]).split_experts(types.SimpleNamespace(world_size=3, rank=0), where=paths[0])
+
+
+def test_each_moe_layer_sends_its_rows_out_and_back_once_each_way():
+    """The all-to-all bytes of specs/mesh.md §Expert parallelism, per rank and layer: one exchange
+    of E int64 counts, then forward and backward each send (rows leaving for other ranks' experts +
+    rows returning to other ranks) x hidden x dtype size."""
+    ep, hidden, experts = 2, 16, 4
+    model = _model("mixtral")
+    copies = [copy.deepcopy(model) for _ in range(ep)]
+
+    def rank(comm):
+        m, chosen = copies[comm.rank], []
+        for path in autoep_replace(m):
+            m.get_submodule(path).split_experts(comm)
+            m.get_submodule(path).register_forward_pre_hook(lambda _, args: chosen.append(args[1].flatten()))
+        _loss_and_grads(m, comm.rank)
+        return [(rec.dtype, rec.bytes) for rec in comm.records], chosen
+
+    out = simulated_world(ep, wrap_comm=RecordingCollectives).run(rank)
+    for r, (records, chosen) in enumerate(out):
+        assert [d for d, _ in records] == [torch.int64, torch.float64, torch.float64] * 2 + [torch.float64] * 4
+        counts_bytes = (experts - experts // ep) * 8
+        rows = 0
+        for layer in range(2):
+            mine = lambda ids: ((ids // (experts // ep)) == r).sum().item()  # noqa: E731 rows for rank r's experts
+            leaving = chosen[layer].numel() - mine(chosen[layer])
+            returning = sum(mine(out[s][1][layer]) for s in range(ep) if s != r)
+            rows += leaving + returning
+        assert sum(b for d, b in records if d == torch.int64) == 2 * counts_bytes
+        assert sum(b for d, b in records if d == torch.float64) == 2 * rows * hidden * 8  # forward + backward
+
+
+def test_every_deepspeed_autoep_key_is_read_or_said_to_have_no_effect():
+    deepspeed_keys = {"enabled", "autoep_size", "expert_tensor_parallel_size", "validate_folding_routing",
+                      "async_split_plan", "preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern",
+                      "use_grouped_mm", "disable_triton_grouped_mm", "route_norm", "route_scale", "score_apply",
+                      "combine_impl", "row_weighting_impl", "gate_up_impl", "comm_backend", "comm_num_sm",
+                      "comm_qp_margin", "comm_max_tokens_per_rank", "num_expert_groups", "num_limited_groups",
+                      "score_func", "top_k", "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2",
+                      "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern",
+                      "shared_experts_gate_pattern", "expert_activation"}  # parse_autoep_config's keys
+    mesh_keys = {"enabled", "autoep_size", "expert_tensor_parallel_size"}
+    assert not set(_autoep.AUTOEP_KEYS_READ) & set(_autoep.AUTOEP_KEYS_NO_EFFECT)
+    assert set(_autoep.AUTOEP_KEYS_READ) | set(_autoep.AUTOEP_KEYS_NO_EFFECT) | mesh_keys == deepspeed_keys

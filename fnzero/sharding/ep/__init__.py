@@ -10,10 +10,11 @@ Layer 3 of `specs/architecture.md`; the order of the sub-packages is written the
                                   AutoEP: find a model's experts modules by preset and replace them
 """
 
-from ._autoep import AUTOEP_PRESETS, AutoEPPreset, autoep_replace, resolve_autoep_preset
+from ._autoep import (AUTOEP_KEYS_NO_EFFECT, AUTOEP_KEYS_READ, AUTOEP_PRESETS, AutoEPPreset, autoep_replace,
+                      resolve_autoep_preset)
 from ._group import ExpertGroup, check_expert_split, expert_range
 from ._hf_experts import HFExpertGroup
 from ._ops import all_to_all_grad
 
-__all__ = ["AUTOEP_PRESETS", "AutoEPPreset", "ExpertGroup", "HFExpertGroup", "all_to_all_grad", "autoep_replace",
-           "check_expert_split", "expert_range", "resolve_autoep_preset"]
+__all__ = ["AUTOEP_KEYS_NO_EFFECT", "AUTOEP_KEYS_READ", "AUTOEP_PRESETS", "AutoEPPreset", "ExpertGroup",
+           "HFExpertGroup", "all_to_all_grad", "autoep_replace", "check_expert_split", "expert_range", "resolve_autoep_preset"]

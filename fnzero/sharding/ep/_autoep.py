@@ -7,7 +7,7 @@ router (`router_pattern`) and its experts (`expert_pattern`). A matched block wi
 child is a dense layer (DeepSeek's first `first_k_dense_replace` layers) and is skipped, as is one
 without the router child. Only the experts module is replaced: the router, the shared experts
 and the router's aux loss stay the model's own, so the routing is the model's whatever the
-config's routing keys say (`top_k`, `score_func`, `route_norm`, ...: see `ROUTING_KEYS`).
+config's routing keys say (`top_k`, `score_func`, `route_norm`, ...: `AUTOEP_KEYS_NO_EFFECT`).
 
 Presets: DeepSpeed's `mixtral`, `qwen3_moe`, `qwen3_5_moe`, `deepseek_v2` and `deepseek_v3`, with
 its model types (its `qwen3_moe` serves `qwen2_moe` models too, and `qwen3_5_moe` the text
@@ -28,7 +28,8 @@ from torch import nn
 from ..._errors import ConfigError
 from ._hf_experts import HFExpertGroup
 
-__all__ = ["AutoEPPreset", "AUTOEP_PRESETS", "ROUTING_KEYS", "autoep_replace", "resolve_autoep_preset"]
+__all__ = ["AutoEPPreset", "AUTOEP_PRESETS", "AUTOEP_KEYS_READ", "AUTOEP_KEYS_NO_EFFECT", "autoep_replace",
+           "resolve_autoep_preset"]
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,19 @@ _NOT_OFFERED = {
     "minimax_m3": "DeepSpeed's minimax_m3 preset is not offered: its experts use a clamped SwiGLU of their own",
 }
 
-# The `expert_parallel` keys AutoEP reads, and those with no effect in fnzero (the model's own
-# routing, shared experts and expert activation are kept; one dispatch implementation).
-READ_KEYS = ("preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern")
-ROUTING_KEYS = ("top_k", "top_k_attr", "num_experts_attr", "score_func", "score_apply", "route_norm", "route_scale",
-                "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "load_balance_coeff",
-                "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation",
-                "expert_w1", "expert_w2", "expert_w3")
-IMPLEMENTATION_KEYS = ("use_grouped_mm", "disable_triton_grouped_mm", "combine_impl", "row_weighting_impl",
-                       "gate_up_impl", "comm_backend", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank",
-                       "async_split_plan", "validate_folding_routing")
+# The `expert_parallel` keys autoep_replace reads (`enabled` and `autoep_size` are the mesh's), and
+# those with no effect on it: the model's own routing, shared experts, expert count and expert
+# computation are kept (the count is read from the experts' tensors and checked against the
+# router's), and there is one dispatch implementation. A config should warn on the latter when set.
+AUTOEP_KEYS_READ = ("preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern")
+AUTOEP_KEYS_NO_EFFECT = (
+    "top_k", "top_k_attr", "num_experts_attr", "score_func", "score_apply", "route_norm", "route_scale",
+    "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "load_balance_coeff",
+    "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern",
+    "expert_activation", "expert_w1", "expert_w2", "expert_w3",
+    "use_grouped_mm", "disable_triton_grouped_mm", "combine_impl", "row_weighting_impl", "gate_up_impl",
+    "comm_backend", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank", "async_split_plan",
+    "validate_folding_routing")
 
 
 def _known() -> str:
@@ -123,7 +127,8 @@ def _matched_experts(model: nn.Module, preset: AutoEPPreset) -> list[tuple[nn.Mo
     try:
         pattern = re.compile(preset.moe_layer_pattern)
     except re.error as e:
-        raise ConfigError(f"expert_parallel.moe_layer_pattern {preset.moe_layer_pattern!r} is not a regex: {e}") from None
+        raise ConfigError(f"expert_parallel.moe_layer_pattern {preset.moe_layer_pattern!r} is not a regex: "
+                          f"{e}") from None
     found = []
     for name, block in model.named_modules():
         if not pattern.fullmatch(name):
