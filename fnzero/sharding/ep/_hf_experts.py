@@ -164,6 +164,7 @@ def _subclass_of(cls: type, source: type) -> type:
     if issubclass(source, cls):
         return source
     key = (cls, source)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"ExpertParallel{source.__name__}", (cls, source), {"__module__": cls.__module__})
+    if key not in _SUBCLASSES:  # setdefault: ranks on threads replacing at once keep the first class made
+        _SUBCLASSES.setdefault(key, type(f"ExpertParallel{source.__name__}", (cls, source),
+                                         {"__module__": cls.__module__}))
     return _SUBCLASSES[key]
