@@ -26,9 +26,7 @@ EXPERT_ACTIVATIONS = ("swiglu", "geglu_tanh", "swiglu_clamped", "swiglu_oai")
 
 # Keys that say where a model's MoE layers, routers and experts are: DeepSpeed's overrides of a
 # preset's names, which fnzero's sharding reads to find the experts it splits.
-STRUCTURE_KEYS = ("preset_model", "moe_layer_pattern", "router_pattern", "expert_pattern", "expert_w1", "expert_w2",
-                  "expert_w3", "num_experts_attr", "has_shared_experts", "shared_experts_pattern",
-                  "shared_experts_gate_pattern")
+STRUCTURE_KEYS = ("preset_model", "moe_layer_pattern", "router_pattern", "expert_pattern")
 
 _ROUTER = "the model's own router is used, unchanged (fnzero only moves tokens to the ranks holding their experts)"
 _EXPERTS = ("the model's own expert modules compute the experts; DeepSpeed's replacement expert layer and its "
@@ -43,6 +41,11 @@ NO_EFFECT_KEYS: dict[str, str] = {
     **dict.fromkeys(("comm_backend", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank", "async_split_plan"),
                     _COMM),
     "validate_folding_routing": "it checks DeepSpeed's AutoEP+AutoTP folded routing, which fnzero does not have",
+    **dict.fromkeys(("expert_w1", "expert_w2", "expert_w3", "num_experts_attr"),
+                    "fnzero splits the experts module's own stacked tensors (transformers 5's gate_up_proj and "
+                    "down_proj) and counts experts from them"),
+    **dict.fromkeys(("has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern"),
+                    "shared experts stay the model's own dense modules, found by nothing but the model itself"),
 }
 
 
