@@ -32,8 +32,10 @@ VOCAB, SEQ, TOL = 64, 8, 1e-12
 _COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                num_experts_per_tok=2, max_position_embeddings=32, attn_implementation="eager")
 FAMILIES = {
-    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**_COMMON, intermediate_size=8, num_local_experts=4,
-                                                        output_router_logits=True, router_aux_loss_coef=0.1)),
+    # Two key/value heads: tests/test_moe_hf.py splits its attention over 2 tensor-parallel ranks.
+    "mixtral": lambda: MixtralForCausalLM(MixtralConfig(**{**_COMMON, "num_key_value_heads": 2}, intermediate_size=8,
+                                                        num_local_experts=4, output_router_logits=True,
+                                                        router_aux_loss_coef=0.1)),
     "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(
         **_COMMON, head_dim=8, intermediate_size=16, moe_intermediate_size=8, num_experts=4, norm_topk_prob=True,
         output_router_logits=True)),

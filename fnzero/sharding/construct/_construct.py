@@ -16,11 +16,11 @@ from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
 from ..comm._mesh import Mesh, mesh_from_config
 from ..tp._layout import TPLayout
 from ..ep._layout import EPLayout
-from ..ep._split import split_for_ep, wanted_ep_size
+from ..ep._split import replace_for_autoep, split_for_ep, wanted_ep_size
 from ..zero._policy import shard_policy
 from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
 from ..comm._observed import CheckedCollectives, RecordingCollectives
-from ._initial import InitialValues, initial_from_meta, initial_from_model, is_released
+from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
 from ..zero._plan import ShardPlan, make_plan, unit_predicate
@@ -91,19 +91,21 @@ def shard(
     comm = comm if comm is not None else default_collectives()
     debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
     pipe = None
-    ep = wanted_ep_size(model, config) if isinstance(model, nn.Module) else 1
+    if not isinstance(model, (nn.Module, PipelineModule)):
+        if not callable(model):
+            raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
+        model = build_on_meta(model)
+    if not isinstance(model, PipelineModule):  # Hugging Face MoE blocks' experts, split below (`specs/mesh.md`)
+        replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
+    ep = wanted_ep_size(model if isinstance(model, nn.Module) else None, config)
     if mesh is None and ep > 1 and not isinstance(model, PipelineModule):
         mesh = mesh_from_config(comm, config, ep=ep)
     if isinstance(model, PipelineModule):
         model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
-    if not isinstance(model, nn.Module):
-        if not callable(model):
-            raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
-        model = build_on_meta(model)
     if is_released(model):
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
     meta = is_meta_model(model)
-    whole = None  # a meta model split over tp: its regions are initialised whole, then cut (`_initial.py`)
+    whole = None  # a meta model split over tp or ep: its regions are initialised whole, then cut (`_initial.py`)
     if meta and (mesh is not None or (config is not None and config.tensor_parallel.size > 1)):
         whole = copy.deepcopy(model)
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
@@ -129,9 +131,12 @@ def shard(
                      ep=ep_layout.size if ep_layout else 1)
     checksums: dict[str, torch.Tensor] = {}
     if meta:
+        # Experts the split names apart (the DeepSpeed layer's) replay on the split model by their
+        # global names; stacked ones, like tensor-parallel slices, are initialised whole and cut.
+        cut = tp_layout is not None or (ep_layout is not None and bool(ep_layout.stacked))
         initial, frozen, buffers, uninitialised = initial_from_meta(
-            whole if tp_layout is not None else model, plan, comm.rank, device, policy.compute_dtype,
-            _init_seed(init_seed, world, device), tp_layout, model if tp_layout is not None else None)
+            whole if cut else model, plan, comm.rank, device, policy.compute_dtype,
+            _init_seed(init_seed, world, device), Cuts(tp_layout, ep_layout) if cut else None, model if cut else None)
     else:
         initial, frozen, buffers, uninitialised = initial_from_model(
             model, plan, comm.rank, device, policy.compute_dtype, checksums if comm.world_size > 1 else None)

@@ -68,10 +68,26 @@ def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device
     return flat
 
 
-def _cut(tp, name: str, t: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor-parallel slice of parameter `name` (whole when it is not split)."""
-    split = tp.split_of(name) if tp is not None else None
-    return split.local(t, tp.rank) if split is not None else t
+class Cuts:
+    """How a meta model's whole tensors are cut to what this rank holds: tensor-parallel slices
+    (`tp`, a TPLayout) and rows of stacked experts (`ep`, an EPLayout); either may be None."""
+
+    def __init__(self, tp=None, ep=None):
+        self.tp, self.ep = tp, ep
+
+    def split_of(self, name: str):
+        """(the split, this rank's index along its axis), or None for a tensor held whole."""
+        split = self.tp.split_of(name) if self.tp is not None else None
+        if split is not None:
+            return split, self.tp.rank
+        split = self.ep.split_of(name) if self.ep is not None else None
+        return (split, self.ep.rank) if split is not None else None
+
+
+def _cut(cuts: Cuts | None, name: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of parameter `name` (whole when it is not split)."""
+    found = cuts.split_of(name) if cuts is not None else None
+    return found[0].local(t, found[1]) if found is not None else t
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -133,15 +149,16 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
     return initial, frozen, buffers, []
 
 
-def _filler(values, named: dict[str, torch.Tensor], tp):
+def _filler(values, named: dict[str, torch.Tensor], cuts: Cuts | None):
     """`_flat`'s fill for a meta model's region: from the region's values, each tensor computed
-    for the part asked only; with tensor parallelism, whole then cut to this rank's slice."""
+    for the part asked only; a tensor `cuts` splits (tensor parallelism, stacked experts): whole,
+    then cut to this rank's part."""
     def fill(n: str, lo: int, hi: int, out: torch.Tensor) -> None:
         key = id(named[n])
         if key not in values:  # a real tensor of a partly-meta model, outside the region
-            out.copy_(_cut(tp, n, named[n].detach()).reshape(-1)[lo:hi])
-        elif tp is not None and tp.split_of(n) is not None:
-            out.copy_(_cut(tp, n, values.whole(key)).reshape(-1)[lo:hi])
+            out.copy_(_cut(cuts, n, named[n].detach()).reshape(-1)[lo:hi])
+        elif cuts is not None and cuts.split_of(n) is not None:
+            out.copy_(_cut(cuts, n, values.whole(key)).reshape(-1)[lo:hi])
         else:
             values.fill(key, lo, hi, out)
 
@@ -149,15 +166,15 @@ def _filler(values, named: dict[str, torch.Tensor], tp):
 
 
 def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
-                      compute_dtype: torch.dtype | None, seed: int, tp=None, split_model: nn.Module | None = None) -> Initial:
+                      compute_dtype: torch.dtype | None, seed: int, cuts: Cuts | None = None,
+                      split_model: nn.Module | None = None) -> Initial:
     """From a model built on the meta device: region by region, the model's own init code is
     recorded and replayed for the elements this rank keeps only, or, where it cannot be replayed
     so, run over the region materialised on the host (`_materialize.py`); this rank keeps its shards.
 
-    With tensor parallelism, `model` is the whole model (a meta copy taken before the split) and
-    `split_model` the split one `plan` describes: each tensor is initialised whole, as without
-    tensor parallelism, and cut to this rank's slices (`tp`, a TPLayout), so the values never
-    depend on the mesh."""
+    With tensor parallelism or stacked experts, `model` is the whole model (a meta copy taken before
+    the split) and `split_model` the split one `plan` describes: each tensor is initialised whole,
+    as without either, and cut to this rank's part (`cuts`), so the values never depend on the mesh."""
     init = MetaInitializer(model, plan, seed)
     named = dict(model.named_parameters(remove_duplicate=False))
     names = init.names
@@ -182,13 +199,13 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
             uninitialised += [names[k] for k in values.keys()
                               if k in names and values.untouched(k) and names[k] not in uninitialised]
             if unit is not None:
-                initial[unit.name] = _flat(unit, plan, rank, _filler(values, named, tp), device)
+                initial[unit.name] = _flat(unit, plan, rank, _filler(values, named, cuts), device)
             if funit is not None:
-                frozen[funit.name] = _flat(funit, plan, rank, _filler(values, named, tp), device).to(
+                frozen[funit.name] = _flat(funit, plan, rank, _filler(values, named, cuts), device).to(
                     _frozen_dtype(plan, compute_dtype))
             for key in values.keys():
                 if key in frozen_ids and frozen_ids[key] not in frozen:
-                    v = _cut(tp, frozen_ids[key], values.whole(key))
+                    v = _cut(cuts, frozen_ids[key], values.whole(key))
                     frozen[frozen_ids[key]] = v.to(device=device, dtype=compute_dtype or v.dtype)
                 if key in buffer_name and buffer_name[key] not in buffers:
                     buffers[buffer_name[key]] = values.whole(key).to(device)
@@ -197,7 +214,7 @@ def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torc
         raise ShardingError(f"model built on the meta device: frozen parameters {missing} were never materialised")
     for n in plan.frozen:
         if n not in frozen:
-            frozen[n] = _cut(tp, n, named[n]).detach().to(device=device, dtype=compute_dtype or named[n].dtype)
+            frozen[n] = _cut(cuts, n, named[n]).detach().to(device=device, dtype=compute_dtype or named[n].dtype)
     for m in (model, split_model) if split_model is not None else (model,):
         owners = _owners(m)
         for p in {id(p): p for p in m.parameters()}.values():  # marked as given to fnzero

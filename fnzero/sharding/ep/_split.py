@@ -8,10 +8,11 @@ from typing import Any
 from torch import nn
 
 from ..._errors import ConfigError
+from ._autoep import autoep_replace
 from ._group import ExpertGroup
 from ._layout import EPLayout
 
-__all__ = ["expert_groups", "wanted_ep_size", "split_for_ep"]
+__all__ = ["expert_groups", "wanted_ep_size", "split_for_ep", "replace_for_autoep"]
 
 
 def expert_groups(model: nn.Module) -> list[tuple[str, ExpertGroup]]:
@@ -25,11 +26,24 @@ def expert_groups(model: nn.Module) -> list[tuple[str, ExpertGroup]]:
     return found
 
 
-def wanted_ep_size(model: nn.Module, config: Any) -> int:
+def replace_for_autoep(model: nn.Module, config: Any, mesh_ep: int = 1) -> list[str]:
+    """AutoEP (DeepSpeed's `expert_parallel` block): a model without expert modules of its own has
+    its Hugging Face MoE blocks' experts replaced by expert groups, found by the block's preset and
+    patterns, when the block is enabled or a mesh with ep > 1 is given; the paths replaced."""
+    block = getattr(config, "expert_parallel", None) if config is not None else None
+    enabled = block is not None and getattr(block, "enabled", False)
+    if not (enabled or mesh_ep > 1) or expert_groups(model):
+        return []
+    keys = ("preset_model", "moe_layer_pattern", "expert_pattern", "router_pattern")
+    return autoep_replace(model, **({k: getattr(block, k) for k in keys} if enabled else {}))
+
+
+def wanted_ep_size(model: nn.Module | None, config: Any) -> int:
     """The expert-parallel size the run asks for: the config's `expert_parallel.autoep_size` when
     the block is enabled, else the `ep_size` its MoE layers were built with (1 when neither says).
     Layers asking for different sizes, or a config disagreeing with them: `ConfigError` naming them."""
-    asked = {p: m.wanted_ep_size for p, m in expert_groups(model) if getattr(m, "wanted_ep_size", 1) > 1}
+    groups = expert_groups(model) if model is not None else []  # None: a pipeline's layers, not built yet
+    asked = {p: m.wanted_ep_size for p, m in groups if getattr(m, "wanted_ep_size", 1) > 1}
     block = getattr(config, "expert_parallel", None) if config is not None else None
     from_config = block.size if block is not None and getattr(block, "enabled", False) else None
     sizes = set(asked.values())

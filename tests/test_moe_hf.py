@@ -1,0 +1,121 @@
+"""Hugging Face MoE models train under `fnzero.shard` with their experts split over expert-parallel
+ranks (AutoEP, `specs/mesh.md §Expert parallelism`) as in plain PyTorch.
+
+The model's own router, shared experts and router aux loss are kept; only where each expert runs
+changes. Routing is per forward (the aux loss is a batch statistic), so the reference runs each
+(dp rank, micro-batch) chunk as its own forward, weighted as DDP weighs it, with torch's AdamW and
+clip_grad_norm_. float64 at 1e-9 (the routers' float32 softmax sees inputs equal to ~1e-16 in both
+runs; measured over three steps: 2.5e-12 relative at worst).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fnzero
+from fnzero.sharding import TPRule
+from fnzero.testing import simulated_world
+from test_autoep import FAMILIES, _model
+
+VOCAB, SEQ, ACCUM, LR, CLIP, STEPS = 64, 8, 2, 1e-2, 0.5, 2
+
+
+def _chunk(step: int, i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + i)
+    return torch.randint(0, VOCAB, (2, SEQ + 1), generator=g)
+
+
+def _loss(out, chunk):
+    loss = F.cross_entropy(out.logits.flatten(0, 1), chunk[:, 1:].flatten())
+    return loss + 0.1 * out.aux_loss if getattr(out, "aux_loss", None) is not None else loss
+
+
+def _reference(family: str, world: int) -> dict[str, torch.Tensor]:
+    model = _model(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(STEPS):
+        opt.zero_grad()
+        for i in range(world * ACCUM):
+            chunk = _chunk(s, i)
+            (_loss(model(input_ids=chunk[:, :-1]), chunk) / (world * ACCUM)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _config(stage: int, world: int, ep: int, **more):
+    return fnzero.load_config({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "expert_parallel": {"enabled": True, "autoep_size": ep}, **more,
+    }, world_size=world)
+
+
+# Tensor parallelism on attention only (Mixtral has no built-in AutoTP plan: its MLP is the MoE block).
+ATTENTION_TP = [TPRule(r".*self_attn\.(q|k|v)_proj", "column"), TPRule(r".*self_attn\.o_proj", "row")]
+
+
+def _sharded(family: str, stage: int, world: int, ep: int, tp: int = 1) -> list[dict[str, torch.Tensor]]:
+    dp = world // tp
+    cfg = _config(stage, dp * tp, ep, **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
+
+    def rank(comm):
+        sm = fnzero.shard(_model(family), config=cfg, comm=comm, tp_plan=ATTENTION_TP if tp > 1 else None)
+        assert sm.ep is not None and sm.ep.size == ep and sm.ep.stacked and (sm.tp is not None) == (tp > 1)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, chunk: _loss(sm.apply(p, input_ids=chunk[:, :-1]), chunk), cfg)
+        d = comm.rank // tp  # the tp ranks of a group take the same chunks
+        for s in range(STEPS):
+            state, _ = step(state, [_chunk(s, d * ACCUM + i) for i in range(ACCUM)])
+        return sm.gather(state)
+
+    return simulated_world(world).run(rank)
+
+
+def _assert_close(results, want):
+    for got in results:
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("family, stage, world, ep", [
+    ("mixtral", 3, 2, 2), ("mixtral", 1, 4, 2), ("qwen3_moe", 2, 4, 4), ("deepseek_v3", 3, 4, 2),
+    ("qwen2_moe", 0, 2, 2), ("olmoe", 3, 4, 4), ("deepseek_v2", 1, 2, 2), ("qwen3_5_moe", 3, 2, 2),
+])
+def test_hugging_face_moe_trains_as_plain_torch(family, stage, world, ep):
+    _assert_close(_sharded(family, stage, world, ep), _reference(family, world))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hugging_face_moe_with_tensor_parallel_attention(stage):
+    """Mixtral at tp 2 x dp 2, ep 2: attention heads split over tp, experts over the ep ranks."""
+    _assert_close(_sharded("mixtral", stage, 4, ep=2, tp=2), _reference("mixtral", 2))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_meta_construction_initialises_each_ranks_experts_as_the_unsplit_model(family):
+    """Built on the meta device, each rank initialises its rows of the stacked expert tensors as the
+    whole tensor's (initialised whole, then cut, as tensor-parallel slices are): the consolidated
+    weights are the bits of the model built at ep 1, at ep 2 and 4."""
+
+    def run(world: int, ep: int):
+        cfg = _config(3, world, ep) if ep > 1 else _config(3, world, 1)
+
+        def rank(comm):
+            with torch.device("meta"):
+                model = FAMILIES[family]().to(torch.float64)
+            sm = fnzero.shard(model, config=cfg, comm=comm, init_seed=3)
+            return sm.gather(sm.init_state())
+
+        return simulated_world(world).run(rank)
+
+    (want,) = run(1, 1)
+    assert all(not t.isnan().any() for t in want.values())
+    for world, ep in [(2, 2), (4, 4)]:
+        for got in run(world, ep):
+            assert got.keys() == want.keys()
+            assert [n for n in want if not torch.equal(got[n], want[n])] == [], (world, ep)
