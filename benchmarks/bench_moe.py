@@ -67,7 +67,6 @@ def _state_formula(plan, stage: int, world: int, ep: int, psi_e: int) -> float:
 
 
 def _measure(comm, kind: str, model_kw: dict, micro: int, steps: int, warmup: int, stage: int) -> dict:
-    # Long: one configuration's build, timed steps and every figure read off the recording collectives.
     import torch
     import torch.nn.functional as F
 

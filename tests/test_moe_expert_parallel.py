@@ -180,3 +180,13 @@ def test_expert_parallel_errors_name_the_numbers():
 
     for msg in _errors(2, meta):
         assert "meta device is not built yet" in msg
+
+
+def test_memory_docstring_examples_run():
+    import doctest
+
+    from fnzero.memory import _estimate, _experts, _state_bytes
+
+    for module in (_state_bytes, _experts, _estimate):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

@@ -166,8 +166,8 @@ def estimate(num_params, *, stage: int, world_size: int, precision: str = "fp32"
     `num_params` are experts split over `ep` expert-parallel ranks; each rank holds Ψ_e / ep of
     them, sharded over the N / ep ranks holding the same ones, and the dense Ψ - Ψ_e over all N.
 
-    >>> estimate(3000, stage=1, world_size=4, expert_params=2000, ep=2).device_bytes   # 10000 + 8*1000 + 8*1000/2
-    26000
+    >>> estimate(3000, stage=1, world_size=4, expert_params=2000, ep=2).device_bytes   # 10000 + (8000 + 8000/2)
+    22000
     """
     _check(num_params, stage, world_size, precision, offload_optimizer, offload_param, ratio)
     psi = Fraction(round(num_params))
