@@ -228,9 +228,9 @@ def _check_ep(args: argparse.Namespace) -> str | None:
     if split and not args.expert_params:
         return f"--ep {split[0]} but the model has no expert parameters: give --expert-params N or a MoE --model"
     per_layer = args._experts_per_layer
-    if per_layer and [e for e in split if per_layer % e]:
-        e = next(e for e in split if per_layer % e)
-        return f"--ep {e} does not divide the model's {per_layer} experts per MoE layer"
+    uneven = [e for e in split if per_layer and per_layer % e]
+    if uneven:
+        return f"--ep {uneven[0]} does not divide the model's {per_layer} experts per MoE layer"
     return None
 
 
