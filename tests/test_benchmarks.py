@@ -93,6 +93,30 @@ def test_bench_mesh_short_mode_reports_exact_state_and_traffic_per_axis(tmp_path
     assert rows["tp2_z1"]["dp_sent"] == 0 < rows["dp2_z1"]["dp_sent"]  # tp 2 on 2 ranks: dp is 1
 
 
+def test_bench_moe_short_mode_measures_the_all_to_all_and_state_formulas(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_moe.py on a tiny MoE GPT, 4 simulated ranks: every configuration's all-to-all
+    bytes and model-state bytes are their formulas (specs/collectives.md §All-to-all, specs/mesh.md
+    §Expert parallelism memory), splitting the experts shrinks the state, and the first loss is the
+    same model's at every ep."""
+    import json
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_moe
+
+    js = tmp_path / "moe.json"
+    bench_moe.main(["--simulated", "--model", "tiny", "--steps", "1", "--warmup", "0", "--json", str(js)])
+    rows = json.loads(js.read_text())["rows"]
+    assert sorted(rows) == ["dense", "ep1", "ep2", "ep4"]
+    for r in rows.values():
+        assert r["a2a_equal"] and r["state_equal"] and r["a2a_bytes"] == r["a2a_formula"]
+    assert rows["ep1"]["a2a_bytes"] == 0 < rows["ep2"]["a2a_bytes"] < rows["ep4"]["a2a_bytes"]
+    states = [rows[k]["state_bytes"] for k in ("ep1", "ep2", "ep4", "dense")]
+    assert states == sorted(states, reverse=True)
+    assert rows["ep2"]["loss"] == pytest.approx(rows["ep1"]["loss"], rel=1e-6) == rows["ep4"]["loss"]
+    out = capsys.readouterr().out
+    assert "machine:" in out and "a2a KB/step" in out and out.count("\nep") == 3
+
+
 GPU_CHECKS = ["zero_equivalence[world=1]", "zero_equivalence[world=2]", "bf16_step", "fp16_step", "jit_whole_step",
               "offload_cpu_pinned", "checkpoint_roundtrip", "bench_zero"]
 

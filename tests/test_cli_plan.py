@@ -6,7 +6,7 @@ import math
 import pytest
 
 from fnzero.memory import _estimate as _plan
-from fnzero.memory import zero_formula
+from fnzero.memory import ep_zero_formula, zero_formula
 from test_cli import run_cli, run_fresh
 
 PSI = 7_000_000_000
@@ -253,3 +253,38 @@ def test_pp_rows_divide_the_parameters_over_the_stages_too(tmp_path):
     assert rc == 0, err
     (mine,) = [r for r in json.loads(out)["rows"] if r["from_config"]]
     assert (mine["tp"], mine["pp"], mine["dp"], mine["stage"]) == (1, 2, 4, 1)
+
+
+def test_moe_model_rows_split_the_experts_over_ep(tmp_path):
+    """specs/mesh.md §Expert parallelism memory, specs/cli.md: --model counts a Hugging Face MoE
+    config's experts apart (routed experts only), and each --ep row is the dense parameters over
+    the dp ranks plus the experts / ep over dp / ep; an ep not dividing the experts is exit 2."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, num_local_experts=4)
+    cfg.save_pretrained(tmp_path)
+    counted = dict(MixtralForCausalLM(cfg).named_parameters())
+    psi_e = sum(p.numel() for n, p in counted.items() if ".experts." in n)
+    psi = sum(p.numel() for p in counted.values())
+    assert psi_e == 2 * 4 * 3 * 16 * 32  # 2 layers x 4 experts x (gate, up, down) 16 x 32
+    rc, out, err = run_cli("plan", "--model", tmp_path, "--world-size", 8, "--ep", "1,2,4", "--precision", "bf16",
+                           "--memory-per-device", "1MB", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert (rep["num_params"], rep["expert_params"], rep["experts_per_layer"]) == (psi, psi_e, 4)
+    for ep in (1, 2, 4):
+        for stage in range(4):
+            row = _one(rep, ep=ep, stage=stage, offload_optimizer="none", offload_param="none")
+            want = ep_zero_formula(psi - psi_e, psi_e, stage, 8, ep, True)
+            assert row["device_bytes"] == round(want) and row["dp"] == 8, (ep, stage)
+            m = row["max_params"]  # the largest model of the same expert share that fits
+            assert (ep_zero_formula((psi - psi_e) * m / psi, psi_e * m / psi, stage, 8, ep, True)
+                    <= 10**6 < ep_zero_formula((psi - psi_e) * (m + 1) / psi, psi_e * (m + 1) / psi,
+                                                             stage, 8, ep, True))
+    z1 = [_one(rep, ep=ep, stage=1, offload_optimizer="none", offload_param="none")["device_bytes"] for ep in (1, 2, 4)]
+    assert z1[0] > z1[1] > z1[2]
+    rc, _, err = run_cli("plan", "--model", tmp_path, "--world-size", 16, "--ep", "8")
+    assert rc == 2 and "--ep 8 does not divide the model's 4 experts per MoE layer" in err
+    rc, _, err = run_cli("plan", "--params", "7B", "--world-size", 8, "--ep", "2")
+    assert rc == 2 and "no expert parameters" in err

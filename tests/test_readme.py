@@ -68,7 +68,7 @@ def test_the_checks_fail_on_a_readme_that_names_what_does_not_exist():
         "README.md:5: `pip install -e '.[hf,gpu]'`: pyproject.toml has no extra 'gpu' (it has ['hf', 'plot', 'test'])",
         "README.md:5: `fnzero frobnicate`: `fnzero frobnicate --help` exits 2: ",
         "README.md:6: `fnzero plan --paramz 7B --world-size 8`: `fnzero plan --paramz 7B --world-size 8` exits 2: "
-        "['fnzero plan: error: the following arguments are required: --params']",
+        "['fnzero: error: unrecognized arguments: --paramz 7B']",
         "README.md:7: `make all`: no check knows the command 'make' (add one to tests/_readme.py)",
     ]
     assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems

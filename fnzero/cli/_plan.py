@@ -4,6 +4,7 @@ largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; t
     fnzero plan --params 7B --world-size 64 --gpus-per-node 8 --memory-per-device 80GB
     fnzero plan --params 350M --world-size 8 --config ds_config.json --json
     fnzero plan --params 70B --world-size 64 --tp 1,2,4,8 --memory-per-device 80GB   # dp x tp meshes
+    fnzero plan --model ./mixtral_config_dir --world-size 64 --ep 1,8                 # experts over ep ranks
 
 Exit codes: 0 printed; 2 bad arguments or an invalid --config file (message on stderr).
 """
@@ -14,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from fractions import Fraction
 
 from ._common import load_config_or_report
 
@@ -92,20 +94,25 @@ def plan_report(args) -> dict:
         "memory_per_device": args.memory_per_device, "reserve": args.reserve,
         "host_memory_per_node": args.host_memory_per_node, "config": args.config, "rows": [],
     }
-    out["tp"], out["pp"] = list(args.tp), list(args.pp)
-    meshes = [(t, p) for p in args.pp for t in args.tp]
-    for (tp, pp), (prec, stage, opt, par, ratio, mine) in ((m, r) for m in meshes for r in _rows(args, args._config_choice)):
+    out["tp"], out["pp"], out["ep"] = list(args.tp), list(args.pp), list(args.ep)
+    out["expert_params"], out["dense_params"] = args.expert_params, args.params - args.expert_params
+    out["experts_per_layer"], out["model"] = args._experts_per_layer, args.model
+    meshes = [(t, p, e) for p in args.pp for t in args.tp for e in args.ep]
+    for (tp, pp, ep), (prec, stage, opt, par, ratio, mine) in ((m, r) for m in meshes for r in _rows(args, args._config_choice)):
         if pp > 1 and stage >= 2:
             continue  # ZeRO-2/3 are refused with a pipeline (specs/mesh.md §Pipeline)
         # specs/mesh.md §Memory: each rank holds 1/(tp pp) of the parameters (Ψ_r ≈ Ψ / (tp pp); norms
         # and biases, which stay whole, and uneven stages are neglected), and ZeRO shards that over
-        # the world / (tp pp) data-parallel ranks.
+        # the world / (tp pp) data-parallel ranks; §Expert parallelism memory: of it, the experts
+        # are split over ep of those ranks and sharded over the dp / ep holding the same ones.
         dp, psi_r = args.world_size // (tp * pp), -(-args.params // (tp * pp))
-        e = _plan.estimate(psi_r, stage=stage, world_size=dp, precision=prec,
-                           offload_optimizer=opt, offload_param=par, ratio=ratio)
+        share = Fraction(args.expert_params, args.params)
+        e = _plan.estimate(psi_r, stage=stage, world_size=dp, precision=prec, offload_optimizer=opt,
+                           offload_param=par, ratio=ratio, expert_params=share * psi_r, ep=ep)
         row = {
-            "tp": tp, "pp": pp, "dp": dp, "precision": prec, "stage": stage, "offload_optimizer": opt, "offload_param": par,
-            "ratio": ratio, "from_config": mine and (tp, pp) == (args._config_tp, args._config_pp),
+            "tp": tp, "pp": pp, "ep": ep, "dp": dp, "precision": prec, "stage": stage, "offload_optimizer": opt,
+            "offload_param": par, "ratio": ratio,
+            "from_config": mine and (tp, pp, ep) == (args._config_tp, args._config_pp, args._config_ep),
             "device_bytes": e.device_bytes, "host_bytes": e.host_bytes, "nvme_bytes": e.nvme_bytes,
             "host_bytes_per_node": round(e.host.total * args.gpus_per_node),
             "nvme_bytes_per_node": round(e.nvme.total * args.gpus_per_node),
@@ -120,7 +127,8 @@ def plan_report(args) -> dict:
             largest = _plan.largest_model(
                 args.memory_per_device, stage=stage, world_size=dp, precision=prec,
                 offload_optimizer=opt, offload_param=par, ratio=ratio, reserve=args.reserve,
-                host_memory_per_node=args.host_memory_per_node, gpus_per_node=args.gpus_per_node)
+                host_memory_per_node=args.host_memory_per_node, gpus_per_node=args.gpus_per_node, expert_share=share,
+                ep=ep)
             row["max_params"] = largest * tp * pp if largest is not None else None
         out["rows"].append(row)
     return out
@@ -134,6 +142,11 @@ def _print_table(rep: dict, stream) -> None:
     w = rep["world_size"]
     print(f"fnzero plan: {_plan.format_count(rep['num_params'])} parameters ({rep['num_params']:,}), {w} rank(s) "
           f"= {rep['nodes']} node(s) x {rep['gpus_per_node']} per node, Adam", file=stream)
+    if rep["expert_params"]:
+        per_layer = f", {rep['experts_per_layer']} per MoE layer" if rep["experts_per_layer"] else ""
+        print(f"  experts: {_plan.format_count(rep['expert_params'])} parameters ({rep['expert_params']:,}{per_layer}), "
+              f"dense {_plan.format_count(rep['dense_params'])} ({rep['dense_params']:,})"
+              + (f"; from {rep['model']}" if rep["model"] else ""), file=stream)
     print("  model states only: activations, gathered stage-3 working sets, buffers and padding are not "
           "counted (set them aside with --reserve)", file=stream)
     budget = rep["memory_per_device"]
@@ -143,8 +156,8 @@ def _print_table(rep: dict, stream) -> None:
         if rep["host_memory_per_node"] is not None:
             line += f", host memory per node {_plan.format_bytes(rep['host_memory_per_node'])}"
         print(line, file=stream)
-    mesh = rep["tp"] != [1] or rep["pp"] != [1]
-    head = f"  {'tp':>2} {'pp':>2} {'dp':>4} " * mesh + f"  {'stage':>5}  {'offload':<20} {'device/rank':>12} {'host/rank':>12} {'host/node':>12} {'nvme/rank':>12}"
+    mesh = rep["tp"] != [1] or rep["pp"] != [1] or rep["ep"] != [1]
+    head = f"  {'tp':>2} {'pp':>2} {'ep':>2} {'dp':>4} " * mesh + f"  {'stage':>5}  {'offload':<20} {'device/rank':>12} {'host/rank':>12} {'host/node':>12} {'nvme/rank':>12}"
     if budget is not None:
         head += f"  {'fits':<4} {'largest model':>13}"
     prec = None
@@ -156,7 +169,7 @@ def _print_table(rep: dict, stream) -> None:
         e = _plan.Estimate(0, r["stage"], w, prec, r["offload_optimizer"], r["offload_param"], r["ratio"],
                            *(_plan.Breakdown(),) * 3)
         mark = "*" if r["from_config"] else " "
-        line = (f"{mark}" + f" {r['tp']:>2} {r['pp']:>2} {r['dp']:>4}  " * mesh + f" {r['stage']:>5}  {e.label:<20} {_plan.format_bytes(r['device_bytes']):>12} "
+        line = (f"{mark}" + f" {r['tp']:>2} {r['pp']:>2} {r['ep']:>2} {r['dp']:>4}  " * mesh + f" {r['stage']:>5}  {e.label:<20} {_plan.format_bytes(r['device_bytes']):>12} "
                 f"{_fmt(r['host_bytes']):>12} {_fmt(r['host_bytes_per_node']):>12} {_fmt(r['nvme_bytes']):>12}")
         if budget is not None:
             mx = r["max_params"]
@@ -172,14 +185,67 @@ def _print_table(rep: dict, stream) -> None:
     if mesh:
         print("tp: tensor-parallel ranks per layer (each holds 1/tp of the parameters; norms and biases, which stay "
               "whole, are neglected); pp: pipeline stages (each holds 1/pp of the layers, balanced by parameters; "
-              "ZeRO-2/3 are not offered with a pipeline); dp: the ranks ZeRO shards over (world / (tp pp)).",
-              file=stream)
+              "ZeRO-2/3 are not offered with a pipeline); ep: expert-parallel ranks (each holds 1/ep of every MoE "
+              "layer's experts, sharded over the dp/ep ranks holding the same ones); dp: the ranks ZeRO shards "
+              "dense parameters over (world / (tp pp)).", file=stream)
     if any(r["from_config"] for r in rep["rows"]):
         print(f"*: your config ({rep['config']})", file=stream)
 
 
+def _config_ep(cfg) -> int:
+    """The config's expert-parallel size: `expert_parallel.autoep_size` when the block is enabled, else 1."""
+    block = getattr(cfg, "expert_parallel", None)
+    return int(getattr(block, "autoep_size", 1)) if block is not None and getattr(block, "enabled", False) else 1
+
+
+def _count_model(args: argparse.Namespace) -> str | None:
+    """--model: its parameter counts into --params and --expert-params (unless given); an error message or None."""
+    args._experts_per_layer = None
+    if args.model is not None:
+        try:
+            dense, expert, per_layer, _ = _plan_experts().hf_expert_param_counts(args.model)
+        except (OSError, ValueError, KeyError) as e:
+            return f"--model {args.model}: not a Hugging Face model config ({type(e).__name__}: {e})"
+        args._experts_per_layer = per_layer
+        args.params = args.params if args.params is not None else dense + expert
+        args.expert_params = args.expert_params if args.expert_params is not None else expert
+    if args.params is None:
+        return "one of --params or --model is required"
+    args.expert_params = args.expert_params or 0
+    if args.expert_params > args.params:
+        return f"--expert-params {args.expert_params:,} exceeds --params {args.params:,}"
+    return None
+
+
+def _check_ep(args: argparse.Namespace) -> str | None:
+    """An error message for an ep size the meshes or the model cannot take, or None."""
+    for tp, pp, ep in ((t, p, e) for p in args.pp for t in args.tp for e in args.ep):
+        dp = args.world_size // (tp * pp)
+        if dp % ep:
+            return (f"--ep {ep} does not divide the {dp} data-parallel ranks (--world-size {args.world_size} / "
+                    f"tp {tp} / pp {pp}): the expert-parallel ranks are a division of the data-parallel ones")
+    split = [e for e in args.ep if e > 1]
+    if split and not args.expert_params:
+        return f"--ep {split[0]} but the model has no expert parameters: give --expert-params N or a MoE --model"
+    per_layer = args._experts_per_layer
+    uneven = [e for e in split if per_layer and per_layer % e]
+    if uneven:
+        return f"--ep {uneven[0]} does not divide the model's {per_layer} experts per MoE layer"
+    return None
+
+
+def _plan_experts():
+    from ..memory import _experts  # imports torch: only when a model is counted
+
+    return _experts
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    args._config_choice, args._config_tp, args._config_pp = None, 1, 1
+    args._config_choice, args._config_tp, args._config_pp, args._config_ep = None, 1, 1, 1
+    problem = _count_model(args)
+    if problem is not None:
+        print(f"fnzero plan: {problem}", file=sys.stderr)
+        return 2
     if args.memory_per_device is not None and args.reserve >= args.memory_per_device:
         print(f"fnzero plan: --reserve ({args.reserve:,} bytes) must be below --memory-per-device "
               f"({args.memory_per_device:,} bytes)", file=sys.stderr)
@@ -195,17 +261,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args._config_choice = (cfg.precision, z.stage, opt, par, float(ratio))
         args._config_tp = cfg.tensor_parallel.size
         args._config_pp = cfg.pipeline.size or 1
+        args._config_ep = _config_ep(cfg)
         if args.tp is None:
             args.tp = [args._config_tp]
         if args.pp is None:
             args.pp = [args._config_pp]
-    args.tp, args.pp = args.tp or [1], args.pp or [1]
+        if args.ep is None:
+            args.ep = [args._config_ep]
+    args.tp, args.pp, args.ep = args.tp or [1], args.pp or [1], args.ep or [1]
     bad = [(t, p) for p in args.pp for t in args.tp if args.world_size % (t * p)]
     if bad:
         t, p = bad[0]
         what = f"--tp {t} x --pp {p} = {t * p}" if p > 1 else f"--tp {t}"
         print(f"fnzero plan: {what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
               f"data-parallel x tensor-parallel ranks", file=sys.stderr)
+        return 2
+    problem = _check_ep(args)
+    if problem is not None:
+        print(f"fnzero plan: {problem}", file=sys.stderr)
         return 2
     rep = plan_report(args)
     if args.json:
@@ -224,8 +297,13 @@ def register(sub) -> None:
         "KiB/MiB/GiB/TiB powers of 1024. Exit status 0, or 2 for bad arguments or an invalid --config.",
         epilog="example: fnzero plan --params 7B --world-size 64 --gpus-per-node 8 --memory-per-device 80GB",
     )
-    p.add_argument("--params", required=True, type=_arg("parse_count"), metavar="N",
-                   help="number of model parameters: 7e9, 7B, 350M, 1.3b")
+    p.add_argument("--params", default=None, type=_arg("parse_count"), metavar="N",
+                   help="number of model parameters: 7e9, 7B, 350M, 1.3b (or give --model)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a Hugging Face model's config.json (or its folder): its parameters are counted, experts apart "
+                   "(built on the meta device; nothing else is read)")
+    p.add_argument("--expert-params", default=None, type=_arg("parse_count"), metavar="N",
+                   help="how many of --params are MoE experts (split over --ep ranks)")
     p.add_argument("--world-size", required=True, type=_pos_int, metavar="N", help="data-parallel ranks (GPUs) in all")
     p.add_argument("--gpus-per-node", type=_pos_int, default=None, metavar="N",
                    help="ranks per node, for the per-node host figures (default: 8, or the world size if smaller)")
@@ -245,6 +323,9 @@ def register(sub) -> None:
     p.add_argument("--pp", type=_tp_sizes, default=None, metavar="P[,P...]",
                    help="pipeline stage counts to plan for, e.g. 1,2,4 (default: the config's pipeline.stages, else 1); "
                    "with --tp, every combination whose product divides the world size")
+    p.add_argument("--ep", type=_tp_sizes, default=None, metavar="E[,E...]",
+                   help="expert-parallel sizes to plan for (default: the config's expert_parallel.autoep_size when "
+                   "enabled, else 1); each must divide the data-parallel ranks")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
     p.set_defaults(func=_run)
 

@@ -4,6 +4,9 @@ Measured, from a live `TrainState` (`specs/sharding.md` §Memory):
     model_state_bytes(state)     this rank's parameters, master weights, optimizer state and the
                                  step's gradient buffer, unique storage only (`ModelStateBytes`)
     zero_formula(Ψ, stage, N, mixed)   the ZeRO paper's per-rank bytes, for comparison
+    ep_zero_formula(Ψ_d, Ψ_e, stage, N, ep, mixed)   the same with experts split over ep ranks:
+                                 dense over N ranks, Ψ_e/ep over N/ep (`specs/mesh.md` §Expert parallelism memory)
+    expert_param_counts(model)   (dense, expert) parameter counts of a model with MoE layers
     peak_rss_bytes()             this process's peak resident set size
 
 Predicted, from numbers alone (`fnzero plan`, `specs/cli.md`):
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 from .._ext._heap import allocator_env, return_freed_memory, trim_freed_memory
 from ._estimate import Breakdown, Estimate, estimate, largest_model
-from ._state_bytes import ModelStateBytes, model_state_bytes, peak_rss_bytes, zero_formula
+from ._experts import expert_param_counts
+from ._state_bytes import ModelStateBytes, ep_zero_formula, model_state_bytes, peak_rss_bytes, zero_formula
 
 __all__ = [
-    "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "estimate", "largest_model", "model_state_bytes",
-    "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
+    "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "ep_zero_formula", "estimate", "expert_param_counts",
+    "largest_model", "model_state_bytes", "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
 ]

@@ -41,7 +41,7 @@ import re
 from fractions import Fraction
 
 from ..sharding.zero._placement import placement_for_stage
-from ._state_bytes import zero_formula
+from ._state_bytes import ep_zero_formula
 
 __all__ = [
     "Breakdown", "Estimate", "OFFLOAD_CHOICES", "bytes_per_param", "estimate", "largest_model", "offload_choices",
@@ -89,6 +89,8 @@ class Estimate:
     device: Breakdown
     host: Breakdown
     nvme: Breakdown
+    expert_params: int = 0  # of num_params, split over `ep` expert-parallel ranks
+    ep: int = 1
 
     @property
     def device_bytes(self) -> int:
@@ -153,16 +155,42 @@ def _check(num_params, stage, world_size, precision, offload_optimizer, offload_
 
 
 def estimate(num_params, *, stage: int, world_size: int, precision: str = "fp32", offload_optimizer: str = "none",
-             offload_param: str = "none", ratio: float = 1.0) -> Estimate:
+             offload_param: str = "none", ratio: float = 1.0, expert_params=0, ep: int = 1) -> Estimate:
     """Per-rank model-state bytes on the device, in host memory and on NVMe.
 
     >>> e = estimate(1000, stage=1, world_size=4, precision="fp32")
     >>> e.device_bytes, e.device.as_ints()                 # 8Ψ + 8Ψ/N
     (10000, {'params': 4000, 'grads': 4000, 'master': 0, 'optimizer': 2000})
+
+    With experts (`specs/mesh.md §Expert parallelism memory`): `expert_params` Ψ_e of the
+    `num_params` are experts split over `ep` expert-parallel ranks; each rank holds Ψ_e / ep of
+    them, sharded over the N / ep ranks holding the same ones, and the dense Ψ - Ψ_e over all N.
+
+    >>> estimate(3000, stage=1, world_size=4, expert_params=2000, ep=2).device_bytes   # 10000 + (8000 + 8000/2)
+    22000
     """
     _check(num_params, stage, world_size, precision, offload_optimizer, offload_param, ratio)
     psi = Fraction(round(num_params))
-    n = world_size
+    psi_e = Fraction(expert_params)
+    if not 0 <= psi_e <= psi:
+        raise ValueError(f"expert parameters must be between 0 and the {int(psi)} parameters, got {expert_params}")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or world_size % ep:
+        raise ValueError(f"expert-parallel size {ep!r} must be a positive integer dividing the world size {world_size}")
+    mixed = precision != "fp32"
+    dense = _tiers(psi - psi_e, world_size, stage, precision, offload_optimizer, offload_param, ratio)
+    experts = _tiers(psi_e / ep, world_size // ep, stage, precision, offload_optimizer, offload_param, ratio)
+    device, host, nvme = (a + b for a, b in zip(dense, experts))
+    if offload_optimizer == "none" and offload_param == "none":
+        # The breakdown is the formula, split by kind; keep them provably the same.
+        want = ep_zero_formula(float(psi - psi_e), float(psi_e), stage, world_size, ep, mixed)
+        assert abs(float(device.total) - want) <= 1e-6 * float(device.total) + 1
+    return Estimate(int(psi), stage, world_size, precision, offload_optimizer, offload_param, float(ratio), device, host,
+                    nvme, int(round(psi_e)), ep)
+
+
+def _tiers(psi: Fraction, n: int, stage: int, precision: str, offload_optimizer: str, offload_param: str,
+           ratio: float) -> tuple[Breakdown, Breakdown, Breakdown]:
+    """(device, host, nvme) bytes of Ψ parameters sharded over n ranks."""
     p = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
     # Each kind's bytes, divided by N where the stage's placement shards it.
@@ -191,11 +219,7 @@ def estimate(num_params, *, stage: int, world_size: int, precision: str = "fp32"
     if offload_param != "none":
         moved[tiers[offload_param]] += Breakdown(params=params)
         device = dataclasses.replace(device, params=Fraction(0))
-    host, nvme = moved["host"], moved["nvme"]
-    if offload_optimizer == "none" and offload_param == "none":
-        # The breakdown is the formula, split by kind; keep them provably the same.
-        assert abs(float(device.total) - zero_formula(int(psi), stage, n, mixed)) <= 1e-6 * float(device.total) + 1
-    return Estimate(int(psi), stage, n, precision, offload_optimizer, offload_param, float(ratio), device, host, nvme)
+    return device, moved["host"], moved["nvme"]
 
 
 def bytes_per_param(e: Estimate, tier: str = "device") -> Fraction:
@@ -205,10 +229,13 @@ def bytes_per_param(e: Estimate, tier: str = "device") -> Fraction:
 
 def largest_model(memory: int, *, stage: int, world_size: int, precision: str = "fp32", offload_optimizer: str = "none",
                   offload_param: str = "none", ratio: float = 1.0, reserve: int = 0,
-                  host_memory_per_node: int | None = None, gpus_per_node: int = 1) -> int | None:
+                  host_memory_per_node: int | None = None, gpus_per_node: int = 1, expert_share=0,
+                  ep: int = 1) -> int | None:
     """The most parameters whose model state fits `memory - reserve` bytes per device (and, when
     given, `host_memory_per_node` bytes of host memory shared by `gpus_per_node` ranks).
     None when nothing bounds it (all model state offloaded and no host limit given).
+    `expert_share` (a number in [0, 1], a Fraction for exactness): the part of the parameters
+    that are experts, split over `ep` ranks (`estimate`).
 
     >>> largest_model(80 * 10**9, stage=0, world_size=8)       # 16 bytes/param
     5000000000
@@ -216,7 +243,8 @@ def largest_model(memory: int, *, stage: int, world_size: int, precision: str = 
     if memory <= reserve:
         return 0
     unit = estimate(1_000_000, stage=stage, world_size=world_size, precision=precision,
-                    offload_optimizer=offload_optimizer, offload_param=offload_param, ratio=ratio)
+                    offload_optimizer=offload_optimizer, offload_param=offload_param, ratio=ratio,
+                    expert_params=Fraction(expert_share) * 1_000_000, ep=ep)
     limits = []
     a = bytes_per_param(unit, "device")
     if a > 0:

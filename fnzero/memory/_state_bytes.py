@@ -7,7 +7,8 @@ the gradient-accumulation dtype. Frozen parameters are counted apart, as held: t
 of each frozen unit at stage 3, whole at stages 0-2 (`specs/sharding.md` §Frozen parameters).
 Shards kept in NVMe stores (`offload_param: nvme`, placeholders in the state) hold no memory: they
 count 0 and are reported apart, in `stored` (`specs/offload.md` §Parameters).
-`zero_formula(...)` gives the ZeRO paper's figure for comparison.
+`zero_formula(...)` gives the ZeRO paper's figure for comparison, and `ep_zero_formula(...)` its
+expert-parallel form (`specs/mesh.md §Expert parallelism memory`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from .._state import TrainState
 from ..sharding.zero._param_store import is_placeholder, stored_bytes
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "peak_rss_bytes", "zero_formula"]
+__all__ = ["ModelStateBytes", "ep_zero_formula", "model_state_bytes", "peak_rss_bytes", "zero_formula"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,23 @@ def zero_formula(num_params: int, stage: int, world_size: int, mixed_precision: 
     else:
         table = {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}
     return table[stage]
+
+
+def ep_zero_formula(dense_params: int, expert_params: int, stage: int, world_size: int, ep: int,
+                    mixed_precision: bool) -> float:
+    """Per-rank bytes of a model with experts split over `ep` expert-parallel ranks
+    (`specs/mesh.md §Expert parallelism memory`): the dense parameters Ψ_d sharded by ZeRO over
+    the `world_size` data-parallel ranks D, plus this rank's experts, Ψ_e / ep of the model's
+    `expert_params` Ψ_e, sharded over the D / ep expert-data-parallel ranks holding the same ones:
+    `zero_formula(Ψ_d, stage, D) + zero_formula(Ψ_e / ep, stage, D / ep)`.
+
+    >>> ep_zero_formula(1000, 4000, 1, 4, 2, False) == zero_formula(1000, 1, 4, False) + zero_formula(2000, 1, 2, False)
+    True
+    """
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"expert-parallel size {ep} must divide the data-parallel world size {world_size}")
+    return (zero_formula(dense_params, stage, world_size, mixed_precision)
+            + zero_formula(expert_params / ep, stage, world_size // ep, mixed_precision))
 
 
 def peak_rss_bytes() -> int:

@@ -43,6 +43,7 @@ Building blocks
 ---------------
 ModelFactory, step_loss, consolidate, tree_snapshot, default_tolerances
 GPT, GPTConfig, MLP, text_corpus(), token_batches(...)
+GPT(..., num_experts=E, moe={...})  every block's MLP an fnzero.moe.MoE of E experts (moe: its arguments)
 gpt_layers, GPTEmbedding, GPTHead   the GPT as pipeline layers (embeddings, blocks, norm + head)
 ThreadCollectives, SimulatedWorld, SpawnedWorld
 """

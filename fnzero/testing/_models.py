@@ -1,4 +1,4 @@
-"""Small models for tests, examples and benchmarks: a GPT and an MLP of any size."""
+"""Small models for tests, examples and benchmarks: a GPT (dense, or with MoE layers) and an MLP of any size."""
 
 from __future__ import annotations
 
@@ -6,29 +6,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import MoE
+
 __all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "MLP", "gpt_layers"]
 
 
 class GPTConfig:
-    """Sizes of a GPT: vocabulary, context length, width, depth, heads, MLP ratio, tied head."""
+    """Sizes of a GPT: vocabulary, context length, width, depth, heads, MLP ratio, tied head.
 
-    def __init__(self, vocab_size=256, seq_len=64, d_model=64, n_layer=2, n_head=4, mlp_ratio=4, tied=False, dropout=0.0):
+    `num_experts` > 0 makes every block's MLP an `fnzero.moe.MoE` of that many experts, each the
+    dense MLP's shape (so at k=1 a token meets the dense model's parameters); `moe` holds the
+    layer's other arguments (k, ep_size, capacity_factor, drop_tokens, ...): one dict for every
+    block, or a list of one per block."""
+
+    def __init__(self, vocab_size=256, seq_len=64, d_model=64, n_layer=2, n_head=4, mlp_ratio=4, tied=False, dropout=0.0,
+                 num_experts=0, moe=None):
         if d_model % n_head:
             raise ValueError(f"d_model={d_model} must be divisible by n_head={n_head}")
         self.vocab_size, self.seq_len, self.d_model = vocab_size, seq_len, d_model
         self.n_layer, self.n_head, self.mlp_ratio, self.tied, self.dropout = n_layer, n_head, mlp_ratio, tied, dropout
+        self.num_experts = num_experts
+        moe = moe if moe is not None else {}
+        self.moe = list(moe) if isinstance(moe, (list, tuple)) else [dict(moe)] * n_layer
+        if len(self.moe) != n_layer:
+            raise ValueError(f"moe gives {len(self.moe)} layers' arguments for n_layer={n_layer} blocks")
+
+
+class _ExpertMLP(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(c.d_model, c.mlp_ratio * c.d_model)
+        self.out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
 
 
 class _Block(nn.Module):
-    def __init__(self, c: GPTConfig):
+    def __init__(self, c: GPTConfig, index: int = 0):
         super().__init__()
         self.head_dim = c.d_model // c.n_head
         self.ln1 = nn.LayerNorm(c.d_model)
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
         self.proj = nn.Linear(c.d_model, c.d_model)
         self.ln2 = nn.LayerNorm(c.d_model)
-        self.fc = nn.Linear(c.d_model, c.mlp_ratio * c.d_model)
-        self.out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
+        if c.num_experts:
+            self.moe = MoE(c.d_model, _ExpertMLP(c), c.num_experts, **c.moe[index])
+        else:
+            self.fc = nn.Linear(c.d_model, c.mlp_ratio * c.d_model)
+            self.out = nn.Linear(c.mlp_ratio * c.d_model, c.d_model)
 
     def forward(self, x):
         b, t, _ = x.shape
@@ -38,6 +64,8 @@ class _Block(nn.Module):
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        if hasattr(self, "moe"):  # the layer's l_aux stays on it (`deepspeed_moe.l_aux`)
+            return x + self.moe(self.ln2(x))[0]
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -50,7 +78,7 @@ class GPT(nn.Module):
         self.config = c
         self.wte = nn.Embedding(c.vocab_size, c.d_model)
         self.wpe = nn.Embedding(c.seq_len, c.d_model)
-        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.n_layer))
+        self.blocks = nn.ModuleList(_Block(c, i) for i in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab_size, bias=False)
         if c.tied:
@@ -114,8 +142,8 @@ def gpt_layers(config: GPTConfig | None = None, *, model: "GPT | None" = None, *
         return [GPTEmbedding(model.config, model), *model.blocks, GPTHead(model.config, model)]
     c = config or GPTConfig(**kwargs)
     blocks = []
-    for _ in range(c.n_layer):
-        block = _Block(c)
+    for i in range(c.n_layer):
+        block = _Block(c, i)
         block.apply(GPT._init_weights)
         blocks.append(block)
     return [GPTEmbedding(c), *blocks, GPTHead(c)]
