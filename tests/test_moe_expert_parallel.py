@@ -173,13 +173,10 @@ def test_expert_parallel_errors_name_the_numbers():
                                           r"1.deepspeed_moe.experts: 4\)"):
         fnzero.shard(mixed, config=_config(1))
 
-    def meta(comm):
-        with torch.device("meta"):
-            model = _model(2)
-        fnzero.shard(model, config=_config(1), comm=comm)
-
-    for msg in _errors(2, meta):
-        assert "meta device is not built yet" in msg
+    # A mesh with ep > 1 over a model with no experts (no MoE layer, no Hugging Face MoE block).
+    for msg in _errors(2, lambda comm: fnzero.shard(torch.nn.Linear(HIDDEN, HIDDEN), config=_config(1), comm=comm,
+                                                    mesh=fnzero.make_mesh(comm, ep=2))):
+        assert "has no AutoEP preset" in msg
 
 
 def test_memory_docstring_examples_run():

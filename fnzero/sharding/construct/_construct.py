@@ -95,11 +95,7 @@ def shard(
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
         model = build_on_meta(model)
-    if not isinstance(model, PipelineModule):  # Hugging Face MoE blocks' experts, split below (`specs/mesh.md`)
-        replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
-    ep = wanted_ep_size(model if isinstance(model, nn.Module) else None, config)
-    if mesh is None and ep > 1 and not isinstance(model, PipelineModule):
-        mesh = mesh_from_config(comm, config, ep=ep)
+    mesh, ep = _mesh_for_experts(model, comm, mesh, config)
     if isinstance(model, PipelineModule):
         model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
     if is_released(model):
@@ -149,6 +145,19 @@ def shard(
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)
     return sm
+
+
+def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any) -> tuple[Mesh | None, int]:
+    """AutoEP's replacement of a Hugging Face model's experts where the run asks expert parallelism,
+    then the ep size the model and config ask for, and the mesh (given, or the config's with that ep;
+    a pipeline makes its own with it)."""
+    pipeline = isinstance(model, PipelineModule)
+    if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
+        replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
+    ep = wanted_ep_size(None if pipeline else model, config)
+    if mesh is None and ep > 1 and not pipeline:
+        mesh = mesh_from_config(comm, config, ep=ep)
+    return mesh, ep
 
 
 def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
