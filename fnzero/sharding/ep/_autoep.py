@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..._errors import ConfigError
+from ...config._noop import ConfigWarning
 from ._hf_experts import HFExpertGroup
 
 __all__ = ["AutoEPPreset", "AUTOEP_PRESETS", "AUTOEP_KEYS_READ", "AUTOEP_KEYS_NO_EFFECT", "autoep_replace",
@@ -112,6 +114,8 @@ def resolve_autoep_preset(model: nn.Module, preset_model: str | None = None, moe
         preset = AUTOEP_PRESETS[preset_model]
     else:
         preset = next((p for p in AUTOEP_PRESETS.values() if model_type in p.hf_model_types), None)
+    if preset is None and moe_layer_pattern is None and model_type not in _MODEL_TYPE_NOTES:
+        preset = _common_layout(model, model_type)
     if preset is None:
         if moe_layer_pattern is None:
             note = _MODEL_TYPE_NOTES.get(model_type, "give expert_parallel.preset_model or moe_layer_pattern")
@@ -120,6 +124,20 @@ def resolve_autoep_preset(model: nn.Module, preset_model: str | None = None, moe
     overrides = {k: v for k, v in (("moe_layer_pattern", moe_layer_pattern), ("expert_pattern", expert_pattern),
                                    ("router_pattern", router_pattern)) if v is not None}
     return dataclasses.replace(preset, **overrides)
+
+
+def _common_layout(model: nn.Module, model_type: str | None) -> AutoEPPreset | None:
+    """For a model type no preset names: the layout every preset shares (`model.layers.N.mlp` with a
+    `gate` router and an `experts` child), when the model has it, with a ConfigWarning saying so;
+    DeepSpeed likewise tries its presets in turn when none names the model. None when it does not."""
+    common = AutoEPPreset(_LAYERS, "gate", "experts", origin="common")
+    found = _matched_experts(model, common)
+    if not found:
+        return None
+    warnings.warn(f"expert_parallel: model_type {model_type!r} has no AutoEP preset; its {len(found)} MoE block(s) "
+                  f"were found by the layout the presets share ({_LAYERS} with 'gate' and 'experts' children). Give "
+                  "expert_parallel.preset_model or moe_layer_pattern to choose", ConfigWarning, stacklevel=4)
+    return common
 
 
 def _matched_experts(model: nn.Module, preset: AutoEPPreset) -> list[tuple[nn.Module, str]]:
