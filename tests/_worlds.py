@@ -151,8 +151,8 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
-    (float64, k=4), then every (stage, ep) expert-parallel case on the MoE GPT of
-    tests/test_moe_sharded.py; return rank 0's view, and every rank's results of the tp, pp and ep
+    (float64, k=4), then every (kind, stage, ep) expert-parallel case (the MoE GPT of
+    tests/test_moe_sharded.py, or a Hugging Face family of tests/test_moe_hf.py); return rank 0's view, and every rank's results of the tp, pp and ep
     cases."""
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
@@ -170,10 +170,16 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
         layers = pipe_gpt_layers() if tp == 1 else pipe_gpt_of_model  # tp: the GPT's own AutoTP plan and names
         params, losses, _ = train_pipelined(comm, layers, lm_loss, pipe_gpt_batches(), stages, stage, 4, sched, extra)
         out[f"pp|{stages}|{stage}|{sched}|{tp}|rank{comm.rank}"] = {"losses": losses, "params": params}
-    for stage, ep in ep_cases:
-        import test_moe_sharded as moe
+    for kind, stage, ep in ep_cases:
+        if kind == "moe_gpt":
+            import test_moe_sharded as moe
 
-        out[f"ep|{stage}|{ep}|rank{comm.rank}"] = {"params": moe.train_on_rank(comm, stage, ep)}
+            params = moe.train_on_rank(comm, stage, ep)
+        else:  # a Hugging Face MoE family through AutoEP
+            import test_moe_hf as hf
+
+            params = hf.train_on_rank(comm, kind, stage, ep)
+        out[f"ep|{kind}|{stage}|{ep}|rank{comm.rank}"] = {"params": params}
     if comm.rank == 0:
         return out
     return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}

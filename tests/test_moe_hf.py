@@ -91,20 +91,22 @@ ATTENTION_TP = [TPRule(r".*self_attn\.(q|k|v)_proj", "column"), TPRule(r".*self_
 
 
 def _sharded(family: str, stage: int, world: int, ep: int, tp: int = 1) -> list[dict[str, torch.Tensor]]:
-    dp = world // tp
-    cfg = _config(stage, dp * tp, ep, **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
 
-    def rank(comm):
-        sm = fnzero.shard(_build(family), config=cfg, comm=comm, tp_plan=ATTENTION_TP if tp > 1 else None)
-        assert sm.ep is not None and sm.ep.size == ep and sm.ep.stacked and (sm.tp is not None) == (tp > 1)
-        state = sm.init_state()
-        step = fnzero.train_step(lambda p, chunk: _loss(sm.apply(p, input_ids=chunk[:, :-1]), chunk), cfg)
-        d = comm.rank // tp  # the tp ranks of a group take the same chunks
-        for s in range(STEPS):
-            state, _ = step(state, [_chunk(s, d * ACCUM + i) for i in range(ACCUM)])
-        return sm.gather(state)
+    return simulated_world(world).run(lambda comm: train_on_rank(comm, family, stage, ep, tp))
 
-    return simulated_world(world).run(rank)
+
+def train_on_rank(comm, family: str, stage: int, ep: int, tp: int = 1) -> dict[str, torch.Tensor]:
+    """This rank's run (simulated or spawned): the consolidated parameters after STEPS steps."""
+    world = comm.world_size
+    cfg = _config(stage, world, ep, **({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {}))
+    sm = fnzero.shard(_build(family), config=cfg, comm=comm, tp_plan=ATTENTION_TP if tp > 1 else None)
+    assert sm.ep is not None and sm.ep.size == ep and sm.ep.stacked and (sm.tp is not None) == (tp > 1)
+    state = sm.init_state()
+    step = fnzero.train_step(lambda p, chunk: _loss(sm.apply(p, input_ids=chunk[:, :-1]), chunk), cfg)
+    d = comm.rank // tp  # the tp ranks of a group take the same chunks
+    for s in range(STEPS):
+        state, _ = step(state, [_chunk(s, d * ACCUM + i) for i in range(ACCUM)])
+    return sm.gather(state)
 
 
 def _assert_close(results, want):

@@ -30,8 +30,9 @@ RTOL_LOSS = {"bf16": 3e-2, "fp16": 5e-3}
 TP_CASES = {1: [], 2: [("gpt_tp", 0, 2)], 4: [("gpt_tp", 1, 2), ("gpt_tp", 3, 2)]}
 # Pipeline parallelism (specs/mesh.md §Pipeline): (stages, ZeRO stage, schedule) per world size.
 PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b", 1), (2, 1, "1f1b", 2)]}
-# Expert parallelism (specs/mesh.md §Expert parallelism): (ZeRO stage, ep) per world size.
-EP_CASES = {1: [], 2: [(3, 2)], 4: [(1, 2), (3, 4)]}
+# Expert parallelism (specs/mesh.md §Expert parallelism): (model, ZeRO stage, ep) per world size.
+EP_CASES = {1: [], 2: [("moe_gpt", 3, 2), ("mixtral", 1, 2)], 4: [("moe_gpt", 1, 2), ("moe_gpt", 3, 4),
+                                                                  ("deepseek_v3", 3, 2)]}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
@@ -108,14 +109,18 @@ def test_expert_parallel_moe_matches_reference(world_results):
     """Experts split over ep real gloo ranks (sub-groups of the default process group), tokens
     exchanged by all_to_all_single, expert units ZeRO-sharded over the expert-data-parallel ranks:
     every rank's consolidated parameters equal plain torch's (float64)."""
+    import test_moe_hf as hf
     import test_moe_sharded as moe
 
     world, out = world_results
     if not EP_CASES[world]:
         pytest.skip("expert parallelism needs 2 or more ranks")
-    want = moe._reference(world)
-    for stage, ep in EP_CASES[world]:
-        moe.assert_equal_to_reference([out[f"ep|{stage}|{ep}|rank{r}"]["params"] for r in range(world)], want)
+    for kind, stage, ep in EP_CASES[world]:
+        got = [out[f"ep|{kind}|{stage}|{ep}|rank{r}"]["params"] for r in range(world)]
+        if kind == "moe_gpt":
+            moe.assert_equal_to_reference(got, moe._reference(world))
+        else:
+            hf._assert_close(got, hf._reference(kind, world))
 
 
 def test_float32_losses_match_reference(world_results, references):
