@@ -164,3 +164,44 @@ def test_moe_models_without_a_preset_train_as_plain_torch(family, stage, world, 
     with pytest.warns(ConfigWarning, match=f"model_type '{family}' has no AutoEP preset"):
         fnzero.sharding.ep.autoep_replace(_build(family))
     _assert_close(_sharded(family, stage, world, ep), _reference(family, world))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_hugging_face_moe_in_pipeline_stages(stage):
+    """Mixtral cut by `hf_causal_lm` into pp 2 stages (its loss the model's causal-LM loss, no router
+    aux loss: that is gathered across layers, which a stage does not see), dp 2 per stage, ep 2:
+    each stage's MoE blocks' experts split over its dp ranks. Equal to plain torch, 1F1B."""
+    from fnzero.pipeline import causal_lm_loss, hf_causal_lm
+
+    def build():
+        model = _build("mixtral")
+        model.config.output_router_logits = False
+        return model
+
+    cfg = _config(stage, 4, 2, pipeline={"stages": 2})
+
+    def rank(comm):
+        sm = fnzero.shard(hf_causal_lm(build(), num_stages=2), config=cfg, comm=comm)
+        assert sm.ep is not None and sm.ep.size == 2 and len(sm.ep.modules) == 1  # one MoE block per stage
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm, "1f1b"), cfg)
+        dp_rank = comm.rank % 2  # rank = stage * 2 + dp rank
+        for s in range(STEPS):
+            ids = torch.cat([_chunk(s, dp_rank * ACCUM + i) for i in range(ACCUM)])[:, :-1]
+            state, _ = step(state, (ids, ids))
+        return sm.gather(state)
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(STEPS):
+        opt.zero_grad()
+        for i in range(2 * ACCUM):
+            ids = _chunk(s, i)[:, :-1]
+            (causal_lm_loss(model(input_ids=ids).logits, ids) / (2 * ACCUM)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for got in simulated_world(4).run(rank):
+        assert got and set(got) <= set(want)
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)

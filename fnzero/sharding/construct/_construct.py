@@ -98,6 +98,7 @@ def shard(
     mesh, ep = _mesh_for_experts(model, comm, mesh, config)
     if isinstance(model, PipelineModule):
         model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
+        replace_for_autoep(model, config, mesh.shape.ep)  # the stage's Hugging Face MoE blocks, if any
     if is_released(model):
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
     meta = is_meta_model(model)

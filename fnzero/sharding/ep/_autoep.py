@@ -106,7 +106,9 @@ def resolve_autoep_preset(model: nn.Module, preset_model: str | None = None, moe
     `experts` unless given); the patterns given override the preset's."""
     _child_name("expert_pattern", expert_pattern)
     _child_name("router_pattern", router_pattern)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    # A pipeline stage cut from a model names it `plan_source` (`sharding/pp/_module.py`).
+    source = model if hasattr(model, "config") else getattr(model, "plan_source", model)
+    model_type = getattr(getattr(source, "config", None), "model_type", None)
     if preset_model is not None:
         if preset_model not in AUTOEP_PRESETS:
             why = _NOT_OFFERED.get(preset_model, f"unknown preset_model {preset_model!r}")
