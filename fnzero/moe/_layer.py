@@ -92,6 +92,11 @@ class Experts(ExpertGroup):
         return torch.cat(outputs, dim=1)
 
 
+@torch.compiler.disable  # a collective of a thread world or process group, read on the host: not traced
+def _largest_capacity(comm, capacity: int, device: torch.device) -> int:
+    return int(comm.all_gather(torch.tensor([capacity], dtype=torch.int64, device=device)).max())
+
+
 def _exchange(buffers: torch.Tensor, experts: Experts, same_capacity: bool) -> torch.Tensor:
     """The experts' outputs for this rank's [experts, capacity, hidden] buffers, wherever the experts are.
 
@@ -104,10 +109,8 @@ def _exchange(buffers: torch.Tensor, experts: Experts, same_capacity: bool) -> t
     if comm is None or comm.world_size == 1:
         return experts(buffers.unsqueeze(0)).reshape(buffers.shape[0], buffers.shape[1], -1)
     num_experts, capacity, hidden = buffers.shape
-    most = capacity
-    if not same_capacity:
-        mine = torch.tensor([capacity], dtype=torch.int64, device=buffers.device)
-        most = int(comm.all_gather(mine).max())
+    most = capacity if same_capacity else _largest_capacity(comm, capacity, buffers.device)
+    if most > capacity:
         buffers = torch.cat([buffers, buffers.new_zeros(num_experts, most - capacity, hidden)], dim=1)
     received = all_to_all_grad(buffers.reshape(num_experts * most, hidden), comm, label="moe dispatch")
     out = experts(received.view(comm.world_size, num_experts // comm.world_size, most, hidden))

@@ -106,6 +106,9 @@ class HFExpertGroup(ExpertGroup):
             p = getattr(self, name)
             setattr(self, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
 
+    # Dropless routing sizes every exchange and every expert's batch from the routes' counts, read on
+    # the host, and the exchanges are collectives: the experts run eagerly, as the model's eager ones.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         top_k = top_k_index.shape[-1]

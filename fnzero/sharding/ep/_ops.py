@@ -28,6 +28,7 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None
 
 
+@torch.compiler.disable  # collectives of a thread world or process group: not traced
 def all_to_all_grad(x: torch.Tensor, comm, input_split_sizes: Sequence[int] | None = None,
                     output_split_sizes: Sequence[int] | None = None, label: str = "") -> torch.Tensor:
     """`comm.all_to_all` of `x` (rows of dim 0 split by `input_split_sizes`, equal when None),
