@@ -317,3 +317,20 @@ def test_the_configs_expert_parallel_block_sets_the_meshs_ep():
         return sm.ep.size, [sorted(b.moe.deepspeed_moe.experts.deepspeed_experts.keys()) for b in sm.module.blocks]
 
     assert simulated_world(4).run(rank) == [(2, [["0", "1"]] * 2), (2, [["2", "3"]] * 2)] * 2
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_experts_are_consolidated_from_every_ep_rank(stage):
+    """A layer's experts frozen (held whole by name at stage 1, as frozen units at stage 3): the
+    state_dict has every expert, by the whole layer's names, with the model's values."""
+    def rank(comm):
+        model = _build()
+        for p in model.blocks[0].moe.deepspeed_moe.experts.parameters():
+            p.requires_grad_(False)
+        sm = fnzero.shard(model, config=config(stage, 4), comm=comm, mesh=fnzero.make_mesh(comm, ep=2))
+        return sm.state_dict(sm.init_state())
+
+    want = _build().state_dict()
+    for got in simulated_world(4).run(rank):
+        assert got.keys() == want.keys()
+        assert [n for n in want if not torch.equal(got[n], want[n])] == []

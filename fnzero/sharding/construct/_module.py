@@ -302,10 +302,7 @@ class ShardedModule:
             full = full_unit(u, held(src[u.name], sources_of(self.sharding).params, u.name), unit_comm)
             if full.numel() != u.padded_numel:
                 full = unit_comm.all_gather(full)
-            views = unit_views(u, full)
-            if u.is_expert:  # every ep rank's experts of this layer (each holds the same layout)
-                every = self.ep.comm.all_gather(full).view(self.ep.size, -1)
-                views = self.ep.consolidate(u.module, [unit_views(u, every[j]) for j in range(self.ep.size)])
+            views = self.ep.unit_from_every_rank(u, full) if u.is_expert else unit_views(u, full)
             if rank0_only and self.comm.rank != 0:
                 continue
             for name, t in views.items():
@@ -334,6 +331,8 @@ class ShardedModule:
         out.update(self._whole_frozen(state.frozen, dtype))
         whole = {n: state.frozen[n] for n in self.plan.frozen}
         whole.update({alias: state.frozen[n] for alias, n in self.plan.frozen_aliases})
+        if self.ep is not None:
+            out.update(self.ep.whole_from_every_rank(whole))
         for name, t in {**whole, **state.buffers}.items():
             if self.tp is not None and name in state.frozen:
                 t = self.tp.gather_full(name, t)  # a frozen split parameter: collective over the tp ranks
@@ -344,8 +343,9 @@ class ShardedModule:
         """The frozen units' parameters, whole, by state_dict name (tied names included)."""
         out, source = {}, sources_of(self.sharding).frozen
         for u in self.plan.frozen_units:
-            full = full_unit(u, held(frozen[u.name], source, u.name), self.comm)
-            for name, t in unit_views(u, full).items():
+            full = full_unit(u, held(frozen[u.name], source, u.name), comm_for(u, self.comm, self.sharding.expert_comm))
+            views = self.ep.unit_from_every_rank(u, full) if u.is_expert else unit_views(u, full)
+            for name, t in views.items():
                 out[name] = t.to(dtype) if dtype is not None else t.clone()
         return out
 

@@ -80,3 +80,25 @@ class EPLayout:
                     out[prefix + there] = t
         out.update({name: torch.cat(ts, dim=0) for name, ts in pieces.items()})
         return out
+
+    def unit_from_every_rank(self, unit, full) -> dict[str, Any]:
+        """An expert unit's parameters on every ep rank (each holds the same layout of other experts),
+        by the whole layer's names, from this rank's full buffer: one all-gather over the ep ranks."""
+        from ..zero._gather import unit_views
+
+        every = self.comm.all_gather(full).view(self.size, -1)
+        return self.consolidate(unit.module, [unit_views(unit, every[j]) for j in range(self.size)])
+
+    def whole_from_every_rank(self, whole: dict[str, Any]) -> dict[str, Any]:
+        """The expert parameters among `whole` (name -> tensor held whole: frozen ones at stages
+        0-2) from every ep rank, by the whole layer's names, removed from `whole`: one all-gather per
+        tensor over the ep ranks (each holds the same tensors, in one order)."""
+        out: dict[str, Any] = {}
+        for module in self.modules:
+            mine = {n: t for n, t in whole.items() if n.startswith(module + ".")}
+            every = {n: self.comm.all_gather(t.contiguous().reshape(-1)).view(self.size, *t.shape)
+                     for n, t in mine.items()}
+            out.update(self.consolidate(module, [{n: g[j] for n, g in every.items()} for j in range(self.size)]))
+            for n in mine:
+                whole.pop(n)
+        return out
