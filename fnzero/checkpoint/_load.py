@@ -295,14 +295,7 @@ def load(
         return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
-        places = expert_places(like.sharding)  # every layer's experts, as the files hold them (`_ep.py`)
-        view = tp_check_view(like) if tp is not None else ep_check_view(like, places) if places else like
-        stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
-        check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
-        # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
-        # layers), or this rank's experts of each layer: each parameter is found by its name (`_by_name.py`).
-        by_name = stage_only or places is not None or not same_units(ix, unit_meta(view.sharding.plan))
-        slots = saved_slots(ix) if by_name else None
+        view, slots = _matched(ix, like, tp, keep_frozen)
         ep = like.sharding.ep
 
         def fill(leaf: Leaf) -> torch.Tensor:
@@ -344,6 +337,20 @@ def load(
             pp = like.sharding.pp  # a pipeline's ranks restore by their rank in the job
             _restore_rng(ix, pp.world.rank if pp is not None and pp.world is not None else like.sharding.rank)
         return state, ix.get("client_state")
+
+
+def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainState, dict | None]:
+    """(`like` as the files hold it: whole shapes, every layer's experts; the checkpoint's
+    parameters by name where they are read by name, else None), once `check_model` found the
+    checkpoint holds like's model."""
+    places = expert_places(like.sharding)  # every layer's experts, as the files hold them (`_ep.py`)
+    view = tp_check_view(like) if tp is not None else ep_check_view(like, places) if places else like
+    stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
+    check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
+    # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
+    # layers), or this rank's experts of each layer: each parameter is found by its name (`_by_name.py`).
+    by_name = stage_only or places is not None or not same_units(ix, unit_meta(view.sharding.plan))
+    return view, saved_slots(ix) if by_name else None
 
 
 def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
