@@ -17,6 +17,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from . import _format as F
+from ._ep import stored_place
 from ._same_model import mismatch
 from ._tree import Leaf
 
@@ -57,10 +58,12 @@ def _source(reader, top: str, rest: str, unit: str, dtype: torch.dtype) -> str:
     return own
 
 
-def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.Tensor, tp=None, fplan=None) -> torch.Tensor:
+def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.Tensor, tp=None, fplan=None,
+                 ep=None) -> torch.Tensor:
     """Fill `out` (flat: `leaf`'s elements of its unit) slot by slot from the stored units that
     hold each parameter's name. With `tp` (a TPLayout, `fplan` its whole-shape plan), each
-    parameter is read whole and cut to this rank's slice."""
+    parameter is read whole and cut to this rank's slice. With `ep` (an EPLayout), an expert
+    tensor stacked over the ep ranks is read at this rank's rows (`_ep.stored_place`)."""
     u = like.sharding.plan.unit(leaf.unit)
     fu = fplan.unit(leaf.unit) if fplan is not None else u
     top, _, rest = leaf.key.partition("/")
@@ -72,9 +75,11 @@ def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.T
         if a >= b or (per_param and s.offset != leaf.lo):
             continue
         hit = next((slots[n] for n in (s.name, *s.aliases) if n in slots), None)
-        if hit is None or hit[2] != tuple(fs.shape):
-            raise mismatch(s.name, tuple(fs.shape), None if hit is None else hit[2])
+        whole_shape, rows = stored_place(u, fs, ep)
+        if hit is None or hit[2] != whole_shape:
+            raise mismatch(s.name, whole_shape, None if hit is None else hit[2])
         unit, offset, shape = hit
+        offset += rows
         key = _source(reader, top, field, unit, out.dtype)
         split = tp.split_of(s.name, *s.aliases) if tp is not None else None
         if split is None:

@@ -11,6 +11,7 @@ from .._errors import CheckpointError
 from ..sharding.zero._param_store import ShardSource, held, read_placeholders, sources_of
 from ._export import _Entry, _cast_dtype, _check_arguments, _names, _write_all
 from ._hf_config import hf_source, module_source, write_hf_files
+from ._ep import check_ep_supported, expert_places
 from ._one_writer import Rounds
 
 __all__ = ["export_live"]
@@ -21,9 +22,14 @@ class _Gathered:
     group, one at a time, each after a round (`_one_writer.py`): the writer asks for a unit when
     it writes it, the others take part in the same gathers."""
 
-    def __init__(self, units, src: dict, comm, rounds: Rounds, source: ShardSource | None = None):
+    def __init__(self, units, src: dict, comm, rounds: Rounds, source: ShardSource | None = None, sharding=None):
         self.units, self.src, self.comm, self.rounds = units, src, comm, rounds
         self.source = source  # where placeholder shards are read from (`offload_param: nvme`)
+        # Expert parallelism: an expert unit is gathered over its expert-data-parallel ranks, then
+        # every ep rank's into the whole layer's (`_ep.py`).
+        self.ep = sharding.ep if sharding is not None else None
+        self.places = expert_places(sharding) if self.ep is not None else None
+        self.expert_comm = sharding.expert_comm if sharding is not None else None
         self.index = {u.name: i for i, u in enumerate(units)}
         self.next, self.full = 0, None  # the next unit to gather; the last one gathered (one alive at a time)
 
@@ -38,7 +44,11 @@ class _Gathered:
                 return False
             u = self.units[self.next]
             self.full = None  # drop the previous unit before gathering the next
-            self.full = full_unit(u, held(self.src[u.name], self.source, u.name), self.comm).cpu()
+            comm = self.expert_comm if u.is_expert else self.comm
+            full = full_unit(u, held(self.src[u.name], self.source, u.name), comm)
+            if u.is_expert:
+                full = self.places.consolidate(u, self.ep.comm.all_gather(full).view(self.ep.size, -1))
+            self.full = full.cpu()
             self.next += 1
         return True
 
@@ -80,6 +90,7 @@ def export_live(
         raise CheckpointError("export_live of a pipeline-parallel state is not implemented yet: save a checkpoint "
                               "(fnzero.checkpoint.save) and export it (fnzero.checkpoint.export, on every rank), "
                               "which needs no running job")
+    check_ep_supported(state, optimizer=False)
     if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
         state = consolidated(read_placeholders(state).replace(opt_state=None))
     plan, comm = state.sharding.plan, state.sharding.comm
@@ -87,7 +98,7 @@ def export_live(
     rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
     sources = sources_of(state.sharding)  # shards in NVMe stores are read a unit at a time
     units = _Gathered(plan.units, state.master if state.master is not None else state.params, comm, rounds,
-                      sources.params)
+                      sources.params, state.sharding)
     # Stage 3's frozen units, gathered after every trainable unit (`_live_entries`), unless left out.
     frozen = _Gathered(() if exclude_frozen else plan.frozen_units, state.frozen, comm, rounds, sources.frozen)
     if not writes:
@@ -109,7 +120,7 @@ def _live_entries(state, units: _Gathered, frozen: _Gathered, want, tied: str, e
     """What `export_live` writes from a (tensor-parallel: consolidated) state."""
     src = state.master if state.master is not None else state.params
     entries = []
-    for u in state.sharding.plan.units:
+    for u in units.places.whole.units if units.places is not None else state.sharding.plan.units:
         dt = _cast_dtype(src[u.name].dtype, want)
         for s in u.slots:
             for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):

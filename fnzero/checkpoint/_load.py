@@ -23,6 +23,7 @@ from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, r
 from ._tp import fill_tp_leaf, tp_check_view
 from ._by_name import fill_by_name, same_units, saved_slots
 from ._frozen import fill_frozen
+from ._ep import check_ep_supported, ep_check_view, expert_places
 from ._same_model import check_model, mismatch
 from ._tree import Leaf, rebuild_state, unit_meta
 
@@ -284,6 +285,7 @@ def load(
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
     from ..offload._checkpoint import is_nvme, like_in_memory, restore_into_store
 
+    check_ep_supported(like)
     if is_nvme(like) and tp is not None:
         raise CheckpointError("loading into a tensor-parallel state with its optimizer on NVMe is not implemented yet")
     if is_nvme(like):
@@ -293,12 +295,8 @@ def load(
         return restore_into_store(state, like), client
     with Reader(resolve(path, tag), verify=verify) as rd:
         ix = rd.index
-        view = tp_check_view(like) if tp is not None else like  # whole shapes: what the files hold
-        stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
-        check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
-        # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
-        # layers): each parameter is found by its name (`_by_name.py`).
-        slots = saved_slots(ix) if stage_only or not same_units(ix, unit_meta(view.sharding.plan)) else None
+        view, slots = _matched(ix, like, tp, keep_frozen)
+        ep = like.sharding.ep
 
         def fill(leaf: Leaf) -> torch.Tensor:
             t = leaf.tensor
@@ -308,7 +306,7 @@ def load(
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
-                return fill_by_name(leaf, like, rd, slots, out, tp, fplan).reshape(t.shape).to(t.device)
+                return fill_by_name(leaf, like, rd, slots, out, tp, fplan, ep).reshape(t.shape).to(t.device)
             key = source_key(rd, leaf, like)
             entry = rd.tensors[key]
             if tp is not None:  # whole parameters on disk, this rank's slices in like
@@ -339,6 +337,20 @@ def load(
             pp = like.sharding.pp  # a pipeline's ranks restore by their rank in the job
             _restore_rng(ix, pp.world.rank if pp is not None and pp.world is not None else like.sharding.rank)
         return state, ix.get("client_state")
+
+
+def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainState, dict | None]:
+    """(`like` as the files hold it: whole shapes, every layer's experts; the checkpoint's
+    parameters by name where they are read by name, else None), once `check_model` found the
+    checkpoint holds like's model."""
+    places = expert_places(like.sharding)  # every layer's experts, as the files hold them (`_ep.py`)
+    view = tp_check_view(like) if tp is not None else ep_check_view(like, places) if places else like
+    stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
+    check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
+    # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into
+    # layers), or this rank's experts of each layer: each parameter is found by its name (`_by_name.py`).
+    by_name = stage_only or places is not None or not same_units(ix, unit_meta(view.sharding.plan))
+    return view, saved_slots(ix) if by_name else None
 
 
 def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:

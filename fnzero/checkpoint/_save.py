@@ -35,6 +35,7 @@ from ..sharding.zero._param_store import read_placeholders
 from ..config import Config
 from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
+from ._ep import ExpertPlaces, check_ep_supported, expert_places
 from ._io import wait_for
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
@@ -158,13 +159,17 @@ def _rng_state() -> dict:
     return out
 
 
-def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None, exclude_frozen: bool = False):
+def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None, exclude_frozen: bool = False,
+            places: ExpertPlaces | None = None):
     """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order;
     nothing of the frozen parameters with `exclude_frozen`.
 
     `group` (a node-local save, `_nodes.py`): the ranks sharing this rank's directory. Each group
     then writes a whole copy of what is replicated: its first rank the non-unit leaves, its ranks
-    in equal parts the unit leaves every rank holds whole."""
+    in equal parts the unit leaves every rank holds whole.
+
+    `places` (expert parallelism, `_ep.py`): an expert unit's elements go to their places in the
+    whole layer's unit, one piece per parameter they hold."""
     plan, rank = state.sharding.plan, state.sharding.rank
     units = units_by_key(plan)
     seen: set[tuple[str, int, int]] = set()
@@ -195,9 +200,16 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None,
                 continue
             seen.add((leaf.key, lo, hi))
             flat = t.reshape(-1)[lo - leaf.lo : hi - leaf.lo]
-        flat = flat.to("cpu", copy=True) if copy else flat.cpu()
-        out.append((leaf.key, lo, hi, flat.contiguous()))
+            if places is not None:
+                for a, b, at in places.places(leaf.unit, lo, hi):
+                    out.append((leaf.key, a, b, _to_cpu(flat[at: at + b - a], copy)))
+                continue
+        out.append((leaf.key, lo, hi, _to_cpu(flat, copy)))
     return metas, out
+
+
+def _to_cpu(flat: torch.Tensor, copy: bool) -> torch.Tensor:
+    return (flat.to("cpu", copy=True) if copy else flat.cpu()).contiguous()
 
 
 def _node_local(node_local: bool | None, config: Any) -> bool:
@@ -269,6 +281,7 @@ def save(
     # Shards kept in NVMe stores (`offload_param: nvme`) are read now, as the optimizer store's are
     # below: the checkpoint is an ordinary one (`specs/offload.md` §Parameters).
     state = read_placeholders(state, frozen=not exclude_frozen_parameters)
+    check_ep_supported(state, _node_local(node_local, config))
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
         if exclude_frozen_parameters:
             raise CheckpointError("save(..., exclude_frozen_parameters=True) of a pipeline-parallel state is not "
@@ -320,9 +333,11 @@ def save(
     if rank == leader != 0:
         clean_stale(root, keep=staging)
 
-    metas, pieces = _pieces(state, copy=not blocking, group=group, exclude_frozen=exclude_frozen_parameters)
+    places = expert_places(sh)  # expert units: stored as their whole layers' (`_ep.py`)
+    metas, pieces = _pieces(state, copy=not blocking, group=group, exclude_frozen=exclude_frozen_parameters,
+                            places=places)
     extra = {"nonce": nonce, "rng": _rng_state()}
-    plan = sh.plan
+    plan = places.whole if places is not None else sh.plan
     head = index_head(state, tag, nonce, world, cfg_json, client_state, units=unit_meta(plan),
                       frozen_units=unit_meta(plan, frozen=True), frozen_excluded=bool(exclude_frozen_parameters))
     at = Where(root, staging, tag, nonce, rank, world, update_latest, timeout)

@@ -96,7 +96,7 @@ def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> 
         if t.numel() == u.padded_numel:
             lo = 0
         elif t.numel() == u.shard_numel:
-            lo = rank * u.shard_numel
+            lo = u.shard_range(rank)[0]  # (an expert unit's shards are its expert-data-parallel ranks')
         else:
             raise CheckpointError(
                 f"{path}: {t.numel()} elements is neither unit {u.name!r}'s full buffer ({u.padded_numel}) "
