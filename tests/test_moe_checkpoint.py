@@ -191,3 +191,26 @@ def test_what_is_not_built_yet_is_refused(tmp_path):
 
     simulated_world(2).run(rank)
     assert os.listdir(tmp_path) == []
+
+
+def test_hugging_face_moe_checkpoint_loads_at_other_ep_and_exports_for_from_pretrained(tmp_path):
+    """Mixtral through AutoEP (stacked expert tensors), saved at ep 2 (two ranks, ZeRO-3): loads
+    bit-identically at ep 1 (one rank, ZeRO-1) and ep 4 (ZeRO-3) with the next step equal to the
+    saving run's; exported from the checkpoint with the model's config, transformers'
+    `from_pretrained` reads it back as the saving run's weights (whole stacked tensors)."""
+    import test_moe_hf as H
+    from transformers import AutoModelForCausalLM
+
+    hf = {"model": lambda: H._build("mixtral"), "chunk": H._chunk,
+          "loss": lambda apply, chunk: H._loss(apply(chunk[:, :-1]), chunk)}
+    ckpt = str(tmp_path / "ckpt")
+    saved = _run(3, 2, 2, ckpt, save_first=True, **hf)
+    _loads_as_saved(saved, [(1, 1, 1), (3, 4, 4)], ckpt, **hf)
+    config_dir = tmp_path / "config"
+    H._build("mixtral").config.save_pretrained(config_dir)
+    export(ckpt, str(tmp_path / "out"), dtype="fp64", hf_config=str(config_dir))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    weights = {n[len("param/"):]: t for n, t in saved[0].items() if n.startswith("param/")}
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), weights[name]), name
