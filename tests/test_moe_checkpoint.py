@@ -53,20 +53,23 @@ def _named(sm, state) -> dict[str, torch.Tensor]:
 
 
 def _run(stage: int, world: int, ep: int, ckpt: str, save_first: bool, extra=None, model=_model, loss=M._loss,
-         chunk=M._chunk):
-    """Save (after one step) or load a checkpoint at this mesh; returns (the state's named tensors
-    then, the parameters after the next step, what `extra(sm, state, comm)` gave on rank 0)."""
-    cfg = _config(stage, world)
+         chunk=M._chunk, tp: int = 1):
+    """Save (after one step) or load a checkpoint at this mesh (`tp` > 1: the MoE GPT's attention
+    split, `M.TP_PLAN`); returns (the state's named tensors then, the parameters after the next
+    step, what `extra(sm, state, comm)` gave on rank 0)."""
+    dp = world // tp
+    cfg = _config(stage, dp)
 
     def rank(comm):
-        sm = fnzero.shard(model(), config=cfg, comm=comm, mesh=fnzero.make_mesh(comm, ep=ep))
+        mesh = fnzero.make_mesh(comm, ep=ep, tp=tp)
+        sm = fnzero.shard(model(), config=cfg, comm=comm, mesh=mesh, tp_plan=M.TP_PLAN if tp > 1 else None)
         state = sm.init_state()
-        assert (state.sharding.ep is not None) == (ep > 1)
+        assert (state.sharding.ep is not None, state.sharding.tp is not None) == (ep > 1, tp > 1)
         step = fnzero.train_step(lambda params, batch: loss(lambda x: sm.apply(params, x), batch), cfg)
-        accum = CHUNKS // world
+        accum = CHUNKS // dp
 
         def batch(s):
-            return [chunk(s, comm.rank * accum + i) for i in range(accum)]
+            return [chunk(s, mesh.coords["dp"] * accum + i) for i in range(accum)]
 
         if save_first:
             state, _ = step(state, batch(0))
@@ -82,11 +85,12 @@ def _run(stage: int, world: int, ep: int, ckpt: str, save_first: bool, extra=Non
     return named, after, more
 
 
-def _loads_as_saved(saved, at: list[tuple[int, int, int]], ckpt: str, next_step: bool = True, **model) -> None:
+def _loads_as_saved(saved, at: list[tuple[int, ...]], ckpt: str, next_step: bool = True, **model) -> None:
+    """Loaded at each (stage, world, ep[, tp]): named tensors bit-identical, the next step equal."""
     want, want_next, _ = saved
-    for stage, world, ep in at:
-        got, got_next, _ = _run(stage, world, ep, ckpt, save_first=False, **model)
-        where = f"stage {stage}, world {world}, ep {ep}"
+    for stage, world, ep, *tp in at:
+        got, got_next, _ = _run(stage, world, ep, ckpt, save_first=False, tp=tp[0] if tp else 1, **model)
+        where = f"stage {stage}, world {world}, ep {ep}, tp {tp[0] if tp else 1}"
         assert got.keys() == want.keys(), where
         for n in want:
             assert torch.equal(got[n], want[n]), f"{where}: {n}"
@@ -123,6 +127,13 @@ def test_ep2_world4_stage3_checkpoint_loads_anywhere(tmp_path):
     ranks): loads at ep 1 (two ranks, stage 1), ep 4 (stage 3) and ep 2 over two ranks (stage 2)."""
     saved = _run(3, 4, 2, str(tmp_path), save_first=True)
     _loads_as_saved(saved, [(1, 2, 1), (3, 4, 4), (2, 2, 2)], str(tmp_path))
+
+
+def test_ep2_x_tp2_checkpoint_loads_without_either_and_with_both(tmp_path):
+    """Saved at ep 2 x tp 2 (four ranks, ZeRO-3: attention split over tp, experts over ep): an
+    ordinary checkpoint, loaded at ep 1 without tp (two ranks), ep 4, tp 2 alone and ep 2 x tp 2."""
+    saved = _run(3, 4, 2, str(tmp_path), save_first=True, tp=2)
+    _loads_as_saved(saved, [(1, 2, 1), (1, 4, 4), (3, 4, 1, 2), (3, 4, 2, 2)], str(tmp_path))
 
 
 def test_ep1_checkpoint_loads_at_ep2(tmp_path):

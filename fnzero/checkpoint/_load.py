@@ -343,8 +343,9 @@ def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainSt
     """(`like` as the files hold it: whole shapes, every layer's experts; the checkpoint's
     parameters by name where they are read by name, else None), once `check_model` found the
     checkpoint holds like's model."""
-    places = expert_places(like.sharding)  # every layer's experts, as the files hold them (`_ep.py`)
-    view = tp_check_view(like) if tp is not None else ep_check_view(like, places) if places else like
+    view = tp_check_view(like) if tp is not None else like  # whole shapes where tp split them
+    places = expert_places(view.sharding)  # every layer's experts, as the files hold them (`_ep.py`)
+    view = ep_check_view(view, places) if places else view
     stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # some of the model's layers
     check_model(ix, view, subset=stage_only, keep_frozen=keep_frozen)
     # Other units than the checkpoint's (a pipeline stage, another wrap policy, a model cut into

@@ -41,8 +41,10 @@ def full_plan(plan: ShardPlan, tp) -> ShardPlan:
             shape = split.full_shape if split is not None else s.shape
             slots.append(ParamSlot(s.name, tuple(shape), offset, s.aliases))
             offset += math.prod(shape)
-        padded = padded_size(offset, n)
-        units.append(dataclasses.replace(u, slots=tuple(slots), numel=offset, padded_numel=padded, shard_numel=padded // n))
+        sharing = n // u.ep  # an expert unit is shared by its expert-data-parallel ranks only
+        padded = padded_size(offset, sharing)
+        units.append(dataclasses.replace(u, slots=tuple(slots), numel=offset, padded_numel=padded,
+                                         shard_numel=padded // sharing))
     return dataclasses.replace(plan, units=tuple(units))
 
 
@@ -63,6 +65,8 @@ def consolidated(state: TrainState) -> TrainState:
             split = tp.split_of(name) if top == "frozen" else None
             return tp.gather_full(name, t) if split is not None else t
         u, fu = units[leaf.unit], full_units[leaf.unit]
+        if u.is_expert:  # experts are whole on every tensor-parallel rank (no slot of theirs is split)
+            return t
         if _per_param(leaf):  # one parameter's own state (Lamb)
             slot = next(s for s in u.slots if s.offset == leaf.lo)
             return tp.gather_full(slot.name, t) if tp.split_of(slot.name, *slot.aliases) is not None else t
@@ -79,7 +83,7 @@ def consolidated(state: TrainState) -> TrainState:
         return full[lo:hi].clone()
 
     new = rebuild_state(state, convert)
-    return new.replace(sharding=Sharding(fplan, comm, sh.device))
+    return new.replace(sharding=Sharding(fplan, comm, sh.device, ep=sh.ep))
 
 
 def tp_check_view(like: TrainState) -> TrainState:
@@ -88,7 +92,7 @@ def tp_check_view(like: TrainState) -> TrainState:
     frozen = {n: torch.empty(tp.split_of(n).full_shape, device="meta") if tp.split_of(n) is not None else t
               for n, t in like.frozen.items()}  # fmt: skip
     sh = like.sharding
-    return like.replace(frozen=frozen, sharding=Sharding(full_plan(sh.plan, sh.tp), sh.comm, sh.device))
+    return like.replace(frozen=frozen, sharding=Sharding(full_plan(sh.plan, sh.tp), sh.comm, sh.device, ep=sh.ep))
 
 
 def fill_tp_leaf(leaf: Leaf, like: TrainState, fplan: ShardPlan, read, key: str, out: torch.Tensor) -> torch.Tensor:
