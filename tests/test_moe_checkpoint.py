@@ -26,6 +26,9 @@ from fnzero.sharding.ep._group import ExpertGroup
 from fnzero.testing import seeded, simulated_world
 
 CHUNKS = 4  # token chunks per step, whatever the world size (each micro-batch is one)
+# Loads leave torch's RNG alone (`restore_rng=False`): the simulated ranks are threads sharing one
+# generator, and a rank restoring it while another builds its model under `seeded` would change
+# that rank's weights (the build would no longer be reproducible).
 
 
 def _model():
@@ -75,7 +78,7 @@ def _run(stage: int, world: int, ep: int, ckpt: str, save_first: bool, extra=Non
             state, _ = step(state, batch(0))
             save(ckpt, state, tag="t")
         else:
-            state, _ = load(ckpt, like=state)
+            state, _ = load(ckpt, like=state, restore_rng=False)  # threads share torch's RNG: see below
         named = _named(sm, state)
         more = extra(sm, state, comm) if extra is not None else None
         state, _ = step(state, batch(int(state.step)))
@@ -225,3 +228,49 @@ def test_hugging_face_moe_checkpoint_loads_at_other_ep_and_exports_for_from_pret
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name
+
+
+def _pipelined_or_whole(stage: int, world: int, ep: int, pp: int, ckpt: str, save_first: bool) -> dict:
+    """Every rank's consolidated parameters and moments (a pipeline's stages together) after saving
+    (one step) or loading, with the MoE GPT cut into pp stages (`test_moe_sharded`'s layers)."""
+    from fnzero.pipeline import PipelineModule
+
+    dp = world // pp
+    cfg = M.config(stage, world, pipeline={"stages": pp}) if pp > 1 else _config(stage, dp)
+
+    def rank(comm):
+        model, mesh = _model(), fnzero.make_mesh(comm, pp=pp, ep=ep)
+        if pp > 1:
+            layers = [M._EmbedLayer(model), *(M._BlockLayer(b) for b in model.blocks), M._HeadLayer(model.head)]
+            pipe = PipelineModule(layers, M._pipe_loss, num_stages=pp, partition_method="uniform", names_from=model)
+            sm = fnzero.shard(pipe, config=cfg, comm=comm, mesh=mesh)
+            step = fnzero.train_step(fnzero.pipeline_loss(sm, "1f1b"), cfg)
+        else:
+            sm = fnzero.shard(model, config=cfg, comm=comm, mesh=mesh)
+            step = fnzero.train_step(lambda params, batch: M._loss(lambda x: sm.apply(params, x), batch), cfg)
+        state = sm.init_state()
+        if save_first:
+            accum = CHUNKS // dp
+            chunks = torch.cat([M._chunk(0, mesh.coords["dp"] * accum + i) for i in range(accum)])
+            state, _ = step(state, (chunks[:, :-1], chunks[:, 1:]) if pp > 1 else list(chunks.split(2)))
+            save(ckpt, state, tag="t")
+        else:
+            state, _ = load(ckpt, like=state, restore_rng=False)  # threads share torch's RNG: see below
+        return _named(sm, state)
+
+    out: dict = {}
+    for named in simulated_world(world).run(rank):
+        out.update(named)
+    return out
+
+
+def test_ep2_pipeline_checkpoint_loads_at_other_meshes(tmp_path):
+    """Saved at pp 2 x dp 2 with ep 2 (each stage's experts split over its dp ranks, ZeRO-1): one
+    checkpoint, loaded without a pipeline at ep 1 (two ranks) and ep 4, and as pipelines at ep 2 and
+    ep 1; parameters and moments bit-identical."""
+    want = _pipelined_or_whole(1, 4, 2, 2, str(tmp_path), save_first=True)
+    assert any(".deepspeed_experts.3." in n for n in want)
+    for stage, world, ep, pp in [(1, 2, 1, 1), (3, 4, 4, 1), (0, 4, 2, 2), (1, 2, 1, 2)]:
+        got = _pipelined_or_whole(stage, world, ep, pp, str(tmp_path), save_first=False)
+        assert got.keys() == want.keys(), (stage, world, ep, pp)
+        assert [n for n in want if not torch.equal(got[n], want[n])] == [], (stage, world, ep, pp)

@@ -112,8 +112,6 @@ def check_ep_supported(state: TrainState, node_local: bool = False, optimizer: b
     sh = state.sharding
     if sh.ep is None:
         return
-    if sh.pp is not None and sh.pp.stages > 1:
-        raise CheckpointError("checkpoints of a state with both expert and pipeline parallelism are not implemented yet")
     if optimizer and is_nvme(state):
         raise CheckpointError("checkpoints of an expert-parallel state with its optimizer on NVMe (offload_optimizer: "
                               "nvme) are not implemented yet: offload it to the CPU instead")

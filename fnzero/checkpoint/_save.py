@@ -142,8 +142,10 @@ def _save_pipelined(path, state: TrainState, tag, client_state, config, update_l
     if is_nvme(state):  # the store's files, read now in the layout a CPU-offload run holds (specs/offload.md)
         state = materialize(state)
     whole, writes = (consolidated(state), tp.rank == 0) if split else (state, True)  # consolidated: over dp and tp
-    pieces = _pieces(whole, copy=False) if writes else ({}, [])
-    units = unit_meta(whole.sharding.plan) if writes and whole.sharding.rank == 0 else None
+    places = expert_places(whole.sharding)  # expert units: stored as their whole layers' (`_ep.py`)
+    pieces = _pieces(whole, copy=False, places=places) if writes else ({}, [])
+    plan = places.whole if places is not None else whole.sharding.plan
+    units = unit_meta(plan) if writes and whole.sharding.rank == 0 else None
     handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))
     handle._run(lambda: save_pipelined(path, whole, pp, tag=handle.tag, client_state=client_state, config=config,
                                        update_latest=update_latest, timeout=timeout, pieces=pieces, units=units,
