@@ -18,6 +18,7 @@ import fnzero
 from fnzero import CheckpointError
 from fnzero.checkpoint import _format as F
 from fnzero.checkpoint import info, load, save
+from fnzero.testing import seeded
 from fnzero.testing._threads import simulated_world
 
 
@@ -304,3 +305,32 @@ def test_checksum_thread_works_in_a_forked_child(tmp_path):
             raise AssertionError("the forked child hung on the checksum thread")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_merged_index_that_would_not_validate_fails_on_every_rank_without_waiting(tmp_path, monkeypatch):
+    """If the committing rank's merge made an index no loader would accept, the commit fails before
+    anything is renamed into place, and every other rank hears it from the failure marker at once
+    (it used to read the committed index as "not committed yet" until the save timeout)."""
+    from fnzero.checkpoint import _commit
+
+    real = _commit.commit
+
+    def broken(root, tag, staging, index, nonce, update_latest):
+        return real(root, tag, staging, {**index, "world_size": -1}, nonce, update_latest)
+
+    monkeypatch.setattr(_commit, "commit", broken)
+    monkeypatch.setattr("fnzero.checkpoint._protocol.commit", broken)
+
+    def rank(comm):
+        with seeded(0):
+            model = nn.Linear(4, 4)
+        sm = fnzero.shard(model, stage=1, comm=comm,
+                          config=fnzero.load_config({"train_batch_size": 2, "optimizer": {"type": "SGD"}},
+                                                    world_size=2))
+        with pytest.raises(CheckpointError) as e:
+            save(tmp_path, sm.init_state(), tag="t", timeout=60)
+        return str(e.value)
+
+    messages = simulated_world(2).run(rank)
+    assert "world_size" in messages[0] and "rank 0 failed to commit" in messages[1]
+    assert not (tmp_path / "t").exists()

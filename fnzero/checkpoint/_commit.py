@@ -41,7 +41,12 @@ def read_part(staging: str, r: int, nonce: int):
 
 
 def commit(root: str, tag: str, staging: str, index: dict, nonce: int, update_latest: bool) -> None:
-    write_atomic(os.path.join(staging, F.INDEX_NAME), F.seal(index))
+    # The index every loader will validate, validated before it is committed: a merge that made a
+    # bad one fails here, and the failure marker tells the waiting ranks at once, where they would
+    # otherwise read a committed index that never validates as "not committed yet" until the timeout.
+    sealed = F.seal(index)
+    F.validate_index(F.unpack(sealed, "the merged checkpoint index"))
+    write_atomic(os.path.join(staging, F.INDEX_NAME), sealed)
     fsync_dir(staging)
     final = os.path.join(root, tag)
     if os.path.exists(final):
