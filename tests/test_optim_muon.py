@@ -237,11 +237,6 @@ def test_muon_config_refusals(params, match):
         fnzero.load_config({**MINIMAL, "optimizer": {"type": "Muon", "params": params}})
 
 
-def test_muon_torch_adam_warns_no_effect():
-    with pytest.warns(fnzero.config.ConfigWarning, match="torch_adam"):
-        fnzero.load_config({**MINIMAL, "optimizer": {"type": "Muon", "params": {"torch_adam": True}}})
-
-
 def test_adam_follows_the_schedule_as_deepspeed_schedulers_set_it():
     """WarmupCosineLR scales each group's own lr (Adam's stays in proportion); WarmupLR sets every
     group's lr to the schedule's (DeepSpeed's `_format_param`), Adam's too."""
