@@ -267,6 +267,11 @@ OPTIMIZER_DEFAULTS = {
         "max_grad_norm": 0.0, "max_coeff": 10.0, "min_coeff": 0.01,
     },
     "Lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},  # ops/lion/fused_lion.py FusedLion
+    # runtime/zero/muon/original_muon.py MuonWithAuxAdam's group defaults; engine.py `_muon_half_defaults`
+    "Muon": {
+        "lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram",
+        "betas": [0.9, 0.95], "eps": 1e-10, "adam_w_mode": True, "torch_adam": False, "per_head_muon": False,
+    },
 }
 
 # runtime/lr_schedules.py constructors; the values given are the ones DeepSpeed requires (no default).
@@ -353,6 +358,7 @@ NO_EFFECT = [
     ("aio.overlap_events", {"aio": {"overlap_events": False}}),
     ("checkpoint.tag_validation", {"checkpoint": {"tag_validation": "fail"}}),
     ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),
+    ("optimizer.params.torch_adam", {"optimizer": {"type": "Muon", "params": {"torch_adam": True}}}),
 ]
 
 

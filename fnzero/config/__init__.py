@@ -20,8 +20,8 @@ from ._load import load_config, read_config
 from ._models import Config
 from ._noop import ConfigWarning
 from ._optim_models import (
-    OPTIMIZER_TYPES, AdagradParams, AdamParams, AdamWParams, LambParams, LionParams, OptimizerConfig,
-    OptimizerParams, SGDParams,
+    OPTIMIZER_TYPES, AdagradParams, AdamParams, AdamWParams, LambParams, LionParams, MuonParams,
+    OptimizerConfig, OptimizerParams, SGDParams,
 )
 from ._sched_models import (
     SCHEDULER_TYPES, LRRangeTestParams, OneCycleParams, SchedulerConfig, SchedulerParams, WarmupCosineLRParams,
@@ -41,7 +41,7 @@ __all__ = [
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",
     "ParallelWriteConfig", "WatchdogConfig", "CompileConfig", "TimersConfig", "ThroughputTimerConfig", "LeafModuleConfig",
     "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
-    "OPTIMIZER_TYPES", "ExpertParallelConfig",
+    "MuonParams", "OPTIMIZER_TYPES", "ExpertParallelConfig",
     "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
     "LRRangeTestParams", "SCHEDULER_TYPES",
 ]

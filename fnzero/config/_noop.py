@@ -132,6 +132,11 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: True if c.checkpoint.load_universal else None,
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",
     ),
+    "optimizer.params.torch_adam": (
+        lambda c: True if c.optimizer is not None and c.optimizer.type == "Muon" and c.optimizer.params.torch_adam
+        else None,
+        "Muon's auxiliary Adam is fnzero's adam_chain either way (DeepSpeed's torch.optim.AdamW computes the same update)",
+    ),
 }
 
 

@@ -16,7 +16,7 @@ from ._types import Bool, Float, Model, Pair
 
 __all__ = [
     "OptimizerConfig", "OptimizerParams", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES",
-    "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
+    "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams", "MuonParams",
 ]
 
 NonNegFloat = Annotated[Float, Field(ge=0.0)]
@@ -136,18 +136,54 @@ class LionParams(Model):
         return self
 
 
+class MuonParams(Model):
+    """`optimizer.params` for type Muon (DeepSpeed 0.19.8 runtime/engine.py `_muon_param_groups` and
+    runtime/zero/muon/original_muon.py `MuonWithAuxAdam`): Muon for the hidden matrices, Adam for the rest.
+    `lr` and `weight_decay` are shared; `muon_lr` / `adam_lr` override `lr` for one half."""
+
+    lr: NonNegFloat = Field(0.02, description="Learning rate of both halves unless muon_lr / adam_lr is given; "
+                            "when absent Muon's is 0.02 and Adam's 3e-4.")
+    muon_lr: NonNegFloat = Field(0.02, description="Muon's learning rate; absent = lr.")
+    adam_lr: NonNegFloat = Field(3e-4, description="The auxiliary Adam's learning rate; absent = lr, or 3e-4 "
+                                 "when lr is absent too.")
+    momentum: Annotated[Float, Field(ge=0.0, lt=1.0)] = Field(0.95, description="Muon's momentum (Nesterov).")
+    weight_decay: NonNegFloat = Field(0.0, description="Decoupled weight decay of both halves.")
+    ns_method: Literal["gram", "standard"] = Field("gram", description="Newton-Schulz variant.")
+    betas: Pair = Field((0.9, 0.95), description="The auxiliary Adam's betas.")
+    eps: NonNegFloat = Field(1e-10, description="The auxiliary Adam's eps.")
+    adam_w_mode: Bool = Field(True, description="Decoupled weight decay for the auxiliary Adam (false: L2).")
+    torch_adam: Bool = Field(False, description="DeepSpeed builds torch.optim.AdamW for the auxiliary Adam; "
+                             "the same update (accepted, no effect).")
+    per_head_muon: Literal[False] = Field(False, description="Per-attention-head orthogonalisation; not "
+                                          "implemented, must be false.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _half_lrs(cls, data: object) -> object:
+        # Defaults that depend on another key, as DeepSpeed's `_muon_half_defaults`: each half takes
+        # the shared lr when given, else its own class default (Muon 0.02, Adam 3e-4).
+        if isinstance(data, dict) and "lr" in data:
+            data = {"muon_lr": data["lr"], "adam_lr": data["lr"], **data}
+        return data
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "MuonParams":
+        _check_betas(self.betas, "betas")
+        return self
+
+
 OPTIMIZER_PARAMS: dict[str, type[Model]] = {
     "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams,
-    "Adagrad": AdagradParams, "Lamb": LambParams, "Lion": LionParams,
+    "Adagrad": AdagradParams, "Lamb": LambParams, "Lion": LionParams, "Muon": MuonParams,
 }
 OPTIMIZER_TYPES = tuple(OPTIMIZER_PARAMS)
-OptimizerParams = Union[AdamParams, AdamWParams, SGDParams, AdagradParams, LambParams, LionParams]
+OptimizerParams = Union[AdamParams, AdamWParams, SGDParams, AdagradParams, LambParams, LionParams, MuonParams]
 
 
 class OptimizerConfig(Model):
     """`optimizer`: `type` (matched case-insensitively, stored canonically) and its validated `params`."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion"] = Field(description="Optimizer type.")
+    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon"] = Field(description="Optimizer type.")
     params: OptimizerParams = Field(description="Per-type parameters; model_dump() gives constructor kwargs.")
     legacy_fusion: Literal[False] = Field(False, description="DeepSpeed legacy fused-kernel switch; must be false.")
 

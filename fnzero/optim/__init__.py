@@ -20,7 +20,7 @@ and the ``elementwise`` property are in specs/optim.md.
 (1, [0.0, 0.0, 0.0])
 
 Gradient transformations compose the same optimizers from parts (`chain`, `scale_by_adam`,
-`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`, ...): every DeepSpeed
+`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`, `scale_by_muon`, `partition`, ...): every DeepSpeed
 optimizer name is a chain (`adamw_chain`, ..., `chain_from_config`), the factories above are its
 fused implementations on the device, `host_optimizer` (fnzero's C kernels: ZeRO-Offload) on the
 host, and `as_optimizer(chain)` runs a chain of your own in `fnzero.train_step`.
@@ -29,11 +29,14 @@ host, and `as_optimizer(chain)` runs a chain of your own in `fnzero.train_step`.
 from ._adagrad import AdagradState, adagrad
 from ._adam import AdamState, adam, adamw
 from ._base import Optimizer, OptState, Params
-from ._chains import CHAINS, adagrad_chain, adam_chain, adamw_chain, lamb_chain, lion_chain, sgd_chain
+from ._chains import (
+    CHAINS, adagrad_chain, adam_chain, adamw_chain, lamb_chain, lion_chain, muon, muon_chain, sgd_chain,
+)
 from ._config import chain_from_config, from_config, host_from_config
 from ._host import host_optimizer
 from ._lamb import LambState, lamb
 from ._lion import LionState, lion
+from ._muon import PartitionState, ScaleByMuonState, partition, scale_by_muon, uses_muon
 from ._sgd import SGDState, sgd
 from ._transform import (
     CountState, GradientTransformation, ScaleByAdamState, ScaleByLionState, ScaleByRssState, TraceState, add_decayed_weights,
@@ -45,11 +48,12 @@ from ._transform import (
 __all__ = [
     "Optimizer", "Params", "OptState",
     "AdamState", "SGDState", "AdagradState", "LambState", "LionState",
-    "adam", "adamw", "sgd", "adagrad", "lamb", "lion",
+    "adam", "adamw", "sgd", "adagrad", "lamb", "lion", "muon",
     "from_config", "chain_from_config", "host_optimizer", "host_from_config",
     "GradientTransformation", "chain", "apply_updates", "as_optimizer", "scale", "scale_by_learning_rate",
     "scale_by_adam", "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay",
     "scale_by_trust_ratio", "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale",
     "CountState", "ScaleByAdamState", "TraceState", "ScaleByLionState", "ScaleByRssState",
-    "CHAINS", "adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain",
+    "CHAINS", "adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain",
+    "scale_by_muon", "partition", "uses_muon", "ScaleByMuonState", "PartitionState",
 ]

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from fnzero._errors import ConfigError
+
+from . import _validate as check
+from ._base import Optimizer
+from ._muon import ADAM_DEFAULT_LR, MUON_DEFAULT_LR, partition, scale_by_muon, uses_muon
 from ._transform import (
-    GradientTransformation, add_decayed_weights, chain, scale_by_adam, scale_by_bias_correction, scale_by_learning_rate,
-    scale_by_lion, scale_by_lr_decay, scale_by_rss, scale_by_trust_ratio, trace,
+    GradientTransformation, add_decayed_weights, as_optimizer, chain, scale_by_adam, scale_by_bias_correction,
+    scale_by_learning_rate, scale_by_lion, scale_by_lr_decay, scale_by_rss, scale_by_trust_ratio, trace,
 )
 
-__all__ = ["adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "CHAINS"]
+__all__ = ["adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain", "muon",
+           "CHAINS"]
 
 
 def adam_chain(lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -70,8 +76,51 @@ def lion_chain(lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *
     return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
 
 
+def muon_chain(lr: float | None = None, momentum: float = 0.95, weight_decay: float = 0.0, ns_method: str = "gram",
+               betas=(0.9, 0.95), eps: float = 1e-10, adam_w_mode: bool = True, muon_lr: float | None = None,
+               adam_lr: float | None = None, nesterov: bool = True, ns_steps: int = 5,
+               adam_lr_ratio: float | None = None, select: Callable[[str, tuple[int, ...]], bool] = uses_muon,
+               per_head_muon: bool = False, **ignored: Any) -> GradientTransformation:
+    """DeepSpeed's Muon with its auxiliary Adam, by DeepSpeed's config keys: for the parameters
+    `select` chooses (`uses_muon`) `scale_by_muon → add_decayed_weights(weight_decay) → lr` at
+    `muon_lr` (else `lr`, else 0.02); for the rest Adam (`adam_chain`: bias-corrected, decoupled
+    decay unless `adam_w_mode` is false) at `adam_lr` (else `lr`, else 3e-4). A step's `lr=` extra
+    (the schedule's) is Muon's; Adam's is it times `adam_lr_ratio` (default: Adam's lr over
+    Muon's, so both follow the schedule in proportion)."""
+    check.extra_kwargs("muon", ignored)
+    if per_head_muon:
+        raise ConfigError("muon: per_head_muon=True (per-attention-head orthogonalisation) is not implemented; "
+                          "set it to false")
+    lr_muon = check.number("muon", "muon_lr", _first(muon_lr, lr, MUON_DEFAULT_LR))
+    lr_adam = check.number("muon", "adam_lr", _first(adam_lr, lr, ADAM_DEFAULT_LR))
+    if adam_lr_ratio is None:
+        adam_lr_ratio = lr_adam / lr_muon if lr_muon > 0 else 1.0
+    check.number("muon", "weight_decay", weight_decay)
+    muon_half = chain(scale_by_muon(momentum, nesterov, ns_steps, ns_method), add_decayed_weights(weight_decay),
+                      scale_by_learning_rate(lr_muon))
+    b1, b2 = check.betas("muon", betas)
+    adam_half = adam_chain(lr_adam, (b1, b2), check.number("muon", "eps", eps), weight_decay,
+                           check.flag("muon", "adam_w_mode", adam_w_mode), True)
+
+    def adam_extra(extra: dict) -> dict:
+        step_lr = extra.get("lr")
+        return extra if step_lr is None else {**extra, "lr": step_lr * adam_lr_ratio}
+
+    return partition(select, muon_half, adam_half, outside_extra=adam_extra)
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def muon(**kwargs: Any) -> Optimizer:
+    """`muon_chain(**kwargs)` as an `Optimizer` (`as_optimizer`): not elementwise, so it runs where
+    every rank holds whole parameters (ZeRO stage 0)."""
+    return as_optimizer(muon_chain(**kwargs))
+
+
 # Keyed by the lower-cased DeepSpeed optimizer type, as `_config.FACTORIES`.
 CHAINS: dict[str, Callable[..., GradientTransformation]] = {
     "adam": adam_chain, "adamw": adamw_chain, "sgd": sgd_chain, "adagrad": adagrad_chain, "lamb": lamb_chain,
-    "lion": lion_chain,
+    "lion": lion_chain, "muon": muon_chain,
 }

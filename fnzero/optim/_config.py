@@ -10,7 +10,7 @@ from fnzero._errors import ConfigError
 from ._adagrad import adagrad
 from ._adam import adam, adamw
 from ._base import Optimizer
-from ._chains import CHAINS
+from ._chains import CHAINS, muon
 from ._host import host_optimizer
 from ._transform import GradientTransformation
 from ._lamb import lamb
@@ -21,12 +21,13 @@ __all__ = ["from_config", "chain_from_config", "host_from_config"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
-    "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion,
+    "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion, "muon": muon,
 }
-CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion")
+CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon")
 # The lr each factory uses when a config gives none; schedules need it too (WarmupCosineLR
 # scales it, and it is the constant lr when there is no scheduler).
-DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-3, "adagrad": 1e-2, "lamb": 1e-3, "lion": 1e-4}
+DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-3, "adagrad": 1e-2, "lamb": 1e-3, "lion": 1e-4,
+                             "muon": 0.02}
 # Optimizers whose torch/DeepSpeed class has `betas`; DeepSpeed's OneCycle only cycles momentum
 # for these and logs that it disabled cycle_momentum for the others (SGD, Adagrad).
 HAS_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
@@ -59,6 +60,21 @@ def optimizer_kind(cfg: Any) -> str:
     return kind
 
 
+# DeepSpeed schedulers that scale each param group's own lr; the others set every group's lr to
+# the same absolute value (runtime/lr_schedules.py `_format_param`), Muon's two halves included.
+_SCALING_SCHEDULERS = frozenset({"warmupcosinelr"})
+
+
+def _params(cfg: Any, kind: str) -> dict[str, Any]:
+    """The factory's keyword arguments: the `params` block, and for Muon how its Adam half follows
+    the schedule (in proportion, or at the schedule's lr itself as DeepSpeed's absolute schedulers)."""
+    params = params_dict(cfg.optimizer.params)
+    sched = getattr(cfg, "scheduler", None)
+    if kind == "muon" and sched is not None and str(sched.type).lower() not in _SCALING_SCHEDULERS:
+        params["adam_lr_ratio"] = 1.0
+    return params
+
+
 def from_config(cfg: Any) -> Optimizer:
     """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params``.
 
@@ -69,7 +85,7 @@ def from_config(cfg: Any) -> Optimizer:
     True
     """
     kind = optimizer_kind(cfg)
-    return FACTORIES[kind](**params_dict(cfg.optimizer.params))
+    return FACTORIES[kind](**_params(cfg, kind))
 
 
 def chain_from_config(cfg: Any) -> GradientTransformation:
@@ -82,8 +98,8 @@ def chain_from_config(cfg: Any) -> GradientTransformation:
     False
     """
     kind = optimizer_kind(cfg)
-    FACTORIES[kind](**params_dict(cfg.optimizer.params))  # the same checks of every value
-    return CHAINS[kind](**params_dict(cfg.optimizer.params))
+    FACTORIES[kind](**_params(cfg, kind))  # the same checks of every value
+    return CHAINS[kind](**_params(cfg, kind))
 
 
 def host_from_config(cfg: Any) -> Optimizer:

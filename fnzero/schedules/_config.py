@@ -30,7 +30,7 @@ def _optimizer_values(cfg: Any) -> tuple[str | None, float | None, float | None]
         return None, None, None
     kind = optimizer_kind(cfg)
     params = params_dict(cfg.optimizer.params)
-    lr = params.get("lr", DEFAULT_LR[kind])
+    lr = params.get("muon_lr", params.get("lr", DEFAULT_LR[kind]))  # Muon: its own half's lr
     betas = params.get("betas", (0.9, 0.999) if kind != "lion" else (0.9, 0.99))
     mom = float(betas[0]) if kind in HAS_BETAS else None
     return kind, float(lr), mom
