@@ -80,10 +80,15 @@ def test_a_rank_that_raises_is_blamed(launched):
 def test_a_killed_rank_is_blamed(launched):
     out, root, last = _blames_rank_1("kill", launched)
     assert "Signal 9 (SIGKILL)" in root, out
-    assert "rank 0 caught DistributedError: collective #" in out, out
-    # Seen by rank 0's collective, or by its watchdog first (a dead peer on this machine is seen at once).
-    assert last.startswith("fnzero launch: root cause: rank 1 (ended by SIGKILL), as rank 0 saw it: "), out
-    assert "rank(s) [1] stopped (killed, out of memory, or crashed)" in last, out
+    assert last.startswith("fnzero launch: root cause: rank 1 (ended by SIGKILL)"), out
+    if "rank 0 caught DistributedError: collective #" in out:
+        # Seen by rank 0's collective, or by its watchdog first (a dead peer on this machine is seen at once).
+        assert last.startswith("fnzero launch: root cause: rank 1 (ended by SIGKILL), as rank 0 saw it: "), out
+        assert "rank(s) [1] stopped (killed, out of memory, or crashed)" in last, out
+    else:
+        # torchrun's monitor (1 s ticks) stopped rank 0 before it could say what it saw: seen once on
+        # a heavily loaded 2-core CI run. The blame is still rank 1's, from torchrun's own record.
+        assert "closing signal SIGTERM" in out and "torchrun's first observed failure" in last, out
 
 
 def test_a_hung_rank_is_named_by_the_watchdog_and_blamed(launched):
