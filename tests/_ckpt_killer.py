@@ -32,6 +32,10 @@ def main(d, kills, seed):
     save(d, state_with(base, 0), tag="t0", client_state={"i": 0})  # the same tag again: the replace path
     per_save = time.monotonic() - t0
     last, seen = 0, set()
+    # Kills land in [0, window) after the fork. A loaded machine (CI's 2 cores under two test
+    # workers) can make a forked saver's first save far slower than `per_save`, so every kill would
+    # land before its first commit: widen the window after each round without an advance.
+    window = 3 * per_save
     for k in range(kills):
         pid = os.fork()
         if pid == 0:  # the saver: keeps saving newer states into 3 rotating tags until killed
@@ -42,7 +46,7 @@ def main(d, kills, seed):
                     i += 1
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0, 3 * per_save))
+        time.sleep(rng.uniform(0, window))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         state, cs = load(d, like=base)
@@ -51,6 +55,7 @@ def main(d, kills, seed):
         assert int(state.step) == i and all(bool((t == i).all()) for t in state.params.values()), i
         assert all(bool((t == i).all()) for t in state.opt_state.exp_avg_sq.values()), i
         seen.add(i - last)
+        window = window if i > last else window * 1.5
         last = i
     print(json.dumps({"kills": kills, "last": last, "per_save_s": per_save, "advances": sorted(seen)}))
 
