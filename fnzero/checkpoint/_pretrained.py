@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
+from ..sharding.construct._initial import Cuts
 from ._peft_names import peft_names
 
 __all__ = ["PretrainedReport", "PretrainedLoad", "TensorEntry", "index_pretrained", "load_pretrained"]
@@ -202,6 +203,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             "(another architecture or config? init_state(..., allow_unexpected=True) ignores them)"
         )
     jobs: list[tuple[str, TensorEntry, Any]] = []  # (model name, entry, where it goes)
+    cuts = Cuts(tp, ep)  # tensor-parallel slices and stacked experts' rows: read whole (or rows), then cut
     bad_shape, missing = [], []
     for u, target in units:
         for s in u.slots:
@@ -209,7 +211,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
             if e is None:
                 missing.append(s.name)
                 continue
-            cut = _cut_of(tp, ep, s.name, *s.aliases)
+            cut = cuts.split_of(s.name, *s.aliases)
             want = tuple(cut[0].full_shape) if cut is not None else tuple(s.shape)
             if e.shape != want:
                 bad_shape.append(f"{e.name}: file {list(e.shape)}, model {list(want)}")
@@ -221,7 +223,7 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                 if table is frozen or n in persistent:
                     missing.append(n)
                 continue
-            cut = _cut_of(tp, ep, n) if table is frozen else None
+            cut = cuts.split_of(n) if table is frozen else None
             want = tuple(cut[0].full_shape) if cut is not None else tuple(t.shape)
             if entries[n].shape != want:
                 bad_shape.append(f"{n}: file {list(entries[n].shape)}, model {list(want)}")
@@ -233,16 +235,6 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                               unexpected=unexpected, bytes_read=0, files=sorted({e.file for e in entries.values()}),
                               adapters=[n for n in missing if n in adapters])
     return PretrainedLoad(jobs, plan, rank, initial, report)
-
-
-def _cut_of(tp, ep, name: str, *aliases: str):
-    """(ParamSplit, this rank's index along its axis) for a parameter held as a tensor-parallel slice
-    or as this rank's rows of stacked experts; None for one held as the file has it."""
-    split = tp.split_of(name, *aliases) if tp is not None else None
-    if split is not None:
-        return split, tp.rank
-    split = ep.split_of(name) if ep is not None else None
-    return (split, ep.rank) if split is not None else None
 
 
 def _renamed(entries: dict[str, TensorEntry], rename, known: set[str]) -> dict[str, TensorEntry]:

@@ -69,15 +69,16 @@ def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device
 
 
 class Cuts:
-    """How a meta model's whole tensors are cut to what this rank holds: tensor-parallel slices
-    (`tp`, a TPLayout) and rows of stacked experts (`ep`, an EPLayout); either may be None."""
+    """How a model's whole tensors are cut to what this rank holds: tensor-parallel slices (`tp`,
+    a TPLayout) and rows of stacked experts (`ep`, an EPLayout); either may be None. Meta
+    construction and pretrained loading read whole tensors through it."""
 
     def __init__(self, tp=None, ep=None):
         self.tp, self.ep = tp, ep
 
-    def split_of(self, name: str):
+    def split_of(self, name: str, *aliases: str):
         """(the split, this rank's index along its axis), or None for a tensor held whole."""
-        split = self.tp.split_of(name) if self.tp is not None else None
+        split = self.tp.split_of(name, *aliases) if self.tp is not None else None
         if split is not None:
             return split, self.tp.rank
         split = self.ep.split_of(name) if self.ep is not None else None
