@@ -219,3 +219,35 @@ def test_stages_that_move_nothing_quantizable_are_refused():
         fnzero.shard(_model(), stage=1, comm_quantization=CommQuantization(gradients=INT8))
     sm = fnzero.shard(_model(), config=cfg)
     assert sm.sharding.quantization == CommQuantization(weights=INT8, gradients=INT8)
+
+
+def test_identity_codec_with_offload_optimizer_and_the_whole_step_fallback():
+    """The quantized reduce-scatter feeds the host optimizer as the plain one does (stage 3, cpu
+    offload); `fnzero.jit(scope="step")` leaves qgZ's eager collectives out of its graph."""
+    from fnzero.train._whole_step import whole_step_unsupported
+
+    off = {"offload_optimizer": {"device": "cpu"}}  # the host Adam is float32
+    plain = _train(3, 2, dtype=torch.float32, **off)
+    quant = _train(3, 2, CommQuantization(weights=IDENTITY, gradients=IDENTITY), dtype=torch.float32, **off)
+    for (l0, p0, _), (l1, p1, _) in zip(plain, quant):
+        assert l0 == l1 and all(torch.equal(p0[k], p1[k]) for k in p0)
+    cfg = _cfg(2, 1)
+    sm = fnzero.shard(_model(), config=cfg, comm_quantization=CommQuantization(gradients=INT8))
+    why = whole_step_unsupported(fnzero.train_step(lambda p, b: sm.apply(p, b).sum(), cfg), sm.init_state())
+    assert why is not None and "zero_quantized_gradients" in why
+
+
+def test_an_overflowed_fp16_gradient_stays_an_overflow_through_qgz():
+    """A non-finite gradient decodes to NaN (its whole block), so fp16 loss scaling skips the step."""
+    def rank_fn(comm):
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                                  "fp16": {"enabled": True, "initial_scale_power": 32},
+                                  "zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, world_size=2)
+        sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm)
+        step = fnzero.train_step(
+            lambda p, b: torch.nn.functional.cross_entropy(sm.apply(p, b).flatten(0, 1).float(), b.flatten()), cfg)
+        state, m = step(sm.init_state(), torch.randint(0, 64, (2, 8)))
+        return m["skipped"], float(m["loss_scale"])
+
+    for skipped, scale in simulated_world(2).run(rank_fn):
+        assert skipped and scale == 2.0 ** 32  # hysteresis 2: the first overflow keeps the scale
