@@ -251,3 +251,50 @@ def test_an_overflowed_fp16_gradient_stays_an_overflow_through_qgz():
 
     for skipped, scale in simulated_world(2).run(rank_fn):
         assert skipped and scale == 2.0 ** 32  # hysteresis 2: the first overflow keeps the scale
+
+
+def gloo_quantized_world():
+    """World function (real gloo ranks): the quantized collectives' uint8 bytes through gloo's
+    all-to-all and fnzero's direct all-gather, and a stage-3 run with qwZ + qgZ. Returns this
+    rank's largest differences: identity against plain collectives and training, int8 against
+    its bound, and the int8 run's losses against the plain run's."""
+    from fnzero.sharding.comm._collectives import ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives()
+    g = torch.Generator().manual_seed(comm.rank)
+    shard, full = torch.randn(5000, dtype=torch.float64, generator=g), torch.randn(9000, dtype=torch.float64, generator=g)
+    plain_ag, plain_rs = comm.all_gather(shard), comm.reduce_scatter(full)
+    out = {
+        "identity_ag": float((quantized_all_gather_async(comm, shard, IDENTITY).wait() - plain_ag).abs().max()),
+        "identity_rs": float((quantized_reduce_scatter_async(comm, full, IDENTITY).wait() - plain_rs).abs().max()),
+    }
+    q_ag = quantized_all_gather_async(comm, shard, INT8).wait()
+    bound = torch.cat([_scales_bound(s, 4096, 8) for s in plain_ag.view(comm.world_size, -1)])
+    out["int8_ag_over_bound"] = float(((q_ag - plain_ag).abs() - bound).max())
+
+    def run(quantization):
+        cfg = _cfg(3, comm.world_size)
+        sm = fnzero.shard(_model(), config=cfg, comm=comm, comm_quantization=quantization)
+        step = fnzero.train_step(
+            lambda p, b: torch.nn.functional.cross_entropy(sm.apply(p, b[0]).flatten(0, 1), b[1].flatten()), cfg)
+        state, losses = sm.init_state(), []
+        x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(7 + comm.rank))
+        for _ in range(3):
+            state, m = step(state, (x, x.roll(1, dims=1)))
+            losses.append(float(m["loss"]))
+        return losses, state.params
+
+    (l0, p0), (l1, p1) = run(None), run(CommQuantization(weights=IDENTITY, gradients=IDENTITY))
+    out["identity_training"] = max(float((p0[k] - p1[k]).abs().max()) for k in p0)
+    l2, _ = run(CommQuantization(weights=INT8, gradients=INT8))
+    out["int8_loss_rel"] = max(abs(a - b) / a for a, b in zip(l0, l2))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_quantized_collectives_on_real_gloo_ranks():
+    from fnzero.testing import run_world
+
+    for r in run_world(gloo_quantized_world, 2, timeout=300):
+        assert r["identity_ag"] == 0.0 and r["identity_rs"] <= 1e-15 and r["identity_training"] <= 1e-12, r
+        assert r["int8_ag_over_bound"] <= 0.0 and 0.0 < r["int8_loss_rel"] <= 0.02, r

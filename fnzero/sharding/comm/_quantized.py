@@ -63,8 +63,7 @@ def quantized_reduce_scatter_async(comm, full: torch.Tensor, codec: PayloadCodec
     c, dtype = flat.numel() // world, flat.dtype
     nbytes = codec.nbytes(c, dtype)
     chunks = flat.view(world, c)
-    sent = torch.cat([codec.encode(chunks[j]) for j in range(world)]) if world else flat.new_empty(0, dtype=torch.uint8)
-    pending = comm.all_to_all_async(sent, label=label)
+    pending = comm.all_to_all_async(torch.cat([codec.encode(chunks[j]) for j in range(world)]), label=label)
     work = torch.promote_types(dtype, torch.float32)
 
     def decode(received: torch.Tensor) -> torch.Tensor:
