@@ -57,6 +57,8 @@ testing                     (import fnzero.testing) worlds, strategies and asser
 memory                      exact per-rank model-state bytes, the ZeRO formulas and the planner's estimates.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
     CollectivesBase derives the async and option-taking forms for a custom backend.
+CommQuantization, BlockQuantizer, IdentityCodec   ZeRO++ (`zero_quantized_weights`, `zero_quantized_gradients`):
+    what travels quantized and its codec, `shard(..., comm_quantization=)` (`specs/collectives.md`).
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
 generate                    text from a sharded model (any stage, tensor-parallel, offloaded): greedy or
     sampled as transformers' `generate()`, with a KV cache, the same tokens on every rank (`specs/generation.md`).
@@ -85,6 +87,7 @@ _LAZY = {
         "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
         "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
+        "BlockQuantizer", "CommQuantization", "IdentityCodec",
     ), ".sharding"),
     **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding.construct._world_config"),
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
@@ -124,7 +127,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .sharding import (
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
         Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
-        init_distributed, make_mesh, shard, vocab_parallel_cross_entropy,
+        init_distributed, make_mesh, shard, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
+        IdentityCodec,
     )
     from .sharding.construct._world_config import hf_auto_values, load_config
     from .inference import InferenceEngine, generate, init_inference
@@ -133,6 +137,9 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 
 __all__ = [
     "AutoValues",
+    "BlockQuantizer",
+    "CommQuantization",
+    "IdentityCodec",
     "CheckpointError",
     "CompileRecord",
     "checkpoint",

@@ -17,9 +17,9 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None):
+    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None):
         self.plan = plan
         self.comm = comm  # the data-parallel ranks: ZeRO shards over them
         self.device = torch.device(device)
@@ -40,6 +40,9 @@ class Sharding:
         # (`offload_param: nvme`, `fnzero/sharding/zero/_param_store.py`): set once, when the first
         # state is made and before any state holds a placeholder; None while every shard is in memory.
         self.shard_sources = None
+        # What travels quantized (ZeRO++ qwZ/qgZ, `fnzero.sharding.CommQuantization`): codecs for
+        # stage 3's gathers and the gradient reduce-scatters; None: everything in full precision.
+        self.quantization = quantization
 
     @property
     def rank(self) -> int:

@@ -36,9 +36,9 @@ CASES = TABLE["cases"]
 # DeepSpeed keys fnzero refuses by name when set to this sample value: key -> why.
 REFUSED = {
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ quantisation is not implemented",
-    "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantisation is not implemented",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantisation is not implemented",
+    "zero_optimization.zero_quantized_weights": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",
+    "zero_optimization.zero_quantized_nontrainable_weights": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",
+    "zero_optimization.zero_quantized_gradients": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",
     "zero_optimization.zenflow": "ZenFlow is not implemented ({} turns it on in DeepSpeed)",
     "tensor_parallel.vocab_parallel_ce_backend": "only the torch cross-entropy is implemented (not liger)",
     "tensor_parallel.replace_with_kernel_inject": "inference kernels are not implemented",

@@ -33,9 +33,6 @@ UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
     "compile.deepcompile": (False, "DeepCompile; fnzero.jit compiles the step instead"),
     "datastates_ckpt": (False, "DataStates checkpointing"),  # DeepSpeed: on unless false
     "use_data_before_expert_parallelism": (False, "the data-before-expert (D + E) rank order of expert-parallel groups"),
-    "zero_optimization.zero_quantized_weights": (False, "ZeRO++ quantized weights"),
-    "zero_optimization.zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights"),
-    "zero_optimization.zero_quantized_gradients": (False, "ZeRO++ quantized gradients"),
     "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS"),
     "zero_optimization.zenflow": (None, "ZenFlow"),
     "zero_optimization.zeropp_loco_param": (None, "ZeRO++ LoCo"),

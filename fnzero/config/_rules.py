@@ -13,7 +13,7 @@ from ._expert import expert_rules
 from ._models import Config
 from ._sched_models import OneCycleParams, WarmupLRParams
 
-__all__ = ["resolve", "cross_checks"]
+__all__ = ["resolve", "cross_checks", "quantized_comm_rules"]
 
 
 def resolve(cfg: Config) -> Config:
@@ -40,6 +40,7 @@ def cross_checks(cfg: Config) -> list[str]:
     # Long: one self-contained rule per cross-key constraint, each naming its keys.
     out: list[str] = []
     stage = cfg.zero_optimization.stage
+    out.extend(quantized_comm_rules(cfg))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         out.append("`fp16.enabled` and `bf16.enabled` are both true; enable at most one precision")
     if (cfg.pipeline.size or 1) > 1 and stage >= 2:
@@ -120,4 +121,17 @@ def cross_checks(cfg: Config) -> list[str]:
             "optimizer partition this needs is not built yet (specs/optim.md §Muon); use stage 0, or another optimizer"
         )
     out.extend(expert_rules(cfg.expert_parallel, cfg.tensor_parallel.size, cfg.tensor_parallel.preset_model))
+    return out
+
+
+def quantized_comm_rules(cfg: Config) -> list[str]:
+    """ZeRO++'s quantized collectives where the stage moves what they quantize (specs/collectives.md
+    §Quantized collectives): DeepSpeed reads `zero_quantized_weights` in its stage-3 partitioning only,
+    and silently ignores it below; fnzero refuses instead."""
+    z, out = cfg.zero_optimization, []
+    for key, needs in (("zero_quantized_weights", 3), ("zero_quantized_nontrainable_weights", 3),
+                       ("zero_quantized_gradients", 2)):
+        if getattr(z, key) and z.stage < needs:
+            out.append(f"`zero_optimization.{key}` is true but `zero_optimization.stage` is {z.stage}; it quantizes "
+                       f"what stage {needs}{' or 3' if needs == 2 else ''} moves, so raise the stage or remove it")
     return out

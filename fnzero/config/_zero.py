@@ -124,9 +124,12 @@ class ZeroConfig(Model):
     zero_hpz_partition_size: Annotated[Int, Field(ge=0, le=1)] = Field(
         1, description="ZeRO++ secondary partition size; values above 1 are not implemented."
     )
-    zero_quantized_weights: Literal[False] = Field(False, description="ZeRO++ weight quantisation; must be false.")
-    zero_quantized_nontrainable_weights: Literal[False] = Field(False, description="Must be false (not implemented).")
-    zero_quantized_gradients: Literal[False] = Field(False, description="ZeRO++ gradient quantisation; must be false.")
+    zero_quantized_weights: Bool = Field(
+        False, description="ZeRO++ qwZ: stage 3's parameter all-gathers carry int8 blocks with float32 scales.")
+    zero_quantized_nontrainable_weights: Bool = Field(
+        False, description="ZeRO++: frozen parameters' stage-3 all-gathers quantized too (kept in full precision).")
+    zero_quantized_gradients: Bool = Field(
+        False, description="ZeRO++ qgZ: gradient reduce-scatters (stages 2, 3) as int8 all-to-alls, summed in fp32.")
     memory_efficient_linear: Bool = Field(True, description="Memory-efficient linear at stage 3 (accepted, no effect).")
     # DeepSpeed 0.19.8 fields that tune its own implementation (accepted, no effect: specs/config.md §Keys).
     use_multi_rank_bucket_allreduce: Bool = Field(True, description="Combine ranks' reduce buckets into one all-reduce.")

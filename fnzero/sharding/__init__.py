@@ -16,6 +16,12 @@
     TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each
                                      parameter is (`specs/mesh.md`)
     vocab_parallel_cross_entropy     the cross-entropy of logits split over the vocabulary
+    CommQuantization, BlockQuantizer, IdentityCodec
+                                     ZeRO++: what travels quantized (stage 3's gathers, the gradient
+                                     reduce-scatters) and the codecs (`shard(comm_quantization=)`)
+    quantize, dequantize             block-wise symmetric int8/int4 with float32 scales per block
+    quantized_all_gather_async, quantized_reduce_scatter_async, QuantizedCollectives
+                                     the quantized collectives over any `Collectives` (qwZ, qgZ)
 """
 
 from __future__ import annotations
@@ -36,10 +42,14 @@ from .tp._layout import ParamSplit, TPLayout
 from .tp._ops import vocab_parallel_cross_entropy
 from .ep._group import ExpertGroup
 from .ep._layout import EPLayout
+from .comm._quantize import BlockQuantizer, CommQuantization, IdentityCodec, dequantize, quantize
+from .comm._quantized import QuantizedCollectives, quantized_all_gather_async, quantized_reduce_scatter_async
 
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
     "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
     "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout",
+    "BlockQuantizer", "CommQuantization", "IdentityCodec", "dequantize", "quantize", "QuantizedCollectives",
+    "quantized_all_gather_async", "quantized_reduce_scatter_async",
 ]

@@ -15,6 +15,7 @@ import torch
 
 from .._errors import ShardingError
 from .._ext._heap import trim_between_passes
+from ..sharding.comm._quantized import quantizing
 from ..sharding.zero._plan import ShardPlan, UnitPlan, comm_for
 from ..sharding.zero._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
@@ -38,9 +39,11 @@ class GradientCollector:
     """
 
     def __init__(self, plan: ShardPlan, comm, policy: StepPolicy, prediv: float, accum_dtype: torch.dtype,
-                 expert_comm=None):
+                 expert_comm=None, quantization=None):
         self.plan, self.comm, self.policy = plan, comm, policy
         self.expert_comm = expert_comm  # expert units reduce over the expert-data-parallel ranks (`comm_for`)
+        # ZeRO++ qgZ (`CommQuantization.gradients`): sharded gradients' reduce-scatters quantized.
+        self.gradient_codec = quantization.gradients if quantization is not None else None
         self.prediv, self.accum_dtype = prediv, accum_dtype
         self.overlap = policy.overlap_comm and comm.world_size > 1
         self.last_micro_batch = False
@@ -79,7 +82,8 @@ class GradientCollector:
             self._launch_final(u)
 
     def _comm(self, u: UnitPlan):
-        return comm_for(u, self.comm, self.expert_comm)
+        comm = comm_for(u, self.comm, self.expert_comm)
+        return quantizing(comm, reduce=self.gradient_codec) if u.placement.grads else comm
 
     def _add(self, name: str, g: torch.Tensor) -> None:
         prev = self.acc.get(name)

@@ -157,7 +157,8 @@ def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy,
     and sums the copies of weights its stages share."""
     sh = state.sharding
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
-    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype, sh.expert_comm)
+    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype, sh.expert_comm,
+                                  sh.quantization)
     trim = policy.trim_heap and sh.device.type == "cpu"
     if isinstance(loss_fn, PipelineLoss):
         loss_sum, auxes = loss_fn.forward_backward(leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)

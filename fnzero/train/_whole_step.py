@@ -48,6 +48,9 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
         return "a pipeline schedule sends activations between its stages' forwards"
     if state.sharding.ep is not None:
         return "expert parallelism's all-to-all runs inside the model's MoE layers"
+    quantization = state.sharding.quantization
+    if quantization is not None and quantization.gradients is not None:
+        return "zero_quantized_gradients' quantized reduce-scatter is eager code, not traced"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

@@ -17,7 +17,8 @@ from ..comm._mesh import Mesh, mesh_from_config
 from ..tp._layout import TPLayout
 from ..ep._layout import EPLayout
 from ..ep._split import replace_for_autoep, split_for_ep, wanted_ep_size
-from ..zero._policy import shard_policy
+from ..zero._policy import checked_quantization, shard_policy
+from ..comm._quantize import CommQuantization
 from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
 from ..comm._observed import CheckedCollectives, RecordingCollectives
 from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model, is_released
@@ -51,6 +52,7 @@ def shard(
     init_seed: int | None = None,
     mesh: Mesh | None = None,
     tp_plan: list[TPRule] | None = None,
+    comm_quantization: CommQuantization | None = None,
 ) -> ShardedModule:
     """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
     torch.distributed default group, or one process). `stage` overrides the config's
@@ -79,6 +81,12 @@ def shard(
     With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
     bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
     that every rank is issuing the same one, and names the first divergence.
+
+    ZeRO++ (`specs/collectives.md` §Quantized collectives): the config's `zero_quantized_weights`,
+    `zero_quantized_nontrainable_weights` and `zero_quantized_gradients` quantize what stage 3's
+    gathers and the gradient reduce-scatters carry; `comm_quantization` (a `CommQuantization`)
+    replaces what the config says, with any codec (`IdentityCodec()` computes what unquantized
+    collectives do).
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
@@ -140,8 +148,9 @@ def shard(
     from ..._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
+    quantization = checked_quantization(policy, comm_quantization)
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout)
+                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout, quantization=quantization)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)

@@ -9,9 +9,12 @@ import dataclasses
 
 import torch
 
+from ..._errors import ConfigError
+from ..comm._quantize import BlockQuantizer, CommQuantization
 from ._placement import REPLICATED, Placement, placement_for_stage
 
-__all__ = ["ShardPolicy", "shard_policy", "DTYPES", "config_precision", "offload_device"]
+__all__ = ["ShardPolicy", "shard_policy", "DTYPES", "config_precision", "offload_device", "comm_quantization",
+           "checked_quantization"]
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None}
 
@@ -31,6 +34,9 @@ class ShardPolicy:
     # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
     # device's autocast default, as DeepSpeed passes dtype=None); None: off.
     autocast_dtype: torch.dtype | str | None = None
+    # ZeRO++'s `zero_quantized_*`: the codecs of what stage 3's gathers and the gradient
+    # reduce-scatters carry; None: full precision (`comm_quantization`).
+    quantization: CommQuantization | None = None
 
 
 def config_precision(cfg) -> str:
@@ -65,7 +71,22 @@ def shard_policy(cfg, stage: "int | Placement | None" = None) -> ShardPolicy:
         offload_optimizer=offload_device(cfg),
         offload_param=offload_device(cfg, "offload_param"),
         autocast_dtype=_autocast_dtype(cfg),
+        quantization=comm_quantization(cfg),
     )
+
+
+def comm_quantization(cfg) -> CommQuantization | None:
+    """The config's ZeRO++ switches as codecs: int8 blocks of 4096 (`BlockQuantizer()`) for each of
+    `zero_quantized_weights`, `zero_quantized_nontrainable_weights`, `zero_quantized_gradients`
+    that is true; None when none is (`specs/collectives.md` §Quantized collectives)."""
+    if cfg is None:
+        return None
+    z = cfg.zero_optimization
+    int8 = BlockQuantizer()
+    q = CommQuantization(weights=int8 if z.zero_quantized_weights else None,
+                         frozen_weights=int8 if z.zero_quantized_nontrainable_weights else None,
+                         gradients=int8 if z.zero_quantized_gradients else None)
+    return q if q.active else None
 
 
 def _autocast_dtype(cfg) -> torch.dtype | str | None:
@@ -73,3 +94,23 @@ def _autocast_dtype(cfg) -> torch.dtype | str | None:
     if ac is None or not ac.enabled:
         return None
     return DTYPES[ac.dtype] if ac.dtype is not None else "default"
+
+
+def checked_quantization(policy: ShardPolicy, given: CommQuantization | None) -> CommQuantization | None:
+    """`given`, else the config's (`policy.quantization`), refused where it would quantize nothing:
+    weights need sharded parameters (stage 3), gradients sharded gradients (stage 2 or 3), as in
+    DeepSpeed (`zero_quantized_weights` acts in its stage-3 partitioning only)."""
+    q = given if given is not None else policy.quantization
+    if q is None or not q.active:
+        return None
+    stage = policy.placement.stage
+    for key, codec, needs, ok in (
+        ("zero_quantized_weights", q.weights, 3, policy.placement.params),
+        ("zero_quantized_nontrainable_weights", q.frozen_weights, 3, policy.placement.params),
+        ("zero_quantized_gradients", q.gradients, 2, policy.placement.grads),
+    ):
+        if codec is not None and not ok:
+            raise ConfigError(
+                f"`zero_optimization.{key}` quantizes what ZeRO stage {needs} moves, but this run is stage {stage}; "
+                f"use stage {needs}{' or 3' if needs == 2 else ''}, or remove it")
+    return q

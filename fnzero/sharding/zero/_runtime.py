@@ -24,6 +24,7 @@ from ..._errors import ShardingError
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
+from ..comm._quantized import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
 
@@ -56,9 +57,10 @@ class ApplyRun:
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
                  sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
-                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None):
+                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, quantization=None):
         self.plan = plan
         self.comm = comm
+        self.quantization = quantization  # `CommQuantization` or None: the codecs of what units' collectives carry
         self.expert_comm = expert_comm  # expert units' gathers (`comm_for`)
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
@@ -121,9 +123,17 @@ class ApplyRun:
         table, held = (self.frts, self.frozen) if frozen else (self.rts, self.params)
         rt = table.get(unit.name)
         if rt is None:
-            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm_for(unit, self.comm, self.expert_comm), self,
+            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], self._unit_comm(unit, frozen), self,
                                                 self.sources.of(frozen))
         return rt
+
+    def _unit_comm(self, unit: UnitPlan, frozen: bool):
+        """The unit's collectives (`comm_for`), its gathers and its gradient's reduce-scatter
+        quantized where `quantization` says (ZeRO++, `specs/collectives.md` §Quantized collectives)."""
+        comm, q = comm_for(unit, self.comm, self.expert_comm), self.quantization
+        if q is None:
+            return comm
+        return quantizing(comm, q.frozen_weights if frozen else q.weights, None if frozen else q.gradients)
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
         """(unit, is frozen) for each part of unit `name` held as a shard and gathered in forward."""
