@@ -53,6 +53,17 @@ class WholeTensorPartition:
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         return (a - s.offset, b - s.offset) if a < b else (0, 0)
 
+    def exchange_numel(self, rank: int) -> int:
+        """Elements `rank` sends in one step's two all-to-alls (`train/_owner_update.py`): the
+        gradient and value of its piece of every matrix another rank owns, then the rest of each
+        matrix it owns back to the ranks whose pieces they are."""
+        def size(n: str, r: int) -> int:
+            lo, hi = self.piece(n, r)
+            return hi - lo
+
+        return sum(2 * size(n, rank) if owner != rank else self._slots[n][1].numel - size(n, rank)
+                   for n, owner in self.owners)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return self._slots[name][1].shape
 
