@@ -18,7 +18,7 @@ from torch import nn
 import fnzero
 from fnzero import optim
 from fnzero._errors import ConfigError, DistributedError
-from fnzero.memory import model_state_bytes
+from fnzero.memory import model_state_bytes, muon_state_bytes
 from fnzero.sharding.zero._owners import whole_tensor_partition
 from fnzero.testing import count_collectives, simulated_world
 
@@ -56,11 +56,12 @@ def _train(cfg, model, ids, labels, world, steps=STEPS, each=None):
     return simulated_world(world).run(rank)
 
 
-@pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (1, 4), (2, 4), (3, 4)])
-def test_muon_at_zero_1_2_3_equals_deepspeeds_algorithm(stage, world):
+@pytest.mark.parametrize("stage,world", [(0, 2), (1, 2), (2, 2), (3, 2), (1, 4), (2, 4), (3, 4)])
+def test_muon_at_every_zero_stage_equals_deepspeeds_algorithm(stage, world):
     """Every parameter within 1e-9 of the float64 reference after 3 steps (2 micro-batches each,
     clipping active), on every rank; each rank's optimizer state is its owned matrices' momentum
-    whole plus Adam's two moments of its pieces of the other parameters, exactly."""
+    whole plus Adam's two moments of its pieces of the other parameters, exactly (stage 0: all of
+    both), and `fnzero.memory.muon_state_bytes` says so from the plan."""
     model, ids, labels = _data()
     want = _reference(model, ids, labels, H)
 
@@ -68,12 +69,15 @@ def test_muon_at_zero_1_2_3_equals_deepspeeds_algorithm(stage, world):
         r, part = sm.comm.rank, whole_tensor_partition(sm.plan, frozenset(MUON_NAMES))
         pieces = sum(hi - lo for u in sm.plan.units for lo, hi in [u.real_range(r)])  # this rank's real elements
         mine = sum(part.piece(n, r)[1] - part.piece(n, r)[0] for n in MUON_NAMES)  # ... of the matrices
-        return model_state_bytes(state).optimizer, 8 * (part.load(r) + 2 * (pieces - mine))
+        if stage == 0:  # every matrix's momentum, Adam's moments of every other parameter
+            pieces, mine = sm.plan.num_params, sum(math.prod(part.shape(n)) for n in MUON_NAMES)
+        formula = 8 * ((part.load(r) if stage else mine) + 2 * (pieces - mine))
+        return model_state_bytes(state).optimizer, formula, muon_state_bytes(sm.plan, r, itemsize=8)
 
-    for got, (held, formula) in _train(_config(stage, world), model, ids, labels, world, each=state_bytes):
+    for got, (held, formula, planned) in _train(_config(stage, world), model, ids, labels, world, each=state_bytes):
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-9, msg=lambda m: f"stage {stage} {n}: {m}")
-        assert held == formula
+        assert held == formula == planned
 
 
 def test_the_partition_is_balanced_and_the_exchange_sends_what_the_formula_says():
