@@ -136,7 +136,7 @@ def test_muon_partitioned_by_matrix_matches_stage_0(world_results):
     base = out["muon|0"]
     for stage in stages[1:]:
         got = out[f"muon|{stage}"]
-        W.assert_close_tree(got["params"], base["params"], rtol=RTOL_F64, atol=1e-12, what=f"muon stage {stage}")
+        W.assert_close_tree(got["params"], base["params"], rtol=0, atol=1e-9, what=f"muon stage {stage}")
         assert got["losses"] == pytest.approx(base["losses"], rel=RTOL_F64)
 
 

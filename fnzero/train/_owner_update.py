@@ -13,6 +13,7 @@ optimizer. Init builds the state over the same tree.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -26,13 +27,11 @@ from ..sharding.zero._plan import ShardPlan
 __all__ = ["OwnerLayout", "owner_layout", "owner_tree", "owner_update"]
 
 
-class OwnerLayout:
-    """What a non-elementwise optimizer runs as at stages 1-3: `optimizer` (its chain routed by name),
-    `part` (who owns each parameter it needs whole)."""
+class OwnerLayout(NamedTuple):
+    """What a non-elementwise optimizer runs as at stages 1-3."""
 
-    def __init__(self, optimizer: Optimizer, part: WholeTensorPartition):
-        self.optimizer = optimizer
-        self.part = part
+    optimizer: Optimizer  # its chain, each partition routed by name (`routed_by_name`)
+    part: WholeTensorPartition  # who owns each parameter the chain needs whole
 
 
 @functools.lru_cache(maxsize=8)
@@ -54,8 +53,12 @@ def owner_layout(plan: ShardPlan, opt: Optimizer) -> OwnerLayout:
 
 def _check_shapes(tx, shapes) -> None:
     """`init` on shape-only tensors, on every rank alike: a parameter a transform refuses (a vector
-    given to `scale_by_muon`) is a ConfigError everywhere, not on its owner alone."""
-    tx.init({n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    given to `scale_by_muon`) is a ConfigError everywhere, not on its owner alone. A user's `init`
+    that reads values cannot run on shapes: its own checks then run on the owners only."""
+    try:
+        tx.init({n: torch.empty(s, device="meta") for n, s in shapes.items()})
+    except (NotImplementedError, RuntimeError):  # a meta tensor has no values to read
+        pass
 
 
 def owner_tree(layout: OwnerLayout, comm, pieces: dict[str, torch.Tensor], *more: dict[str, torch.Tensor]):
