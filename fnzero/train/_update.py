@@ -43,8 +43,8 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     and moved to where the optimizer's target is: the master (on the host with offload), else
     this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
     A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
-    (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one conversion, written into the input's own
-    buffers when donated and the sizes agree."""
+    (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one
+    conversion, written into the input's own buffers when donated and the sizes agree."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
