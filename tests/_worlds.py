@@ -147,13 +147,16 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
+MUON = {"optimizer": {"type": "Muon", "params": {"muon_lr": 0.05, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}}}
+
+
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muon_stages=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
     (float64, k=4), then every (kind, stage, ep) expert-parallel case (the MoE GPT of
     tests/test_moe_sharded.py, or a Hugging Face family of tests/test_moe_hf.py); return rank 0's view, and every rank's results of the tp, pp and ep
-    cases."""
+    cases; then Muon (float64, k=2, clip 0.5) at each of `muon_stages` (rank 0's view)."""
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
@@ -180,6 +183,9 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
 
             params = hf.train_on_rank(comm, kind, stage, ep)
         out[f"ep|{kind}|{stage}|{ep}|rank{comm.rank}"] = {"params": params}
+    for stage in muon_stages:
+        r = train_fnzero("gpt", stage, steps, comm, k=2, clip=0.5, extra=MUON)
+        out[f"muon|{stage}"] = {"losses": r["losses"], "params": r["params"]}
     if comm.rank == 0:
         return out
     return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}

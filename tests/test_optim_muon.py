@@ -2,7 +2,7 @@
 float64 reference of DeepSpeed's algorithm written here (Muon for the hidden matrices, AdamW for
 embeddings, the LM head and biases), a user's chain with `scale_by_muon` trains, DeepSpeed's own
 `muon_update` numbers are reproduced at its compute dtype's precision, and what is not built is
-refused."""
+refused. Stages 1-3: tests/test_optim_muon_zero.py."""
 
 from __future__ import annotations
 
@@ -217,13 +217,6 @@ def test_muon_config_defaults_and_shared_lr():
     assert (shared.optimizer.params.muon_lr, shared.optimizer.params.adam_lr) == (1e-3, 5e-4)
     assert fnzero.load_config(shared.to_json(), world_size=shared.world_ranks) == shared
     assert fnzero.schedules.from_config(shared)(0) == 1e-3  # the schedule is Muon's lr
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_muon_is_refused_where_the_optimizer_state_is_sharded(stage):
-    with pytest.raises(ConfigError, match=rf"Muon with `zero_optimization.stage` {stage}.*whole matrices.*not built"):
-        fnzero.load_config({**MINIMAL, "optimizer": {"type": "Muon"}, "zero_optimization": {"stage": stage}},
-                           world_size=2)
 
 
 @pytest.mark.parametrize("params,match", [

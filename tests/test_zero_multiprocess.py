@@ -33,6 +33,8 @@ PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b"
 # Expert parallelism (specs/mesh.md §Expert parallelism): (model, ZeRO stage, ep) per world size.
 EP_CASES = {1: [], 2: [("moe_gpt", 3, 2), ("mixtral", 1, 2)], 4: [("moe_gpt", 1, 2), ("moe_gpt", 3, 4),
                                                                   ("deepseek_v3", 3, 2)]}
+# Muon's whole-matrix optimizer partition (specs/optim.md §Muon): ZeRO stages per world size, and 0.
+MUON_STAGES = {1: [], 2: [0, 3], 4: [0, 1]}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
@@ -40,7 +42,7 @@ def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
     (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world],
-                             EP_CASES[world], timeout=600)
+                             EP_CASES[world], MUON_STAGES[world], timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -121,6 +123,21 @@ def test_expert_parallel_moe_matches_reference(world_results):
             moe.assert_equal_to_reference(got, moe._reference(world))
         else:
             hf._assert_close(got, hf._reference(kind, world))
+
+
+def test_muon_partitioned_by_matrix_matches_stage_0(world_results):
+    """Muon at ZeRO 3 (2 ranks) and 1 (4 ranks) over real gloo all-to-alls: each matrix's
+    gradient pieces reach its owner and its new values come back, to the same float64 numbers as
+    Muon at stage 0 (itself checked against DeepSpeed's algorithm, tests/test_optim_muon.py)."""
+    world, out = world_results
+    stages = MUON_STAGES[world]
+    if not stages:
+        pytest.skip("one rank: nothing to partition")
+    base = out["muon|0"]
+    for stage in stages[1:]:
+        got = out[f"muon|{stage}"]
+        W.assert_close_tree(got["params"], base["params"], rtol=0, atol=1e-9, what=f"muon stage {stage}")
+        assert got["losses"] == pytest.approx(base["losses"], rel=RTOL_F64)
 
 
 def test_float32_losses_match_reference(world_results, references):

@@ -20,6 +20,8 @@ def merge_parts(parts: list[dict], head: dict) -> dict:
         for key, t in p["tensors"].items():
             cur = tensors.setdefault(key, {k: v for k, v in t.items() if k != "segments"} | {"segments": []})
             cur["segments"].extend(t["segments"])
+            for rng in t.get("cover", ()):
+                cur.update(F.with_cover(cur, tuple(rng)))
     for t in tensors.values():
         t["segments"].sort(key=lambda s: s[2])
     return dict(head, files=[p["size"] for p in parts], rng=[p["rng"] for p in parts], tensors=tensors)

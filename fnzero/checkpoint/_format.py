@@ -289,6 +289,36 @@ def _shape(shape, where) -> list[int]:
     return shape
 
 
+def with_cover(meta: dict, slot: tuple[int, int] | None) -> dict:
+    """A unit tensor's meta with `slot` (a parameter's element range) added to its `cover`: the
+    ranges of the unit a per-parameter tensor holds (a partition's state covers some of a unit's
+    parameters only). Sorted, adjacent ranges merged; `slot` None leaves the meta as it is."""
+    if slot is None:
+        return meta
+    merged: list[list[int]] = []
+    for a, b in sorted([*map(tuple, meta.get("cover", ())), tuple(slot)]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return {**meta, "cover": merged}
+
+
+def _expected_ranges(t: dict, numel: int, w: str) -> list[tuple[int, int]]:
+    cover = t.get("cover")
+    if cover is None:
+        return [(0, numel)]
+    if not isinstance(cover, list) or not all(isinstance(c, list) and len(c) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in c) for c in cover):
+        raise CheckpointError(f"{w}.cover: expected a list of [lo, hi] integer pairs")
+    prev = 0
+    for a, b in cover:
+        if not prev <= a < b <= numel:
+            raise CheckpointError(f"{w}.cover: range [{a}, {b}) is empty, out of order or outside [0, {numel})")
+        prev = b
+    return [tuple(c) for c in cover]
+
+
 def _validate_tensor(key, t, unit_numel, files, world) -> None:
     w = f"index.tensors[{_quote(key)}]"
     _name(key, w)
@@ -304,7 +334,8 @@ def _validate_tensor(key, t, unit_numel, files, world) -> None:
     else:
         numel = math.prod(_shape(_req(t, "shape", list, w), w))
     segs = _req(t, "segments", list, w)
-    pos = 0
+    ranges = _expected_ranges(t, numel, w) if unit is not None else [(0, numel)]
+    pos, at = ranges[0][0], 0
     for i, s in enumerate(segs):
         sw = f"{w}.segments[{i}]"
         if not (isinstance(s, list) and len(s) == 5 and all(isinstance(x, int) and not isinstance(x, bool) for x in s)):
@@ -312,8 +343,12 @@ def _validate_tensor(key, t, unit_numel, files, world) -> None:
         rank, off, lo, hi, crc = s
         if not 0 <= rank < world:
             raise CheckpointError(f"{sw}: rank {rank} outside the saved world of {world}")
-        if lo != pos or hi < lo or hi > numel:
-            raise CheckpointError(f"{sw}: element range [{lo}, {hi}) does not continue [0, {pos}) within {numel}")
+        if pos == ranges[at][1] and at + 1 < len(ranges):  # the next covered range (a per-parameter tensor)
+            at += 1
+            pos = ranges[at][0]
+        if lo != pos or hi < lo or hi > ranges[at][1]:
+            raise CheckpointError(f"{sw}: element range [{lo}, {hi}) does not continue [{ranges[at][0]}, {pos}) "
+                                  f"within {ranges[at][1]}")
         if off < 0 or off % ALIGN or off + (hi - lo) * esize > files[rank]:
             raise CheckpointError(
                 f"{sw}: bytes [{off}, {off + (hi - lo) * esize}) lie outside {data_name(rank)} ({files[rank]} bytes) "
@@ -322,5 +357,6 @@ def _validate_tensor(key, t, unit_numel, files, world) -> None:
         if not 0 <= crc < (1 << 32):
             raise CheckpointError(f"{sw}: invalid crc32 {crc}")
         pos = hi
-    if pos != numel:
-        raise CheckpointError(f"{w}: segments cover [0, {pos}) of {numel} elements: incomplete checkpoint")
+    if (at, pos) != (len(ranges) - 1, ranges[-1][1]):
+        raise CheckpointError(f"{w}: segments cover up to element {pos} of the ranges {ranges} it holds: "
+                              "incomplete checkpoint")

@@ -189,10 +189,13 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None,
                 continue
             lo, hi, flat = 0, t.numel(), t.reshape(-1)
         else:
-            metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "unit": leaf.unit}
+            meta = metas.get(leaf.key) or {"dtype": F.dtype_name(t.dtype), "unit": leaf.unit}
+            metas[leaf.key] = F.with_cover(meta, leaf.slot)
             u = units[leaf.unit]
             s_lo, s_hi = u.real_range(rank)
-            if group is not None and (leaf.lo, leaf.hi) != u.shard_range(rank):  # held by every rank: split in the group
+            if leaf.held_alone:  # no other rank holds these elements
+                s_lo, s_hi = leaf.lo, leaf.hi
+            elif group is not None and (leaf.lo, leaf.hi) != u.shard_range(rank):  # held by every rank: split in the group
                 a, b = leaf.lo, min(leaf.hi, u.numel)
                 per = -(-(b - a) // len(group))
                 s_lo = a + per * group.index(rank)

@@ -39,6 +39,10 @@ class Leaf:
     unit: str | None = None  # None: replicated
     lo: int = 0  # unit leaves: tensor element i is unit element lo + i
     hi: int = 0
+    # A leaf of one parameter (per-parameter optimizer state): that parameter's slot, which the
+    # key covers whoever holds its elements; None: the key covers the whole unit.
+    slot: tuple[int, int] | None = None
+    held_alone: bool = False  # one rank holds these elements (the whole-tensor partition): it writes them all
 
 
 def _walk(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -104,9 +108,18 @@ def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> 
             )
         return Leaf(path, path, t, name, lo, lo + t.numel())
     hit = slots.get(last)
-    if hit is not None and tuple(t.shape) == hit[1].shape:
-        u, slot = hit
-        return Leaf(path, f"{prefix}/{u.name}", t, u.name, slot.offset, slot.offset + slot.numel)
+    if hit is None:
+        return Leaf(path, path, t)
+    u, slot = hit
+    whole = (slot.offset, slot.offset + slot.numel)
+    sharded = u.placement.optimizer and top == "opt_state"
+    if tuple(t.shape) == slot.shape:  # the parameter whole: replicated (stage 0), or its owner's (stages 1-3)
+        return Leaf(path, f"{prefix}/{u.name}", t, u.name, *whole, slot=whole, held_alone=sharded)
+    lo, hi = u.real_range(rank)
+    a, b = max(lo, slot.offset), min(hi, whole[1])
+    if sharded and t.dim() == 1 and t.numel() == max(0, b - a):  # this rank's piece of it (stages 1-3)
+        a = a if a < b else slot.offset
+        return Leaf(path, f"{prefix}/{u.name}", t, u.name, a, a + t.numel(), slot=whole, held_alone=True)
     return Leaf(path, path, t)
 
 

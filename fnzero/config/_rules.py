@@ -114,12 +114,8 @@ def cross_checks(cfg: Config) -> list[str]:
                 f"`scheduler.params.cycle_momentum` is true but optimizer {cfg.optimizer.type} has no betas to cycle "
                 "(DeepSpeed silently turns it off); set cycle_momentum false"
             )
-    if cfg.optimizer is not None and cfg.optimizer.type == "Muon" and stage > 0:
-        out.append(
-            f"`optimizer.type` is Muon with `zero_optimization.stage` {stage}: Muon orthogonalises whole matrices, "
-            "and at stages 1-3 each rank's optimizer state is a flat shard cutting across them; the whole-matrix "
-            "optimizer partition this needs is not built yet (specs/optim.md §Muon); use stage 0, or another optimizer"
-        )
+    if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
+        out.extend(_muon_rules(cfg, stage))
     out.extend(expert_rules(cfg.expert_parallel, cfg.tensor_parallel.size, cfg.tensor_parallel.preset_model))
     return out
 
@@ -134,4 +130,29 @@ def quantized_comm_rules(cfg: Config) -> list[str]:
         if getattr(z, key) and z.stage < needs:
             out.append(f"`zero_optimization.{key}` is true but `zero_optimization.stage` is {z.stage}; it quantizes "
                        f"what stage {needs}{' or 3' if needs == 2 else ''} moves, so raise the stage or remove it")
+    return out
+
+
+def _muon_rules(cfg: Config, stage: int) -> list[str]:
+    """What fnzero's Muon does not run (specs/optim.md §Muon): every stage works through the
+    whole-matrix optimizer partition, but not beside what cuts matrices another way."""
+    out = []
+    off_opt = cfg.zero_optimization.offload_optimizer
+    if off_opt is not None and off_opt.device != "none":
+        out.append(
+            f"`optimizer.type` is Muon with `zero_optimization.offload_optimizer.device` {off_opt.device!r}: the "
+            "offloaded step runs a host kernel over flat shards of the master weights, and Muon orthogonalises whole "
+            "matrices (no host kernel computes it); remove offload_optimizer"
+        )
+    if cfg.tensor_parallel.size > 1:
+        out.append(
+            f"`optimizer.type` is Muon with `tensor_parallel.autotp_size` {cfg.tensor_parallel.size}: each rank holds "
+            "column or row slices of the matrices Muon orthogonalises whole; set autotp_size 1 for Muon"
+        )
+    if cfg.expert_parallel.size > 1 and stage > 0:
+        out.append(
+            f"`optimizer.type` is Muon with `expert_parallel.autoep_size` {cfg.expert_parallel.size} at "
+            f"`zero_optimization.stage` {stage}: the whole-matrix optimizer partition covers the dense units, not "
+            "the experts' (sharded over their expert-data-parallel ranks); use stage 0 with expert parallelism"
+        )
     return out

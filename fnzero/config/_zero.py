@@ -142,7 +142,7 @@ class ZeroConfig(Model):
     log_trace_cache_warnings: Bool = Field(False, description="Log DeepSpeed's stage-3 trace-cache warnings.")
     enable_sanity_checks: Bool = Field(False, description="DeepSpeed's internal stage-3 sanity checks.")
     save_muon_momentum_buffer_in_memory: Bool = Field(False, description="DeepSpeed's Muon buffer placement at "
-                                                       "ZeRO 1-3 (fnzero's Muon runs at stage 0 only).")
+                                                       "ZeRO 1-3 (fnzero keeps each matrix's momentum with its owner).")
     stage3_module_granularity_threshold: Int = Field(
         0, description="DeepSpeed fetches modules finer than this whole (alias module_granularity_threshold).")
     stage3_use_all_reduce_for_fetch_params: Bool = Field(

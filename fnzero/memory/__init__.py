@@ -7,6 +7,8 @@ Measured, from a live `TrainState` (`specs/sharding.md` §Memory):
     ep_zero_formula(Ψ_d, Ψ_e, stage, N, ep, mixed)   the same with experts split over ep ranks:
                                  dense over N ranks, Ψ_e/ep over N/ep (`specs/mesh.md` §Expert parallelism memory)
     expert_param_counts(model)   (dense, expert) parameter counts of a model with MoE layers
+    muon_state_bytes(plan, rank, itemsize)   Muon's optimizer state on a rank: its whole-matrix
+                                 partition at stages 1-3 (`specs/optim.md` §Muon at ZeRO stages 1-3)
     peak_rss_bytes()             this process's peak resident set size
 
 Predicted, from numbers alone (`fnzero plan`, `specs/cli.md`):
@@ -24,9 +26,10 @@ from __future__ import annotations
 from .._ext._heap import allocator_env, return_freed_memory, trim_freed_memory
 from ._estimate import Breakdown, Estimate, estimate, largest_model
 from ._experts import expert_param_counts
+from ._muon import muon_state_bytes
 from ._state_bytes import ModelStateBytes, ep_zero_formula, model_state_bytes, peak_rss_bytes, zero_formula
 
 __all__ = [
     "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "ep_zero_formula", "estimate", "expert_param_counts",
-    "largest_model", "model_state_bytes", "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
+    "largest_model", "model_state_bytes", "muon_state_bytes", "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
 ]

@@ -51,6 +51,9 @@ class Optimizer(NamedTuple):
         graph (`fnzero.jit(step, scope="step")`): torch.compile traces it, and a schedule that
         changes the scalars never recompiles. Same formulas as ``update``, up to floating-point
         reassociation; a chain's ``update`` is traceable already and is its own ``graph_update``.
+      transform: the chain of gradient transformations this optimizer runs (`as_optimizer`), or
+        None (the fused implementations). A non-elementwise optimizer runs at ZeRO stages 1-3
+        through it: the whole-tensor optimizer partition (`specs/optim.md §Muon`) rewrites it.
     """
 
     init: Callable[[Params], OptState]
@@ -58,6 +61,7 @@ class Optimizer(NamedTuple):
     update_: UpdateFn
     elementwise: bool
     graph_update: UpdateFn | None = None
+    transform: Any = None
 
 
 def pure(update_: UpdateFn) -> UpdateFn:

@@ -114,8 +114,9 @@ def _first(*values):
 
 
 def muon(**kwargs: Any) -> Optimizer:
-    """`muon_chain(**kwargs)` as an `Optimizer` (`as_optimizer`): not elementwise, so it runs where
-    every rank holds whole parameters (ZeRO stage 0)."""
+    """`muon_chain(**kwargs)` as an `Optimizer` (`as_optimizer`): not elementwise, so at ZeRO stages
+    1-3 the step runs its chain through the whole-matrix optimizer partition (specs/optim.md
+    §Muon at ZeRO stages 1-3)."""
     return as_optimizer(muon_chain(**kwargs))
 
 

@@ -141,4 +141,5 @@ def partition(select: Callable[[str, tuple[int, ...]], bool], inside: GradientTr
         return optree.tree_unflatten(treedef, [merged[_path_name(p)] for p in paths]), PartitionState(s_in, s_out)
 
     return GradientTransformation(init, update, inside.elementwise and outside.elementwise,
-                                  f"partition({inside.name or '?'}, {outside.name or '?'})", (inside, outside))
+                                  f"partition({inside.name or '?'}, {outside.name or '?'})", (inside, outside),
+                                  (select, outside_extra))

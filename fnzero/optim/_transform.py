@@ -46,13 +46,16 @@ class GradientTransformation(NamedTuple):
 
     `elementwise`: each element's update depends on that element alone, so a flat shard can be
     updated on its own (False where a transform reads whole tensors: trust ratios). `name`: how
-    messages name it (the factory and its arguments); `parts`: a chain's transforms."""
+    messages name it (the factory and its arguments); `parts`: a chain's transforms, applied in
+    turn to the same leaves, or a `partition`'s two chains; `route`: a `partition`'s
+    `(select, outside_extra)`, which tells those apart (`_whole.py` reads both)."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]
     elementwise: bool = True
     name: str = ""
     parts: tuple = ()
+    route: tuple | None = None
 
 
 def _named(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -341,4 +344,5 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
             return apply_updates(params, updates), new_state
 
-    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update)
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update,
+                     transform=tx)

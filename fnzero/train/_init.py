@@ -27,6 +27,8 @@ from ..offload._nvme_params import store_shards
 from ..sharding.zero._param_store import ShardSource, placeholder
 from ..sharding.zero._gather import unit_views
 from ._loss_scale import init_loss_scale
+from ._owner_update import owner_layout, owner_tree
+from ..sharding.zero._owners import param_pieces
 from ._policy import step_policy
 from ._step import optimizer_or_config
 
@@ -44,13 +46,21 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         )
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
     plan = sm.plan
-    if not opt.elementwise and (plan.placement.optimizer or sm.tp is not None):
-        kind = sm.config.optimizer.type if optimizer is None else "optimizer="
-        where = "tensor-parallel slices" if sm.tp is not None else "flat shards"
+    kind = sm.config.optimizer.type if optimizer is None else "optimizer="
+    if not opt.elementwise and sm.tp is not None:
         raise ShardingError(
-            f"optimizer {kind} is not elementwise (it normalises per tensor) and cannot update {where}; use it at "
-            "ZeRO stage 0 without tensor parallelism"
+            f"optimizer {kind} is not elementwise (it normalises per tensor) and cannot update tensor-parallel "
+            "slices; use it without tensor parallelism"
         )
+    if not opt.elementwise and plan.placement.optimizer:
+        if opt.transform is None:
+            raise ShardingError(
+                f"optimizer {kind} is not elementwise (it normalises per tensor) and is a fused implementation "
+                "without a chain of gradient transformations, so it cannot update ZeRO stage 1-3 flat shards; use "
+                "stage 0, or pass its chain (optimizer=fnzero.optim.as_optimizer(chain)): a chain's whole-tensor "
+                "transforms run on each parameter's owning rank (specs/optim.md §Muon at ZeRO stages 1-3)"
+            )
+        owner_layout(plan, opt)  # what the whole-tensor partition refuses, before any file is read
     initial = initial_params(sm, pretrained, allow_unexpected=allow_unexpected, check_ranks_equal=check_ranks_equal,
                              adapters=adapters, stacklevel=5)
     params, master, opt_state = _params_and_optimizer(sm, initial, opt)
@@ -183,7 +193,7 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16)
     separate_master = separate_master or (offload is not None and sm.sharding.device.type != "cpu")
     if not separate_master:
-        return params, None, opt.init(optimizer_view(plan, rank, params, opt.elementwise))
+        return params, None, _init_optimizer(sm, opt, optimizer_view(plan, rank, params, opt.elementwise))
     master_dtype = torch.float32 if plan.param_dtype in (torch.float16, torch.bfloat16) else plan.param_dtype
     master = {
         k: v.to(device=torch.device("cpu") if offload else v.device, dtype=master_dtype, copy=True)
@@ -194,7 +204,18 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
         target = {}
         for u in plan.units:
             target.update(unit_views(u, master[u.name]))
-    return params, master, opt.init(target)
+    return params, master, _init_optimizer(sm, opt, target)
+
+
+def _init_optimizer(sm: ShardedModule, opt, target: dict[str, torch.Tensor]):
+    """`opt`'s initial state over `target` (what the step updates); a non-elementwise optimizer at
+    stages 1-3 over its whole-tensor partition's tree (`_owner_update.py`: a collective)."""
+    plan = sm.plan
+    if opt.elementwise or not plan.placement.optimizer:
+        return opt.init(target)
+    layout = owner_layout(plan, opt)
+    (tree,) = owner_tree(layout, sm.comm, param_pieces(plan, sm.comm.rank, target))
+    return layout.optimizer.init(tree)
 
 
 def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel: int) -> None:

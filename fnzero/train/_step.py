@@ -200,7 +200,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
     new_slices, new_master, new_opt_state = optimizer_update(
         sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
-        opt.update_ if donate else opt.update, setup.param_dtype, donate)
+        opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm)
     timer.stop("optimizer")
     timer.start()
     new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)

@@ -18,6 +18,7 @@ import torch
 from ..sharding.construct._module import optimizer_view
 from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
+from ._owner_update import owner_layout, owner_update
 
 __all__ = ["OptimizerScalars", "optimizer_update", "publish_params"]
 
@@ -33,7 +34,7 @@ class OptimizerScalars(NamedTuple):
 
 def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
                      grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
-                     param_dtype: torch.dtype, donate: bool):
+                     param_dtype: torch.dtype, donate: bool, comm=None):
     """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
     this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
     master or None, new optimizer state).
@@ -41,8 +42,9 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     The gradients are multiplied by `scalars.factor` first (in place: they are this step's own)
     and moved to where the optimizer's target is: the master (on the host with offload), else
     this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
-    A new master becomes the compute parameters by one conversion, written into the input's own
-    buffers when donated and the sizes agree."""
+    A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
+    (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one
+    conversion, written into the input's own buffers when donated and the sizes agree."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
@@ -50,14 +52,18 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     where = master if master is not None else params
     grads = {k: g if g.device == where[k].device else g.to(where[k].device) for k, g in grads.items()}
     target = master if master is not None else optimizer_view(plan, rank, params, opt.elementwise)
-    if not opt.elementwise:
+    if not opt.elementwise and plan.placement.optimizer:
+        new_target, new_opt_state = owner_update(plan, owner_layout(plan, opt), comm, grads, target, opt_state, scalars)
+    elif not opt.elementwise:
         grads = _per_param(plan, grads)
         if master is not None:
             target = _per_param(plan, target)
-    new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
-                                       global_norm=scalars.global_norm)
-    if not opt.elementwise:
+        new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
+                                           global_norm=scalars.global_norm)
         new_target = _per_unit(plan, new_target, like=master if master is not None else params)
+    else:
+        new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
+                                           global_norm=scalars.global_norm)
     if master is None:
         return new_target, None, new_opt_state
     return {k: _compute_copy(t, params[k], param_dtype, donate) for k, t in new_target.items()}, new_target, new_opt_state

@@ -148,7 +148,7 @@ class WholeStep:
         factor, global_norm = clip_factor(policy.clip, norm_sq.sqrt(), unscale)
         new_slices, new_master, new_opt = optimizer_update(
             plan, c.rank, params, master, opt_state, grads, OptimizerScalars(factor, lr, momentum, global_norm),
-            step.opt, step.opt.graph_update, c.param_dtype, donate=False)
+            step.opt, step.opt.graph_update, c.param_dtype, donate=False, comm=comm)
         # Parameters are never sharded in this graph; gathered where only the optimizer state is.
         new_params = publish_params(plan, comm, params, new_slices, donate=False)
         if c.donate:

@@ -1,0 +1,156 @@
+"""The whole-tensor optimizer partition (specs/optim.md §Muon): at ZeRO stages 1-3 each parameter
+an optimizer must see whole (Muon's matrices) is owned by one data-parallel rank, which holds its
+optimizer state whole and computes its update; every other parameter stays cut into the ranks'
+flat shards. Pure data, the same on every rank, and the two all-to-alls that move a step's pieces
+to the owners and the owners' results back.
+
+Owners are chosen greedily, largest parameter first (ties in plan order) onto the rank owning the
+fewest elements so far (ties: the lowest rank): deterministic, and within 4/3 of the best
+balance (Graham's bound for this longest-processing-time rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from ..._errors import ShardingError
+from ._plan import ParamSlot, ShardPlan, UnitPlan
+
+__all__ = ["WholeTensorPartition", "whole_tensor_partition", "param_pieces", "to_owners", "from_owners"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeTensorPartition:
+    """`owners`: (parameter name, owning dp rank) for each whole-tensor parameter, in plan order."""
+
+    plan: ShardPlan
+    owners: tuple[tuple[str, int], ...]
+
+    @functools.cached_property
+    def _slots(self) -> dict[str, tuple[UnitPlan, ParamSlot]]:
+        return {s.name: (u, s) for u in self.plan.units for s in u.slots}
+
+    @functools.cached_property
+    def owner_of(self) -> dict[str, int]:
+        return dict(self.owners)
+
+    def owned(self, rank: int) -> list[str]:
+        """The parameters `rank` owns, in plan order."""
+        return [n for n, r in self.owners if r == rank]
+
+    def load(self, rank: int) -> int:
+        """Elements of the parameters `rank` owns."""
+        return sum(self._slots[n][1].numel for n in self.owned(rank))
+
+    def piece(self, name: str, rank: int) -> tuple[int, int]:
+        """Where rank's shard cuts parameter `name`: offsets `[lo, hi)` into the parameter (empty when
+        the shard holds none of it)."""
+        u, s = self._slots[name]
+        lo, hi = u.real_range(rank)
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        return (a - s.offset, b - s.offset) if a < b else (0, 0)
+
+    def exchange_numel(self, rank: int) -> int:
+        """Elements `rank` sends in one step's two all-to-alls (`train/_owner_update.py`): the
+        gradient and value of its piece of every matrix another rank owns, then the rest of each
+        matrix it owns back to the ranks whose pieces they are."""
+        def size(n: str, r: int) -> int:
+            lo, hi = self.piece(n, r)
+            return hi - lo
+
+        return sum(2 * size(n, rank) if owner != rank else self._slots[n][1].numel - size(n, rank)
+                   for n, owner in self.owners)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._slots[name][1].shape
+
+
+@functools.lru_cache(maxsize=16)
+def whole_tensor_partition(plan: ShardPlan, names: frozenset[str]) -> WholeTensorPartition:
+    """Owners for `names` (trainable parameters of `plan`) over the plan's data-parallel ranks."""
+    order = [(u, s) for u in plan.units for s in u.slots if s.name in names]
+    experts = [s.name for u, s in order if u.is_expert]
+    if experts:
+        raise ShardingError(
+            f"the whole-tensor optimizer partition covers dense units only; {experts[0]!r} is an expert's "
+            "(expert parallelism): give experts' matrices to an elementwise optimizer, or train at ZeRO stage 0"
+        )
+    loads = [0] * plan.world_size
+    owner: dict[str, int] = {}
+    for i in sorted(range(len(order)), key=lambda i: (-order[i][1].numel, i)):
+        rank = min(range(plan.world_size), key=lambda r: (loads[r], r))
+        owner[order[i][1].name] = rank
+        loads[rank] += order[i][1].numel
+    return WholeTensorPartition(plan, tuple((s.name, owner[s.name]) for _, s in order))
+
+
+def param_pieces(plan: ShardPlan, rank: int, by_unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each parameter's piece of this rank's flat shards (`by_unit`: unit name -> shard), as 1-D views
+    (empty where the shard holds none of it), in plan order."""
+    out = {}
+    for u in plan.units:
+        lo, hi = u.real_range(rank)
+        shard = by_unit[u.name]
+        for s in u.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            out[s.name] = shard[a - lo: b - lo] if a < b else shard[:0]
+    return out
+
+
+def to_owners(comm, part: WholeTensorPartition, channels: list[dict[str, torch.Tensor]],
+              like: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Each rank's pieces of the whole-tensor parameters (`channels`: several trees of 1-D pieces,
+    in `like`'s dtype and device) to their owners, in one all-to-all: for each channel, owned
+    name -> the whole tensor (its true shape) on this rank."""
+    rank, world = comm.rank, comm.world_size
+    send, ins = [], []
+    for dest in range(world):
+        parts = [ch[n] for n in part.owned(dest) for ch in channels]
+        send.extend(parts)
+        ins.append(sum(p.numel() for p in parts))
+    mine = part.owned(rank)
+    outs = [len(channels) * sum(_size(part.piece(n, src)) for n in mine) for src in range(world)]
+    got = _exchange(comm, send, ins, outs, like)
+    wholes: list[dict[str, list[torch.Tensor]]] = [{n: [] for n in mine} for _ in channels]
+    at = 0
+    for src in range(world):
+        for n in mine:
+            k = _size(part.piece(n, src))
+            for whole in wholes:
+                whole[n].append(got[at: at + k])
+                at += k
+    return [{n: torch.cat(ps).view(part.shape(n)) for n, ps in whole.items()} for whole in wholes]
+
+
+def from_owners(comm, part: WholeTensorPartition, whole: dict[str, torch.Tensor], like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of `to_owners` for one channel: the owners' whole tensors (`whole`: owned name ->
+    tensor) cut back into every rank's pieces; name -> this rank's 1-D piece, for every
+    whole-tensor parameter. `like`: a tensor of the dtype and device the pieces travel in."""
+    rank, world = comm.rank, comm.world_size
+    mine = part.owned(rank)
+    send, ins = [], []
+    for dest in range(world):
+        parts = [whole[n].reshape(-1)[slice(*part.piece(n, dest))] for n in mine]
+        send.extend(parts)
+        ins.append(sum(p.numel() for p in parts))
+    outs = [sum(_size(part.piece(n, rank)) for n in part.owned(src)) for src in range(world)]
+    got = _exchange(comm, send, ins, outs, like)
+    out, at = {}, 0
+    for src in range(world):
+        for n in part.owned(src):
+            k = _size(part.piece(n, rank))
+            out[n] = got[at: at + k]
+            at += k
+    return out
+
+
+def _size(rng: tuple[int, int]) -> int:
+    return rng[1] - rng[0]
+
+
+def _exchange(comm, send: list[torch.Tensor], ins: list[int], outs: list[int], like) -> torch.Tensor:
+    buf = torch.cat(send) if send else like.new_zeros(0)
+    return comm.all_to_all(buf, input_split_sizes=ins, output_split_sizes=outs, label="whole-tensor partition")
