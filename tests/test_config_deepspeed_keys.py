@@ -35,7 +35,6 @@ CASES = TABLE["cases"]
 
 # DeepSpeed keys fnzero refuses by name when set to this sample value: key -> why.
 REFUSED = {
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantisation is not implemented",
     "zero_optimization.zero_quantized_nontrainable_weights": "ZeRO++ quantisation is not implemented",
     "zero_optimization.zero_quantized_gradients": "ZeRO++ quantisation is not implemented",

@@ -48,6 +48,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
         return "a pipeline schedule sends activations between its stages' forwards"
     if state.sharding.ep is not None:
         return "expert parallelism's all-to-all runs inside the model's MoE layers"
+    if state.sharding.replicas is not None:
+        return "MiCS all-reduces the gradient shards across its replica groups, a collective the graph's ladder lacks"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

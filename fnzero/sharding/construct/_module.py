@@ -75,7 +75,8 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None):
+                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None,
+                 groups=None):
         self.module = module
         self.plan = plan
         self.comm = comm
@@ -84,7 +85,7 @@ class ShardedModule:
         self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
         self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts
-        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep)
+        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep, groups)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
@@ -175,7 +176,7 @@ class ShardedModule:
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
                        sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
-                       expert_comm=self.sharding.expert_comm)
+                       expert_comm=self.sharding.expert_comm, groups=self.sharding.groups)
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]

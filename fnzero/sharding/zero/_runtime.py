@@ -56,10 +56,12 @@ class ApplyRun:
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
                  sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
-                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None):
+                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, groups=None):
         self.plan = plan
         self.comm = comm
         self.expert_comm = expert_comm  # expert units' gathers (`comm_for`)
+        self.hpz = groups.hpz if groups is not None else None  # hpZ: backward re-gathers over it (`UnitRuntime`)
+        self.num_replicas = groups.num_replicas if groups is not None else 1  # MiCS: copies of each shard
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
@@ -103,7 +105,7 @@ class ApplyRun:
             self.backward.release()
             self.backward = None
         for rt in (*self.rts.values(), *self.frts.values()):
-            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = None
+            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = rt.secondary = None
         self.rts.clear()
         self.frts.clear()
         self._live.clear()
@@ -122,7 +124,7 @@ class ApplyRun:
         rt = table.get(unit.name)
         if rt is None:
             rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm_for(unit, self.comm, self.expert_comm), self,
-                                                self.sources.of(frozen))
+                                                self.sources.of(frozen), self.hpz)
         return rt
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
@@ -165,7 +167,7 @@ class ApplyRun:
         for rt in (self.rts.get(name), self.frts.get(name)) if name is not None else ():
             if rt is None or not rt.packed or rt.bwd_full is not None or rt.bwd_pending is not None:
                 continue
-            rt.bwd_pending = rt.comm.all_gather_async(rt.shard_values(), label=name)
+            rt.bwd_pending = rt.start_backward_gather()
 
     @torch.compiler.disable
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:
