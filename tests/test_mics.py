@@ -78,3 +78,125 @@ def test_mics_equals_plain_torch(stage):
     for got in _train(stage, mics_shard_size=2):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_hpz_equals_plain_torch():
+    want = _reference()
+    for got in _train(3, zero_hpz_partition_size=2):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _recorded_step(mesh_args: dict, stage: int = 3):
+    """Per rank: the plan and the (op, numel) records of one step on the group ZeRO shards over
+    (`sm.comm`), MiCS's replica group and hpZ's group (empty where a group is absent)."""
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW"},
+                              "comms_logger": {"enabled": True},
+                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
+                             world_size=WORLD)
+
+    def rank(comm):
+        mesh = fnzero.make_mesh(comm, **mesh_args)
+        sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm, mesh=mesh)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
+        groups = [sm.comm, sm.sharding.replicas, sm.sharding.groups.hpz if sm.sharding.groups else None]
+        for c in groups:
+            if c is not None:
+                c.reset()
+        step(state, _chunk(0, comm.rank))
+        return sm.plan, [[(r.op, r.numel) for r in c.records] if c is not None else [] for c in groups]
+
+    return simulated_world(WORLD).run(rank)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_mics_gathers_and_reduces_in_the_shard_group_then_all_reduces_shards_across_replicas(stage):
+    """specs/mesh.md §MiCS: every all-gather and reduce-scatter runs in the shard group of 2, over
+    units padded to 2; the replica group carries one all-reduce of each unit's shard and of the loss."""
+    for plan, (shard, replicas, _) in _recorded_step({"mics": 2}, stage):
+        assert plan.world_size == 2
+        padded = collections.Counter(u.padded_numel for u in plan.units)
+        gathers = collections.Counter(n for op, n in shard if op == "all_gather")
+        assert set(gathers) == set(padded)  # every unit gathered (stage 3: forward and backward; 1: published)
+        if stage == 1:
+            assert gathers == padded
+        assert collections.Counter(n for op, n in shard if op == "reduce_scatter") == padded
+        assert collections.Counter((op, n) for op, n in replicas) == (
+            collections.Counter(("all_reduce", u.shard_numel) for u in plan.units) + collections.Counter([("all_reduce", 1)]))
+        assert [op for op, _ in shard if op == "all_reduce"] == ["all_reduce"]  # the norm and the loss, once
+
+
+def test_hpz_moves_backward_gathers_into_its_group():
+    """specs/mesh.md §hpZ: the forward gathers each unit over the 4 dp ranks; backward's re-gathers
+    run in the hpZ group of 2, from the secondary shards, and are the plain run's backward gathers."""
+    plain = _recorded_step({})
+    hpz = _recorded_step({"hpz": 2})
+    for (plan, (dp0, _, _)), (_, (dp, _, group)) in zip(plain, hpz):
+        gathers = collections.Counter(n for op, n in dp0 if op == "all_gather")
+        forward = collections.Counter(n for op, n in dp if op == "all_gather")
+        backward = collections.Counter(n for op, n in group if op == "all_gather")
+        assert {op for op, _ in group} == {"all_gather"} and sum(backward.values()) >= 3
+        assert forward == collections.Counter(u.padded_numel for u in plan.units)  # once each, in forward
+        assert forward + backward == gathers  # (records count the gathered buffer's elements)
+        assert [(op, n) for op, n in dp if op != "all_gather"] == [(op, n) for op, n in dp0 if op != "all_gather"]
+
+
+def test_mics_state_is_16_bytes_per_parameter_over_the_shard_group():
+    """specs/mesh.md §MiCS memory: at stage 3 in bf16 with fp32 master and Adam, each rank holds
+    16 bytes per element of its shard of each unit padded to the shard group of 2: 16 Ψ / 2, up to
+    the padding, exactly `zero_formula(Ψ, 3, 2)` of the padded count, twice plain ZeRO-3's on 4 ranks."""
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW"},
+                              "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}, world_size=WORLD)
+
+    def rank(comm, mics):
+        sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm, mesh=fnzero.make_mesh(comm, mics=mics))
+        return sm.plan, fnzero.memory.model_state_bytes(sm.init_state()).total
+
+    for mics, sharing in ((2, 2), (0, WORLD)):
+        for plan, got in simulated_world(WORLD).run(lambda comm: rank(comm, mics)):
+            assert got == fnzero.memory.zero_formula(plan.num_padded, 3, sharing, True) == 16 * plan.num_padded // sharing
+            assert plan.num_padded - plan.num_params < 2 * len(plan.units)  # padding: under one element per rank and unit
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mics_in_bf16_divides_by_every_data_parallel_rank(stage):
+    """16-bit gradients are divided by the dp ranks before they are summed (`specs/sharding.md`
+    §Step): by all 4, not the shard group's 2, so the gradient norm is plain ZeRO's (bf16 rounding apart)."""
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW"},
+                              "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
+                             world_size=WORLD)
+
+    def rank(comm, mics):
+        sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm, mesh=fnzero.make_mesh(comm, mics=mics))
+        step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
+        return step(sm.init_state(), _chunk(0, comm.rank))[1]
+
+    plain, mics = (simulated_world(WORLD).run(lambda comm: rank(comm, m))[0] for m in (0, 2))
+    assert mics["grad_norm"] == pytest.approx(plain["grad_norm"], rel=2e-2)  # bf16: 8 bits of mantissa
+    assert mics["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+
+
+def test_bad_group_sizes_are_one_config_error_naming_the_key(monkeypatch):
+    """A MiCS shard size that does not divide the dp ranks; an hpZ size that does not divide the
+    ranks per node (two nodes of 2: LOCAL_WORLD_SIZE 2); either with tensor parallelism or offload."""
+    def error(body) -> str:
+        def rank(comm):
+            with pytest.raises(ConfigError) as e:
+                body(comm)
+            return str(e.value)
+        return simulated_world(WORLD).run(rank)[0]
+
+    assert "zero_optimization.mics_shard_size 3 must divide the data-parallel ranks" in error(
+        lambda comm: fnzero.shard(_model(), config=_config(3, mics_shard_size=3), comm=comm))
+    assert "zero_optimization.mics_shard_size 2 with tensor-parallel size 2" in error(
+        lambda comm: fnzero.make_mesh(comm, tp=2, mics=2))
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    assert "zero_optimization.mics_shard_size with zero_optimization.offload_optimizer" in error(
+        lambda comm: fnzero.shard(_model(), config=_config(3, mics_shard_size=2, **offload), comm=comm))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "zero_optimization.zero_hpz_partition_size 4 must divide the ranks per node (2, LOCAL_WORLD_SIZE)" in error(
+        lambda comm: fnzero.shard(_model(), config=_config(3, zero_hpz_partition_size=4), comm=comm))
+    fnzero.testing.simulated_world(WORLD).run(lambda comm: fnzero.make_mesh(comm, hpz=2))  # 2 divides 2: accepted
