@@ -200,3 +200,45 @@ def test_bad_group_sizes_are_one_config_error_naming_the_key(monkeypatch):
     assert "zero_optimization.zero_hpz_partition_size 4 must divide the ranks per node (2, LOCAL_WORLD_SIZE)" in error(
         lambda comm: fnzero.shard(_model(), config=_config(3, zero_hpz_partition_size=4), comm=comm))
     fnzero.testing.simulated_world(WORLD).run(lambda comm: fnzero.make_mesh(comm, hpz=2))  # 2 divides 2: accepted
+
+
+def _run(world: int, stage: int, mics: int, ckpt, save_to=None, load_from=None):
+    """On `world` simulated ranks: a state (loaded from `load_from`, else fresh), saved to `save_to`
+    after one step when given; returns rank 0's consolidated parameters after loading and after
+    the next step (the chunks of step 1, as the same global batch split over `world` ranks)."""
+    cfg = fnzero.load_config({
+        "train_micro_batch_size_per_gpu": MICRO * WORLD // world, "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}, world_size=world)
+
+    def rank(comm):
+        sm = fnzero.shard(_model(), config=cfg, comm=comm, mesh=fnzero.make_mesh(comm, mics=mics))
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
+        if load_from is not None:
+            state, _ = ckpt.load(load_from, state)
+        else:
+            state, _ = step(state, _chunk(0, comm.rank))
+        if save_to is not None:
+            ckpt.save(save_to, state)
+        loaded = sm.gather(state)
+        mine = torch.cat([_chunk(1, r) for r in range(WORLD)])[comm.rank * MICRO * WORLD // world:][:MICRO * WORLD // world]
+        return loaded, sm.gather(step(state, mine)[0])
+
+    return simulated_world(world).run(rank)[0]
+
+
+def test_mics_checkpoint_is_one_shard_groups_and_loads_into_plain_zero_and_back(tmp_path):
+    """specs/checkpoint-format.md §MiCS: the first shard group writes the checkpoint, as a run of 2
+    ranks would (two data files); a plain ZeRO run of 2 ranks at another stage loads it by
+    name, bit for bit, and its next step equals the MiCS run's; saved again, it loads into MiCS."""
+    from fnzero import checkpoint as ckpt
+
+    saved, mics_next = _run(WORLD, 3, 2, ckpt, save_to=tmp_path / "a")
+    assert sorted(p.name for p in (tmp_path / "a" / "step_1").glob("rank*.bin")) == ["rank00000.bin", "rank00001.bin"]
+    loaded, plain_next = _run(2, 1, 0, ckpt, load_from=tmp_path / "a", save_to=tmp_path / "b")
+    again, mics_again = _run(WORLD, 2, 2, ckpt, load_from=tmp_path / "b")
+    for name in saved:
+        assert torch.equal(loaded[name], saved[name]) and torch.equal(again[name], saved[name]), name
+        torch.testing.assert_close(plain_next[name], mics_next[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(mics_again[name], mics_next[name], rtol=1e-9, atol=1e-12, msg=name)
