@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +148,7 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.state_dict(keep_vars=True).items() if isinstance(p, torch.nn.Parameter) or True}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), group_cases=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
@@ -180,6 +181,12 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=()):
 
             params = hf.train_on_rank(comm, kind, stage, ep)
         out[f"ep|{kind}|{stage}|{ep}|rank{comm.rank}"] = {"params": params}
+    for kind, stage, key, size in group_cases:  # MiCS and hpZ groups (specs/mesh.md §MiCS, §hpZ) over real gloo groups
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, key: size}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`zero_optimization.mics_shard_size` turns on MiCS")
+            r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"zero_optimization": zero})
+        out[f"zg|{kind}|{stage}|{key}|{size}"] = {"params": r["params"]}
     if comm.rank == 0:
         return out
     return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}

@@ -34,13 +34,16 @@ PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b"
 EP_CASES = {1: [], 2: [("moe_gpt", 3, 2), ("mixtral", 1, 2)], 4: [("moe_gpt", 1, 2), ("moe_gpt", 3, 4),
                                                                   ("deepseek_v3", 3, 2)]}
 
+# MiCS and hpZ (specs/mesh.md §MiCS, §hpZ): (model, ZeRO stage, zero_optimization key, size) per world size.
+GROUP_CASES = {1: [], 2: [], 4: [("gpt", 3, "mics_shard_size", 2), ("gpt", 3, "zero_hpz_partition_size", 2)]}
+
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
 def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
     (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world],
-                             EP_CASES[world], timeout=600)
+                             EP_CASES[world], GROUP_CASES[world], timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -121,6 +124,17 @@ def test_expert_parallel_moe_matches_reference(world_results):
             moe.assert_equal_to_reference(got, moe._reference(world))
         else:
             hf._assert_close(got, hf._reference(kind, world))
+
+
+def test_mics_and_hpz_groups_match_reference(world_results, references):
+    """MiCS's shard and replica groups and hpZ's groups as gloo process groups (`dist.new_group`)."""
+    world, out = world_results
+    if not GROUP_CASES[world]:
+        pytest.skip("MiCS and hpZ are checked on the world of 4")
+    for kind, stage, key, size in GROUP_CASES[world]:
+        ref = references(kind, world, torch.float64)
+        W.assert_close_tree(out[f"zg|{kind}|{stage}|{key}|{size}"]["params"], ref["params"], rtol=RTOL_F64, atol=1e-12,
+                            what=f"{kind} stage {stage} {key} {size}")
 
 
 def test_float32_losses_match_reference(world_results, references):
