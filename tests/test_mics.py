@@ -216,7 +216,8 @@ def _run(world: int, stage: int, mics: int, ckpt, save_to=None, load_from=None):
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
         if load_from is not None:
-            state, _ = ckpt.load(load_from, state)
+            # Threads share one generator, which a restore would reset while another shard group builds its model.
+            state, _ = ckpt.load(load_from, state, restore_rng=False)
         else:
             state, _ = step(state, _chunk(0, comm.rank))
         if save_to is not None:
@@ -242,3 +243,16 @@ def test_mics_checkpoint_is_one_shard_groups_and_loads_into_plain_zero_and_back(
         assert torch.equal(loaded[name], saved[name]) and torch.equal(again[name], saved[name]), name
         torch.testing.assert_close(plain_next[name], mics_next[name], rtol=1e-9, atol=1e-12, msg=name)
         torch.testing.assert_close(mics_again[name], mics_next[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_node_local_save_of_a_mics_state_is_refused_before_writing(tmp_path):
+    from fnzero import checkpoint as ckpt
+    from fnzero._errors import CheckpointError
+
+    def rank(comm):
+        sm = fnzero.shard(_model(), config=_config(1), comm=comm, mesh=fnzero.make_mesh(comm, mics=2))
+        with pytest.raises(CheckpointError, match=r"node-local save .* of a MiCS state"):
+            ckpt.save(tmp_path, sm.init_state(), node_local=True)
+
+    simulated_world(WORLD).run(rank)
+    assert not any(tmp_path.iterdir())

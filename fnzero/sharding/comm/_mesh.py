@@ -221,12 +221,12 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: 
     return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep, *zero_groups)
 
 
-def zero_groups_of(config: Any, stage: int) -> tuple[int, int]:
-    """(MiCS shard size, 0 when off; hpZ partition size, 1 when off) a config asks of a run at ZeRO
-    `stage`: MiCS shards from stage 1, hpZ partitions parameters, sharded at stage 3 only (below, the
-    config's key has no effect and warned so when loaded)."""
+def zero_groups_of(config: Any, optimizer_sharded: bool, params_sharded: bool) -> tuple[int, int]:
+    """(MiCS shard size, 0 when off; hpZ partition size, 1 when off) a config asks of a run whose
+    placement shards the optimizer state / the parameters: MiCS needs something sharded, hpZ
+    sharded parameters (otherwise the config's key has no effect, and warned so when loaded)."""
     if config is None:
         return 0, 1
     z = config.zero_optimization
-    mics = z.mics_shard_size if z.mics_shard_size > 0 and stage >= 1 else 0
-    return mics, z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 and stage >= 3 else 1
+    mics = z.mics_shard_size if z.mics_shard_size > 0 and optimizer_sharded else 0
+    return mics, z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 and params_sharded else 1

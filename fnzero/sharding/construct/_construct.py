@@ -96,10 +96,9 @@ def shard(
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
         model = build_on_meta(model)
-    zero_groups = zero_groups_of(config, policy.placement.stage)
-    mesh, ep = _mesh_for_experts(model, comm, mesh, config, zero_groups)
+    mesh, ep = _mesh_for_experts(model, comm, mesh, config, policy)
     if isinstance(model, PipelineModule):
-        model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep, zero_groups)
+        model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
         replace_for_autoep(model, config, mesh.shape.ep)  # the stage's Hugging Face MoE blocks, if any
     if is_released(model):
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
@@ -112,7 +111,6 @@ def shard(
     ep_layout = _split_for_ep(model, mesh, ep, config, debug, meta)
     watchdog = _job_watchdog(world, config)
     comm, groups = _zero_groups(comm, mesh, policy, config, debug)
-    comm = _observed(comm, config, debug)
     params0 = list(model.parameters())
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
@@ -151,11 +149,11 @@ def shard(
     return sm
 
 
-def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any,
-                      zero_groups: tuple[int, int]) -> tuple[Mesh | None, int]:
+def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:
     """AutoEP's replacement of a Hugging Face model's experts where the run asks expert parallelism,
     then the ep size the model and config ask for, and the mesh (given, or the config's with that ep
     and its MiCS and hpZ groups; a pipeline makes its own with them)."""
+    zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
     pipeline = isinstance(model, PipelineModule)
     if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
         replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
@@ -171,10 +169,11 @@ def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any,
 
 def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
                  debug: bool) -> tuple[Collectives, ZeroGroups | None]:
-    """The collectives ZeRO shards over (the MiCS shard group, else `comm`, the data-parallel ranks)
-    and the run's MiCS replica and hpZ groups (`specs/mesh.md §MiCS`, `§hpZ`), or None."""
+    """The collectives ZeRO shards over (the MiCS shard group, else `comm`, the data-parallel ranks),
+    recorded and checked as the config and `debug` ask (`_observed`), and the run's MiCS replica and
+    hpZ groups (`specs/mesh.md §MiCS`, `§hpZ`), or None."""
     if mesh is None or (mesh.mics is None and mesh.hpz is None):
-        return comm, None
+        return _observed(comm, config, debug), None
     if policy.offload_optimizer is not None or policy.offload_param is not None:
         key = "offload_optimizer" if policy.offload_optimizer is not None else "offload_param"
         feature = "mics_shard_size" if mesh.mics is not None else "zero_hpz_partition_size"
@@ -182,8 +181,7 @@ def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
                           "for offloaded state; remove one")
     replicas = _observed(mesh.mics_replicas, config, debug) if mesh.mics is not None else None
     hpz = _observed(mesh.hpz, config, debug) if mesh.hpz is not None else None
-    groups = ZeroGroups(replicas, hpz)
-    return (mesh.mics if mesh.mics is not None else comm), groups
+    return _observed(mesh.mics if mesh.mics is not None else comm, config, debug), ZeroGroups(replicas, hpz)
 
 
 def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
@@ -196,13 +194,13 @@ def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) ->
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
-                  debug: bool, wrap, ep: int = 1,
-                  zero_groups: tuple[int, int] = (0, 1)) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
+                  debug: bool, wrap, ep: int = 1) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
     """This rank's stage of a pipeline model: its layers as a module, the mesh (given, or the
     config's with the module's stage count), the stage's place in the pipeline, and its units
     (each layer or named module; a weight shared with another stage is a unit of its own, laid out
     alike on each stage holding it)."""
     if mesh is None:
+        zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
         mesh = mesh_from_config(comm, config, pp=pipe.num_stages, ep=ep, zero_groups=zero_groups)
     stages = mesh.shape.pp
     if pipe.num_stages not in (None, stages):
