@@ -256,3 +256,50 @@ def test_a_node_local_save_of_a_mics_state_is_refused_before_writing(tmp_path):
 
     simulated_world(WORLD).run(rank)
     assert not any(tmp_path.iterdir())
+
+
+def test_benchmark_rows_count_what_their_formulas_say():
+    """benchmarks/comm_opt_mics.py: each configuration's counted bytes equal its formula; MiCS moves
+    all but the replica all-reduce into the node and holds twice the state; hpZ moves backward's
+    gathers into the node; the losses are plain ZeRO-3's."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "comm_opt_mics.py"
+    spec = importlib.util.spec_from_file_location("comm_opt_mics", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.FEATURE == "mics"
+    for z3, mics, hpz in simulated_world(WORLD).run(lambda comm: bench.measure(comm, 1, 0)):
+        assert [r["config"] for r in (z3, mics, hpz)] == ["z3", "mics2", "hpz2"]
+        for r in (z3, mics, hpz):
+            assert r["bytes_per_step"] == pytest.approx(r["formula_bytes"], rel=1e-12) == r["bytes_intra"] + r["bytes_cross"]
+            assert r["loss"] == pytest.approx(z3["loss"], rel=1e-6)
+        assert z3["bytes_intra"] == 0 and mics["bytes_cross"] < z3["bytes_cross"] / 3 and hpz["bytes_intra"] > 0
+        assert mics["state_bytes"] > 1.9 * z3["state_bytes"] and hpz["state_bytes"] == z3["state_bytes"]
+
+
+def test_mics_config_keys():
+    """specs/config.md: MiCS's keys load as fields (DeepSpeed 0.19.8 refuses them: said by a warning
+    when on); no effect where nothing is sharded (MiCS at stage 0, hpZ below 3) or for the two-level
+    gather: one ConfigWarning each; `to_json` writes MiCS's keys only when on."""
+    import json
+    import warnings
+
+    def said(zero: dict | str):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = fnzero.load_config(zero if isinstance(zero, str) else {"train_batch_size": 4, "zero_optimization": zero})
+        return cfg, [str(w.message) for w in caught if issubclass(w.category, fnzero.config.ConfigWarning)]
+
+    cfg, msgs = said({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True})
+    assert cfg.zero_optimization.mics_shard_size == 2 and len(msgs) == 3
+    assert sum("DeepSpeed 0.19.8 refuses this key" in m for m in msgs) == 2
+    assert any("mics_hierarchical_params_gather` is true, which has no effect" in m for m in msgs)
+    assert json.loads(cfg.to_json())["zero_optimization"]["mics_shard_size"] == 2
+    assert said(cfg.to_json())[0] == cfg
+    _, msgs = said({"stage": 0, "mics_shard_size": 2})
+    assert any("`zero_optimization.mics_shard_size` is 2, which has no effect" in m for m in msgs)
+    cfg, msgs = said({"stage": 2, "zero_hpz_partition_size": 2})
+    assert msgs == [m for m in msgs if "`zero_optimization.zero_hpz_partition_size` is 2, which has no effect" in m] != []
+    assert "mics_shard_size" not in json.loads(cfg.to_json())["zero_optimization"]
