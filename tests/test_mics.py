@@ -303,3 +303,19 @@ def test_mics_config_keys():
     cfg, msgs = said({"stage": 2, "zero_hpz_partition_size": 2})
     assert msgs == [m for m in msgs if "`zero_optimization.zero_hpz_partition_size` is 2, which has no effect" in m] != []
     assert "mics_shard_size" not in json.loads(cfg.to_json())["zero_optimization"]
+
+
+def test_plan_prints_mics_rows_over_the_shard_group(capsys):
+    """`fnzero plan --mics S` (specs/cli.md): stages 1-3 shard over S ranks (§MiCS memory), no offload
+    rows (MiCS refuses offload); a size that does not divide the world is a usage error."""
+    import json
+
+    from fnzero.cli._main import main
+
+    assert main(["plan", "--params", "7B", "--world-size", "64", "--mics", "8", "--precision", "bf16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["stage"], r["offload_optimizer"], r["offload_param"]) for r in rows] == [(s, "none", "none") for s in range(4)]
+    for r in rows:
+        assert r["device_bytes"] == round(fnzero.memory.zero_formula(7 * 10**9, r["stage"], 8 if r["stage"] else 64, True))
+    assert main(["plan", "--params", "7B", "--world-size", "64", "--mics", "7"]) == 2
+    assert "--mics 7 does not divide --world-size 64" in capsys.readouterr().err
