@@ -181,7 +181,7 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), gro
 
             params = hf.train_on_rank(comm, kind, stage, ep)
         out[f"ep|{kind}|{stage}|{ep}|rank{comm.rank}"] = {"params": params}
-    for kind, stage, key, size in group_cases:  # MiCS and hpZ groups (specs/mesh.md §MiCS, §hpZ) over real gloo groups
+    for kind, stage, key, size in group_cases:  # MiCS and hpZ groups (specs/mesh.md §MiCS, specs/mesh.md §hpZ) over real gloo groups
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0, key: size}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`zero_optimization.mics_shard_size` turns on MiCS")

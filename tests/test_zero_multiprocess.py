@@ -34,7 +34,7 @@ PP_CASES = {1: [], 2: [(2, 0, "gpipe", 1), (2, 1, "1f1b", 1)], 4: [(2, 1, "1f1b"
 EP_CASES = {1: [], 2: [("moe_gpt", 3, 2), ("mixtral", 1, 2)], 4: [("moe_gpt", 1, 2), ("moe_gpt", 3, 4),
                                                                   ("deepseek_v3", 3, 2)]}
 
-# MiCS and hpZ (specs/mesh.md §MiCS, §hpZ): (model, ZeRO stage, zero_optimization key, size) per world size.
+# MiCS and hpZ (specs/mesh.md §MiCS, specs/mesh.md §hpZ): (model, ZeRO stage, zero_optimization key, size) per world size.
 GROUP_CASES = {1: [], 2: [], 4: [("gpt", 3, "mics_shard_size", 2), ("gpt", 3, "zero_hpz_partition_size", 2)]}
 
 

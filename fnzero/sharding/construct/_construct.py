@@ -171,7 +171,7 @@ def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
                  debug: bool) -> tuple[Collectives, ZeroGroups | None]:
     """The collectives ZeRO shards over (the MiCS shard group, else `comm`, the data-parallel ranks),
     recorded and checked as the config and `debug` ask (`_observed`), and the run's MiCS replica and
-    hpZ groups (`specs/mesh.md §MiCS`, `§hpZ`), or None."""
+    hpZ groups (`specs/mesh.md §MiCS`, `specs/mesh.md §hpZ`), or None."""
     if mesh is None or (mesh.mics is None and mesh.hpz is None):
         return _observed(comm, config, debug), None
     if policy.offload_optimizer is not None or policy.offload_param is not None:

@@ -1,4 +1,4 @@
-"""The groups MiCS and hpZ add to a run's data-parallel ranks (`specs/mesh.md §MiCS`, `§hpZ`)."""
+"""The groups MiCS and hpZ add to a run's data-parallel ranks (`specs/mesh.md §MiCS`, `specs/mesh.md §hpZ`)."""
 
 from __future__ import annotations
 
