@@ -189,8 +189,12 @@ def test_bad_group_sizes_are_one_config_error_naming_the_key(monkeypatch):
             return str(e.value)
         return simulated_world(WORLD).run(rank)[0]
 
-    assert "zero_optimization.mics_shard_size 3 must divide the data-parallel ranks" in error(
-        lambda comm: fnzero.shard(_model(), config=_config(3, mics_shard_size=3), comm=comm))
+    with pytest.raises(ConfigError, match=r"`zero_optimization.mics_shard_size` 3 must divide the data-parallel world "
+                                          r"size 4") as e:
+        _config(3, mics_shard_size=3)
+    assert len(e.value.errors) == 1
+    assert "zero_optimization.mics_shard_size 3 must divide the data-parallel ranks: this mesh has 4" in error(
+        lambda comm: fnzero.make_mesh(comm, mics=3))
     assert "zero_optimization.mics_shard_size 2 with tensor-parallel size 2" in error(
         lambda comm: fnzero.make_mesh(comm, tp=2, mics=2))
     offload = {"offload_optimizer": {"device": "cpu"}}
@@ -289,7 +293,8 @@ def test_mics_config_keys():
     def said(zero: dict | str):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            cfg = fnzero.load_config(zero if isinstance(zero, str) else {"train_batch_size": 4, "zero_optimization": zero})
+            cfg = fnzero.load_config(zero if isinstance(zero, str) else {"train_batch_size": 4, "zero_optimization": zero},
+                                     world_size=WORLD)
         return cfg, [str(w.message) for w in caught if issubclass(w.category, fnzero.config.ConfigWarning)]
 
     cfg, msgs = said({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True})
