@@ -182,7 +182,7 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), gro
             params = hf.train_on_rank(comm, kind, stage, ep)
         out[f"ep|{kind}|{stage}|{ep}|rank{comm.rank}"] = {"params": params}
     for kind, stage, key, size in group_cases:  # MiCS and hpZ groups (specs/mesh.md §MiCS, specs/mesh.md §hpZ) over real gloo groups
-        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, key: size}
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, key: size}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`zero_optimization.mics_shard_size` turns on MiCS")
             r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"zero_optimization": zero})

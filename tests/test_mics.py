@@ -82,7 +82,7 @@ def test_mics_equals_plain_torch(stage):
 
 def test_hpz_equals_plain_torch():
     want = _reference()
-    for got in _train(3, zero_hpz_partition_size=2):
+    for got in _train(3, zero_hpz_partition_size=2, stage3_max_reuse_distance=0):  # every step re-gathers in backward
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
 
@@ -92,7 +92,8 @@ def _recorded_step(mesh_args: dict, stage: int = 3):
     (`sm.comm`), MiCS's replica group and hpZ's group (empty where a group is absent)."""
     cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW"},
                               "comms_logger": {"enabled": True},
-                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}},
+                              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                                    "stage3_max_reuse_distance": 0}},
                              world_size=WORLD)
 
     def rank(comm):
@@ -324,3 +325,30 @@ def test_plan_prints_mics_rows_over_the_shard_group(capsys):
         assert r["device_bytes"] == round(fnzero.memory.zero_formula(7 * 10**9, r["stage"], 8 if r["stage"] else 64, True))
     assert main(["plan", "--params", "7B", "--world-size", "64", "--mics", "7"]) == 2
     assert "--mics 7 does not divide --world-size 64" in capsys.readouterr().err
+
+
+def test_hpz_holds_one_hpz_share_of_each_unit_from_forward_to_backward():
+    """specs/mesh.md §hpZ memory: after the forward each rank holds, of each unit gathered and not
+    kept for backward, its 1/H part (P/H elements of the P padded), at most Ψ/H in all; the step
+    drops them once backward is done."""
+    from fnzero.sharding.zero._runtime import STEP_RUNS
+
+    cfg = _config(3, stage3_max_reuse_distance=0)  # (the default keeps every unit of this model gathered for backward)
+
+    def rank(comm):
+        sm = fnzero.shard(_model(), config=cfg, comm=comm, mesh=fnzero.make_mesh(comm, hpz=2))
+        held, runs = [], []
+
+        def loss_fn(p, b):
+            loss = _loss(lambda x: sm.apply(p, x), b)
+            run = STEP_RUNS.get()[-1]  # this micro-batch's
+            runs.append(run)
+            held.append([(rt.unit.padded_numel, rt.secondary.numel()) for rt in run.rts.values() if rt.secondary is not None])
+            return loss
+
+        fnzero.train_step(loss_fn, cfg)(sm.init_state(), [_chunk(0, comm.rank + i) for i in range(ACCUM)])
+        return sm.plan, held, [rt.secondary for r in runs for rt in r.rts.values()]
+
+    for plan, held, after in simulated_world(WORLD).run(rank):
+        assert len(held) == ACCUM and all(h and all(mine * 2 == padded for padded, mine in h) for h in held)
+        assert all(sum(mine for _, mine in h) <= plan.num_padded / 2 for h in held) and not any(t is not None for t in after)
