@@ -352,3 +352,21 @@ def test_hpz_holds_one_hpz_share_of_each_unit_from_forward_to_backward():
     for plan, held, after in simulated_world(WORLD).run(rank):
         assert len(held) == ACCUM and all(h and all(mine * 2 == padded for padded, mine in h) for h in held)
         assert all(sum(mine for _, mine in h) <= plan.num_padded / 2 for h in held) and not any(t is not None for t in after)
+
+
+def test_export_live_of_a_mics_state_is_written_once(tmp_path):
+    """`export_live` (DeepSpeed's save_16bit_model): rank 0 of the first shard group writes, every
+    rank returns its paths, and the file holds the consolidated parameters."""
+    from fnzero import checkpoint as ckpt
+
+    def rank(comm):
+        sm = fnzero.shard(_model(), config=_config(3), comm=comm, mesh=fnzero.make_mesh(comm, mics=2))
+        state = sm.init_state()
+        return ckpt.export_live(sm, state, tmp_path / "out"), sm.gather(state)
+
+    results = simulated_world(WORLD).run(rank)
+    assert len({tuple(paths) for paths, _ in results}) == 1
+    from safetensors.torch import load_file
+
+    written = {k: v for p in results[0][0] if p.endswith(".safetensors") for k, v in load_file(p).items()}
+    assert written.keys() == results[0][1].keys() and all(torch.equal(written[k], results[0][1][k]) for k in written)
