@@ -356,16 +356,18 @@ def test_hpz_holds_one_hpz_share_of_each_unit_from_forward_to_backward():
 
 def test_export_live_of_a_mics_state_is_written_once(tmp_path):
     """`export_live` (DeepSpeed's save_16bit_model): rank 0 of the first shard group writes, every
-    rank returns its paths, and the file holds the consolidated parameters."""
+    rank returns its paths, and the file holds the consolidated parameters; `gather(rank0_only=True)`
+    gives them to that rank only."""
     from fnzero import checkpoint as ckpt
 
     def rank(comm):
         sm = fnzero.shard(_model(), config=_config(3), comm=comm, mesh=fnzero.make_mesh(comm, mics=2))
         state = sm.init_state()
-        return ckpt.export_live(sm, state, tmp_path / "out"), sm.gather(state)
+        return ckpt.export_live(sm, state, tmp_path / "out"), sm.gather(state), sm.gather(state, rank0_only=True)
 
     results = simulated_world(WORLD).run(rank)
-    assert len({tuple(paths) for paths, _ in results}) == 1
+    assert [bool(only) for _, _, only in results] == [True, False, False, False]  # rank0_only: the job's rank 0
+    assert len({tuple(paths) for paths, _, _ in results}) == 1
     from safetensors.torch import load_file
 
     written = {k: v for p in results[0][0] if p.endswith(".safetensors") for k, v in load_file(p).items()}

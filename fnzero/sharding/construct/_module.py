@@ -304,8 +304,8 @@ class ShardedModule:
             if full.numel() != u.padded_numel:
                 full = unit_comm.all_gather(full)
             views = self.ep.unit_from_every_rank(u, full) if u.is_expert else unit_views(u, full)
-            if rank0_only and self.comm.rank != 0:
-                continue
+            if rank0_only and (self.comm.rank != 0 or (self.sharding.replicas is not None and self.sharding.replicas.rank)):
+                continue  # (MiCS: the first shard group's rank 0 is the job's)
             for name, t in views.items():
                 if names is not None and name not in names:
                     continue
