@@ -9,6 +9,7 @@ each chunk weighted 1 / (ranks x accumulation) as DDP weighs it, AdamW, clip_gra
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ def _config(stage: int, **zero):
     }, world_size=WORLD)
 
 
+@functools.cache
 def _reference() -> dict[str, torch.Tensor]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -63,6 +65,8 @@ def _train(stage: int, **zero):
 
     def rank(comm):
         sm = fnzero.shard(_model(), config=cfg, comm=comm)
+        assert sm.plan.world_size == zero.get("mics_shard_size", WORLD) and sm.sharding.dp_size == WORLD
+        assert (sm.sharding.groups.hpz is not None) == ("zero_hpz_partition_size" in zero)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
         for s in range(STEPS):
@@ -74,6 +78,8 @@ def _train(stage: int, **zero):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_mics_equals_plain_torch(stage):
+    """specs/mesh.md §MiCS: shard groups of 2 on 4 ranks, 3 steps of AdamW with accumulation and
+    clipping, equal to plain torch (float64: only the order of the sums differs, ~1e-16 per op)."""
     want = _reference()
     for got in _train(stage, mics_shard_size=2):
         for name in want:
@@ -81,6 +87,8 @@ def test_mics_equals_plain_torch(stage):
 
 
 def test_hpz_equals_plain_torch():
+    """specs/mesh.md §hpZ: stage 3 with hpZ groups of 2, backward re-gathering from the secondary
+    copies every micro-batch, equal to plain torch (float64, as above)."""
     want = _reference()
     for got in _train(3, zero_hpz_partition_size=2, stage3_max_reuse_distance=0):  # every step re-gathers in backward
         for name in want:
