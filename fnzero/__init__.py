@@ -37,9 +37,10 @@ jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forwa
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
 make_mesh, Mesh             the ranks as a pipeline x data-parallel x tensor-parallel grid, the dp axis
-    divided into expert-parallel groups with `ep=` (`specs/mesh.md`); the config's
-    `tensor_parallel.autotp_size`, `pipeline.stages` and `expert_parallel.autoep_size` (or the MoE
-    layers' `ep_size`) build one inside `shard`.
+    divided into expert-parallel groups with `ep=`, MiCS shard groups with `mics=` and hpZ groups with
+    `hpz=` (`specs/mesh.md`); the config's `tensor_parallel.autotp_size`, `pipeline.stages`,
+    `expert_parallel.autoep_size` (or the MoE layers' `ep_size`), `zero_optimization.mics_shard_size`
+    and `zero_hpz_partition_size` build one inside `shard`.
 TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
 pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut

@@ -17,11 +17,12 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization", "groups")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None):
+    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None,
+                 groups=None):
         self.plan = plan
-        self.comm = comm  # the data-parallel ranks: ZeRO shards over them
+        self.comm = comm  # the ranks ZeRO shards over: the data-parallel ranks, or with MiCS its shard group
         self.device = torch.device(device)
         # The tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
         # rank's slices along the tp axis, and that axis' collectives; None without tensor parallelism.
@@ -33,6 +34,9 @@ class Sharding:
         # experts, the ep group they exchange tokens over and the expert-data-parallel group their
         # units are sharded and reduced over; None without expert parallelism.
         self.ep = ep
+        # MiCS's replica group and hpZ's group (`fnzero.sharding.zero._groups.ZeroGroups`); None
+        # without either (`specs/mesh.md §MiCS`).
+        self.groups = groups
         # The job's collective watchdog (`fnzero.sharding.comm._watchdog`), told by the step which step
         # runs; None without one (one process, a simulated world, its own collectives).
         self.watchdog = watchdog
@@ -53,6 +57,16 @@ class Sharding:
         return self.comm.world_size
 
     @property
+    def replicas(self):
+        """MiCS's replica group (the ranks holding this rank's shard); None without MiCS."""
+        return self.groups.replicas if self.groups is not None else None
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: those sharing the batch (`world_size` times the MiCS replicas)."""
+        return self.comm.world_size * (self.groups.num_replicas if self.groups is not None else 1)
+
+    @property
     def expert_comm(self):
         """The collectives expert units are sharded and reduced over; None without expert parallelism."""
         return self.ep.expert_dp if self.ep is not None else None
@@ -61,7 +75,7 @@ class Sharding:
     # communicator (one per process group) and keeps treespec comparison cheap.
     def __eq__(self, other):
         return (isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
-                and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep)
+                and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep and other.groups is self.groups)
 
     def __hash__(self):
         return hash((self.plan, id(self.comm)))

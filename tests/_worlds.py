@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,7 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
 MUON = {"optimizer": {"type": "Muon", "params": {"muon_lr": 0.05, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muon_stages=()):
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muon_stages=(), group_cases=()):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
@@ -186,6 +187,12 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muo
     for stage in muon_stages:
         r = train_fnzero("gpt", stage, steps, comm, k=2, clip=0.5, extra=MUON)
         out[f"muon|{stage}"] = {"losses": r["losses"], "params": r["params"]}
+    for kind, stage, key, size in group_cases:  # MiCS and hpZ groups (specs/mesh.md §MiCS, specs/mesh.md §hpZ) over real gloo groups
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, key: size}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`zero_optimization.mics_shard_size` turns on MiCS")
+            r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"zero_optimization": zero})
+        out[f"zg|{kind}|{stage}|{key}|{size}"] = {"params": r["params"]}
     if comm.rank == 0:
         return out
     return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}

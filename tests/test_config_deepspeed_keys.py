@@ -35,7 +35,6 @@ CASES = TABLE["cases"]
 
 # DeepSpeed keys fnzero refuses by name when set to this sample value: key -> why.
 REFUSED = {
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not implemented",
     "zero_optimization.zero_quantized_weights": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",
     "zero_optimization.zero_quantized_nontrainable_weights": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",
     "zero_optimization.zero_quantized_gradients": "refused below the stage that moves what it quantizes (DeepSpeed ignores it)",

@@ -36,13 +36,16 @@ EP_CASES = {1: [], 2: [("moe_gpt", 3, 2), ("mixtral", 1, 2)], 4: [("moe_gpt", 1,
 # Muon's whole-matrix optimizer partition (specs/optim.md §Muon): ZeRO stages per world size, and 0.
 MUON_STAGES = {1: [], 2: [0, 3], 4: [0, 1]}
 
+# MiCS and hpZ (specs/mesh.md §MiCS, specs/mesh.md §hpZ): (model, ZeRO stage, zero_optimization key, size) per world size.
+GROUP_CASES = {1: [], 2: [], 4: [("gpt", 3, "mics_shard_size", 2), ("gpt", 3, "zero_hpz_partition_size", 2)]}
+
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
 def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
     (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world],
-                             EP_CASES[world], MUON_STAGES[world], timeout=600)
+                             EP_CASES[world], MUON_STAGES[world], GROUP_CASES[world], timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -138,6 +141,17 @@ def test_muon_partitioned_by_matrix_matches_stage_0(world_results):
         got = out[f"muon|{stage}"]
         W.assert_close_tree(got["params"], base["params"], rtol=0, atol=1e-9, what=f"muon stage {stage}")
         assert got["losses"] == pytest.approx(base["losses"], rel=RTOL_F64)
+
+
+def test_mics_and_hpz_groups_match_reference(world_results, references):
+    """MiCS's shard and replica groups and hpZ's groups as gloo process groups (`dist.new_group`)."""
+    world, out = world_results
+    if not GROUP_CASES[world]:
+        pytest.skip("MiCS and hpZ are checked on the world of 4")
+    for kind, stage, key, size in GROUP_CASES[world]:
+        ref = references(kind, world, torch.float64)
+        W.assert_close_tree(out[f"zg|{kind}|{stage}|{key}|{size}"]["params"], ref["params"], rtol=RTOL_F64, atol=1e-12,
+                            what=f"{kind} stage {stage} {key} {size}")
 
 
 def test_float32_losses_match_reference(world_results, references):

@@ -94,8 +94,9 @@ def export_live(
     if tp is not None:  # the whole model's units, as without tensor parallelism (weights only)
         state = consolidated(read_placeholders(state).replace(opt_state=None))
     plan, comm = state.sharding.plan, state.sharding.comm
-    writes = comm.rank == 0 and (tp is None or tp.rank == 0)
-    rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
+    replicas = state.sharding.replicas  # MiCS: every shard group holds the same; the first one's rank 0 writes
+    writes = comm.rank == 0 and (tp is None or tp.rank == 0) and (replicas is None or replicas.rank == 0)
+    rounds = Rounds([comm, tp.comm if tp is not None else None, replicas], writes, state.sharding.device)
     sources = sources_of(state.sharding)  # shards in NVMe stores are read a unit at a time
     units = _Gathered(plan.units, state.master if state.master is not None else state.params, comm, rounds,
                       sources.params, state.sharding)

@@ -50,8 +50,9 @@ def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = 
     full = sm.gather(state, names=set(names.to_model.values()))
     tp = state.sharding.tp if state.sharding.tp is not None and state.sharding.tp.size > 1 else None
     comm = state.sharding.comm
-    writes = comm.rank == 0 and (tp is None or tp.rank == 0)
-    rounds = Rounds([comm, tp.comm if tp is not None else None], writes, state.sharding.device)
+    replicas = state.sharding.replicas  # MiCS: every shard group holds the same; the first one's rank 0 writes
+    writes = comm.rank == 0 and (tp is None or tp.rank == 0) and (replicas is None or replicas.rank == 0)
+    rounds = Rounds([comm, tp.comm if tp is not None else None, replicas], writes, state.sharding.device)
     if not writes:
         return rounds.result()
 

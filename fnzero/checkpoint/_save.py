@@ -37,6 +37,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
 from ._ep import ExpertPlaces, check_ep_supported, expert_places
 from ._io import wait_for
+from ._mics import save_first_replica, saved_by_one
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
 from ._protocol import Where, index_head, start, mark_failed, write_and_commit, write_rank
@@ -106,24 +107,8 @@ def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
     check_supported(state)
     tp = state.sharding.tp
     whole = consolidated(state)  # collective over dp and tp
-    handle, error = None, None
-    if tp.rank == 0:
-        try:
-            handle = save(path, whole, blocking=True, **kw)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the group
-            error = e
-    del whole
-    failed = int(tp.comm.all_reduce(torch.tensor([1.0 if error is not None else 0.0]))[0])
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError("tensor-parallel rank 0 of this rank's group failed to save the checkpoint (its error "
-                              "says why); nothing of it was committed by this group")
-    if handle is None:
-        tag = F.check_tag(kw.get("tag") if kw.get("tag") is not None else f"step_{int(state.step)}")
-        handle = SaveHandle(os.path.abspath(os.fspath(path)), tag)
-        handle._finished.set()
-    return handle
+    return saved_by_one(tp.comm, tp.rank == 0, lambda: save(path, whole, blocking=True, **kw), path, kw.get("tag"), state,
+                        "tensor-parallel rank 0 of this rank's group")
 
 
 def _save_pipelined(path, state: TrainState, tag, client_state, config, update_latest, timeout, node_local) -> SaveHandle:
@@ -287,6 +272,10 @@ def save(
     # below: the checkpoint is an ordinary one (`specs/offload.md` §Parameters).
     state = read_placeholders(state, frozen=not exclude_frozen_parameters)
     check_ep_supported(state, _node_local(node_local, config))
+    if state.sharding.replicas is not None and state.sharding.replicas.world_size > 1:
+        return save_first_replica(path, state, _node_local(node_local, config), tag=tag, client_state=client_state,
+                                  config=config, update_latest=update_latest, timeout=timeout,
+                                  exclude_frozen_parameters=exclude_frozen_parameters)
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
         if exclude_frozen_parameters:
             raise CheckpointError("save(..., exclude_frozen_parameters=True) of a pipeline-parallel state is not "

@@ -5,6 +5,7 @@ largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; t
     fnzero plan --params 350M --world-size 8 --config ds_config.json --json
     fnzero plan --params 70B --world-size 64 --tp 1,2,4,8 --memory-per-device 80GB   # dp x tp meshes
     fnzero plan --model ./mixtral_config_dir --world-size 64 --ep 1,8                 # experts over ep ranks
+    fnzero plan --params 7B --world-size 64 --mics 8                                  # MiCS: shard groups of 8
 
 Exit codes: 0 printed; 2 bad arguments or an invalid --config file (message on stderr).
 """
@@ -94,18 +95,19 @@ def plan_report(args) -> dict:
         "memory_per_device": args.memory_per_device, "reserve": args.reserve,
         "host_memory_per_node": args.host_memory_per_node, "config": args.config, "rows": [],
     }
-    out["tp"], out["pp"], out["ep"] = list(args.tp), list(args.pp), list(args.ep)
+    out["tp"], out["pp"], out["ep"], out["mics"] = list(args.tp), list(args.pp), list(args.ep), args.mics
     out["expert_params"], out["dense_params"] = args.expert_params, args.params - args.expert_params
     out["experts_per_layer"], out["model"] = args._experts_per_layer, args.model
     meshes = [(t, p, e) for p in args.pp for t in args.tp for e in args.ep]
     for (tp, pp, ep), (prec, stage, opt, par, ratio, mine) in ((m, r) for m in meshes for r in _rows(args, args._config_choice)):
-        if pp > 1 and stage >= 2:
-            continue  # ZeRO-2/3 are refused with a pipeline (specs/mesh.md §Pipeline)
+        if (pp > 1 and stage >= 2) or (args.mics and (opt, par) != ("none", "none")):
+            continue  # ZeRO-2/3 are refused with a pipeline (specs/mesh.md §Pipeline), offload with MiCS (§MiCS)
         # specs/mesh.md §Memory: each rank holds 1/(tp pp) of the parameters (Ψ_r ≈ Ψ / (tp pp); norms
         # and biases, which stay whole, and uneven stages are neglected), and ZeRO shards that over
         # the world / (tp pp) data-parallel ranks; §Expert parallelism memory: of it, the experts
         # are split over ep of those ranks and sharded over the dp / ep holding the same ones.
         dp, psi_r = args.world_size // (tp * pp), -(-args.params // (tp * pp))
+        dp = args.mics if args.mics and stage >= 1 else dp  # MiCS: ZeRO shards over its shard group (specs/mesh.md §MiCS memory)
         share = Fraction(args.expert_params, args.params)
         e = _plan.estimate(psi_r, stage=stage, world_size=dp, precision=prec, offload_optimizer=opt,
                            offload_param=par, ratio=ratio, expert_params=share * psi_r, ep=ep)
@@ -149,6 +151,9 @@ def _print_table(rep: dict, stream) -> None:
               + (f"; from {rep['model']}" if rep["model"] else ""), file=stream)
     print("  model states only: activations, gathered stage-3 working sets, buffers and padding are not "
           "counted (set them aside with --reserve)", file=stream)
+    if rep["mics"]:
+        print(f"  MiCS: stages 1-3 shard within groups of {rep['mics']} ranks, replicated across the "
+              f"{w // rep['mics']} groups", file=stream)
     budget = rep["memory_per_device"]
     if budget is not None:
         line = (f"  memory per device {budget / 1e9:g} GB = {_plan.format_bytes(budget)}, reserve "
@@ -234,6 +239,17 @@ def _check_ep(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_mics(args: argparse.Namespace) -> str | None:
+    """An error message for a MiCS shard size the run cannot take, or None."""
+    if not args.mics:
+        return None
+    if args.world_size % args.mics:
+        return f"--mics {args.mics} does not divide --world-size {args.world_size}"
+    if args.tp != [1] or args.pp != [1] or args.ep != [1]:
+        return "--mics plans data-parallel runs only (MiCS with tensor, pipeline or expert parallelism is refused)"
+    return None
+
+
 def _plan_experts():
     from ..memory import _experts  # imports torch: only when a model is counted
 
@@ -262,6 +278,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args._config_tp = cfg.tensor_parallel.size
         args._config_pp = cfg.pipeline.size or 1
         args._config_ep = _config_ep(cfg)
+        if args.mics is None and z.mics_shard_size > 0:
+            args.mics = z.mics_shard_size
         if args.tp is None:
             args.tp = [args._config_tp]
         if args.pp is None:
@@ -276,7 +294,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"fnzero plan: {what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
               f"data-parallel x tensor-parallel ranks", file=sys.stderr)
         return 2
-    problem = _check_ep(args)
+    problem = _check_ep(args) or _check_mics(args)
     if problem is not None:
         print(f"fnzero plan: {problem}", file=sys.stderr)
         return 2
@@ -326,6 +344,9 @@ def register(sub) -> None:
     p.add_argument("--ep", type=_tp_sizes, default=None, metavar="E[,E...]",
                    help="expert-parallel sizes to plan for (default: the config's expert_parallel.autoep_size when "
                    "enabled, else 1); each must divide the data-parallel ranks")
+    p.add_argument("--mics", type=_pos_int, default=None, metavar="S",
+                   help="MiCS shard size: stages 1-3 shard over groups of S ranks, replicated across them (default: "
+                   "the config's zero_optimization.mics_shard_size when on); must divide the world size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
     p.set_defaults(func=_run)
 

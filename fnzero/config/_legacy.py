@@ -33,7 +33,6 @@ UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
     "compile.deepcompile": (False, "DeepCompile; fnzero.jit compiles the step instead"),
     "datastates_ckpt": (False, "DataStates checkpointing"),  # DeepSpeed: on unless false
     "use_data_before_expert_parallelism": (False, "the data-before-expert (D + E) rank order of expert-parallel groups"),
-    "zero_optimization.mics_hierarchical_params_gather": (False, "MiCS"),
     "zero_optimization.zenflow": (None, "ZenFlow"),
     "zero_optimization.zeropp_loco_param": (None, "ZeRO++ LoCo"),
     "fp16.fp16_master_weights_and_grads": (False, "fp16 master weights"),
@@ -47,24 +46,24 @@ UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {
 ANY_VALUE_ON = {"datastates_ckpt"}
 # Of those, the keys fnzero's models do not carry (dropped once checked to be off).
 NOT_FIELDS = {
-    "use_data_before_expert_parallelism", "graph_harvesting", "sparse_gradients", "zero_optimization.mics_shard_size", "datastates_ckpt", "zero_optimization.mics_hierarchical_params_gather",
+    "use_data_before_expert_parallelism", "graph_harvesting", "sparse_gradients", "datastates_ckpt",
     "zero_optimization.zenflow", "zero_optimization.zeropp_loco_param", "fp16.fp16_master_weights_and_grads",
     "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",
 }
-# Numeric switches: key -> (largest value that means "off", off spelling, what the feature is).
-UNSUPPORTED_SIZES: dict[str, tuple[int, int, str]] = {
-    "zero_optimization.zero_hpz_partition_size": (1, 1, "ZeRO++ hierarchical partitioning (hpZ)"),
-    "zero_optimization.mics_shard_size": (0, -1, "MiCS sharding"),
-}
 # Keys DeepSpeed 0.19.8 refuses in any form, off included, because it removed the feature
 # (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS, _REMOVED_ZERO_CONFIG_KEYS). fnzero accepts their off
-# forms, which older DeepSpeed versions wrote, and warns that DeepSpeed itself would refuse them.
+# forms, which older DeepSpeed versions wrote, and warns that DeepSpeed itself would refuse them; MiCS's
+# keys it also reads on, as DeepSpeed's last source did (IMPLEMENTED_REMOVED), with the same warning.
 DEEPSPEED_REMOVED = (
     "amp", "compression_training", "curriculum_learning", "eigenvalue", "elasticity", "graph_harvesting", "nebula",
     "progressive_layer_drop", "quantize_training", "sparse_attention", "sparse_gradients",
     "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.mics_shard_size",
     "zero_optimization.zeropp_loco_param",
 )
+IMPLEMENTED_REMOVED = {  # key -> (the values that mean "off", the feature)
+    "zero_optimization.mics_shard_size": (lambda v: isinstance(v, (int, float)) and v <= 0, "MiCS"),
+    "zero_optimization.mics_hierarchical_params_gather": (lambda v: v is False, "MiCS"),
+}
 # Keys DeepSpeed deprecated and replaced: key -> replacement advice.
 REMOVED = {
     "zero_optimization.cpu_offload_params": '`zero_optimization.offload_param: {"device": "cpu"}`',
@@ -145,9 +144,15 @@ def _removed_by_deepspeed(raw: dict[str, Any]) -> list[str]:
     out = []
     for key in DEEPSPEED_REMOVED:
         parent, leaf = _parent(raw, key)
-        if parent is not None and leaf in parent:
+        if parent is None or leaf not in parent:
+            continue
+        is_off, what = IMPLEMENTED_REMOVED.get(key, (lambda v: True, ""))
+        if is_off(parent[leaf]):
             out.append(f"`{key}` is off, so it has no effect in fnzero, but DeepSpeed 0.19.8 refuses this key in any "
                        "form since it removed the feature: remove it")
+        else:
+            out.append(f"`{key}` turns on {what}, which fnzero runs as DeepSpeed's last source did, but DeepSpeed "
+                       "0.19.8 refuses this key in any form since it removed the feature")
     return out
 
 
@@ -230,20 +235,4 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
             del parent[leaf]
         # other wrong types (a string, a number) are left for the type check to report
 
-    for key, (limit, off, what) in UNSUPPORTED_SIZES.items():
-        parent, leaf = _parent(raw, key)
-        if parent is None or leaf not in parent:
-            continue
-        value = parent[leaf]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if number and value > limit:
-            problems.add(
-                f"`{key}` is {describe(value)}, which turns on {what}, a DeepSpeed feature fnzero does not "
-                f"implement; remove it or set it to {off}"
-            )
-            del parent[leaf]
-        elif key in NOT_FIELDS:  # off (dropped), or a wrong type no field of fnzero's models would report
-            if not number:
-                problems.add(f"`{key}` must be a number ({off} is off), got {describe(value)}")
-            del parent[leaf]
     return deprecations

@@ -23,7 +23,7 @@ from ._noop import ConfigWarning, warn_no_effect
 from ._optim_models import OPTIMIZER_PARAMS, OPTIMIZER_TYPES, OptimizerConfig
 from ._parse import read_source
 from ._problems import Problems, config_error
-from ._rules import cross_checks, resolve
+from ._rules import cross_checks, resolve, zero_world_rule
 from ._sched_models import SCHEDULER_PARAMS, SCHEDULER_TYPES, SchedulerConfig
 from ._schema import canonical_type, check_unknown
 from ._translate import validate_into
@@ -85,7 +85,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
     cfg = resolve(cfg)
     problems.extend(cross_checks(cfg))
     if world_size is not None:  # without a world there is nothing for autoep_size to divide
-        problems.extend(expert_world_rule(cfg.expert_parallel, cfg.world_size))
+        problems.extend(expert_world_rule(cfg.expert_parallel, cfg.world_size) + zero_world_rule(cfg))
     problems.raise_if_any(label)
     for message in deprecations:  # only for a config that loaded: a refused one is not also warned about
         warnings.warn(message, ConfigWarning, stacklevel=stacklevel)

@@ -108,8 +108,15 @@ class Config(Model):
         return self.zero_optimization.stage
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved config as plain JSON types, DeepSpeed key names, every default filled."""
-        return self.model_dump(mode="json")
+        """The resolved config as plain JSON types, DeepSpeed key names, every default filled, except
+        MiCS's keys when off: DeepSpeed 0.19.8 refuses them in any form (it removed MiCS)."""
+        out = self.model_dump(mode="json")
+        zero = out["zero_optimization"]
+        if zero["mics_shard_size"] <= 0:
+            del zero["mics_shard_size"]
+        if not zero["mics_hierarchical_params_gather"]:
+            del zero["mics_hierarchical_params_gather"]
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         """The resolved config as JSON; `load_config(cfg.to_json(), world_size=cfg.world_ranks) == cfg`."""

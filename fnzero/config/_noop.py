@@ -128,6 +128,23 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: c.pipeline.use_reentrant,
         "fnzero rematerialises with torch's non-reentrant checkpoint (the same numbers)",
     ),
+    "zero_optimization.mics_hierarchical_params_gather": (
+        lambda c: True if c.zero_optimization.mics_hierarchical_params_gather else None,
+        "fnzero gathers a unit with one all-gather over its MiCS shard group; DeepSpeed's two-level gather "
+        "(across nodes, then within each) moves the same values over other links (specs/mesh.md §MiCS)",
+    ),
+    "zero_optimization.mics_shard_size": (
+        lambda c: c.zero_optimization.mics_shard_size
+        if c.zero_optimization.mics_shard_size > 0 and c.zero_optimization.stage == 0 else None,
+        "at ZeRO stage 0 nothing is sharded, so there is nothing to shard within MiCS groups (fnzero runs MiCS at "
+        "stages 1-3)",
+    ),
+    "zero_optimization.zero_hpz_partition_size": (
+        lambda c: c.zero_optimization.zero_hpz_partition_size
+        if c.zero_optimization.zero_hpz_partition_size > 1 and c.zero_optimization.stage < 3 else None,
+        "hpZ keeps a secondary partition of the parameters, which are sharded only at ZeRO stage 3 (as in "
+        "DeepSpeed, which ignores it below)",
+    ),
     "checkpoint.load_universal": (
         lambda c: True if c.checkpoint.load_universal else None,
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",

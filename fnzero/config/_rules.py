@@ -13,7 +13,7 @@ from ._expert import expert_rules
 from ._models import Config
 from ._sched_models import OneCycleParams, WarmupLRParams
 
-__all__ = ["resolve", "cross_checks", "quantized_comm_rules"]
+__all__ = ["resolve", "cross_checks", "quantized_comm_rules", "zero_world_rule"]
 
 
 def resolve(cfg: Config) -> Config:
@@ -156,3 +156,13 @@ def _muon_rules(cfg: Config, stage: int) -> list[str]:
             "the experts' (sharded over their expert-data-parallel ranks); use stage 0 with expert parallelism"
         )
     return out
+
+
+def zero_world_rule(cfg: Config) -> list[str]:
+    """MiCS's shard groups and hpZ's groups divide the data-parallel ranks (`specs/mesh.md §MiCS`,
+    `specs/mesh.md §hpZ`); checked when the config knows its world. The ranks per node are the
+    mesh's to check, where the launcher's LOCAL_WORLD_SIZE is known."""
+    z, dp = cfg.zero_optimization, cfg.world_size
+    sizes = (("mics_shard_size", z.mics_shard_size), ("zero_hpz_partition_size", z.zero_hpz_partition_size))
+    return [f"`zero_optimization.{key}` {v} must divide the data-parallel world size {dp}: each of its groups is "
+            f"{v} adjacent data-parallel ranks, so use a divisor of {dp}" for key, v in sizes if v > 1 and dp % v]

@@ -121,9 +121,15 @@ class ZeroConfig(Model):
     )
     legacy_stage1: Bool = Field(False, description="DeepSpeed's old stage-1 implementation (accepted, no effect).")
     round_robin_gradients: Bool = Field(False, description="Round-robin gradient copies to host (scheduling hint).")
-    zero_hpz_partition_size: Annotated[Int, Field(ge=0, le=1)] = Field(
-        1, description="ZeRO++ secondary partition size; values above 1 are not implemented."
-    )
+    zero_hpz_partition_size: NonNeg = Field(
+        1, description="ZeRO++ hpZ: stage 3 keeps a secondary parameter partition within groups of this many adjacent "
+        "ranks (on one node), which backward re-gathers from; 0 or 1 = off (specs/mesh.md §hpZ).")
+    mics_shard_size: Int = Field(
+        -1, description="MiCS: shard the model state within groups of this many adjacent ranks and replicate across "
+        "the groups; -1 or 0 = off (specs/mesh.md §MiCS). DeepSpeed 0.19.8 removed MiCS; its last source's meaning.")
+    mics_hierarchical_params_gather: Bool = Field(
+        False, description="MiCS's two-level (inter-node, then intra-node) parameter all-gather: accepted, no effect "
+        "(one all-gather over the shard group gathers the same values).")
     zero_quantized_weights: Bool = Field(
         False, description="ZeRO++ qwZ: stage 3's parameter all-gathers carry int8 blocks with float32 scales.")
     zero_quantized_nontrainable_weights: Bool = Field(

@@ -10,7 +10,8 @@
                                      the collectives (and world) code runs over when it names none
     init_distributed, DistInfo       join torchrun's process group
     make_mesh, Mesh, MeshShape       the ranks as a pp x dp x tp grid (dp divided into ep x edp for
-                                     expert parallelism), with each axis' collectives
+                                     expert parallelism, MiCS shard x replica groups, hpZ groups),
+                                     with each axis' collectives
     ExpertGroup, EPLayout            expert parallelism: the base of modules holding a layer's experts
                                      (split over the ep ranks by `shard`), and where they are
     TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each

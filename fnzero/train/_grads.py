@@ -21,7 +21,7 @@ from ..sharding.zero._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ._policy import StepPolicy
 
-__all__ = ["GradientCollector", "forward_backward", "traced_forward_backward"]
+__all__ = ["GradientCollector", "forward_backward", "sum_over_replicas", "traced_forward_backward"]
 
 
 class GradientCollector:
@@ -131,6 +131,15 @@ class GradientCollector:
                     g = g.to(self.accum_dtype)
             grads[u.name] = g
         return grads
+
+
+def sum_over_replicas(grads: dict[str, torch.Tensor], replicas) -> dict[str, torch.Tensor]:
+    """MiCS (`specs/mesh.md §MiCS`): each unit's gradient shard, reduced within this shard group,
+    summed with the same shard of every other group; all started before the first is waited on."""
+    if replicas.world_size == 1:
+        return grads
+    pending = {name: replicas.all_reduce_async(g, donate=True, label=name) for name, g in grads.items()}
+    return {name: p.wait() for name, p in pending.items()}
 
 
 def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor], micro: list[Any], scale: float,

@@ -140,6 +140,8 @@ def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
     groups = [(sm.comm, "rank", [k for k, expert in names if not expert])]
     if sm.sharding.expert_comm is not None:
         groups.append((sm.sharding.expert_comm, "expert-data-parallel rank", [k for k, expert in names if expert]))
+    if sm.sharding.replicas is not None:  # MiCS: every shard group holds the same units (`specs/mesh.md §MiCS`)
+        groups.append((sm.sharding.replicas, "MiCS replica rank", [k for k, _ in names]))
     for comm, who, keys in groups:
         _compare_checksums(comm, who, keys, sums, len(names))
 

@@ -68,7 +68,7 @@ def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched) -> Step
     """The micro-batches (checked), the schedule's lr and momentum for this step (None where the
     optimizer keeps its own: no schedule), the loss scale and the gradient dtypes."""
     sh = state.sharding
-    plan, n, k = sh.plan, sh.comm.world_size, policy.accumulation_steps
+    plan, n, k = sh.plan, sh.dp_size, policy.accumulation_steps
     micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
     step_no = int(state.step)
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
@@ -217,12 +217,17 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                  comm, device: torch.device, tp=None, pp=None, expert_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  comm, device: torch.device, tp=None, pp=None, expert_comm=None,
+                  replicas=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks): `_norm_and_loss` on this rank's
     units, then, with pipeline parallelism (`pp`, the pipeline's collectives), summed over the
     stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers.
-    `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated."""
+    `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated.
+    `replicas` (MiCS): the other shard groups, which hold the same reduced shards, so the norm is
+    whole within `comm` and only the loss is summed over them, one more all-reduce of one number."""
     norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm)
+    if replicas is not None and replicas.world_size > 1:
+        loss = replicas.all_reduce(loss.reshape(1))[0]
     if pp is None or pp.world_size == 1:
         return norm_sq, loss
     both = pp.all_reduce(torch.stack([norm_sq, loss]))

@@ -28,7 +28,7 @@ from .. import schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
-from ._grads import GradientCollector, forward_backward
+from ._grads import GradientCollector, forward_backward, sum_over_replicas
 from ._phases import (
     StepSetup, Timer, clip_factor, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
 )
@@ -165,6 +165,8 @@ def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy,
     else:
         loss_sum, auxes = forward_backward(loss_fn, leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
     grads = collector.gradients(sh.device)
+    if sh.replicas is not None:
+        grads = sum_over_replicas(grads, sh.replicas)
     if sh.pp is not None and sh.pp.ties:
         grads = sum_tied_gradients(grads, sh.plan, sh.pp)
     return grads, loss_sum, auxes
@@ -187,7 +189,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     pp = sh.pp.comm if sh.pp is not None else None
     units = units_for_norm(sh.plan, sh.pp)
     norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, unscale, loss_sum, sh.comm, sh.device,
-                                                            sh.tp, pp, sh.expert_comm))
+                                                            sh.tp, pp, sh.expert_comm, sh.replicas))
     timer.stop("comm")
     metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, auxes, has_aux)
     if timer.on:

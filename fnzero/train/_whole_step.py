@@ -51,6 +51,8 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
     quantization = state.sharding.quantization
     if quantization is not None and quantization.gradients is not None:
         return "zero_quantized_gradients' quantized reduce-scatter is eager code, not traced"
+    if state.sharding.replicas is not None:
+        return "MiCS all-reduces the gradient shards across its replica groups, a collective the graph's ladder lacks"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
     if step.opt.graph_update is None:

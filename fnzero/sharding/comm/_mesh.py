@@ -16,11 +16,18 @@ Expert parallelism divides the dp axis: dp = edp x ep, a dp index d at (edp, ep)
 The `ep` ranks of a group are adjacent dp ranks (DeepSpeed's order) and each holds other experts
 of every MoE layer; the `edp` (expert-data-parallel) ranks hold the same experts, and ZeRO shards
 and reduces expert parameters over them, dense ones over the whole dp axis.
+
+MiCS divides the dp axis the same way for every unit: runs of `mics` adjacent dp ranks (its shard
+groups) each hold the whole model state sharded among them, and the ranks at the same place in
+every run (its replica group) hold the same shard (`specs/mesh.md §MiCS`). ZeRO++'s hpZ keeps a
+second copy of the stage-3 parameters sharded within runs of `hpz` adjacent ranks, inside a node
+(`specs/mesh.md §hpZ`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +35,7 @@ import torch.distributed as dist
 from ..._errors import ConfigError
 from ._collectives import Collectives, LocalCollectives, ProcessGroupCollectives
 
-__all__ = ["Mesh", "MeshShape", "make_mesh", "mesh_from_config"]
+__all__ = ["Mesh", "MeshShape", "make_mesh", "mesh_from_config", "ranks_per_node", "zero_groups_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +46,11 @@ class MeshShape:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert-parallel ranks per group: a division of dp (dp = edp x ep)
+    mics: int = 0  # MiCS shard group size, a division of dp (0: off, ZeRO shards over the whole dp axis)
+    hpz: int = 1  # hpZ secondary partition group size, a division of dp (1: off)
 
     AXES = ("pp", "dp", "tp")  # outermost first
-    SUB_AXES = ("ep", "edp")  # the divisions of dp
+    SUB_AXES = ("ep", "edp", "mics", "mics_replica", "hpz")  # the divisions of dp
 
     @property
     def edp(self) -> int:
@@ -64,13 +73,14 @@ class MeshShape:
 
     def groups(self, axis: str) -> list[list[int]]:
         """The partition of the world's ranks into the groups of `axis` (ranks that differ only
-        along it), in rank order. `ep` and `edp` divide each dp group: ep groups are runs of
-        adjacent dp ranks, edp groups take every ep-th."""
+        along it), in rank order. The sub-axes divide each dp group: ep, mics and hpz groups are
+        runs of adjacent dp ranks, edp and mics_replica groups take every ep-th (mics-th)."""
         if axis in self.SUB_AXES:
+            size = {"ep": self.ep, "edp": self.ep, "mics": self.mics, "mics_replica": self.mics, "hpz": self.hpz}[axis]
             out = []
             for group in self.groups("dp"):
-                runs = [group[i:i + self.ep] for i in range(0, self.dp, self.ep)]
-                out += runs if axis == "ep" else [list(g) for g in zip(*runs)]
+                runs = [group[i:i + size] for i in range(0, self.dp, size)]
+                out += runs if axis in ("ep", "mics", "hpz") else [list(g) for g in zip(*runs)]
             return sorted(out)
         if axis not in self.AXES:
             raise ValueError(f"mesh axes are {', '.join(self.AXES + self.SUB_AXES)}, not {axis!r}")
@@ -98,6 +108,9 @@ class Mesh:
     pp: Collectives = dataclasses.field(default_factory=LocalCollectives)
     ep: Collectives = dataclasses.field(default_factory=LocalCollectives)  # this rank's expert-parallel group
     edp: Collectives | None = None  # its expert-data-parallel group (None: dp itself, ep 1)
+    mics: Collectives | None = None  # its MiCS shard group, which ZeRO shards over (None: dp itself)
+    mics_replicas: Collectives | None = None  # the ranks holding the same MiCS shard (None without MiCS)
+    hpz: Collectives | None = None  # its hpZ group, which backward re-gathers parameters over (None: off)
 
     @property
     def expert_dp(self) -> Collectives:
@@ -109,15 +122,19 @@ class Mesh:
         return self.shape.coords(self.rank)
 
 
-def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
+def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: int = 0, hpz: int = 1) -> Mesh:
     """The mesh over `comm`'s ranks with `tp` tensor-parallel ranks per group, `pp` pipeline
     stages, and the rest data parallel, of which each run of `ep` adjacent ranks splits the
-    experts (`specs/mesh.md §Expert parallelism`). A ConfigError names the numbers when `tp * pp`
-    does not divide the world or `ep` the data-parallel ranks."""
+    experts (`specs/mesh.md §Expert parallelism`). `mics` > 0: ZeRO shards over runs of that many
+    adjacent data-parallel ranks and replicates across them (`specs/mesh.md §MiCS`); `hpz` > 1:
+    stage 3 keeps a secondary parameter partition within runs of that many adjacent ranks, which
+    must sit on one node (`specs/mesh.md §hpZ`). A ConfigError names the numbers when `tp * pp`
+    does not divide the world or a division does not divide the data-parallel ranks."""
     n = comm.world_size
-    for what, v in (("tensor-parallel size", tp), ("pipeline stage count", pp), ("expert-parallel size", ep)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"the {what} must be a positive integer, got {v!r}")
+    for what, v, low in (("tensor-parallel size", tp, 1), ("pipeline stage count", pp, 1),
+                         ("expert-parallel size", ep, 1), ("MiCS shard size", mics, 0), ("hpZ partition size", hpz, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError(f"the {what} must be {'a positive' if low else 'a non-negative'} integer, got {v!r}")
     if n % (tp * pp):
         what = f"tensor-parallel size {tp}" + (f" x {pp} pipeline stages" if pp > 1 else "")
         raise ConfigError(f"a mesh of {what} needs a world size that is a multiple of {tp * pp}; this world has {n} "
@@ -126,8 +143,10 @@ def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
     if dp % ep:
         raise ConfigError(f"expert-parallel size {ep} must divide the data-parallel world: this mesh has {dp} "
                           f"data-parallel rank(s) ({n} rank(s) / tensor-parallel {tp} / pipeline {pp})")
-    shape = MeshShape(dp=dp, tp=tp, pp=pp, ep=ep)
-    if tp == 1 and pp == 1 and ep == 1:
+    _check_zero_groups(dp, tp, pp, ep, mics, hpz)
+    shape = MeshShape(dp=dp, tp=tp, pp=pp, ep=ep, mics=mics, hpz=hpz)
+    sub_axes = ("ep", "edp") * (ep > 1) + ("mics", "mics_replica") * (mics > 0) + ("hpz",) * (hpz > 1)
+    if tp == 1 and pp == 1 and not sub_axes:
         return Mesh(shape, comm.rank, comm, comm, LocalCollectives())
     if isinstance(comm, ProcessGroupCollectives) and comm.group is None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -135,16 +154,47 @@ def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1) -> Mesh:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         dm = init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp), mesh_dim_names=MeshShape.AXES)
         axis = {a: ProcessGroupCollectives(dm.get_group(a)) for a in MeshShape.AXES}
-        sub = {a: _process_group_of(shape.groups(a), comm.rank) for a in MeshShape.SUB_AXES} if ep > 1 else {}
-        return Mesh(shape, comm.rank, comm, axis["dp"], axis["tp"], dm, pp=axis["pp"],
-                    ep=sub.get("ep", LocalCollectives()), edp=sub.get("edp"))
+        sub = {a: _process_group_of(shape.groups(a), comm.rank) for a in sub_axes}
+        return _mesh(shape, comm, axis, sub, dm)
     new_groups = getattr(comm, "new_groups", None)
     if new_groups is None:
         raise ConfigError(f"a mesh needs collectives that can form sub-groups; {type(comm).__name__} "
                           "cannot (use torch.distributed's default group or fnzero.testing's simulated worlds)")
-    sub = {a: new_groups(shape.groups(a)) for a in MeshShape.SUB_AXES} if ep > 1 else {}
-    return Mesh(shape, comm.rank, comm, new_groups(shape.groups("dp")), new_groups(shape.groups("tp")),
-                pp=new_groups(shape.groups("pp")), ep=sub.get("ep", LocalCollectives()), edp=sub.get("edp"))
+    axis = {a: new_groups(shape.groups(a)) for a in MeshShape.AXES}
+    return _mesh(shape, comm, axis, {a: new_groups(shape.groups(a)) for a in sub_axes})
+
+
+def _mesh(shape: MeshShape, comm: Collectives, axis: dict, sub: dict, device_mesh: Any = None) -> Mesh:
+    return Mesh(shape, comm.rank, comm, axis["dp"], axis["tp"], device_mesh, pp=axis["pp"],
+                ep=sub.get("ep", LocalCollectives()), edp=sub.get("edp"), mics=sub.get("mics"),
+                mics_replicas=sub.get("mics_replica"), hpz=sub.get("hpz"))
+
+
+def ranks_per_node(world_size: int) -> int:
+    """Ranks on this rank's node: the launcher's LOCAL_WORLD_SIZE (torchrun, `fnzero launch`), else
+    the whole world (one process, or a simulated world's threads: one host)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local and local.isdigit() and int(local) > 0 else world_size
+
+
+def _check_zero_groups(dp: int, tp: int, pp: int, ep: int, mics: int, hpz: int) -> None:
+    """MiCS and hpZ divide the data-parallel ranks, alone: one ConfigError naming the key."""
+    others = [f"{what} {v}" for what, v in (("tensor-parallel size", tp), ("pipeline stages", pp),
+                                            ("expert-parallel size", ep)) if v > 1]
+    for key, v, on in (("mics_shard_size", mics, mics > 0), ("zero_hpz_partition_size", hpz, hpz > 1)):
+        if on and others:
+            raise ConfigError(f"zero_optimization.{key} {v} with {' and '.join(others)}: fnzero shards over "
+                              "MiCS and hpZ groups of the data-parallel ranks only without tensor, pipeline or expert "
+                              "parallelism; remove one")
+        if on and dp % v:
+            raise ConfigError(f"zero_optimization.{key} {v} must divide the data-parallel ranks: this mesh has {dp}")
+    if mics > 0 and hpz > 1:
+        raise ConfigError(f"zero_optimization.mics_shard_size {mics} with zero_optimization.zero_hpz_partition_size "
+                          f"{hpz}: MiCS already keeps parameter gathers inside its shard groups; use one of the two")
+    local = ranks_per_node(dp)
+    if hpz > 1 and local % hpz:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} must divide the ranks per node "
+                          f"({local}, LOCAL_WORLD_SIZE): its groups of adjacent ranks must each sit on one node")
 
 
 def _process_group_of(partition: list[list[int]], rank: int) -> ProcessGroupCollectives:
@@ -158,12 +208,25 @@ def _process_group_of(partition: list[list[int]], rank: int) -> ProcessGroupColl
     return ProcessGroupCollectives(mine)
 
 
-def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: int = 1) -> Mesh:
+def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: int = 1,
+                     zero_groups: tuple[int, int] = (0, 1)) -> Mesh:
     """The mesh a config asks for: `tensor_parallel.autotp_size` tensor-parallel ranks,
     `pipeline.stages` pipeline stages (or `pp`, a pipeline model's own stage count, when the
-    config says "auto"), the rest data parallel, `ep` of them per expert-parallel group."""
+    config says "auto"), the rest data parallel, `ep` of them per expert-parallel group, and the
+    (MiCS shard size, hpZ partition size) of `zero_groups` (`zero_groups_of`)."""
     tp_cfg = config.tensor_parallel if config is not None else None
     stages = config.pipeline.size if config is not None else None  # None: "auto"
     if stages is not None and pp is not None and stages != pp:
         raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
-    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep)
+    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep, *zero_groups)
+
+
+def zero_groups_of(config: Any, optimizer_sharded: bool, params_sharded: bool) -> tuple[int, int]:
+    """(MiCS shard size, 0 when off; hpZ partition size, 1 when off) a config asks of a run whose
+    placement shards the optimizer state / the parameters: MiCS needs something sharded, hpZ
+    sharded parameters (otherwise the config's key has no effect, and warned so when loaded)."""
+    if config is None:
+        return 0, 1
+    z = config.zero_optimization
+    mics = z.mics_shard_size if z.mics_shard_size > 0 and optimizer_sharded else 0
+    return mics, z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 and params_sharded else 1

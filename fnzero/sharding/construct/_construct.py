@@ -13,10 +13,11 @@ from torch import nn
 from ..._errors import ConfigError, ShardingError
 from ..pp._module import PipelineInfo, PipelineModule
 from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
-from ..comm._mesh import Mesh, mesh_from_config
+from ..comm._mesh import Mesh, mesh_from_config, zero_groups_of
 from ..tp._layout import TPLayout
 from ..ep._layout import EPLayout
 from ..ep._split import replace_for_autoep, split_for_ep, wanted_ep_size
+from ..zero._groups import ZeroGroups
 from ..zero._policy import checked_quantization, shard_policy
 from ..comm._quantize import CommQuantization
 from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
@@ -103,7 +104,7 @@ def shard(
         if not callable(model):
             raise ShardingError(f"fnzero.shard expects a torch.nn.Module or a zero-argument factory, got {type(model).__name__}")
         model = build_on_meta(model)
-    mesh, ep = _mesh_for_experts(model, comm, mesh, config)
+    mesh, ep = _mesh_for_experts(model, comm, mesh, config, policy)
     if isinstance(model, PipelineModule):
         model, mesh, pipe, wrap = _stage_for_pp(model, comm, mesh, config, policy, debug, wrap, ep)
         replace_for_autoep(model, config, mesh.shape.ep)  # the stage's Hugging Face MoE blocks, if any
@@ -117,7 +118,7 @@ def shard(
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
     ep_layout = _split_for_ep(model, mesh, ep, config, debug, meta)
     watchdog = _job_watchdog(world, config)
-    comm = _observed(comm, config, debug)
+    comm, groups = _zero_groups(comm, mesh, policy, config, debug)
     params0 = list(model.parameters())
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
@@ -150,24 +151,47 @@ def shard(
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     quantization = checked_quantization(policy, comm_quantization)
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout, quantization=quantization)
+                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout, quantization=quantization,
+                       groups=groups)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)
     return sm
 
 
-def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any) -> tuple[Mesh | None, int]:
+def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:
     """AutoEP's replacement of a Hugging Face model's experts where the run asks expert parallelism,
-    then the ep size the model and config ask for, and the mesh (given, or the config's with that ep;
-    a pipeline makes its own with it)."""
+    then the ep size the model and config ask for, and the mesh (given, or the config's with that ep
+    and its MiCS and hpZ groups; a pipeline makes its own with them)."""
+    zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
     pipeline = isinstance(model, PipelineModule)
     if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
         replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
     ep = wanted_ep_size(None if pipeline else model, config)
-    if mesh is None and ep > 1 and not pipeline:
-        mesh = mesh_from_config(comm, config, ep=ep)
+    if mesh is None and (ep > 1 or zero_groups != (0, 1)) and not pipeline:
+        mesh = mesh_from_config(comm, config, ep=ep, zero_groups=zero_groups)
+    elif mesh is not None and zero_groups != (0, 1) and zero_groups != (mesh.shape.mics, mesh.shape.hpz):
+        raise ConfigError(f"the config asks for zero_optimization.mics_shard_size {zero_groups[0]} and "
+                          f"zero_hpz_partition_size {zero_groups[1]} but the mesh given has mics {mesh.shape.mics} and hpz "
+                          f"{mesh.shape.hpz}; make the mesh with fnzero.make_mesh(comm, mics=..., hpz=...) alike")
     return mesh, ep
+
+
+def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
+                 debug: bool) -> tuple[Collectives, ZeroGroups | None]:
+    """The collectives ZeRO shards over (the MiCS shard group, else `comm`, the data-parallel ranks),
+    recorded and checked as the config and `debug` ask (`_observed`), and the run's MiCS replica and
+    hpZ groups (`specs/mesh.md §MiCS`, `specs/mesh.md §hpZ`), or None."""
+    if mesh is None or (mesh.mics is None and mesh.hpz is None):
+        return _observed(comm, config, debug), None
+    if policy.offload_optimizer is not None or policy.offload_param is not None:
+        key = "offload_optimizer" if policy.offload_optimizer is not None else "offload_param"
+        feature = "mics_shard_size" if mesh.mics is not None else "zero_hpz_partition_size"
+        raise ConfigError(f"zero_optimization.{feature} with zero_optimization.{key}: MiCS and hpZ are not built "
+                          "for offloaded state; remove one")
+    replicas = _observed(mesh.mics_replicas, config, debug) if mesh.mics is not None else None
+    hpz = _observed(mesh.hpz, config, debug) if mesh.hpz is not None else None
+    return _observed(mesh.mics if mesh.mics is not None else comm, config, debug), ZeroGroups(replicas, hpz)
 
 
 def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
@@ -186,7 +210,8 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
     (each layer or named module; a weight shared with another stage is a unit of its own, laid out
     alike on each stage holding it)."""
     if mesh is None:
-        mesh = mesh_from_config(comm, config, pp=pipe.num_stages, ep=ep)
+        zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
+        mesh = mesh_from_config(comm, config, pp=pipe.num_stages, ep=ep, zero_groups=zero_groups)
     stages = mesh.shape.pp
     if pipe.num_stages not in (None, stages):
         raise ConfigError(f"the PipelineModule asks for {pipe.num_stages} stages (num_stages) but the mesh has {stages}")

@@ -76,7 +76,7 @@ class ShardedModule:
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
                  buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None,
-                 quantization=None):
+                 quantization=None, groups=None):
         self.module = module
         self.plan = plan
         self.comm = comm
@@ -85,7 +85,7 @@ class ShardedModule:
         self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
         self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts
-        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep, quantization)
+        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep, quantization, groups)
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
@@ -176,7 +176,8 @@ class ShardedModule:
         plan = self.plan
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
                        sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
-                       expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization)
+                       expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization,
+                       groups=self.sharding.groups)
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
@@ -304,8 +305,8 @@ class ShardedModule:
             if full.numel() != u.padded_numel:
                 full = unit_comm.all_gather(full)
             views = self.ep.unit_from_every_rank(u, full) if u.is_expert else unit_views(u, full)
-            if rank0_only and self.comm.rank != 0:
-                continue
+            if rank0_only and (self.comm.rank != 0 or (self.sharding.replicas is not None and self.sharding.replicas.rank)):
+                continue  # (MiCS: the first shard group's rank 0 is the job's)
             for name, t in views.items():
                 if names is not None and name not in names:
                     continue

@@ -41,11 +41,17 @@ def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "UnitRuntime | None" = No
 
 class UnitRuntime:
     """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
-    buffer re-gathered for backward."""
+    buffer re-gathered for backward.
 
-    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder")
+    With hpZ (`hpz`, the group of adjacent ranks; `specs/mesh.md §hpZ`) the forward's gather also
+    keeps this rank's part of the buffer as the hpz group divides it (its secondary shard), and
+    backward re-gathers from those over the hpz group instead of from the shards over `comm`."""
 
-    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", source: ShardSource | None = None):
+    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder",
+                 "hpz", "secondary")
+
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", source: ShardSource | None = None,
+                 hpz=None):
         self.unit = unit
         self.shard = shard
         self.comm = comm
@@ -56,6 +62,8 @@ class UnitRuntime:
         self.bwd_pending = None  # backward prefetch in flight
         self.packed = False  # autograd saved a view of this unit's parameters
         self.binder: UnitBinder | None = None  # binds the unit for recomputation in backward (`_backward.py`)
+        self.hpz = hpz  # hpZ's group, or None
+        self.secondary: torch.Tensor | None = None  # this rank's hpZ part of the buffer, from the forward's gather
 
     def shard_values(self) -> torch.Tensor:
         """What this rank contributes to a gather: the shard, or its values read from NVMe."""
@@ -64,8 +72,19 @@ class UnitRuntime:
     def gather(self) -> torch.Tensor:
         if self.pending is not None:
             full, self.pending = self.pending.wait(), None
-            return full
-        return self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
+        else:
+            full = self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
+        if self.hpz is not None and self.unit.name not in self.run.keep:  # a kept unit is not re-gathered
+            per = self.unit.padded_numel // self.hpz.world_size
+            self.secondary = full[self.hpz.rank * per:(self.hpz.rank + 1) * per].clone()
+        return full
+
+    def start_backward_gather(self):
+        """The re-gather for backward, started: from the hpZ secondary shards when the forward kept
+        one, else from the shards."""
+        if self.secondary is not None:
+            return self.hpz.all_gather_async(self.secondary, label=self.unit.name)
+        return self.comm.all_gather_async(self.shard_values(), label=self.unit.name)
 
     def release_regathered(self, grad_outputs):
         self.bwd_full = None
@@ -83,7 +102,7 @@ class UnitRuntime:
             if self.bwd_pending is not None:
                 self.bwd_full, self.bwd_pending = self.bwd_pending.wait(), None
             else:
-                self.bwd_full = self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
+                self.bwd_full = self.start_backward_gather().wait()
             self.run.prefetch_backward(self.unit.name)
         return self.bwd_full
 
@@ -143,7 +162,8 @@ class GatherUnit(torch.autograd.Function):
         rt.bwd_full = None  # every user of the unit's parameters has run: free the re-gathered copy
         if rt.binder is not None:
             rt.binder.unbind()
-        dp_world = rt.comm.world_size * rt.unit.ep  # an expert unit's gradient holds its ep group's tokens too
+        # An expert unit's gradient holds its ep group's tokens too; MiCS's shard group is one of its replicas.
+        dp_world = rt.comm.world_size * rt.unit.ep * rt.run.num_replicas
         if grad_full.dtype in (torch.float16, torch.bfloat16) and dp_world > 1:
             # A 16-bit sum over ranks can overflow where each addend does not: divide first
             # (`specs/sharding.md` §Step; the step leaves this factor out of its own division).

@@ -57,11 +57,13 @@ class ApplyRun:
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
                  sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
-                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, quantization=None):
+                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, quantization=None, groups=None):
         self.plan = plan
         self.comm = comm
         self.quantization = quantization  # `CommQuantization` or None: the codecs of what units' collectives carry
         self.expert_comm = expert_comm  # expert units' gathers (`comm_for`)
+        self.hpz = groups.hpz if groups is not None else None  # hpZ: backward re-gathers over it (`UnitRuntime`)
+        self.num_replicas = groups.num_replicas if groups is not None else 1  # MiCS: copies of each shard
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
@@ -105,7 +107,7 @@ class ApplyRun:
             self.backward.release()
             self.backward = None
         for rt in (*self.rts.values(), *self.frts.values()):
-            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = None
+            rt.run = rt.pending = rt.bwd_pending = rt.bwd_full = rt.shard = rt.binder = rt.secondary = None
         self.rts.clear()
         self.frts.clear()
         self._live.clear()
@@ -124,7 +126,7 @@ class ApplyRun:
         rt = table.get(unit.name)
         if rt is None:
             rt = table[unit.name] = UnitRuntime(unit, held[unit.name], self._unit_comm(unit, frozen), self,
-                                                self.sources.of(frozen))
+                                                self.sources.of(frozen), self._hpz_comm(frozen))
         return rt
 
     def _unit_comm(self, unit: UnitPlan, frozen: bool):
@@ -134,6 +136,14 @@ class ApplyRun:
         if q is None:
             return comm
         return quantizing(comm, q.frozen_weights if frozen else q.weights, None if frozen else q.gradients)
+
+    def _hpz_comm(self, frozen: bool):
+        """hpZ's group for backward's re-gathers (None without hpZ), quantized as the unit's forward
+        gathers are (qwZ: what travels inside the node is the same int8 blocks)."""
+        q = self.quantization
+        if self.hpz is None or q is None:
+            return self.hpz
+        return quantizing(self.hpz, q.frozen_weights if frozen else q.weights, None)
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
         """(unit, is frozen) for each part of unit `name` held as a shard and gathered in forward."""
@@ -175,7 +185,7 @@ class ApplyRun:
         for rt in (self.rts.get(name), self.frts.get(name)) if name is not None else ():
             if rt is None or not rt.packed or rt.bwd_full is not None or rt.bwd_pending is not None:
                 continue
-            rt.bwd_pending = rt.comm.all_gather_async(rt.shard_values(), label=name)
+            rt.bwd_pending = rt.start_backward_gather()
 
     @torch.compiler.disable
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:
