@@ -149,10 +149,9 @@ def shard(
     from ..._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
-    quantization = checked_quantization(policy, comm_quantization)
     sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout, quantization=quantization,
-                       groups=groups)
+                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout,
+                       quantization=checked_quantization(policy, comm_quantization), groups=groups)
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)

@@ -77,11 +77,7 @@ class ShardedModule:
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
                  buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None,
                  quantization=None, groups=None):
-        self.module = module
-        self.plan = plan
-        self.comm = comm
-        self.policy = policy
-        self.config = config
+        self.module, self.plan, self.comm, self.policy, self.config = module, plan, comm, policy, config
         self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
         self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts

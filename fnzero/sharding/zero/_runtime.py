@@ -125,25 +125,19 @@ class ApplyRun:
         table, held = (self.frts, self.frozen) if frozen else (self.rts, self.params)
         rt = table.get(unit.name)
         if rt is None:
-            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], self._unit_comm(unit, frozen), self,
-                                                self.sources.of(frozen), self._hpz_comm(frozen))
+            comm, hpz = self._unit_comms(unit, frozen)
+            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm, self, self.sources.of(frozen), hpz)
         return rt
 
-    def _unit_comm(self, unit: UnitPlan, frozen: bool):
-        """The unit's collectives (`comm_for`), its gathers and its gradient's reduce-scatter
-        quantized where `quantization` says (ZeRO++, `specs/collectives.md` §Quantized collectives)."""
+    def _unit_comms(self, unit: UnitPlan, frozen: bool):
+        """The unit's collectives (`comm_for`) and hpZ's group for backward's re-gathers (or None),
+        gathers and the gradient's reduce-scatter quantized where `quantization` says (ZeRO++,
+        `specs/collectives.md` §Quantized collectives; hpZ's gathers carry the same int8 blocks)."""
         comm, q = comm_for(unit, self.comm, self.expert_comm), self.quantization
         if q is None:
-            return comm
-        return quantizing(comm, q.frozen_weights if frozen else q.weights, None if frozen else q.gradients)
-
-    def _hpz_comm(self, frozen: bool):
-        """hpZ's group for backward's re-gathers (None without hpZ), quantized as the unit's forward
-        gathers are (qwZ: what travels inside the node is the same int8 blocks)."""
-        q = self.quantization
-        if self.hpz is None or q is None:
-            return self.hpz
-        return quantizing(self.hpz, q.frozen_weights if frozen else q.weights, None)
+            return comm, self.hpz
+        weights = q.frozen_weights if frozen else q.weights
+        return quantizing(comm, weights, None if frozen else q.gradients), quantizing(self.hpz, weights, None)
 
     def sharded_parts(self, name: str) -> list[tuple[UnitPlan, bool]]:
         """(unit, is frozen) for each part of unit `name` held as a shard and gathered in forward."""
