@@ -51,6 +51,11 @@ class Optimizer(NamedTuple):
         graph (`fnzero.jit(step, scope="step")`): torch.compile traces it, and a schedule that
         changes the scalars never recompiles. Same formulas as ``update``, up to floating-point
         reassociation; a chain's ``update`` is traceable already and is its own ``graph_update``.
+      local_gradients: None (the step all-reduces every gradient first), or, for an optimizer that
+        exchanges what it needs itself (1-bit Adam, 0/1 Adam, 1-bit LAMB), ``local_gradients(opt_state)
+        -> bool``: whether the step about to run from this state hands it this rank's own gradients,
+        un-reduced. Such an optimizer receives the data-parallel exchange among the extras
+        (``compressed_all_reduce=``, `specs/optim.md` §1-bit optimizers).
     """
 
     init: Callable[[Params], OptState]
@@ -58,6 +63,7 @@ class Optimizer(NamedTuple):
     update_: UpdateFn
     elementwise: bool
     graph_update: UpdateFn | None = None
+    local_gradients: Callable[[OptState], bool] | None = None
 
 
 def pure(update_: UpdateFn) -> UpdateFn:
