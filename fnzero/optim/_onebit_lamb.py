@@ -107,12 +107,22 @@ def onebit_lamb(lr: float = 1e-3, freeze_step: int = 100000, betas: tuple[float,
             _warm_up(t == freeze_step, step_lr, b1, h, p, g, fields)
             return params, opt_state._replace(
                 lamb_coeff_freeze=optree.tree_unflatten(treedef, fields["lamb_coeff_freeze"]))
-        errors = _compressed(count == first, step_lr, b1, h, p, g, fields, opt_state, exchange_from(name, extras))
+        errors = _compressed(count == first, step_lr, b1, h, p, g, fields, opt_state, exchange_from(name, extras),
+                             _model_order(params))
         return params, opt_state._replace(**{f: optree.tree_unflatten(treedef, fields[f]) for f in
                                              ("last_factor", "scaling_coeff")}, **errors)
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=False,
                      local_gradients=local_gradients)
+
+
+def _model_order(params: Params) -> list[int]:
+    """The leaves' indices in the order the flat buffer lays them out: a dict's own order (the model's
+    parameter order, as DeepSpeed's flat buffer of `param_groups`), where optree sorts dict keys."""
+    if not isinstance(params, dict):
+        return list(range(len(optree.tree_leaves(params))))
+    position = {path[0]: i for i, path in enumerate(optree.tree_paths(params))}
+    return [position[k] for k in params]
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +152,8 @@ def _warm_up(keep_variance: bool, lr: float, b1: float, h: _Hyper, p, g, fields)
         pi.add_(-lr * coeff * upd)
 
 
-def _compressed(first: bool, lr: float, b1: float, h: _Hyper, p, g, fields, opt_state: OneBitLambState, exchange_fn):
+def _compressed(first: bool, lr: float, b1: float, h: _Hyper, p, g, fields, opt_state: OneBitLambState, exchange_fn,
+                order: list[int]):
     """One compressed step; returns the new error and tail buffers."""
     # Long: DeepSpeed's frozen step read top to bottom (scale, exchange, unscale, the factor's clamps).
     m, v, fresh = fields["exp_avg"], fields["exp_avg_sq"], fields["exp_avg_sq_fresh"]
@@ -155,12 +166,12 @@ def _compressed(first: bool, lr: float, b1: float, h: _Hyper, p, g, fields, opt_
     for mi, gi, c in zip(m, g, coeff):
         mi.mul_(b1).add_(gi, alpha=1 - b1)
         mi.mul_(c)
-    flat = torch.cat([mi.reshape(-1) for mi in m] + [opt_state.tail])
+    flat = torch.cat([m[i].reshape(-1) for i in order] + [opt_state.tail])
     out = exchange_fn([flat], [opt_state.worker_error], [opt_state.server_error])
     result, offset = out[0][0], 0
-    for mi in m:
-        mi.copy_(result[offset:offset + mi.numel()].view_as(mi))
-        offset += mi.numel()
+    for i in order:
+        m[i].copy_(result[offset:offset + m[i].numel()].view_as(m[i]))
+        offset += m[i].numel()
     factors = fields["last_factor"]
     for i, (pi, mi, vi, fi, mlast, c) in enumerate(zip(p, m, v, fresh, last, coeff)):
         mi.div_(c)

@@ -16,6 +16,8 @@
     TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each
                                      parameter is (`specs/mesh.md`)
     vocab_parallel_cross_entropy     the cross-entropy of logits split over the vocabulary
+    compressed_all_reduce            the 1-bit optimizers' exchange: signs 8 to a byte, per-tensor scales,
+                                     error feedback on both sides (`compressed_bytes`: what one call sends)
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .comm._collectives import (
     providing_collectives,
 )
 from .comm._observed import RecordingCollectives
+from .comm._compressed import CompressedAllReduce, compressed_all_reduce, compressed_bytes, compressed_padded_numel
 from .construct._construct import shard
 from .comm._dist import DistInfo, init_distributed
 from .construct._module import PretrainedWarning, ShardedModule
@@ -42,4 +45,5 @@ __all__ = [
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
     "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
     "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout",
+    "CompressedAllReduce", "compressed_all_reduce", "compressed_bytes", "compressed_padded_numel",
 ]

@@ -35,7 +35,7 @@ from ._policy import StepPolicy
 
 __all__ = [
     "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
-    "clip_coefficient", "clip_factor", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
+    "clip_coefficient", "clip_factor", "local_norm", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -287,6 +287,13 @@ def _tp_parts(u: UnitPlan, g: torch.Tensor, lo: int, tp):
         if a < b:
             split = tp.split_of(slot.name, *slot.aliases) is not None
             yield g[a - lo: b - lo], split
+
+
+def local_norm(grads: dict[str, torch.Tensor], inv: float) -> float:
+    """The norm of this rank's own (un-reduced, whole-unit) gradients times `inv`, with no
+    communication: what a rank clips its own gradients by (`Optimizer.local_gradients`)."""
+    sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64).square()) for g in grads.values())
+    return math.sqrt(sq) * inv
 
 
 def clip_coefficient(clip: float, grad_norm):

@@ -1,0 +1,416 @@
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB (specs/optim.md §1-bit optimizers) and the compressed
+all-reduce (specs/collectives.md §Compressed all-reduce): fnzero's step on simulated worlds of 2
+and 4 equals a single-process float64 simulation of DeepSpeed's algorithms written plainly here
+(N workers' local gradients, the same compression and error feedback), over steps before and
+after the freeze; the bytes after the freeze equal the formula; what is not supported is refused."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fnzero
+from fnzero import optim
+from fnzero._errors import ConfigError, ShardingError
+from fnzero.sharding import RecordingCollectives, compressed_all_reduce
+from fnzero.testing import simulated_world
+
+
+# ---- the reference: DeepSpeed's compressed_allreduce (runtime/comm/nccl.py), over all ranks at once ----
+def padded_unit(numel, n):
+    return -(-numel // n) * n
+
+
+def padded(numel, n):
+    step = n * math.lcm(n, 8)
+    return -(-numel // step) * step
+
+
+def sign(x):
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+def ref_compressed(xs, workers, servers):
+    """xs[r]: rank r's tensor; workers[r], servers[r]: its errors (None: zeros). Returns (the result
+    every rank gets, flat over the padded length; new worker errors; new server errors)."""
+    n = len(xs)
+    if n == 1:
+        return xs[0].reshape(-1).clone(), workers, servers
+    m = padded(xs[0].numel(), n)
+    ys = [torch.cat([x.reshape(-1), x.new_zeros(m - x.numel())]) + (0 if w is None else w) for x, w in zip(xs, workers)]
+    scales = [torch.linalg.vector_norm(y) / math.sqrt(m) for y in ys]
+    new_workers = [y - s * sign(y) for y, s in zip(ys, scales)]
+    c = m // n
+    chunks, new_servers = [], []
+    for j in range(n):
+        signs = torch.stack([sign(y[j * c:(j + 1) * c]) for y in ys])
+        z = (signs * (torch.stack(scales) * (1 / n)).unsqueeze(1)).sum(0) + (0 if servers[j] is None else servers[j])
+        s = torch.linalg.vector_norm(z) / math.sqrt(c)
+        new_servers.append(z - s * sign(z))
+        chunks.append(s * sign(z))
+    return torch.cat(chunks), new_workers, new_servers
+
+
+def ref_allreduce_tensors(per_rank, workers, servers, name):
+    """`ref_compressed` of tensor `name` of each rank's dict, in its shape, errors updated in place."""
+    n = len(per_rank)
+    out, w, s = ref_compressed([d[name] for d in per_rank], [wr.get(name) for wr in workers],
+                               [sr.get(name) for sr in servers])
+    for r in range(n):
+        workers[r][name], servers[r][name] = w[r], s[r]
+    like = per_rank[0][name]
+    return out[:like.numel()].view_as(like)
+
+
+# ---- the model and its local gradients ----
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def loss_of(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def local_grads(model, params, x, y, k):
+    """One rank's gradient: the mean over k micro-batches of the mean loss's gradient."""
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for xm, ym in zip(x.chunk(k), y.chunk(k)):
+        leaves = {n: p.clone().requires_grad_(True) for n, p in params.items()}
+        loss = loss_of(torch.func.functional_call(model, leaves, (xm,)), ym)
+        for n, g in zip(leaves, torch.autograd.grad(loss, list(leaves.values()))):
+            total[n] += g
+    return {n: g / k for n, g in total.items()}
+
+
+def mean(ds):
+    return clip({n: sum(d[n] for d in ds) / len(ds) for n in ds[0]})
+
+
+CLIP = 0.5  # active on most steps: DeepSpeed clips what a rank holds, averaged or its own, by its norm
+
+
+def clip(g):
+    norm = math.sqrt(sum(float(x.pow(2).sum()) for x in g.values()))
+    coef = CLIP / (norm + 1e-6)
+    return {n: x * coef for n, x in g.items()} if coef < 1 else g
+
+
+# ---- the references of the three optimizers (DeepSpeed's runtime/fp16/onebit/*.py) ----
+def ref_onebit_adam(model, data, n, steps, h):
+    p = {k: v.detach().clone() for k, v in model.named_parameters()}
+    m = {k: torch.zeros_like(v) for k, v in p.items()}
+    v = {k: torch.zeros_like(x) for k, x in p.items()}
+    workers, servers = [{} for _ in range(n)], [{} for _ in range(n)]
+    b1, b2 = h["betas"]
+    for t in range(1, steps + 1):
+        raw = [local_grads(model, p, *data(r), 2) for r in range(n)]
+        grads = [clip(g) for g in raw]  # a rank's own gradient, clipped by its own norm
+        if t == 1:
+            continue
+        if t - 1 < max(h["freeze_step"], 2):
+            g = mean(raw)
+            for k in p:
+                m[k] = b1 * m[k] + (1 - b1) * g[k]
+                v[k] = b2 * v[k] + (1 - b2) * g[k] * g[k]
+        else:
+            mr = [{k: b1 * m[k] + (1 - b1) * gr[k] for k in p} for gr in grads]
+            m = {k: ref_allreduce_tensors(mr, workers, servers, k) for k in p}
+        for k in p:
+            p[k] = p[k] - h["lr"] * (m[k] / (v[k].sqrt() + h["eps"]) + h["weight_decay"] * p[k])
+    return [p] * n
+
+
+def ref_zero_one_adam(model, data, n, steps, h):
+    p0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    P = [dict(p0) for _ in range(n)]
+    M = [{k: torch.zeros_like(x) for k, x in p0.items()} for _ in range(n)]
+    A = [{k: torch.zeros_like(x) for k, x in p0.items()} for _ in range(n)]
+    v = {k: torch.zeros_like(x) for k, x in p0.items()}
+    workers, servers = [{} for _ in range(n)], [{} for _ in range(n)]
+    b1, b2, eps, wd, lr = *h["betas"], h["eps"], h["weight_decay"], h["lr"]
+    var_interval, var_counter, lsi, ls_counter, lrs = 1, 0, 1, 0, 0.0
+    frozen = lambda c: c >= 2 and c > h["var_freeze_step"]  # noqa: E731
+    for t in range(1, steps + 1):
+        raw = [local_grads(model, P[r], *data(r), 2) for r in range(n)]
+        grads = [clip(g) for g in raw]
+        if t == 1:
+            continue
+        fz = frozen(t - 1)
+        if not fz and t % var_interval == 0:
+            g = mean(raw)
+            for r in range(n):
+                M[r] = {k: b1 * M[r][k] + (1 - b1) * g[k] for k in p0}
+            v = {k: b2 * v[k] + (1 - b2) * g[k] * g[k] for k in p0}
+        elif not fz:
+            avg = {k: ref_allreduce_tensors(grads, workers, servers, k) for k in p0}
+            M = [{k: b1 * M[r][k] + (1 - b1) * avg[k] for k in p0} for r in range(n)]
+        else:
+            M = [{k: b1 * M[r][k] + (1 - b1) * grads[r][k] for k in p0} for r in range(n)]
+            lrs += lr
+        for r in range(n):
+            for k in p0:
+                upd = M[r][k] / (v[k].sqrt() + eps) + wd * P[r][k]
+                P[r][k] = P[r][k] - lr * upd
+                if fz:
+                    A[r][k] = A[r][k] - lr * upd
+        if fz and t % lsi == 0:
+            scaled = [{k: A[r][k] * (v[k].sqrt() + eps) for k in p0} for r in range(n)]
+            for r in range(n):
+                P[r] = {k: P[r][k] - A[r][k] for k in p0}
+            avg = {k: ref_allreduce_tensors(scaled, workers, servers, k) for k in p0}
+            for r in range(n):
+                M[r] = {k: -(avg[k] / lrs) for k in p0}
+                P[r] = {k: P[r][k] + avg[k] / (v[k].sqrt() + eps) for k in p0}
+                A[r] = {k: torch.zeros_like(x) for k, x in p0.items()}
+            lrs = 0.0
+        if not fz:
+            if t % var_interval == 0:
+                var_counter += 1
+                if var_counter == h["var_update_scaler"]:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            ls_counter += 1
+            if ls_counter == h["local_step_scaler"]:
+                ls_counter, lsi = 0, min(h["local_step_clipper"], lsi * 2)
+        if not fz and frozen(t):
+            workers, servers = [{} for _ in range(n)], [{} for _ in range(n)]
+    return P
+
+
+def ref_onebit_lamb(model, data, n, steps, h):
+    # Long: DeepSpeed's OnebitLamb.step, warm-up and compressed halves, written out plainly.
+    p = {k: v.detach().clone() for k, v in model.named_parameters()}
+    names = list(p)
+    z = lambda: {k: torch.zeros_like(x) for k, x in p.items()}  # noqa: E731
+    m, v, fresh = z(), z(), z()
+    coeff_freeze, last_factor, scaling = dict.fromkeys(names, 0.0), dict.fromkeys(names, 1.0), {}
+    workers, servers, tail = [None] * n, [None] * n, None
+    b1, b2, eps, wd, lr = *h["betas"], h["eps"], h["weight_decay"], h["lr"]
+    for t in range(1, steps + 1):
+        raw = [local_grads(model, p, *data(r), 2) for r in range(n)]
+        grads = [clip(g) for g in raw]  # a rank's own gradient, clipped by its own norm
+        if t == 1:
+            continue
+        if t - 1 < max(h["freeze_step"], 2):
+            g = mean(raw)
+            for k in names:
+                m[k] = b1 * m[k] + (1 - b1) * g[k]
+                v[k] = b2 * v[k] + (1 - b2) * g[k] * g[k]
+                if t == h["freeze_step"]:
+                    fresh[k] = v[k].clone()
+                upd = m[k] / (v[k].sqrt() + eps) + wd * p[k]
+                wn, un = p[k].pow(2).sum().sqrt(), upd.pow(2).sum().sqrt()
+                c = min(max(float(wn / un), h["min_coeff"]), h["max_coeff"]) if wn != 0 and un != 0 else 1.0
+                if c != 1.0:
+                    coeff_freeze[k] = h["coeff_beta"] * coeff_freeze[k] + (1 - h["coeff_beta"]) * c
+                p[k] = p[k] - lr * c * upd
+            continue
+        last = dict(m)
+        if not scaling:
+            sc = {k: float(torch.linalg.vector_norm(m[k]) / math.sqrt(m[k].numel())) for k in names}
+            united = sum(sc.values()) / len(sc)
+            scaling = {k: united / sc[k] for k in names}
+        flats = [torch.cat([((b1 * m[k] + (1 - b1) * gr[k]) * scaling[k]).reshape(-1) for k in names]
+                           + ([] if tail is None else [tail])) for gr in grads]
+        out, workers, servers = ref_compressed(flats, workers, servers)
+        off = 0
+        for k in names:
+            m[k] = out[off:off + p[k].numel()].view_as(p[k]) / scaling[k]
+            off += p[k].numel()
+        tail = out[off:]
+        for k in names:
+            gr = (m[k] - last[k] * b1) / (1 - b1)
+            fresh[k] = b2 * fresh[k] + (1 - b2) * gr * gr
+            denom = v[k].sqrt() + eps
+            prelim = m[k] / denom
+            upd = prelim + wd * p[k]
+            f = float((denom / (fresh[k].sqrt() + eps)).max())
+            ratio = min(1.0, float(prelim.pow(2).sum().sqrt() / upd.pow(2).sum().sqrt()))
+            f = f * ratio + (1 - ratio)
+            f = min(max(f, h["factor_min"]), h["factor_max"])
+            f = min(max(f, last_factor[k] * (1 - h["factor_threshold"])), last_factor[k] * (1 + h["factor_threshold"]))
+            last_factor[k] = f
+            p[k] = p[k] - lr * (coeff_freeze[k] * f) * upd
+    return [p] * n
+
+
+# ---- fnzero's run ----
+ONEBIT = {"lr": 0.01, "freeze_step": 3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+ZERO_ONE = {"lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "var_freeze_step": 5,
+            "var_update_scaler": 2, "local_step_scaler": 2, "local_step_clipper": 4}
+LAMB = {"lr": 0.01, "freeze_step": 3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "max_coeff": 10.0,
+        "min_coeff": 0.01, "coeff_beta": 0.9, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1}
+CASES = {  # config type, params, reference, steps (the warm-up, and three to five compressed steps)
+    "OneBitAdam": (ONEBIT, ref_onebit_adam, 6),
+    "ZeroOneAdam": (ZERO_ONE, ref_zero_one_adam, 10),
+    "OneBitLamb": (LAMB, ref_onebit_lamb, 7),
+}
+
+
+def config(kind, params, n, **extra):
+    return fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                               "zero_optimization": {"stage": 0}, "optimizer": {"type": kind, "params": params},
+                               "gradient_clipping": CLIP,
+                               **extra}, world_size=n)
+
+
+def run_fnzero(model, data, cfg, steps, n, record=False):
+    def rank(comm):
+        comm = RecordingCollectives(comm) if record else comm
+        m = Tiny().double()
+        m.load_state_dict(model.state_dict())
+        sm = fnzero.shard(m, config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda prm, b: loss_of(sm.apply(prm, b[0]), b[1]), cfg)
+        per_step = []
+        for _ in range(steps):
+            if record:
+                comm.reset()
+            state, _ = step(state, data(comm.rank))
+            per_step.append(comm.ring_bytes_sent() if record else None)
+        return sm.gather(state), per_step, state
+
+    return simulated_world(n).run(rank)
+
+
+def setup(n):
+    torch.manual_seed(0)
+    model = Tiny().double()
+    x, y = torch.randn(4 * n, 5, dtype=torch.float64), torch.randn(4 * n, 3, dtype=torch.float64)
+    return model, lambda r: (x[4 * r:4 * r + 4], y[4 * r:4 * r + 4])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("kind", list(CASES))
+def test_equals_a_float64_simulation_of_deepspeeds_algorithm(kind, n):
+    """Every rank's parameters within 1e-9 of the reference's after the warm-up and the compressed
+    steps (0/1 Adam: its variance steps, compressed-gradient steps, frozen local steps with
+    a growing interval, so ranks' parameters differ between exchanges)."""
+    params, ref, steps = CASES[kind]
+    model, data = setup(n)
+    want = ref(model, data, n, steps, {**params, "betas": tuple(params["betas"])})
+    got = run_fnzero(model, data, config(kind, params, n), steps, n)
+    for r, (params_r, _, _) in enumerate(got):
+        for k in want[r]:
+            torch.testing.assert_close(params_r[k], want[r][k], rtol=0, atol=1e-9, msg=lambda msg: f"{kind} r{r} {k}: {msg}")
+    moved = got[0][0]["a.weight"] - model.a.weight
+    assert moved.abs().max() > 1e-3
+
+
+def test_compressed_all_reduce_is_pure_and_equals_the_reference():
+    """Two tensors of odd sizes in one call, with errors from a first call: results and errors equal
+    the reference, inputs untouched; the bytes are the formula's, signs in uint8."""
+    n = 4
+    torch.manual_seed(3)
+    xs = [[torch.randn(3, 11, dtype=torch.float64), torch.randn(5, dtype=torch.float64)] for _ in range(n)]
+
+    def rank(comm):
+        rec = RecordingCollectives(comm)
+        mine = xs[comm.rank]
+        copies = [t.clone() for t in mine]
+        empty = [t.new_zeros(0) for t in mine]
+        first = compressed_all_reduce(rec, mine, empty, empty)
+        rec.reset()
+        second = compressed_all_reduce(rec, mine, first.worker_errors, first.server_errors)
+        assert all(torch.equal(a, b) for a, b in zip(mine, copies))
+        return first, second, rec.records, rec.ring_bytes_sent()
+
+    out = simulated_world(n).run(rank)
+    for i in range(2):
+        r1, w, s = ref_compressed([x[i] for x in xs], [None] * n, [None] * n)
+        r2, w, s = ref_compressed([x[i] for x in xs], w, s)
+        for r in range(n):
+            torch.testing.assert_close(out[r][1].results[i], r2, rtol=0, atol=1e-12)
+            torch.testing.assert_close(out[r][1].worker_errors[i], w[r], rtol=0, atol=1e-12)
+            torch.testing.assert_close(out[r][1].server_errors[i], s[r], rtol=0, atol=1e-12)
+    records = out[0][2]
+    assert [(x.op, x.dtype) for x in records] == [("all_to_all", torch.uint8), ("all_gather", torch.float64),
+                                                  ("all_gather", torch.uint8), ("all_gather", torch.float64)]
+    signs = (padded(33, n) + padded(5, n)) // 8  # 4 ranks pad to multiples of 32: 64 + 32 signs, 12 bytes
+    assert out[0][3] == 2 * (n - 1) / n * signs + 2 * (n - 1) * 2 * 8
+    assert fnzero.sharding.compressed_bytes([33, 5], n, 8) == out[0][3]
+
+
+@pytest.mark.parametrize("kind", ["OneBitAdam", "OneBitLamb"])
+def test_bytes_per_step_after_the_freeze_equal_the_formula(kind):
+    """Before the freeze a step all-reduces every gradient (4Ψ·2(N−1)/N with Ψ=Σ numel, fp64 here:
+    8Ψ); after it, the compressed exchange's formula plus the step's norm-and-loss all-reduce
+    (two float64). 1-bit Adam compresses per tensor; 1-bit LAMB one flat buffer."""
+    n = 4
+    params, _, steps = CASES[kind]
+    model, data = setup(n)
+    got = run_fnzero(model, data, config(kind, params, n), steps, n, record=True)
+    numels = [p.numel() for p in model.parameters()]
+    units = [padded_unit(sum(p.numel() for p in mod.parameters()), n) for mod in (model.a, model.b)]
+    scalars = 2 * (n - 1) / n * 16
+    full = 2 * (n - 1) / n * 8 * sum(units) + scalars  # each module one unit, padded to a multiple of N
+    compressed = fnzero.sharding.compressed_bytes(numels if kind == "OneBitAdam" else [sum(numels)], n, 8) + scalars
+    per_step = got[0][1]
+    assert per_step[1] == full and per_step[-1] == compressed
+    assert compressed < full / 2  # tiny tensors: padded to N·lcm(N, 8) elements, and 2 scales each
+    fp32 = 2 * (n - 1) / n * 4 * 10**6  # one million fp32 elements: the signs are 1/32 of it, plus 2 scales
+    assert fnzero.sharding.compressed_bytes([10**6], n) == fp32 / 32 + 2 * (n - 1) * 4
+
+
+def test_refused_combinations_each_name_the_key():
+    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 2}}}
+    cases = [
+        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+        ({"optimizer": {"type": "OneBitLamb", "params": {}}, "fp16": {"enabled": True, "loss_scale": 128}},
+         "fp16.loss_scale"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_step": -1}}}, "freeze_step"),
+        ({"optimizer": {"type": "ZeroOneAdam", "params": {"var_update_scaler": 0}}}, "var_update_scaler"),
+        ({"optimizer": {"type": "OneBitLamb", "params": {"factor_min": 5.0}}}, "factor_min"),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": True}}}, "amsgrad"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
+    ]
+    for extra, key in cases:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            fnzero.load_config({**base, **extra}, world_size=4)
+
+
+def test_no_effect_keys_warn_and_a_sharded_state_is_refused():
+    with pytest.warns(fnzero.config.ConfigWarning, match="comm_backend_name"):
+        fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {
+            "type": "OneBitAdam", "params": {"comm_backend_name": "mpi"}}})
+    with pytest.warns(fnzero.config.ConfigWarning, match="cuda_aware"):
+        fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {
+            "type": "ZeroOneAdam", "params": {"cuda_aware": True}}})
+    model, data = setup(2)
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                              "optimizer": {"type": "AdamW"}}, world_size=2)
+    opt = optim.onebit_adam(freeze_step=2)
+
+    def rank(comm):
+        sm = fnzero.shard(Tiny().double(), config=cfg, comm=comm)
+        step = fnzero.train_step(lambda prm, b: loss_of(sm.apply(prm, b[0]), b[1]), cfg, optimizer=opt)
+        with pytest.raises(ShardingError, match="ZeRO stage 0"):
+            step(sm.init_state(optimizer=opt), data(comm.rank))
+
+    simulated_world(2).run(rank)
+
+
+def test_an_update_without_the_exchange_says_what_it_needs():
+    opt = optim.onebit_adam(freeze_step=0)
+    p = {"w": torch.ones(3)}
+    s = opt.init(p)
+    for _ in range(2):
+        p, s = opt.update({"w": torch.ones(3)}, s, p)
+    assert opt.local_gradients(s)
+    with pytest.raises(ConfigError, match="compressed_all_reduce="):
+        opt.update({"w": torch.ones(3)}, s, p)
+    from fnzero.sharding import LocalCollectives
+    p2, _ = opt.update({"w": torch.ones(3)}, s, p,
+                       compressed_all_reduce=functools.partial(compressed_all_reduce, LocalCollectives()))
+    assert not torch.equal(p2["w"], p["w"])
