@@ -54,6 +54,7 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
                   local_step_scaler: int = 32678, local_step_clipper: int = 16, **deepspeed_keys: Any) -> Optimizer:
     """0/1 Adam; `deepspeed_keys` takes DeepSpeed's keys that change nothing here (bias_correction,
     eps_inside_sqrt, max_grad_norm, cuda_aware, comm_backend_name, amsgrad=False)."""
+    # Long: three closures (init, update_, local_gradients) over the same checked hyper-parameters.
     name = "zero_one_adam"
     default_lr, beta1, beta2, eps, weight_decay = hyper(name, lr, betas, eps, weight_decay)
     var_freeze_step = steps(name, "var_freeze_step", var_freeze_step)

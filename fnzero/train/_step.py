@@ -159,7 +159,7 @@ def _check_exchanging_optimizer(state: TrainState) -> None:
     or expert parallelism (`specs/optim.md` §1-bit optimizers)."""
     sh = state.sharding
     sharded = [u.name for u in sh.plan.units if u.placement.params or u.placement.grads or u.placement.optimizer]
-    where = ("ZeRO stage > 0 (units " + ", ".join(sharded[:3]) + " are sharded)") if sharded else None
+    where = ("sharded ZeRO units (" + ", ".join(sharded[:3]) + ")") if sharded else None
     if where is None and state.master is not None and any(m.device != p.device for m, p in
                                                           zip(state.master.values(), state.params.values())):
         where = "offload_optimizer"
