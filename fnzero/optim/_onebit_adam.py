@@ -27,6 +27,9 @@ class OneBitAdamState(NamedTuple):
     server_error: the compression errors per parameter (flat; 0 elements until the first
     compressed step sizes them for its world)."""
 
+    # Each rank's own (a checkpoint stores one per rank: fnzero/checkpoint/_tree.py)
+    PER_RANK_FIELDS = ("worker_error", "server_error")
+
     count: torch.Tensor
     exp_avg: Params
     exp_avg_sq: Params

@@ -32,6 +32,9 @@ class OneBitLambState(NamedTuple):
     worker_error, server_error, tail: the flat buffer's errors and padding (0 elements until the
     first compressed step)."""
 
+    # Each rank's own (a checkpoint stores one per rank: fnzero/checkpoint/_tree.py)
+    PER_RANK_FIELDS = ("worker_error", "server_error", "tail")
+
     count: torch.Tensor
     exp_avg: Params
     exp_avg_sq: Params

@@ -32,6 +32,9 @@ class ZeroOneAdamState(NamedTuple):
     per-parameter counters, equal for every parameter); lrs: Σ lr since the last exchange (0-dim
     float64)."""
 
+    # Each rank's own (a checkpoint stores one per rank: fnzero/checkpoint/_tree.py)
+    PER_RANK_FIELDS = ("worker_error", "server_error")
+
     count: torch.Tensor
     exp_avg: Params
     exp_avg_sq: Params
@@ -43,6 +46,14 @@ class ZeroOneAdamState(NamedTuple):
     local_step_interval: torch.Tensor
     local_step_counter: torch.Tensor
     lrs: torch.Tensor
+
+    def checkpoint_problem(self) -> str | None:
+        """Why a checkpoint cannot hold this state now (`fnzero.checkpoint.save` asks): between two
+        exchanges each rank has taken local steps, so the ranks' parameters and momenta differ."""
+        if float(self.lrs) != 0.0:
+            return ("0/1 Adam is between two exchanges of its local steps, and each rank's parameters differ; save "
+                    "after a step that exchanged them (every local_step_interval steps after var_freeze_step)")
+        return None
 
 
 def _int(v: int) -> torch.Tensor:
