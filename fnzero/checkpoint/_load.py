@@ -9,7 +9,6 @@ them; the padding is zero. No conversion step, and each rank reads only what it 
 from __future__ import annotations
 
 import bisect
-import math
 import os
 from typing import Any
 
@@ -26,6 +25,7 @@ from ._by_name import fill_by_name, same_units, saved_slots
 from ._frozen import fill_frozen
 from ._ep import check_ep_supported, ep_check_view, expert_places
 from ._same_model import check_model, mismatch
+from ._per_rank import read_per_rank_leaf
 from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
@@ -251,25 +251,6 @@ def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
     return leaf.key
 
 
-def _per_rank_leaf(leaf: Leaf, ix: dict, like: TrainState, rd) -> torch.Tensor:
-    """A rank's own leaf (`PER_RANK_FIELDS`: the 1-bit optimizers' compression errors), read whole,
-    in the shape it was saved with: only at the world size that saved it, whose rank r held it."""
-    world = like.sharding.world_size
-    if ix["world_size"] != world:
-        raise CheckpointError(
-            f"{leaf.path}: each rank's own state (the compression errors of 1-bit Adam, 0/1 Adam and 1-bit LAMB) "
-            f"was saved by {ix['world_size']} ranks and cannot be resharded to {world}: their padding and chunks "
-            f"depend on the world size; load at {ix['world_size']} ranks")
-    entry = rd.tensors.get(leaf.key)
-    if entry is None:
-        raise CheckpointError(f"the checkpoint has no {leaf.key!r} (rank {like.sharding.rank}'s {leaf.path}); was it "
-                              f"saved with another optimizer (the checkpoint's: {ix.get('optimizer')})?")
-    shape = _shape(entry.get("shape"))
-    out = torch.empty(math.prod(shape), dtype=F.DTYPES[entry["dtype"]])
-    rd.read(leaf.key, 0, out.numel(), out)
-    return out.reshape(shape).to(device=leaf.tensor.device, dtype=leaf.tensor.dtype)
-
-
 def _restore_rng(ix: dict, rank: int) -> None:
     states = ix["rng"]
     if not states:
@@ -325,7 +306,7 @@ def load(
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
             if leaf.per_rank:
-                return _per_rank_leaf(leaf, ix, like, rd)
+                return read_per_rank_leaf(leaf, ix, like, rd)
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_by_name(leaf, like, rd, slots, out, tp, fplan, ep).reshape(t.shape).to(t.device)

@@ -15,9 +15,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, leaves_like, pure, zeros_count
-from ._onebit_common import empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs, steps
+from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._onebit_common import (
+    compressed_from, empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves,
+    step_start, steps,
+)
 
 __all__ = ["OneBitAdamState", "onebit_adam"]
 
@@ -55,10 +57,7 @@ def onebit_adam(lr: float = 1e-3, freeze_step: int = 100000, betas: tuple[float,
     default_lr, beta1, beta2, eps, weight_decay = hyper(name, lr, betas, eps, weight_decay)
     freeze_step = steps(name, "freeze_step", freeze_step)
     no_effect_kwargs(name, deepspeed_keys)
-    first = first_compressed_count(freeze_step)
-
-    def local_gradients(state: OptState) -> bool:
-        return int(state.count) >= first
+    local_gradients = compressed_from(first_compressed_count(freeze_step))
 
     def init(params: Params) -> OneBitAdamState:
         with torch.no_grad():
@@ -70,17 +69,11 @@ def onebit_adam(lr: float = 1e-3, freeze_step: int = 100000, betas: tuple[float,
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
                 momentum: float | None = None, **extras):
         compressed = local_gradients(opt_state)
-        t = advance(opt_state.count)
-        if t == 1:
+        s = step_start(name, grads, opt_state, params, lr, momentum, default_lr, beta1)
+        if s is None:
             return params, opt_state
-        step_lr = default_lr if lr is None else float(lr)
-        b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
-        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
-        we = leaves_like(treedef, opt_state.worker_error, "opt_state.worker_error")
-        se = leaves_like(treedef, opt_state.server_error, "opt_state.server_error")
+        step_lr, b1, p, g, treedef = s.lr, s.b1, s.p, s.g, s.treedef
+        m, v, we, se = state_leaves(opt_state, treedef, "exp_avg", "exp_avg_sq", "worker_error", "server_error")
         for mi, gi in zip(m, g):
             mi.mul_(b1).add_(gi, alpha=1 - b1)
         if compressed:

@@ -11,15 +11,18 @@ worker_errors, server_errors)`, each result flat over the tensor's padded length
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
+import optree
 import torch
 
 from fnzero._errors import ConfigError
 
 from . import _validate as check
+from ._base import advance, grads_as, leaves_like
 
-__all__ = ["exchange_from", "exchange", "steps", "no_effect_kwargs", "empty_error", "first_compressed_count"]
+__all__ = ["exchange_from", "exchange", "steps", "no_effect_kwargs", "empty_error", "first_compressed_count",
+           "StepStart", "step_start", "state_leaves", "compressed_from", "hyper"]
 
 # Keys DeepSpeed's 1-bit optimizers take that change nothing in their arithmetic (bias_correction,
 # eps_inside_sqrt and max_grad_norm are stored and never read there) or choose a transport.
@@ -75,6 +78,39 @@ def exchange(fn: ExchangeFn, tensors: list[torch.Tensor], worker: list[torch.Ten
     out = fn(tensors, worker, server)
     results = [r[: t.numel()].view_as(t) for r, t in zip(out[0], tensors)]
     return results, list(out[1]), list(out[2])
+
+
+class StepStart(NamedTuple):
+    """A step's numbers once its count advanced: t (1-based), lr, beta1, the params' leaves and
+    structure, the gradients as leaves in the params' dtypes."""
+
+    t: int
+    lr: float
+    b1: float
+    p: list
+    treedef: Any
+    g: list
+
+
+def step_start(opt: str, grads, opt_state, params, lr, momentum, default_lr: float, beta1: float) -> StepStart | None:
+    """Advance the count; None on step 1, DeepSpeed's initialisation step, which moves nothing else."""
+    t = advance(opt_state.count)
+    if t == 1:
+        return None
+    p, treedef = optree.tree_flatten(params)
+    return StepStart(t, default_lr if lr is None else float(lr),
+                     beta1 if momentum is None else check.momentum_override(opt, momentum), p, treedef,
+                     grads_as(leaves_like(treedef, grads, "grads"), p))
+
+
+def state_leaves(opt_state, treedef, *fields: str) -> list[list[torch.Tensor]]:
+    """The leaves of each of the state's `fields`, checked against the params' structure."""
+    return [leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in fields]
+
+
+def compressed_from(first: int) -> Callable[[Any], bool]:
+    """`Optimizer.local_gradients` of 1-bit Adam and LAMB: from applied-step count `first` on."""
+    return lambda state: int(state.count) >= first
 
 
 def hyper(opt: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> tuple[float, float, float, float, float]:

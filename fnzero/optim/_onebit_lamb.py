@@ -20,8 +20,10 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, leaves_like, pure, zeros_count
-from ._onebit_common import exchange_from, first_compressed_count, hyper, no_effect_kwargs, steps
+from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._onebit_common import (
+    compressed_from, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+)
 
 __all__ = ["OneBitLambState", "onebit_lamb"]
 
@@ -80,9 +82,7 @@ def onebit_lamb(lr: float = 1e-3, freeze_step: int = 100000, betas: tuple[float,
                check.number(name, "factor_threshold", factor_threshold))
     no_effect_kwargs(name, deepspeed_keys)
     first = first_compressed_count(freeze_step)
-
-    def local_gradients(state: OptState) -> bool:
-        return int(state.count) >= first
+    local_gradients = compressed_from(first)
 
     def init(params: Params) -> OneBitLambState:
         with torch.no_grad():
@@ -97,15 +97,12 @@ def onebit_lamb(lr: float = 1e-3, freeze_step: int = 100000, betas: tuple[float,
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
                 momentum: float | None = None, **extras):
         count = int(opt_state.count)
-        t = advance(opt_state.count)
-        if t == 1:
+        s = step_start(name, grads, opt_state, params, lr, momentum, default_lr, beta1)
+        if s is None:
             return params, opt_state
-        step_lr = default_lr if lr is None else float(lr)
-        b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        fields = {f: leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in
-                  ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff")}
+        t, step_lr, b1, p, g, treedef = s.t, s.lr, s.b1, s.p, s.g, s.treedef
+        names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor", "scaling_coeff")
+        fields = dict(zip(names, state_leaves(opt_state, treedef, *names)))
         if count < first:
             _warm_up(t == freeze_step, step_lr, b1, h, p, g, fields)
             return params, opt_state._replace(

@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, leaves_like, pure, zeros_count
-from ._onebit_common import empty_error, exchange, exchange_from, hyper, no_effect_kwargs, steps
+from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._onebit_common import (
+    empty_error, exchange, exchange_from, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+)
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
 
@@ -96,15 +97,12 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
                 momentum: float | None = None, **extras):
         # Long: DeepSpeed's step read top to bottom, one branch per phase, so the two can be compared.
         is_frozen = frozen(int(opt_state.count))
-        t = advance(opt_state.count)
-        if t == 1:
+        s = step_start(name, grads, opt_state, params, lr, momentum, default_lr, beta1)
+        if s is None:
             return params, opt_state
-        step_lr = default_lr if lr is None else float(lr)
-        b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        m, v, acc, we, se = (leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in
-                             ("exp_avg", "exp_avg_sq", "momentum_accumulator", "worker_error", "server_error"))
+        t, step_lr, b1, p, g, treedef = s.t, s.lr, s.b1, s.p, s.g, s.treedef
+        m, v, acc, we, se = state_leaves(opt_state, treedef, "exp_avg", "exp_avg_sq", "momentum_accumulator",
+                                         "worker_error", "server_error")
         var_interval, lrs = int(opt_state.var_interval), float(opt_state.lrs)
         if not is_frozen:
             if t % var_interval == 0:
