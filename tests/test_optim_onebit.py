@@ -106,6 +106,19 @@ def clip(g):
 
 
 # ---- the references of the three optimizers (DeepSpeed's runtime/fp16/onebit/*.py) ----
+def rank_grads(model, params_of, data, n):
+    """Every rank's gradient at its parameters (`params_of(r)`): as computed, and clipped by its own norm."""
+    raw = [local_grads(model, params_of(r), *data(r), 2) for r in range(n)]
+    return raw, [clip(g) for g in raw]
+
+
+def adam_moments(m, v, g, b1, b2):
+    """Both moments follow the (averaged) gradient, in place, without bias correction."""
+    for k in m:
+        m[k] = b1 * m[k] + (1 - b1) * g[k]
+        v[k] = b2 * v[k] + (1 - b2) * g[k] * g[k]
+
+
 def ref_onebit_adam(model, data, n, steps, h):
     p = {k: v.detach().clone() for k, v in model.named_parameters()}
     m = {k: torch.zeros_like(v) for k, v in p.items()}
@@ -113,15 +126,11 @@ def ref_onebit_adam(model, data, n, steps, h):
     workers, servers = [{} for _ in range(n)], [{} for _ in range(n)]
     b1, b2 = h["betas"]
     for t in range(1, steps + 1):
-        raw = [local_grads(model, p, *data(r), 2) for r in range(n)]
-        grads = [clip(g) for g in raw]  # a rank's own gradient, clipped by its own norm
+        raw, grads = rank_grads(model, lambda r: p, data, n)
         if t == 1:
             continue
         if t - 1 < max(h["freeze_step"], 2):
-            g = mean(raw)
-            for k in p:
-                m[k] = b1 * m[k] + (1 - b1) * g[k]
-                v[k] = b2 * v[k] + (1 - b2) * g[k] * g[k]
+            adam_moments(m, v, mean(raw), b1, b2)
         else:
             mr = [{k: b1 * m[k] + (1 - b1) * gr[k] for k in p} for gr in grads]
             m = {k: ref_allreduce_tensors(mr, workers, servers, k) for k in p}
@@ -141,8 +150,7 @@ def ref_zero_one_adam(model, data, n, steps, h):
     var_interval, var_counter, lsi, ls_counter, lrs = 1, 0, 1, 0, 0.0
     frozen = lambda c: c >= 2 and c > h["var_freeze_step"]  # noqa: E731
     for t in range(1, steps + 1):
-        raw = [local_grads(model, P[r], *data(r), 2) for r in range(n)]
-        grads = [clip(g) for g in raw]
+        raw, grads = rank_grads(model, lambda r: P[r], data, n)
         if t == 1:
             continue
         fz = frozen(t - 1)
@@ -197,15 +205,12 @@ def ref_onebit_lamb(model, data, n, steps, h):
     workers, servers, tail = [None] * n, [None] * n, None
     b1, b2, eps, wd, lr = *h["betas"], h["eps"], h["weight_decay"], h["lr"]
     for t in range(1, steps + 1):
-        raw = [local_grads(model, p, *data(r), 2) for r in range(n)]
-        grads = [clip(g) for g in raw]  # a rank's own gradient, clipped by its own norm
+        raw, grads = rank_grads(model, lambda r: p, data, n)
         if t == 1:
             continue
         if t - 1 < max(h["freeze_step"], 2):
-            g = mean(raw)
+            adam_moments(m, v, mean(raw), b1, b2)
             for k in names:
-                m[k] = b1 * m[k] + (1 - b1) * g[k]
-                v[k] = b2 * v[k] + (1 - b2) * g[k] * g[k]
                 if t == h["freeze_step"]:
                     fresh[k] = v[k].clone()
                 upd = m[k] / (v[k].sqrt() + eps) + wd * p[k]
@@ -503,3 +508,34 @@ def test_spawned_gloo_ranks_equal_the_simulation():
             for k in want[r]:
                 torch.testing.assert_close(got[r][kind][k], want[r][k], rtol=0, atol=1e-9,
                                            msg=lambda msg: f"{kind} r{r} {k}: {msg}")
+
+
+def test_fp16_overflow_verdict_is_every_ranks_after_the_freeze():
+    """fp16 with dynamic loss scaling, the scale so high that local gradients overflow on one rank
+    only: every rank skips the same steps (the norm all-reduce carries the verdict), and training
+    resumes with the lowered scale, the ranks' parameters equal."""
+    n = 2
+    model, data = setup(n)
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                              "zero_optimization": {"stage": 0}, "fp16": {"enabled": True, "initial_scale_power": 12},
+                              "optimizer": {"type": "OneBitAdam", "params": {**ONEBIT, "freeze_step": 2}}}, world_size=n)
+
+    def rank(comm):
+        m = Tiny().float()
+        m.load_state_dict(model.state_dict())
+        sm = fnzero.shard(m, config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda prm, b: loss_of(sm.apply(prm, b[0]).float(), b[1].float()), cfg)
+        skipped = []
+        for i in range(8):
+            x, y = data(comm.rank)
+            if i == 4 and comm.rank == 1:  # after the freeze: rank 1's own gradient overflows
+                y = y * 1e6
+            state, metrics = step(state, (x, y))
+            skipped.append(metrics["skipped"])
+        return skipped, sm.gather(state)
+
+    (s0, p0), (s1, p1) = simulated_world(n).run(rank)
+    assert s0 == s1 and s0[4] and not s0[-1]
+    for k in p0:
+        assert torch.equal(p0[k], p1[k])
