@@ -255,6 +255,9 @@ _ADAM = {  # ops/adam/fused_adam.py FusedAdam, ops/adam/cpu_adam.py DeepSpeedCPU
     "fp32_optimizer_states": True,  # ops/adam/cpu_adam.py DeepSpeedCPUAdam
     "adam_w_mode": True,  # runtime/config.py ADAM_W_MODE_DEFAULT
 }
+_ONEBIT = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True,
+           "eps_inside_sqrt": False, "max_grad_norm": 0.0, "amsgrad": False, "cuda_aware": False,
+           "comm_backend_name": "nccl"}
 OPTIMIZER_DEFAULTS = {
     "Adam": _ADAM,
     "AdamW": _ADAM,
@@ -272,6 +275,12 @@ OPTIMIZER_DEFAULTS = {
         "lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "weight_decay": 0.0, "ns_method": "gram",
         "betas": [0.9, 0.95], "eps": 1e-10, "adam_w_mode": True, "torch_adam": False, "per_head_muon": False,
     },
+    # The mirror's runtime/fp16/onebit/adam.py, zoadam.py, lamb.py constructors (0.19.8 removed them)
+    "OneBitAdam": {**_ONEBIT, "freeze_step": 100000},
+    "ZeroOneAdam": {**_ONEBIT, "var_freeze_step": 100000, "var_update_scaler": 16, "local_step_scaler": 32678,
+                    "local_step_clipper": 16},
+    "OneBitLamb": {**_ONEBIT, "freeze_step": 100000, "max_coeff": 10.0, "min_coeff": 0.01, "coeff_beta": 0.9,
+                   "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1},
 }
 
 # runtime/lr_schedules.py constructors; the values given are the ones DeepSpeed requires (no default).
@@ -359,6 +368,11 @@ NO_EFFECT = [
     ("checkpoint.tag_validation", {"checkpoint": {"tag_validation": "fail"}}),
     ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),
     ("optimizer.params.torch_adam", {"optimizer": {"type": "Muon", "params": {"torch_adam": True}}}),
+    ("optimizer.params.cuda_aware", {"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": True}}}),
+    ("optimizer.params.comm_backend_name", {"optimizer": {"type": "ZeroOneAdam", "params": {"comm_backend_name": "mpi"}}}),
+    ("optimizer.params.bias_correction", {"optimizer": {"type": "OneBitLamb", "params": {"bias_correction": False}}}),
+    ("optimizer.params.eps_inside_sqrt", {"optimizer": {"type": "OneBitAdam", "params": {"eps_inside_sqrt": True}}}),
+    ("optimizer.params.max_grad_norm", {"optimizer": {"type": "OneBitAdam", "params": {"max_grad_norm": 1.0}}}),
 ]
 
 

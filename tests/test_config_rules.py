@@ -426,7 +426,7 @@ def test_warmup_cosine_needs_total_num_steps():
 
 
 def test_unimplemented_optimizer_and_scheduler_types():
-    fails(cfg(optimizer={"type": "OneBitAdam"}), '`optimizer.type` "OneBitAdam" is not implemented', "AdamW")
+    fails(cfg(optimizer={"type": "MuAdam"}), '`optimizer.type` "MuAdam" is not implemented', "AdamW")
     fails(cfg(scheduler={"type": "CosineAnnealing"}), "`scheduler.type`", "WarmupCosineLR")
 
 

@@ -533,5 +533,5 @@ def test_from_config_passes_params_and_checks_them():
         optim.from_config(NS(optimizer=NS(type="AdamW", params={"betas": (0.9, 1.5)})))
     with pytest.raises(ConfigError, match="no `optimizer` block"):
         optim.from_config(NS(optimizer=None))
-    with pytest.raises(ConfigError, match="OneBitAdam.*not supported"):
-        optim.from_config(NS(optimizer=NS(type="OneBitAdam", params={})))
+    with pytest.raises(ConfigError, match="MuAdam.*not supported"):
+        optim.from_config(NS(optimizer=NS(type="MuAdam", params={})))

@@ -25,6 +25,7 @@ from ._by_name import fill_by_name, same_units, saved_slots
 from ._frozen import fill_frozen
 from ._ep import check_ep_supported, ep_check_view, expert_places
 from ._same_model import check_model, mismatch
+from ._per_rank import read_per_rank_leaf
 from ._tree import Leaf, rebuild_state, unit_meta
 
 __all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
@@ -304,6 +305,8 @@ def load(
             if leaf.path.startswith("frozen/"):  # by parameter name, however it was stored (`_frozen.py`)
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
+            if leaf.per_rank:
+                return read_per_rank_leaf(leaf, ix, like, rd)
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_by_name(leaf, like, rd, slots, out, tp, fplan, ep).reshape(t.shape).to(t.device)

@@ -168,6 +168,10 @@ def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None,
         t = leaf.tensor.detach()
         if leaf.key in metas and metas[leaf.key]["dtype"] != F.dtype_name(t.dtype):
             raise CheckpointError(f"{leaf.path}: dtype {t.dtype} differs from another leaf stored as {leaf.key!r}")
+        if leaf.per_rank:  # this rank's own, whole, under its own key
+            metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "shape": list(t.shape)}
+            out.append((leaf.key, 0, t.numel(), _to_cpu(t.reshape(-1), copy)))
+            continue
         if leaf.unit is None:
             metas[leaf.key] = {"dtype": F.dtype_name(t.dtype), "shape": list(t.shape)}
             if rank != (0 if group is None else group[0]):
@@ -293,6 +297,9 @@ def save(
         state = materialize(state)
     sh = state.sharding
     comm, rank, world = sh.comm, sh.rank, sh.world_size
+    problem = getattr(state.opt_state, "checkpoint_problem", None)
+    if callable(problem) and problem() is not None:  # the same verdict on every rank: nothing started yet
+        raise CheckpointError(f"this state cannot be saved now: {problem()}")
     root = os.path.abspath(os.fspath(path))
     tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
     F.check_client_state(client_state)

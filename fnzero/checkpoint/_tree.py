@@ -6,7 +6,10 @@ Every tensor of a state is either
   is stored under a *key* naming the unit (`opt_state/exp_avg/blocks.0`), as element ranges of that
   unit's real elements `[0, unit.numel)`, whatever world size or stage wrote it; or
 * a *replicated leaf* (frozen parameters held whole, buffers, optimizer step counts), stored whole
-  under its path.
+  under its path; or
+* a *per-rank leaf*: a field an optimizer state names in its class's `PER_RANK_FIELDS` (the 1-bit
+  optimizers' compression errors, which every rank holds its own of), stored whole by each rank
+  under its path and `@rank<r>`, and read back only at the same world size.
 
 A frozen unit's buffer (stage 3, `ShardPlan.frozen_units`) is a unit leaf of unit `frozen/NAME`
 (its name is the trainable unit's of the same module; no unit name holds a slash).
@@ -26,7 +29,7 @@ from .._errors import CheckpointError
 from ..sharding.zero._plan import ShardPlan
 from .._state import TrainState
 
-__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN"]
+__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN", "per_rank_key"]
 
 FROZEN = "frozen/"  # a frozen unit's name on disk and in `Leaf.unit`: FROZEN + its name
 
@@ -43,39 +46,46 @@ class Leaf:
     # key covers whoever holds its elements; None: the key covers the whole unit.
     slot: tuple[int, int] | None = None
     held_alone: bool = False  # one rank holds these elements (the whole-tensor partition): it writes them all
+    per_rank: bool = False  # this rank's own (key: path@rank<r>)
 
 
-def _walk(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def per_rank_key(path: str, rank: int) -> str:
+    return f"{path}@rank{rank}"
+
+
+def _walk(obj: Any, path: str, per_rank: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
     if isinstance(obj, torch.Tensor):
-        yield path, obj
+        yield path, obj, per_rank
     elif obj is None:
         return
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple: field names are stable
+        own = getattr(type(obj), "PER_RANK_FIELDS", ())
         for f in obj._fields:
-            yield from _walk(getattr(obj, f), f"{path}/{f}")
+            yield from _walk(getattr(obj, f), f"{path}/{f}", per_rank or f in own)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             if not isinstance(k, str) or "/" in k:
                 raise CheckpointError(f"{path}: dict key {k!r} must be a str without '/' to be checkpointed")
-            yield from _walk(v, f"{path}/{k}")
+            yield from _walk(v, f"{path}/{k}", per_rank)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}/{i}")
+            yield from _walk(v, f"{path}/{i}", per_rank)
     else:
         raise CheckpointError(f"{path}: cannot checkpoint a {type(obj).__name__} inside the state")
 
 
-def _rebuild(obj: Any, path: str, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> Any:
+def _rebuild(obj: Any, path: str, fn: Callable[[str, torch.Tensor, bool], torch.Tensor], per_rank: bool = False) -> Any:
     if isinstance(obj, torch.Tensor):
-        return fn(path, obj)
+        return fn(path, obj, per_rank)
     if obj is None:
         return None
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*[_rebuild(getattr(obj, f), f"{path}/{f}", fn) for f in obj._fields])
+        own = getattr(type(obj), "PER_RANK_FIELDS", ())
+        return type(obj)(*[_rebuild(getattr(obj, f), f"{path}/{f}", fn, per_rank or f in own) for f in obj._fields])
     if isinstance(obj, dict):
-        return type(obj)((k, _rebuild(v, f"{path}/{k}", fn)) for k, v in obj.items())
+        return type(obj)((k, _rebuild(v, f"{path}/{k}", fn, per_rank)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, f"{path}/{i}", fn) for i, v in enumerate(obj))
+        return type(obj)(_rebuild(v, f"{path}/{i}", fn, per_rank) for i, v in enumerate(obj))
     raise CheckpointError(f"{path}: cannot checkpoint a {type(obj).__name__} inside the state")
 
 
@@ -88,7 +98,9 @@ def units_by_key(plan: ShardPlan) -> dict:
     return {**{u.name: u for u in plan.units}, **{FROZEN + u.name: u for u in plan.frozen_units}}
 
 
-def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots) -> Leaf:
+def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots, per_rank: bool = False) -> Leaf:
+    if per_rank:
+        return Leaf(path, per_rank_key(path, rank), t, per_rank=True)
     top = path.split("/", 1)[0]
     prefix, _, last = path.rpartition("/")
     frozen_unit = plan.frozen_unit(last) if prefix == "frozen" else None
@@ -138,8 +150,8 @@ def state_leaves(state: TrainState) -> list[Leaf]:
     slots = _slots(plan)
     out = []
     for f in _FIELDS:
-        for path, t in _walk(getattr(state, f), f):
-            out.append(_classify(plan, rank, path, t, slots))
+        for path, t, per_rank in _walk(getattr(state, f), f):
+            out.append(_classify(plan, rank, path, t, slots, per_rank))
     return out
 
 
@@ -147,7 +159,8 @@ def rebuild_state(like: TrainState, fn: Callable[[Leaf], torch.Tensor], **change
     """`like` with every tensor replaced by `fn(leaf)` (same structure, same sharding)."""
     plan, rank = like.sharding.plan, like.sharding.rank
     slots = _slots(plan)
-    new = {f: _rebuild(getattr(like, f), f, lambda p, t: fn(_classify(plan, rank, p, t, slots))) for f in _FIELDS}
+    new = {f: _rebuild(getattr(like, f), f, lambda p, t, per: fn(_classify(plan, rank, p, t, slots, per)))
+           for f in _FIELDS}
     return like.replace(**new, **changes)
 
 

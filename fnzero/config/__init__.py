@@ -21,7 +21,7 @@ from ._models import Config
 from ._noop import ConfigWarning
 from ._optim_models import (
     OPTIMIZER_TYPES, AdagradParams, AdamParams, AdamWParams, LambParams, LionParams, MuonParams,
-    OptimizerConfig, OptimizerParams, SGDParams,
+    OneBitAdamParams, OneBitLambParams, OptimizerConfig, OptimizerParams, SGDParams, ZeroOneAdamParams,
 )
 from ._sched_models import (
     SCHEDULER_TYPES, LRRangeTestParams, OneCycleParams, SchedulerConfig, SchedulerParams, WarmupCosineLRParams,
@@ -41,7 +41,7 @@ __all__ = [
     "DataTypesConfig", "FlopsProfilerConfig", "TensorboardConfig", "CsvMonitorConfig", "CheckpointConfig",
     "ParallelWriteConfig", "WatchdogConfig", "CompileConfig", "TimersConfig", "ThroughputTimerConfig", "LeafModuleConfig",
     "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
-    "MuonParams", "OPTIMIZER_TYPES", "ExpertParallelConfig",
+    "MuonParams", "OneBitAdamParams", "ZeroOneAdamParams", "OneBitLambParams", "OPTIMIZER_TYPES", "ExpertParallelConfig",
     "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
     "LRRangeTestParams", "SCHEDULER_TYPES",
 ]

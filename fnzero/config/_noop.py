@@ -17,6 +17,7 @@ from typing import Any
 from ._expert import NO_EFFECT_KEYS as EXPERT_NO_EFFECT
 from ._expert import ExpertParallelConfig
 from ._models import Config
+from ._optim_models import ONEBIT_TYPES
 from ._types import describe
 
 __all__ = ["ConfigWarning", "NO_EFFECT", "warn_no_effect"]
@@ -28,6 +29,17 @@ class ConfigWarning(UserWarning):
     Silence one with `warnings.filterwarnings("ignore", category=fnzero.config.ConfigWarning)`,
     or better, remove the key from the config.
     """
+
+
+def _onebit_value(key: str, default: Any) -> Callable[[Config], Any]:
+    """The user's value of `optimizer.params.<key>` for a 1-bit optimizer type when it is not the default."""
+
+    def value_of(cfg: Config) -> Any:
+        if cfg.optimizer is None or cfg.optimizer.type not in ONEBIT_TYPES:
+            return None
+        value = getattr(cfg.optimizer.params, key)
+        return value if value != default else None
+    return value_of
 
 
 def _ratio(cfg: Config) -> float | None:
@@ -149,6 +161,14 @@ NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
         lambda c: True if c.checkpoint.load_universal else None,
         "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal checkpoints",
     ),
+    **{f"optimizer.params.{key}": (_onebit_value(key, default), why) for key, (default, why) in {
+        "cuda_aware": (False, "fnzero's compressed all-reduce runs over the data-parallel collectives (no MPI)"),
+        "comm_backend_name": ("nccl", "fnzero's compressed all-reduce runs over the data-parallel collectives, "
+                              "whatever backend they have"),
+        "bias_correction": (True, "DeepSpeed's 1-bit optimizers store it and never read it (no bias correction)"),
+        "eps_inside_sqrt": (False, "DeepSpeed's 1-bit optimizers store it and never read it"),
+        "max_grad_norm": (0.0, "DeepSpeed's 1-bit optimizers store it and never read it"),
+    }.items()},
     "optimizer.params.torch_adam": (
         lambda c: True if c.optimizer is not None and c.optimizer.type == "Muon" and c.optimizer.params.torch_adam
         else None,

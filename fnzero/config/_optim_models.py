@@ -17,6 +17,7 @@ from ._types import Bool, Float, Model, Pair
 __all__ = [
     "OptimizerConfig", "OptimizerParams", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES",
     "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams", "MuonParams",
+    "OneBitAdamParams", "ZeroOneAdamParams", "OneBitLambParams", "ONEBIT_TYPES",
 ]
 
 NonNegFloat = Annotated[Float, Field(ge=0.0)]
@@ -172,18 +173,87 @@ class MuonParams(Model):
         return self
 
 
+class _OneBitBase(Model):
+    """The keys DeepSpeed's 1-bit optimizers share (`deepspeed/runtime/fp16/onebit/`, removed in 0.19.8):
+    the ones their step never reads, or that choose a transport, are accepted and warn when set."""
+
+    lr: NonNegFloat = Field(1e-3, description="Learning rate.")
+    betas: Pair = Field((0.9, 0.999), description="Running-average coefficients.")
+    eps: NonNegFloat = Field(1e-8, description="Term added to the denominator for numerical stability.")
+    weight_decay: NonNegFloat = Field(0.0, description="Weight decay, added to the update (decoupled).")
+    bias_correction: Bool = Field(True, description="Stored and never read by DeepSpeed's 1-bit optimizers (no "
+                                  "bias correction); no effect (warns when false).")
+    eps_inside_sqrt: Bool = Field(False, description="Stored and never read by DeepSpeed; no effect (warns when true).")
+    max_grad_norm: NonNegFloat = Field(0.0, description="Stored and never read by DeepSpeed; no effect (warns when > 0).")
+    amsgrad: Literal[False] = Field(False, description="AMSGrad variant; refused (DeepSpeed raises too).")
+    cuda_aware: Bool = Field(False, description="CUDA-aware MPI for DeepSpeed's MPI backend; no effect (warns when true).")
+    comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = Field(
+        "nccl", description="DeepSpeed's transport of the compressed all-reduce; fnzero's runs over the data-parallel "
+        "collectives whatever it says (warns when not nccl).")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "_OneBitBase":
+        _check_betas(self.betas, "betas")
+        return self
+
+
+Steps = Annotated[int, Field(ge=0)]
+PosSteps = Annotated[int, Field(ge=1)]
+
+
+class OneBitAdamParams(_OneBitBase):
+    """`optimizer.params` for type OneBitAdam (DeepSpeed's OnebitAdam, specs/optim.md §1-bit optimizers)."""
+
+    freeze_step: Steps = Field(100000, description="Steps of uncompressed warm-up before the variance freezes.")
+
+
+class ZeroOneAdamParams(_OneBitBase):
+    """`optimizer.params` for type ZeroOneAdam (DeepSpeed's ZeroOneAdam)."""
+
+    var_freeze_step: Steps = Field(100000, description="The step after which the variance is frozen.")
+    var_update_scaler: PosSteps = Field(16, description="Variance updates before their interval doubles (kappa).")
+    local_step_scaler: PosSteps = Field(32678, description="Local steps before the local-step interval doubles.")
+    local_step_clipper: PosSteps = Field(16, description="The largest local-step interval (H).")
+
+
+class OneBitLambParams(_OneBitBase):
+    """`optimizer.params` for type OneBitLamb (DeepSpeed's OnebitLamb)."""
+
+    freeze_step: Steps = Field(100000, description="Steps of uncompressed warm-up before the variance freezes.")
+    max_coeff: PosFloat = Field(10.0, description="Upper bound of the warm-up trust ratio.")
+    min_coeff: NonNegFloat = Field(0.01, description="Lower bound of the warm-up trust ratio.")
+    coeff_beta: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
+        0.9, description="Averaging coefficient of the warm-up trust ratios.")
+    factor_max: PosFloat = Field(4.0, description="Upper bound of the compressed stage's ratio factor.")
+    factor_min: NonNegFloat = Field(0.5, description="Lower bound of the compressed stage's ratio factor.")
+    factor_threshold: NonNegFloat = Field(0.1, description="The most the factor moves in one step (relative).")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "OneBitLambParams":
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff!r} exceeds max_coeff {self.max_coeff!r}; make min_coeff <= max_coeff")
+        if self.factor_min > self.factor_max:
+            raise ValueError(f"factor_min {self.factor_min!r} exceeds factor_max {self.factor_max!r}; make "
+                             "factor_min <= factor_max")
+        return self
+
+
+ONEBIT_TYPES = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 OPTIMIZER_PARAMS: dict[str, type[Model]] = {
     "Adam": AdamParams, "AdamW": AdamWParams, "SGD": SGDParams,
     "Adagrad": AdagradParams, "Lamb": LambParams, "Lion": LionParams, "Muon": MuonParams,
+    "OneBitAdam": OneBitAdamParams, "ZeroOneAdam": ZeroOneAdamParams, "OneBitLamb": OneBitLambParams,
 }
 OPTIMIZER_TYPES = tuple(OPTIMIZER_PARAMS)
-OptimizerParams = Union[AdamParams, AdamWParams, SGDParams, AdagradParams, LambParams, LionParams, MuonParams]
+OptimizerParams = Union[AdamParams, AdamWParams, SGDParams, AdagradParams, LambParams, LionParams, MuonParams,
+                        OneBitAdamParams, ZeroOneAdamParams, OneBitLambParams]
 
 
 class OptimizerConfig(Model):
     """`optimizer`: `type` (matched case-insensitively, stored canonically) and its validated `params`."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon"] = Field(description="Optimizer type.")
+    type: Literal["Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam",
+                  "OneBitLamb"] = Field(description="Optimizer type.")
     params: OptimizerParams = Field(description="Per-type parameters; model_dump() gives constructor kwargs.")
     legacy_fusion: Literal[False] = Field(False, description="DeepSpeed legacy fused-kernel switch; must be false.")
 

@@ -11,6 +11,7 @@ import os
 
 from ._expert import expert_rules
 from ._models import Config
+from ._optim_models import ONEBIT_TYPES
 from ._sched_models import OneCycleParams, WarmupLRParams
 
 __all__ = ["resolve", "cross_checks", "quantized_comm_rules", "zero_world_rule"]
@@ -116,6 +117,7 @@ def cross_checks(cfg: Config) -> list[str]:
             )
     if cfg.optimizer is not None and cfg.optimizer.type == "Muon":
         out.extend(_muon_rules(cfg, stage))
+    out.extend(onebit_rules(cfg))
     out.extend(expert_rules(cfg.expert_parallel, cfg.tensor_parallel.size, cfg.tensor_parallel.preset_model))
     return out
 
@@ -166,3 +168,26 @@ def zero_world_rule(cfg: Config) -> list[str]:
     sizes = (("mics_shard_size", z.mics_shard_size), ("zero_hpz_partition_size", z.zero_hpz_partition_size))
     return [f"`zero_optimization.{key}` {v} must divide the data-parallel world size {dp}: each of its groups is "
             f"{v} adjacent data-parallel ranks, so use a divisor of {dp}" for key, v in sizes if v > 1 and dp % v]
+
+
+def onebit_rules(cfg: Config) -> list[str]:
+    """What 1-bit Adam, 0/1 Adam and 1-bit LAMB cannot run with (specs/optim.md §1-bit optimizers): they
+    exchange whole momenta over the data-parallel ranks themselves, from each rank's own gradients."""
+    kind = cfg.optimizer.type if cfg.optimizer is not None else None
+    if kind not in ONEBIT_TYPES:
+        return []
+    out = []
+    head = f"`optimizer.type` is {kind}"
+    if cfg.zero_optimization.stage > 0:
+        out.append(f"{head} with `zero_optimization.stage` {cfg.zero_optimization.stage}: it exchanges whole momenta "
+                   "and runs at stage 0 only (as DeepSpeed, which asserts it is not compatible with ZeRO); set stage 0")
+    if kind == "OneBitLamb" and cfg.fp16.enabled and cfg.fp16.loss_scale > 0:
+        out.append(f"{head} with `fp16.loss_scale` {cfg.fp16.loss_scale!r}: 1-bit LAMB needs dynamic loss scaling "
+                   "(DeepSpeed asserts it); set loss_scale 0")
+    for key, on in (("tensor_parallel.autotp_size", cfg.tensor_parallel.size > 1),
+                    ("pipeline.stages", (cfg.pipeline.size or 1) > 1),
+                    ("expert_parallel.enabled", cfg.expert_parallel.enabled)):
+        if on:
+            out.append(f"{head} with `{key}`: its compressed exchange runs over whole parameters held by every "
+                       "data-parallel rank, which tensor, pipeline and expert parallelism split; remove one of them")
+    return out

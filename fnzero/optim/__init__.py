@@ -24,6 +24,10 @@ Gradient transformations compose the same optimizers from parts (`chain`, `scale
 optimizer name is a chain (`adamw_chain`, ..., `chain_from_config`), the factories above are its
 fused implementations on the device, `host_optimizer` (fnzero's C kernels: ZeRO-Offload) on the
 host, and `as_optimizer(chain)` runs a chain of your own in `fnzero.train_step`.
+
+`onebit_adam`, `zero_one_adam` and `onebit_lamb` (DeepSpeed's 1-bit optimizers) exchange their
+momentum themselves through the compressed all-reduce; their `local_gradients` says when the
+step hands them each rank's own gradients (specs/optim.md §1-bit optimizers).
 """
 
 from ._adagrad import AdagradState, adagrad
@@ -36,6 +40,9 @@ from ._config import chain_from_config, from_config, host_from_config
 from ._host import host_optimizer
 from ._lamb import LambState, lamb
 from ._lion import LionState, lion
+from ._onebit_adam import OneBitAdamState, onebit_adam
+from ._onebit_lamb import OneBitLambState, onebit_lamb
+from ._zero_one_adam import ZeroOneAdamState, zero_one_adam
 from ._muon import PartitionState, ScaleByMuonState, partition, scale_by_muon, uses_muon
 from ._sgd import SGDState, sgd
 from ._transform import (
@@ -56,4 +63,5 @@ __all__ = [
     "CountState", "ScaleByAdamState", "TraceState", "ScaleByLionState", "ScaleByRssState",
     "CHAINS", "adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain",
     "scale_by_muon", "partition", "uses_muon", "ScaleByMuonState", "PartitionState",
+    "onebit_adam", "zero_one_adam", "onebit_lamb", "OneBitAdamState", "ZeroOneAdamState", "OneBitLambState",
 ]

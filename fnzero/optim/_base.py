@@ -54,6 +54,11 @@ class Optimizer(NamedTuple):
       transform: the chain of gradient transformations this optimizer runs (`as_optimizer`), or
         None (the fused implementations). A non-elementwise optimizer runs at ZeRO stages 1-3
         through it: the whole-tensor optimizer partition (`specs/optim.md §Muon`) rewrites it.
+      local_gradients: None (the step all-reduces every gradient first), or, for an optimizer that
+        exchanges what it needs itself (1-bit Adam, 0/1 Adam, 1-bit LAMB), ``local_gradients(opt_state)
+        -> bool``: whether the step about to run from this state hands it this rank's own gradients,
+        un-reduced. Such an optimizer receives the data-parallel exchange among the extras
+        (``compressed_all_reduce=``, `specs/optim.md` §1-bit optimizers).
     """
 
     init: Callable[[Params], OptState]
@@ -62,6 +67,7 @@ class Optimizer(NamedTuple):
     elementwise: bool
     graph_update: UpdateFn | None = None
     transform: Any = None
+    local_gradients: Callable[[OptState], bool] | None = None
 
 
 def pure(update_: UpdateFn) -> UpdateFn:

@@ -16,21 +16,25 @@ from ._transform import GradientTransformation
 from ._lamb import lamb
 from ._lion import lion
 from ._sgd import sgd
+from ._onebit_adam import onebit_adam
+from ._onebit_lamb import onebit_lamb
+from ._zero_one_adam import zero_one_adam
 
 __all__ = ["from_config", "chain_from_config", "host_from_config"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
     "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion, "muon": muon,
+    "onebitadam": onebit_adam, "zerooneadam": zero_one_adam, "onebitlamb": onebit_lamb,
 }
-CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon")
+CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 # The lr each factory uses when a config gives none; schedules need it too (WarmupCosineLR
 # scales it, and it is the constant lr when there is no scheduler).
 DEFAULT_LR: dict[str, float] = {"adam": 1e-3, "adamw": 1e-3, "sgd": 1e-3, "adagrad": 1e-2, "lamb": 1e-3, "lion": 1e-4,
-                             "muon": 0.02}
+                             "muon": 0.02, "onebitadam": 1e-3, "zerooneadam": 1e-3, "onebitlamb": 1e-3}
 # Optimizers whose torch/DeepSpeed class has `betas`; DeepSpeed's OneCycle only cycles momentum
 # for these and logs that it disabled cycle_momentum for the others (SGD, Adagrad).
-HAS_BETAS = frozenset({"adam", "adamw", "lamb", "lion"})
+HAS_BETAS = frozenset({"adam", "adamw", "lamb", "lion", "onebitadam", "zerooneadam", "onebitlamb"})
 
 
 def params_dict(params: Any) -> dict[str, Any]:
@@ -99,6 +103,9 @@ def chain_from_config(cfg: Any) -> GradientTransformation:
     """
     kind = optimizer_kind(cfg)
     FACTORIES[kind](**_params(cfg, kind))  # the same checks of every value
+    if kind not in CHAINS:
+        raise ConfigError(f"optimizer type {cfg.optimizer.type} exchanges its momentum itself and has no chain; "
+                          "build it with from_config (specs/optim.md §1-bit optimizers)")
     return CHAINS[kind](**_params(cfg, kind))
 
 

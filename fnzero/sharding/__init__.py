@@ -23,6 +23,8 @@
     quantize, dequantize             block-wise symmetric int8/int4 with float32 scales per block
     quantized_all_gather_async, quantized_reduce_scatter_async, QuantizedCollectives
                                      the quantized collectives over any `Collectives` (qwZ, qgZ)
+    compressed_all_reduce            the 1-bit optimizers' exchange: signs 8 to a byte, per-tensor scales,
+                                     error feedback on both sides (`compressed_bytes`: what one call sends)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .comm._collectives import (
     providing_collectives,
 )
 from .comm._observed import RecordingCollectives
+from .comm._compressed import CompressedAllReduce, compressed_all_reduce, compressed_bytes, compressed_padded_numel
 from .construct._construct import shard
 from .comm._dist import DistInfo, init_distributed
 from .construct._module import PretrainedWarning, ShardedModule
@@ -53,4 +56,5 @@ __all__ = [
     "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout",
     "BlockQuantizer", "CommQuantization", "IdentityCodec", "dequantize", "quantize", "QuantizedCollectives",
     "quantized_all_gather_async", "quantized_reduce_scatter_async",
+    "CompressedAllReduce", "compressed_all_reduce", "compressed_bytes", "compressed_padded_numel",
 ]

@@ -39,13 +39,16 @@ class GradientCollector:
     """
 
     def __init__(self, plan: ShardPlan, comm, policy: StepPolicy, prediv: float, accum_dtype: torch.dtype,
-                 expert_comm=None, quantization=None):
+                 expert_comm=None, quantization=None, reduce: bool = True):
         self.plan, self.comm, self.policy = plan, comm, policy
+        # False: whole-unit gradients stay this rank's own (an optimizer that exchanges what it
+        # needs itself, `Optimizer.local_gradients`; stage 0 only, where every gradient is whole).
+        self.reduce = reduce
         self.expert_comm = expert_comm  # expert units reduce over the expert-data-parallel ranks (`comm_for`)
         # ZeRO++ qgZ (`CommQuantization.gradients`): sharded gradients' reduce-scatters quantized.
         self.gradient_codec = quantization.gradients if quantization is not None else None
         self.prediv, self.accum_dtype = prediv, accum_dtype
-        self.overlap = policy.overlap_comm and comm.world_size > 1
+        self.overlap = policy.overlap_comm and comm.world_size > 1 and reduce
         self.last_micro_batch = False
         self.acc: dict[str, torch.Tensor] = {}  # gradient so far (whole unless grads are sharded)
         self.reduced: dict[str, torch.Tensor] = {}  # whole-unit gradients after their final collective
@@ -126,7 +129,7 @@ class GradientCollector:
                 if g is None:
                     sharded = u.placement.params or u.placement.optimizer
                     g = torch.zeros(u.shard_numel if sharded else u.padded_numel, dtype=self.accum_dtype, device=device)
-                elif not u.placement.grads:
+                elif not u.placement.grads and self.reduce:
                     g = reduce_whole(self._comm(u), prepare_for_comm(g, self.policy, self.prediv), u.placement)
                     g = g.to(self.accum_dtype)
             grads[u.name] = g

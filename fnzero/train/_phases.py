@@ -35,7 +35,7 @@ from ._policy import StepPolicy
 
 __all__ = [
     "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
-    "clip_coefficient", "clip_factor", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
+    "clip_coefficient", "clip_factor", "local_norm", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -55,6 +55,7 @@ class StepSetup:
     prediv: float  # what gradients are divided by before they are summed across ranks
     n: int  # data-parallel ranks
     k: int  # micro-batches
+    local: bool = False  # the optimizer takes this rank's own gradients (`Optimizer.local_gradients`)
 
 
 def unscale_factor(prediv: float, n: int, k: int, scale):
@@ -64,9 +65,11 @@ def unscale_factor(prediv: float, n: int, k: int, scale):
     return prediv / (n * k * scale)
 
 
-def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched) -> StepSetup:
+def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched, opt=None) -> StepSetup:
     """The micro-batches (checked), the schedule's lr and momentum for this step (None where the
-    optimizer keeps its own: no schedule), the loss scale and the gradient dtypes."""
+    optimizer keeps its own: no schedule), the loss scale and the gradient dtypes, and whether the
+    optimizer `opt` asks for this rank's own gradients this step (then nothing divides them for
+    a wire: they stay local)."""
     sh = state.sharding
     plan, n, k = sh.plan, sh.dp_size, policy.accumulation_steps
     micro = split_micro_batches(batch, k, micro_batch_rows(policy, n))
@@ -74,13 +77,14 @@ def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched) -> Step
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
     accum_dtype = accum_dtype_for(policy, param_dtype)
     has_momentum = sched is not None and sched.momentum is not None
+    local = opt is not None and opt.local_gradients is not None and bool(opt.local_gradients(state.opt_state))
     return StepSetup(
         micro=micro, step_no=step_no,
         scale=float(state.loss_scale.scale) if state.loss_scale is not None else 1.0,
         lr=float(sched(step_no)) if sched is not None else None,
         momentum=float(sched.momentum(step_no)) if has_momentum else None,
         param_dtype=param_dtype, accum_dtype=accum_dtype,
-        prediv=predivisor(policy, plan, n, param_dtype, accum_dtype), n=n, k=k,
+        prediv=1.0 if local else predivisor(policy, plan, n, param_dtype, accum_dtype), n=n, k=k, local=local,
     )
 
 
@@ -218,14 +222,16 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
                   comm, device: torch.device, tp=None, pp=None, expert_comm=None,
-                  replicas=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  replicas=None, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks): `_norm_and_loss` on this rank's
     units, then, with pipeline parallelism (`pp`, the pipeline's collectives), summed over the
     stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers.
     `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated.
     `replicas` (MiCS): the other shard groups, which hold the same reduced shards, so the norm is
-    whole within `comm` and only the loss is summed over them, one more all-reduce of one number."""
-    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm)
+    whole within `comm` and only the loss is summed over them, one more all-reduce of one number.
+    `local`: the gradients are each rank's own (not reduced); the norm is then the root mean square
+    of the ranks' norms, which every rank agrees on (the overflow verdict with it)."""
+    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm, local)
     if replicas is not None and replicas.world_size > 1:
         loss = replicas.all_reduce(loss.reshape(1))[0]
     if pp is None or pp.world_size == 1:
@@ -235,7 +241,8 @@ def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], i
 
 
 def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                   comm, device: torch.device, tp=None, expert_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   comm, device: torch.device, tp=None, expert_comm=None,
+                   local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(global squared gradient norm, loss summed over ranks) as float64 tensors, from one
     all-reduce of two numbers (three with tensor parallelism). `inv` unscales the reduced gradients. Shards' squares are summed
     across ranks; a replicated gradient's is global already and is added after the sum. With
@@ -253,8 +260,9 @@ def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], 
         if not g.numel():
             continue
         lo = u.shard_range(comm.rank)[0] if u.placement.optimizer else 0
-        summed = u.placement.optimizer or u.is_expert  # differs across the dp ranks: summed over them
+        summed = local or u.placement.optimizer or u.is_expert  # differs across the dp ranks: summed over them
         share = 1.0 if u.placement.optimizer or not u.is_expert else 1.0 / expert_comm.world_size
+        share = 1.0 / comm.world_size if local else share
         for part, split in _tp_parts(u, g, lo, tp):
             sq[0 if summed else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square() * share
     ii = inv * inv
@@ -283,6 +291,13 @@ def _tp_parts(u: UnitPlan, g: torch.Tensor, lo: int, tp):
         if a < b:
             split = tp.split_of(slot.name, *slot.aliases) is not None
             yield g[a - lo: b - lo], split
+
+
+def local_norm(grads: dict[str, torch.Tensor], inv: float) -> float:
+    """The norm of this rank's own (un-reduced, whole-unit) gradients times `inv`, with no
+    communication: what a rank clips its own gradients by (`Optimizer.local_gradients`)."""
+    sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64).square()) for g in grads.values())
+    return math.sqrt(sq) * inv
 
 
 def clip_coefficient(clip: float, grad_norm):

@@ -30,13 +30,13 @@ from .._state import TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward, sum_over_replicas
 from ._phases import (
-    StepSetup, Timer, clip_factor, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
+    StepSetup, Timer, clip_factor, local_norm, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
 from ..sharding.zero._policy import offload_device
 from ._policy import StepPolicy, step_policy
-from ._update import OptimizerScalars, optimizer_update, publish_params
+from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, publish_params
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
@@ -147,8 +147,32 @@ class TrainStep:
                 "build both from the same config"
             )
         state.sharding.plan.check_params(state.params, "state.params")
+        if self.opt.local_gradients is not None:
+            _check_exchanging_optimizer(state)
         with torch.enable_grad():
             return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux)
+
+
+def _check_exchanging_optimizer(state: TrainState) -> None:
+    """An optimizer that exchanges its momentum itself (1-bit Adam, 0/1 Adam, 1-bit LAMB) runs on
+    whole parameters held by every data-parallel rank: ZeRO stage 0, no offload, no tensor, pipeline
+    or expert parallelism (`specs/optim.md` §1-bit optimizers)."""
+    sh = state.sharding
+    sharded = [u.name for u in sh.plan.units if u.placement.params or u.placement.grads or u.placement.optimizer]
+    where = ("sharded ZeRO units (" + ", ".join(sharded[:3]) + ")") if sharded else None
+    if where is None and state.master is not None and any(m.device != p.device for m, p in
+                                                          zip(state.master.values(), state.params.values())):
+        where = "offload_optimizer"
+    if where is None and (sh.tp is not None and sh.tp.size > 1):
+        where = "tensor parallelism"
+    if where is None and sh.pp is not None:
+        where = "pipeline parallelism"
+    if where is None and sh.expert_comm is not None:
+        where = "expert parallelism"
+    if where is not None:
+        raise ShardingError(f"this optimizer exchanges its momentum through the compressed all-reduce itself and runs "
+                            f"at ZeRO stage 0 on whole parameters only (as DeepSpeed's 1-bit optimizers); this state "
+                            f"uses {where}")
 
 
 def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy, has_aux: bool, timer: Timer):
@@ -158,7 +182,7 @@ def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy,
     sh = state.sharding
     leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
     collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype, sh.expert_comm,
-                                  sh.quantization)
+                                  sh.quantization, reduce=not setup.local)
     trim = policy.trim_heap and sh.device.type == "cpu"
     if isinstance(loss_fn, PipelineLoss):
         loss_sum, auxes = loss_fn.forward_backward(leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
@@ -178,18 +202,18 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     overflow), clipping, the optimizer, publishing the parameters. The whole-step graph
     (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
     sh = state.sharding
-    setup = step_setup(state, batch, policy, sched)
+    setup = step_setup(state, batch, policy, sched, opt)
     if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
         sh.watchdog.at_step(setup.step_no + 1)
     timer = Timer(policy.timings, sh.device)
     grads, loss_sum, auxes = _gradients(state, setup, loss_fn, policy, has_aux, timer)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `unscale * clip_coef` just before the optimizer.
-    unscale = unscale_factor(setup.prediv, setup.n, setup.k, setup.scale)
+    unscale = unscale_factor(setup.prediv, 1 if setup.local else setup.n, setup.k, setup.scale)  # local: not summed
     pp = sh.pp.comm if sh.pp is not None else None
     units = units_for_norm(sh.plan, sh.pp)
     norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, unscale, loss_sum, sh.comm, sh.device,
-                                                            sh.tp, pp, sh.expert_comm, sh.replicas))
+                                                            sh.tp, pp, sh.expert_comm, sh.replicas, setup.local))
     timer.stop("comm")
     metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, auxes, has_aux)
     if timer.on:
@@ -197,12 +221,15 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     if metrics["skipped"]:
         return state.replace(loss_scale=new_ls), metrics
 
-    factor, global_norm = clip_factor(policy.clip, metrics["grad_norm"], unscale)
+    # Clipping a rank's own gradients uses their own norm, as DeepSpeed clips what each rank holds.
+    clip_norm = local_norm(grads, unscale) if setup.local and policy.clip > 0 else metrics["grad_norm"]
+    factor, global_norm = clip_factor(policy.clip, clip_norm, unscale)
     timer.start()
     scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
     new_slices, new_master, new_opt_state = optimizer_update(
         sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
-        opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm)
+        opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm,
+        exchange=optimizer_exchange(opt, sh.comm))
     timer.stop("optimizer")
     timer.start()
     new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)

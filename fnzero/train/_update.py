@@ -11,16 +11,18 @@ the eager step and the whole-step graph (whose inputs are those tensors) run the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from ..sharding.comm._compressed import compressed_all_reduce
 from ..sharding.construct._module import optimizer_view
 from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
 from ._owner_update import owner_layout, owner_update
 
-__all__ = ["OptimizerScalars", "optimizer_update", "publish_params"]
+__all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "publish_params"]
 
 
 class OptimizerScalars(NamedTuple):
@@ -32,9 +34,17 @@ class OptimizerScalars(NamedTuple):
     global_norm: Any  # the norm of the factored gradients over every rank, for chains that read it
 
 
+def optimizer_exchange(opt, comm) -> Callable | None:
+    """The compressed all-reduce over the dp collectives `comm`, for an optimizer that exchanges
+    what it needs itself (`Optimizer.local_gradients`); None for the others."""
+    if opt.local_gradients is None:
+        return None
+    return functools.partial(compressed_all_reduce, comm)
+
+
 def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
                      grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
-                     param_dtype: torch.dtype, donate: bool, comm=None):
+                     param_dtype: torch.dtype, donate: bool, comm=None, exchange: Callable | None = None):
     """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
     this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
     master or None, new optimizer state).
@@ -44,7 +54,8 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
     A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
     (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one
-    conversion, written into the input's own buffers when donated and the sizes agree."""
+    conversion, written into the input's own buffers when donated and the sizes agree.
+    `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
@@ -52,6 +63,7 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     where = master if master is not None else params
     grads = {k: g if g.device == where[k].device else g.to(where[k].device) for k, g in grads.items()}
     target = master if master is not None else optimizer_view(plan, rank, params, opt.elementwise)
+    extras = {} if exchange is None else {"compressed_all_reduce": exchange}
     if not opt.elementwise and plan.placement.optimizer:
         new_target, new_opt_state = owner_update(plan, owner_layout(plan, opt), comm, grads, target, opt_state, scalars)
     elif not opt.elementwise:
@@ -59,11 +71,11 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
         if master is not None:
             target = _per_param(plan, target)
         new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
-                                           global_norm=scalars.global_norm)
+                                           global_norm=scalars.global_norm, **extras)
         new_target = _per_unit(plan, new_target, like=master if master is not None else params)
     else:
         new_target, new_opt_state = update(grads, opt_state, target, scalars.lr, momentum=scalars.momentum,
-                                           global_norm=scalars.global_norm)
+                                           global_norm=scalars.global_norm, **extras)
     if master is None:
         return new_target, None, new_opt_state
     return {k: _compute_copy(t, params[k], param_dtype, donate) for k, t in new_target.items()}, new_target, new_opt_state
