@@ -30,7 +30,7 @@ from ._loss_scale import init_loss_scale
 from ._owner_update import owner_layout, owner_tree
 from ..sharding.zero._owners import param_pieces
 from ._policy import step_policy
-from ._step import optimizer_or_config
+from ._step import exchanging_optimizer_refused, optimizer_or_config
 
 __all__ = ["init_state", "initial_params"]
 
@@ -47,6 +47,8 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
     plan = sm.plan
     kind = sm.config.optimizer.type if optimizer is None else "optimizer="
+    if opt.local_gradients is not None and any(u.placement.grads or u.placement.optimizer for u in plan.units):
+        raise exchanging_optimizer_refused(f"this model is sharded at ZeRO stage {plan.placement.stage}")
     if not opt.elementwise and sm.tp is not None:
         raise ShardingError(
             f"optimizer {kind} is not elementwise (it normalises per tensor) and cannot update tensor-parallel "

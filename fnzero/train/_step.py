@@ -170,9 +170,13 @@ def _check_exchanging_optimizer(state: TrainState) -> None:
     if where is None and sh.expert_comm is not None:
         where = "expert parallelism"
     if where is not None:
-        raise ShardingError(f"this optimizer exchanges its momentum through the compressed all-reduce itself and runs "
-                            f"at ZeRO stage 0 on whole parameters only (as DeepSpeed's 1-bit optimizers); this state "
-                            f"uses {where}")
+        raise exchanging_optimizer_refused(f"this state uses {where}")
+
+
+def exchanging_optimizer_refused(why: str) -> ShardingError:
+    """The one refusal of a 1-bit optimizer where it cannot run (`specs/optim.md` §1-bit optimizers)."""
+    return ShardingError(f"this optimizer exchanges its momentum through the compressed all-reduce itself and runs at "
+                         f"ZeRO stage 0 on whole parameters only (as DeepSpeed's 1-bit optimizers); {why}")
 
 
 def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy, has_aux: bool, timer: Timer):
