@@ -14,6 +14,7 @@ from . import _bench as bench_commands
 from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
+from . import _remote as ssh_commands
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_commands.register(sub)
     plan_commands.register(sub)
     bench_commands.register(sub)
+    ssh_commands.register(sub)
     return p
 
 
