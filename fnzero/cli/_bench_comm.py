@@ -79,18 +79,76 @@ def _run(args: argparse.Namespace) -> int:
     if args.world is not None and not under_launcher:
         if args.world < 1:
             return _fail(f"--world {args.world}: at least 1 rank")
-        return _spawn(args.world)
+        return _spawn(args.world, args, chosen)
     return _bench(args, *chosen)
 
 
-def _spawn(world: int) -> int:
-    """This same command on `world` local ranks, started by torchrun (as `ds_bench` restarts itself
-    under `deepspeed`)."""
+def _spawn(world: int, args, chosen) -> int:
+    """This benchmark on `world` local gloo ranks, forked from this process (torch is imported
+    once, not once per rank); the first rank to fail ends the others. Without fork (not Linux or
+    macOS), torchrun starts them, as `ds_bench` restarts itself under `deepspeed`."""
+    import traceback
+
+    from ..sharding.comm._dist import free_port
+
+    if not hasattr(os, "fork"):
+        return _torchrun(world)
+    from ..sharding.comm import _collectives, _dist  # noqa: F401  (imported once, before the ranks fork)
+
+    port = str(free_port())
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # a rank: run, and leave without running the parent's exit handlers
+            code = 1
+            try:
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                code = _bench(args, *chosen)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    return _wait_ranks(pids)
+
+
+def _wait_ranks(pids: list[int]) -> int:
+    """Every rank's end; when one fails the others are stopped (a peer of a dead rank would wait in
+    its collective until the timeout). The first failure's status."""
+    import signal
+    import time
+
+    codes: dict[int, int] = {}
+    stopping = False
+    while len(codes) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done == pid:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+        if not stopping and any(codes.values()):
+            stopping = True
+            for rank, pid in enumerate(pids):
+                if rank not in codes:
+                    os.kill(pid, signal.SIGTERM)
+        time.sleep(0.02)
+    bad = [(r, c) for r, c in codes.items() if c]
+    if bad:
+        print(f"fnzero bench comm: rank {bad[0][0]} exited with status {bad[0][1]}", file=sys.stderr)
+        return bad[0][1] if bad[0][1] > 0 else 1
+    return 0
+
+
+def _torchrun(world: int) -> int:
+    """This same command (less --world) on `world` ranks started by torchrun."""
     from ..sharding.comm._dist import free_port
     from ._main import _run_torchrun
 
     argv, skip = [], False
-    for a in sys.argv[1:]:  # the command as given, less --world
+    for a in sys.argv[1:]:
         if skip:
             skip = False
             continue
@@ -99,7 +157,7 @@ def _spawn(world: int) -> int:
             continue
         if not a.startswith("--world="):
             argv.append(a)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice too, without its warning
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     return _run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
                           "--master-port", str(free_port()), "--monitor-interval", "1", "-m", "fnzero.cli", *argv])
 
