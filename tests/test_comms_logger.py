@@ -78,3 +78,21 @@ def test_bus_factors_and_untimed_calls():
     assert "2 (1 timed)" in format_comms_summary(rows)
     with pytest.raises(ValueError, match="barrier"):
         bus_factor("barrier", 2)
+
+
+def test_bus_bandwidth_and_layout_equal_deepspeeds(monkeypatch, capsys):
+    """Against DeepSpeed 0.19.8's own comms logger (skipped where it is not importable): the
+    summary's header line, and busbw for each op at n = 4 from DeepSpeed's `calc_bw_log` (its
+    message size is the per-rank input for all-gather and reduce-scatter, fnzero's the whole buffer)."""
+    comms_logging = pytest.importorskip("deepspeed.utils.comms_logging", reason="DeepSpeed is not importable here")
+    import deepspeed.comm
+
+    monkeypatch.setattr(deepspeed.comm, "get_world_size", lambda *a, **k: 4)
+    ms = 2.0  # DeepSpeed's latencies are in ms; its bandwidths come out in Gbps
+    for op, ds_size, ours in (("all_reduce", 4096, 4096), ("all_gather", 1024, 4096),
+                              ("reduce_scatter", 1024, 4096), ("broadcast", 4096, 4096)):
+        _, ds_busbw = comms_logging.calc_bw_log(op, ds_size, ms)
+        row, = comms_summary([_Rec(op, ours, ms / 1e3)], 4)
+        assert row.busbw * 8e-9 == pytest.approx(ds_busbw, rel=1e-12), op
+    comms_logging.CommsLogger().log_all(print_log=True)
+    assert format_comms_summary([]) == capsys.readouterr().out.splitlines()[-1]  # after an accelerator warning
