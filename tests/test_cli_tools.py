@@ -1,6 +1,7 @@
 """`fnzero bench comm`, `fnzero bench io`, `fnzero nvme-tune` and `fnzero ssh` (specs/cli.md
-§fnzero bench comm, §fnzero bench io, §fnzero ssh). bench comm and ssh run as separate processes,
-as a user runs them; bench io and nvme-tune through the command's `main` in this process (fast)."""
+§fnzero bench comm, §fnzero bench io, §fnzero ssh), through the command's `main` in this process
+(torch is imported already; bench comm forks its ranks, ssh starts one ssh process per host), and
+ssh once for real, as a separate process between two network-namespace hosts."""
 
 from __future__ import annotations
 
@@ -12,17 +13,13 @@ import sys
 import warnings
 
 import pytest
+from test_launch_hostfile import two_hosts  # noqa: F401  (the fixture: two network-namespace hosts over sshd)
 
 import fnzero
 from fnzero.cli._main import main
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
-
-
-def _cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "fnzero.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 def test_bench_comm_on_two_ranks_prints_every_op_with_formula_bytes(capfd):
@@ -96,27 +93,24 @@ HOST=$host exec sh -c "$1"
 """
 
 
-def test_ssh_runs_on_every_host_with_prefixes_and_the_worst_status(tmp_path):
+def test_ssh_runs_on_every_host_with_prefixes_and_the_worst_status(tmp_path, capfd, monkeypatch):
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
     ssh.chmod(0o755)
     hosts = tmp_path / "hosts"
     hosts.write_text("alpha slots=1\nbeta slots=2\ngamma slots=1\n")
-    env = {"FNZERO_SSH": str(ssh)}
-    r = _cli("ssh", "-H", str(hosts), "-e", "gamma", "echo", "on", "$HOST", env=env)
-    assert r.returncode == 0 and sorted(r.stdout.splitlines()) == ["alpha: on alpha", "beta: on beta"], r
-    r = _cli("ssh", "-H", str(hosts), 'case $HOST in alpha) exit 3;; beta) exit 7;; esac', env=env)
-    assert r.returncode == 7 and r.stderr.strip() == (
-        "fnzero ssh: alpha exited with status 3, beta exited with status 7"), r
-    r = _cli("ssh", "-H", str(hosts), "-i", "alpha@delta", "true", env=env)
-    assert r.returncode == 2 and r.stderr.strip() == ("fnzero ssh: --include 'alpha@delta': host 'delta' is not in "
-                                                      "the hostfile (hosts: ['alpha', 'beta', 'gamma'])"), r
-    r = _cli("ssh", "-H", str(tmp_path / "none"), "true", env=env)
-    assert r.returncode == 2 and r.stderr.strip() == (
-        f"fnzero ssh: cannot read hostfile {tmp_path / 'none'}: No such file or directory"), r
-
-
-from test_launch_hostfile import two_hosts  # noqa: E402,F401  (the two network-namespace hosts)
+    monkeypatch.setenv("FNZERO_SSH", str(ssh))
+    assert main(["ssh", "-H", str(hosts), "-e", "gamma", "echo", "on", "$HOST"]) == 0
+    out = capfd.readouterr().out
+    assert sorted(out.splitlines()) == ["alpha: on alpha", "beta: on beta"], out
+    assert main(["ssh", "-H", str(hosts), "case $HOST in alpha) exit 3;; beta) exit 7;; esac"]) == 7
+    assert capfd.readouterr().err.strip() == "fnzero ssh: alpha exited with status 3, beta exited with status 7"
+    assert main(["ssh", "-H", str(hosts), "-i", "alpha@delta", "true"]) == 2
+    assert capfd.readouterr().err.strip() == ("fnzero ssh: --include 'alpha@delta': host 'delta' is not in the "
+                                              "hostfile (hosts: ['alpha', 'beta', 'gamma'])")
+    assert main(["ssh", "-H", str(tmp_path / "none"), "true"]) == 2
+    assert capfd.readouterr().err.strip() == (
+        f"fnzero ssh: cannot read hostfile {tmp_path / 'none'}: No such file or directory")
 
 
 def test_ssh_on_two_real_hosts(two_hosts):

@@ -89,6 +89,8 @@ def _spawn(world: int, args, chosen) -> int:
     macOS), torchrun starts them, as `ds_bench` restarts itself under `deepspeed`."""
     import traceback
 
+    import torch
+
     from ..sharding.comm._dist import free_port
 
     if not hasattr(os, "fork"):
@@ -104,6 +106,9 @@ def _spawn(world: int, args, chosen) -> int:
             try:
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                # One intra-op thread, as torchrun gives its workers; also, an OpenMP pool the parent
+                # used does not survive fork (the reason torch's DataLoader workers do the same).
+                torch.set_num_threads(1)
                 code = _bench(args, *chosen)
             except BaseException:
                 traceback.print_exc()

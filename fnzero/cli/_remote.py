@@ -54,6 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     codes = {h: p.wait() for h, p in procs.items()}
     for t in pumps:
         t.join()
+    for p in procs.values():
+        p.stdout.close()
     failed = {h: c for h, c in codes.items() if c != 0}
     if failed:
         print("fnzero ssh: " + ", ".join(f"{h} exited with status {c}" for h, c in failed.items()), file=sys.stderr)
