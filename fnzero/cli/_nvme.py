@@ -117,7 +117,11 @@ def _run_io(args: argparse.Namespace) -> int:
         print(f"fnzero bench io: {e}", file=sys.stderr)
         return 2
     ops = ("read",) if args.read else ("write",) if args.write else ("write", "read")
-    r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
+    try:
+        r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
+    except OSError as e:
+        print(f"fnzero bench io: {folder}: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(r))
         return 0
@@ -164,7 +168,11 @@ def _run_tune(args: argparse.Namespace) -> int:
     print(f"{'block_size':>12}{'queue_depth':>13}{'threads':>9}{'write GB/s':>12}{'read GB/s':>11}")
     rows = []
     for bs, qd, threads in grid:
-        r = measure_io(folder, size, bs, qd, threads, args.loops)
+        try:
+            r = measure_io(folder, size, bs, qd, threads, args.loops)
+        except OSError as e:
+            print(f"fnzero nvme-tune: block_size {bs}, queue_depth {qd}, threads {threads}: {e}", file=sys.stderr)
+            return 1
         rows.append(r)
         print(f"{bs:>12}{qd:>13}{threads:>9}{r['write']:>12.3f}{r['read']:>11.3f}", flush=True)
     best = max(rows, key=lambda r: r["read"] + r["write"])
@@ -177,6 +185,10 @@ def _run_tune(args: argparse.Namespace) -> int:
     text = json.dumps(block, indent=3)
     print(text)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(f"fnzero nvme-tune: cannot write {args.output}: {e.strerror}", file=sys.stderr)
+            return 1
     return 0
