@@ -10,9 +10,11 @@ import sys
 import tempfile
 import threading
 
+from . import _bench as bench_commands
 from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
+from . import _remote as ssh_commands
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -179,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `handler(args) -> int` is the exit code.
     checkpoint_commands.register(sub)
     plan_commands.register(sub)
+    bench_commands.register(sub)
+    ssh_commands.register(sub)
     return p
 
 

@@ -1,28 +1,63 @@
 """Collectives wrappers for observing a run: `RecordingCollectives` counts every call's logical
-bytes (the comms logger, traffic tests), `CheckedCollectives` compares each call across ranks
+bytes and times it (the comms logger, traffic tests; `specs/collectives.md` §Comms logger timings),
+`CheckedCollectives` compares each call across ranks
 before making it (`FNZERO_DEBUG_COLLECTIVES=1`, `shard(..., debug_collectives=True)`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import torch
 
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
 from ._collectives import _SUM, Collectives
+from ._comms_summary import bus_factor, comms_summary, format_comms_summary
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveRecord:
-    """One collective call as seen by this rank: its name, dtype and logical bytes (input side)."""
+    """One collective call as seen by this rank: its name, dtype and logical bytes (input side),
+    and `seconds`, the time from its start until its result was ready here (None until then: an
+    async call's `wait()` has not returned yet)."""
 
     op: str
     dtype: torch.dtype
     numel: int
     bytes: int
+    # Filled once, when the call completes; outside equality so that records compare by what moved.
+    _elapsed: list = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def seconds(self) -> float | None:
+        return self._elapsed[0] if self._elapsed else None
+
+
+def _settle(t: torch.Tensor) -> None:
+    """On an accelerator a returned (or waited-for) result may still be in flight on the stream:
+    wait for the device, so that the time covers the transfer. Host tensors are done already."""
+    if t.device.type != "cpu":
+        torch.accelerator.synchronize(t.device)
+
+
+class _TimedPending:
+    """An async call's pending result: its record's time is taken when `wait()` first returns."""
+
+    __slots__ = ("_pending", "_rec", "_t0")
+
+    def __init__(self, pending, rec: CollectiveRecord, t0: float):
+        self._pending, self._rec, self._t0 = pending, rec, t0
+
+    def wait(self):
+        out = self._pending.wait()
+        if not self._rec._elapsed:
+            if isinstance(out, torch.Tensor):
+                _settle(out)
+            self._rec._elapsed.append(time.perf_counter() - self._t0)
+        return out
 
 
 class RecordingCollectives:
@@ -43,40 +78,55 @@ class RecordingCollectives:
         # Optional callback: the debug checker uses it to compare call sequences across ranks.
         self.on_record = None
 
-    def _record(self, op: str, t: torch.Tensor, numel: int) -> None:
+    def _record(self, op: str, t: torch.Tensor, numel: int) -> CollectiveRecord:
         rec = CollectiveRecord(op, t.dtype, numel, numel * t.element_size())
         with self._lock:
             self.records.append(rec)
         if self.on_record is not None:
             self.on_record(rec)
+        return rec
+
+    def _timed(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs):
+        """A blocking call, recorded and timed from its start until its result is ready."""
+        rec = self._record(op, t, numel)
+        _settle(t)  # work queued before the call is not the collective's time
+        t0 = time.perf_counter()
+        out = call(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            _settle(out)
+        rec._elapsed.append(time.perf_counter() - t0)
+        return out
+
+    def _timed_async(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs) -> _TimedPending:
+        """An async call, recorded; timed from its start until its `wait()` returns."""
+        rec = self._record(op, t, numel)
+        _settle(t)
+        t0 = time.perf_counter()
+        return _TimedPending(call(*args, **kwargs), rec, t0)
 
     def all_gather(self, shard):
-        self._record("all_gather", shard, shard.numel() * self.world_size)
-        return self.inner.all_gather(shard)
+        return self._timed("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather, shard)
 
     def all_gather_async(self, shard, out=None, label: str = ""):
-        self._record("all_gather", shard, shard.numel() * self.world_size)
-        return self.inner.all_gather_async(shard, out=out, label=label)
+        return self._timed_async("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather_async,
+                                 shard, out=out, label=label)
 
     def reduce_scatter(self, full, donate: bool = False):
-        self._record("reduce_scatter", full, full.numel())
-        return self.inner.reduce_scatter(full, donate=donate)
+        return self._timed("reduce_scatter", full, full.numel(), self.inner.reduce_scatter, full, donate=donate)
 
     def reduce_scatter_async(self, full, label: str = ""):
-        self._record("reduce_scatter", full, full.numel())
-        return self.inner.reduce_scatter_async(full, label=label)
+        return self._timed_async("reduce_scatter", full, full.numel(), self.inner.reduce_scatter_async, full,
+                                 label=label)
 
     def all_reduce(self, t, op=_SUM):
-        self._record("all_reduce", t, t.numel())
-        return self.inner.all_reduce(t, op)
+        return self._timed("all_reduce", t, t.numel(), self.inner.all_reduce, t, op)
 
     def all_reduce_async(self, t, donate: bool = False, label: str = ""):
-        self._record("all_reduce", t, t.numel())
-        return self.inner.all_reduce_async(t, donate=donate, label=label)
+        return self._timed_async("all_reduce", t, t.numel(), self.inner.all_reduce_async, t, donate=donate,
+                                 label=label)
 
     def broadcast(self, t, src=0):
-        self._record("broadcast", t, t.numel())
-        return self.inner.broadcast(t, src)
+        return self._timed("broadcast", t, t.numel(), self.inner.broadcast, t, src)
 
     def barrier(self):
         return self.inner.barrier()
@@ -88,12 +138,11 @@ class RecordingCollectives:
     def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
         # Sizes resolved here, so that learning the output sizes is itself a recorded all-to-all.
         ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
-        self._record("all_to_all", tensor, sent_numel(tensor, ins, self.rank))
-        return self.inner.all_to_all_async(tensor, input_split_sizes=ins, output_split_sizes=outs, label=label)
+        return self._timed_async("all_to_all", tensor, sent_numel(tensor, ins, self.rank), self.inner.all_to_all_async,
+                                 tensor, input_split_sizes=ins, output_split_sizes=outs, label=label)
 
     def send_async(self, t, dst: int, label: str = "", tag: int = 0):
-        self._record("send", t, t.numel())
-        return self.inner.send_async(t, dst, label=label, tag=tag)
+        return self._timed_async("send", t, t.numel(), self.inner.send_async, t, dst, label=label, tag=tag)
 
     def recv(self, out, src: int, label: str = "", tag: int = 0):
         return self.inner.recv(out, src, label=label, tag=tag)  # the bytes are counted once, by the sender
@@ -103,20 +152,21 @@ class RecordingCollectives:
             out, self.records = self.records, []
         return out
 
+    def summary(self, records=None) -> list:
+        """The comms logger's table: per collective kind and message size, count, bytes, time and
+        bandwidths (`CommsRow`s; `specs/collectives.md` §Comms logger timings)."""
+        return comms_summary(self.records if records is None else records, self.world_size)
+
+    def log_summary(self, records=None, file=None) -> str:
+        """`summary()` in DeepSpeed's `log_summary` layout, printed to `file` (stdout) and returned."""
+        text = format_comms_summary(self.summary(records))
+        print(text, file=file, flush=True)
+        return text
+
     def ring_bytes_sent(self, records=None) -> float:
         """Ring-equivalent bytes this rank sends for `records` (default: all recorded so far)."""
-        n = self.world_size
-        if n == 1:
-            return 0.0
-        total = 0.0
-        for r in self.records if records is None else records:
-            if r.op == "all_reduce":
-                total += r.bytes * 2 * (n - 1) / n
-            elif r.op in ("all_gather", "reduce_scatter"):
-                total += r.bytes * (n - 1) / n
-            elif r.op in ("broadcast", "send", "all_to_all"):
-                total += r.bytes
-        return total
+        records = self.records if records is None else records
+        return sum((r.bytes * bus_factor(r.op, self.world_size) for r in records), 0.0)
 
 
 class CheckedCollectives:

@@ -1,0 +1,194 @@
+"""`fnzero bench io` and `fnzero nvme-tune`: the AIO micro-benchmark over fnzero's I/O engine
+(`fnzero/_ext/_aio.py`, what NVMe offload uses) and a sweep of the `aio` block that keeps the
+fastest values, as DeepSpeed's `ds_io` and `ds_nvme_tune` (`specs/cli.md` §fnzero bench io).
+
+A write is timed from submission through `fdatasync`; a read from submission until the data is
+in memory. O_DIRECT is used where the file system allows it (else the rows say `buffered`, and
+reads may come from the page cache)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+
+__all__ = ["add_io_parser", "register", "measure_io"]
+
+
+def _sizes(text: str, what: str) -> list[int]:
+    from ..memory._estimate import parse_bytes
+
+    try:
+        out = [parse_bytes(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    if not out:
+        raise ValueError(f"{what}: give at least one size")
+    return out
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a comma-separated list of whole numbers") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"{what}: {text!r}: each value must be at least 1")
+    return out
+
+
+def measure_io(folder: str, io_size: int, block_size: int, queue_depth: int, threads: int, loops: int = 1,
+               ops: tuple[str, ...] = ("write", "read")) -> dict:
+    """GB/s (1e9 bytes per second, the best of `loops`) of writing then reading one file of
+    `io_size` bytes in `folder` with an `AioEngine(block_size, queue_depth, threads)`; the file is
+    removed after."""
+    import torch
+
+    from .._ext import AioHandle, aligned_empty
+
+    size = -(-io_size // 4096) * 4096  # O_DIRECT moves whole 4 KiB pages
+    buf = aligned_empty(size, torch.uint8)
+    buf.fill_(0x5A)
+    path = os.path.join(folder, f"fnzero-bench-io-{os.getpid()}.bin")
+    out: dict = {"io_size": size, "block_size": block_size, "queue_depth": queue_depth, "threads": threads}
+    try:
+        with AioHandle(path, "w", size=size, block_size=block_size, queue_depth=queue_depth,
+                       thread_count=threads) as h:
+            out["direct"], out["native"] = h.direct, h.engine.native
+            for op in ("write", "read"):
+                if op not in ops and not (op == "write" and "read" in ops):
+                    continue  # a read needs the file written first, timed or not
+                best = 0.0
+                for _ in range(loops if op in ops else 1):
+                    t0 = time.perf_counter()
+                    (h.submit_write if op == "write" else h.submit_read)(buf, 0).wait()
+                    if op == "write":
+                        h.sync()
+                    best = max(best, size / (time.perf_counter() - t0) / 1e9)
+                if op in ops:
+                    out[op] = best
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def add_io_parser(bench_sub) -> None:
+    p = bench_sub.add_parser("io", help="AIO read/write throughput of fnzero's NVMe engine (ds_io)",
+                             description="Write, then read, one file through fnzero's AIO engine and print GB/s.")
+    p.add_argument("--folder", default=None, help="where the file goes (default: the temporary directory)")
+    p.add_argument("--io-size", "--io_size", default="64MiB", help="bytes per transfer (default 64MiB)")
+    p.add_argument("--block-size", "--block_size", default="1MiB", help="bytes per I/O request (default 1MiB)")
+    p.add_argument("--queue-depth", "--queue_depth", default="8", help="requests in flight per thread (default 8)")
+    p.add_argument("--threads", "--intra-op-parallelism", "--io_parallel", default="1",
+                   help="I/O threads (the aio block's intra_op_parallelism; default 1)")
+    p.add_argument("--loops", type=int, default=3, help="repetitions; the best is reported (default 3)")
+    io = p.add_mutually_exclusive_group()
+    io.add_argument("--read", action="store_true", help="time reads only (the file is written first, untimed)")
+    io.add_argument("--write", action="store_true", help="time writes only")
+    p.add_argument("--json", action="store_true", help="the result as JSON")
+    p.set_defaults(func=_run_io)
+
+
+def _folder(path: str | None, prog: str) -> str | None:
+    folder = path or tempfile.gettempdir()
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        print(f"fnzero {prog}: {folder} is not a writable directory", file=sys.stderr)
+        return None
+    return folder
+
+
+def _run_io(args: argparse.Namespace) -> int:
+    folder = _folder(args.folder, "bench io")
+    if folder is None:
+        return 2
+    try:
+        (size,), (bs,) = _sizes(args.io_size, "--io-size"), _sizes(args.block_size, "--block-size")
+        (qd,), (threads,) = _ints(args.queue_depth, "--queue-depth"), _ints(args.threads, "--threads")
+        if args.loops < 1:
+            raise ValueError(f"--loops {args.loops}: at least 1")
+    except ValueError as e:
+        print(f"fnzero bench io: {e}", file=sys.stderr)
+        return 2
+    ops = ("read",) if args.read else ("write",) if args.write else ("write", "read")
+    try:
+        r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
+    except OSError as e:
+        print(f"fnzero bench io: {folder}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    mode = ("O_DIRECT" if r["direct"] else "buffered") + ("" if r["native"] else ", no C extension: synchronous")
+    print(f"{folder}: {r['io_size']} bytes, block {bs}, queue depth {qd}, threads {threads} ({mode})")
+    for op in ops:
+        print(f"E2E {op.capitalize()} Speed = {r[op]:.3f} GB/sec (best of {args.loops})")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("nvme-tune", help="sweep the aio block on an NVMe folder and keep the fastest (ds_nvme_tune)",
+                       description="Time writes and reads for every combination of the aio block's block_size, "
+                       "queue_depth and intra_op_parallelism, print the table and the best block (most read + "
+                       "write GB/s) as JSON.")
+    p.add_argument("--nvme_dir", "--nvme-dir", required=True, help="a folder on the device to tune")
+    p.add_argument("--io_size", "--io-size", default="64MiB", help="bytes per transfer (default 64MiB)")
+    p.add_argument("--block_sizes", "--block-sizes", default="128KiB,1MiB,8MiB", help="block sizes to try")
+    p.add_argument("--queue_depths", "--queue-depths", default="8,32,128", help="queue depths to try")
+    p.add_argument("--intra_op_parallelism", "--threads", default="1,2,4", help="I/O thread counts to try")
+    p.add_argument("--loops", type=int, default=1, help="repetitions per combination; the best counts (default 1)")
+    p.add_argument("--output", "-o", default=None, metavar="FILE", help='also write {"aio": {...}} to FILE')
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    if not os.path.isdir(args.nvme_dir):
+        print(f"fnzero nvme-tune: --nvme_dir {args.nvme_dir}: no such directory", file=sys.stderr)
+        return 2
+    folder = _folder(args.nvme_dir, "nvme-tune")
+    if folder is None:
+        return 2
+    try:
+        (size,) = _sizes(args.io_size, "--io_size")
+        grid = list(itertools.product(_sizes(args.block_sizes, "--block_sizes"),
+                                      _ints(args.queue_depths, "--queue_depths"),
+                                      _ints(args.intra_op_parallelism, "--intra_op_parallelism")))
+        if args.loops < 1:
+            raise ValueError(f"--loops {args.loops}: at least 1")
+    except ValueError as e:
+        print(f"fnzero nvme-tune: {e}", file=sys.stderr)
+        return 2
+    print(f"Running fnzero AIO tuning on {folder}: {len(grid)} combinations of {size} bytes", flush=True)
+    print(f"{'block_size':>12}{'queue_depth':>13}{'threads':>9}{'write GB/s':>12}{'read GB/s':>11}")
+    rows = []
+    for bs, qd, threads in grid:
+        try:
+            r = measure_io(folder, size, bs, qd, threads, args.loops)
+        except OSError as e:
+            print(f"fnzero nvme-tune: block_size {bs}, queue_depth {qd}, threads {threads}: {e}", file=sys.stderr)
+            return 1
+        rows.append(r)
+        print(f"{bs:>12}{qd:>13}{threads:>9}{r['write']:>12.3f}{r['read']:>11.3f}", flush=True)
+    best = max(rows, key=lambda r: r["read"] + r["write"])
+    # single_submit and overlap_events are written as fnzero behaves (batched submission,
+    # overlapped completion): they select nothing in its engine, so there is nothing to sweep.
+    block = {"aio": {"block_size": best["block_size"], "queue_depth": best["queue_depth"],
+                     "intra_op_parallelism": best["threads"], "single_submit": False, "overlap_events": True}}
+    print(f"Best performance (GB/sec): read = {best['read']:5.2f}, write = {best['write']:5.2f}"
+          + ("" if best["direct"] else " (buffered: O_DIRECT is not available here)"))
+    text = json.dumps(block, indent=3)
+    print(text)
+    if args.output:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            print(f"fnzero nvme-tune: cannot write {args.output}: {e.strerror}", file=sys.stderr)
+            return 1
+    return 0
