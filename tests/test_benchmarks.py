@@ -117,6 +117,30 @@ def test_bench_moe_short_mode_measures_the_all_to_all_and_state_formulas(tmp_pat
     assert "machine:" in out and "a2a KB/step" in out and out.count("\nep") == 3
 
 
+def test_bench_comm_opt_counts_every_feature_at_its_formula(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_comm_opt.py, 2 simulated ranks, two measured steps after one warm-up (the
+    1-bit optimizers frozen by then): every row's counted bytes are its spec's formula; the 1-bit
+    exchange is under 1/30 of AdamW's bytes, qwZ + qgZ half of unquantized bf16's, and Muon's
+    stages 1-3 reach stage 0's loss (mics: tests/test_mics.py, it needs 4 ranks)."""
+    import json
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    import bench_comm_opt
+
+    js = tmp_path / "comm.json"
+    bench_comm_opt.main(["--simulated", "--world", "2", "--steps", "2", "--warmup", "1", "--features",
+                         "muon,onebit,zeropp", "--json", str(js)])
+    rows = json.loads(js.read_text())["rows"]
+    for feature, table in rows.items():
+        for r in table:
+            assert r["bytes_per_step"] == r["formula_bytes"], (feature, r["config"])
+    base, *onebit = rows["onebit"]
+    assert all(r["bytes_per_step"] < base["bytes_per_step"] / 30 for r in onebit)
+    assert rows["zeropp"][-1]["bytes_per_step"] < 0.51 * rows["zeropp"][0]["bytes_per_step"]
+    assert all(r["loss"] == pytest.approx(rows["muon"][0]["loss"], rel=1e-6) for r in rows["muon"])
+    assert "machine:" in capsys.readouterr().out
+
+
 GPU_CHECKS = ["zero_equivalence[world=1]", "zero_equivalence[world=2]", "bf16_step", "fp16_step", "jit_whole_step",
               "offload_cpu_pinned", "checkpoint_roundtrip", "bench_zero"]
 
