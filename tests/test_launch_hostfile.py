@@ -1,7 +1,8 @@
 """`fnzero launch --hostfile`, DeepSpeed-style (specs/cli.md §launch --hostfile): the hostfile and
 its filters, and, for real, a 2-host x 2-rank ZeRO-3 job over SSH between two network namespaces
 (each with its own sshd, joined by a veth link) that trains, saves a checkpoint on each host's own
-directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed.
+directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed;
+the same job first counts the bytes crossing the link for plain ZeRO-3, hpZ and MiCS (specs/mesh.md §hpZ).
 
 The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it); without
 them it is skipped, saying why."""
