@@ -1,13 +1,15 @@
 """`fnzero launch --hostfile`, DeepSpeed-style (specs/cli.md §launch --hostfile): the hostfile and
 its filters, and, for real, a 2-host x 2-rank ZeRO-3 job over SSH between two network namespaces
 (each with its own sshd, joined by a veth link) that trains, saves a checkpoint on each host's own
-directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed.
+directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed;
+the same job first counts the bytes crossing the link for plain ZeRO-3, hpZ and MiCS (specs/mesh.md §hpZ).
 
 The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it); without
 them it is skipped, saying why."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -167,31 +169,69 @@ def _launch(two_hosts, *script_args, **popen):
                             **popen)
 
 
-def test_two_hosts_train_from_a_hostfile_and_a_killed_host_ends_the_job(two_hosts, tmp_path):
-    # One job (starting one costs ~12 s here): it trains, saves node-locally, prints its results,
-    # then trains on until the second host is killed, which must end it on the first.
-    _, _, ns = two_hosts
-    proc = _launch(two_hosts, "3", str(tmp_path / "ck"), "forever")
+@pytest.fixture(scope="module")
+def hosts_job(two_hosts, tmp_path_factory):
+    """One 2-host job (starting one costs ~12 s, more on a loaded machine): it measures the bytes
+    crossing between the hosts (cross_host_bytes.py), trains, saves node-locally, prints its results,
+    then trains on until it is ended. Yields (the running launcher, its output so far, the measured bytes)."""
+    d = tmp_path_factory.mktemp("job")
+    proc = _launch(two_hosts, "3", str(d / "ck"), "forever", f"bytes={d / 'bytes.json'}")
     t0, out = time.monotonic(), ""
-    while len(re.findall(r"RESULT rank=", out)) < 4:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() - t0 < 150, out
-        out += line
-    results = re.findall(r"^(\S+): .*RESULT rank=(\d) world=4 node=(\d) var=(\w+) loss=(\S+)$", out, re.M)
-    assert sorted(int(r) for _, r, *_ in results) == [0, 1, 2, 3], out
-    with open(two_hosts[0]) as f:
-        hostfile_hosts = [line.split()[0] for line in f]
-    for host, rank, node, var, _ in results:
-        assert host == hostfile_hosts[int(rank) // 2] and int(node) == int(rank) // 2  # ranks 0-1 on the first host
-        assert var == "forwarded"  # `.deepspeed_env` reached every rank
-    assert len({loss for *_, loss in results}) == 1  # one job: the same global loss everywhere
-    # Each host's checkpoint directory is its own (a node-local disk): a plain save is refused at
-    # once, naming the hosts' ranks; a node-local save commits on each and loads back.
-    refused = re.findall(r"REFUSED rank=\d: the checkpoint directory \S+ is not shared by every rank: "
-                         r"ranks \[0, 1\] see each other's files; ranks \[2, 3\] see each other's files", out)
-    assert len(refused) == 4, out
-    assert len(re.findall(r"NODE-LOCAL rank=\d loaded back equal=True", out)) == 4, out
+    try:
+        while len(re.findall(r"RESULT rank=", out)) < 4:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() - t0 < 150, out
+            out += line
+        with open(d / "bytes.json") as f:
+            yield proc, out, json.load(f)
+    finally:
+        if proc.poll() is None:  # the killed-host test did not end it: the launcher ends every host's ranks
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
+
+def test_hpz_and_mics_keep_gathers_off_the_link_between_hosts(hosts_job):
+    """specs/mesh.md §hpZ (Measured across two hosts): the bytes crossing the veth link while the
+    same float64 MLP trains 3 stage-3 steps (backward re-gathering) as plain ZeRO-3, with
+    `zero_hpz_partition_size: 2` and with `mics_shard_size: 2`, hosts of 2 ranks each.
+
+    Expected (both directions, per step): on gloo, all-gathers and reduce-scatters are direct
+    exchanges (fnzero/sharding/comm/_direct.py): each of the 4 ranks sends P/4 elements to each of
+    the 2 ranks on the other host, 2P elements across per collective over all 4 ranks. Plain: forward
+    gather, backward re-gathers (Ψ_r) and reduce-scatter, 2(2P + Ψ_r) b. hpZ: the re-gathers stay in
+    the node, 2·2P b. MiCS: every gather and reduce-scatter stays in the node; the replica all-reduce
+    of each P/2 shard between the two hosts' paired ranks sends it once each way per pair, 2P a.
+    The link also carries Ethernet/IP/TCP headers and ACKs, gloo's message headers and the barriers:
+    without segmentation offload 66 header bytes per 1448 payload bytes (4.6 %) plus an ACK per two
+    frames (2.3 %), so measured ≤ 1.08 x expected + the empty phase's bytes (measured: about 1 %,
+    veth sends 64 KiB segments); and at least the expected payload."""
+    *_, rows = hosts_job
+    b = 8  # float64 parameters and gradients
+    p = rows["zero3"]["padded"]
+    assert p == rows["params"] == rows["mics2"]["padded"]  # the widths divide by 4: no padding
+    regathered = rows["zero3"]["gathered_per_step"] - p
+    assert 0 < regathered < p and rows["hpz2"]["gathered_per_step"] == p  # hpZ gathers once over the 4 ranks
+    expected = {name: rows["steps"] * per_step * b for name, per_step in
+                (("zero3", 2 * (2 * p + regathered)), ("hpz2", 2 * 2 * p), ("mics2", 2 * p))}
+    crossed = {name: rows[name]["crossed"] for name in expected}
+    for name in expected:
+        assert expected[name] <= crossed[name] <= 1.08 * expected[name] + rows["empty"]["crossed"], (name, rows)
+    saved = crossed["zero3"] - crossed["hpz2"]  # the re-gathers, 2 Ψ_r b a step, up to the headers' share
+    assert abs(saved - (expected["zero3"] - expected["hpz2"])) <= 0.08 * expected["zero3"], rows
+    assert crossed["mics2"] < crossed["hpz2"] < crossed["zero3"]
+    assert rows["hpz2"]["loss"] == rows["zero3"]["loss"]  # the same gathered values, the same sums
+    assert rows["mics2"]["loss"] == pytest.approx(rows["zero3"]["loss"], rel=1e-12)  # sums in another order
+
+
+def test_two_hosts_train_from_a_hostfile_and_a_killed_host_ends_the_job(two_hosts, hosts_job):
+    # The job trains, saves node-locally, prints its results, then trains on until the second host
+    # is killed, which must end it on the first.
+    _, _, ns = two_hosts
+    proc, out, _ = hosts_job
     killed = time.monotonic()
     for pid in _sh("ip", "netns", "pids", ns[1]).stdout.split():  # the second host goes down, all of it
         try:

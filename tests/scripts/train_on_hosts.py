@@ -1,6 +1,7 @@
 """Trains a few ZeRO-3 steps on every rank of a multi-host job (the hostfile tests launch it) and
-prints what each rank saw. argv: STEPS CHECKPOINT_ROOT [forever]: each host saves under its own
-ROOT/node<i> (a node-local disk): a plain save is refused, a node-local one commits and loads
+prints what each rank saw. argv: STEPS CHECKPOINT_ROOT [forever] [bytes=PATH]: with `bytes=`, the
+ranks first measure the bytes crossing between the hosts (cross_host_bytes.py) into PATH. Each host
+saves under its own ROOT/node<i> (a node-local disk): a plain save is refused, a node-local one commits and loads
 back; with `forever` the ranks then go on training until the job is ended from outside."""
 
 import os
@@ -13,8 +14,13 @@ import torch.nn.functional as F
 import fnzero
 from fnzero.testing import MLP
 
-steps, root, forever = int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["forever"]
+steps, root, forever = int(sys.argv[1]), sys.argv[2], "forever" in sys.argv[3:]
 dist = fnzero.init_distributed(timeout_s=60, watchdog_s=15)
+for arg in sys.argv[3:]:
+    if arg.startswith("bytes="):
+        import cross_host_bytes  # beside this script
+
+        cross_host_bytes.measure(arg.removeprefix("bytes="))
 cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
                           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
 torch.manual_seed(0)
