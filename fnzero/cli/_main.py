@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 
+from . import _autotune as autotune_commands
 from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `handler(args) -> int` is the exit code.
     checkpoint_commands.register(sub)
     plan_commands.register(sub)
+    autotune_commands.register(sub)
     return p
 
 

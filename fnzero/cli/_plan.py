@@ -18,6 +18,7 @@ import sys
 from fractions import Fraction
 
 from ._common import load_config_or_report
+from ._plan_predict import add_predict_options, predict_rows, print_predictions
 
 __all__ = ["register", "plan_report"]
 
@@ -281,10 +282,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"fnzero plan: {problem}", file=sys.stderr)
         return 2
     rep = plan_report(args)
+    if args.predict:
+        rep["predict"] = predict_rows(args)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         _print_table(rep, sys.stdout)
+        if args.predict:
+            print_predictions(args, rep["predict"], sys.stdout)
     return 0
 
 
@@ -327,6 +332,7 @@ def register(sub) -> None:
                    help="expert-parallel sizes to plan for (default: the config's expert_parallel.autoep_size when "
                    "enabled, else 1); each must divide the data-parallel ranks")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
+    add_predict_options(p)
     p.set_defaults(func=_run)
 
 
