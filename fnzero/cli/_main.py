@@ -19,6 +19,10 @@ __all__ = ["build_parser", "main", "split_launch_args"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.autotuning:  # DeepSpeed's `--autotuning tune|run`: `fnzero autotune` with this launch's ranks
+        run = ["--run"] if args.autotuning == "run" else []
+        tune = build_parser().parse_args(["autotune", "--world", str(args.nproc_per_node), *run, *rest])
+        return int(tune.func(tune))
     if args.hostfile:
         from ._multinode import launch_hostfile
 
@@ -171,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     hp.add_argument("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
                     help="the first N slots of each host")
     hp.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    lp.add_argument("--autotuning", choices=["tune", "run"], default=None,
+                    help="tune the script's config (`fnzero autotune`) and, with run, then train with the best")
     lp.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     sub.add_parser("report", help="environment, devices, backends and native-extension status")
