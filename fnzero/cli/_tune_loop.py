@@ -1,5 +1,5 @@
 """The autotuner's loop: the space, the planner's pruning, the trials in the tuner's order, the
-model's predictions, the results (`specs/autotune.md` §Flow)."""
+model's predictions, the results (`specs/autotune.md` §Trials)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Step-time model for a ZeRO configuration (`specs/autotune.md` §Step-time model).
 
-Pure numbers, no torch: one optimizer step of a data-parallel rank is its compute (forward and
+Pure numbers, no tensors: one optimizer step of a data-parallel rank is its compute (forward and
 backward, linear in the samples it processes), its collectives (the bytes and counts of
 `specs/collectives.md` §Per stage over a link of given latency and bandwidth), its optimizer update
 (linear in the parameters this rank updates) and, with `offload_optimizer`, the host<->device copies
@@ -19,6 +19,8 @@ of its shard. Nothing overlaps: the sum bounds a step whose communication is not
 from __future__ import annotations
 
 import dataclasses
+
+from ..sharding.zero._placement import placement_for_stage
 
 __all__ = ["Link", "StepPrediction", "collective_traffic", "predict_step", "ring_link"]
 
@@ -70,7 +72,9 @@ def collective_traffic(num_params: float, *, stage: int, world_size: int, gas: i
     full = comm_bytes * num_params
     half = full * (n - 1) / n  # one all-gather or reduce-scatter of the whole model
     # (all-gathers and reduce-scatters of the whole model per step, all-reduces of it)
-    gathers_scatters, allreduces = {0: (0, 1), 1: (2, 0), 2: (gas + 1, 0), 3: (2 * gas, 0)}[stage]
+    sharded = placement_for_stage(stage)
+    gathers_scatters, allreduces = ((2 * gas, 0) if sharded.params else (gas + 1, 0) if sharded.grads else
+                                    (2, 0) if sharded.optimizer else (0, 1))
     sent = half * gathers_scatters + 2 * half * allreduces + 16 * 2 * (n - 1) / n
     collectives = units * (gathers_scatters + allreduces) + 1
     hops = units * (gathers_scatters * (n - 1) + allreduces * 2 * (n - 1)) + 2 * (n - 1)
@@ -91,8 +95,9 @@ def predict_step(num_params: float, *, stage: int, world_size: int, micro: int, 
     sent, collectives, hops = collective_traffic(num_params, stage=stage, world_size=world_size, gas=gas,
                                                  units=units, comm_bytes=comm_bytes)
     comm = hops * link.latency_s + sent / link.bandwidth_Bps if sent else 0.0
-    shard = num_params if stage == 0 else num_params / world_size
-    offloaded = offload_optimizer != "none" and stage >= 1
+    sharded = placement_for_stage(stage).optimizer  # the update runs on this rank's shard only
+    shard = num_params / world_size if sharded else num_params
+    offloaded = offload_optimizer != "none" and sharded
     rate = host_optimizer_s_per_param if offloaded and host_optimizer_s_per_param is not None else optimizer_s_per_param
     copies = 2 * comm_bytes * shard / host_link_Bps if offloaded and host_link_Bps else 0.0
     return StepPrediction(compute_s=compute_s_per_sample * micro * gas, comm_s=comm, optimizer_s=rate * shard,
