@@ -20,7 +20,7 @@ from ._tune_jobs import config_arg_index, script_args_for, trial_argv
 
 __all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
 
-from ._tune_loop import _DEFAULT_TRIAL_S  # the budget per planned trial when --time-budget is not given
+from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 
 
 def _ints(text: str) -> list[int]:

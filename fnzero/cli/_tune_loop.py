@@ -9,12 +9,11 @@ import time
 
 from ._tune_jobs import run_trial
 from ._tune_model import calibrate
+from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 from ._tune_results import metric_value, progress_line, row_for, write_results
 from ._tune_space import Candidate, build_space, micro_batch_sizes, model_state_estimate, order, prune, trial_config
 
 __all__ = ["Tuning"]
-
-_DEFAULT_TRIAL_S = 120.0
 
 
 class Tuning:

@@ -8,7 +8,9 @@ import csv
 import json
 import os
 
-__all__ = ["COLUMNS", "row_for", "metric_value", "write_results", "progress_line"]
+DEFAULT_TRIAL_S = 120.0  # the time budget per planned trial when --time-budget is not given
+
+__all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line"]
 
 COLUMNS = ("name", "stage", "micro_batch", "offload", "train_batch_size", "status", "reason", "step_time_s",
            "samples_per_s", "tokens_per_s", "flops_per_s_per_rank", "peak_memory_bytes", "model_state_bytes",
