@@ -79,8 +79,8 @@ def prune(cands, num_params: int, world: int, precision: str, limit: int | None,
 
 def trial_config(raw: dict, c: Candidate, *, gas: int, world: int, metric_path: str, start: int, end: int) -> dict:
     """The user's config with `c` applied, and the trial's autotuning block (its Monitor reports to
-    metric_path and ends the run after end_profile_step). With for_trial=False (no metric_path) it is
-    the config to train with."""
+    metric_path and ends the run after end_profile_step). With an empty metric_path it is
+    the config to train with (no autotuning block, as DeepSpeed's ds_config_optimal.json)."""
     out = copy.deepcopy(raw)
     out["train_micro_batch_size_per_gpu"] = c.micro
     out["gradient_accumulation_steps"] = gas
