@@ -155,3 +155,44 @@ def test_autotune_runs_every_candidate_and_picks_the_fastest(tmp_path, capsys, m
     # vary by more than the 20 % asked (specs/autotune.md §Measured).
     errors = [abs(r["prediction_error"]) for r in ran.values()]
     assert min(errors) < 1e-9 and all(math.isfinite(e) and r["predicted_step_s"] > 0 for e, r in zip(errors, ran.values()))
+
+
+def test_monitor_reports_a_trials_profile_steps_and_ends_it(tmp_path):
+    # specs/autotune.md §Trial report: steps start+1..end are timed (the median is the step time), the
+    # report is written at end_profile_step and the run ends there; rank r writes metric_path.rank<r>.
+    from fnzero.monitor import Monitor
+
+    path = tmp_path / "m.json"
+    cfg = fnzero.load_config({**BASE, "autotuning": {"enabled": True, "metric_path": str(path),
+                                                     "start_profile_step": 2, "end_profile_step": 5}})
+    for rank, where in ((0, path), (1, tmp_path / "m.json.rank1")):
+        ticks = iter([0.0, 1.0, 2.0, 2.5, 2.75, 3.75, 4.0])  # steps of 1, 1, 0.5, 0.25, 1, 0.25 s
+        mon = Monitor.from_config(cfg, rank=rank, world_size=2, tokens_per_step=64, clock=lambda: next(ticks))
+        with pytest.raises(SystemExit) as stop:
+            for i in range(1, 7):
+                mon.log(i, {"loss": 1.0, "timings": {"optimizer": 0.1}})
+        assert stop.value.code == 0 and i == 5  # ended at end_profile_step
+        r = json.loads(where.read_text())
+        assert r["step_times_s"] == [0.5, 0.25, 1.0] and r["step_time_s"] == 0.5 and r["rank"] == rank
+        assert r["samples_per_s"] == 2.0 and r["tokens_per_s"] == 128.0 and r["timings_s"]["optimizer"] == pytest.approx(0.1)
+        assert r["link"] is None  # no process group: nothing to measure
+    # Without metric_path (a training run), nothing is written and nothing ends.
+    plain = Monitor.from_config(fnzero.load_config(BASE), rank=0, world_size=1)
+    for i in range(1, 7):
+        plain.log(i, {"loss": 1.0})
+
+
+def test_plan_predicts_clusters_with_the_same_model(capsys):
+    # specs/autotune.md §Clusters on paper: 7B in bf16, inside a node (NVLink) and across 64 GPUs (InfiniBand).
+    assert cli(["plan", "--params", "7B", "--world-size", "64", "--precision", "bf16", "--predict",
+                "--predict-world-sizes", "8,64", "--json"]) == 0
+    rows = {(r["world_size"], r["stage"]): r for r in json.loads(capsys.readouterr().out)["predict"]}
+    psi = 7e9
+    for n, link in ((8, Link(5e-6, 300e9)), (64, Link(10e-6, 25e9))):
+        for stage in (0, 3):
+            want = predict_step(psi, stage=stage, world_size=n, micro=1, gas=1, units=32,
+                                compute_s_per_sample=6 * psi * 4096 / 400e12, optimizer_s_per_param=30 / 3.35e12,
+                                link=link, comm_bytes=2)
+            assert rows[n, stage]["step_s"] == pytest.approx(want.total_s)
+        assert rows[n, 0]["comm_bytes_per_rank"] == pytest.approx(2 * psi * 2 * (n - 1) / n + 16 * 2 * (n - 1) / n)
+    assert rows[8, 0]["link"] == "nvlink" and rows[64, 0]["link"] == "infiniband"
