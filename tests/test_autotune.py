@@ -196,3 +196,50 @@ def test_plan_predicts_clusters_with_the_same_model(capsys):
             assert rows[n, stage]["step_s"] == pytest.approx(want.total_s)
         assert rows[n, 0]["comm_bytes_per_rank"] == pytest.approx(2 * psi * 2 * (n - 1) / n + 16 * 2 * (n - 1) / n)
     assert rows[8, 0]["link"] == "nvlink" and rows[64, 0]["link"] == "infiniband"
+
+
+def test_script_args_carry_the_trials_config_and_arg_mappings():
+    from fnzero.cli._tune_jobs import script_args_for
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    maps = {"train_micro_batch_size_per_gpu": "--batch-size", "zero_optimization.stage": "--zero-stage"}
+    assert script_args_for(["--deepspeed_config", "a.json", "--batch-size", "1"], "t.json", cfg, maps) == [
+        "--deepspeed_config", "t.json", "--batch-size", "4", "--zero-stage", "2"]  # replaced, then appended
+    assert script_args_for(["--x", "--deepspeed=a.json"], "t.json", cfg, None) == ["--x", "--deepspeed=t.json"]
+
+
+def test_tuners_stop_at_num_trials_and_early_stopping(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Tuners, with the trials' numbers given (no jobs): samples/s = 10 x micro - stage.
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    order_run = []
+
+    def fake_trial(c, **kw):
+        order_run.append(c.name)
+        sps = 10.0 * c.micro - c.stage
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": c.micro * 2 / sps,
+                  "timings_s": {"optimizer": 0.0, "comm": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=c.micro * 2 / sps, samples_per_s=sps, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+
+    def tune(tuner, **block):
+        order_run.clear()
+        cfg = tmp_path / f"{tuner}.json"
+        cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "tuner_type": tuner, **block,
+                                                          "results_dir": str(tmp_path / tuner)}}))
+        assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1,2,3", "--offload", "none",
+                    "--micro-batch-sizes", "1,2", SCRIPT, "--deepspeed_config", str(cfg)]) == 0
+        rows = json.loads((tmp_path / tuner / "autotune_results.json").read_text())
+        return list(order_run), {r["name"]: r for r in rows}
+
+    ran, rows = tune("gridsearch", tuner_num_trials=3)
+    assert ran == ["z0_mbs1", "z0_mbs2", "z1_mbs1"] and rows["z3_mbs2"]["status"] == "skipped"
+    assert "tuner_num_trials" in rows["z3_mbs2"]["reason"]
+    ran, rows = tune("gridsearch", tuner_early_stopping=2)  # z0_mbs2 is best; two trials without better: stop
+    assert ran == ["z0_mbs1", "z0_mbs2", "z1_mbs1", "z1_mbs2"] and "early stopping" in rows["z2_mbs1"]["reason"]
+    ran, _ = tune("random")
+    assert sorted(ran) == sorted(rows) and ran != sorted(ran, key=lambda n: (n[1], n[-1]))
+    ran, rows = tune("model_based", tuner_num_trials=2)  # calibrated on z0_mbs1, then the predicted best
+    assert ran[0] == "z0_mbs1" and rows[ran[1]]["micro_batch"] == 2
