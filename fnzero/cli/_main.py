@@ -11,6 +11,7 @@ import tempfile
 import threading
 
 from . import _bench as bench_commands
+from . import _autotune as autotune_commands
 from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
@@ -20,6 +21,10 @@ __all__ = ["build_parser", "main", "split_launch_args"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.autotuning:  # DeepSpeed's `--autotuning tune|run`: `fnzero autotune` with this launch's ranks
+        run = ["--run"] if args.autotuning == "run" else []
+        tune = build_parser().parse_args(["autotune", "--world", str(args.nproc_per_node), *run, *rest])
+        return int(tune.func(tune))
     if args.hostfile:
         from ._multinode import launch_hostfile
 
@@ -172,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     hp.add_argument("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
                     help="the first N slots of each host")
     hp.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    lp.add_argument("--autotuning", choices=["tune", "run"], default=None,
+                    help="tune the script's config (`fnzero autotune`) and, with run, then train with the best")
     lp.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
 
     sub.add_parser("report", help="environment, devices, backends and native-extension status")
@@ -183,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_commands.register(sub)
     bench_commands.register(sub)
     ssh_commands.register(sub)
+    autotune_commands.register(sub)
     return p
 
 

@@ -19,6 +19,7 @@ import sys
 from fractions import Fraction
 
 from ._common import load_config_or_report
+from ._plan_predict import add_predict_options, predict_rows, print_predictions
 
 __all__ = ["register", "plan_report"]
 
@@ -299,10 +300,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"fnzero plan: {problem}", file=sys.stderr)
         return 2
     rep = plan_report(args)
+    if args.predict:
+        rep["predict"] = predict_rows(args)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         _print_table(rep, sys.stdout)
+        if args.predict:
+            print_predictions(args, rep["predict"], sys.stdout)
     return 0
 
 
@@ -348,6 +353,7 @@ def register(sub) -> None:
                    help="MiCS shard size: stages 1-3 shard over groups of S ranks, replicated across them (default: "
                    "the config's zero_optimization.mics_shard_size when on); must divide the world size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
+    add_predict_options(p)
     p.set_defaults(func=_run)
 
 

@@ -15,6 +15,7 @@ world's size.
 from __future__ import annotations
 
 from ._auto import AutoValues, hf_auto_values
+from ._autotuning import AutotuningConfig, ModelInfoConfig
 from ._expert import ExpertParallelConfig
 from ._load import load_config, read_config
 from ._models import Config
@@ -42,6 +43,7 @@ __all__ = [
     "ParallelWriteConfig", "WatchdogConfig", "CompileConfig", "TimersConfig", "ThroughputTimerConfig", "LeafModuleConfig",
     "OptimizerParams", "AdamParams", "AdamWParams", "SGDParams", "AdagradParams", "LambParams", "LionParams",
     "MuonParams", "OneBitAdamParams", "ZeroOneAdamParams", "OneBitLambParams", "OPTIMIZER_TYPES", "ExpertParallelConfig",
+    "AutotuningConfig", "ModelInfoConfig",
     "SchedulerParams", "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams",
     "LRRangeTestParams", "SCHEDULER_TYPES",
 ]

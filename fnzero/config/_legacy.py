@@ -18,15 +18,15 @@ __all__ = ["normalize"]
 # false, {} or `enabled: false`. (`compile` is a model of its own: its off switch is `deepcompile`.)
 UNSUPPORTED_BLOCKS = (
     "hybrid_engine", "compression_training", "quantize_training",
-    "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "autotuning", "wandb",
+    "sparse_attention", "elasticity", "curriculum_learning", "data_efficiency", "wandb",
     "comet", "nebula", "eigenvalue", "progressive_layer_drop", "amp", "moe",
     "weight_quantization", "datastates", "zenflow",
 )
 # (`moe` is no DeepSpeed 0.19.8 key: its runtime/config.py reads none, so DeepSpeed ignores it; MoE layers
 # are configured in code, `deepspeed.moe.layer.MoE`, and AutoEP by `expert_parallel`, a model of its own.)
 # Of those, the blocks DeepSpeed 0.19.8 reads with `enabled` defaulting to false (HybridEngineConfig,
-# WandbConfig, CometConfig, the autotuning reader): off unless enabled is true.
-OFF_UNLESS_ENABLED = {"hybrid_engine", "wandb", "comet", "autotuning"}
+# WandbConfig, CometConfig): off unless enabled is true. (`autotuning` is a model of its own.)
+OFF_UNLESS_ENABLED = {"hybrid_engine", "wandb", "comet"}
 # Flags of unsupported features: key -> (value that means "off", what the feature is). An off value
 # of None: only null (or absence) is off, as DeepSpeed builds the feature from any object, {} included.
 UNSUPPORTED_FLAGS: dict[str, tuple[Any, str]] = {

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
+from ._autotuning import AutotuningConfig
 from ._expert import ExpertParallelConfig
 from ._optim_models import OptimizerConfig
 from ._parallel import PipelineConfig, TensorParallelConfig
@@ -79,6 +80,8 @@ class Config(Model):
                                      description="Pipeline parallelism of a fnzero.pipeline.PipelineModule.")
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig,
                                                   description="AutoEP: MoE experts split over expert-parallel ranks.")
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig,
+                                         description="The autotuner's block (read by `fnzero autotune`).")
     # Not a DeepSpeed key: the data-parallel world size the batch triad was resolved against.
     # Excluded from to_json() so the printed config stays a valid DeepSpeed file.
     world_size: PosInt = Field(1, exclude=True, description="Data-parallel world size used to resolve the batch triad.")

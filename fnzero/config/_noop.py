@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ._autotuning import AUTOTUNING_NO_EFFECT
 from ._expert import NO_EFFECT_KEYS as EXPERT_NO_EFFECT
 from ._expert import ExpertParallelConfig
 from ._models import Config
@@ -205,3 +206,4 @@ def warn_no_effect(cfg: Config, stacklevel: int = 2) -> list[str]:
         warnings.warn(message, ConfigWarning, stacklevel=stacklevel + 1)
         messages.append(message)
     return messages
+NO_EFFECT.update(AUTOTUNING_NO_EFFECT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ._autotuning import autotuning_rules
 from ._expert import expert_rules
 from ._models import Config
 from ._optim_models import ONEBIT_TYPES
@@ -42,6 +43,7 @@ def cross_checks(cfg: Config) -> list[str]:
     out: list[str] = []
     stage = cfg.zero_optimization.stage
     out.extend(quantized_comm_rules(cfg))
+    out.extend(autotuning_rules(cfg.autotuning))
     if cfg.fp16.enabled and cfg.bf16.enabled:
         out.append("`fp16.enabled` and `bf16.enabled` are both true; enable at most one precision")
     if (cfg.pipeline.size or 1) > 1 and stage >= 2:

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from ._flops import FlopsProfile, count_flops, format_flops
+from ._probe import TrialProbe
 from ._writers import CsvWriter, TensorboardWriter, check_tensorboard
 
 __all__ = ["Monitor", "TIMING_KEYS"]
@@ -77,6 +78,9 @@ class Monitor:
         self._pending: tuple | None = None  # the last unprinted (step, metrics, state)
         self._step_flops: int | None = None
         self._closed = False
+        # An autotuner trial (`autotuning.metric_path` set): every rank times the profile steps.
+        self._probe = TrialProbe.from_config(cfg, rank=rank, world_size=world_size, tokens_per_step=tokens_per_step,
+                                             samples_per_step=self.samples_per_step)
         # Fail on every rank, before training starts, rather than on rank 0 alone mid-run.
         if cfg.tensorboard.enabled:
             check_tensorboard()
@@ -150,6 +154,10 @@ class Monitor:
         if timings:
             for k, v in timings.items():
                 self._win_timings[k] = self._win_timings.get(k, 0.0) + float(v)
+        if self._probe is not None and self._probe.record(step, dt, timings, state, self._step_flops):
+            # As DeepSpeed's engine after its profile steps: the trial has reported; end the run.
+            self.close()
+            raise SystemExit(0)
         if self.rank != 0:
             return
         self._write_scalars(metrics, timings)

@@ -1,0 +1,127 @@
+"""`fnzero autotune` (and `fnzero launch --autotuning tune|run`): run candidate configs as their own
+jobs and keep the fastest that fits (`specs/autotune.md`).
+
+    fnzero autotune --world 2 --time-budget 600 train.py --deepspeed_config ds.json
+    fnzero launch --nproc-per-node 2 --autotuning run train.py --deepspeed_config ds.json
+
+Exit codes: 0 tuned (and, with --run, trained); 1 no trial succeeded (or the training run failed);
+2 bad arguments or config (one line each on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import warnings
+
+from ._tune_jobs import config_arg_index, script_args_for, trial_argv
+
+__all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
+
+from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
+def _choices(allowed):
+    def conv(text: str) -> list[str]:
+        out = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in out if t not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(allowed)}")
+        return out
+    return conv
+
+
+def _bytes(text: str) -> int:
+    from ..memory._estimate import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_tuning_options(p: argparse.ArgumentParser) -> None:
+    """The autotuner's options (shared by `fnzero autotune`)."""
+    g = p.add_argument_group("autotuning (the config's `autotuning` block sets the rest)")
+    g.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help=f"seconds for all trials (default {_DEFAULT_TRIAL_S:g} per planned trial); printed up front")
+    g.add_argument("--memory-limit", type=_bytes, default=None, metavar="BYTES",
+                   help="model-state bytes one rank may hold (default: the GPU's memory; none on CPU)")
+    g.add_argument("--params", type=int, default=None, metavar="N",
+                   help="trainable parameters (default autotuning.model_info.num_params, else the first trial's)")
+    g.add_argument("--stages", type=_ints, default=[0, 1, 2, 3], help="ZeRO stages to try (default 0,1,2,3)")
+    g.add_argument("--micro-batch-sizes", type=_ints, default=None, metavar="LIST",
+                   help="micro-batch sizes to try (default: autotuning's min..max, num_tuning_micro_batch_sizes)")
+    g.add_argument("--offload", type=_choices(("none", "cpu", "nvme")), default=["none", "cpu"],
+                   help="optimizer offload devices to try (default none,cpu)")
+    g.add_argument("--link-bandwidth", type=float, default=None, metavar="B/S",
+                   help="data-parallel link bytes/s per rank (default: measured by the first trial)")
+    g.add_argument("--link-latency", type=float, default=None, metavar="S",
+                   help="seconds per ring hop (default: measured by the first trial)")
+    g.add_argument("--host-bandwidth", type=float, default=None, metavar="B/S",
+                   help="host<->device bytes/s for offload (default 25e9 on GPUs; none on CPU)")
+    g.add_argument("--trial-timeout", type=float, default=None, metavar="S", help="seconds per trial (default: the "
+                   "budget left)")
+    g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("autotune", help="run candidate ZeRO configs as jobs and write the fastest that fits",
+                       description="Explore ZeRO stage x micro-batch x optimizer offload: prune what the memory planner "
+                       "says cannot fit, run the rest a few steps each as its own job, and write the results table "
+                       "and the optimal config (DeepSpeed's --autotuning). Options come before the script; the "
+                       "script's arguments must name its config (--deepspeed_config, --deepspeed or --config).")
+    p.add_argument("--world", "--nproc-per-node", type=int, default=1, metavar="N", help="ranks per trial (default 1)")
+    p.add_argument("--run", action="store_true", help="then train with the optimal config (--autotuning run)")
+    add_tuning_options(p)
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config PATH")
+    p.set_defaults(func=autotune_main)
+
+
+def _fail(msg: str) -> int:
+    print(f"fnzero autotune: {msg}", file=sys.stderr)
+    return 2
+
+
+def autotune_main(args) -> int:
+    """Validate, then tune; the command's exit status."""
+    if not os.path.isfile(args.script):
+        return _fail(f"script {args.script!r} not found")
+    i = config_arg_index(args.script_args)
+    if i < 0:
+        return _fail("the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
+                     "--config) after the script")
+    path = args.script_args[i].split("=", 1)[1] if args.script_args[i].startswith("--") else args.script_args[i]
+    if args.world < 1:
+        return _fail(f"--world must be at least 1, got {args.world}")
+    from ..config._parse import read_source
+    from ._common import load_config_or_report
+
+    with warnings.catch_warnings():  # the block's "enabled has no effect in a training run": this is the tuner
+        warnings.filterwarnings("ignore", message="`autotuning.enabled`")
+        cfg = load_config_or_report(path, args.world, prefix="fnzero autotune: ")
+    if cfg is None:
+        return 2
+    raw, _ = read_source(path)
+    from ._tune_loop import Tuning
+
+    return Tuning(args, cfg, raw).run()
+
+
+def launch_with_best(args, best_config_path: str) -> int:
+    """`--autotuning run`: train with the optimal config, the script's config argument replaced."""
+    user = script_args_for(args.script_args, best_config_path, {}, None)
+    argv = trial_argv(args.world, args.script, user)
+    print("fnzero autotune: training with the optimal config: " + " ".join(argv[2:]), flush=True)
+    return subprocess.run(argv).returncode
+

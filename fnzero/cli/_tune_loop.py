@@ -1,0 +1,177 @@
+"""The autotuner's loop: the space, the planner's pruning, the trials in the tuner's order, the
+model's predictions, the results (`specs/autotune.md` §Trials)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ._tune_jobs import run_trial
+from ._tune_model import calibrate
+from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
+from ._tune_results import metric_value, progress_line, row_for, write_results
+from ._tune_space import Candidate, build_space, micro_batch_sizes, model_state_estimate, order, prune, trial_config
+
+__all__ = ["Tuning"]
+
+
+class Tuning:
+    """One `fnzero autotune` run: `Tuning(args, cfg, raw).run()` is its exit status."""
+
+    def __init__(self, args, cfg, raw: dict):
+        import torch
+
+        self.args, self.cfg, self.raw, self.at = args, cfg, raw, cfg.autotuning
+        self.world, self.gas = args.world, cfg.gradient_accumulation_steps
+        self.cuda = torch.cuda.is_available()
+        self.limit = args.memory_limit
+        if self.limit is None and self.cuda:
+            self.limit = torch.cuda.get_device_properties(0).total_memory
+        self.num_params = args.params or self.at.model_info.num_params
+        self.rows: dict[Candidate, dict] = {}
+        self.results: dict = {}
+        self.calibration = None
+        self.calibrated_on: Candidate | None = None
+        self.t0 = time.perf_counter()
+        self.ran = 0
+
+    # -- the flow ------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        at = self.at
+        micros = self.args.micro_batch_sizes or micro_batch_sizes(
+            at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu, at.num_tuning_micro_batch_sizes)
+        cands, rejected = build_space(sorted(set(self.args.stages)), micros, self.args.offload, gas=self.gas,
+                                      world=self.world, min_batch=at.min_train_batch_size, max_batch=at.max_train_batch_size)
+        for c, why in rejected:
+            self._row(c, "rejected", why)
+        planned = min(len(cands), at.tuner_num_trials)
+        self.budget = self.args.time_budget if self.args.time_budget is not None else _DEFAULT_TRIAL_S * planned
+        self._say(f"{len(cands)} candidates (stages {sorted(set(self.args.stages))} x micro-batch {micros} x offload "
+                  f"{self.args.offload}; tp/pp not explored), {self.world} rank(s) per trial, tuner {at.tuner_type}, "
+                  f"metric {at.metric}; time budget {self.budget:.0f} s for at most {planned} trial(s)")
+        if self.num_params is None and cands:  # the least-memory candidate measures the model's size first
+            first = max(cands, key=lambda c: (c.stage, -c.micro, c.offload == "none"))
+            self._trial(first, planned)
+            self.num_params = (self.results.get(first) and self.results[first].report.get("num_params")) or None
+            if self.num_params is None:
+                return self._finish(f"the first trial ({first.name}) reported no parameter count; pass --params")
+        keep, pruned = prune(cands, self.num_params, self.world, self.cfg.precision, self.limit, not self.cuda)
+        for c, why in pruned:
+            if c not in self.results:
+                self._row(c, "pruned", why)
+                self._say(f"pruned {c.name}: {why}")
+        self._search([c for c in keep if c not in self.results], planned)
+        return self._finish(None)
+
+    def _search(self, todo: list[Candidate], planned: int) -> None:
+        at, since_best, best = self.at, 0, self._best()
+        while todo:
+            if self.ran >= at.tuner_num_trials:
+                return self._skip(todo, f"autotuning.tuner_num_trials ({at.tuner_num_trials}) reached")
+            if since_best >= at.tuner_early_stopping:
+                return self._skip(todo, f"early stopping: {since_best} trials without a better one "
+                                        f"(autotuning.tuner_early_stopping)")
+            if self._left() <= 0:
+                return self._skip(todo, f"time budget ({self.budget:.0f} s) spent")
+            predicted = {c: self._predicted_metric(c) for c in todo} if self.calibration else None
+            c = order(todo, at.tuner_type, seed=self.args.seed, predicted=predicted,
+                      better_high=at.metric != "latency")[0]
+            todo.remove(c)
+            self._trial(c, planned)
+            new_best = self._best()
+            since_best = 0 if new_best != best else since_best + 1
+            best = new_best
+
+    def _trial(self, c: Candidate, planned: int) -> None:
+        left = self._left()
+        timeout = min(left, self.args.trial_timeout) if self.args.trial_timeout else left
+        res = run_trial(c, raw=self.raw, exps_dir=self.at.exps_dir, world=self.world, gas=self.gas,
+                        script=self.args.script, user_args=self.args.script_args, at=self.at,
+                        timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite)
+        self.ran += 1
+        self.results[c] = res
+        # The model is calibrated on the first trial, and again on the first stage-0 trial (whose comm
+        # time is all its collectives: the link's latency in the step).
+        if res.status == "ok" and res.report.get("num_params") and (
+                self.calibration is None or c.stage == 0 and self.calibrated_on.stage != 0):
+            self._calibrate(c, res.report)
+        row = self._row(c, res.status, res.reason, res)
+        self._say(progress_line(self.ran, planned, row, time.perf_counter() - self.t0, self.budget))
+
+    # -- the model -----------------------------------------------------------------------------------------
+
+    def _calibrate(self, c: Candidate, report: dict) -> None:
+        from ..memory._predict import Link, ring_link
+
+        a, link = self.args, None
+        if a.link_bandwidth is not None or a.link_latency is not None:
+            measured = report.get("link") or {}
+            lat = a.link_latency if a.link_latency is not None else ring_link(
+                measured.get("latency_s", 0.0), 1.0, self.world).latency_s
+            link = Link(lat, a.link_bandwidth if a.link_bandwidth is not None else measured.get("bandwidth_Bps", 1e30))
+        host = a.host_bandwidth if a.host_bandwidth is not None else (25e9 if self.cuda else None)
+        self.calibrated_on = c
+        self.calibration = calibrate(c, report, world=self.world, gas=self.gas, link=link, host_link_Bps=host)
+        k = self.calibration
+        self._say(f"step-time model calibrated on {c.name}: compute {k.compute_s_per_sample * 1e3:.3f} ms/sample, "
+                  f"optimizer {k.optimizer_s_per_param * 1e9:.3f} ns/param, link {k.link.bandwidth_Bps / 1e9:.3f} GB/s "
+                  f"and {k.link.latency_s * 1e6:.1f} us/hop, {k.units} units, {k.num_params:,} parameters")
+
+    def _predicted_metric(self, c: Candidate) -> float:
+        t = self.calibration.predict(c).total_s
+        return t if self.at.metric == "latency" else c.micro * self.gas * self.world / t
+
+    # -- rows, best, outputs -------------------------------------------------------------------------------
+
+    def _row(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
+        est = (model_state_estimate(c, self.num_params, self.world, self.cfg.precision, not self.cuda)
+               if self.num_params else None)
+        pred = self.calibration.predict(c).total_s if self.calibration else None
+        row = row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
+                      predicted=pred, metric=metric_value(self.at.metric, res, self.num_params, self.world))
+        self.rows[c] = row
+        return row
+
+    def _skip(self, todo, why: str) -> None:
+        for c in todo:
+            self._row(c, "skipped", why)
+        self._say(f"{len(todo)} candidate(s) not run: {why}")
+
+    def _best(self):
+        scored = [(r["metric"], c) for c, r in self.rows.items() if r["status"] == "ok" and r["metric"] is not None]
+        if not scored:
+            return None
+        sign = -1 if self.at.metric == "latency" else 1
+        return max(scored, key=lambda mc: sign * mc[0])[1]
+
+    def _left(self) -> float:
+        return self.budget - (time.perf_counter() - self.t0)
+
+    def _finish(self, error: str | None) -> int:
+        from ._autotune import launch_with_best
+        from ._tune_jobs import script_args_for, trial_argv
+
+        if self.calibration:  # every row's prediction from the one model, the calibrating trial's too
+            for c, row in self.rows.items():
+                self.rows[c] = self._row(c, row["status"], row["reason"], self.results.get(c))
+        best = self._best()
+        config = cmd = None
+        if best is not None:
+            config = trial_config(self.raw, best, gas=self.gas, world=self.world, metric_path="", start=0, end=0)
+            path = os.path.join(self.at.results_dir, "ds_config_optimal.json")
+            cmd = ["fnzero", "launch", "--nproc-per-node", str(self.world), self.args.script,
+                   *script_args_for(self.args.script_args, path, config, self.at.arg_mappings)]
+        paths = write_results(self.at.results_dir, list(self.rows.values()), config, cmd)
+        self._say(f"results: {paths['csv']}, {paths['json']}")
+        if error or best is None:
+            print(f"fnzero autotune: {error or 'no trial succeeded; see the reasons in ' + paths['csv']}", file=sys.stderr)
+            return 1
+        r = self.rows[best]
+        self._say(f"best: {best.name} (stage {best.stage}, micro-batch {best.micro}, offload {best.offload}): "
+                  f"{r['step_time_s']:.4f} s/step, {r['samples_per_s']:.1f} samples/s -> {paths['config']}")
+        return launch_with_best(self.args, paths["config"]) if self.args.run else 0
+
+    def _say(self, line: str) -> None:
+        print(f"fnzero autotune: {line}", flush=True)

@@ -1,0 +1,104 @@
+"""Step-time model for a ZeRO configuration (`specs/autotune.md` §Step-time model).
+
+Pure numbers, no tensors: one optimizer step of a data-parallel rank is its compute (forward and
+backward, linear in the samples it processes), its collectives (the bytes and counts of
+`specs/collectives.md` §Per stage over a link of given latency and bandwidth), its optimizer update
+(linear in the parameters this rank updates) and, with `offload_optimizer`, the host<->device copies
+of its shard. Nothing overlaps: the sum bounds a step whose communication is not hidden;
+`StepPrediction.overlapped_s` is the other end, every collective hidden behind compute.
+
+    >>> link = Link(latency_s=1e-5, bandwidth_Bps=1e10)
+    >>> p = predict_step(1_000_000, stage=0, world_size=2, micro=4, gas=1, units=1,
+    ...                  compute_s_per_sample=0.01, optimizer_s_per_param=1e-9, link=link)
+    >>> round(p.comm_bytes), round(p.comm_s * 1e6, 2)   # 4Ψ·2(N-1)/N + the norm's 16; 4 hops x 10 µs + 400 µs
+    (4000016, 440.0)
+    >>> round(p.total_s, 6)
+    0.04144
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..sharding.zero._placement import placement_for_stage
+
+__all__ = ["Link", "StepPrediction", "collective_traffic", "predict_step", "ring_link"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link between data-parallel ranks: `latency_s` per ring hop, `bandwidth_Bps` the bytes per
+    second one rank sends (the ring's bus bandwidth)."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+
+def ring_link(allreduce_latency_s: float, bandwidth_Bps: float, world_size: int) -> Link:
+    """A `Link` from a measured small all-reduce's time on `world_size` ranks (2(N-1) ring hops)."""
+    return Link(allreduce_latency_s / max(1, 2 * (world_size - 1)), bandwidth_Bps)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """Seconds of one optimizer step of one rank, by part; bytes and collectives it sends."""
+
+    compute_s: float
+    comm_s: float
+    optimizer_s: float
+    offload_s: float
+    comm_bytes: float
+    collectives: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.optimizer_s + self.offload_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """The step if every collective were hidden behind compute."""
+        return max(self.compute_s, self.comm_s) + self.optimizer_s + self.offload_s
+
+
+def collective_traffic(num_params: float, *, stage: int, world_size: int, gas: int, units: int,
+                       comm_bytes: int = 4) -> tuple[float, int, int]:
+    """(bytes one rank sends, collectives, ring hops) of one step (`specs/collectives.md` §Per stage
+    and §Traffic): ring all-reduce 2(N-1)/N of its buffer in 2(N-1) hops, all-gather and
+    reduce-scatter (N-1)/N in N-1 hops; stage 3 re-gathers nothing in backward (the reuse
+    distance's default); plus the gradient-norm/loss all-reduce of two float64."""
+    n = world_size
+    if n < 2:
+        return 0.0, 0, 0
+    full = comm_bytes * num_params
+    half = full * (n - 1) / n  # one all-gather or reduce-scatter of the whole model
+    # (all-gathers and reduce-scatters of the whole model per step, all-reduces of it)
+    sharded = placement_for_stage(stage)
+    gathers_scatters, allreduces = ((2 * gas, 0) if sharded.params else (gas + 1, 0) if sharded.grads else
+                                    (2, 0) if sharded.optimizer else (0, 1))
+    sent = half * gathers_scatters + 2 * half * allreduces + 16 * 2 * (n - 1) / n
+    collectives = units * (gathers_scatters + allreduces) + 1
+    hops = units * (gathers_scatters * (n - 1) + allreduces * 2 * (n - 1)) + 2 * (n - 1)
+    return sent, collectives, hops
+
+
+def predict_step(num_params: float, *, stage: int, world_size: int, micro: int, gas: int, units: int,
+                 compute_s_per_sample: float, optimizer_s_per_param: float, link: Link, comm_bytes: int = 4,
+                 offload_optimizer: str = "none", host_link_Bps: float | None = None,
+                 host_optimizer_s_per_param: float | None = None) -> StepPrediction:
+    """The step-time model for one configuration of `world_size` data-parallel ranks.
+
+    compute_s_per_sample: forward + backward seconds per sample on one rank (a measured compute
+    rate, or FLOPs per sample / FLOP/s). optimizer_s_per_param: the update's seconds per parameter
+    of this rank's shard (all Ψ at stage 0, Ψ/N at 1-3). With offload_optimizer cpu|nvme the update
+    runs at host_optimizer_s_per_param (default: the device's) and the gradient shard goes down and
+    the parameter shard comes up over host_link_Bps (None: no copy, the device is the host)."""
+    sent, collectives, hops = collective_traffic(num_params, stage=stage, world_size=world_size, gas=gas,
+                                                 units=units, comm_bytes=comm_bytes)
+    comm = hops * link.latency_s + sent / link.bandwidth_Bps if sent else 0.0
+    sharded = placement_for_stage(stage).optimizer  # the update runs on this rank's shard only
+    shard = num_params / world_size if sharded else num_params
+    offloaded = offload_optimizer != "none" and sharded
+    rate = host_optimizer_s_per_param if offloaded and host_optimizer_s_per_param is not None else optimizer_s_per_param
+    copies = 2 * comm_bytes * shard / host_link_Bps if offloaded and host_link_Bps else 0.0
+    return StepPrediction(compute_s=compute_s_per_sample * micro * gas, comm_s=comm, optimizer_s=rate * shard,
+                          offload_s=copies, comm_bytes=sent, collectives=collectives)
