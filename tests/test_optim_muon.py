@@ -220,7 +220,6 @@ def test_muon_config_defaults_and_shared_lr():
 
 
 @pytest.mark.parametrize("params,match", [
-    ({"per_head_muon": True}, "per_head_muon"),
     ({"ns_method": "svd"}, "ns_method"),
     ({"nesterov": False}, "nesterov"),  # not a DeepSpeed 0.19.8 key (it always uses Nesterov)
     ({"momentum": 1.0}, "momentum"),

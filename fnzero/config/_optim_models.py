@@ -155,8 +155,9 @@ class MuonParams(Model):
     adam_w_mode: Bool = Field(True, description="Decoupled weight decay for the auxiliary Adam (false: L2).")
     torch_adam: Bool = Field(False, description="DeepSpeed builds torch.optim.AdamW for the auxiliary Adam; "
                              "the same update (accepted, no effect).")
-    per_head_muon: Literal[False] = Field(False, description="Per-attention-head orthogonalisation; not "
-                                          "implemented, must be false.")
+    per_head_muon: Bool = Field(False, description="Orthogonalise each attention head of the q/k/v "
+                                "projections on its own; the head counts come from the model "
+                                "(fnzero.optim.muon_head_counts, passed as head_counts=).")
 
     @model_validator(mode="before")
     @classmethod

@@ -44,6 +44,7 @@ from ._onebit_adam import OneBitAdamState, onebit_adam
 from ._onebit_lamb import OneBitLambState, onebit_lamb
 from ._zero_one_adam import ZeroOneAdamState, zero_one_adam
 from ._muon import PartitionState, ScaleByMuonState, partition, scale_by_muon, uses_muon
+from ._muon_heads import muon_head_counts
 from ._sgd import SGDState, sgd
 from ._transform import (
     CountState, GradientTransformation, ScaleByAdamState, ScaleByLionState, ScaleByRssState, TraceState, add_decayed_weights,
@@ -62,6 +63,6 @@ __all__ = [
     "scale_by_trust_ratio", "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale",
     "CountState", "ScaleByAdamState", "TraceState", "ScaleByLionState", "ScaleByRssState",
     "CHAINS", "adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain",
-    "scale_by_muon", "partition", "uses_muon", "ScaleByMuonState", "PartitionState",
+    "scale_by_muon", "partition", "uses_muon", "muon_head_counts", "ScaleByMuonState", "PartitionState",
     "onebit_adam", "zero_one_adam", "onebit_lamb", "OneBitAdamState", "ZeroOneAdamState", "OneBitLambState",
 ]

@@ -8,6 +8,7 @@ through `as_optimizer`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from fnzero._errors import ConfigError
@@ -80,23 +81,29 @@ def muon_chain(lr: float | None = None, momentum: float = 0.95, weight_decay: fl
                betas=(0.9, 0.95), eps: float = 1e-10, adam_w_mode: bool = True, muon_lr: float | None = None,
                adam_lr: float | None = None, nesterov: bool = True, ns_steps: int = 5,
                adam_lr_ratio: float | None = None, select: Callable[[str, tuple[int, ...]], bool] = uses_muon,
-               per_head_muon: bool = False, **ignored: Any) -> GradientTransformation:
+               per_head_muon: bool = False, head_counts: Mapping[str, int] | None = None,
+               **ignored: Any) -> GradientTransformation:
     """DeepSpeed's Muon with its auxiliary Adam, by DeepSpeed's config keys: for the parameters
     `select` chooses (`uses_muon`) `scale_by_muon → add_decayed_weights(weight_decay) → lr` at
     `muon_lr` (else `lr`, else 0.02); for the rest Adam (`adam_chain`: bias-corrected, decoupled
     decay unless `adam_w_mode` is false) at `adam_lr` (else `lr`, else 3e-4). A step's `lr=` extra
     (the schedule's) is Muon's; Adam's is it times `adam_lr_ratio` (default: Adam's lr over
-    Muon's, so both follow the schedule in proportion)."""
+    Muon's, so both follow the schedule in proportion). `per_head_muon`: the attention projections
+    `head_counts` names (`muon_head_counts(model)`: name -> heads) are orthogonalised per head."""
     check.extra_kwargs("muon", ignored)
-    if per_head_muon:
-        raise ConfigError("muon: per_head_muon=True (per-attention-head orthogonalisation) is not implemented; "
-                          "set it to false")
+    if check.flag("muon", "per_head_muon", per_head_muon) and head_counts is None:
+        raise ConfigError(
+            "muon: per_head_muon=True needs the attention head counts, which come from the model: pass "
+            "head_counts=fnzero.optim.muon_head_counts(model) (from a config: fnzero.optim.chain_from_config(cfg, "
+            "head_counts=...) given as optimizer= to init_state and train_step)"
+        )
     lr_muon = check.number("muon", "muon_lr", _first(muon_lr, lr, MUON_DEFAULT_LR))
     lr_adam = check.number("muon", "adam_lr", _first(adam_lr, lr, ADAM_DEFAULT_LR))
     if adam_lr_ratio is None:
         adam_lr_ratio = lr_adam / lr_muon if lr_muon > 0 else 1.0
     check.number("muon", "weight_decay", weight_decay)
-    muon_half = chain(scale_by_muon(momentum, nesterov, ns_steps, ns_method), add_decayed_weights(weight_decay),
+    heads = head_counts if per_head_muon else None
+    muon_half = chain(scale_by_muon(momentum, nesterov, ns_steps, ns_method, heads), add_decayed_weights(weight_decay),
                       scale_by_learning_rate(lr_muon))
     b1, b2 = check.betas("muon", betas)
     adam_half = adam_chain(lr_adam, (b1, b2), check.number("muon", "eps", eps), weight_decay,

@@ -69,18 +69,24 @@ def optimizer_kind(cfg: Any) -> str:
 _SCALING_SCHEDULERS = frozenset({"warmupcosinelr"})
 
 
-def _params(cfg: Any, kind: str) -> dict[str, Any]:
+def _params(cfg: Any, kind: str, head_counts: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The factory's keyword arguments: the `params` block, and for Muon how its Adam half follows
-    the schedule (in proportion, or at the schedule's lr itself as DeepSpeed's absolute schedulers)."""
+    the schedule (in proportion, or at the schedule's lr itself as DeepSpeed's absolute schedulers)
+    and `head_counts` (per_head_muon's, from the model: `muon_head_counts`)."""
     params = params_dict(cfg.optimizer.params)
+    if head_counts is not None:
+        if kind != "muon":
+            raise ConfigError(f"head_counts= is for optimizer type Muon with per_head_muon, not {cfg.optimizer.type}")
+        params["head_counts"] = head_counts
     sched = getattr(cfg, "scheduler", None)
     if kind == "muon" and sched is not None and str(sched.type).lower() not in _SCALING_SCHEDULERS:
         params["adam_lr_ratio"] = 1.0
     return params
 
 
-def from_config(cfg: Any) -> Optimizer:
-    """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params``.
+def from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> Optimizer:
+    """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params`` (Muon's
+    ``per_head_muon`` takes ``head_counts=fnzero.optim.muon_head_counts(model)``).
 
     >>> import fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 1,
@@ -89,12 +95,13 @@ def from_config(cfg: Any) -> Optimizer:
     True
     """
     kind = optimizer_kind(cfg)
-    return FACTORIES[kind](**_params(cfg, kind))
+    return FACTORIES[kind](**_params(cfg, kind, head_counts))
 
 
-def chain_from_config(cfg: Any) -> GradientTransformation:
-    """The chain of gradient transformations that ``cfg.optimizer`` names, with its ``params``:
-    the definition the fused optimizer of `from_config` computes.
+def chain_from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> GradientTransformation:
+    """The chain of gradient transformations that ``cfg.optimizer`` names, with its ``params``
+    (and Muon's ``head_counts``, as `from_config`): the definition the fused optimizer of
+    `from_config` computes.
 
     >>> import fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
@@ -102,11 +109,11 @@ def chain_from_config(cfg: Any) -> GradientTransformation:
     False
     """
     kind = optimizer_kind(cfg)
-    FACTORIES[kind](**_params(cfg, kind))  # the same checks of every value
+    FACTORIES[kind](**_params(cfg, kind, head_counts))  # the same checks of every value
     if kind not in CHAINS:
         raise ConfigError(f"optimizer type {cfg.optimizer.type} exchanges its momentum itself and has no chain; "
                           "build it with from_config (specs/optim.md §1-bit optimizers)")
-    return CHAINS[kind](**_params(cfg, kind))
+    return CHAINS[kind](**_params(cfg, kind, head_counts))
 
 
 def host_from_config(cfg: Any) -> Optimizer:
