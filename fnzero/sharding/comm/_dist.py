@@ -1,4 +1,5 @@
-"""Process-group setup from the launcher's environment (torchrun, `fnzero launch`, SLURM)."""
+"""Process-group setup from the launcher's environment (torchrun, `fnzero launch`, an MPI's
+mpirun, SLURM's srun; `specs/cli.md` §What each MPI's variables mean)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..._errors import DistributedError
 from ._collectives import provided_collectives
 from ._watchdog import start_watchdog
 
-__all__ = ["init_distributed", "DistInfo", "free_port"]
+__all__ = ["init_distributed", "DistInfo", "free_port", "launcher_ranks", "RANK_VARIABLES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,14 +38,43 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+# Who set the process's rank, world size and local rank (and local size), in the order they are
+# looked for: torchrun (and `fnzero launch`, DeepSpeed's launch.py, Intel MPI under `fnzero launch
+# --launcher impi`), Open MPI's mpirun, MVAPICH2's, MPICH's and Intel MPI's Hydra (PMI), PMIx, SLURM's
+# srun last: mpirun inside an allocation leaves the allocation's SLURM_PROCID=0 on every rank.
+RANK_VARIABLES: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
+    ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")),
+    ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",),
+     ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("mvapich", ("MV2_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_SIZE",), ("MV2_COMM_WORLD_LOCAL_RANK",),
+     ("MV2_COMM_WORLD_LOCAL_SIZE",)),
+    ("mpich", ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"),
+     ("MPI_LOCALNRANKS", "LOCAL_SIZE")),
+    ("slurm", ("SLURM_PROCID",), ("SLURM_NTASKS",), ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
+)
+
+
+def launcher_ranks() -> tuple[int | None, int | None, int, int | None]:
+    """(rank, world size, local rank, local size) from the first launcher family whose rank
+    variable is set (`RANK_VARIABLES`; within a field, the first name set). Without any: (None,
+    WORLD_SIZE, LOCAL_RANK or 0, None)."""
+    for _, rank, world, local, local_size in RANK_VARIABLES:
+        if any(os.environ.get(n, "") != "" for n in rank):
+            return _env_int(*rank), _env_int(*world), _env_int(*local) or 0, _env_int(*local_size)
+    return None, _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK") or 0, None
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      malloc_mmap_threshold: int | None = 4 << 20, watchdog_s: float = 300.0) -> DistInfo:
     """Join the process group described by the environment, or run as a world of one.
 
-    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (SLURM_PROCID/SLURM_NTASKS/
-    SLURM_LOCALID are used when torchrun's are absent). The backend defaults to NCCL when CUDA is
-    available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
-    every collective, so a rank that dies makes the others fail instead of hang.
+    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or an MPI's (Open MPI's OMPI_COMM_WORLD_*,
+    MVAPICH2's MV2_COMM_WORLD_*, MPICH/Intel MPI's PMI_RANK/PMI_SIZE/MPI_LOCALRANKID) or
+    SLURM's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when torchrun's are absent
+    (`launcher_ranks`), and MASTER_ADDR/MASTER_PORT, which `fnzero launch --launcher ...` exports to
+    every rank. The backend defaults to NCCL when CUDA is available and gloo otherwise; on CUDA
+    each process takes device `LOCAL_RANK`. `timeout_s` bounds every collective, so a rank that
+    dies makes the others fail instead of hang.
     `watchdog_s` starts the collective watchdog: a rank missing from a collective that long ends
     the job, named (`specs/collectives.md` §Watchdog; 0 = off; a config's
     `watchdog.timeout_seconds` given to `shard` replaces it). It never waits more than half of
@@ -65,9 +95,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         from ..._ext._heap import return_freed_memory
 
         return_freed_memory(malloc_mmap_threshold)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    rank = _env_int("RANK", "SLURM_PROCID")
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+    rank, world, local, _ = launcher_ranks()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
@@ -77,7 +105,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     if rank is None:
         raise DistributedError("WORLD_SIZE is set but RANK is not; launch with `fnzero launch` or torchrun")
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise DistributedError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run")
+        raise DistributedError(f"MASTER_ADDR and MASTER_PORT must be set for a multi-process run (rank {rank} of "
+                               f"{world}); `fnzero launch` sets them for every launcher")
     backend = backend or ("nccl" if cuda else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(
