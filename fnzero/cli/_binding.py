@@ -64,9 +64,11 @@ def numa_nodes() -> dict[int, list[int]]:
     return dict(sorted(nodes.items()))
 
 
-def bind_command(core_list: str | None, local_size: int, local_rank: int,
-                 numactl: str | None = None) -> tuple[int, list[str]]:
-    """(cores per rank, the command prefix binding local rank `local_rank` of `local_size`)."""
+def bind_command(core_list: str | None, local_size: int, local_rank: int, numactl: str | None = None,
+                 numa: dict[int, list[int]] | None = None) -> tuple[int, list[str]]:
+    """(cores per rank, the command prefix binding local rank `local_rank` of `local_size`).
+    `numactl`: its path, "" for none (default: looked up); `numa`: node -> cores (default: this
+    machine's)."""
     if "KMP_AFFINITY" in os.environ:  # as DeepSpeed: it overrides the binding numactl sets
         raise LaunchError("--bind_cores_to_rank: unset KMP_AFFINITY, which conflicts with the core binding")
     cores = parse_core_list(core_list) if core_list else list(range(physical_cores()))
@@ -78,7 +80,7 @@ def bind_command(core_list: str | None, local_size: int, local_rank: int,
     numactl = numactl if numactl is not None else (shutil.which("numactl") or "")
     if not numactl:
         return per, ["taskset", "-c", core_ranges(mine)]
-    memory = [["-m", str(n)] for n, node_cores in numa_nodes().items() if set(mine) <= set(node_cores)]
+    memory = [["-m", str(n)] for n, node_cores in (numa_nodes() if numa is None else numa).items() if set(mine) <= set(node_cores)]
     return per, ["numactl", *(memory[0] if memory else []), "-C", core_ranges(mine)]
 
 
