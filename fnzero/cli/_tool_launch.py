@@ -24,9 +24,12 @@ def pid_file(front_pid: int) -> str:
 
 
 def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[int]], hostfile: str) -> LaunchJob:
-    import torch
+    cuda = False
+    if args.launcher == "mvapich":  # its CUDA-aware transport is asked for on CUDA machines only
+        import torch
 
-    exports = {**default_exports(args.launcher, torch.cuda.is_available()), **forwarded_env()}
+        cuda = torch.cuda.is_available()
+    exports = {**default_exports(args.launcher, cuda), **forwarded_env()}
     return LaunchJob(
         launcher=args.launcher, hostfile=hostfile, active=active,
         exports={k: quote_export(v) for k, v in exports.items()},

@@ -1,0 +1,25 @@
+"""A few ZeRO-3 steps on every rank of a job started by `fnzero launch --launcher ...` (the hostfile
+tests launch it): each rank prints its rank, world, local rank, network namespace (its "host"),
+which launcher variables gave its rank, a forwarded variable, and the global loss."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+import fnzero
+from fnzero.testing import MLP
+
+dist = fnzero.init_distributed(timeout_s=60, watchdog_s=15)
+cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+torch.manual_seed(0)
+sm = fnzero.shard(MLP([4, 8, 2]), config=cfg)
+state = sm.init_state()
+step = fnzero.train_step(lambda p, b: F.mse_loss(sm.apply(p, b[0]), b[1]), cfg)
+g = torch.Generator().manual_seed(dist.rank)
+for i in range(3):
+    state, m = step(state, (torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)))
+given = "openmpi" if "OMPI_COMM_WORLD_RANK" in os.environ else "torchrun" if "GROUP_RANK" in os.environ else "?"
+print(f"RESULT rank={dist.rank} world={dist.world_size} local={dist.local_rank} net={os.readlink('/proc/self/ns/net')} "
+      f"by={given} var={os.environ.get('FNZ_HOSTFILE_TEST')} loss={m['loss']:.10f}", flush=True)
