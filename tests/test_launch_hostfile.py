@@ -3,8 +3,11 @@ its filters, and, for real, a 2-host x 2-rank ZeRO-3 job over SSH between two ne
 (each with its own sshd, joined by a veth link) that trains, saves a checkpoint on each host's own
 directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed.
 
-The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it); without
-them it is skipped, saying why."""
+The same two hosts then run a job started by `--launcher openmpi` (mpirun) and by `--launcher pdsh`
+(specs/cli.md §Launchers).
+
+The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it), and
+openmpi-bin and pdsh for the launchers; without them it is skipped, saying why."""
 
 from __future__ import annotations
 
@@ -167,6 +170,52 @@ def _launch(two_hosts, *script_args, **popen):
                             **popen)
 
 
+# -- the same two hosts, started by mpirun and by pdsh (before the test below kills the second) ------
+
+def _run_launcher(two_hosts, tmp_path, launcher: str, launcher_args: str, extra_env: dict) -> str:
+    """`fnzero launch --launcher L` from the first host; the job's output (it must succeed)."""
+    hostfile, env, ns = two_hosts
+    cmd = ["ip", "netns", "exec", ns[0], sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", hostfile,
+           "--launcher", launcher, "--launcher_args", launcher_args, "--ssh_port", "2222", "--master_port", "29535",
+           "--num_gpus", "1",
+           os.path.join(HERE, "scripts", "train_launched.py")]
+    r = subprocess.run(cmd, cwd=ROOT, env={**env, **extra_env}, capture_output=True, text=True, timeout=150)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def _results(out: str) -> list[tuple[str, ...]]:
+    found = re.findall(r"RESULT rank=(\d) world=(\d) local=(\d) net=(\S+) by=(\w+) var=(\w+) loss=(\S+)", out)
+    return sorted(found)
+
+
+def _check_two_hosts(found, by: str, out: str) -> str:
+    """Two ranks, one per host (`--num_gpus 1` of the hostfile's two slots), one job: its loss."""
+    assert [(r, w, loc, b, v) for r, w, loc, _, b, v, _ in found] == [("0", "2", "0", by, "forwarded"),
+                                                                      ("1", "2", "0", by, "forwarded")], out
+    assert found[0][3] != found[1][3], out  # each rank in its own host's network namespace
+    assert len({loss for *_, loss in found}) == 1, out
+    return found[0][-1]
+
+
+def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts, tmp_path):
+    """`--launcher openmpi`: one mpirun starts the ranks (each reads its rank from Open MPI's
+    variables; `--num_gpus 1` gives mpirun a hostfile of one slot per host); `--launcher pdsh`:
+    pdsh starts one `fnzero launch` per host (`%n` its node rank), which starts the host's rank.
+    ZeRO-3 across the two hosts, the same job either way: the same loss."""
+    missing = [t for t in ("mpirun", "pdsh") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (openmpi-bin, pdsh; .ci/run installs them)")
+    hostfile, env, _ = two_hosts
+    ssh_opts = env["FNZERO_SSH"].split(None, 1)[1]
+    out = _run_launcher(two_hosts, tmp_path, "openmpi",
+                        "--allow-run-as-root --mca btl_tcp_if_include fnz0 --mca oob_tcp_if_include fnz0",
+                        {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"})
+    mpi_loss = _check_two_hosts(_results(out), "openmpi", out)
+    out = _run_launcher(two_hosts, tmp_path, "pdsh", "", {"PDSH_SSH_ARGS_APPEND": ssh_opts})
+    assert _check_two_hosts(_results(out), "torchrun", out) == mpi_loss
+
+
 def test_two_hosts_train_from_a_hostfile_and_a_killed_host_ends_the_job(two_hosts, tmp_path):
     # One job (starting one costs ~12 s here): it trains, saves node-locally, prints its results,
     # then trains on until the second host is killed, which must end it on the first.
@@ -214,48 +263,3 @@ def _cmdline(pid: str) -> str:
     except OSError:
         return ""
 
-
-# -- the same two hosts, started by mpirun and by pdsh ----------------------------------------------
-
-def _run_launcher(two_hosts, tmp_path, launcher: str, launcher_args: str, extra_env: dict) -> str:
-    """`fnzero launch --launcher L` from the first host; the job's output (it must succeed)."""
-    hostfile, env, ns = two_hosts
-    cmd = ["ip", "netns", "exec", ns[0], sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", hostfile,
-           "--launcher", launcher, "--launcher_args", launcher_args, "--ssh_port", "2222", "--master_port", "29535",
-           "--num_gpus", "1",
-           os.path.join(HERE, "scripts", "train_launched.py")]
-    r = subprocess.run(cmd, cwd=ROOT, env={**env, **extra_env}, capture_output=True, text=True, timeout=150)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout + r.stderr
-
-
-def _results(out: str) -> list[tuple[str, ...]]:
-    found = re.findall(r"RESULT rank=(\d) world=(\d) local=(\d) net=(\S+) by=(\w+) var=(\w+) loss=(\S+)", out)
-    return sorted(found)
-
-
-def _check_two_hosts(found, by: str, out: str) -> str:
-    """Two ranks, one per host (`--num_gpus 1` of the hostfile's two slots), one job: its loss."""
-    assert [(r, w, loc, b, v) for r, w, loc, _, b, v, _ in found] == [("0", "2", "0", by, "forwarded"),
-                                                                      ("1", "2", "0", by, "forwarded")], out
-    assert found[0][3] != found[1][3], out  # each rank in its own host's network namespace
-    assert len({loss for *_, loss in found}) == 1, out
-    return found[0][-1]
-
-
-def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts, tmp_path):
-    """`--launcher openmpi`: one mpirun starts the ranks (each reads its rank from Open MPI's
-    variables; `--num_gpus 1` gives mpirun a hostfile of one slot per host); `--launcher pdsh`:
-    pdsh starts one `fnzero launch` per host (`%n` its node rank), which starts the host's rank.
-    ZeRO-3 across the two hosts, the same job either way: the same loss."""
-    missing = [t for t in ("mpirun", "pdsh") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"needs {' and '.join(missing)} (openmpi-bin, pdsh; .ci/run installs them)")
-    hostfile, env, _ = two_hosts
-    ssh_opts = env["FNZERO_SSH"].split(None, 1)[1]
-    out = _run_launcher(two_hosts, tmp_path, "openmpi",
-                        "--allow-run-as-root --mca btl_tcp_if_include fnz0 --mca oob_tcp_if_include fnz0",
-                        {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"})
-    mpi_loss = _check_two_hosts(_results(out), "openmpi", out)
-    out = _run_launcher(two_hosts, tmp_path, "pdsh", "", {"PDSH_SSH_ARGS_APPEND": ssh_opts})
-    assert _check_two_hosts(_results(out), "torchrun", out) == mpi_loss

@@ -194,28 +194,39 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "fnzero launch: --module and --no_python cannot be used together"])
 
 
-def test_no_ssh_starts_each_nodes_share_by_hand(tmp_path):
-    """`--no_ssh --node_rank i` on each node of a hostfile (both nodes are this machine here): each
-    starts its own ranks as node i of the job, meets the other at the rendezvous (default: the
-    first host), and runs the script as a module; --save_pid leaves /tmp/<launcher pid>.deepspeed
-    while the job runs, and removes it."""
-    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+def test_no_ssh_node_rank_is_that_hosts_share(tmp_path, monkeypatch):
+    """`--no_ssh --node_rank 1` (each node started by hand): torchrun gets host 1's slots as node 1
+    of the hosts kept, the rendezvous at the first host unless --master_addr says."""
+    from fnzero.cli._main import _this_node, _torchrun_argv, build_parser
+
+    (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=4\nw2 slots=1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after: _this_node sets it for its ranks
+    args = build_parser().parse_args(["launch", "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--exclude",
+                                      "w2@w1:0", "--master_port", "29531"])
+    _this_node(args)
+    assert _torchrun_argv(args) == ["--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                    "w0", "--master-port", "29531", "--monitor-interval", "1"]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2,3"  # the slots kept of w1
+
+
+def test_no_ssh_runs_this_nodes_ranks_with_its_pid_saved(tmp_path):
+    """A real `--no_ssh --node_rank 0` of a one-host hostfile: its two ranks, the script run as a
+    module, and --save_pid's /tmp/<launcher pid>.deepspeed there while the job runs, gone after."""
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=2\n")
     (tmp_path / "job.py").write_text(
         "import os\n"
         "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['GROUP_RANK'],\n"
         "      open(f'/tmp/{os.getppid()}.deepspeed').read() == str(os.getppid()), flush=True)\n")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", "hosts", "--no_ssh",
-                               "--node_rank", str(i), "--master_port", "29531", "--save_pid", "--module", "job"],
-                              cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in (0, 1)]
-    outs = [p.communicate(timeout=120) for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], outs
-    ranks = [line for out, _ in outs for line in out.splitlines() if line.startswith("RANK")]
-    assert ranks == ["RANK 0 2 0 True", "RANK 1 2 1 True"], outs
-    for out, _ in outs:
-        pid = out.split("launcher pid: ")[1].split()[0]
-        assert not os.path.exists(f"/tmp/{pid}.deepspeed")  # removed when the launcher ended
+    r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", "hosts", "--no_ssh", "--node_rank",
+                        "0", "--master_port", "29531", "--save_pid", "--module", "job"], cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("RANK")) == [
+        "RANK 0 2 0 True", "RANK 1 2 0 True"], r.stdout
+    pid = r.stdout.split("launcher pid: ")[1].split()[0]
+    assert not os.path.exists(f"/tmp/{pid}.deepspeed")  # removed when the launcher ended
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not importable here")
