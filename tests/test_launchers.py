@@ -22,8 +22,7 @@ import pytest
 
 from fnzero.cli._binding import bind_command, core_ranges, parse_core_list, physical_cores
 from fnzero.cli._hosts import LaunchError, select
-from fnzero.cli._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command,
-                                   quote_export)
+from fnzero.cli._launchers import MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command
 from fnzero.cli._main import split_launch_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,7 +40,7 @@ def fnzero_command(case: dict) -> tuple[list[str], dict[str, str]]:
                     case.get("num_gpus", -1))
     exports = {**default_exports(case["launcher"], cuda=False), **dict(case.get("exports", []))}
     job = LaunchJob(launcher=case["launcher"], hostfile=HOSTFILE, active=active,
-                    exports={k: quote_export(v) for k, v in exports.items()}, master_addr=ADDR, master_port=PORT,
+                    exports={k: v.strip() for k, v in exports.items()}, master_addr=ADDR, master_port=PORT,
                     python=PYTHON, cwd=CWD, script="train.py", script_args=tuple(case.get("user_args", [])),
                     launcher_args=case.get("launcher_args", ""), module=case.get("module", False),
                     no_python=case.get("no_python", False), ssh_port=case.get("ssh_port"),
@@ -56,11 +55,14 @@ def _program_start(cmd: list[str]) -> int:
 
 def deepspeed_in_fnzero(case: dict) -> list[str]:
     """DeepSpeed's command with fnzero's specified differences applied (specs/cli.md §Where
-    fnzero's commands differ): each MPI rank and srun task is told the rendezvous; MPICH ranks run
-    the script directly (fnzero reads PMI_RANK itself, no helper); pdsh hosts run `fnzero launch`."""
+    fnzero's commands differ): variables' values reach mpirun and srun without shell quotes; each
+    MPI rank and srun task is told the rendezvous; MPICH ranks run the script directly (fnzero
+    reads PMI_RANK itself, no helper); pdsh hosts run `fnzero launch`."""
     cmd = list(case["deepspeed"]["cmd"])
     at = _program_start(cmd)
     launcher = case["launcher"]
+    if launcher != "pdsh":  # a value is one word of mpirun's or srun's command: no shell quotes in it
+        cmd[:at] = [w.replace('"', "") for w in cmd[:at]]
     if launcher == "openmpi":
         cmd[at:at] = ["-x", f"MASTER_ADDR={ADDR}", "-x", f"MASTER_PORT={PORT}"]
     elif launcher == "mvapich":

@@ -33,7 +33,7 @@ class LaunchJob:
     launcher: str
     hostfile: str  # the hostfile (Open MPI reads it; a filtered copy when filters narrowed it)
     active: dict[str, list[int]]  # host -> its slots, in rank order
-    exports: dict[str, str]  # variables every rank gets, values already quoted (`quote_export`)
+    exports: dict[str, str]  # variables every rank gets (pdsh's shell line quotes them: `quote_export`)
     master_addr: str
     master_port: int
     python: str
@@ -55,8 +55,9 @@ class LaunchJob:
 
 
 def quote_export(value: str) -> str:
-    """A variable's value as the tools get it (DeepSpeed's add_export): stripped, and in double
-    quotes when it holds anything but word characters and @%+=:,./-."""
+    """A variable's value in pdsh's remote shell line (DeepSpeed's add_export): stripped, and in
+    double quotes when it holds anything but word characters and @%+=:,./-. (mpirun and srun get
+    each value as one word of their command, unquoted.)"""
     value = value.strip()
     return f'"{value}"' if re.search(r"[^\w@%+=:,./-]", value) else value
 
@@ -196,7 +197,7 @@ def pdsh_node_launch(job: LaunchJob) -> list[str]:
 def _pdsh(job: LaunchJob) -> list[str]:
     # pdsh joins the words into one remote shell line: an argument with spaces keeps them in quotes.
     args = [f'"{a.replace(chr(34), chr(92) + chr(34))}"' if " " in a else a for a in job.script_args]
-    exports = "".join(f"export {k}={v}; " for k, v in job.exports.items())
+    exports = "".join(f"export {k}={quote_export(v)}; " for k, v in job.exports.items())
     return (["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(job.active), *shlex.split(job.launcher_args),
              exports, f"cd {job.cwd};"] + pdsh_node_launch(job) + [job.script, *args])
 

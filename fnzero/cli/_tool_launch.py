@@ -12,7 +12,7 @@ import tempfile
 
 from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
-                         pdsh_kill_command, quote_export)
+                         pdsh_kill_command)
 from ._multinode import forwarded_env, master_addr
 
 __all__ = ["launch_with_tool", "pid_file"]
@@ -32,7 +32,7 @@ def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[in
     exports = {**default_exports(args.launcher, cuda), **forwarded_env()}
     return LaunchJob(
         launcher=args.launcher, hostfile=hostfile, active=active,
-        exports={k: quote_export(v) for k, v in exports.items()},
+        exports={k: v.strip() for k, v in exports.items()},
         master_addr=master_addr(args, next(iter(active))), master_port=args.master_port or 29500,
         python=sys.executable, cwd=os.getcwd(), script=rest[0], script_args=tuple(rest[1:]),
         launcher_args=args.launcher_args, module=args.module, no_python=args.no_python,
