@@ -192,6 +192,8 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "fnzero launch: --include 'w9': host 'w9' is not in the hostfile (hosts: ['w0', 'w1'])"])
     assert _launch(capsys, "--hostfile", "hosts", "--no_ssh", "--node_rank", "2", "t.py") == (2, [
         "fnzero launch: --node_rank 2: give this node's rank, 0..1 (hosts: ['w0', 'w1'])"])
+    assert _launch(capsys, "--launcher", "openmpi", "t.py") == (2, [
+        "fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a --hostfile"])
     assert _launch(capsys, "--module", "--no_python", "t.py") == (2, [
         "fnzero launch: --module and --no_python cannot be used together"])
 
@@ -247,3 +249,19 @@ def test_the_table_is_deepspeed_0_19_8s_own(tmp_path):
         n = physical_cores()
         for cores, size, rank in ((None, 1, 0), (None, n, n - 1), (f"0-{n - 1}", n, 0), ("0", 1, 0)):
             assert bind_command(cores, size, rank) == tuple(get_numactl_cmd(cores, size, rank))
+
+
+def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
+    """The default launcher (ssh): --launcher_args are ssh's options, and each host's `fnzero
+    launch` gets the front's --module/--no_python/--save_pid/--bind_cores_to_rank/-q."""
+    from fnzero.cli._main import build_parser
+    from fnzero.cli._multinode import _remote_command, _ssh
+
+    monkeypatch.delenv("FNZERO_SSH", raising=False)
+    args = build_parser().parse_args(["launch", "--hostfile", "h", "--launcher_args", "-o ConnectTimeout=5",
+                                      "--ssh_port", "22", "--module", "--save_pid", "--bind_cores_to_rank",
+                                      "--bind_core_list", "0-3", "-q"])
+    assert _ssh(args) == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-p", "22"]
+    line = _remote_command(args, [0, 1], 2, 2, 1, "10.0.0.1", {}, ["pkg.train", "--lr", "1"])
+    assert line.endswith(f"--master-port 29500 --module --save_pid={os.getpid()} --bind_cores_to_rank "
+                         "--bind_core_list=0-3 -q pkg.train --lr 1"), line

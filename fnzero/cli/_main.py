@@ -31,9 +31,9 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         if args.hostfile or args.world_info:  # this node's share of a multi-node job
             _this_node(args)
-        elif args.include or args.exclude or (args.num_nodes or 1) > 1 or args.no_ssh:
-            print("fnzero launch: --include/--exclude/--num_nodes/--no_ssh select hosts of a --hostfile",
-                  file=sys.stderr)
+        elif args.include or args.exclude or (args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh":
+            print("fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a "
+                  "--hostfile", file=sys.stderr)
             return 2
         elif args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
             args.nproc_per_node = args.num_gpus
