@@ -172,12 +172,12 @@ def _launch(two_hosts, *script_args, **popen):
 
 # -- the same two hosts, started by mpirun and by pdsh (before the test below kills the second) ------
 
-def _run_launcher(two_hosts, tmp_path, launcher: str, launcher_args: str, extra_env: dict) -> str:
+def _run_launcher(two_hosts, tmp_path, launcher: str, launcher_args: str, extra_env: dict, *flags) -> str:
     """`fnzero launch --launcher L` from the first host; the job's output (it must succeed)."""
     hostfile, env, ns = two_hosts
     cmd = ["ip", "netns", "exec", ns[0], sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", hostfile,
            "--launcher", launcher, "--launcher_args", launcher_args, "--ssh_port", "2222", "--master_port", "29535",
-           "--num_gpus", "1",
+           "--num_gpus", "1", *flags,
            os.path.join(HERE, "scripts", "train_launched.py")]
     r = subprocess.run(cmd, cwd=ROOT, env={**env, **extra_env}, capture_output=True, text=True, timeout=150)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -185,14 +185,15 @@ def _run_launcher(two_hosts, tmp_path, launcher: str, launcher_args: str, extra_
 
 
 def _results(out: str) -> list[tuple[str, ...]]:
-    found = re.findall(r"RESULT rank=(\d) world=(\d) local=(\d) net=(\S+) by=(\w+) var=(\w+) loss=(\S+)", out)
+    found = re.findall(r"RESULT rank=(\d) world=(\d) local=(\d) net=(\S+) by=(\w+) var=(\w+) cpus=(\S+) omp=(\w+) "
+                       r"loss=(\S+)", out)
     return sorted(found)
 
 
 def _check_two_hosts(found, by: str, out: str) -> str:
     """Two ranks, one per host (`--num_gpus 1` of the hostfile's two slots), one job: its loss."""
-    assert [(r, w, loc, b, v) for r, w, loc, _, b, v, _ in found] == [("0", "2", "0", by, "forwarded"),
-                                                                      ("1", "2", "0", by, "forwarded")], out
+    assert [(r, w, loc, b, v) for r, w, loc, _, b, v, *_ in found] == [("0", "2", "0", by, "forwarded"),
+                                                                       ("1", "2", "0", by, "forwarded")], out
     assert found[0][3] != found[1][3], out  # each rank in its own host's network namespace
     assert len({loss for *_, loss in found}) == 1, out
     return found[0][-1]
@@ -208,10 +209,15 @@ def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts, tmp_pa
         pytest.skip(f"needs {' and '.join(missing)} (openmpi-bin, pdsh; .ci/run installs them)")
     hostfile, env, _ = two_hosts
     ssh_opts = env["FNZERO_SSH"].split(None, 1)[1]
+    # --bind_cores_to_rank under mpirun: each rank (its host's only one) is bound to cores 0-1 by
+    # fnzero's binding step, reading Open MPI's local rank and size, with OMP_NUM_THREADS=2.
     out = _run_launcher(two_hosts, tmp_path, "openmpi",
-                        "--allow-run-as-root --mca btl_tcp_if_include fnz0 --mca oob_tcp_if_include fnz0",
-                        {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"})
-    mpi_loss = _check_two_hosts(_results(out), "openmpi", out)
+                        "--allow-run-as-root --bind-to none --mca btl_tcp_if_include fnz0 --mca oob_tcp_if_include fnz0",
+                        {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"}, "--bind_cores_to_rank", "--bind_core_list",
+                        "0-1")
+    found = _results(out)
+    assert [(cpus, omp) for *_, cpus, omp, _ in found] == [("0-1", "2"), ("0-1", "2")], out
+    mpi_loss = _check_two_hosts(found, "openmpi", out)
     out = _run_launcher(two_hosts, tmp_path, "pdsh", "", {"PDSH_SSH_ARGS_APPEND": ssh_opts})
     assert _check_two_hosts(_results(out), "torchrun", out) == mpi_loss
 

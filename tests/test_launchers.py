@@ -155,7 +155,7 @@ def test_core_binding_shares_the_cores_out_as_deepspeed():
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "PMI_RANK": "0"}, (1, 2, 1, 2)),
 ])
 def test_ranks_are_read_from_each_launchers_variables(env, want, monkeypatch):
-    from fnzero.sharding.comm._dist import RANK_VARIABLES, launcher_ranks
+    from fnzero._launch_env import RANK_VARIABLES, launcher_ranks
 
     for family in RANK_VARIABLES:
         for names in family[1:]:
@@ -216,19 +216,24 @@ def test_no_ssh_node_rank_is_that_hosts_share(tmp_path, monkeypatch):
 
 def test_no_ssh_runs_this_nodes_ranks_with_its_pid_saved(tmp_path):
     """A real `--no_ssh --node_rank 0` of a one-host hostfile: its two ranks, the script run as a
-    module, and --save_pid's /tmp/<launcher pid>.deepspeed there while the job runs, gone after."""
+    module, each bound to its own core of 0-1 with OMP_NUM_THREADS=1 (--bind_cores_to_rank), and
+    --save_pid's /tmp/<launcher pid>.deepspeed there while the job runs (named after the launcher,
+    which the binding step became the rank of, so the rank's parent), gone after."""
     (tmp_path / "hosts").write_text("127.0.0.1 slots=2\n")
     (tmp_path / "job.py").write_text(
         "import os\n"
-        "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['GROUP_RANK'],\n"
-        "      open(f'/tmp/{os.getppid()}.deepspeed').read() == str(os.getppid()), flush=True)\n")
+        "cpus = open('/proc/self/status').read().split('Cpus_allowed_list:')[1].split()[0]\n"
+        "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['GROUP_RANK'], cpus,\n"
+        "      os.environ['OMP_NUM_THREADS'], open(f'/tmp/{os.getppid()}.deepspeed').read() == str(os.getppid()),\n"
+        "      flush=True)\n")
     r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", "hosts", "--no_ssh", "--node_rank",
-                        "0", "--master_port", "29531", "--save_pid", "--module", "job"], cwd=tmp_path,
+                        "0", "--master_port", "29531", "--save_pid", "--module", "--bind_cores_to_rank",
+                        "--bind_core_list", "0-1", "job"], cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}"}, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("RANK")) == [
-        "RANK 0 2 0 True", "RANK 1 2 0 True"], r.stdout
+        "RANK 0 2 0 0 1 True", "RANK 1 2 0 1 1 True"], r.stdout
     pid = r.stdout.split("launcher pid: ")[1].split()[0]
     assert not os.path.exists(f"/tmp/{pid}.deepspeed")  # removed when the launcher ended
 

@@ -15,7 +15,7 @@ from ._hosts import LaunchError
 
 def main(argv: list[str]) -> None:
     """Bind, then become the rank's program."""
-    from ..sharding.comm._dist import launcher_ranks
+    from .._launch_env import launcher_ranks
 
     core_list = None
     module = no_python = False

@@ -1,6 +1,7 @@
 """A few ZeRO-3 steps on every rank of a job started by `fnzero launch --launcher ...` (the hostfile
 tests launch it): each rank prints its rank, world, local rank, network namespace (its "host"),
-which launcher variables gave its rank, a forwarded variable, and the global loss."""
+which launcher variables gave its rank, a forwarded variable, the cores it may run on and its
+OMP_NUM_THREADS, and the global loss."""
 
 import os
 
@@ -21,5 +22,8 @@ g = torch.Generator().manual_seed(dist.rank)
 for i in range(3):
     state, m = step(state, (torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)))
 given = "openmpi" if "OMPI_COMM_WORLD_RANK" in os.environ else "torchrun" if "GROUP_RANK" in os.environ else "?"
+with open("/proc/self/status") as f:
+    cpus = f.read().split("Cpus_allowed_list:")[1].split()[0]
 print(f"RESULT rank={dist.rank} world={dist.world_size} local={dist.local_rank} net={os.readlink('/proc/self/ns/net')} "
-      f"by={given} var={os.environ.get('FNZ_HOSTFILE_TEST')} loss={m['loss']:.10f}", flush=True)
+      f"by={given} var={os.environ.get('FNZ_HOSTFILE_TEST')} cpus={cpus} omp={os.environ.get('OMP_NUM_THREADS')} "
+      f"loss={m['loss']:.10f}", flush=True)

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from ..._errors import DistributedError
+from ..._launch_env import launcher_ranks
 from ._collectives import provided_collectives
 from ._watchdog import start_watchdog
 
-__all__ = ["init_distributed", "DistInfo", "free_port", "launcher_ranks", "RANK_VARIABLES"]
+__all__ = ["init_distributed", "DistInfo", "free_port"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,43 +26,6 @@ class DistInfo:
     local_rank: int
     backend: str | None
     device: torch.device
-
-
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            try:
-                return int(v)
-            except ValueError as e:
-                raise DistributedError(f"environment variable {n}={v!r} is not an integer") from e
-    return None
-
-
-# Who set the process's rank, world size and local rank (and local size), in the order they are
-# looked for: torchrun (and `fnzero launch`, DeepSpeed's launch.py, Intel MPI under `fnzero launch
-# --launcher impi`), Open MPI's mpirun, MVAPICH2's, MPICH's and Intel MPI's Hydra (PMI), PMIx, SLURM's
-# srun last: mpirun inside an allocation leaves the allocation's SLURM_PROCID=0 on every rank.
-RANK_VARIABLES: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...] = (
-    ("torchrun", ("RANK",), ("WORLD_SIZE",), ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")),
-    ("openmpi", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_LOCAL_RANK",),
-     ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
-    ("mvapich", ("MV2_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_SIZE",), ("MV2_COMM_WORLD_LOCAL_RANK",),
-     ("MV2_COMM_WORLD_LOCAL_SIZE",)),
-    ("mpich", ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"),
-     ("MPI_LOCALNRANKS", "LOCAL_SIZE")),
-    ("slurm", ("SLURM_PROCID",), ("SLURM_NTASKS",), ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
-)
-
-
-def launcher_ranks() -> tuple[int | None, int | None, int, int | None]:
-    """(rank, world size, local rank, local size) from the first launcher family whose rank
-    variable is set (`RANK_VARIABLES`; within a field, the first name set). Without any: (None,
-    WORLD_SIZE, LOCAL_RANK or 0, None)."""
-    for _, rank, world, local, local_size in RANK_VARIABLES:
-        if any(os.environ.get(n, "") != "" for n in rank):
-            return _env_int(*rank), _env_int(*world), _env_int(*local) or 0, _env_int(*local_size)
-    return None, _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK") or 0, None
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
