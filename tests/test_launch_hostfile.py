@@ -212,7 +212,8 @@ def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts, tmp_pa
     # --bind_cores_to_rank under mpirun: each rank (its host's only one) is bound to cores 0-1 by
     # fnzero's binding step, reading Open MPI's local rank and size, with OMP_NUM_THREADS=2.
     out = _run_launcher(two_hosts, tmp_path, "openmpi",
-                        "--allow-run-as-root --bind-to none --mca btl_tcp_if_include fnz0 --mca oob_tcp_if_include fnz0",
+                        "--allow-run-as-root --bind-to none --mca btl_tcp_if_include fnz0 "
+                        "--mca oob_tcp_if_include fnz0",
                         {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"}, "--bind_cores_to_rank", "--bind_core_list",
                         "0-1")
     found = _results(out)

@@ -80,7 +80,8 @@ def bind_command(core_list: str | None, local_size: int, local_rank: int, numact
     numactl = numactl if numactl is not None else (shutil.which("numactl") or "")
     if not numactl:
         return per, ["taskset", "-c", core_ranges(mine)]
-    memory = [["-m", str(n)] for n, node_cores in (numa_nodes() if numa is None else numa).items() if set(mine) <= set(node_cores)]
+    nodes = numa_nodes() if numa is None else numa
+    memory = [["-m", str(n)] for n, node_cores in nodes.items() if set(mine) <= set(node_cores)]
     return per, ["numactl", *(memory[0] if memory else []), "-C", core_ranges(mine)]
 
 

@@ -20,7 +20,8 @@ from ._binding import bind_command, rank_program
 from ._hosts import LaunchError
 
 __all__ = ["LAUNCHERS", "LaunchJob", "launcher_command", "launcher_tool", "default_exports", "quote_export",
-           "encode_world_info", "decode_world_info", "node_flags", "pdsh_kill_command", "MVAPICH_HOSTFILE", "PDSH_MAX_FAN_OUT"]
+           "encode_world_info", "decode_world_info", "node_flags", "pdsh_kill_command", "MVAPICH_HOSTFILE",
+           "PDSH_MAX_FAN_OUT"]
 
 LAUNCHERS = ("ssh", "pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 PDSH_MAX_FAN_OUT = 1024
@@ -144,7 +145,8 @@ def _mpich(job: LaunchJob) -> list[str]:
 def _impi(job: LaunchJob) -> list[str]:
     """Intel MPI: one `-n 1 -env RANK i -env LOCAL_RANK l` section per rank, bound in the command."""
     total, per_node = _per_node(job)
-    cmd = ["mpirun", "-ppn", str(per_node), *shlex.split(job.launcher_args)] + _hydra_exports(job, total, per_node, True)
+    cmd = ["mpirun", "-ppn", str(per_node), *shlex.split(job.launcher_args),
+           *_hydra_exports(job, total, per_node, True)]
     for i in range(total):
         local = i % per_node
         bound = bind_command(job.bind_core_list, per_node, local)[1] if job.bind_cores_to_rank else []
@@ -214,7 +216,8 @@ def launcher_command(job: LaunchJob, environment: dict[str, str]) -> tuple[list[
         if slots != list(range(len(slots))):
             raise LaunchError(f"--launcher {job.launcher} cannot select device ids ({slots} on {host}): filter "
                               "whole hosts, or keep the first N slots of every host")
-    build = {"openmpi": _openmpi, "mpich": _mpich, "impi": _impi, "mvapich": _mvapich, "slurm": _slurm}.get(job.launcher)
+    builders = {"openmpi": _openmpi, "mpich": _mpich, "impi": _impi, "mvapich": _mvapich, "slurm": _slurm}
+    build = builders.get(job.launcher)
     if build is None:
         raise LaunchError(f"--launcher {job.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     return build(job), env
