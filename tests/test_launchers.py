@@ -22,7 +22,8 @@ import pytest
 
 from fnzero.cli._binding import bind_command, core_ranges, parse_core_list, physical_cores
 from fnzero.cli._hosts import LaunchError, select
-from fnzero.cli._launchers import MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command
+from fnzero.cli._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command,
+                                   pdsh_kill_command)
 from fnzero.cli._main import split_launch_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -116,6 +117,13 @@ def test_fnzero_commands_exactly():
         "pdsh", "-S", "-f", "1024", "-w", "w0,w1", "", f"cd {CWD};", PYTHON, "-u", "-m", "fnzero.cli", "launch",
         f"--world_info={world}", "--node_rank=%n", f"--master_addr={ADDR}", f"--master_port={PORT}", "--module",
         "train.py", '"a b"']
+    # Ctrl-C: pdsh does not pass it on, so each host's launcher of this job is ended by its line.
+    job = LaunchJob(launcher="pdsh", hostfile=HOSTFILE, active={"w0": [0, 1], "w1": [0, 1]}, exports={},
+                    master_addr=ADDR, master_port=PORT, python=PYTHON, cwd=CWD, script="train.py")
+    assert pdsh_kill_command(job) == [
+        "pdsh", "-S", "-f", "1024", "-w", "w0,w1",
+        f"pkill -f 'fnzero.cli launch --world_info={world} --node_rank=[0-9]* --master_addr={ADDR} "
+        f"--master_port={PORT}'"]
 
 
 def test_bound_ranks_run_behind_the_binding_step():

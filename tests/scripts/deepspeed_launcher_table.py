@@ -12,7 +12,8 @@ import json
 import os
 import sys
 
-# The program and directory a command names are written as these words.
+# The program and directory a command names are written as these words (DeepSpeed's own package
+# directory as DEEPSPEED).
 PYTHON, CWD, HOSTFILE = "PYTHON", "CWD", "HOSTFILE"
 
 _EXPORTS = [["PYTHONPATH", "CWD"], ["NCCL_DEBUG", "INFO"], ["MLFLOW_RUN", "a b"]]
@@ -71,7 +72,9 @@ def deepspeed_command(case: dict) -> dict:
     except (ValueError, AssertionError) as e:
         return {"refused": str(e)}
     cmd = out[0] if case["launcher"] == "pdsh" else out
-    return {"cmd": [w.replace(os.getcwd(), CWD) for w in cmd], "env": env, "world_info": world}
+    package = os.path.dirname(os.path.dirname(os.path.realpath(ds.__file__)))  # where DeepSpeed is installed
+    return {"cmd": [w.replace(package, "DEEPSPEED").replace(os.getcwd(), CWD) for w in cmd], "env": env,
+            "world_info": world}
 
 
 def main(out: str) -> None:
