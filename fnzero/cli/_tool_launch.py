@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
@@ -16,6 +17,8 @@ from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_
 from ._multinode import forwarded_env, master_addr
 
 __all__ = ["launch_with_tool", "pid_file"]
+
+_GRACE_S = 10.0  # after a stop, how long the tool gets to end before it is killed
 
 
 def pid_file(front_pid: int) -> str:
@@ -74,21 +77,21 @@ def _run(cmd: list[str], env: dict[str, str], kill_cmd: list[str] | None, pid_pa
         with open(pid_path, "w") as f:
             f.write(str(os.getpid()))
     proc = subprocess.Popen(cmd, env=env)
-    stopping = []
+    stopping: list[float] = []  # when a stop was asked for
 
-    def stop(signum, frame):
-        stopping.append(signum)
-        proc.send_signal(signal.SIGINT)
-        if kill_cmd:
+    def stop(signum, frame):  # no waiting here: the loop below reaps the tool
+        stopping.append(time.monotonic())
+        if kill_cmd:  # pdsh: end each host's launcher; its ssh sessions, then pdsh, end with them
             subprocess.run(kill_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        else:  # mpirun and srun pass SIGINT on to the ranks
+            proc.send_signal(signal.SIGINT)
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        while (code := proc.poll()) is None:
+            if stopping and time.monotonic() - stopping[0] > _GRACE_S:
+                proc.kill()
+            time.sleep(0.1)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

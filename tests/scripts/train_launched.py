@@ -1,9 +1,12 @@
 """A few ZeRO-3 steps on every rank of a job started by `fnzero launch --launcher ...` (the hostfile
 tests launch it): each rank prints its rank, world, local rank, network namespace (its "host"),
 which launcher variables gave its rank, a forwarded variable, the cores it may run on and its
-OMP_NUM_THREADS, and the global loss."""
+OMP_NUM_THREADS, and the global loss. With the argument `wait`, the ranks then wait until the job
+is ended from outside."""
 
 import os
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,3 +30,5 @@ with open("/proc/self/status") as f:
 print(f"RESULT rank={dist.rank} world={dist.world_size} local={dist.local_rank} net={os.readlink('/proc/self/ns/net')} "
       f"by={given} var={os.environ.get('FNZ_HOSTFILE_TEST')} cpus={cpus} omp={os.environ.get('OMP_NUM_THREADS')} "
       f"loss={m['loss']:.10f}", flush=True)
+while sys.argv[1:] == ["wait"]:
+    time.sleep(0.2)
