@@ -12,7 +12,7 @@ PKG = ROOT / "fnzero"
 
 # specs/architecture.md §Layers, bottom to top.
 LAYERS = {
-    "_errors": 0,
+    "_errors": 0, "_launch_env": 0,
     "_ext": 1, "config": 1, "_state": 1, "_cext": 1,
     "optim": 2, "schedules": 2,
     "sharding": 3,

@@ -4,8 +4,11 @@ its filters, and, for real, a 2-host x 2-rank ZeRO-3 job over SSH between two ne
 directory (checkpoint.use_node_local_storage), and ends on every host when one host is killed;
 the same job first counts the bytes crossing the link for plain ZeRO-3, hpZ and MiCS (specs/mesh.md §hpZ).
 
-The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it); without
-them it is skipped, saying why."""
+The same two hosts then run a job started by `--launcher openmpi` (mpirun) and by `--launcher pdsh`
+(specs/cli.md §Launchers).
+
+The real part needs root, iproute2 and Debian's openssh-server (`.ci/run` installs it), and
+openmpi-bin and pdsh for the launchers; without them it is skipped, saying why."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from fnzero.cli._hosts import HostfileError, parse_hostfile, read_env_file, sele
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
+TRAIN = os.path.join(HERE, "scripts", "train_launched.py")
 
 # -- the hostfile and its filters (no ssh) -----------------------------------------------------------
 
@@ -169,6 +173,71 @@ def _launch(two_hosts, *script_args, **popen):
                             **popen)
 
 
+# -- the same two hosts, started by mpirun and by pdsh (before the test below kills the second) ------
+
+def _start_launcher(two_hosts, launcher: str, launcher_args: str, extra_env: dict, *flags) -> subprocess.Popen:
+    """`fnzero launch --launcher L` from the first host (flags, then the script and its arguments)."""
+    hostfile, env, ns = two_hosts
+    cmd = ["ip", "netns", "exec", ns[0], sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", hostfile,
+           "--launcher", launcher, "--launcher_args", launcher_args, "--ssh_port", "2222", "--master_port", "29535",
+           "--num_gpus", "1", *flags]
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _results(out: str) -> list[tuple[str, ...]]:
+    found = re.findall(r"RESULT rank=(\d) world=(\d) local=(\d) net=(\S+) by=(\w+) var=(\w+) cpus=(\S+) omp=(\w+) "
+                       r"loss=(\S+)", out)
+    return sorted(found)
+
+
+def _check_two_hosts(found, by: str, out: str) -> str:
+    """Two ranks, one per host (`--num_gpus 1` of the hostfile's two slots), one job: its loss."""
+    assert [(r, w, loc, b, v) for r, w, loc, _, b, v, *_ in found] == [("0", "2", "0", by, "forwarded"),
+                                                                       ("1", "2", "0", by, "forwarded")], out
+    assert found[0][3] != found[1][3], out  # each rank in its own host's network namespace
+    assert len({loss for *_, loss in found}) == 1, out
+    return found[0][-1]
+
+
+def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts):
+    """`--launcher openmpi`: one mpirun starts the ranks (each reads its rank from Open MPI's
+    variables; `--num_gpus 1` gives mpirun a hostfile of one slot per host); `--launcher pdsh`:
+    pdsh starts one `fnzero launch` per host (`%n` its node rank), which starts the host's rank.
+    ZeRO-3 across the two hosts, the same job either way: the same loss. Ctrl-C then ends the pdsh
+    job on both hosts."""
+    missing = [t for t in ("mpirun", "pdsh") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {' and '.join(missing)} (openmpi-bin, pdsh; .ci/run installs them)")
+    ssh_opts = two_hosts[1]["FNZERO_SSH"].split(None, 1)[1]
+    # --bind_cores_to_rank under mpirun: each rank (its host's only one) is bound to cores 0-1 by
+    # fnzero's binding step, reading Open MPI's local rank and size, with OMP_NUM_THREADS=2.
+    proc = _start_launcher(two_hosts, "openmpi", "--allow-run-as-root --bind-to none --mca btl_tcp_if_include fnz0 "
+                           "--mca oob_tcp_if_include fnz0", {"OMPI_MCA_plm_rsh_args": f"{ssh_opts} -p 2222"},
+                           "--bind_cores_to_rank", "--bind_core_list", "0-1", TRAIN)
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    found = _results(out)
+    assert [(cpus, omp) for *_, cpus, omp, _ in found] == [("0-1", "2"), ("0-1", "2")], out
+    mpi_loss = _check_two_hosts(found, "openmpi", out)
+    # pdsh: the ranks train, then wait; Ctrl-C to this launcher ends them on both hosts (pdsh does
+    # not pass it on: the per-host launchers are ended by pdsh's kill command).
+    proc = _start_launcher(two_hosts, "pdsh", "", {"PDSH_SSH_ARGS_APPEND": ssh_opts}, TRAIN, "wait")
+    out, t0 = "", time.monotonic()
+    while out.count("RESULT rank=") < 2:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() - t0 < 150, out
+        out += line
+    assert _check_two_hosts(_results(out), "torchrun", out) == mpi_loss
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + rest
+    time.sleep(1)
+    for n in two_hosts[2]:
+        assert not [p for p in _sh("ip", "netns", "pids", n).stdout.split() if "train_launched" in _cmdline(p)], \
+            f"a rank outlived the job on {n}"
+
+
 @pytest.fixture(scope="module")
 def hosts_job(two_hosts, tmp_path_factory):
     """One 2-host job (starting one costs ~12 s, more on a loaded machine): it measures the bytes
@@ -253,3 +322,4 @@ def _cmdline(pid: str) -> str:
             return f.read()
     except OSError:
         return ""
+

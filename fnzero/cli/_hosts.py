@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["HostfileError", "read_hostfile", "parse_hostfile", "select", "read_env_file", "ENV_FILE_PATHS"]
+__all__ = ["LaunchError", "HostfileError", "read_hostfile", "parse_hostfile", "select", "read_env_file", "ENV_FILE_PATHS"]
 
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 
 
-class HostfileError(ValueError):
+class LaunchError(ValueError):
+    """A launch that cannot start as asked; the message says why (`fnzero launch` prints it, exit 2)."""
+
+
+class HostfileError(LaunchError):
     """A hostfile, filter or environment file that cannot be used; the message says where."""
 
 

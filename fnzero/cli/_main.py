@@ -16,6 +16,8 @@ from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
+from ._hosts import LaunchError
+from ._launch_flags import SWITCHES, add_launcher_flags
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -25,7 +27,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         run = ["--run"] if args.autotuning == "run" else []
         tune = build_parser().parse_args(["autotune", "--world", str(args.nproc_per_node), *run, *rest])
         return int(tune.func(tune))
-    if args.hostfile:
+    if args.hostfile and not args.no_ssh:
         from ._multinode import launch_hostfile
 
         if not rest:
@@ -33,13 +35,77 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
                   file=sys.stderr)
             return 2
         return launch_hostfile(args, rest)
-    if args.include or args.exclude or (args.num_nodes or 1) > 1:
-        print("fnzero launch: --include/--exclude/--num_nodes select hosts of a --hostfile", file=sys.stderr)
+    try:
+        if args.hostfile or args.world_info:  # this node's share of a multi-node job
+            _this_node(args)
+        elif args.include or args.exclude or (args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh":
+            print("fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a "
+                  "--hostfile", file=sys.stderr)
+            return 2
+        elif args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
+            args.nproc_per_node = args.num_gpus
+        argv = _torchrun_argv(args)
+        program = _program(args, rest) if rest else []
+    except LaunchError as e:
+        print(f"fnzero launch: {e}", file=sys.stderr)
         return 2
-    if args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
-        args.nproc_per_node = args.num_gpus
+    if argv is None:
+        return 2
+    if not rest:
+        print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
+        return 2
     if args.exit_with_stdin:
         _exit_with_stdin()
+    if args.quiet:
+        os.environ["LOGLEVEL"] = "ERROR"  # torchrun's own logging
+    pid_path = None
+    if args.save_pid is not None:  # DeepSpeed's launch.py: named after the front launcher's pid
+        from ._tool_launch import pid_file
+
+        pid_path = pid_file(os.getpid() if args.save_pid < 0 else args.save_pid)
+        print(f"launcher pid: {os.getpid()}")
+        with open(pid_path, "w") as f:
+            f.write(str(os.getpid()))
+    try:
+        return _run_torchrun(argv + program)
+    finally:
+        if pid_path and os.path.exists(pid_path):
+            os.remove(pid_path)
+
+
+def _this_node(args: argparse.Namespace) -> None:
+    """--no_ssh --node_rank i with a hostfile (each node started by hand), or pdsh's per-host
+    `--world_info ... --node_rank N`: this node's ranks, its rank among the nodes, the master."""
+    from ._launchers import decode_world_info
+    from ._multinode import selected_hosts
+
+    active = decode_world_info(args.world_info) if args.world_info else selected_hosts(args)[1]
+    hosts = list(active)
+    if args.node_rank is None or not 0 <= args.node_rank < len(hosts):
+        raise LaunchError(f"--node_rank {args.node_rank}: give this node's rank, 0..{len(hosts) - 1} "
+                          f"(hosts: {hosts})")
+    slots = active[hosts[args.node_rank]]
+    if slots != list(range(len(slots))):  # a subset of the host's devices
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    args.nproc_per_node, args.nnodes = len(slots), len(hosts)
+    args.master_addr = args.master_addr or hosts[0]
+
+
+def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """torchrun's words for what each rank runs: `[-m] SCRIPT ARGS`, `--no-python SCRIPT ARGS`, or,
+    with --bind_cores_to_rank, fnzero's binding step in front (it reads LOCAL_RANK)."""
+    from ._binding import rank_program
+
+    rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
+    if args.bind_cores_to_rank:
+        flags = ([f"--bind_core_list={args.bind_core_list}"] if args.bind_core_list else []) + \
+            (["--module"] if args.module else []) + (["--no_python"] if args.no_python else [])
+        return ["--no-python", sys.executable, "-u", "-m", "fnzero.cli._bind_rank", *flags, *rest]
+    return (["--module"] if args.module else []) + (["--no-python"] if args.no_python else []) + rest
+
+
+def _torchrun_argv(args: argparse.Namespace) -> list[str] | None:
+    """torchrun's options for this node (None: a usage error, already printed)."""
     from ..sharding.comm._dist import free_port
 
     argv = ["--nproc-per-node", str(args.nproc_per_node)]
@@ -58,7 +124,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     else:
         if master_addr is None:
             print("fnzero launch: --master-addr is required with --nnodes > 1", file=sys.stderr)
-            return 2
+            return None
         argv += ["--node-rank", str(node_rank or 0), "--master-addr", master_addr,
                  "--master-port", str(args.master_port or 29500)]
     if args.max_restarts is not None:
@@ -67,11 +133,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     # whose collective failed because a peer died then often has no time to say which (the
     # watchdog looks for up to 1.5 s, and usually needs a few ms). 1 s lets it report under load;
     # a job, failed or finished, ends at most that much later.
-    argv += ["--monitor-interval", "1"]
-    if not rest:
-        print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
-        return 2
-    return _run_torchrun(argv + rest)
+    return argv + ["--monitor-interval", "1"]
 
 
 def _run_torchrun(argv: list[str]) -> int:
@@ -161,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "script name is passed to the script.")
     lp.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
     lp.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or SLURM_NNODES)")
-    lp.add_argument("--node-rank", type=int, default=None, help="this node's rank (multi-node)")
+    lp.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (multi-node)")
     lp.add_argument("--master-addr", "--master_addr", default=None,
                     help="address of rank 0's node (multi-node; with --hostfile default: the first host's)")
     lp.add_argument("--master-port", "--master_port", type=int, default=None,
@@ -180,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--autotuning", choices=["tune", "run"], default=None,
                     help="tune the script's config (`fnzero autotune`) and, with run, then train with the best")
     lp.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
+    add_launcher_flags(lp)
 
     sub.add_parser("report", help="environment, devices, backends and native-extension status")
 
@@ -216,7 +279,7 @@ def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
         if not a.startswith("-"):
             return head, argv[i:]
         head.append(a)
-        if "=" not in a and a not in ("-h", "--help", "--exit-with-stdin") and i + 1 < len(argv):
+        if "=" not in a and a not in SWITCHES and i + 1 < len(argv):
             head.append(argv[i + 1])
             i += 1
         i += 1

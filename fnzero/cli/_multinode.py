@@ -20,9 +20,10 @@ import sys
 import threading
 import time
 
-from ._hosts import HostfileError, read_env_file, read_hostfile, select
+from ._hosts import HostfileError, LaunchError, read_env_file, read_hostfile, select
+from ._launchers import node_flags
 
-__all__ = ["launch_hostfile", "FORWARDED_PREFIXES"]
+__all__ = ["launch_hostfile", "selected_hosts", "master_addr", "forwarded_env", "FORWARDED_PREFIXES"]
 
 # The launcher's variables every host gets: DeepSpeed's EXPORT_ENVS (MLFLOW, PYTHON, MV2, UCX) and
 # its CUDA accelerator's (NCCL), plus gloo's interface choice and fnzero's own.
@@ -33,12 +34,14 @@ _GRACE_S = 10.0  # after a failure, how long the other hosts get to stop before 
 def _ssh(args) -> list[str]:
     ssh = shlex.split(os.environ.get("FNZERO_SSH", "ssh"))
     opts = ["-o", "BatchMode=yes"]
+    if args.launcher == "ssh":  # --launcher_args are ssh's own options only when ssh is the launcher
+        opts += shlex.split(args.launcher_args)
     if args.ssh_port is not None:
         opts += ["-p", str(args.ssh_port)]
     return ssh + opts
 
 
-def _master_addr(args, first: str) -> str:
+def master_addr(args, first: str) -> str:
     """--master-addr, else the first host's first address as it reports it (`hostname -I`, as
     DeepSpeed does), so every host reaches the rendezvous by the same address."""
     if args.master_addr:
@@ -64,6 +67,8 @@ def _remote_command(args, host_slots: list[int], all_slots: int, nnodes: int, no
               "--master-addr", addr, "--master-port", str(args.master_port or 29500)]
     if args.max_restarts is not None:
         launch += ["--max-restarts", str(args.max_restarts)]
+    launch += node_flags(args.module, args.no_python, os.getpid() if args.save_pid is not None else None,
+                         args.bind_cores_to_rank, args.bind_core_list, args.quiet)
     assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     return f"cd {shlex.quote(os.getcwd())} && exec env {' '.join(assignments)} {shlex.join(launch + rest)}"
 
@@ -79,22 +84,39 @@ def _pump(proc: subprocess.Popen, host: str) -> threading.Thread:
     return t
 
 
+def selected_hosts(args) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """(the hostfile's hosts, the hosts and slots the filters keep)."""
+    hosts = read_hostfile(args.hostfile)
+    return hosts, select(hosts, args.include or "", args.exclude or "",
+                         args.num_nodes if args.num_nodes is not None else -1,
+                         args.num_gpus if args.num_gpus is not None else -1)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The variables every host (every rank) gets: the forwarded ones, then `.deepspeed_env`'s."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    env.update(read_env_file())
+    return env
+
+
 def launch_hostfile(args, rest: list[str]) -> int:
-    """Start the job on every selected host of the hostfile; the first failure's exit status."""
+    """Start the job on every selected host of the hostfile, over ssh or with `--launcher`'s tool;
+    the first failure's exit status."""
     try:
-        hosts = read_hostfile(args.hostfile)
-        active = select(hosts, args.include or "", args.exclude or "",
-                        args.num_nodes if args.num_nodes is not None else -1,
-                        args.num_gpus if args.num_gpus is not None else -1)
-        env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
-        env.update(read_env_file())
-        addr = _master_addr(args, next(iter(active)))
-    except HostfileError as e:
+        hosts, active = selected_hosts(args)
+        if args.launcher != "ssh":
+            from ._tool_launch import launch_with_tool
+
+            return launch_with_tool(args, rest, hosts, active)
+        env = forwarded_env()
+        addr = master_addr(args, next(iter(active)))
+    except LaunchError as e:
         print(f"fnzero launch: {e}", file=sys.stderr)
         return 2
     names = list(active)
-    print(f"fnzero launch: {len(names)} host(s) {', '.join(f'{h}:{len(s)}' for h, s in active.items())}, "
-          f"rendezvous at {addr}:{args.master_port or 29500}", file=sys.stderr, flush=True)
+    if not args.quiet:
+        print(f"fnzero launch: {len(names)} host(s) {', '.join(f'{h}:{len(s)}' for h, s in active.items())}, "
+              f"rendezvous at {addr}:{args.master_port or 29500}", file=sys.stderr, flush=True)
     procs: dict[str, subprocess.Popen] = {}
     pumps = []
     for i, host in enumerate(names):

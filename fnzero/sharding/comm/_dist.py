@@ -1,4 +1,5 @@
-"""Process-group setup from the launcher's environment (torchrun, `fnzero launch`, SLURM)."""
+"""Process-group setup from the launcher's environment (torchrun, `fnzero launch`, an MPI's
+mpirun, SLURM's srun; `specs/cli.md` §What each MPI's variables mean)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..._errors import DistributedError
+from ..._launch_env import launcher_ranks
 from ._collectives import provided_collectives
 from ._watchdog import start_watchdog
 
@@ -26,25 +28,17 @@ class DistInfo:
     device: torch.device
 
 
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            try:
-                return int(v)
-            except ValueError as e:
-                raise DistributedError(f"environment variable {n}={v!r} is not an integer") from e
-    return None
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      malloc_mmap_threshold: int | None = 4 << 20, watchdog_s: float = 300.0) -> DistInfo:
     """Join the process group described by the environment, or run as a world of one.
 
-    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (SLURM_PROCID/SLURM_NTASKS/
-    SLURM_LOCALID are used when torchrun's are absent). The backend defaults to NCCL when CUDA is
-    available and gloo otherwise; on CUDA each process takes device `LOCAL_RANK`. `timeout_s` bounds
-    every collective, so a rank that dies makes the others fail instead of hang.
+    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or an MPI's (Open MPI's OMPI_COMM_WORLD_*,
+    MVAPICH2's MV2_COMM_WORLD_*, MPICH/Intel MPI's PMI_RANK/PMI_SIZE/MPI_LOCALRANKID) or
+    SLURM's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when torchrun's are absent
+    (`launcher_ranks`), and MASTER_ADDR/MASTER_PORT, which `fnzero launch --launcher ...` exports to
+    every rank. The backend defaults to NCCL when CUDA is available and gloo otherwise; on CUDA
+    each process takes device `LOCAL_RANK`. `timeout_s` bounds every collective, so a rank that
+    dies makes the others fail instead of hang.
     `watchdog_s` starts the collective watchdog: a rank missing from a collective that long ends
     the job, named (`specs/collectives.md` §Watchdog; 0 = off; a config's
     `watchdog.timeout_seconds` given to `shard` replaces it). It never waits more than half of
@@ -65,9 +59,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         from ..._ext._heap import return_freed_memory
 
         return_freed_memory(malloc_mmap_threshold)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS")
-    rank = _env_int("RANK", "SLURM_PROCID")
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+    rank, world, local, _ = launcher_ranks()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
@@ -77,7 +69,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
     if rank is None:
         raise DistributedError("WORLD_SIZE is set but RANK is not; launch with `fnzero launch` or torchrun")
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        raise DistributedError("MASTER_ADDR and MASTER_PORT must be set for a multi-process run")
+        raise DistributedError(f"MASTER_ADDR and MASTER_PORT must be set for a multi-process run (rank {rank} of "
+                               f"{world}); `fnzero launch` sets them for every launcher")
     backend = backend or ("nccl" if cuda else "gloo")
     if not dist.is_initialized():
         dist.init_process_group(
