@@ -34,7 +34,7 @@ _GRACE_S = 10.0  # after a failure, how long the other hosts get to stop before 
 def _ssh(args) -> list[str]:
     ssh = shlex.split(os.environ.get("FNZERO_SSH", "ssh"))
     opts = ["-o", "BatchMode=yes"]
-    if args.launcher == "ssh":  # --launcher_args are ssh's own options only when ssh is the launcher
+    if getattr(args, "launcher", None) == "ssh":  # --launcher_args are ssh's own options (`fnzero ssh` has none)
         opts += shlex.split(args.launcher_args)
     if args.ssh_port is not None:
         opts += ["-p", str(args.ssh_port)]
