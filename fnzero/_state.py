@@ -17,10 +17,11 @@ class Sharding:
     static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization", "groups")
+    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization", "groups",
+                 "muon_heads")
 
     def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None,
-                 groups=None):
+                 groups=None, muon_heads=None):
         self.plan = plan
         self.comm = comm  # the ranks ZeRO shards over: the data-parallel ranks, or with MiCS its shard group
         self.device = torch.device(device)
@@ -47,6 +48,10 @@ class Sharding:
         # What travels quantized (ZeRO++ qwZ/qgZ, `fnzero.sharding.CommQuantization`): codecs for
         # stage 3's gathers and the gradient reduce-scatters; None: everything in full precision.
         self.quantization = quantization
+        # The model's attention heads per parameter name, for the config's Muon with `per_head_muon`
+        # (`fnzero.optim.muon_head_counts`, resolved by `shard`): the step builds the config's
+        # optimizer from the state, and only the model knows its heads; None otherwise.
+        self.muon_heads = muon_heads
 
     @property
     def rank(self) -> int:

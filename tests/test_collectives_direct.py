@@ -23,8 +23,7 @@ import torch
 
 from fnzero.testing import run_world
 
-# One xdist worker runs the whole module (`--dist loadgroup`): its module-scoped worlds are built once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_collectives_direct")]
+pytestmark = pytest.mark.multiprocess
 
 SIZES = (2, 3, 4)
 _SUBGROUP_RANKS = {2: [2, 3], 3: [1, 2, 3]}  # N = 4 is the world's default group

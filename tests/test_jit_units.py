@@ -19,8 +19,7 @@ UNITS = {"backend": "aot_eager", "scope": "units"}
 
 # The loss-scope cases at stage 3 break at each unit by design (test_jit.py checks those breaks).
 pytestmark = [pytest.mark.usefixtures("fresh_dynamo"),
-              pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning"),
-              pytest.mark.xdist_group("test_jit_units")]  # one worker: the module's real ranks start once
+              pytest.mark.filterwarnings("ignore:fnzero.jit. graph break:fnzero.JitWarning")]
 
 
 

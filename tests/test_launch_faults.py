@@ -12,8 +12,7 @@ import pytest
 
 from fnzero.testing import WorldError, free_port, run_world
 
-# One xdist worker runs the whole module (`--dist loadgroup`): its module-scoped worlds are built once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_launch_faults")]
+pytestmark = pytest.mark.multiprocess
 HERE = os.path.dirname(__file__)
 FNZERO = [sys.executable, "-m", "fnzero.cli"]
 

@@ -107,11 +107,6 @@ def _sh(*cmd, ns: str | None = None, check=True):
     return subprocess.run(full, check=check, capture_output=True, text=True)
 
 
-# One xdist worker runs the whole module (`--dist loadgroup`): the two hosts and the job start once,
-# and the tests that need the second host run before the one that kills it.
-pytestmark = pytest.mark.xdist_group("test_launch_hostfile")
-
-
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
     """Two network namespaces, 10.77.x.1 and 10.77.x.2 on a veth link named `fnz0` in both, each

@@ -126,7 +126,8 @@ def _reference(model, ids, labels, counts):
 def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
     """A Llama (hidden 32, 4 heads, 2 kv heads) on 2 simulated ranks, 2 steps, the config's
     `per_head_muon: true` with the model's head counts: every parameter within 1e-9 of the reference
-    at stage 0 and at stage 3 (the whole-matrix owner partition hands the chain whole projections)."""
+    at stage 0 (the chain given) and at stage 3 (the config alone; the whole-matrix owner partition
+    hands the chain whole projections)."""
     model = _llama()
     torch.manual_seed(1)
     ids, labels = torch.randint(0, 64, (4, 6)), torch.randint(0, 64, (4, 6))
@@ -140,8 +141,11 @@ def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
         m = _llama()
         m.load_state_dict(model.state_dict())
         sm = fnzero.shard(m, config=cfg, comm=comm)
-        tx = optim.chain_from_config(cfg, head_counts=optim.muon_head_counts(m))
+        # Stage 0 passes the chain built with the model's counts; stage 3 the config alone: `shard`
+        # resolves the heads into the state (`Sharding.muon_heads`), where the step finds them.
+        tx = optim.chain_from_config(cfg, head_counts=optim.muon_head_counts(m)) if stage == 0 else None
         state = sm.init_state(optimizer=tx)
+        assert state.sharding.muon_heads == counts
         step = fnzero.train_step(lambda p, b: _loss(sm.apply(p, b[0]), b[1]), cfg, optimizer=tx)
         rows = slice(2 * comm.rank, 2 * comm.rank + 2)
         for _ in range(STEPS):

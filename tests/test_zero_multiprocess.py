@@ -10,8 +10,7 @@ import torch
 import _worlds as W
 from fnzero.testing import run_world
 
-# One xdist worker runs the whole module (`--dist loadgroup`): its module-scoped worlds are built once.
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_zero_multiprocess")]
+pytestmark = pytest.mark.multiprocess
 
 STEPS = 5  # sharding bugs are O(1) from the first step; five steps carry Adam past its bias correction
 STAGES = [0, 1, 2, 3]

@@ -15,12 +15,13 @@ from ._host import host_optimizer
 from ._transform import GradientTransformation
 from ._lamb import lamb
 from ._lion import lion
+from ._muon_heads import muon_head_counts
 from ._sgd import sgd
 from ._onebit_adam import onebit_adam
 from ._onebit_lamb import onebit_lamb
 from ._zero_one_adam import zero_one_adam
 
-__all__ = ["from_config", "chain_from_config", "host_from_config"]
+__all__ = ["from_config", "chain_from_config", "host_from_config", "config_head_counts"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
@@ -82,6 +83,15 @@ def _params(cfg: Any, kind: str, head_counts: Mapping[str, int] | None = None) -
     if kind == "muon" and sched is not None and str(sched.type).lower() not in _SCALING_SCHEDULERS:
         params["adam_lr_ratio"] = 1.0
     return params
+
+
+def config_head_counts(cfg: Any, model: Any) -> dict[str, int] | None:
+    """`muon_head_counts(model)` when ``cfg`` is Muon with ``per_head_muon`` (its ConfigError when
+    the model's heads cannot be resolved), else None: what `fnzero.shard` keeps for the step."""
+    opt = getattr(cfg, "optimizer", None)
+    if opt is None or optimizer_kind(cfg) != "muon" or not getattr(opt.params, "per_head_muon", False):
+        return None
+    return muon_head_counts(model)
 
 
 def from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> Optimizer:

@@ -44,7 +44,8 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
         raise ShardingError(
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
-    opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank)  # before any file is read: a bad optimizer fails first
+    # Before any file is read: a bad optimizer fails first.
+    opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank, sm.sharding.muon_heads)
     plan = sm.plan
     kind = sm.config.optimizer.type if optimizer is None else "optimizer="
     if opt.local_gradients is not None and any(u.placement.grads or u.placement.optimizer for u in plan.units):

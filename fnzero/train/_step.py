@@ -41,17 +41,18 @@ from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, pub
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
 
-def optimizer_or_config(optimizer, config, rank: int = 0) -> "_optim.Optimizer":
+def optimizer_or_config(optimizer, config, rank: int = 0, head_counts=None) -> "_optim.Optimizer":
     """The optimizer implementation a step or an initial state runs: a given one (a chain is run
     through `as_optimizer`), else the config's `optimizer` block, on the parameters' device
     (torch's fused kernels) or, with `offload_optimizer`, on the host (fnzero's C kernels for the
     config's type). Either runs where its state is placed: with `offload_optimizer: cpu` on host
     tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
     time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
-    there, naming the transform that reads whole tensors."""
+    there, naming the transform that reads whole tensors. `head_counts`: the config's Muon with
+    `per_head_muon` (`Sharding.muon_heads`, from the model)."""
     where = offload_device(config)
     if optimizer is None:
-        opt = _optim.from_config(config) if where is None else _optim.host_from_config(config)
+        opt = _optim.from_config(config, head_counts) if where is None else _optim.host_from_config(config)
     else:
         opt = _given_optimizer(optimizer, where)
     if where == "nvme":
@@ -120,13 +121,25 @@ class TrainStep:
                  optimizer: "_optim.Optimizer | _optim.GradientTransformation | None" = None):
         self.loss_fn = loss_fn
         self.config = config
+        self._given = optimizer
         self.donate = donate
         self.has_aux = has_aux
         self.policy = step_policy(config)
-        self.opt = optimizer_or_config(optimizer, config)
+        # The config's Muon with `per_head_muon` needs the model's heads, which the state carries
+        # (`Sharding.muon_heads`): built by `optimizer_for` from the first state.
+        self.opt = None if _heads_from_state(config, optimizer) else optimizer_or_config(optimizer, config)
+        self._opt_heads = None  # the head counts `opt` was built with
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and config.scheduler is None
         self.sched = None if own_lr else _schedules.from_config(config)
+
+    def optimizer_for(self, state: TrainState) -> "_optim.Optimizer":
+        """The optimizer this step runs on `state`: the given or config's one, for a per-head Muon
+        config built with the state's `Sharding.muon_heads` (again when a state of another model comes)."""
+        heads = state.sharding.muon_heads
+        if self._opt_heads is not heads and _heads_from_state(self.config, self._given):
+            self.opt, self._opt_heads = optimizer_or_config(None, self.config, head_counts=heads), heads
+        return self.opt
 
     def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":
         """The same step (config, optimizer, schedule) around another loss function."""
@@ -147,10 +160,17 @@ class TrainStep:
                 "build both from the same config"
             )
         state.sharding.plan.check_params(state.params, "state.params")
-        if self.opt.local_gradients is not None:
+        opt = self.optimizer_for(state)
+        if opt.local_gradients is not None:
             _check_exchanging_optimizer(state)
         with torch.enable_grad():
-            return _step(state, batch, self.loss_fn, self.policy, self.opt, self.sched, self.donate, self.has_aux)
+            return _step(state, batch, self.loss_fn, self.policy, opt, self.sched, self.donate, self.has_aux)
+
+
+def _heads_from_state(config, optimizer) -> bool:
+    """The config's optimizer is Muon with `per_head_muon`: its head counts come from the state."""
+    opt = getattr(config, "optimizer", None) if optimizer is None else None
+    return opt is not None and opt.type == "Muon" and bool(getattr(opt.params, "per_head_muon", False))
 
 
 def _check_exchanging_optimizer(state: TrainState) -> None:

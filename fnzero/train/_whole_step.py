@@ -55,7 +55,7 @@ def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
         return "MiCS all-reduces the gradient shards across its replica groups, a collective the graph's ladder lacks"
     if step.policy.offload_optimizer is not None:
         return "offload_optimizer runs the optimizer on the host, outside any graph"
-    if step.opt.graph_update is None:
+    if step.optimizer_for(state).graph_update is None:
         block = step.config.optimizer
         kind = block.type if block is not None else "this optimizer"
         return f"the {kind} optimizer has no traceable update (graph_update)"
