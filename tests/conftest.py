@@ -35,3 +35,24 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# The test command hands whole modules to the two workers (`--dist loadscope`: a module's
+# module-scoped worlds, hosts and jobs start once, on one worker). A module handed out last runs
+# alone while the other worker idles, so the longest ones (measured on the 2-core CI machine,
+# about 30-120 s each) go first, in this order; the rest keep their collection order.
+LONG_MODULES_FIRST = (
+    "test_examples", "test_zero_multiprocess", "test_launch_hostfile", "test_jit_step", "test_benchmarks",
+    "test_launch_faults", "test_jit_ladder", "test_jit_units", "test_jit", "test_autotune", "test_frozen_sharded",
+    "test_checkpoint_atomic", "test_moe_sharded", "test_hf_models",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES_FIRST)}
+
+    def key(item):
+        module = item.module.__name__.rpartition(".")[2] if item.module is not None else ""
+        return rank.get(module, len(rank))
+
+    items.sort(key=key)  # stable: each module's own order is kept
