@@ -9,6 +9,8 @@ import dataclasses
 import threading
 import time
 
+import zlib
+
 import torch
 
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
@@ -191,7 +193,7 @@ class CheckedCollectives:
     def _check(self, op: str, t: torch.Tensor | None, numel: int | None = None) -> None:
         from ..._errors import DistributedError
 
-        dtype_code = hash(str(t.dtype)) % 1_000_003 if t is not None else 0
+        dtype_code = _dtype_code(t.dtype) if t is not None else 0
         numel = (t.numel() if t is not None else 0) if numel is None else numel
         mine = torch.tensor([self.calls, self._OPS[op], dtype_code, numel], dtype=torch.int64)
         if t is not None and t.device.type != "cpu":
@@ -257,7 +259,7 @@ class CheckedCollectives:
     def _fingerprint(self, peer: tuple, t: torch.Tensor) -> torch.Tensor:
         seq = self.p2p_calls.get(peer, 0)
         self.p2p_calls[peer] = seq + 1
-        return torch.tensor([seq, t.numel(), hash(str(t.dtype)) % 1_000_003], dtype=torch.int64, device=t.device)
+        return torch.tensor([seq, t.numel(), _dtype_code(t.dtype)], dtype=torch.int64, device=t.device)
 
     def send_async(self, t, dst: int, label: str = "", tag: int = 0):
         self.inner.send_async(self._fingerprint(("to", dst, tag), t), dst, tag=tag).wait()
@@ -277,6 +279,12 @@ class CheckedCollectives:
 
 
 _CHECKSUM_CHUNK = 1 << 22
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same number for a dtype in every process: Python's `hash` of a string is salted per
+    process (PYTHONHASHSEED), so ranks started apart would see every dtype differ."""
+    return zlib.crc32(str(dtype).encode())
 
 
 def checksum(flat: torch.Tensor) -> torch.Tensor:
