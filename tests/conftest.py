@@ -44,7 +44,8 @@ def fresh_dynamo():
 LONG_MODULES_FIRST = (
     "test_examples", "test_zero_multiprocess", "test_launch_hostfile", "test_jit_step", "test_benchmarks",
     "test_launch_faults", "test_jit_ladder", "test_jit_units", "test_jit", "test_autotune", "test_frozen_sharded",
-    "test_checkpoint_atomic", "test_moe_sharded", "test_hf_models",
+    "test_checkpoint_atomic", "test_moe_sharded", "test_hf_models", "test_generate", "test_peft",
+    "test_tensor_parallel", "test_mics", "test_zeropp",
 )
 
 
