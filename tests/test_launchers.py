@@ -231,9 +231,10 @@ def test_no_ssh_runs_this_nodes_ranks_with_its_pid_saved(tmp_path):
     (tmp_path / "job.py").write_text(
         "import os\n"
         "cpus = open('/proc/self/status').read().split('Cpus_allowed_list:')[1].split()[0]\n"
-        "print('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['GROUP_RANK'], cpus,\n"
-        "      os.environ['OMP_NUM_THREADS'], open(f'/tmp/{os.getppid()}.deepspeed').read() == str(os.getppid()),\n"
-        "      flush=True)\n")
+        "saved = open(f'/tmp/{os.getppid()}.deepspeed').read() == str(os.getppid())\n"
+        "line = ' '.join(map(str, ('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['GROUP_RANK'], cpus,\n"
+        "                          os.environ['OMP_NUM_THREADS'], saved)))\n"
+        "os.write(1, (line + '\\n').encode())  # one write: the two ranks share the pipe, and print's parts interleave\n")
     r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", "hosts", "--no_ssh", "--node_rank",
                         "0", "--master_port", "29531", "--save_pid", "--module", "--bind_cores_to_rank",
                         "--bind_core_list", "0-1", "job"], cwd=tmp_path,
