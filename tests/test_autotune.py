@@ -152,11 +152,67 @@ def test_autotune_runs_every_candidate_and_picks_the_fastest(tmp_path, capsys, m
     assert {c.stage for c in keep} == {3} and {c.stage for c, _ in pruned} == {0}
     for c, _ in pruned:
         assert ran[c.name]["model_state_bytes"] >= ran[c.name]["estimate_bytes"] > limit
-    # The model's prediction reproduces its calibrating trial and is finite for every other one. How
-    # close it comes on this machine is measured, not asserted: a busy 2-core machine's step times
-    # vary by more than the 20 % asked (specs/autotune.md §Measured).
-    errors = [abs(r["prediction_error"]) for r in ran.values()]
-    assert min(errors) < 1e-9 and all(math.isfinite(e) and r["predicted_step_s"] > 0 for e, r in zip(errors, ran.values()))
+    # The model's predictions: each trial's from a model fitted to the others (out of sample), finite
+    # and positive. With one or two trials per stage that is a guess across stages, so their accuracy
+    # is printed, not asserted; specs/autotune.md §Measured has the 35-candidate run where it is judged.
+    errors = [r["prediction_error"] for r in ran.values()]
+    assert all(math.isfinite(e) and r["predicted_step_s"] > 0 for e, r in zip(errors, ran.values()))
+
+
+def test_model_fitted_to_trials_recovers_their_rates_and_predicts_each_from_the_others():
+    # specs/autotune.md §Calibration: steps made by the model itself (per-stage micro-step costs, one
+    # per-sample rate, measured passes and optimizer rates) are fitted exactly, and every trial's
+    # leave-one-out prediction is its step; passes replace the link's formulas, per collective_passes.
+    from fnzero.cli._tune_model import fit, leave_one_out
+
+    psi, world, gas = 10_000, 2, 2
+    passes = {"all_gather": 0.003, "reduce_scatter": 0.004, "all_reduce": 0.009, "scalar": 0.0002}
+    per_step, per_sample, opt, host = {0: 0.010, 1: 0.011, 3: 0.020}, 0.005, 1e-7, 3e-7
+
+    def step(c, costs=per_step):
+        counts = {0: (0, 0, 1), 1: (1, 1, 0), 2: (1, gas, 0), 3: (gas, gas, 0)}[c.stage]
+        comm = sum(n * passes[k] for n, k in zip(counts, ("all_gather", "reduce_scatter", "all_reduce")))
+        shard = psi if c.stage == 0 else psi / world
+        rate = host if c.offload != "none" else opt
+        return gas * (costs[c.stage] + c.micro * per_sample) + comm + passes["scalar"] + rate * shard
+
+    cands = [Candidate(0, 1), Candidate(0, 4), Candidate(1, 2), Candidate(1, 2, "cpu"), Candidate(3, 1),
+             Candidate(3, 8, "cpu"), Candidate(3, 8)]
+    trials = [(c, {"num_params": psi, "units": 4, "comm_bytes": 4, "step_time_s": step(c), "passes_s": passes,
+                   "timings_s": {"optimizer": (host if c.offload != "none" else opt) * (psi if c.stage == 0 else psi / world)},
+                   "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}) for c in cands]
+    k = fit(trials, world=world, gas=gas)
+    assert k.compute_s_per_sample == pytest.approx(per_sample)
+    assert k.compute_s_per_micro_step == pytest.approx(per_step)
+    assert (k.optimizer_s_per_param, k.host_optimizer_s_per_param) == pytest.approx((opt, host))
+    for c, pred in leave_one_out(trials, world=world, gas=gas).items():
+        assert pred == pytest.approx(step(c)), c.name
+    # A stage no trial ran: its passes by the ladder, its micro-step cost the others' median.
+    assert k.predict(Candidate(2, 2)).total_s == pytest.approx(step(Candidate(2, 2), {2: 0.011}))
+    # One micro-batch size: no way to split per-step from per-sample, so all of it is per sample.
+    one = fit(trials[4:5], world=world, gas=gas)
+    assert one.compute_s_per_micro_step == {3: 0.0} and one.predict(cands[4]).total_s == pytest.approx(step(cands[4]))
+
+
+def test_trial_times_one_pass_of_each_collective_over_its_units():
+    # specs/autotune.md §Trial report: measure_passes on 2 simulated ranks, the slowest rank's times.
+    import torch
+
+    from fnzero.monitor._passes import measure_passes
+    from fnzero.testing import GPT, simulated_world
+
+    def run():
+        with torch.device("meta"):  # fnzero seeds its init: every rank builds the same weights
+            model = GPT(vocab_size=32, seq_len=8, d_model=16, n_layer=2, n_head=2)
+        sm = fnzero.shard(model, config=fnzero.load_config({**BASE, "zero_optimization": {"stage": 3}}, world_size=2))
+        return measure_passes(sm.init_state(), torch.float32, repeats=2)
+
+    with simulated_world(2) as world:
+        got = world.run(run)
+    assert got[0] == got[1] and set(got[0]) == {"all_gather", "reduce_scatter", "all_reduce", "scalar"}
+    assert all(t > 0 for t in got[0].values())
+    assert measure_passes(fnzero.shard(GPT(vocab_size=32, seq_len=8, d_model=16, n_layer=1, n_head=2),
+                                       config=fnzero.load_config(BASE)).init_state(), torch.float32) is None
 
 
 def test_monitor_reports_a_trials_profile_steps_and_ends_it(tmp_path):

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ._tune_jobs import run_trial
-from ._tune_model import calibrate
+from ._tune_model import fit, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 from ._tune_results import metric_value, progress_line, row_for, write_results
 from ._tune_space import Candidate, build_space, micro_batch_sizes, model_state_estimate, order, prune, trial_config
@@ -31,8 +31,9 @@ class Tuning:
         self.num_params = args.params or self.at.model_info.num_params
         self.rows: dict[Candidate, dict] = {}
         self.results: dict = {}
-        self.calibration = None
-        self.calibrated_on: Candidate | None = None
+        self.calibration = None  # the step-time model fitted to `self.fitted`, the successful trials so far
+        self.fitted: list[tuple[Candidate, dict]] = []
+        self.predicted: dict[Candidate, float] = {}  # each row's predicted step (§Calibration)
         self.t0 = time.perf_counter()
         self.ran = 0
 
@@ -92,32 +93,38 @@ class Tuning:
                         timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite)
         self.ran += 1
         self.results[c] = res
-        # The model is calibrated on the first trial, and again on the first stage-0 trial (whose comm
-        # time is all its collectives: the link's latency in the step).
-        if res.status == "ok" and res.report.get("num_params") and (
-                self.calibration is None or c.stage == 0 and self.calibrated_on.stage != 0):
-            self._calibrate(c, res.report)
+        # The progress line shows what the model said before this trial ran; then it is refitted.
+        if self.calibration:
+            self.predicted[c] = self.calibration.predict(c).total_s
         row = self._row(c, res.status, res.reason, res)
         self._say(progress_line(self.ran, planned, row, time.perf_counter() - self.t0, self.budget))
+        if res.status == "ok" and res.report.get("num_params"):
+            self.fitted.append((c, res.report))
+            self._fit()
 
     # -- the model -----------------------------------------------------------------------------------------
 
-    def _calibrate(self, c: Candidate, report: dict) -> None:
+    def _fit_options(self) -> dict:
         from ..memory._predict import Link, ring_link
 
         a, link = self.args, None
         if a.link_bandwidth is not None or a.link_latency is not None:
-            measured = report.get("link") or {}
+            measured = self.fitted[0][1].get("link") or {}
             lat = a.link_latency if a.link_latency is not None else ring_link(
                 measured.get("latency_s", 0.0), 1.0, self.world).latency_s
             link = Link(lat, a.link_bandwidth if a.link_bandwidth is not None else measured.get("bandwidth_Bps", 1e30))
         host = a.host_bandwidth if a.host_bandwidth is not None else (25e9 if self.cuda else None)
-        self.calibrated_on = c
-        self.calibration = calibrate(c, report, world=self.world, gas=self.gas, link=link, host_link_Bps=host)
-        k = self.calibration
-        self._say(f"step-time model calibrated on {c.name}: compute {k.compute_s_per_sample * 1e3:.3f} ms/sample, "
-                  f"optimizer {k.optimizer_s_per_param * 1e9:.3f} ns/param, link {k.link.bandwidth_Bps / 1e9:.3f} GB/s "
-                  f"and {k.link.latency_s * 1e6:.1f} us/hop, {k.units} units, {k.num_params:,} parameters")
+        return dict(world=self.world, gas=self.gas, link=link, host_link_Bps=host)
+
+    def _fit(self) -> None:
+        self.calibration = k = fit(self.fitted, **self._fit_options())
+        comm = (", ".join(f"{n} {k.pass_s[n] * 1e3:.2f} ms" for n in ("all_reduce", "all_gather", "reduce_scatter"))
+                + " per pass") if k.pass_s else (f"link {k.link.bandwidth_Bps / 1e9:.3f} GB/s and "
+                                                 f"{k.link.latency_s * 1e6:.1f} us/hop")
+        steps = ", ".join(f"z{s} {t * 1e3:.2f}" for s, t in sorted(k.compute_s_per_micro_step.items()))
+        self._say(f"step-time model fitted to {len(self.fitted)} trial(s): compute {k.compute_s_per_sample * 1e3:.3f} "
+                  f"ms/sample + per micro-step ({steps}) ms, optimizer "
+                  f"{k.optimizer_s_per_param * 1e9:.3f} ns/param; {comm}; {k.units} units, {k.num_params:,} parameters")
 
     def _predicted_metric(self, c: Candidate) -> float:
         t = self.calibration.predict(c).total_s
@@ -128,7 +135,7 @@ class Tuning:
     def _row(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
         est = (model_state_estimate(c, self.num_params, self.world, self.cfg.precision, not self.cuda)
                if self.num_params else None)
-        pred = self.calibration.predict(c).total_s if self.calibration else None
+        pred = self.predicted.get(c)
         row = row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
                       predicted=pred, metric=metric_value(self.at.metric, res, self.num_params, self.world))
         self.rows[c] = row
@@ -153,7 +160,9 @@ class Tuning:
         from ._autotune import launch_with_best
         from ._tune_jobs import script_args_for, trial_argv
 
-        if self.calibration:  # every row's prediction from the one model, the calibrating trial's too
+        if self.calibration:  # each trial's prediction from the others (out of sample), the rest from them all
+            self.predicted = {c: self.calibration.predict(c).total_s for c in self.rows}
+            self.predicted.update(leave_one_out(self.fitted, **self._fit_options()))
             for c, row in self.rows.items():
                 self.rows[c] = self._row(c, row["status"], row["reason"], self.results.get(c))
         best = self._best()

@@ -1,60 +1,128 @@
-"""The model_based tuner's step-time model, calibrated from one trial's report
-(`specs/autotune.md` §Calibration)."""
+"""The model_based tuner's step-time model, fitted to the trials run so far
+(`specs/autotune.md` §Calibration).
+
+Measured, not fitted: each collective pass's time (every trial times one pass of each kind over
+its units), the link, and the optimizer's seconds per parameter (its `wall_clock_breakdown`
+share, on the device and, from offloaded trials, on the host). Fitted: the compute, `a_s + b·m`
+seconds per micro-step of m samples at stage s, by least squares on what the trials' measured steps
+leave once their collectives and optimizer are taken out (relative errors: each trial weighs the same).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
-from ..memory._predict import Link, StepPrediction, collective_traffic, predict_step, ring_link
+from ..memory._predict import PASS_KINDS, Link, StepPrediction, predict_step, ring_link
 from ._tune_space import Candidate
 
-__all__ = ["Calibration", "calibrate"]
+__all__ = ["Calibration", "fit", "leave_one_out"]
+
+Trial = tuple[Candidate, dict]  # a candidate and its rank-0 report
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Rates measured by one trial, and the link: enough to predict every candidate's step."""
+    """Rates measured or fitted from trials: enough to predict every candidate's step."""
 
     num_params: int
     units: int
     comm_bytes: int
     world: int
     gas: int
+    compute_s_per_micro_step: dict[int, float]  # by stage (§Calibration): what a micro-step costs whatever its size
     compute_s_per_sample: float
     optimizer_s_per_param: float
+    host_optimizer_s_per_param: float | None  # None: offloaded updates at the device's rate
     link: Link
+    pass_s: dict | None  # measured seconds per pass of each collective; None: the link's formulas
     host_link_Bps: float | None  # None: the device is the host, offloading copies nothing
-    source: str  # the trial it came from
+    sources: tuple[str, ...]  # the trials it came from
+
+    def per_micro_step(self, stage: int) -> float:
+        """The stage's fitted cost per micro-step; for a stage no trial ran, the median of the others'."""
+        known = self.compute_s_per_micro_step
+        return known[stage] if stage in known else _median(known.values()) if known else 0.0
 
     def predict(self, c: Candidate) -> StepPrediction:
         return predict_step(self.num_params, stage=c.stage, world_size=self.world, micro=c.micro, gas=self.gas,
                             units=self.units, compute_s_per_sample=self.compute_s_per_sample,
-                            optimizer_s_per_param=self.optimizer_s_per_param, link=self.link,
-                            comm_bytes=self.comm_bytes, offload_optimizer=c.offload, host_link_Bps=self.host_link_Bps)
+                            compute_s_per_micro_step=self.per_micro_step(c.stage),
+                            optimizer_s_per_param=self.optimizer_s_per_param,
+                            host_optimizer_s_per_param=self.host_optimizer_s_per_param, link=self.link,
+                            pass_s=self.pass_s, comm_bytes=self.comm_bytes, offload_optimizer=c.offload,
+                            host_link_Bps=self.host_link_Bps)
 
 
-def calibrate(c: Candidate, report: dict, *, world: int, gas: int, link: Link | None = None,
-              host_link_Bps: float | None = None) -> Calibration:
-    """Rates from trial `c`'s rank-0 report: the optimizer's seconds per parameter of its shard (its
-    `wall_clock_breakdown` share); the link: bandwidth as the trial measured it, and, from a stage-0
-    trial (whose collectives all run after backward, in its "comm" time), the latency per ring hop
-    that this comm time implies beyond the bandwidth's share (at least the measured one: on a busy
-    machine it includes the ranks' skew); then the compute per sample as what remains of the measured
-    step once the optimizer and the formula's collectives are taken out, so the model reproduces
-    this trial's step exactly. `link`, when given, is used as is."""
-    n_params, units = int(report["num_params"]), int(report.get("units") or 1)
-    comm_bytes = int(report.get("comm_bytes") or 4)
-    timings = report.get("timings_s") or {}
+def fit(trials: list[Trial], *, world: int, gas: int, link: Link | None = None,
+        host_link_Bps: float | None = None) -> Calibration:
+    """The model from `trials` (at least one). `link`, when given (`--link-bandwidth`,
+    `--link-latency`), replaces the measured passes and link: collectives by the traffic formulas."""
+    reports = [r for _, r in trials]
+    first = reports[0]
+    n_params, units = int(first["num_params"]), int(first.get("units") or 1)
+    comm_bytes = int(first.get("comm_bytes") or 4)
+    pass_s = None
     if link is None:
-        measured = report.get("link")
-        link = ring_link(measured["latency_s"], measured["bandwidth_Bps"], world) if measured else Link(0.0, float("inf"))
-        sent, _, hops = collective_traffic(n_params, stage=c.stage, world_size=world, gas=gas, units=units,
-                                           comm_bytes=comm_bytes)
-        if c.stage == 0 and "comm" in timings and hops:
-            in_step = (timings["comm"] - sent / link.bandwidth_Bps) / hops
-            link = Link(max(link.latency_s, in_step), link.bandwidth_Bps)
-    shard = n_params if c.stage == 0 else n_params / world
-    opt_s = float(timings.get("optimizer", 0.0))
-    base = Calibration(n_params, units, comm_bytes, world, gas, 0.0, opt_s / shard, link, host_link_Bps, c.name)
-    rest = report["step_time_s"] - base.predict(c).total_s
-    return dataclasses.replace(base, compute_s_per_sample=max(rest, 0.0) / (c.micro * gas))
+        links = [r["link"] for r in reports if r.get("link")]
+        link = (ring_link(_median(lk["latency_s"] for lk in links), _median(lk["bandwidth_Bps"] for lk in links), world)
+                if links else Link(0.0, float("inf")))
+        measured = [r["passes_s"] for r in reports if r.get("passes_s")]
+        if measured:
+            pass_s = {k: _median(p[k] for p in measured) for k in (*PASS_KINDS, "scalar")}
+    device = [_optimizer_rate(c, r, world) for c, r in trials if c.offload == "none" or c.stage == 0]
+    host = [_optimizer_rate(c, r, world) for c, r in trials if c.offload != "none" and c.stage > 0]
+    device, host = [x for x in device if x is not None], [x for x in host if x is not None]
+    opt = _median(device) if device else _median(host) if host else 0.0
+    base = Calibration(n_params, units, comm_bytes, world, gas, {}, 0.0, opt, _median(host) if host else None,
+                       link, pass_s, host_link_Bps, tuple(c.name for c, _ in trials))
+    # What each trial's step leaves for compute, per micro-step, against its micro-batch.
+    points = [(c.stage, c.micro, (r["step_time_s"] - base.predict(c).total_s) / gas) for c, r in trials]
+    per_step, per_sample = _fit_lines(points)
+    return dataclasses.replace(base, compute_s_per_micro_step=per_step, compute_s_per_sample=per_sample)
+
+
+def leave_one_out(trials: list[Trial], **kw) -> dict[Candidate, float]:
+    """Each trial's step as predicted by the model fitted to every other trial: out-of-sample for
+    each (needs two trials; with one, its own fit)."""
+    if len(trials) < 2:
+        return {c: fit(trials, **kw).predict(c).total_s for c, _ in trials}
+    return {c: fit(trials[:i] + trials[i + 1:], **kw).predict(c).total_s for i, (c, _) in enumerate(trials)}
+
+
+def _optimizer_rate(c: Candidate, report: dict, world: int) -> float | None:
+    t = (report.get("timings_s") or {}).get("optimizer")
+    if t is None:
+        return None
+    return float(t) / (report["num_params"] / (1 if c.stage == 0 else world))
+
+
+def _fit_lines(points: list[tuple[int, int, float]]) -> tuple[dict[int, float], float]:
+    """Per-stage intercepts a_s ≥ 0 and one slope b ≥ 0 of y = a_s + b·m (least squares on y's
+    relative error, weights 1/y²): compute per sample is the model's whatever the stage; what a
+    micro-step costs beyond it (hooks, unit gathers into parameters, collectives waiting on a
+    rank still computing) is each stage's own. The slope comes from stages with two or more
+    micro-batch sizes; with none, everything is per sample (a FLOP count's view) for the stages
+    the trials ran, each at its own rate's median."""
+    by_stage: dict[int, list[tuple[int, float]]] = {}
+    for stage, m, y in points:
+        by_stage.setdefault(stage, []).append((m, max(y, 1e-12)))
+    num = den = 0.0
+    for pts in by_stage.values():
+        w = [1 / (y * y) for _, y in pts]
+        mm = sum(wi * m for wi, (m, _) in zip(w, pts)) / sum(w)
+        yy = sum(wi * y for wi, (_, y) in zip(w, pts)) / sum(w)
+        num += sum(wi * (m - mm) * (y - yy) for wi, (m, y) in zip(w, pts))
+        den += sum(wi * (m - mm) ** 2 for wi, (m, _) in zip(w, pts))
+    if den == 0:  # no stage ran two micro-batch sizes
+        return {s: 0.0 for s in by_stage}, _median(y / m for pts in by_stage.values() for m, y in pts)
+    b = max(num / den, 0.0)
+    out = {}
+    for stage, pts in by_stage.items():
+        w = [1 / (y * y) for _, y in pts]
+        out[stage] = max(sum(wi * (y - b * m) for wi, (m, y) in zip(w, pts)) / sum(w), 0.0)
+    return out, b
+
+
+def _median(xs) -> float:
+    return float(statistics.median(list(xs)))

@@ -1,8 +1,9 @@
 """Step-time model for a ZeRO configuration (`specs/autotune.md` §Step-time model).
 
 Pure numbers, no tensors: one optimizer step of a data-parallel rank is its compute (forward and
-backward, linear in the samples it processes), its collectives (the bytes and counts of
-`specs/collectives.md` §Per stage over a link of given latency and bandwidth), its optimizer update
+backward, linear in the samples it processes), its collectives (the passes over the model of
+`specs/collectives.md` §Per stage: their bytes over a link of given latency and bandwidth, or each
+pass's time as a trial measured it on the job's own ranks and units), its optimizer update
 (linear in the parameters this rank updates) and, with `offload_optimizer`, the host<->device copies
 of its shard. Nothing overlaps: the sum bounds a step whose communication is not hidden;
 `StepPrediction.overlapped_s` is the other end, every collective hidden behind compute.
@@ -22,7 +23,9 @@ import dataclasses
 
 from ..sharding.zero._placement import placement_for_stage
 
-__all__ = ["Link", "StepPrediction", "collective_traffic", "predict_step", "ring_link"]
+__all__ = ["Link", "StepPrediction", "collective_passes", "collective_traffic", "predict_step", "ring_link"]
+
+PASS_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,45 +63,69 @@ class StepPrediction:
         return max(self.compute_s, self.comm_s) + self.optimizer_s + self.offload_s
 
 
+def collective_passes(stage: int, gas: int) -> dict[str, int]:
+    """Passes over the whole model per optimizer step, by collective (`specs/collectives.md` §Per
+    stage): stage 0 all-reduces each unit's gradient once (the last micro-batch); stage 1
+    reduce-scatters it once and all-gathers the new parameters; stage 2 reduce-scatters per
+    micro-batch; stage 3 gathers in forward and reduce-scatters per micro-batch (no backward
+    re-gather: the reuse distance's default)."""
+    sharded = placement_for_stage(stage)
+    if sharded.params:
+        return {"all_gather": gas, "reduce_scatter": gas, "all_reduce": 0}
+    if sharded.grads:
+        return {"all_gather": 1, "reduce_scatter": gas, "all_reduce": 0}
+    if sharded.optimizer:
+        return {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}
+    return {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1}
+
+
 def collective_traffic(num_params: float, *, stage: int, world_size: int, gas: int, units: int,
                        comm_bytes: int = 4) -> tuple[float, int, int]:
-    """(bytes one rank sends, collectives, ring hops) of one step (`specs/collectives.md` §Per stage
-    and §Traffic): ring all-reduce 2(N-1)/N of its buffer in 2(N-1) hops, all-gather and
-    reduce-scatter (N-1)/N in N-1 hops; stage 3 re-gathers nothing in backward (the reuse
-    distance's default); plus the gradient-norm/loss all-reduce of two float64."""
+    """(bytes one rank sends, collectives, ring hops) of one step (`collective_passes`, §Traffic):
+    ring all-reduce 2(N-1)/N of its buffer in 2(N-1) hops, all-gather and reduce-scatter (N-1)/N in
+    N-1 hops; plus the gradient-norm/loss all-reduce of two float64."""
     n = world_size
     if n < 2:
         return 0.0, 0, 0
-    full = comm_bytes * num_params
-    half = full * (n - 1) / n  # one all-gather or reduce-scatter of the whole model
-    # (all-gathers and reduce-scatters of the whole model per step, all-reduces of it)
-    sharded = placement_for_stage(stage)
-    gathers_scatters, allreduces = ((2 * gas, 0) if sharded.params else (gas + 1, 0) if sharded.grads else
-                                    (2, 0) if sharded.optimizer else (0, 1))
-    sent = half * gathers_scatters + 2 * half * allreduces + 16 * 2 * (n - 1) / n
-    collectives = units * (gathers_scatters + allreduces) + 1
-    hops = units * (gathers_scatters * (n - 1) + allreduces * 2 * (n - 1)) + 2 * (n - 1)
+    half = comm_bytes * num_params * (n - 1) / n  # one all-gather or reduce-scatter of the whole model
+    passes = collective_passes(stage, gas)
+    halves = passes["all_gather"] + passes["reduce_scatter"]
+    sent = half * (halves + 2 * passes["all_reduce"]) + 16 * 2 * (n - 1) / n
+    collectives = units * sum(passes.values()) + 1
+    hops = units * (halves * (n - 1) + passes["all_reduce"] * 2 * (n - 1)) + 2 * (n - 1)
     return sent, collectives, hops
 
 
 def predict_step(num_params: float, *, stage: int, world_size: int, micro: int, gas: int, units: int,
                  compute_s_per_sample: float, optimizer_s_per_param: float, link: Link, comm_bytes: int = 4,
                  offload_optimizer: str = "none", host_link_Bps: float | None = None,
-                 host_optimizer_s_per_param: float | None = None) -> StepPrediction:
+                 host_optimizer_s_per_param: float | None = None, compute_s_per_micro_step: float = 0.0,
+                 pass_s: dict[str, float] | None = None) -> StepPrediction:
     """The step-time model for one configuration of `world_size` data-parallel ranks.
 
-    compute_s_per_sample: forward + backward seconds per sample on one rank (a measured compute
-    rate, or FLOPs per sample / FLOP/s). optimizer_s_per_param: the update's seconds per parameter
-    of this rank's shard (all Ψ at stage 0, Ψ/N at 1-3). With offload_optimizer cpu|nvme the update
-    runs at host_optimizer_s_per_param (default: the device's) and the gradient shard goes down and
-    the parameter shard comes up over host_link_Bps (None: no copy, the device is the host)."""
+    Compute: `gas` micro-steps of `compute_s_per_micro_step + micro * compute_s_per_sample` (a
+    measured compute rate, or FLOPs per sample / FLOP/s; the per-micro-step term is what a step
+    costs whatever its size: launches, Python, hooks). Collectives: over `link` by the traffic
+    formulas; or, given `pass_s` (seconds of one pass over the model's units per kind of
+    `PASS_KINDS`, and `"scalar"` for the small all-reduce), each pass of `collective_passes` at its
+    measured time. optimizer_s_per_param: the update's seconds per parameter of this rank's shard
+    (all Ψ at stage 0, Ψ/N at 1-3). With offload_optimizer cpu|nvme the update runs at
+    host_optimizer_s_per_param (default: the device's) and the gradient shard goes down and the
+    parameter shard comes up over host_link_Bps (None: no copy, the device is the host)."""
     sent, collectives, hops = collective_traffic(num_params, stage=stage, world_size=world_size, gas=gas,
                                                  units=units, comm_bytes=comm_bytes)
-    comm = hops * link.latency_s + sent / link.bandwidth_Bps if sent else 0.0
+    if not sent:
+        comm = 0.0
+    elif pass_s is not None:
+        counts = collective_passes(stage, gas)
+        comm = sum(counts[k] * pass_s[k] for k in PASS_KINDS) + pass_s.get("scalar", 0.0)
+    else:
+        comm = hops * link.latency_s + sent / link.bandwidth_Bps
     sharded = placement_for_stage(stage).optimizer  # the update runs on this rank's shard only
     shard = num_params / world_size if sharded else num_params
     offloaded = offload_optimizer != "none" and sharded
     rate = host_optimizer_s_per_param if offloaded and host_optimizer_s_per_param is not None else optimizer_s_per_param
     copies = 2 * comm_bytes * shard / host_link_Bps if offloaded and host_link_Bps else 0.0
-    return StepPrediction(compute_s=compute_s_per_sample * micro * gas, comm_s=comm, optimizer_s=rate * shard,
-                          offload_s=copies, comm_bytes=sent, collectives=collectives)
+    compute = gas * (compute_s_per_micro_step + micro * compute_s_per_sample)
+    return StepPrediction(compute_s=compute, comm_s=comm, optimizer_s=rate * shard, offload_s=copies,
+                          comm_bytes=sent, collectives=collectives)

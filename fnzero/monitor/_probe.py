@@ -3,7 +3,8 @@
 A trial is an ordinary training run whose config carries `autotuning.enabled: true` and
 `autotuning.metric_path` (the autotuner writes both into the trial's config). Its `Monitor` then
 times the steps after `start_profile_step` up to `end_profile_step`, measures the job's link
-(all-reduce latency and bandwidth over its process group), writes one JSON report per rank (rank 0
+(all-reduce latency and bandwidth over its process group) and one pass of each collective over
+its units (`measure_passes`), writes one JSON report per rank (rank 0
 at `metric_path`, rank r at `metric_path.rank{r}`) and ends the process, as DeepSpeed's engine
 does after its profile steps. Nothing else in the loop changes.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import time
+
+from ._passes import measure_passes
 
 __all__ = ["TrialProbe", "measure_link", "report_path"]
 
@@ -71,6 +74,7 @@ class TrialProbe:
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.micro, self.gas = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
         self.comm_bytes = 2 if cfg.precision in ("bf16", "fp16") else 4  # the gradients' itemsize
+        self.precision = cfg.precision
         self.times: list[float] = []
         self.timings: dict[str, float] = {}
 
@@ -89,10 +93,14 @@ class TrialProbe:
                 self.timings[k] = self.timings.get(k, 0.0) + float(v)
         if step < self.end:
             return False
-        self._write(measure_link(), state, step_flops)
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        passes = measure_passes(state, dtype) if state is not None else None
+        self._write(measure_link(), passes, state, step_flops)
         return True
 
-    def _write(self, link: dict | None, state, step_flops: int | None) -> None:
+    def _write(self, link: dict | None, passes: dict | None, state, step_flops: int | None) -> None:
         import torch
 
         from ..memory import model_state_bytes, peak_rss_bytes
@@ -114,7 +122,7 @@ class TrialProbe:
             "peak_rss_bytes": peak_rss_bytes(),
             "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             and torch.cuda.is_initialized() else None,
-            "link": link,
+            "link": link, "passes_s": passes,
         }
         path = report_path(self.metric_path, self.rank)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
