@@ -31,14 +31,19 @@ FORWARDED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "GLOO_", "TP_SOC
 _GRACE_S = 10.0  # after a failure, how long the other hosts get to stop before their SSH is killed
 
 
-def _ssh(args) -> list[str]:
+def ssh_command(port: int | None, options: str = "") -> list[str]:
+    """ssh (or $FNZERO_SSH) that never prompts, with `options` (`--launcher_args` under `--launcher
+    ssh`) and `port`."""
     ssh = shlex.split(os.environ.get("FNZERO_SSH", "ssh"))
-    opts = ["-o", "BatchMode=yes"]
-    if getattr(args, "launcher", None) == "ssh":  # --launcher_args are ssh's own options (`fnzero ssh` has none)
-        opts += shlex.split(args.launcher_args)
-    if args.ssh_port is not None:
-        opts += ["-p", str(args.ssh_port)]
+    opts = ["-o", "BatchMode=yes", *shlex.split(options)]
+    if port is not None:
+        opts += ["-p", str(port)]
     return ssh + opts
+
+
+def _ssh(args) -> list[str]:
+    """A launch's ssh: `--launcher_args` are ssh's own options under `--launcher ssh`."""
+    return ssh_command(args.ssh_port, args.launcher_args if args.launcher == "ssh" else "")
 
 
 def master_addr(args, first: str) -> str:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from ._hosts import HostfileError, read_hostfile, select
-from ._multinode import _pump, _ssh
+from ._multinode import _pump, ssh_command
 
 __all__ = ["register"]
 
@@ -45,10 +45,10 @@ def _run(args: argparse.Namespace) -> int:
     procs, pumps = {}, []
     for host in hosts:
         try:
-            procs[host] = subprocess.Popen([*_ssh(args), host, line], stdin=subprocess.DEVNULL,
+            procs[host] = subprocess.Popen([*ssh_command(args.ssh_port), host, line], stdin=subprocess.DEVNULL,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except OSError as e:
-            print(f"fnzero ssh: cannot start {shlex.join(_ssh(args))!r}: {e.strerror}", file=sys.stderr)
+            print(f"fnzero ssh: cannot start {shlex.join(ssh_command(args.ssh_port))!r}: {e.strerror}", file=sys.stderr)
             return 2
         pumps.append(_pump(procs[host], host))
     codes = {h: p.wait() for h, p in procs.items()}
