@@ -1,7 +1,8 @@
 """fnzero.jit(step, scope="units"): each unit module's forward (and its backward) is its own
 torch.compile graph, shared by units of one structure, around the eager step (specs/jit.md
-§Per unit). Results equal the eager step's: bit for bit with aot_eager, within float64
-reassociation with inductor, at every stage, on 1 and 2 ranks.
+§Per unit). Results equal the eager step's: bit for bit with aot_eager, at every stage on 1 and 2
+ranks; within float64 reassociation with inductor, at stages 0 and 3 on 2 ranks (one cold compile
+of the unit graphs in the suite: a single-rank inductor run would compile the same graphs again).
 """
 
 from __future__ import annotations
@@ -65,15 +66,6 @@ def test_repeated_blocks_share_one_graph():
     assert len(counter.graphs) == 5, [gm.code for gm in counter.graphs]
     assert counter.count("scaled_dot_product_attention") == 1
     assert counter.count("embedding") == 2
-
-
-@pytest.mark.parametrize("stage", [0, 3])
-def test_inductor_per_unit_graphs_match_eager(stage):
-    a = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2)
-    b = W.train_fnzero("gpt", stage, STEPS, fnzero.LocalCollectives(), k=2,
-                       jit={"backend": "inductor", "scope": "units"})
-    assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) < 1e-12
-    W.assert_close_tree(b["params"], a["params"], rtol=1e-10, atol=1e-12, what=f"inductor units stage {stage}")
 
 
 # Both backends on two gloo ranks in one world (a world costs seconds to start). The unit graphs
