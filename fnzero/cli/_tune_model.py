@@ -2,7 +2,7 @@
 (`specs/autotune.md` §Calibration).
 
 Measured, not fitted: each collective pass's time (every trial times one pass of each kind over
-its units), the link, and the optimizer's seconds per parameter (its `wall_clock_breakdown`
+its units; the fastest trial's is kept), the link, and the optimizer's seconds per parameter (its `wall_clock_breakdown`
 share, on the device and, from offloaded trials, on the host). Fitted: the compute, `a_s + b·m`
 seconds per micro-step of m samples at stage s, by least squares on what the trials' measured steps
 leave once their collectives and optimizer are taken out (relative errors: each trial weighs the same).
@@ -68,16 +68,18 @@ def fit(trials: list[Trial], *, world: int, gas: int, link: Link | None = None,
         link = (ring_link(_median(lk["latency_s"] for lk in links), _median(lk["bandwidth_Bps"] for lk in links), world)
                 if links else Link(0.0, float("inf")))
         measured = [r["passes_s"] for r in reports if r.get("passes_s")]
-        if measured:
-            pass_s = {k: _median(p[k] for p in measured) for k in (*PASS_KINDS, "scalar")}
+        if measured:  # the fastest trial's: a pass costs the same in every trial, and interference only adds
+            pass_s = {k: min(p[k] for p in measured) for k in (*PASS_KINDS, "scalar")}
     device = [_optimizer_rate(c, r, world) for c, r in trials if c.offload == "none" or c.stage == 0]
     host = [_optimizer_rate(c, r, world) for c, r in trials if c.offload != "none" and c.stage > 0]
     device, host = [x for x in device if x is not None], [x for x in host if x is not None]
     opt = _median(device) if device else _median(host) if host else 0.0
     base = Calibration(n_params, units, comm_bytes, world, gas, {}, 0.0, opt, _median(host) if host else None,
                        link, pass_s, host_link_Bps, tuple(c.name for c, _ in trials))
-    # What each trial's step leaves for compute, per micro-step, against its micro-batch.
-    points = [(c.stage, c.micro, (r["step_time_s"] - base.predict(c).total_s) / gas) for c, r in trials]
+    # What each trial's step leaves for compute, per micro-step, against its micro-batch (and the
+    # step per micro-step, the scale of its error).
+    points = [(c.stage, c.micro, (r["step_time_s"] - base.predict(c).total_s) / gas, r["step_time_s"] / gas)
+              for c, r in trials]
     per_step, per_sample = _fit_lines(points)
     return dataclasses.replace(base, compute_s_per_micro_step=per_step, compute_s_per_sample=per_sample)
 
@@ -97,31 +99,30 @@ def _optimizer_rate(c: Candidate, report: dict, world: int) -> float | None:
     return float(t) / (report["num_params"] / (1 if c.stage == 0 else world))
 
 
-def _fit_lines(points: list[tuple[int, int, float]]) -> tuple[dict[int, float], float]:
-    """Per-stage intercepts a_s ≥ 0 and one slope b ≥ 0 of y = a_s + b·m (least squares on y's
-    relative error, weights 1/y²): compute per sample is the model's whatever the stage; what a
-    micro-step costs beyond it (hooks, unit gathers into parameters, collectives waiting on a
-    rank still computing) is each stage's own. The slope comes from stages with two or more
-    micro-batch sizes; with none, everything is per sample (a FLOP count's view) for the stages
-    the trials ran, each at its own rate's median."""
-    by_stage: dict[int, list[tuple[int, float]]] = {}
-    for stage, m, y in points:
-        by_stage.setdefault(stage, []).append((m, max(y, 1e-12)))
+def _fit_lines(points: list[tuple[int, int, float, float]]) -> tuple[dict[int, float], float]:
+    """Per-stage intercepts a_s and one slope b ≥ 0 of y = a_s + b·m, from points (stage, m, y,
+    t): least squares on the step's relative error (weights 1/t², t the measured step per
+    micro-step). Compute per sample is the model's whatever the stage; what a micro-step costs
+    beyond it (hooks, unit gathers into parameters, collectives waiting on a rank still computing)
+    is each stage's own, and may be negative where the measured passes overstate what the step
+    spends on them (one collective's latency hidden behind another's). The slope comes from stages
+    with two or more micro-batch sizes; with none, everything is per sample (a FLOP count's view)
+    for the stages the trials ran, each at its own rate's median."""
+    by_stage: dict[int, list[tuple[int, float, float]]] = {}
+    for stage, m, y, t in points:
+        by_stage.setdefault(stage, []).append((m, y, 1 / max(t, 1e-12) ** 2))
     num = den = 0.0
     for pts in by_stage.values():
-        w = [1 / (y * y) for _, y in pts]
-        mm = sum(wi * m for wi, (m, _) in zip(w, pts)) / sum(w)
-        yy = sum(wi * y for wi, (_, y) in zip(w, pts)) / sum(w)
-        num += sum(wi * (m - mm) * (y - yy) for wi, (m, y) in zip(w, pts))
-        den += sum(wi * (m - mm) ** 2 for wi, (m, _) in zip(w, pts))
+        sw = sum(w for _, _, w in pts)
+        mm = sum(w * m for m, _, w in pts) / sw
+        yy = sum(w * y for _, y, w in pts) / sw
+        num += sum(w * (m - mm) * (y - yy) for m, y, w in pts)
+        den += sum(w * (m - mm) ** 2 for m, _, w in pts)
     if den == 0:  # no stage ran two micro-batch sizes
-        return {s: 0.0 for s in by_stage}, _median(y / m for pts in by_stage.values() for m, y in pts)
+        return {s: 0.0 for s in by_stage}, max(_median(y / m for pts in by_stage.values() for m, y, _ in pts), 0.0)
     b = max(num / den, 0.0)
-    out = {}
-    for stage, pts in by_stage.items():
-        w = [1 / (y * y) for _, y in pts]
-        out[stage] = max(sum(wi * (y - b * m) for wi, (m, y) in zip(w, pts)) / sum(w), 0.0)
-    return out, b
+    return {stage: sum(w * (y - b * m) for m, y, w in pts) / sum(w for _, _, w in pts)
+            for stage, pts in by_stage.items()}, b
 
 
 def _median(xs) -> float:
