@@ -301,3 +301,44 @@ def test_tuners_stop_at_num_trials_and_early_stopping(tmp_path, monkeypatch, cap
     assert sorted(ran) == sorted(rows) and ran != sorted(ran, key=lambda n: (n[1], n[-1]))
     ran, rows = tune("model_based", tuner_num_trials=2)  # calibrated on z0_mbs1, then the predicted best
     assert ran[0] == "z0_mbs1" and rows[ran[1]]["micro_batch"] == 2
+
+
+def test_rounds_rerun_every_successful_candidate_round_robin_and_keep_its_fastest_job(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Rounds, with the trials' numbers given (no jobs): z0_mbs2's second job is a
+    # slow spell's, z1_mbs2's is faster than its first, z1_mbs1's fails; z0_mbs1 never succeeds.
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    calls = []
+    times = {("z0_mbs2", 1): 0.10, ("z0_mbs2", 2): 0.30, ("z1_mbs2", 1): 0.20, ("z1_mbs2", 2): 0.08,
+             ("z1_mbs1", 1): 0.05}
+
+    def fake_trial(c, *, exps_dir, **kw):
+        calls.append((c.name, exps_dir))
+        t = times.get((c.name, sum(n == c.name for n, _ in calls)))
+        if t is None:
+            return TrialResult("failed", "exit status 1: boom")
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": t,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=t, samples_per_s=2 * c.micro / t, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+    cfg, res = tmp_path / "ds.json", tmp_path / "res"
+    cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": str(res),
+                                                      "exps_dir": str(tmp_path / "exps")}}))
+    assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none", "--rounds", "2",
+                "--micro-batch-sizes", "1,2", SCRIPT, "--deepspeed_config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    first = ["z0_mbs1", "z0_mbs2", "z1_mbs1", "z1_mbs2"]
+    assert [n for n, _ in calls] == first + ["z0_mbs2", "z1_mbs1", "z1_mbs2"]  # the successful ones, in their order
+    assert {d for _, d in calls[4:]} == {str(tmp_path / "exps" / "round2")}
+    rows = {r["name"]: r for r in json.loads((res / "autotune_results.json").read_text())}
+    assert rows["z0_mbs2"]["step_time_s"] == 0.10 and rows["z0_mbs2"]["job_step_times_s"] == [0.10, 0.30]
+    assert rows["z1_mbs2"]["step_time_s"] == 0.08 and rows["z1_mbs2"]["job_step_times_s"] == [0.20, 0.08]
+    assert rows["z1_mbs1"]["status"] == "ok" and rows["z1_mbs1"]["job_step_times_s"] == [0.05, None]
+    assert rows["z0_mbs1"]["status"] == "failed" and rows["z0_mbs1"]["job_step_times_s"] == [None]
+    assert "for at most 8 trial(s) (2 rounds)" in out.splitlines()[0]
+    assert sum("/8] " in ln for ln in out.splitlines()) == 7 and "best: z1_mbs2" in out
+    assert "(round 2; kept 0.1000)" in out
+    assert cli(["autotune", "--rounds", "0", SCRIPT, "--deepspeed_config", str(cfg)]) == 2
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err

@@ -71,6 +71,9 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                    help="host<->device bytes/s for offload (default 25e9 on GPUs; none on CPU)")
     g.add_argument("--trial-timeout", type=float, default=None, metavar="S", help="seconds per trial (default: the "
                    "budget left)")
+    g.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="run every successful candidate in N separate jobs, round-robin, and keep each one's fastest "
+                   "(default 1; on a shared or noisy machine, 2-3 steady the measurements)")
     g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
 
 
@@ -104,6 +107,8 @@ def autotune_main(args) -> int:
     path = args.script_args[i].split("=", 1)[1] if args.script_args[i].startswith("--") else args.script_args[i]
     if args.world < 1:
         return _fail(f"--world must be at least 1, got {args.world}")
+    if args.rounds < 1:
+        return _fail(f"--rounds must be at least 1, got {args.rounds}")
     from ..config._parse import read_source
     from ._common import load_config_or_report
 

@@ -34,6 +34,7 @@ class Tuning:
         self.calibration = None  # the step-time model fitted to `self.fitted`, the successful trials so far
         self.fitted: list[tuple[Candidate, dict]] = []
         self.predicted: dict[Candidate, float] = {}  # each row's predicted step (§Calibration)
+        self.jobs: dict[Candidate, list] = {}  # every job's TrialResult per candidate (--rounds)
         self.t0 = time.perf_counter()
         self.ran = 0
 
@@ -47,11 +48,13 @@ class Tuning:
                                       world=self.world, min_batch=at.min_train_batch_size, max_batch=at.max_train_batch_size)
         for c, why in rejected:
             self._row(c, "rejected", why)
-        planned = min(len(cands), at.tuner_num_trials)
+        rounds = self.args.rounds
+        planned = min(len(cands), at.tuner_num_trials) * rounds
         self.budget = self.args.time_budget if self.args.time_budget is not None else _DEFAULT_TRIAL_S * planned
         self._say(f"{len(cands)} candidates (stages {sorted(set(self.args.stages))} x micro-batch {micros} x offload "
                   f"{self.args.offload}; tp/pp not explored), {self.world} rank(s) per trial, tuner {at.tuner_type}, "
-                  f"metric {at.metric}; time budget {self.budget:.0f} s for at most {planned} trial(s)")
+                  f"metric {at.metric}; time budget {self.budget:.0f} s for at most {planned} trial(s)"
+                  + (f" ({rounds} rounds)" if rounds > 1 else ""))
         if self.num_params is None and cands:  # the least-memory candidate measures the model's size first
             first = max(cands, key=lambda c: (c.stage, -c.micro, c.offload == "none"))
             self._trial(first, planned)
@@ -64,6 +67,9 @@ class Tuning:
                 self._row(c, "pruned", why)
                 self._say(f"pruned {c.name}: {why}")
         self._search([c for c in keep if c not in self.results], planned)
+        for r in range(2, rounds + 1):
+            if not self._round(r, planned):
+                break
         return self._finish(None)
 
     def _search(self, todo: list[Candidate], planned: int) -> None:
@@ -85,21 +91,40 @@ class Tuning:
             since_best = 0 if new_best != best else since_best + 1
             best = new_best
 
-    def _trial(self, c: Candidate, planned: int) -> None:
+    def _round(self, r: int, planned: int) -> bool:
+        """Round r of --rounds: every candidate that succeeded runs again as a new job, in the order
+        they first ran (so a slow spell of a shared machine falls on different candidates in
+        different rounds), and keeps its fastest job. False when the time budget ran out."""
+        for c in [c for c, _ in self.fitted]:
+            if self._left() <= 0:
+                self._say(f"round {r} stopped: time budget ({self.budget:.0f} s) spent")
+                return False
+            self._trial(c, planned, exps_dir=os.path.join(self.at.exps_dir, f"round{r}"), overwrite=True)
+        return True
+
+    def _trial(self, c: Candidate, planned: int, exps_dir: str | None = None, overwrite: bool | None = None) -> None:
         left = self._left()
         timeout = min(left, self.args.trial_timeout) if self.args.trial_timeout else left
-        res = run_trial(c, raw=self.raw, exps_dir=self.at.exps_dir, world=self.world, gas=self.gas,
+        res = run_trial(c, raw=self.raw, exps_dir=exps_dir or self.at.exps_dir, world=self.world, gas=self.gas,
                         script=self.args.script, user_args=self.args.script_args, at=self.at,
-                        timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite)
+                        timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite if overwrite is None else overwrite)
         self.ran += 1
-        self.results[c] = res
+        jobs = self.jobs.setdefault(c, [])
+        jobs.append(res)
+        # The candidate's result is its fastest successful job (interference only adds time), else its first.
+        ok = [j for j in jobs if j.status == "ok"]
+        kept = min(ok, key=lambda j: j.step_time_s) if ok else jobs[0]
+        self.results[c] = kept
         # The progress line shows what the model said before this trial ran; then it is refitted.
         if self.calibration:
             self.predicted[c] = self.calibration.predict(c).total_s
-        row = self._row(c, res.status, res.reason, res)
-        self._say(progress_line(self.ran, planned, row, time.perf_counter() - self.t0, self.budget))
-        if res.status == "ok" and res.report.get("num_params"):
-            self.fitted.append((c, res.report))
+        row = self._row(c, kept.status, kept.reason, kept)
+        line = self._row(c, res.status, res.reason, res) if res is not kept else row
+        self._say(progress_line(self.ran, planned, line, time.perf_counter() - self.t0, self.budget)
+                  + (f" (round {len(jobs)}; kept {kept.step_time_s:.4f})" if len(jobs) > 1 and ok else ""))
+        self.rows[c] = row
+        if kept.status == "ok" and kept.report.get("num_params"):
+            self.fitted = [(f, rep) for f, rep in self.fitted if f != c] + [(c, kept.report)]
             self._fit()
 
     # -- the model -----------------------------------------------------------------------------------------
@@ -137,7 +162,8 @@ class Tuning:
                if self.num_params else None)
         pred = self.predicted.get(c)
         row = row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
-                      predicted=pred, metric=metric_value(self.at.metric, res, self.num_params, self.world))
+                      predicted=pred, metric=metric_value(self.at.metric, res, self.num_params, self.world),
+                      jobs=self.jobs.get(c))
         self.rows[c] = row
         return row
 

@@ -14,7 +14,7 @@ __all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_resul
 
 COLUMNS = ("name", "stage", "micro_batch", "offload", "train_batch_size", "status", "reason", "step_time_s",
            "samples_per_s", "tokens_per_s", "flops_per_s_per_rank", "peak_memory_bytes", "model_state_bytes",
-           "estimate_bytes", "predicted_step_s", "prediction_error", "metric", "wall_s")
+           "estimate_bytes", "predicted_step_s", "prediction_error", "metric", "wall_s", "job_step_times_s")
 
 
 def metric_value(metric: str, result, num_params: int | None, world: int) -> float | None:
@@ -32,8 +32,8 @@ def metric_value(metric: str, result, num_params: int | None, world: int) -> flo
 
 
 def row_for(c, *, world: int, gas: int, status: str, reason: str = "", result=None, estimate: int | None = None,
-            predicted: float | None = None, metric: float | None = None) -> dict:
-    """One row of the table."""
+            predicted: float | None = None, metric: float | None = None, jobs: list | None = None) -> dict:
+    """One row of the table; `jobs`: every job the candidate ran (--rounds), `result` the one kept."""
     r = dict.fromkeys(COLUMNS)
     r.update(name=c.name, stage=c.stage, micro_batch=c.micro, offload=c.offload, train_batch_size=c.micro * gas * world,
              status=status, reason=reason, estimate_bytes=estimate, predicted_step_s=predicted, metric=metric)
@@ -43,6 +43,8 @@ def row_for(c, *, world: int, gas: int, status: str, reason: str = "", result=No
                  model_state_bytes=result.model_state_bytes, wall_s=round(result.wall_s, 3))
         if predicted is not None and result.step_time_s:
             r["prediction_error"] = predicted / result.step_time_s - 1
+    if jobs:
+        r["job_step_times_s"] = [j.step_time_s for j in jobs]
     return r
 
 
