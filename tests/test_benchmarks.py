@@ -40,6 +40,9 @@ def test_plot_stages_short_mode_draws_equal_curves_and_exact_memory(tmp_path):
     assert states == sorted(states, reverse=True) and states[3] < states[0] / 1.9
 
 
+# -m slow (two 2-rank jobs, 38 s on the 2-core CI machine): NVMe offload's numbers are checked in
+# tests/test_offload_nvme_step.py; this checks the benchmark's rows.
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_bench_zero_nvme_configurations_train_the_same_model(tmp_path):
     # ZeRO-Infinity row of bench_zero.py: optimizer and parameters on NVMe give the in-memory run's
