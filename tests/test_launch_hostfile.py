@@ -200,9 +200,8 @@ def _check_two_hosts(found, by: str, out: str) -> str:
     return found[0][-1]
 
 
-# Two more 2-host jobs, 25-30 s on the 2-core CI machine: run with `-m slow` (the launchers' command lines,
-# their table against DeepSpeed's and a real --no_ssh run are in the default suite, tests/test_launchers.py).
-@pytest.mark.slow
+# Two more 2-host jobs, 25-30 s on the 2-core CI machine: the real mpirun and pdsh where CI installs them
+# (the other launchers' command lines, and their table against DeepSpeed's: tests/test_launchers.py).
 def test_openmpi_and_pdsh_launch_the_same_job_across_two_hosts(two_hosts):
     """`--launcher openmpi`: one mpirun starts the ranks (each reads its rank from Open MPI's
     variables; `--num_gpus 1` gives mpirun a hostfile of one slot per host); `--launcher pdsh`:
