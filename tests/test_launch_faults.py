@@ -138,6 +138,8 @@ def test_two_launcher_agents_train_together():
     lines = sorted(l for o in outs for l in o.splitlines() if l.startswith("RESULT"))
     assert [l.split()[1:3] for l in lines] == [["rank=0", "world=2"], ["rank=1", "world=2"]]
     assert len({l.split()[3] for l in lines}) == 1  # the mean loss is agreed across ranks
+    # Each rank's process group is destroyed at exit, before interpreter teardown (`_dist.py`).
+    assert [l for o in outs for l in o.splitlines() if l.startswith("EXIT")] == ["EXIT group destroyed=True"] * 2
 
 
 def _raise_on_rank_1():

@@ -1,4 +1,7 @@
-"""Trains a few ZeRO-3 steps and prints rank, world size and final loss (multi-node test)."""
+"""Trains a few ZeRO-3 steps and prints rank, world size and final loss (multi-node test), and at
+exit whether the process group is gone (init_distributed destroys the group it created)."""
+
+import atexit
 
 import torch
 import torch.nn.functional as F
@@ -6,6 +9,8 @@ import torch.nn.functional as F
 import fnzero
 from fnzero.testing import MLP
 
+# Registered first, so it runs last (atexit is last in, first out).
+atexit.register(lambda: print(f"EXIT group destroyed={not torch.distributed.is_initialized()}", flush=True))
 dist = fnzero.init_distributed(timeout_s=60)
 torch.manual_seed(0)
 cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
