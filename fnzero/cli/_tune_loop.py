@@ -119,10 +119,9 @@ class Tuning:
         if self.calibration:
             self.predicted[c] = self.calibration.predict(c).total_s
         row = self._row(c, kept.status, kept.reason, kept)
-        line = self._row(c, res.status, res.reason, res) if res is not kept else row
+        line = self._row_for(c, res.status, res.reason, res) if res is not kept else row  # this job's, not stored
         self._say(progress_line(self.ran, planned, line, time.perf_counter() - self.t0, self.budget)
                   + (f" (round {len(jobs)}; kept {kept.step_time_s:.4f})" if len(jobs) > 1 and ok else ""))
-        self.rows[c] = row
         if kept.status == "ok" and kept.report.get("num_params"):
             self.fitted = [(f, rep) for f, rep in self.fitted if f != c] + [(c, kept.report)]
             self._fit()
@@ -157,14 +156,17 @@ class Tuning:
 
     # -- rows, best, outputs -------------------------------------------------------------------------------
 
-    def _row(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
+    def _row_for(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
+        """Candidate c's table row with result `res`."""
         est = (model_state_estimate(c, self.num_params, self.world, self.cfg.precision, not self.cuda)
                if self.num_params else None)
-        pred = self.predicted.get(c)
-        row = row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
-                      predicted=pred, metric=metric_value(self.at.metric, res, self.num_params, self.world),
-                      jobs=self.jobs.get(c))
-        self.rows[c] = row
+        return row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
+                       predicted=self.predicted.get(c), metric=metric_value(self.at.metric, res, self.num_params,
+                                                                            self.world), jobs=self.jobs.get(c))
+
+    def _row(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
+        """Store (and return) candidate c's row in the table."""
+        self.rows[c] = row = self._row_for(c, status, reason, res)
         return row
 
     def _skip(self, todo, why: str) -> None:
@@ -189,8 +191,8 @@ class Tuning:
         if self.calibration:  # each trial's prediction from the others (out of sample), the rest from them all
             self.predicted = {c: self.calibration.predict(c).total_s for c in self.rows}
             self.predicted.update(leave_one_out(self.fitted, **self._fit_options()))
-            for c, row in self.rows.items():
-                self.rows[c] = self._row(c, row["status"], row["reason"], self.results.get(c))
+            for c, row in list(self.rows.items()):
+                self._row(c, row["status"], row["reason"], self.results.get(c))
         best = self._best()
         config = cmd = None
         if best is not None:
