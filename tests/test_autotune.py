@@ -342,3 +342,43 @@ def test_rounds_rerun_every_successful_candidate_round_robin_and_keep_its_fastes
     assert "(round 2; kept 0.1000)" in out
     assert cli(["autotune", "--rounds", "0", SCRIPT, "--deepspeed_config", str(cfg)]) == 2
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_per_rank_flags(tmp_path, monkeypatch,
+                                                                                             capsys):
+    # specs/autotune.md §Command: `deepspeed --autotuning tune --num_nodes 1 --num_gpus 2 ...`, as
+    # DeepSpeed's tutorial writes it; the trial's numbers are given (no jobs).
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    seen = []
+
+    def fake_trial(c, *, world, script, flags, **kw):
+        seen.append((world, script, list(flags)))
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": 0.1,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=0.1, samples_per_s=2 * c.micro / 0.1, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tuned_job.py").write_text("")  # run as a module: found from the working directory
+    res = tmp_path / "res"
+    (tmp_path / "ds.json").write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": str(res),
+                                                                         "exps_dir": str(tmp_path / "exps")}}))
+    argv = ["launch", "--autotuning", "tune", "--num_nodes", "1", "--num_gpus", "2", "--bind_cores_to_rank",
+            "--module", "tuned_job", "--deepspeed_config", "ds.json"]
+    assert cli(argv) == 0
+    capsys.readouterr()
+    flags = ["--bind_cores_to_rank", "--module"]
+    assert seen and all(s == (2, "tuned_job", flags) for s in seen), seen
+    assert (res / "cmd_optimal.txt").read_text().startswith("fnzero launch --nproc-per-node 2 " + " ".join(flags))
+    # Flags that start other hosts: one line each, nothing run; a module not found: one line.
+    (tmp_path / "hosts").write_text("localhost slots=2\n")
+    seen.clear()
+    assert cli(["launch", "--autotuning", "tune", "--hostfile", "hosts", "--launcher", "pdsh", "tuned_job.py",
+                "--deepspeed_config", "ds.json"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "--hostfile cannot be used with --autotuning" in lines[0] and "--launcher" in lines[1]
+    assert cli(["launch", "--autotuning", "run", "--module", "no_such_job", "--deepspeed_config", "ds.json"]) == 2
+    assert capsys.readouterr().err.strip() == (f"fnzero autotune: module 'no_such_job' not found (--module; from "
+                                               f"{tmp_path})") and seen == []

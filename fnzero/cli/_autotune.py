@@ -16,7 +16,7 @@ import subprocess
 import sys
 import warnings
 
-from ._tune_jobs import config_arg_index, script_args_for, trial_argv
+from ._tune_jobs import config_arg_index, launch_flags, script_args_for, trial_argv
 
 __all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
 
@@ -75,6 +75,37 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                    help="run every successful candidate in N separate jobs, round-robin, and keep each one's fastest "
                    "(default 1; on a shared or noisy machine, 2-3 steady the measurements)")
     g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
+    j = p.add_argument_group("each trial's launch (`fnzero launch`'s flags, given to every trial and to the optimal "
+                             "command)")
+    j.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", action="store_true",
+                   help="give each local rank its own cores and OMP_NUM_THREADS")
+    j.add_argument("--bind_core_list", "--bind-core-list", default=None, metavar="LIST",
+                   help="the cores to share out, e.g. 0-7,16-23 (default: every physical core)")
+    j.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
+    j.add_argument("--no_python", "--no-python", action="store_true", help="run the script as a program")
+    j.add_argument("-q", "--quiet", action="store_true", help="only errors from each trial's launcher")
+
+
+def _script_problem(args) -> str | None:
+    """Why the script cannot run, where that can be told before any trial: a missing file, a
+    module not importable from here, a program not on PATH."""
+    if args.module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())  # `python -m` in each rank imports from the working directory
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        return None if found else f"module {args.script!r} not found (--module; from {os.getcwd()})"
+    if args.no_python:
+        import shutil
+
+        return None if shutil.which(args.script) or os.path.isfile(args.script) else \
+            f"program {args.script!r} not found (--no_python)"
+    return None if os.path.isfile(args.script) else f"script {args.script!r} not found"
 
 
 def register(sub) -> None:
@@ -98,8 +129,9 @@ def _fail(msg: str) -> int:
 
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
-    if not os.path.isfile(args.script):
-        return _fail(f"script {args.script!r} not found")
+    problem = _script_problem(args)
+    if problem:
+        return _fail(problem)
     i = config_arg_index(args.script_args)
     if i < 0:
         return _fail("the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
@@ -126,7 +158,7 @@ def autotune_main(args) -> int:
 def launch_with_best(args, best_config_path: str) -> int:
     """`--autotuning run`: train with the optimal config, the script's config argument replaced."""
     user = script_args_for(args.script_args, best_config_path, {}, None)
-    argv = trial_argv(args.world, args.script, user)
+    argv = trial_argv(args.world, args.script, user, launch_flags(args))
     print("fnzero autotune: training with the optimal config: " + " ".join(argv[2:]), flush=True)
     return subprocess.run(argv).returncode
 

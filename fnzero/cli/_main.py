@@ -23,10 +23,8 @@ __all__ = ["build_parser", "main", "split_launch_args"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.autotuning:  # DeepSpeed's `--autotuning tune|run`: `fnzero autotune` with this launch's ranks
-        run = ["--run"] if args.autotuning == "run" else []
-        tune = build_parser().parse_args(["autotune", "--world", str(args.nproc_per_node), *run, *rest])
-        return int(tune.func(tune))
+    if args.autotuning:
+        return _autotune_from_launch(args, rest)
     if args.hostfile and not args.no_ssh:
         from ._multinode import launch_hostfile
 
@@ -71,6 +69,35 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     finally:
         if pid_path and os.path.exists(pid_path):
             os.remove(pid_path)
+
+
+def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    """DeepSpeed's `deepspeed --autotuning tune|run --num_gpus N script ...`: `fnzero autotune` with
+    this node's N ranks (--num_gpus, else --nproc-per-node) and the per-rank flags every trial
+    takes (`_tune_jobs.launch_flags`). Each trial is its own job on this node on a free port, so
+    flags that choose or start other hosts are refused, and the port and restart flags warned of."""
+    from ._tune_jobs import launch_flags
+
+    refused = [flag for flag, given in (
+        ("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude),
+        ("--num_nodes", (args.num_nodes or 1) > 1), ("--nnodes", (args.nnodes or 1) > 1),
+        ("--node_rank", args.node_rank is not None), ("--no_ssh", args.no_ssh), ("--launcher", args.launcher != "ssh"),
+        ("--launcher_args", args.launcher_args), ("--ssh_port", args.ssh_port is not None)) if given]
+    for flag in refused:
+        print(f"fnzero launch: {flag} cannot be used with --autotuning: the autotuner runs each trial as its own "
+              "job on this node; tune on one node, then launch the hosts with its ds_config_optimal.json",
+              file=sys.stderr)
+    if refused:
+        return 2
+    for flag, given in (("--master_addr", args.master_addr), ("--master_port", args.master_port is not None),
+                        ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None)):
+        if given:
+            print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
+                  "this node, on a free port)", file=sys.stderr)
+    world = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
+    run = ["--run"] if args.autotuning == "run" else []
+    tune = build_parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
+    return int(tune.func(tune))
 
 
 def _this_node(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ import time
 
 from ._tune_space import Candidate, trial_config
 
-__all__ = ["TrialResult", "config_arg_index", "trial_argv", "run_trial"]
+__all__ = ["TrialResult", "config_arg_index", "launch_flags", "trial_argv", "run_trial"]
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed", "--config")  # DeepSpeed's two, then fnzero's examples'
 _OOM_SIGNS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cannot allocate memory",
@@ -70,13 +70,26 @@ def script_args_for(user_args: list[str], config_path: str, config: dict, arg_ma
     return args
 
 
-def trial_argv(world: int, script: str, args: list[str]) -> list[str]:
-    """The trial's command: this Python's `fnzero launch` (torchrun, one process per rank)."""
-    return [sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", str(world), script, *args]
+# `fnzero launch`'s switches that each trial takes as they are (the rest of a launch's flags start hosts).
+LAUNCH_SWITCHES = ("bind_cores_to_rank", "module", "no_python", "quiet")
+
+
+def launch_flags(args) -> list[str]:
+    """The `fnzero launch` flags every trial, the optimal command and `--run` pass on."""
+    out = [f"--{name}" for name in LAUNCH_SWITCHES if getattr(args, name, False)]
+    if getattr(args, "bind_core_list", None):
+        out += ["--bind_core_list", args.bind_core_list]
+    return out
+
+
+def trial_argv(world: int, script: str, args: list[str], flags: list[str] = ()) -> list[str]:
+    """The trial's command: this Python's `fnzero launch` (torchrun, one process per rank), with
+    the user's launcher `flags` (`launch_flags`: core binding, --module, --no_python, -q)."""
+    return [sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", str(world), *flags, script, *args]
 
 
 def run_trial(c: Candidate, *, raw: dict, exps_dir: str, world: int, gas: int, script: str, user_args: list[str],
-              at, timeout_s: float, overwrite: bool = True) -> TrialResult:
+              at, timeout_s: float, overwrite: bool = True, flags: list[str] = ()) -> TrialResult:
     """Run candidate `c` as its own job and read what its ranks reported."""
     exp = os.path.join(exps_dir, c.name)
     os.makedirs(exp, exist_ok=True)
@@ -90,7 +103,7 @@ def run_trial(c: Candidate, *, raw: dict, exps_dir: str, world: int, gas: int, s
     config_path = os.path.join(exp, "ds_config.json")
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
-    argv = trial_argv(world, script, script_args_for(user_args, config_path, config, at.arg_mappings))
+    argv = trial_argv(world, script, script_args_for(user_args, config_path, config, at.arg_mappings), flags)
     with open(os.path.join(exp, "cmd.txt"), "w") as f:
         f.write(" ".join(argv) + "\n")
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from ._tune_jobs import run_trial
+from ._tune_jobs import launch_flags, run_trial
 from ._tune_model import fit, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 from ._tune_results import metric_value, progress_line, row_for, write_results
@@ -107,7 +107,8 @@ class Tuning:
         timeout = min(left, self.args.trial_timeout) if self.args.trial_timeout else left
         res = run_trial(c, raw=self.raw, exps_dir=exps_dir or self.at.exps_dir, world=self.world, gas=self.gas,
                         script=self.args.script, user_args=self.args.script_args, at=self.at,
-                        timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite if overwrite is None else overwrite)
+                        timeout_s=max(timeout, 1.0), overwrite=self.at.overwrite if overwrite is None else overwrite,
+                        flags=launch_flags(self.args))
         self.ran += 1
         jobs = self.jobs.setdefault(c, [])
         jobs.append(res)
@@ -186,7 +187,7 @@ class Tuning:
 
     def _finish(self, error: str | None) -> int:
         from ._autotune import launch_with_best
-        from ._tune_jobs import script_args_for, trial_argv
+        from ._tune_jobs import script_args_for
 
         if self.calibration:  # each trial's prediction from the others (out of sample), the rest from them all
             self.predicted = {c: self.calibration.predict(c).total_s for c in self.rows}
@@ -198,7 +199,7 @@ class Tuning:
         if best is not None:
             config = trial_config(self.raw, best, gas=self.gas, world=self.world, metric_path="", start=0, end=0)
             path = os.path.join(self.at.results_dir, "ds_config_optimal.json")
-            cmd = ["fnzero", "launch", "--nproc-per-node", str(self.world), self.args.script,
+            cmd = ["fnzero", "launch", "--nproc-per-node", str(self.world), *launch_flags(self.args), self.args.script,
                    *script_args_for(self.args.script_args, path, config, self.at.arg_mappings)]
         paths = write_results(self.at.results_dir, list(self.rows.values()), config, cmd)
         self._say(f"results: {paths['csv']}, {paths['json']}")
