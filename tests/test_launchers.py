@@ -204,6 +204,30 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a --hostfile"])
     assert _launch(capsys, "--module", "--no_python", "t.py") == (2, [
         "fnzero launch: --module and --no_python cannot be used together"])
+    # Checked before torchrun starts, not by each rank: one line each.
+    (tmp_path / "t.py").write_text("")
+    assert _launch(capsys, "missing.py") == (2, [f"fnzero launch: script 'missing.py' not found (from {tmp_path})"])
+    assert _launch(capsys, "--num_gpus", "0", "t.py") == (2, ["fnzero launch: --num_gpus must be at least 1, got 0"])
+    assert _launch(capsys, "--master_port", "99999", "t.py") == (2, [
+        "fnzero launch: --master_port 99999: a TCP port is 1-65535"])
+    assert _launch(capsys, "--bind_cores_to_rank", "--bind_core_list", "0", "--nproc-per-node", "2", "t.py") == (2, [
+        "fnzero launch: --bind_cores_to_rank: 1 core(s) for 2 local ranks; each rank needs at least one"])
+    assert _launch(capsys, "--bind_cores_to_rank", "--bind_core_list", "100000", "t.py")[1][0].startswith(
+        "fnzero launch: --bind_core_list '100000': core(s) 100000 are not this machine's (it may run on ")
+    assert _launch(capsys, "--hostfile", "hosts", "--launcher", "pdsh", "--launcher_args", 'a"', "t.py") == (2, [
+        "fnzero launch: --launcher_args 'a\"': No closing quotation"])
+    # Flags where one would silently win over the other: one line each, nothing started.
+    assert _launch(capsys, "--hostfile", "hosts", "--nproc-per-node", "4", "--nnodes", "3", "t.py") == (2, [
+        "fnzero launch: --nproc-per-node cannot be used with --hostfile: each host runs the hostfile's slots "
+        "(--num_gpus, --include and --exclude select among them)",
+        "fnzero launch: --nnodes cannot be used with --hostfile: the hosts are the hostfile's (--num_nodes selects "
+        "among them)"])
+    assert _launch(capsys, "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--launcher", "pdsh", "t.py")[1] == [
+        "fnzero launch: --launcher pdsh cannot be used with --no_ssh: each node is then started by hand"]
+    # An option launch does not know is named, and takes no value (DeepSpeed's --force_multi).
+    assert _launch(capsys, "--force_multi", "--hostfile", "hosts", "t.py") == (2, [
+        "fnzero launch: unknown option --force_multi: `fnzero launch --help` lists the options, DeepSpeed's runner "
+        "flags among them (specs/cli.md §Launcher flags)"])
 
 
 def test_no_ssh_node_rank_is_that_hosts_share(tmp_path, monkeypatch):

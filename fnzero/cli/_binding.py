@@ -15,7 +15,7 @@ import shutil
 
 from ._hosts import LaunchError
 
-__all__ = ["parse_core_list", "core_ranges", "physical_cores", "numa_nodes", "bind_command", "rank_program"]
+__all__ = ["parse_core_list", "core_ranges", "physical_cores", "numa_nodes", "bind_command", "check_cores_exist", "rank_program"]
 
 
 def parse_core_list(text: str) -> list[int]:
@@ -83,6 +83,17 @@ def bind_command(core_list: str | None, local_size: int, local_rank: int, numact
     nodes = numa_nodes() if numa is None else numa
     memory = [["-m", str(n)] for n, node_cores in nodes.items() if set(mine) <= set(node_cores)]
     return per, ["numactl", *(memory[0] if memory else []), "-C", core_ranges(mine)]
+
+
+def check_cores_exist(core_list: str | None) -> None:
+    """Refuse a --bind_core_list naming cores this process may not run on (numactl would print
+    only its usage)."""
+    if not core_list or not hasattr(os, "sched_getaffinity"):
+        return
+    cores, allowed = set(parse_core_list(core_list)), os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise LaunchError(f"--bind_core_list {core_list!r}: core(s) {core_ranges(sorted(cores - allowed))} are not "
+                          f"this machine's (it may run on {core_ranges(sorted(allowed))})")
 
 
 def rank_program(python: str, script: str, script_args: list[str], module: bool = False,

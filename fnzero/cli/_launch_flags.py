@@ -6,13 +6,7 @@ import argparse
 
 from ._launchers import LAUNCHERS
 
-__all__ = ["add_launcher_flags", "SWITCHES"]
-
-# Options that take no value: the script is the first word after them.
-SWITCHES = frozenset({"-h", "--help", "--exit-with-stdin", "--no_ssh", "--no-ssh", "--module", "--no_python",
-                      "--no-python", "--bind_cores_to_rank", "--bind-cores-to-rank", "-q", "--quiet",
-                      "--no_local_rank", "--no-local-rank", "--save_pid", "--save-pid"})
-
+__all__ = ["add_launcher_flags"]
 
 def add_launcher_flags(lp: argparse.ArgumentParser) -> None:
     g = lp.add_argument_group("launchers (DeepSpeed's runner flags)")

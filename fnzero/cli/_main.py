@@ -17,7 +17,8 @@ from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
 from ._hosts import LaunchError
-from ._launch_flags import SWITCHES, add_launcher_flags
+from ._launch_checks import launch_flag_problems, launch_options, scan_launch_args
+from ._launch_flags import add_launcher_flags
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -25,6 +26,11 @@ __all__ = ["build_parser", "main", "split_launch_args"]
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.autotuning:
         return _autotune_from_launch(args, rest)
+    problems = launch_flag_problems(args)
+    for line in problems:
+        print(f"fnzero launch: {line}", file=sys.stderr)
+    if problems:
+        return 2
     if args.hostfile and not args.no_ssh:
         from ._multinode import launch_hostfile
 
@@ -42,6 +48,11 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
         elif args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
             args.nproc_per_node = args.num_gpus
+        if args.nproc_per_node < 1:
+            raise LaunchError(f"--{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least "
+                              f"1, got {args.nproc_per_node}")
+        if args.master_port is not None and not 0 < args.master_port < 65536:
+            raise LaunchError(f"--master_port {args.master_port}: a TCP port is 1-65535")
         argv = _torchrun_argv(args)
         program = _program(args, rest) if rest else []
     except LaunchError as e:
@@ -95,6 +106,10 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
                   "this node, on a free port)", file=sys.stderr)
     world = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
+    if world < 1:
+        print(f"fnzero launch: --{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least 1, "
+              f"got {world}", file=sys.stderr)
+        return 2
     run = ["--run"] if args.autotuning == "run" else []
     tune = build_parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
     return int(tune.func(tune))
@@ -121,9 +136,14 @@ def _this_node(args: argparse.Namespace) -> None:
 def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """torchrun's words for what each rank runs: `[-m] SCRIPT ARGS`, `--no-python SCRIPT ARGS`, or,
     with --bind_cores_to_rank, fnzero's binding step in front (it reads LOCAL_RANK)."""
-    from ._binding import rank_program
+    from ._binding import bind_command, check_cores_exist, rank_program
 
     rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
+    if not (args.module or args.no_python) and not os.path.isfile(rest[0]):
+        raise LaunchError(f"script {rest[0]!r} not found (from {os.getcwd()})")
+    if args.bind_cores_to_rank:  # what each rank's binding step would refuse, refused once, here
+        bind_command(args.bind_core_list, args.nproc_per_node, 0)
+        check_cores_exist(args.bind_core_list)
     if args.bind_cores_to_rank:
         flags = ([f"--bind_core_list={args.bind_core_list}"] if args.bind_core_list else []) + \
             (["--module"] if args.module else []) + (["--no_python"] if args.no_python else [])
@@ -299,24 +319,19 @@ def main(argv: list[str] | None = None) -> int:
 def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """`launch`'s own options, and the script with its arguments (passed through untouched): the
     script is the first word that is neither an option nor an option's value."""
-    head: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("-"):
-            return head, argv[i:]
-        head.append(a)
-        if "=" not in a and a not in SWITCHES and i + 1 < len(argv):
-            head.append(argv[i + 1])
-            i += 1
-        i += 1
-    return head, []
+    head, rest, _ = scan_launch_args(argv, launch_options(build_parser()))
+    return head, rest
 
 
 def _dispatch(argv: list[str]) -> int:
     parser = build_parser()
     if argv and argv[0] == "launch":
-        head, rest = split_launch_args(argv[1:])
+        head, rest, unknown = scan_launch_args(argv[1:], launch_options(parser))
+        for option in unknown:
+            print(f"fnzero launch: unknown option {option}: `fnzero launch --help` lists the options, DeepSpeed's "
+                  "runner flags among them (specs/cli.md §Launcher flags)", file=sys.stderr)
+        if unknown:
+            return 2
         args = parser.parse_args(["launch", *head])
         return _cmd_launch(args, rest)
     args = parser.parse_args(argv)
