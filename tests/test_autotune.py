@@ -382,3 +382,20 @@ def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_pe
     assert cli(["launch", "--autotuning", "run", "--module", "no_such_job", "--deepspeed_config", "ds.json"]) == 2
     assert capsys.readouterr().err.strip() == (f"fnzero autotune: module 'no_such_job' not found (--module; from "
                                                f"{tmp_path})") and seen == []
+
+
+def test_the_tuners_own_options_are_checked_together_before_anything_runs(tmp_path, monkeypatch, capsys):
+    # One line each, exit 2; --module is looked up, never imported (a package's __init__ is user code).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pk").mkdir()
+    (tmp_path / "pk" / "__init__.py").write_text("raise SystemExit('user code ran')\n")
+    assert cli(["autotune", "--stages", "0,4", "--micro-batch-sizes", "0,2", "--time-budget", "-1", "--world", "0",
+                "--module", "pk.job", "--steps", "3"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"fnzero autotune: module 'pk.job' not found (--module; from {tmp_path})",
+        "fnzero autotune: --stages: ZeRO stage 4 does not exist (0-3)",
+        "fnzero autotune: --micro-batch-sizes: 0 is not a micro-batch size (at least 1)",
+        "fnzero autotune: --time-budget must be more than 0 seconds, got -1",
+        "fnzero autotune: --world must be at least 1, got 0",
+        "fnzero autotune: the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
+        "--config) after the script"]

@@ -87,25 +87,41 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
 
 
 def _script_problem(args) -> str | None:
-    """Why the script cannot run, where that can be told before any trial: a missing file, a
-    module not importable from here, a program not on PATH."""
+    """Why the script cannot run, where that can be told before any trial and without running
+    user code: a missing file, a module not found from here, a program not on PATH."""
+    if args.module and args.no_python:
+        return "--module and --no_python cannot be used together"
     if args.module:
-        import importlib.util
+        from importlib.machinery import PathFinder
 
-        sys.path.insert(0, os.getcwd())  # `python -m` in each rank imports from the working directory
-        try:
-            found = importlib.util.find_spec(args.script) is not None
-        except (ImportError, ValueError):
-            found = False
-        finally:
-            sys.path.pop(0)
-        return None if found else f"module {args.script!r} not found (--module; from {os.getcwd()})"
+        path, parts = [os.getcwd(), *sys.path], args.script.split(".")  # `python -m` looks in the working directory first
+        for k, part in enumerate(parts):  # found, never imported: a package's __init__ is user code
+            spec = PathFinder.find_spec(part, path) if part else None
+            if spec is None or (k < len(parts) - 1 and spec.submodule_search_locations is None):
+                return f"module {args.script!r} not found (--module; from {os.getcwd()})"
+            path = list(spec.submodule_search_locations or [])
+        return None
     if args.no_python:
         import shutil
 
         return None if shutil.which(args.script) or os.path.isfile(args.script) else \
             f"program {args.script!r} not found (--no_python)"
     return None if os.path.isfile(args.script) else f"script {args.script!r} not found"
+
+
+def _option_problems(args) -> list[str]:
+    """The autotuner's own options out of range, one line each."""
+    bad = [f"--stages: ZeRO stage {s} does not exist (0-3)" for s in args.stages if s not in (0, 1, 2, 3)]
+    bad += [f"--micro-batch-sizes: {m} is not a micro-batch size (at least 1)"
+            for m in args.micro_batch_sizes or [] if m < 1]
+    for flag, value in (("--time-budget", args.time_budget), ("--trial-timeout", args.trial_timeout)):
+        if value is not None and not value > 0:
+            bad.append(f"{flag} must be more than 0 seconds, got {value:g}")
+    if args.world < 1:
+        bad.append(f"--world must be at least 1, got {args.world}")
+    if args.rounds < 1:
+        bad.append(f"--rounds must be at least 1, got {args.rounds}")
+    return bad
 
 
 def register(sub) -> None:
@@ -129,18 +145,16 @@ def _fail(msg: str) -> int:
 
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
-    problem = _script_problem(args)
-    if problem:
-        return _fail(problem)
     i = config_arg_index(args.script_args)
+    problems = [p for p in [_script_problem(args)] if p] + _option_problems(args)
     if i < 0:
-        return _fail("the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
-                     "--config) after the script")
+        problems.append("the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
+                        "--config) after the script")
+    for p in problems:  # every one, a line each
+        _fail(p)
+    if problems:
+        return 2
     path = args.script_args[i].split("=", 1)[1] if args.script_args[i].startswith("--") else args.script_args[i]
-    if args.world < 1:
-        return _fail(f"--world must be at least 1, got {args.world}")
-    if args.rounds < 1:
-        return _fail(f"--rounds must be at least 1, got {args.rounds}")
     from ..config._parse import read_source
     from ._common import load_config_or_report
 
