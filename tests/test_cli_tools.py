@@ -83,6 +83,12 @@ def test_bench_io_and_nvme_tune_write_an_aio_block_fnzero_accepts(tmp_path, caps
     assert capsys.readouterr().err.strip() == f"fnzero nvme-tune: --nvme_dir {tmp_path / 'nope'}: no such directory"
     assert main(["bench", "io", "--queue-depth", "0"]) == 2
     assert "--queue-depth: '0': each value must be at least 1" in capsys.readouterr().err
+    assert main(["nvme-tune", "--nvme_dir", "/proc"]) == 2  # a folder, but nothing can be made in it
+    assert capsys.readouterr().err.strip() == "fnzero nvme-tune: /proc is not a writable directory"
+    # ds_io's sizes: one letter is a power of 1024 (its refine_integer_value), `4M` = 4 MiB.
+    assert main(["bench", "io", "--folder", str(tmp_path), "--io-size", "256K", "--block-size", "64K", "--loops", "1",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["io_size"] == 262144
 
 
 FAKE_SSH = """#!/bin/sh

@@ -186,7 +186,7 @@ def _bench(args, ops, sizes, dtype) -> int:
         if args.json:
             print(json.dumps(rows, indent=1))
         else:
-            _print(rows, n, info.backend, dtype, args)
+            _print(rows, n, info.backend or "one process, no backend", dtype, args)
     comm.barrier()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -19,11 +19,19 @@ import time
 __all__ = ["add_io_parser", "register", "measure_io"]
 
 
-def _sizes(text: str, what: str) -> list[int]:
+def _size(text: str) -> int:
+    """ds_io's `4M`, `128K`, `1G` (one letter: powers of 1024, as its refine_integer_value), else
+    fnzero's sizes (`parse_bytes`: KB/MB powers of 1000, KiB/MiB of 1024)."""
     from ..memory._estimate import parse_bytes
 
+    if len(text) > 1 and text[-1] in "KMG" and text[:-1].isdigit():
+        return int(text[:-1]) * 1024 ** ("KMG".index(text[-1]) + 1)
+    return parse_bytes(text)
+
+
+def _sizes(text: str, what: str) -> list[int]:
     try:
-        out = [parse_bytes(t.strip()) for t in text.split(",") if t.strip()]
+        out = [_size(t.strip()) for t in text.split(",") if t.strip()]
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
     if not out:
@@ -98,7 +106,10 @@ def add_io_parser(bench_sub) -> None:
 
 def _folder(path: str | None, prog: str) -> str | None:
     folder = path or tempfile.gettempdir()
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    try:  # a file made and removed: os.access says yes to root even where nothing can be made (/proc)
+        with tempfile.TemporaryFile(dir=folder, prefix="fnzero-bench-io-probe"):
+            pass
+    except OSError:
         print(f"fnzero {prog}: {folder} is not a writable directory", file=sys.stderr)
         return None
     return folder
