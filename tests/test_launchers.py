@@ -216,6 +216,14 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "fnzero launch: --bind_core_list '100000': core(s) 100000 are not this machine's (it may run on ")
     assert _launch(capsys, "--hostfile", "hosts", "--launcher", "pdsh", "--launcher_args", 'a"', "t.py") == (2, [
         "fnzero launch: --launcher_args 'a\"': No closing quotation"])
+    # No hostfile: --include picks among this machine's slots (DeepSpeed's localhost pool; one per
+    # CUDA device, else one per NUMA node), e.g. `--include localhost:1,2` on GPUs 1 and 2.
+    import torch
+
+    from fnzero.cli._binding import numa_nodes
+    n = torch.cuda.device_count() if torch.cuda.is_available() else sum(1 for c in numa_nodes().values() if c) or 1
+    assert _launch(capsys, "--include", f"localhost:{n}", "t.py") == (2, [
+        f"fnzero launch: --include 'localhost:{n}': host 'localhost' has slots 0..{n - 1}, not [{n}]"])
     # Flags where one would silently win over the other: one line each, nothing started.
     assert _launch(capsys, "--hostfile", "hosts", "--nproc-per-node", "4", "--nnodes", "3", "t.py") == (2, [
         "fnzero launch: --nproc-per-node cannot be used with --hostfile: each host runs the hostfile's slots "

@@ -42,6 +42,8 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         if args.hostfile or args.world_info:  # this node's share of a multi-node job
             _this_node(args)
+        elif (args.include or args.exclude) and not ((args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh"):
+            _this_machine(args)
         elif args.include or args.exclude or (args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh":
             print("fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a "
                   "--hostfile", file=sys.stderr)
@@ -131,6 +133,27 @@ def _this_node(args: argparse.Namespace) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     args.nproc_per_node, args.nnodes = len(slots), len(hosts)
     args.master_addr = args.master_addr or hosts[0]
+
+
+def _this_machine(args: argparse.Namespace) -> None:
+    """No hostfile: --include/--exclude choose among this machine's slots, DeepSpeed's pool of
+    `localhost` with one slot per device (CUDA devices; without them, as DeepSpeed's CPU
+    accelerator, one per NUMA node with cores), e.g. `--include localhost:1,2` runs two ranks on
+    GPUs 1 and 2."""
+    import torch
+
+    from ._binding import numa_nodes
+    from ._hosts import select
+
+    cuda = torch.cuda.is_available()
+    n = torch.cuda.device_count() if cuda else max(1, sum(1 for cores in numa_nodes().values() if cores))
+    slots = select({"localhost": n}, args.include or "", args.exclude or "", -1,
+                   args.num_gpus if args.num_gpus is not None else -1).get("localhost", [])
+    if not slots:
+        raise LaunchError("the filters leave no slot of localhost")
+    if cuda and slots != list(range(len(slots))):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    args.nproc_per_node = len(slots)
 
 
 def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
