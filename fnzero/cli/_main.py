@@ -74,7 +74,8 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         from ._tool_launch import pid_file
 
         pid_path = pid_file(os.getpid() if args.save_pid < 0 else args.save_pid)
-        print(f"launcher pid: {os.getpid()}")
+        if not args.quiet:  # a launcher line, which -q leaves out
+            print(f"launcher pid: {os.getpid()}")
         with open(pid_path, "w") as f:
             f.write(str(os.getpid()))
     try:
