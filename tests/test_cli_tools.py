@@ -130,3 +130,10 @@ def test_ssh_on_two_real_hosts(two_hosts):
     assert r.returncode == 0, r.stderr
     got = dict(line.split(": ", 1) for line in r.stdout.splitlines())
     assert {h: v.split()[0] for h, v in got.items()} == {ip: ip for ip in ips}
+
+
+def test_bench_comm_takes_ds_benchs_op_switches(capsys):
+    # ds_bench's --all-gather, --broadcast ...: only the ops named, beside those --ops names.
+    assert main(["bench", "comm", "--all-gather", "--broadcast", "--ops", "all_reduce", "--sizes", "4KiB",
+                 "--trials", "1", "--warmups", "0", "--json"]) == 0
+    assert [r["op"] for r in json.loads(capsys.readouterr().out)] == ["all_gather", "broadcast", "all_reduce"]

@@ -23,6 +23,9 @@ def add_parser(bench_sub) -> None:
         "launcher that sets RANK/WORLD_SIZE, or --world N for a local gloo world) and print, on rank 0, the "
         "time per call, algorithmic and bus bandwidth, and the bytes each rank sends by the formula.")
     p.add_argument("--ops", default="all", help=f"comma-separated, or all (default): {','.join(OPS)}")
+    for op in ("all_reduce", "all_gather", "all_to_all", "pt2pt", "broadcast"):  # ds_bench's own switches
+        p.add_argument(f"--{op.replace('_', '-')}", dest=f"op_{op}", action="store_true",
+                       help=f"run {op} (ds_bench's spelling; with any of these, only those given, plus --ops')")
     p.add_argument("--sizes", default=None, metavar="SIZE[,SIZE...]",
                    help="message sizes (the whole buffer: 4KiB, 1MiB, 1e6; default 1MiB)")
     p.add_argument("--scan", action="store_true", help="sizes 2^10 .. 2^MAXSIZE bytes, doubling")
@@ -48,7 +51,10 @@ def _choices(args) -> tuple[list[str], list[int], object] | str:
 
     from ..memory._estimate import parse_bytes
 
+    switched = [o for o in OPS if getattr(args, f"op_{o}", False)]
     ops = list(OPS) if args.ops.strip() == "all" else [o.strip() for o in args.ops.split(",") if o.strip()]
+    if switched:  # as ds_bench: the ops named by switches, and those --ops names beside them
+        ops = switched + ([o for o in ops if o not in switched] if args.ops.strip() != "all" else [])
     bad = [o for o in ops if o not in OPS]
     if bad or not ops:
         return f"--ops: unknown collective {bad[0] if bad else args.ops!r}; choose from {', '.join(OPS)} or all"
