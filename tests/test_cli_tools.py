@@ -89,6 +89,16 @@ def test_bench_io_and_nvme_tune_write_an_aio_block_fnzero_accepts(tmp_path, caps
     assert main(["bench", "io", "--folder", str(tmp_path), "--io-size", "256K", "--block-size", "64K", "--loops", "1",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["io_size"] == 262144
+    # ds_nvme_tune's spellings: its sweep JSON, --no_read; several folders, one line.
+    (tmp_path / "sweep.json").write_text('{"block_size": ["64K"], "queue_depth": [2, 4], "io_parallel": [1], '
+                                         '"single_submit": [false, true]}')
+    assert main(["nvme-tune", "--nvme_dir", str(tmp_path), "--sweep_config", str(tmp_path / "sweep.json"),
+                 "--io_size", "256K", "--no_read", "--no_sudo"]) == 0
+    out, err = capsys.readouterr()
+    assert len(re.findall(r"^\s+65536\s+[24]\s+1\s+\d+\.\d+\s+-$", out, re.M)) == 2
+    assert "single_submit other than false has no effect" in err
+    assert main(["nvme-tune", "--nvme_dir", str(tmp_path), str(tmp_path)]) == 2
+    assert "give one folder" in capsys.readouterr().err
 
 
 FAKE_SSH = """#!/bin/sh

@@ -148,7 +148,13 @@ def register(sub) -> None:
                        description="Time writes and reads for every combination of the aio block's block_size, "
                        "queue_depth and intra_op_parallelism, print the table and the best block (most read + "
                        "write GB/s) as JSON.")
-    p.add_argument("--nvme_dir", "--nvme-dir", required=True, help="a folder on the device to tune")
+    p.add_argument("--nvme_dir", "--nvme-dir", required=True, nargs="+", help="a folder on the device to tune")
+    p.add_argument("--sweep_config", "--sweep-config", default=None, metavar="FILE",
+                   help="ds_nvme_tune's sweep JSON (block_size, queue_depth, io_parallel lists) instead of the flags")
+    p.add_argument("--no_read", "--no-read", action="store_true", help="time writes only")
+    p.add_argument("--no_write", "--no-write", action="store_true", help="time reads only (the file is still written)")
+    p.add_argument("--no_sudo", "--no-sudo", action="store_true",
+                   help="accepted: fnzero never flushes the page cache with sudo (it reads with O_DIRECT)")
     p.add_argument("--io_size", "--io-size", default="64MiB", help="bytes per transfer (default 64MiB)")
     p.add_argument("--block_sizes", "--block-sizes", default="128KiB,1MiB,8MiB", help="block sizes to try")
     p.add_argument("--queue_depths", "--queue-depths", default="8,32,128", help="queue depths to try")
@@ -158,40 +164,82 @@ def register(sub) -> None:
     p.set_defaults(func=_run_tune)
 
 
+# ds_nvme_tune's sweep keys fnzero's engine has no choice for: it always submits a batch and
+# overlaps completions (single_submit false, overlap_events true; sequential_requests is their inverse).
+_FIXED_SWEEP_KEYS = {"single_submit": False, "sequential_requests": False, "overlap_events": True}
+
+
+def _sweep_lists(args) -> tuple[str, str, str]:
+    """The block sizes, queue depths and thread counts to sweep, as comma-separated text: the
+    flags', or `--sweep_config`'s lists (ds_nvme_tune's keys; io_parallel or intra_op_parallelism)."""
+    if not args.sweep_config:
+        return args.block_sizes, args.queue_depths, args.intra_op_parallelism
+    try:
+        with open(args.sweep_config) as f:
+            sweep = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--sweep_config {args.sweep_config}: {getattr(e, 'strerror', None) or e}") from None
+    known = {"block_size", "queue_depth", "io_parallel", "intra_op_parallelism", *_FIXED_SWEEP_KEYS}
+    if not isinstance(sweep, dict) or set(sweep) - known:
+        raise ValueError(f"--sweep_config {args.sweep_config}: expected an object of lists with keys among "
+                         f"{', '.join(sorted(known))}" + (f"; not {sorted(set(sweep) - known)}"
+                                                          if isinstance(sweep, dict) else ""))
+    for key, fixed in _FIXED_SWEEP_KEYS.items():
+        if any(v != fixed for v in (sweep[key] if isinstance(sweep.get(key), list) else [sweep.get(key, fixed)])):
+            print(f"fnzero nvme-tune: warning: --sweep_config {key} other than {str(fixed).lower()} has no effect: "
+                  "fnzero's engine always submits a batch and overlaps completions", file=sys.stderr)
+
+    def text(key, default):
+        values = sweep.get(key, default)
+        return ",".join(map(str, values if isinstance(values, list) else [values]))
+
+    threads = text("io_parallel", None) if "io_parallel" in sweep else text("intra_op_parallelism", [1])
+    return text("block_size", ["1M"]), text("queue_depth", [8]), threads
+
+
 def _run_tune(args: argparse.Namespace) -> int:
-    if not os.path.isdir(args.nvme_dir):
-        print(f"fnzero nvme-tune: --nvme_dir {args.nvme_dir}: no such directory", file=sys.stderr)
+    if len(args.nvme_dir) > 1:
+        print("fnzero nvme-tune: --nvme_dir: give one folder; fnzero's NVMe offload writes to one (its nvme_path), "
+              "not striped over several", file=sys.stderr)
         return 2
-    folder = _folder(args.nvme_dir, "nvme-tune")
+    nvme_dir = args.nvme_dir[0]
+    if not os.path.isdir(nvme_dir):
+        print(f"fnzero nvme-tune: --nvme_dir {nvme_dir}: no such directory", file=sys.stderr)
+        return 2
+    folder = _folder(nvme_dir, "nvme-tune")
     if folder is None:
         return 2
     try:
         (size,) = _sizes(args.io_size, "--io_size")
-        grid = list(itertools.product(_sizes(args.block_sizes, "--block_sizes"),
-                                      _ints(args.queue_depths, "--queue_depths"),
-                                      _ints(args.intra_op_parallelism, "--intra_op_parallelism")))
+        block_sizes, queue_depths, threads = _sweep_lists(args)
+        grid = list(itertools.product(_sizes(block_sizes, "block sizes"), _ints(queue_depths, "queue depths"),
+                                      _ints(threads, "thread counts")))
         if args.loops < 1:
             raise ValueError(f"--loops {args.loops}: at least 1")
+        if args.no_read and args.no_write:
+            raise ValueError("--no_read and --no_write leave nothing to time")
     except ValueError as e:
         print(f"fnzero nvme-tune: {e}", file=sys.stderr)
         return 2
+    ops = tuple(op for op, off in (("write", args.no_write), ("read", args.no_read)) if not off)
     print(f"Running fnzero AIO tuning on {folder}: {len(grid)} combinations of {size} bytes", flush=True)
-    print(f"{'block_size':>12}{'queue_depth':>13}{'threads':>9}{'write GB/s':>12}{'read GB/s':>11}")
+    print(f"{'block_size':>12}{'queue_depth':>13}{'threads':>9}{'write GB/s':>12}{'read GB/s':>12}")
     rows = []
     for bs, qd, threads in grid:
         try:
-            r = measure_io(folder, size, bs, qd, threads, args.loops)
+            r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
         except OSError as e:
             print(f"fnzero nvme-tune: block_size {bs}, queue_depth {qd}, threads {threads}: {e}", file=sys.stderr)
             return 1
         rows.append(r)
-        print(f"{bs:>12}{qd:>13}{threads:>9}{r['write']:>12.3f}{r['read']:>11.3f}", flush=True)
-    best = max(rows, key=lambda r: r["read"] + r["write"])
+        print(f"{bs:>12}{qd:>13}{threads:>9}" + "".join(f"{r[op]:>12.3f}" if op in r else f"{'-':>12}"
+                                                         for op in ("write", "read")), flush=True)
+    best = max(rows, key=lambda r: r.get("read", 0.0) + r.get("write", 0.0))
     # single_submit and overlap_events are written as fnzero behaves (batched submission,
     # overlapped completion): they select nothing in its engine, so there is nothing to sweep.
     block = {"aio": {"block_size": best["block_size"], "queue_depth": best["queue_depth"],
                      "intra_op_parallelism": best["threads"], "single_submit": False, "overlap_events": True}}
-    print(f"Best performance (GB/sec): read = {best['read']:5.2f}, write = {best['write']:5.2f}"
+    print("Best performance (GB/sec): " + ", ".join(f"{op} = {best[op]:5.2f}" for op in ("read", "write") if op in best)
           + ("" if best["direct"] else " (buffered: O_DIRECT is not available here)"))
     text = json.dumps(block, indent=3)
     print(text)
