@@ -16,6 +16,7 @@ import subprocess
 import sys
 import warnings
 
+from ._launch_flags import add_rank_flags
 from ._tune_jobs import config_arg_index, launch_flags, script_args_for, trial_argv
 
 __all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
@@ -77,20 +78,19 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
     j = p.add_argument_group("each trial's launch (`fnzero launch`'s flags, given to every trial and to the optimal "
                              "command)")
-    j.add_argument("--bind_cores_to_rank", "--bind-cores-to-rank", action="store_true",
-                   help="give each local rank its own cores and OMP_NUM_THREADS")
-    j.add_argument("--bind_core_list", "--bind-core-list", default=None, metavar="LIST",
-                   help="the cores to share out, e.g. 0-7,16-23 (default: every physical core)")
-    j.add_argument("--module", action="store_true", help="run the script as a module (python -m)")
-    j.add_argument("--no_python", "--no-python", action="store_true", help="run the script as a program")
-    j.add_argument("-q", "--quiet", action="store_true", help="only errors from each trial's launcher")
+    add_rank_flags(j)
 
 
 def _script_problem(args) -> str | None:
     """Why the script cannot run, where that can be told before any trial and without running
     user code: a missing file, a module not found from here, a program not on PATH."""
-    if args.module and args.no_python:
-        return "--module and --no_python cannot be used together"
+    from ._binding import rank_program
+    from ._hosts import LaunchError
+
+    try:
+        rank_program(sys.executable, args.script, [], args.module, args.no_python)  # the flags' own checks
+    except LaunchError as e:
+        return str(e)
     if args.module:
         from importlib.machinery import PathFinder
 

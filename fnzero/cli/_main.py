@@ -51,8 +51,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         elif args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
             args.nproc_per_node = args.num_gpus
         if args.nproc_per_node < 1:
-            raise LaunchError(f"--{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least "
-                              f"1, got {args.nproc_per_node}")
+            raise LaunchError(_too_few_ranks(args, args.nproc_per_node))
         if args.master_port is not None and not 0 < args.master_port < 65536:
             raise LaunchError(f"--master_port {args.master_port}: a TCP port is 1-65535")
         argv = _torchrun_argv(args)
@@ -110,12 +109,15 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
                   "this node, on a free port)", file=sys.stderr)
     world = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
     if world < 1:
-        print(f"fnzero launch: --{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least 1, "
-              f"got {world}", file=sys.stderr)
+        print(f"fnzero launch: {_too_few_ranks(args, world)}", file=sys.stderr)
         return 2
     run = ["--run"] if args.autotuning == "run" else []
     tune = build_parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
     return int(tune.func(tune))
+
+
+def _too_few_ranks(args: argparse.Namespace, n: int) -> str:
+    return f"--{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least 1, got {n}"
 
 
 def _this_node(args: argparse.Namespace) -> None:
@@ -165,10 +167,9 @@ def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
     if not (args.module or args.no_python) and not os.path.isfile(rest[0]):
         raise LaunchError(f"script {rest[0]!r} not found (from {os.getcwd()})")
-    if args.bind_cores_to_rank:  # what each rank's binding step would refuse, refused once, here
-        bind_command(args.bind_core_list, args.nproc_per_node, 0)
-        check_cores_exist(args.bind_core_list)
     if args.bind_cores_to_rank:
+        bind_command(args.bind_core_list, args.nproc_per_node, 0)  # each rank's step would refuse it: refuse once, here
+        check_cores_exist(args.bind_core_list)
         flags = ([f"--bind_core_list={args.bind_core_list}"] if args.bind_core_list else []) + \
             (["--module"] if args.module else []) + (["--no_python"] if args.no_python else [])
         return ["--no-python", sys.executable, "-u", "-m", "fnzero.cli._bind_rank", *flags, *rest]
