@@ -232,9 +232,9 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "among them)"])
     assert _launch(capsys, "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--launcher", "pdsh", "t.py")[1] == [
         "fnzero launch: --launcher pdsh cannot be used with --no_ssh: each node is then started by hand"]
-    # An option launch does not know is named, and takes no value (DeepSpeed's --force_multi).
-    assert _launch(capsys, "--force_multi", "--hostfile", "hosts", "t.py") == (2, [
-        "fnzero launch: unknown option --force_multi: `fnzero launch --help` lists the options, DeepSpeed's runner "
+    # An option launch does not know is named, and takes no value (DeepSpeed's --no_ssh_check).
+    assert _launch(capsys, "--no_ssh_check", "--hostfile", "hosts", "t.py") == (2, [
+        "fnzero launch: unknown option --no_ssh_check: `fnzero launch --help` lists the options, DeepSpeed's runner "
         "flags among them (specs/cli.md §Launcher flags)"])
 
 
@@ -277,6 +277,18 @@ def test_no_ssh_runs_this_nodes_ranks_with_its_pid_saved(tmp_path):
         "RANK 0 2 0 0 1 True", "RANK 1 2 0 1 1 True"], r.stdout
     pid = r.stdout.split("launcher pid: ")[1].split()[0]
     assert not os.path.exists(f"/tmp/{pid}.deepspeed")  # removed when the launcher ended
+
+
+def test_a_hostfile_selection_of_one_host_runs_here_as_deepspeeds_runner(tmp_path):
+    """DeepSpeed's runner starts one selected host's ranks locally, without ssh or the launcher tool,
+    unless --force_multi: host w1 (not reachable from here) of two, its two slots."""
+    (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=2\n")
+    (tmp_path / "job.py").write_text("import os\nos.write(1, f\"RANK {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n\".encode())\n")
+    r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--hostfile", "hosts", "--include", "w1",
+                        "--launcher", "pdsh", "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("RANK")) == ["RANK 0 2", "RANK 1 2"]
+    assert "one host selected (w1): its 2 rank(s) run here" in r.stdout
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is not importable here")

@@ -53,6 +53,8 @@ def launch_flag_problems(args: argparse.Namespace) -> list[str]:
         shlex.split(args.launcher_args)
     except ValueError as e:  # split again where each launcher builds its command
         out.append(f"--launcher_args {args.launcher_args!r}: {e}")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        out.append(f"--master_port {args.master_port}: a TCP port is 1-65535")
     return out + _conflicting_flags(args)
 
 

@@ -32,6 +32,8 @@ def add_launcher_flags(lp: argparse.ArgumentParser) -> None:
     add_rank_flags(g)
     g.add_argument("--save_pid", "--save-pid", nargs="?", const=-1, type=int, default=None,
                    help="write this launcher's pid to /tmp/<pid>.deepspeed while it runs")
+    g.add_argument("--force_multi", "--force-multi", action="store_true",
+                   help="with --hostfile: start even one host with the launcher (default: one host runs here)")
     g.add_argument("--no_local_rank", "--no-local-rank", action="store_true",
                    help="accepted: fnzero never passes --local_rank (ranks read LOCAL_RANK)")
     g.add_argument("--world_info", default=None, help=argparse.SUPPRESS)  # pdsh's per-host launcher

@@ -31,19 +31,18 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"fnzero launch: {line}", file=sys.stderr)
     if problems:
         return 2
-    if args.hostfile and not args.no_ssh:
-        from ._multinode import launch_hostfile
+    here = bool(args.hostfile and not args.no_ssh)  # a hostfile: its hosts start, unless one host runs here
+    if here and (status := _start_hosts(args, rest)) is not None:
+        return status
+    from ._multinode import this_machine
 
-        if not rest:
-            print("fnzero launch: name the training script, e.g. `fnzero launch --hostfile hosts train.py`",
-                  file=sys.stderr)
-            return 2
-        return launch_hostfile(args, rest)
     try:
-        if args.hostfile or args.world_info:  # this node's share of a multi-node job
+        if here:
+            pass  # one_host_here said this node's ranks
+        elif args.hostfile or args.world_info:  # this node's share of a multi-node job
             _this_node(args)
         elif (args.include or args.exclude) and not ((args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh"):
-            _this_machine(args)
+            this_machine(args)
         elif args.include or args.exclude or (args.num_nodes or 1) > 1 or args.no_ssh or args.launcher != "ssh":
             print("fnzero launch: --include/--exclude/--num_nodes/--no_ssh/--launcher select and start hosts of a "
                   "--hostfile", file=sys.stderr)
@@ -52,8 +51,6 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
             args.nproc_per_node = args.num_gpus
         if args.nproc_per_node < 1:
             raise LaunchError(_too_few_ranks(args, args.nproc_per_node))
-        if args.master_port is not None and not 0 < args.master_port < 65536:
-            raise LaunchError(f"--master_port {args.master_port}: a TCP port is 1-65535")
         argv = _torchrun_argv(args)
         program = _program(args, rest) if rest else []
     except LaunchError as e:
@@ -138,25 +135,22 @@ def _this_node(args: argparse.Namespace) -> None:
     args.master_addr = args.master_addr or hosts[0]
 
 
-def _this_machine(args: argparse.Namespace) -> None:
-    """No hostfile: --include/--exclude choose among this machine's slots, DeepSpeed's pool of
-    `localhost` with one slot per device (CUDA devices; without them, as DeepSpeed's CPU
-    accelerator, one per NUMA node with cores), e.g. `--include localhost:1,2` runs two ranks on
-    GPUs 1 and 2."""
-    import torch
+def _start_hosts(args: argparse.Namespace, rest: list[str]) -> int | None:
+    """A hostfile's job: the exit status of starting its hosts, or None when the selection is one
+    host whose ranks run here (`one_host_here`)."""
+    from ._multinode import launch_hostfile, one_host_here
 
-    from ._binding import numa_nodes
-    from ._hosts import select
-
-    cuda = torch.cuda.is_available()
-    n = torch.cuda.device_count() if cuda else max(1, sum(1 for cores in numa_nodes().values() if cores))
-    slots = select({"localhost": n}, args.include or "", args.exclude or "", -1,
-                   args.num_gpus if args.num_gpus is not None else -1).get("localhost", [])
-    if not slots:
-        raise LaunchError("the filters leave no slot of localhost")
-    if cuda and slots != list(range(len(slots))):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    args.nproc_per_node = len(slots)
+    if not rest:
+        print("fnzero launch: name the training script, e.g. `fnzero launch --hostfile hosts train.py`",
+              file=sys.stderr)
+        return 2
+    try:
+        if one_host_here(args):
+            return None
+    except LaunchError as e:
+        print(f"fnzero launch: {e}", file=sys.stderr)
+        return 2
+    return launch_hostfile(args, rest)
 
 
 def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:

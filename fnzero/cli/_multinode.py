@@ -23,7 +23,8 @@ import time
 from ._hosts import HostfileError, LaunchError, read_env_file, read_hostfile, select
 from ._launchers import node_flags
 
-__all__ = ["launch_hostfile", "selected_hosts", "master_addr", "forwarded_env", "FORWARDED_PREFIXES"]
+__all__ = ["launch_hostfile", "selected_hosts", "master_addr", "forwarded_env", "FORWARDED_PREFIXES", "one_host_here",
+           "this_machine"]
 
 # The launcher's variables every host gets: DeepSpeed's EXPORT_ENVS (MLFLOW, PYTHON, MV2, UCX) and
 # its CUDA accelerator's (NCCL), plus gloo's interface choice and fnzero's own.
@@ -173,3 +174,40 @@ def _supervise(procs: dict[str, subprocess.Popen]) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def one_host_here(args) -> bool:
+    """DeepSpeed's runner: when a hostfile's filters leave one host and --force_multi is not
+    given, that host's ranks run here, with neither ssh nor the launcher tool (its slots, a subset
+    as CUDA_VISIBLE_DEVICES). True when so (and `args` then says this node's ranks)."""
+    _, active = selected_hosts(args)
+    if len(active) != 1 or args.force_multi:
+        return False
+    (host, slots), = active.items()
+    if slots != list(range(len(slots))):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    args.nproc_per_node = len(slots)
+    if not args.quiet:
+        print(f"fnzero launch: one host selected ({host}): its {len(slots)} rank(s) run here, as DeepSpeed's runner "
+              f"does (--force_multi starts it with --launcher {args.launcher})", flush=True)
+    return True
+
+
+def this_machine(args) -> None:
+    """No hostfile: --include/--exclude choose among this machine's slots, DeepSpeed's pool of
+    `localhost` with one slot per device (CUDA devices; without them, as DeepSpeed's CPU
+    accelerator, one per NUMA node with cores), e.g. `--include localhost:1,2` runs two ranks on
+    GPUs 1 and 2."""
+    import torch
+
+    from ._binding import numa_nodes
+
+    cuda = torch.cuda.is_available()
+    n = torch.cuda.device_count() if cuda else max(1, sum(1 for cores in numa_nodes().values() if cores))
+    slots = select({"localhost": n}, args.include or "", args.exclude or "", -1,
+                   args.num_gpus if args.num_gpus is not None else -1).get("localhost", [])
+    if not slots:
+        raise LaunchError("the filters leave no slot of localhost")
+    if cuda and slots != list(range(len(slots))):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    args.nproc_per_node = len(slots)
