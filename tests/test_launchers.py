@@ -323,3 +323,22 @@ def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
     line = _remote_command(args, [0, 1], 2, 2, 1, "10.0.0.1", {}, ["pkg.train", "--lr", "1"])
     assert line.endswith(f"--master-port 29500 --module --save_pid={os.getpid()} --bind_cores_to_rank "
                          "--bind_core_list=0-3 -q pkg.train --lr 1"), line
+
+
+def test_launch_reads_deepspeeds_default_hostfile_where_it_exists(tmp_path):
+    # DeepSpeed's runner reads /job/hostfile without --hostfile; not a node's own launch (which
+    # would start the hosts again), nor beside --nproc-per-node, nor where the file is missing.
+    from fnzero.cli._launch_checks import take_default_hostfile
+    from fnzero.cli._main import build_parser
+
+    path = tmp_path / "hostfile"
+    path.write_text("w0 slots=2\n")
+    for flags, taken in (([], True), (["--hostfile", "mine"], False), (["--nnodes", "2", "--node-rank", "1"], False),
+                         (["--world_info", "e30="], False), (["--nproc-per-node", "2"], False)):
+        args = build_parser().parse_args(["launch", *flags])
+        before = args.hostfile
+        take_default_hostfile(args, str(path))
+        assert args.hostfile == (str(path) if taken else before), flags
+    args = build_parser().parse_args(["launch"])
+    take_default_hostfile(args, str(tmp_path / "missing"))
+    assert args.hostfile is None

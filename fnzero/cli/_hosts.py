@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["LaunchError", "HostfileError", "read_hostfile", "parse_hostfile", "select", "read_env_file", "ENV_FILE_PATHS"]
+__all__ = ["DEFAULT_HOSTFILE", "LaunchError", "HostfileError", "read_hostfile", "parse_hostfile", "select", "read_env_file",
+           "ENV_FILE_PATHS"]
 
 _LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default (its runner, ds_ssh)
 
 
 class LaunchError(ValueError):

@@ -5,9 +5,10 @@ win over the other."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 
-__all__ = ["launch_options", "scan_launch_args", "launch_flag_problems"]
+__all__ = ["launch_options", "scan_launch_args", "launch_flag_problems", "take_default_hostfile"]
 
 
 def launch_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
@@ -44,6 +45,16 @@ def scan_launch_args(argv: list[str], options: dict[str, bool]) -> tuple[list[st
             i += 1
         i += 1
     return head, [], unknown
+
+
+def take_default_hostfile(args: argparse.Namespace, path: str) -> None:
+    """DeepSpeed's runner reads `/job/hostfile` (`path`) when no --hostfile is given and it
+    exists. Not for a node's own launch (--nnodes, --node_rank, pdsh's --world_info: the per-host
+    `fnzero launch` a multi-node job starts, which would start the hosts again), nor beside
+    --nproc-per-node (a one-node launch asked for)."""
+    if (args.hostfile is None and args.nnodes is None and args.node_rank is None and args.world_info is None
+            and args.nproc_per_node == 1 and os.path.isfile(path)):
+        args.hostfile = path
 
 
 def launch_flag_problems(args: argparse.Namespace) -> list[str]:

@@ -16,8 +16,8 @@ from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
-from ._hosts import LaunchError
-from ._launch_checks import launch_flag_problems, launch_options, scan_launch_args
+from ._hosts import DEFAULT_HOSTFILE, LaunchError
+from ._launch_checks import launch_flag_problems, launch_options, scan_launch_args, take_default_hostfile
 from ._launch_flags import add_launcher_flags
 
 __all__ = ["build_parser", "main", "split_launch_args"]
@@ -26,6 +26,7 @@ __all__ = ["build_parser", "main", "split_launch_args"]
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.autotuning:
         return _autotune_from_launch(args, rest)
+    take_default_hostfile(args, DEFAULT_HOSTFILE)
     problems = launch_flag_problems(args)
     for line in problems:
         print(f"fnzero launch: {line}", file=sys.stderr)

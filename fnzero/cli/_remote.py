@@ -9,12 +9,11 @@ import shlex
 import subprocess
 import sys
 
-from ._hosts import HostfileError, read_hostfile, select
+from ._hosts import DEFAULT_HOSTFILE, HostfileError, read_hostfile, select
 from ._multinode import _pump, ssh_command
 
 __all__ = ["register"]
 
-DEFAULT_HOSTFILE = "/job/hostfile"  # DeepSpeed's default (ds_ssh, the deepspeed launcher)
 
 
 def register(sub) -> None:
