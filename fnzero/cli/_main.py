@@ -122,17 +122,15 @@ def _this_node(args: argparse.Namespace) -> None:
     """--no_ssh --node_rank i with a hostfile (each node started by hand), or pdsh's per-host
     `--world_info ... --node_rank N`: this node's ranks, its rank among the nodes, the master."""
     from ._launchers import decode_world_info
-    from ._multinode import selected_hosts
+    from ._multinode import run_slots_here, selected_hosts
 
     active = decode_world_info(args.world_info) if args.world_info else selected_hosts(args)[1]
     hosts = list(active)
     if args.node_rank is None or not 0 <= args.node_rank < len(hosts):
         raise LaunchError(f"--node_rank {args.node_rank}: give this node's rank, 0..{len(hosts) - 1} "
                           f"(hosts: {hosts})")
-    slots = active[hosts[args.node_rank]]
-    if slots != list(range(len(slots))):  # a subset of the host's devices
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    args.nproc_per_node, args.nnodes = len(slots), len(hosts)
+    run_slots_here(args, active[hosts[args.node_rank]])
+    args.nnodes = len(hosts)
     args.master_addr = args.master_addr or hosts[0]
 
 

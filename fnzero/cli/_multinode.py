@@ -24,7 +24,7 @@ from ._hosts import HostfileError, LaunchError, read_env_file, read_hostfile, se
 from ._launchers import node_flags
 
 __all__ = ["launch_hostfile", "selected_hosts", "master_addr", "forwarded_env", "FORWARDED_PREFIXES", "one_host_here",
-           "this_machine"]
+           "this_machine", "run_slots_here"]
 
 # The launcher's variables every host gets: DeepSpeed's EXPORT_ENVS (MLFLOW, PYTHON, MV2, UCX) and
 # its CUDA accelerator's (NCCL), plus gloo's interface choice and fnzero's own.
@@ -176,6 +176,14 @@ def _supervise(procs: dict[str, subprocess.Popen]) -> int:
         signal.signal(signal.SIGTERM, old)
 
 
+def run_slots_here(args, slots: list[int], devices: bool = True) -> None:
+    """This node runs one rank per slot; a subset of its `devices` (--include host:0,2) becomes
+    CUDA_VISIBLE_DEVICES."""
+    if devices and slots != list(range(len(slots))):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    args.nproc_per_node = len(slots)
+
+
 def one_host_here(args) -> bool:
     """DeepSpeed's runner: when a hostfile's filters leave one host and --force_multi is not
     given, that host's ranks run here, with neither ssh nor the launcher tool (its slots, a subset
@@ -184,9 +192,7 @@ def one_host_here(args) -> bool:
     if len(active) != 1 or args.force_multi:
         return False
     (host, slots), = active.items()
-    if slots != list(range(len(slots))):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    args.nproc_per_node = len(slots)
+    run_slots_here(args, slots)
     if not args.quiet:
         print(f"fnzero launch: one host selected ({host}): its {len(slots)} rank(s) run here, as DeepSpeed's runner "
               f"does (--force_multi starts it with --launcher {args.launcher})", flush=True)
@@ -208,6 +214,4 @@ def this_machine(args) -> None:
                    args.num_gpus if args.num_gpus is not None else -1).get("localhost", [])
     if not slots:
         raise LaunchError("the filters leave no slot of localhost")
-    if cuda and slots != list(range(len(slots))):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    args.nproc_per_node = len(slots)
+    run_slots_here(args, slots, devices=cuda)
