@@ -147,3 +147,13 @@ def test_bench_comm_takes_ds_benchs_op_switches(capsys):
     assert main(["bench", "comm", "--all-gather", "--broadcast", "--ops", "all_reduce", "--sizes", "4KiB",
                  "--trials", "1", "--warmups", "0", "--json"]) == 0
     assert [r["op"] for r in json.loads(capsys.readouterr().out)] == ["all_gather", "broadcast", "all_reduce"]
+
+
+def test_bench_comm_raw_prints_microseconds_without_the_unit(capsys):
+    # ds_bench's --raw: every duration in µs, a bare number, and the header says the unit.
+    assert main(["bench", "comm", "--ops", "all_reduce", "--sizes", "4KiB", "--trials", "1", "--warmups", "0",
+                 "--raw"]) == 0
+    header, row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("Size", "4096"))]
+    assert "Duration (us)" in header
+    float(row.split()[2])  # a number: no "us"/"ms" after it
+    assert row.split()[3] != "us" and row.split()[3] != "ms"

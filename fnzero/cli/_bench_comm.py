@@ -37,6 +37,7 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--world", type=int, default=None, metavar="N",
                    help="start N local ranks (gloo, torchrun) to run on, when not already under a launcher")
     p.add_argument("--json", action="store_true", help="rank 0 prints the rows as JSON instead")
+    p.add_argument("--raw", action="store_true", help="durations in microseconds without the unit (ds_bench's)")
     p.set_defaults(func=_run)
 
 
@@ -264,8 +265,9 @@ def _sync(device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _duration(s: float) -> str:
-    return f"{s * 1e6:.3f} us" if s < 1e-3 else f"{s * 1e3:.3f} ms"
+def _duration(s: float, raw: bool) -> str:
+    """ds_bench's: µs below a millisecond, else ms; with --raw always µs, without the unit."""
+    return f"{s * 1e6:.3f}" if raw else f"{s * 1e6:.3f} us" if s < 1e-3 else f"{s * 1e3:.3f} ms"
 
 
 def _print(rows: list[dict], n: int, backend: str, dtype, args) -> None:
@@ -277,7 +279,7 @@ def _print(rows: list[dict], n: int, backend: str, dtype, args) -> None:
             ranks = 2 if op == "pt2pt" else n
             print(f"\n---- Performance of {op} on {ranks} ranks ({backend}, {str(dtype).replace('torch.', '')}, "
                   f"{args.trials} trials); bytes sent per rank = {r['formula']} ----")
-            print(f"{'Size (Bytes)':<14}{'Description':<20}{'Duration':<14}{'Throughput (' + args.bw_unit + ')':<20}"
+            print(f"{'Size (Bytes)':<14}{'Description':<20}{'Duration (us)' if args.raw else 'Duration':<14}{'Throughput (' + args.bw_unit + ')':<20}"
                   f"{'BusBW (' + args.bw_unit + ')':<18}{'Bytes/rank':<14}")
-        print(f"{r['size']:<14}{str(r['numel']) + 'x' + str(r['element_size']):<20}{_duration(r['seconds']):<14}"
+        print(f"{r['size']:<14}{str(r['numel']) + 'x' + str(r['element_size']):<20}{_duration(r['seconds'], args.raw):<14}"
               f"{r['algbw'] * scale:<20.3f}{r['busbw'] * scale:<18.3f}{r['bytes_per_rank']:<14.0f}")
