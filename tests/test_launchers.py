@@ -232,9 +232,9 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "among them)"])
     assert _launch(capsys, "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--launcher", "pdsh", "t.py")[1] == [
         "fnzero launch: --launcher pdsh cannot be used with --no_ssh: each node is then started by hand"]
-    # An option launch does not know is named, and takes no value (DeepSpeed's --no_ssh_check).
-    assert _launch(capsys, "--no_ssh_check", "--hostfile", "hosts", "t.py") == (2, [
-        "fnzero launch: unknown option --no_ssh_check: `fnzero launch --help` lists the options, DeepSpeed's runner "
+    # An option launch does not know is named, and takes no value (DeepSpeed's --elastic_training).
+    assert _launch(capsys, "--elastic_training", "--hostfile", "hosts", "t.py") == (2, [
+        "fnzero launch: unknown option --elastic_training: `fnzero launch --help` lists the options, DeepSpeed's runner "
         "flags among them (specs/cli.md §Launcher flags)"])
 
 
@@ -342,3 +342,77 @@ def test_launch_reads_deepspeeds_default_hostfile_where_it_exists(tmp_path):
     args = build_parser().parse_args(["launch"])
     take_default_hostfile(args, str(tmp_path / "missing"))
     assert args.hostfile is None
+
+
+def test_a_bare_launch_runs_every_device_of_this_machine_as_deepspeed(tmp_path, monkeypatch, capsys):
+    # `deepspeed train.py` with no hostfile runs one rank per device (its CPU accelerator: per NUMA
+    # node); --nproc-per-node or --num_gpus still say how many.
+    import fnzero.cli._main as cli_main
+    import fnzero.cli._multinode as multinode
+
+    (tmp_path / "t.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_main, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+    monkeypatch.setattr(multinode, "machine_slots", lambda: 3)
+    started = []
+    monkeypatch.setattr(cli_main, "_run_torchrun", lambda argv: started.append(argv) or 0)
+    for flags, ranks in (([], "3"), (["--nproc-per-node", "1"], "1"), (["--num_gpus", "2"], "2"),
+                         (["--num_accelerators", "2"], "2")):
+        assert cli_main.main(["launch", *flags, "t.py"]) == 0, capsys.readouterr().err
+        assert started.pop()[:2] == ["--nproc-per-node", ranks], flags
+    # "given" is now `is not None`: --nproc-per-node 1 beside a hostfile is refused too.
+    (tmp_path / "hosts").write_text("w0 slots=2\n")
+    assert _launch(capsys, "--hostfile", "hosts", "--nproc-per-node", "1", "t.py")[0] == 2
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh stand-in: logs the host; host w1 is down, the others run the command here
+while [ $# -gt 0 ]; do case "$1" in -o|-p) shift 2;; *) break;; esac; done
+echo "$1" >> "$SSH_LOG"
+[ "$1" = w1 ] && { echo "ssh: connect to host w1 port 22: Connection refused" >&2; exit 255; }
+shift; exec sh -c "$*"
+"""
+
+
+def test_each_host_is_checked_over_ssh_before_anything_starts(tmp_path, monkeypatch, capsys):
+    # DeepSpeed's runner checks passwordless ssh before a multi-node launch (--no_ssh_check skips
+    # it); fnzero asks every selected host at once, and names each that does not answer.
+    from fnzero.cli._main import build_parser
+    from fnzero.cli._multinode import check_ssh
+
+    ssh = tmp_path / "ssh"
+    ssh.write_text(FAKE_SSH)
+    ssh.chmod(0o755)
+    log = tmp_path / "ssh.log"
+    monkeypatch.setenv("FNZERO_SSH", str(ssh))
+    monkeypatch.setenv("SSH_LOG", str(log))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").write_text("w0 slots=1\nw1 slots=1\nw2 slots=1\n")
+    (tmp_path / "t.py").write_text("")
+    assert _launch(capsys, "--hostfile", "hosts", "--master_addr", "10.0.0.1", "t.py") == (2, [
+        "fnzero launch: host 'w1' does not answer over passwordless ssh (ssh: connect to host w1 port 22: Connection "
+        "refused): set up passwordless ssh to every host, or give --no_ssh_check if --launcher ssh reaches them "
+        "another way"])
+    assert sorted(log.read_text().split()) == ["w0", "w1", "w2"]
+    log.unlink()
+    for flags in (["--no_ssh_check"], ["--launcher", "slurm"]):  # skipped: asked to, or srun needs no ssh
+        check_ssh(build_parser().parse_args(["launch", "--hostfile", "hosts", *flags]), ["w0", "w1"])
+        assert not log.exists(), flags
+    check_ssh(build_parser().parse_args(["launch", "--hostfile", "hosts", "--launcher", "pdsh"]), ["w0", "w2"])
+    assert sorted(log.read_text().split()) == ["w0", "w2"]
+
+
+def test_slurm_takes_deepspeeds_comment_and_account_and_other_launches_warn(tmp_path, monkeypatch, capsys):
+    job = LaunchJob(launcher="slurm", hostfile="h", active={"w0": [0], "w1": [0]}, exports={}, master_addr="a",
+                    master_port=1, python="PY", cwd="/", script="t.py", slurm_comment="run 7", slurm_account="proj")
+    cmd, _ = launcher_command(job, {})
+    assert cmd[:7] == ["srun", "-n", "2", "--comment", "run 7", "--account", "proj"], cmd
+    import fnzero.cli._main as cli_main
+
+    (tmp_path / "t.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli_main, "_run_torchrun", lambda argv: 0)
+    monkeypatch.setattr(cli_main, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+    assert _launch(capsys, "--comment", "x", "--nproc-per-node", "1", "t.py") == (0, [
+        "fnzero launch: warning: --comment has no effect without --hostfile and --launcher slurm (it is srun's "
+        "--comment)"])

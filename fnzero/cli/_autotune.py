@@ -130,7 +130,8 @@ def register(sub) -> None:
                        "says cannot fit, run the rest a few steps each as its own job, and write the results table "
                        "and the optimal config (DeepSpeed's --autotuning). Options come before the script; the "
                        "script's arguments must name its config (--deepspeed_config, --deepspeed or --config).")
-    p.add_argument("--world", "--nproc-per-node", type=int, default=1, metavar="N", help="ranks per trial (default 1)")
+    p.add_argument("--world", "--nproc-per-node", type=int, default=None, metavar="N",
+                   help="ranks per trial (default: one per CUDA device, else one per NUMA node, as DeepSpeed)")
     p.add_argument("--run", action="store_true", help="then train with the optimal config (--autotuning run)")
     add_tuning_options(p)
     p.add_argument("script", help="the training script")
@@ -145,6 +146,10 @@ def _fail(msg: str) -> int:
 
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
+    if args.world is None:  # as DeepSpeed's autotuner: every device of this machine
+        from ._multinode import machine_slots
+
+        args.world = machine_slots()
     i = config_arg_index(args.script_args)
     problems = [p for p in [_script_problem(args)] if p] + _option_problems(args)
     if i < 0:

@@ -8,7 +8,8 @@ import argparse
 import os
 import shlex
 
-__all__ = ["launch_options", "scan_launch_args", "launch_flag_problems", "take_default_hostfile"]
+__all__ = ["ignored_flag_warnings", "launch_options", "scan_launch_args", "launch_flag_problems",
+           "take_default_hostfile"]
 
 
 def launch_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
@@ -53,7 +54,7 @@ def take_default_hostfile(args: argparse.Namespace, path: str) -> None:
     `fnzero launch` a multi-node job starts, which would start the hosts again), nor beside
     --nproc-per-node (a one-node launch asked for)."""
     if (args.hostfile is None and args.nnodes is None and args.node_rank is None and args.world_info is None
-            and args.nproc_per_node == 1 and os.path.isfile(path)):
+            and args.nproc_per_node is None and os.path.isfile(path)):
         args.hostfile = path
 
 
@@ -69,12 +70,19 @@ def launch_flag_problems(args: argparse.Namespace) -> list[str]:
     return out + _conflicting_flags(args)
 
 
+def ignored_flag_warnings(args: argparse.Namespace) -> list[str]:
+    """Flags accepted, as DeepSpeed's runner accepts them, that this launch does not act on."""
+    slurm = bool(args.hostfile) and args.launcher == "slurm" and not args.no_ssh
+    return [f"{flag} has no effect without --hostfile and --launcher slurm (it is srun's {flag})"
+            for flag, given in (("--comment", args.comment), ("--account", args.account)) if given and not slurm]
+
+
 def _conflicting_flags(args: argparse.Namespace) -> list[str]:
     """Flags given together where one would silently win over the other, one line each."""
     out = []
     if args.hostfile:
         slots = "the hostfile's slots (--num_gpus, --include and --exclude select among them)"
-        if args.nproc_per_node != 1:
+        if args.nproc_per_node is not None:
             out.append(f"--nproc-per-node cannot be used with --hostfile: each host runs {slots}")
         if args.nnodes is not None:
             out.append("--nnodes cannot be used with --hostfile: the hosts are the hostfile's (--num_nodes selects "
@@ -84,6 +92,6 @@ def _conflicting_flags(args: argparse.Namespace) -> list[str]:
                        "every host is started")
         if args.no_ssh and args.launcher != "ssh":
             out.append(f"--launcher {args.launcher} cannot be used with --no_ssh: each node is then started by hand")
-    elif args.num_gpus is not None and args.nproc_per_node != 1 and args.num_gpus != args.nproc_per_node:
+    elif None not in (args.num_gpus, args.nproc_per_node) and args.num_gpus != args.nproc_per_node:
         out.append(f"--num_gpus {args.num_gpus} and --nproc-per-node {args.nproc_per_node} disagree: give one")
     return out

@@ -29,9 +29,13 @@ def add_launcher_flags(lp: argparse.ArgumentParser) -> None:
                    help="words given to the launcher tool (mpirun, pdsh, srun, ssh), as one quoted argument")
     g.add_argument("--no_ssh", "--no-ssh", action="store_true",
                    help="with --hostfile and --node_rank: start only this node's ranks (each node by hand)")
+    g.add_argument("--comment", default="", metavar="TEXT", help="with --launcher slurm: srun's --comment")
+    g.add_argument("--account", default="", metavar="NAME", help="with --launcher slurm: srun's --account")
     add_rank_flags(g)
     g.add_argument("--save_pid", "--save-pid", nargs="?", const=-1, type=int, default=None,
                    help="write this launcher's pid to /tmp/<pid>.deepspeed while it runs")
+    g.add_argument("--no_ssh_check", "--no-ssh-check", action="store_true",
+                   help="with --hostfile: do not first check that each host answers over passwordless ssh")
     g.add_argument("--force_multi", "--force-multi", action="store_true",
                    help="with --hostfile: start even one host with the launcher (default: one host runs here)")
     g.add_argument("--no_local_rank", "--no-local-rank", action="store_true",

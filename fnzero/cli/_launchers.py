@@ -53,6 +53,7 @@ class LaunchJob:
     num_nodes: int = -1
     num_gpus: int = -1
     slurm_comment: str = ""
+    slurm_account: str = ""
 
 
 def quote_export(value: str) -> str:
@@ -170,6 +171,8 @@ def _slurm(job: LaunchJob) -> list[str]:
     cmd = ["srun", "-n", str(sum(len(s) for s in job.active.values())), *shlex.split(job.launcher_args)]
     if job.slurm_comment:
         cmd += ["--comment", job.slurm_comment]
+    if job.slurm_account:
+        cmd += ["--account", job.slurm_account]
     if job.narrowed:  # srun has no --include: name the hosts left
         cmd += ["--nodelist", ",".join(job.active), "--nodes", str(len(job.active))]
     if job.num_nodes > 0:

@@ -17,7 +17,8 @@ from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
 from ._hosts import DEFAULT_HOSTFILE, LaunchError
-from ._launch_checks import launch_flag_problems, launch_options, scan_launch_args, take_default_hostfile
+from ._launch_checks import (ignored_flag_warnings, launch_flag_problems, launch_options, scan_launch_args,
+                             take_default_hostfile)
 from ._launch_flags import add_launcher_flags
 
 __all__ = ["build_parser", "main", "split_launch_args"]
@@ -28,14 +29,14 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         return _autotune_from_launch(args, rest)
     take_default_hostfile(args, DEFAULT_HOSTFILE)
     problems = launch_flag_problems(args)
-    for line in problems:
+    for line in problems + [f"warning: {w}" for w in ignored_flag_warnings(args)]:
         print(f"fnzero launch: {line}", file=sys.stderr)
     if problems:
         return 2
     here = bool(args.hostfile and not args.no_ssh)  # a hostfile: its hosts start, unless one host runs here
     if here and (status := _start_hosts(args, rest)) is not None:
         return status
-    from ._multinode import this_machine
+    from ._multinode import machine_slots, this_machine
 
     try:
         if here:
@@ -50,6 +51,8 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
         elif args.num_gpus is not None:  # `deepspeed --num_gpus 2 train.py` on one node
             args.nproc_per_node = args.num_gpus
+        if args.nproc_per_node is None:  # as DeepSpeed's runner: every device of this machine
+            args.nproc_per_node = machine_slots()
         if args.nproc_per_node < 1:
             raise LaunchError(_too_few_ranks(args, args.nproc_per_node))
         argv = _torchrun_argv(args)
@@ -105,7 +108,9 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
         if given:
             print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
                   "this node, on a free port)", file=sys.stderr)
-    world = args.num_gpus if args.num_gpus is not None else args.nproc_per_node
+    from ._multinode import machine_slots
+
+    world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None) or machine_slots()
     if world < 1:
         print(f"fnzero launch: {_too_few_ranks(args, world)}", file=sys.stderr)
         return 2
@@ -286,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp = sub.add_parser("launch", help="start a multi-process run (a front on torchrun)",
                         description="Start one process per rank with torch.distributed.run. Everything after the "
                         "script name is passed to the script.")
-    lp.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (default 1)")
+    lp.add_argument("--nproc-per-node", type=int, default=None,
+                    help="processes on this node (default: one per CUDA device, else one per NUMA node, as DeepSpeed)")
     lp.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or SLURM_NNODES)")
     lp.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (multi-node)")
     lp.add_argument("--master-addr", "--master_addr", default=None,
@@ -301,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hosts/slots to use: HOST[:SLOT,...][@HOST...]")
     hp.add_argument("-e", "--exclude", default=None, metavar="SPEC", help="hosts/slots to leave out, same syntax")
     hp.add_argument("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="the first N hosts")
-    hp.add_argument("--num_gpus", "--num-gpus", type=int, default=None, metavar="N",
+    hp.add_argument("--num_gpus", "--num-gpus", "--num_accelerators", type=int, default=None, metavar="N",
                     help="the first N slots of each host")
     hp.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
     lp.add_argument("--autotuning", choices=["tune", "run"], default=None,

@@ -105,12 +105,41 @@ def forwarded_env() -> dict[str, str]:
     return env
 
 
+def check_ssh(args, hosts: list[str]) -> None:
+    """DeepSpeed's runner's check before a multi-node launch: each host answers over passwordless
+    ssh (DeepSpeed tries the first host; here every selected one, at once), so an unreachable host
+    is one line before anything starts rather than a launcher's failure on that host. Skipped with
+    --no_ssh_check, and for slurm, whose srun reaches the hosts without ssh."""
+    if args.no_ssh_check or args.launcher == "slurm":
+        return
+    ssh = ssh_command(args.ssh_port, args.launcher_args if args.launcher == "ssh" else "") + ["-o", "ConnectTimeout=10"]
+
+    def answer(host: str) -> str | None:
+        try:
+            r = subprocess.run([*ssh, host, "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                               timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+        return None if r.returncode == 0 else (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        failed = [(h, why) for h, why in zip(hosts, pool.map(answer, hosts)) if why is not None]
+    if failed:
+        raise HostfileError("; ".join(f"host {h!r} does not answer over passwordless ssh ({why})" for h, why in failed)
+                            + ": set up passwordless ssh to every host, or give --no_ssh_check if "
+                            f"--launcher {args.launcher} reaches them another way")
+
+
 def launch_hostfile(args, rest: list[str]) -> int:
     """Start the job on every selected host of the hostfile, over ssh or with `--launcher`'s tool;
     the first failure's exit status."""
     try:
         hosts, active = selected_hosts(args)
-        if args.launcher != "ssh":
+        if args.launcher == "ssh":
+            check_ssh(args, list(active))
+        else:
             from ._tool_launch import launch_with_tool
 
             return launch_with_tool(args, rest, hosts, active)
@@ -206,12 +235,20 @@ def this_machine(args) -> None:
     GPUs 1 and 2."""
     import torch
 
-    from ._binding import numa_nodes
-
-    cuda = torch.cuda.is_available()
-    n = torch.cuda.device_count() if cuda else max(1, sum(1 for cores in numa_nodes().values() if cores))
-    slots = select({"localhost": n}, args.include or "", args.exclude or "", -1,
+    slots = select({"localhost": machine_slots()}, args.include or "", args.exclude or "", -1,
                    args.num_gpus if args.num_gpus is not None else -1).get("localhost", [])
     if not slots:
         raise LaunchError("the filters leave no slot of localhost")
-    run_slots_here(args, slots, devices=cuda)
+    run_slots_here(args, slots, devices=torch.cuda.is_available())
+
+
+def machine_slots() -> int:
+    """How many ranks this machine runs when nothing says: DeepSpeed's `localhost` pool, one per
+    CUDA device, else (its CPU accelerator) one per NUMA node with cores."""
+    import torch
+
+    from ._binding import numa_nodes
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return max(1, sum(1 for cores in numa_nodes().values() if cores))

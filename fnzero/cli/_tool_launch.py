@@ -14,7 +14,7 @@ import time
 from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
                          pdsh_kill_command)
-from ._multinode import forwarded_env, master_addr
+from ._multinode import check_ssh, forwarded_env, master_addr
 
 __all__ = ["launch_with_tool", "pid_file"]
 
@@ -41,7 +41,8 @@ def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[in
         launcher_args=args.launcher_args, module=args.module, no_python=args.no_python,
         bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
         save_pid=os.getpid() if args.save_pid is not None else None, quiet=args.quiet, ssh_port=args.ssh_port,
-        narrowed=bool(args.include or args.exclude), num_nodes=args.num_nodes or -1, num_gpus=args.num_gpus or -1)
+        narrowed=bool(args.include or args.exclude), num_nodes=args.num_nodes or -1, num_gpus=args.num_gpus or -1,
+        slurm_comment=args.comment, slurm_account=args.account)
 
 
 def launch_with_tool(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[int]]) -> int:
@@ -50,6 +51,7 @@ def launch_with_tool(args, rest: list[str], hosts: dict[str, int], active: dict[
     if shutil.which(tool) is None:
         raise LaunchError(f"--launcher {args.launcher}: `{tool}` is not on PATH; install it, or use "
                           "--launcher ssh (the default)")
+    check_ssh(args, list(active))
     # Every rank imports from this directory first, as DeepSpeed's runner arranges.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="fnzero-launch-") as tmp:
