@@ -339,9 +339,49 @@ def test_rounds_rerun_every_successful_candidate_round_robin_and_keep_its_fastes
     assert rows["z0_mbs1"]["status"] == "failed" and rows["z0_mbs1"]["job_step_times_s"] == [None]
     assert "for at most 8 trial(s) (2 rounds)" in out.splitlines()[0]
     assert sum("/8] " in ln for ln in out.splitlines()) == 7 and "best: z1_mbs2" in out
-    assert "(round 2; kept 0.1000)" in out
-    assert cli(["autotune", "--rounds", "0", SCRIPT, "--deepspeed_config", str(cfg)]) == 2
-    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert "(job 2; kept 0.1000)" in out
+    assert cli(["autotune", "--rounds", "0", "--confirm", "-1", SCRIPT, "--deepspeed_config", str(cfg)]) == 2
+    assert capsys.readouterr().err.splitlines() == ["fnzero autotune: --rounds must be at least 1, got 0",
+                                                    "fnzero autotune: --confirm must be at least 0, got -1"]
+
+
+def test_confirm_reruns_a_measurement_far_above_what_the_others_predict(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Confirm, with the trials' numbers given (no jobs): steps are 20 ms (stage 0)
+    # or 25 ms (stage 1) plus 10 ms per sample, except z1_mbs2's first job, a slow spell's (+40 %).
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    calls = []
+
+    def fake_trial(c, *, exps_dir, **kw):
+        calls.append((c.name, exps_dir))
+        t = (0.020 if c.stage == 0 else 0.025) + 0.010 * c.micro
+        if calls.count((c.name, exps_dir)) == 1 and c.name == "z1_mbs2" and len(calls) <= 6:
+            t *= 1.4
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": t,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=t, samples_per_s=2 * c.micro / t, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+    cfg = tmp_path / "ds.json"
+
+    def tune(*flags):
+        calls.clear()
+        res = tmp_path / f"res{len(flags)}"
+        cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": str(res),
+                                                          "exps_dir": str(tmp_path / "exps")}}))
+        assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none", *flags,
+                    "--micro-batch-sizes", "1,2,4", SCRIPT, "--deepspeed_config", str(cfg)]) == 0
+        return {r["name"]: r for r in json.loads((res / "autotune_results.json").read_text())}, capsys.readouterr().out
+
+    rows, out = tune()  # default: at most a fifth of the 6 candidates, 2 jobs
+    assert calls[6:] == [("z1_mbs2", str(tmp_path / "exps" / "confirm2"))]  # then nothing is suspect: it stops
+    assert "confirming z1_mbs2: measured 40% above what the other candidates predict; one more job" in out
+    assert rows["z1_mbs2"]["job_step_times_s"] == pytest.approx([0.063, 0.045])
+    assert rows["z1_mbs2"]["step_time_s"] == pytest.approx(0.045)
+    assert all(abs(r["prediction_error"]) < 1e-6 for r in rows.values()), rows
+    rows, out = tune("--confirm", "0")
+    assert len(calls) == 6 and "confirming" not in out and rows["z1_mbs2"]["prediction_error"] < -0.2
 
 
 def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_per_rank_flags(tmp_path, monkeypatch,

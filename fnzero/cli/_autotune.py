@@ -75,6 +75,9 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run every successful candidate in N separate jobs, round-robin, and keep each one's fastest "
                    "(default 1; on a shared or noisy machine, 2-3 steady the measurements)")
+    g.add_argument("--confirm", type=int, default=None, metavar="N",
+                   help="at most N more jobs, for candidates measured more than 15%% slower than the model fitted to "
+                   "the others predicts; each keeps its fastest job (default: a fifth of the candidates run; 0: none)")
     g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
     j = p.add_argument_group("each trial's launch (`fnzero launch`'s flags, given to every trial and to the optimal "
                              "command)")
@@ -121,6 +124,8 @@ def _option_problems(args) -> list[str]:
         bad.append(f"--world must be at least 1, got {args.world}")
     if args.rounds < 1:
         bad.append(f"--rounds must be at least 1, got {args.rounds}")
+    if args.confirm is not None and args.confirm < 0:
+        bad.append(f"--confirm must be at least 0, got {args.confirm}")
     return bad
 
 
