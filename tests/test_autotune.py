@@ -439,3 +439,13 @@ def test_the_tuners_own_options_are_checked_together_before_anything_runs(tmp_pa
         "fnzero autotune: --world must be at least 1, got 0",
         "fnzero autotune: the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
         "--config) after the script"]
+
+
+def test_a_bad_value_and_an_impossible_range_in_the_block_are_reported_together():
+    # One pass: the cross-key rules run over the keys that did validate; a rule naming the key in
+    # error is left out (it would judge that key's default).
+    errors = _errors({"metric": "speed", "min_train_micro_batch_size_per_gpu": 8, "max_train_micro_batch_size_per_gpu": 4})
+    assert len(errors) == 2 and "`autotuning.metric`" in errors[0], errors
+    assert errors[1].startswith("`autotuning.min_train_micro_batch_size_per_gpu` (8) is greater than"), errors
+    errors = _errors({"start_profile_step": "x", "end_profile_step": 2})  # end <= the default start 3: not said
+    assert len(errors) == 1 and "`autotuning.start_profile_step`" in errors[0], errors

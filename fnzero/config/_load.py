@@ -1,8 +1,8 @@
 """`load_config`: source -> parsed dict -> aliases/auto/unknown keys -> models -> cross-field rules.
 
 Every stage adds to one `Problems` list instead of raising, so a file with five mistakes gets
-one ConfigError listing all five. Cross-field rules run only once every field is valid,
-because they read the validated values.
+one ConfigError listing all five. Cross-field rules read validated values: with a field in error
+they still run over the rest (`_cross_checks_of_the_rest`).
 """
 
 from __future__ import annotations
@@ -94,19 +94,38 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
 
 
 def _cross_checks_of_the_rest(raw: dict[str, Any], found: list[str]) -> list[str]:
-    """The cross-field problems among the sections that did validate, so one run reports every
-    error (`fp16` + `bf16` both on is found beside a bad `zero_optimization.stage`, not after it
-    is fixed). A rule that names a section with an error is left out: it would judge a default."""
-    bad = {m.group(1) for m in (re.match(r"`([A-Za-z0-9_]+)", line) for line in found) if m}
-    rest = {k: v for k, v in raw.items() if k not in bad}
-    cfg = validate_into(Config, rest, (), Problems())
-    if cfg is None:
-        return []
-    try:
-        lines = cross_checks(resolve(cfg))
-    except Exception:  # a rule that needs what was left out: nothing more to say
-        return []
-    return [line for line in lines if not any(f"`{section}" in line for section in bad)]
+    """The cross-field problems among the keys that did validate, so one run reports every error
+    (`fp16` + `bf16` both on is found beside a bad `zero_optimization.stage`, and an impossible
+    `autotuning` range beside a bad value in the same block, not after it is fixed). First without
+    just the keys in error, else without their whole sections; a rule that names a key left out is
+    dropped: it would judge a default."""
+    bad = {m.group(1) for m in (re.match(r"`([A-Za-z0-9_.]+)", line) for line in found) if m}
+    for left_out in (bad, {path.split(".")[0] for path in bad}):
+        cfg = validate_into(Config, _without_keys(raw, left_out), (), Problems())
+        if cfg is None:
+            continue
+        try:
+            lines = cross_checks(resolve(cfg))
+        except Exception:  # a rule that needs what was left out: nothing more to say
+            continue
+        return [line for line in lines if not any(f"`{path}" in line for path in left_out)]
+    return []
+
+
+def _without_keys(raw: dict[str, Any], paths: set[str]) -> dict[str, Any]:
+    """`raw` without the keys at these dotted paths, copied where it changes; a path through a
+    value that is not a plain dict (a typed optimizer) leaves out that value whole."""
+    out = dict(raw)
+    for path in paths:
+        node, parts = out, path.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node.pop(part, None)
+                break
+            node[part] = node = dict(node[part])
+        else:
+            node.pop(parts[-1], None)
+    return out
 
 
 def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems: Problems) -> tuple[int, int]:
