@@ -133,7 +133,8 @@ def test_bound_ranks_run_behind_the_binding_step():
                master_port=PORT, python=PYTHON, cwd=CWD, script="train.py", bind_cores_to_rank=True,
                bind_core_list="0-3")
     cmd, _ = launcher_command(LaunchJob(launcher="openmpi", **job), {})
-    assert cmd[-6:] == [PYTHON, "-u", "-m", "fnzero.cli._bind_rank", "--bind_core_list=0-3", "train.py"]
+    assert cmd[-7:] == [PYTHON, "-u", "-m", "fnzero.cli._rank_front", "--bind_cores_to_rank", "--bind_core_list=0-3",
+                         "train.py"]
     impi, _ = launcher_command(LaunchJob(launcher="impi", **job), {})
     assert impi[impi.index("OMP_NUM_THREADS") + 1] == "2"
     bound = [impi[i - 2:i + 3] for i, w in enumerate(impi) if w == "-C" or w == "-c"]
@@ -416,3 +417,33 @@ def test_slurm_takes_deepspeeds_comment_and_account_and_other_launches_warn(tmp_
     assert _launch(capsys, "--comment", "x", "--nproc-per-node", "1", "t.py") == (0, [
         "fnzero launch: warning: --comment has no effect without --hostfile and --launcher slurm (it is srun's "
         "--comment)"])
+
+
+def test_each_rank_logs_to_its_own_file_as_deepspeed(tmp_path, monkeypatch, capsys):
+    # --enable_each_rank_log FOLDER: rank R's stdout and stderr go to FOLDER/<launch time>_rank<R>.log
+    # (DeepSpeed's launch.py's names), not to the terminal.
+    import re
+
+    (tmp_path / "job.py").write_text("import os, sys\nprint('out', os.environ['RANK'])\n"
+                                     "print('err', os.environ['RANK'], file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "--enable_each_rank_log",
+                        "logs", "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "out " not in r.stdout and "err " not in r.stderr, (r.stdout, r.stderr)
+    files = sorted(os.listdir(tmp_path / "logs"))
+    assert [re.fullmatch(r"\d{14}_rank(\d)\.log", f).group(1) for f in files] == ["0", "1"], files
+    for f, rank in zip(files, "01"):
+        assert sorted((tmp_path / "logs" / f).read_text().split("\n")[:2]) == [f"err {rank}", f"out {rank}"]
+    # A file where the folder should be: one line, nothing started.
+    (tmp_path / "afile").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert _launch(capsys, "--enable_each_rank_log", "afile", "job.py") == (2, [
+        "fnzero launch: --enable_each_rank_log 'afile': a file, not a folder"])
+    # With a tool: MPI ranks start behind the front, which opens the file; pdsh's per-host launches
+    # are given the folder and name their ranks' files by their own launch time.
+    job = dict(hostfile=HOSTFILE, active={"w0": [0], "w1": [0]}, exports={}, master_addr=ADDR, master_port=PORT,
+               python=PYTHON, cwd=CWD, script="train.py", rank_log="/logs/20261203080000")
+    cmd, _ = launcher_command(LaunchJob(launcher="openmpi", **job), {})
+    assert cmd[-6:] == [PYTHON, "-u", "-m", "fnzero.cli._rank_front", "--rank_log=/logs/20261203080000", "train.py"]
+    cmd, _ = launcher_command(LaunchJob(launcher="pdsh", **job), {})
+    assert "--enable_each_rank_log=/logs" in cmd and "_rank_front" not in " ".join(cmd)

@@ -4,7 +4,7 @@ core) are cut into equal runs, local rank r takes the r-th, OMP_NUM_THREADS is t
 and the rank runs under `numactl -C <run>` (with `-m <node>` when the run lies in one NUMA node),
 or `taskset -c <run>` where numactl is not installed.
 
-`fnzero.cli._bind_rank` applies it in front of each rank.
+`fnzero.cli._rank_front` applies it in front of each rank.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ def add_launcher_flags(lp: argparse.ArgumentParser) -> None:
                    help="write this launcher's pid to /tmp/<pid>.deepspeed while it runs")
     g.add_argument("--no_ssh_check", "--no-ssh-check", action="store_true",
                    help="with --hostfile: do not first check that each host answers over passwordless ssh")
+    g.add_argument("--enable_each_rank_log", "--enable-each-rank-log", default=None, metavar="FOLDER",
+                   help="each rank's stdout and stderr to FOLDER/<launch time>_rank<R>.log instead of the terminal")
     g.add_argument("--force_multi", "--force-multi", action="store_true",
                    help="with --hostfile: start even one host with the launcher (default: one host runs here)")
     g.add_argument("--no_local_rank", "--no-local-rank", action="store_true",

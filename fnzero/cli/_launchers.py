@@ -13,11 +13,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
 import re
 import shlex
 
 from ._binding import bind_command, rank_program
 from ._hosts import LaunchError
+from ._rank_front import front_flags
 
 __all__ = ["LAUNCHERS", "LaunchJob", "launcher_command", "launcher_tool", "default_exports", "quote_export",
            "encode_world_info", "decode_world_info", "node_flags", "pdsh_kill_command", "MVAPICH_HOSTFILE",
@@ -54,6 +56,7 @@ class LaunchJob:
     num_gpus: int = -1
     slurm_comment: str = ""
     slurm_account: str = ""
+    rank_log: str | None = None  # --enable_each_rank_log's FOLDER/<launch time>: each rank's file starts so
 
 
 def quote_export(value: str) -> str:
@@ -104,12 +107,11 @@ def _per_node(job: LaunchJob) -> tuple[int, int]:
 def _program(job: LaunchJob) -> list[str]:
     """What each rank runs; with --bind_cores_to_rank behind fnzero's binding step, which reads the
     rank's local rank from the tool's variables."""
-    if not job.bind_cores_to_rank:
+    if not (job.bind_cores_to_rank or job.rank_log):
         return rank_program(job.python, job.script, list(job.script_args), job.module, job.no_python)
     rank_program(job.python, job.script, [], job.module, job.no_python)  # the same checks
-    flags = ([f"--bind_core_list={job.bind_core_list}"] if job.bind_core_list else []) + \
-        (["--module"] if job.module else []) + (["--no_python"] if job.no_python else [])
-    return [job.python, "-u", "-m", "fnzero.cli._bind_rank", *flags, job.script, *job.script_args]
+    flags = front_flags(job.bind_cores_to_rank, job.bind_core_list, job.rank_log, job.module, job.no_python)
+    return [job.python, "-u", "-m", "fnzero.cli._rank_front", *flags, job.script, *job.script_args]
 
 
 def _openmpi(job: LaunchJob) -> list[str]:
@@ -184,19 +186,22 @@ def _slurm(job: LaunchJob) -> list[str]:
 
 
 def node_flags(module: bool, no_python: bool, save_pid: int | None, bind_cores_to_rank: bool,
-               bind_core_list: str | None, quiet: bool) -> list[str]:
-    """The flags a per-host `fnzero launch` (pdsh's, ssh's) is given from the front's."""
+               bind_core_list: str | None, quiet: bool, rank_log_folder: str | None = None) -> list[str]:
+    """The flags a per-host `fnzero launch` (pdsh's, ssh's) is given from the front's; each host
+    names its ranks' log files by its own launch time, as DeepSpeed's launch.py on each node."""
     return ((["--no_python"] if no_python else []) + (["--module"] if module else [])
             + ([f"--save_pid={save_pid}"] if save_pid is not None else [])
             + (["--bind_cores_to_rank"] if bind_cores_to_rank else [])
-            + ([f"--bind_core_list={bind_core_list}"] if bind_core_list else []) + (["-q"] if quiet else []))
+            + ([f"--bind_core_list={bind_core_list}"] if bind_core_list else []) + (["-q"] if quiet else [])
+            + ([f"--enable_each_rank_log={rank_log_folder}"] if rank_log_folder else []))
 
 
 def pdsh_node_launch(job: LaunchJob) -> list[str]:
     """The per-host `fnzero launch` pdsh runs (`%n`: pdsh's rank of the host)."""
     return [job.python, "-u", "-m", "fnzero.cli", "launch", f"--world_info={encode_world_info(job.active)}",
             "--node_rank=%n", f"--master_addr={job.master_addr}", f"--master_port={job.master_port}",
-            *node_flags(job.module, job.no_python, job.save_pid, job.bind_cores_to_rank, job.bind_core_list, job.quiet)]
+            *node_flags(job.module, job.no_python, job.save_pid, job.bind_cores_to_rank, job.bind_core_list, job.quiet,
+                        os.path.dirname(job.rank_log) if job.rank_log else None)]
 
 
 def _pdsh(job: LaunchJob) -> list[str]:

@@ -159,8 +159,9 @@ def _start_hosts(args: argparse.Namespace, rest: list[str]) -> int | None:
 
 def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """torchrun's words for what each rank runs: `[-m] SCRIPT ARGS`, `--no-python SCRIPT ARGS`, or,
-    with --bind_cores_to_rank, fnzero's binding step in front (it reads LOCAL_RANK)."""
+    with --bind_cores_to_rank or --enable_each_rank_log, fnzero's rank front (`_rank_front.py`)."""
     from ._binding import bind_command, check_cores_exist, rank_program
+    from ._rank_front import front_flags, rank_log_prefix
 
     rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
     if not (args.module or args.no_python) and not os.path.isfile(rest[0]):
@@ -168,9 +169,10 @@ def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     if args.bind_cores_to_rank:
         bind_command(args.bind_core_list, args.nproc_per_node, 0)  # each rank's step would refuse it: refuse once, here
         check_cores_exist(args.bind_core_list)
-        flags = ([f"--bind_core_list={args.bind_core_list}"] if args.bind_core_list else []) + \
-            (["--module"] if args.module else []) + (["--no_python"] if args.no_python else [])
-        return ["--no-python", sys.executable, "-u", "-m", "fnzero.cli._bind_rank", *flags, *rest]
+    log = rank_log_prefix(args.enable_each_rank_log)
+    if args.bind_cores_to_rank or log:
+        flags = front_flags(args.bind_cores_to_rank, args.bind_core_list, log, args.module, args.no_python)
+        return ["--no-python", sys.executable, "-u", "-m", "fnzero.cli._rank_front", *flags, *rest]
     return (["--module"] if args.module else []) + (["--no-python"] if args.no_python else []) + rest
 
 

@@ -74,7 +74,8 @@ def _remote_command(args, host_slots: list[int], all_slots: int, nnodes: int, no
     if args.max_restarts is not None:
         launch += ["--max-restarts", str(args.max_restarts)]
     launch += node_flags(args.module, args.no_python, os.getpid() if args.save_pid is not None else None,
-                         args.bind_cores_to_rank, args.bind_core_list, args.quiet)
+                         args.bind_cores_to_rank, args.bind_core_list, args.quiet,
+                         None if args.enable_each_rank_log == "None" else args.enable_each_rank_log)
     assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     return f"cd {shlex.quote(os.getcwd())} && exec env {' '.join(assignments)} {shlex.join(launch + rest)}"
 

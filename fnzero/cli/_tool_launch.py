@@ -15,6 +15,7 @@ from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
                          pdsh_kill_command)
 from ._multinode import check_ssh, forwarded_env, master_addr
+from ._rank_front import rank_log_prefix
 
 __all__ = ["launch_with_tool", "pid_file"]
 
@@ -42,7 +43,7 @@ def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[in
         bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
         save_pid=os.getpid() if args.save_pid is not None else None, quiet=args.quiet, ssh_port=args.ssh_port,
         narrowed=bool(args.include or args.exclude), num_nodes=args.num_nodes or -1, num_gpus=args.num_gpus or -1,
-        slurm_comment=args.comment, slurm_account=args.account)
+        slurm_comment=args.comment, slurm_account=args.account, rank_log=rank_log_prefix(args.enable_each_rank_log))
 
 
 def launch_with_tool(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[int]]) -> int:
