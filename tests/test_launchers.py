@@ -233,9 +233,9 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         "among them)"])
     assert _launch(capsys, "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--launcher", "pdsh", "t.py")[1] == [
         "fnzero launch: --launcher pdsh cannot be used with --no_ssh: each node is then started by hand"]
-    # An option launch does not know is named, and takes no value (DeepSpeed's --elastic_training).
-    assert _launch(capsys, "--elastic_training", "--hostfile", "hosts", "t.py") == (2, [
-        "fnzero launch: unknown option --elastic_training: `fnzero launch --help` lists the options, DeepSpeed's runner "
+    # An option launch does not know is named, and takes no value (a typo, or another launcher's flag).
+    assert _launch(capsys, "--hostfile_path", "--hostfile", "hosts", "t.py") == (2, [
+        "fnzero launch: unknown option --hostfile_path: `fnzero launch --help` lists the options, DeepSpeed's runner "
         "flags among them (specs/cli.md §Launcher flags)"])
 
 
