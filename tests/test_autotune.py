@@ -422,6 +422,14 @@ def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_pe
     assert cli(["launch", "--autotuning", "run", "--module", "no_such_job", "--deepspeed_config", "ds.json"]) == 2
     assert capsys.readouterr().err.strip() == (f"fnzero autotune: module 'no_such_job' not found (--module; from "
                                                f"{tmp_path})") and seen == []
+    # An explicit 0 is refused (not taken as "every device"); launch-only flags are warned of.
+    assert cli(["launch", "--autotuning", "tune", "--num_gpus", "0", "tuned_job.py", "--deepspeed_config", "ds.json"]) == 2
+    assert capsys.readouterr().err.strip() == "fnzero launch: --num_gpus must be at least 1, got 0" and seen == []
+    assert cli(["launch", "--autotuning", "tune", "--num_gpus", "0", "--enable_each_rank_log", "logs", "--comment", "c",
+                "tuned_job.py", "--deepspeed_config", "ds.json"]) == 2
+    warned = capsys.readouterr().err.strip().splitlines()
+    assert [w.split(" has no effect")[0] for w in warned[:2]] == ["fnzero launch: warning: --comment",
+                                                                  "fnzero launch: warning: --enable_each_rank_log"]
 
 
 def test_the_tuners_own_options_are_checked_together_before_anything_runs(tmp_path, monkeypatch, capsys):

@@ -430,6 +430,7 @@ def test_each_rank_logs_to_its_own_file_as_deepspeed(tmp_path, monkeypatch, caps
                         "logs", "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "out " not in r.stdout and "err " not in r.stderr, (r.stdout, r.stderr)
+    assert "Warning" not in r.stderr, r.stderr  # the front runs fresh: nothing imported it before `-m`
     files = sorted(os.listdir(tmp_path / "logs"))
     assert [re.fullmatch(r"\d{14}_rank(\d)\.log", f).group(1) for f in files] == ["0", "1"], files
     for f, rank in zip(files, "01"):
@@ -447,3 +448,5 @@ def test_each_rank_logs_to_its_own_file_as_deepspeed(tmp_path, monkeypatch, caps
     assert cmd[-6:] == [PYTHON, "-u", "-m", "fnzero.cli._rank_front", "--rank_log=/logs/20261203080000", "train.py"]
     cmd, _ = launcher_command(LaunchJob(launcher="pdsh", **job), {})
     assert "--enable_each_rank_log=/logs" in cmd and "_rank_front" not in " ".join(cmd)
+    cmd, _ = launcher_command(LaunchJob(launcher="impi", **job), {})  # Intel MPI: one section per rank
+    assert cmd.count("--rank_log=/logs/20261203080000") == 2 and cmd.count("fnzero.cli._rank_front") == 2

@@ -77,7 +77,7 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                    "(default 1; on a shared or noisy machine, 2-3 steady the measurements)")
     g.add_argument("--confirm", type=int, default=None, metavar="N",
                    help="at most N more jobs, for candidates measured more than 15%% slower than the model fitted to "
-                   "the others predicts; each keeps its fastest job (default: a fifth of the candidates run; 0: none)")
+                   "the others predicts; each keeps its fastest job (default: a fifth of the successful candidates; 0: none)")
     g.add_argument("--seed", type=int, default=0, help="the random tuner's shuffle (default 0)")
     j = p.add_argument_group("each trial's launch (`fnzero launch`'s flags, given to every trial and to the optimal "
                              "command)")

@@ -19,7 +19,7 @@ import shlex
 
 from ._binding import bind_command, rank_program
 from ._hosts import LaunchError
-from ._rank_front import front_flags
+from ._rank_front_args import front_flags
 
 __all__ = ["LAUNCHERS", "LaunchJob", "launcher_command", "launcher_tool", "default_exports", "quote_export",
            "encode_world_info", "decode_world_info", "node_flags", "pdsh_kill_command", "MVAPICH_HOSTFILE",
@@ -105,8 +105,8 @@ def _per_node(job: LaunchJob) -> tuple[int, int]:
 
 
 def _program(job: LaunchJob) -> list[str]:
-    """What each rank runs; with --bind_cores_to_rank behind fnzero's binding step, which reads the
-    rank's local rank from the tool's variables."""
+    """What each rank runs; with --bind_cores_to_rank or --enable_each_rank_log behind fnzero's rank
+    front, which reads the rank's ranks from the tool's variables."""
     if not (job.bind_cores_to_rank or job.rank_log):
         return rank_program(job.python, job.script, list(job.script_args), job.module, job.no_python)
     rank_program(job.python, job.script, [], job.module, job.no_python)  # the same checks
@@ -154,6 +154,9 @@ def _impi(job: LaunchJob) -> list[str]:
         local = i % per_node
         bound = bind_command(job.bind_core_list, per_node, local)[1] if job.bind_cores_to_rank else []
         program = rank_program(job.python, job.script, list(job.script_args), job.module, job.no_python)
+        if job.rank_log:  # bound above; the front only opens the rank's log file
+            program = [job.python, "-u", "-m", "fnzero.cli._rank_front",
+                       *front_flags(False, None, job.rank_log, job.module, job.no_python), job.script, *job.script_args]
         cmd += ([":"] if i else []) + ["-n", "1", "-env", "RANK", str(i), "-env", "LOCAL_RANK", str(local),
                                        *bound, *program]
     return cmd

@@ -36,6 +36,9 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     here = bool(args.hostfile and not args.no_ssh)  # a hostfile: its hosts start, unless one host runs here
     if here and (status := _start_hosts(args, rest)) is not None:
         return status
+    if not rest:
+        print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
+        return 2
     from ._multinode import machine_slots, this_machine
 
     try:
@@ -56,14 +59,11 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         if args.nproc_per_node < 1:
             raise LaunchError(_too_few_ranks(args, args.nproc_per_node))
         argv = _torchrun_argv(args)
-        program = _program(args, rest) if rest else []
+        program = _program(args, rest)
     except LaunchError as e:
         print(f"fnzero launch: {e}", file=sys.stderr)
         return 2
     if argv is None:
-        return 2
-    if not rest:
-        print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
         return 2
     if args.exit_with_stdin:
         _exit_with_stdin()
@@ -104,13 +104,16 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if refused:
         return 2
     for flag, given in (("--master_addr", args.master_addr), ("--master_port", args.master_port is not None),
-                        ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None)):
+                        ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None),
+                        ("--comment", args.comment), ("--account", args.account),
+                        ("--enable_each_rank_log", args.enable_each_rank_log not in (None, "None"))):
         if given:
             print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
-                  "this node, on a free port)", file=sys.stderr)
+                  "this node, on a free port, its output in exps_dir)", file=sys.stderr)
     from ._multinode import machine_slots
 
-    world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None) or machine_slots()
+    world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None)
+    world = machine_slots() if world is None else world
     if world < 1:
         print(f"fnzero launch: {_too_few_ranks(args, world)}", file=sys.stderr)
         return 2
@@ -161,7 +164,7 @@ def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """torchrun's words for what each rank runs: `[-m] SCRIPT ARGS`, `--no-python SCRIPT ARGS`, or,
     with --bind_cores_to_rank or --enable_each_rank_log, fnzero's rank front (`_rank_front.py`)."""
     from ._binding import bind_command, check_cores_exist, rank_program
-    from ._rank_front import front_flags, rank_log_prefix
+    from ._rank_front_args import front_flags, rank_log_prefix
 
     rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
     if not (args.module or args.no_python) and not os.path.isfile(rest[0]):

@@ -5,41 +5,16 @@ binds cores (`--bind_cores_to_rank`, `_binding.py`) or gives each rank its own l
 environment (torchrun's, an MPI's, SLURM's); with a log, points its stdout and stderr at
 `PREFIX_rank<RANK>.log` (DeepSpeed's launch.py's name); with binding, sets OMP_NUM_THREADS to its
 share of cores; then replaces itself with the rank's program.
-(`fnzero.cli` does not import it: the launcher imports its two helpers when it needs them, and
-each rank runs it fresh with `python -m`.)"""
+(Nothing imports it, so that each rank runs it fresh with `python -m`; the launcher's side, its
+flags and the log files' prefix, is `_rank_front_args.py`.)"""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 from ._binding import bind_command, rank_program
 from ._hosts import LaunchError
-
-
-def front_flags(bind_cores_to_rank: bool, bind_core_list: str | None, rank_log: str | None, module: bool,
-                no_python: bool) -> list[str]:
-    """This module's flags for a launch's options (empty: no front needed beyond them)."""
-    return ((["--bind_cores_to_rank"] if bind_cores_to_rank else [])
-            + ([f"--bind_core_list={bind_core_list}"] if bind_cores_to_rank and bind_core_list else [])
-            + ([f"--rank_log={rank_log}"] if rank_log else [])
-            + (["--module"] if module else []) + (["--no_python"] if no_python else []))
-
-
-def rank_log_prefix(folder: str | None) -> str | None:
-    """`--enable_each_rank_log FOLDER` (DeepSpeed's; "None", its default, is off): the folder,
-    made if missing, and the launch time, the start of every rank's file name
-    (`FOLDER/%Y%m%d%H%M%S_rank<R>.log`, as DeepSpeed's launch.py names them)."""
-    if folder is None or folder == "None":
-        return None
-    if os.path.isfile(folder):
-        raise LaunchError(f"--enable_each_rank_log {folder!r}: a file, not a folder")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise LaunchError(f"--enable_each_rank_log {folder!r}: cannot make the folder ({e.strerror})") from None
-    return os.path.join(os.path.abspath(folder), time.strftime("%Y%m%d%H%M%S"))
 
 
 def main(argv: list[str]) -> None:
@@ -60,7 +35,7 @@ def main(argv: list[str]) -> None:
         if "--rank_log" in opts:  # this host's folder may not exist yet (an MPI rank on another host)
             path = f"{opts['--rank_log']}_rank{rank if rank is not None else local_rank}.log"
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # a restart adds
     except (LaunchError, OSError) as e:
         print(f"fnzero launch: {e}", file=sys.stderr)
         raise SystemExit(2) from None

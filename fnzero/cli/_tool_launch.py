@@ -15,7 +15,7 @@ from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
                          pdsh_kill_command)
 from ._multinode import check_ssh, forwarded_env, master_addr
-from ._rank_front import rank_log_prefix
+from ._rank_front_args import rank_log_prefix
 
 __all__ = ["launch_with_tool", "pid_file"]
 

@@ -115,15 +115,15 @@ class Tuning:
         slow spell; the candidate keeps its fastest job, as with --rounds."""
         extra, cap = 0, self.args.confirm
         if cap is None:
-            cap = -(-len(self.fitted) // 5)  # a fifth of the candidates that ran
+            cap = -(-len(self.fitted) // 5)  # a fifth of the candidates that ran successfully
         confirmed: dict[Candidate, int] = {}
-        while extra < cap:
+        while extra < cap and len(self.fitted) >= 3:
             loo = leave_one_out(self.fitted, **self._fit_options())
             # Only where the prediction rests on the candidate's own stage: two others of it ran.
             stages = [c.stage for c, _ in self.fitted]
-            suspects = sorted((loo[c] / rep["step_time_s"] - 1, c) for c, rep in self.fitted
-                              if stages.count(c.stage) >= 3 and confirmed.get(c, 0) < 2
-                              and loo[c] / rep["step_time_s"] - 1 < -CONFIRM_SLOWER)
+            suspects = sorted(((loo[c] / rep["step_time_s"] - 1, c) for c, rep in self.fitted
+                               if stages.count(c.stage) >= 3 and confirmed.get(c, 0) < 2
+                               and loo[c] / rep["step_time_s"] - 1 < -CONFIRM_SLOWER), key=lambda ec: ec[0])
             if not suspects:
                 return
             if self._left() <= 0:
