@@ -457,3 +457,57 @@ def test_a_bad_value_and_an_impossible_range_in_the_block_are_reported_together(
     assert errors[1].startswith("`autotuning.min_train_micro_batch_size_per_gpu` (8) is greater than"), errors
     errors = _errors({"start_profile_step": "x", "end_profile_step": 2})  # end <= the default start 3: not said
     assert len(errors) == 1 and "`autotuning.start_profile_step`" in errors[0], errors
+
+
+def test_tensor_and_pipeline_layouts_are_candidates_with_their_own_model(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Search space, §Calibration, trials' numbers given (no jobs): a tp 2 step
+    # costs 30 ms more than a tp 1 step of the same micro-batch; each layout's model is its own.
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+    from fnzero.cli._tune_space import build_space, trial_config
+
+    keep, rejected = build_space([0, 2], [2], ["none"], gas=2, world=4, layouts=[(1, 1), (2, 1), (1, 2), (1, 4), (3, 1)])
+    assert [c.name for c in keep] == ["z0_mbs2", "z2_mbs2", "z0_mbs2_tp2", "z2_mbs2_tp2", "z0_mbs2_pp2"]
+    assert {c.name: why.split(":")[0] for c, why in rejected} == {
+        "z2_mbs2_pp2": "ZeRO stage 2 with a pipeline", "z0_mbs2_pp4": "4 pipeline stages need at least 4 micro-batches "
+        "a step (1F1B)", "z2_mbs2_pp4": "ZeRO stage 2 with a pipeline", "z0_mbs2_tp3": "tensor parallel 3 x pipeline "
+        "stages 1 does not divide the 4 ranks", "z2_mbs2_tp3": "tensor parallel 3 x pipeline stages 1 does not divide "
+        "the 4 ranks"}
+    tp2 = keep[2]
+    cfg = trial_config({"pipeline": {"stages": "auto"}}, tp2, gas=2, world=4, metric_path="", start=0, end=0)
+    assert (cfg["train_batch_size"], cfg["tensor_parallel"], cfg["pipeline"]) == (8, {"autotp_size": 2}, {"stages": 1})
+    assert "tensor_parallel" not in trial_config({"pipeline": {"stages": "auto"}}, keep[0], gas=2, world=4,
+                                                 metric_path="", start=0, end=0)  # the config's own layout: as given
+
+    ran = []
+
+    def fake_trial(c, **kw):
+        ran.append(c.name)
+        t = 0.020 + 0.030 * (c.tp - 1) + 0.010 * c.micro
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": t,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=t, samples_per_s=c.micro * c.dp(2) / t, model_state_bytes=1,
+                           report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+
+    def tune(tuner, *flags):
+        ran.clear()
+        res = tmp_path / tuner
+        (tmp_path / "ds.json").write_text(json.dumps({**BASE, "autotuning": {
+            "enabled": True, "tuner_type": tuner, "tuner_early_stopping": 100, "results_dir": str(res)}}))
+        assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none",
+                    "--micro-batch-sizes", "1,2,4", "--tensor-parallel", "1,2", "--confirm", "0", *flags, SCRIPT,
+                    "--deepspeed_config", str(tmp_path / "ds.json")]) == 0
+        return {r["name"]: r for r in json.loads((res / "autotune_results.json").read_text())}
+
+    rows = tune("gridsearch")
+    assert len(rows) == 12 and all(r["status"] == "ok" for r in rows.values())
+    assert rows["z1_mbs4_tp2"]["tensor_parallel"] == 2 and rows["z1_mbs4_tp2"]["train_batch_size"] == 4
+    # Out of sample, each from its own layout's other trials: exact, where one model over both
+    # layouts would be off by the 30 ms.
+    assert all(abs(r["prediction_error"]) < 1e-6 for r in rows.values()), {n: r["prediction_error"] for n, r in rows.items()}
+    tune("model_based", "--seed", "0")
+    assert any("_tp2" in n for n in ran[:2]), ran  # each layout's first trial comes early, to fit its model
+    assert cli(["autotune", "--tensor-parallel", "0", SCRIPT, "--deepspeed_config", str(tmp_path / "ds.json")]) == 2
+    assert "--tensor-parallel: 0 is not a size (at least 1)" in capsys.readouterr().err

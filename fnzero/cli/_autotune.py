@@ -64,6 +64,10 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
                    help="micro-batch sizes to try (default: autotuning's min..max, num_tuning_micro_batch_sizes)")
     g.add_argument("--offload", type=_choices(("none", "cpu", "nvme")), default=["none", "cpu"],
                    help="optimizer offload devices to try (default none,cpu)")
+    g.add_argument("--tensor-parallel", type=_ints, default=None, metavar="LIST",
+                   help="tensor-parallel sizes to try, e.g. 1,2 (default: the config's tensor_parallel.autotp_size)")
+    g.add_argument("--pipeline-stages", type=_ints, default=None, metavar="LIST",
+                   help="pipeline stage counts to try, e.g. 1,2 (default: the config's pipeline.stages)")
     g.add_argument("--link-bandwidth", type=float, default=None, metavar="B/S",
                    help="data-parallel link bytes/s per rank (default: measured by the first trial)")
     g.add_argument("--link-latency", type=float, default=None, metavar="S",
@@ -117,6 +121,8 @@ def _option_problems(args) -> list[str]:
     bad = [f"--stages: ZeRO stage {s} does not exist (0-3)" for s in args.stages if s not in (0, 1, 2, 3)]
     bad += [f"--micro-batch-sizes: {m} is not a micro-batch size (at least 1)"
             for m in args.micro_batch_sizes or [] if m < 1]
+    for flag, sizes in (("--tensor-parallel", args.tensor_parallel), ("--pipeline-stages", args.pipeline_stages)):
+        bad += [f"{flag}: {n} is not a size (at least 1)" for n in sizes or [] if n < 1]
     for flag, value in (("--time-budget", args.time_budget), ("--trial-timeout", args.trial_timeout)):
         if value is not None and not value > 0:
             bad.append(f"{flag} must be more than 0 seconds, got {value:g}")

@@ -8,10 +8,11 @@ import sys
 import time
 
 from ._tune_jobs import launch_flags, run_trial
-from ._tune_model import fit, leave_one_out
+from ._tune_model import fit_layouts, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 from ._tune_results import metric_value, progress_line, row_for, write_results
-from ._tune_space import Candidate, build_space, micro_batch_sizes, model_state_estimate, order, prune, trial_config
+from ._tune_space import (Candidate, build_space, given_layout, micro_batch_sizes, model_state_estimate, order, prune,
+                          trial_config)
 
 __all__ = ["CONFIRM_SLOWER", "Tuning"]
 
@@ -35,7 +36,7 @@ class Tuning:
         self.num_params = args.params or self.at.model_info.num_params
         self.rows: dict[Candidate, dict] = {}
         self.results: dict = {}
-        self.calibration = None  # the step-time model fitted to `self.fitted`, the successful trials so far
+        self.models: dict = {}  # the step-time model of each layout (tp, pp), fitted to `self.fitted`
         self.fitted: list[tuple[Candidate, dict]] = []
         self.predicted: dict[Candidate, float] = {}  # each row's predicted step (§Calibration)
         self.jobs: dict[Candidate, list] = {}  # every job's TrialResult per candidate (--rounds)
@@ -48,15 +49,18 @@ class Tuning:
         at = self.at
         micros = self.args.micro_batch_sizes or micro_batch_sizes(
             at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu, at.num_tuning_micro_batch_sizes)
+        tp0, pp0 = given_layout(self.raw)
+        tps, pps = self.args.tensor_parallel or [tp0], self.args.pipeline_stages or [pp0]
         cands, rejected = build_space(sorted(set(self.args.stages)), micros, self.args.offload, gas=self.gas,
-                                      world=self.world, min_batch=at.min_train_batch_size, max_batch=at.max_train_batch_size)
+                                      world=self.world, min_batch=at.min_train_batch_size, max_batch=at.max_train_batch_size,
+                                      layouts=[(t, p) for t in tps for p in pps])
         for c, why in rejected:
             self._row(c, "rejected", why)
         rounds = self.args.rounds
         planned = min(len(cands), at.tuner_num_trials) * rounds
         self.budget = self.args.time_budget if self.args.time_budget is not None else _DEFAULT_TRIAL_S * planned
         self._say(f"{len(cands)} candidates (stages {sorted(set(self.args.stages))} x micro-batch {micros} x offload "
-                  f"{self.args.offload}; tp/pp not explored), {self.world} rank(s) per trial, tuner {at.tuner_type}, "
+                  f"{self.args.offload} x tensor parallel {tps} x pipeline stages {pps}), {self.world} rank(s) per trial, tuner {at.tuner_type}, "
                   f"metric {at.metric}; time budget {self.budget:.0f} s for at most {planned} trial(s)"
                   + (f" ({rounds} rounds)" if rounds > 1 else ""))
         if self.num_params is None and cands:  # the least-memory candidate measures the model's size first
@@ -87,9 +91,13 @@ class Tuning:
                                         f"(autotuning.tuner_early_stopping)")
             if self._left() <= 0:
                 return self._skip(todo, f"time budget ({self.budget:.0f} s) spent")
-            predicted = {c: self._predicted_metric(c) for c in todo} if self.calibration else None
-            c = order(todo, at.tuner_type, seed=self.args.seed, predicted=predicted,
-                      better_high=at.metric != "latency")[0]
+            predicted = {c: v for c in todo if (v := self._predicted_metric(c)) is not None}
+            unseen = [c for c in todo if c.layout not in self.models]
+            if at.tuner_type == "model_based" and self.models and unseen:
+                c = unseen[0]  # a layout's first trial, which its model is then fitted to
+            else:
+                c = order(todo, at.tuner_type, seed=self.args.seed, predicted=predicted,
+                          better_high=at.metric != "latency")[0]
             todo.remove(c)
             self._trial(c, planned)
             new_best = self._best()
@@ -120,9 +128,9 @@ class Tuning:
         while extra < cap and len(self.fitted) >= 3:
             loo = leave_one_out(self.fitted, **self._fit_options())
             # Only where the prediction rests on the candidate's own stage: two others of it ran.
-            stages = [c.stage for c, _ in self.fitted]
+            stages = [(c.stage, c.layout) for c, _ in self.fitted]
             suspects = sorted(((loo[c] / rep["step_time_s"] - 1, c) for c, rep in self.fitted
-                               if stages.count(c.stage) >= 3 and confirmed.get(c, 0) < 2
+                               if stages.count((c.stage, c.layout)) >= 3 and confirmed.get(c, 0) < 2
                                and loo[c] / rep["step_time_s"] - 1 < -CONFIRM_SLOWER), key=lambda ec: ec[0])
             if not suspects:
                 return
@@ -151,15 +159,15 @@ class Tuning:
         kept = min(ok, key=lambda j: j.step_time_s) if ok else jobs[0]
         self.results[c] = kept
         # The progress line shows what the model said before this trial ran; then it is refitted.
-        if self.calibration:
-            self.predicted[c] = self.calibration.predict(c).total_s
+        if (before := self._predict(c)) is not None:
+            self.predicted[c] = before
         row = self._row(c, kept.status, kept.reason, kept)
         line = self._row_for(c, res.status, res.reason, res) if res is not kept else row  # this job's, not stored
         self._say(progress_line(self.ran, planned, line, time.perf_counter() - self.t0, self.budget)
                   + (f" (job {len(jobs)}; kept {kept.step_time_s:.4f})" if len(jobs) > 1 and ok else ""))
         if kept.status == "ok" and kept.report.get("num_params"):
             self.fitted = [(f, rep) for f, rep in self.fitted if f != c] + [(c, kept.report)]
-            self._fit()
+            self._fit(c)
 
     # -- the model -----------------------------------------------------------------------------------------
 
@@ -175,26 +183,36 @@ class Tuning:
         host = a.host_bandwidth if a.host_bandwidth is not None else (25e9 if self.cuda else None)
         return dict(world=self.world, gas=self.gas, link=link, host_link_Bps=host)
 
-    def _fit(self) -> None:
-        self.calibration = k = fit(self.fitted, **self._fit_options())
+    def _fit(self, c: Candidate) -> None:
+        """Refit every layout's model; say the one `c` belongs to."""
+        self.models = fit_layouts(self.fitted, **self._fit_options())
+        k = self.models[c.layout]
+        of = f"layout tp {c.tp} x pp {c.pp}, " if set(self.models) != {(1, 1)} else ""
         comm = (", ".join(f"{n} {k.pass_s[n] * 1e3:.2f} ms" for n in ("all_reduce", "all_gather", "reduce_scatter"))
                 + " per pass") if k.pass_s else (f"link {k.link.bandwidth_Bps / 1e9:.3f} GB/s and "
                                                  f"{k.link.latency_s * 1e6:.1f} us/hop")
         steps = ", ".join(f"z{s} {t * 1e3:.2f}" for s, t in sorted(k.compute_s_per_micro_step.items()))
-        self._say(f"step-time model fitted to {len(self.fitted)} trial(s): compute {k.compute_s_per_sample * 1e3:.3f} "
+        self._say(f"step-time model ({of}{k.world} data-parallel rank(s)) fitted to {len(k.sources)} trial(s): compute {k.compute_s_per_sample * 1e3:.3f} "
                   f"ms/sample + per micro-step ({steps}) ms, optimizer "
                   f"{k.optimizer_s_per_param * 1e9:.3f} ns/param; {comm}; {k.units} units, {k.num_params:,} parameters")
 
-    def _predicted_metric(self, c: Candidate) -> float:
-        t = self.calibration.predict(c).total_s
-        return t if self.at.metric == "latency" else c.micro * self.gas * self.world / t
+    def _predict(self, c: Candidate) -> float | None:
+        """c's step by its layout's model; None before a trial of that layout ran."""
+        model = self.models.get(c.layout)
+        return model.predict(c).total_s if model else None
+
+    def _predicted_metric(self, c: Candidate) -> float | None:
+        t = self._predict(c)
+        if t is None:
+            return None
+        return t if self.at.metric == "latency" else c.micro * self.gas * c.dp(self.world) / t
 
     # -- rows, best, outputs -------------------------------------------------------------------------------
 
     def _row_for(self, c: Candidate, status: str, reason: str = "", res=None) -> dict:
         """Candidate c's table row with result `res`."""
         est = (model_state_estimate(c, self.num_params, self.world, self.cfg.precision, not self.cuda)
-               if self.num_params else None)
+               if self.num_params and c.dp(self.world) >= 1 else None)  # a layout the world cannot hold: none
         return row_for(c, world=self.world, gas=self.gas, status=status, reason=reason, result=res, estimate=est,
                        predicted=self.predicted.get(c), metric=metric_value(self.at.metric, res, self.num_params,
                                                                             self.world), jobs=self.jobs.get(c))
@@ -223,8 +241,8 @@ class Tuning:
         from ._autotune import launch_with_best
         from ._tune_jobs import script_args_for
 
-        if self.calibration:  # each trial's prediction from the others (out of sample), the rest from them all
-            self.predicted = {c: self.calibration.predict(c).total_s for c in self.rows}
+        if self.models:  # each trial's prediction from the others (out of sample), the rest from them all
+            self.predicted = {c: t for c in self.rows if (t := self._predict(c)) is not None}
             self.predicted.update(leave_one_out(self.fitted, **self._fit_options()))
             for c, row in list(self.rows.items()):
                 self._row(c, row["status"], row["reason"], self.results.get(c))

@@ -16,7 +16,7 @@ import statistics
 from ..memory._predict import PASS_KINDS, Link, StepPrediction, predict_step, ring_link
 from ._tune_space import Candidate
 
-__all__ = ["Calibration", "fit", "leave_one_out"]
+__all__ = ["Calibration", "fit", "fit_layouts", "leave_one_out"]
 
 Trial = tuple[Candidate, dict]  # a candidate and its rank-0 report
 
@@ -84,12 +84,33 @@ def fit(trials: list[Trial], *, world: int, gas: int, link: Link | None = None,
     return dataclasses.replace(base, compute_s_per_micro_step=per_step, compute_s_per_sample=per_sample)
 
 
-def leave_one_out(trials: list[Trial], **kw) -> dict[Candidate, float]:
-    """Each trial's step as predicted by the model fitted to every other trial: out-of-sample for
-    each (needs two trials; with one, its own fit)."""
-    if len(trials) < 2:
-        return {c: fit(trials, **kw).predict(c).total_s for c, _ in trials}
-    return {c: fit(trials[:i] + trials[i + 1:], **kw).predict(c).total_s for i, (c, _) in enumerate(trials)}
+def fit_layouts(trials: list[Trial], *, world: int, **kw) -> dict[tuple[int, int], Calibration]:
+    """One model per layout (tensor parallel, pipeline stages) that ran, each `fit` to its own
+    trials over its data-parallel ranks: what tensor parallelism's activation all-reduces and a
+    pipeline's sends and bubble cost is inside that layout's fitted compute, and its passes are
+    those its own trials measured (§Calibration)."""
+    return {lay: fit(group, world=world // (lay[0] * lay[1]), **kw) for lay, group in _by_layout(trials).items()}
+
+
+def leave_one_out(trials: list[Trial], *, world: int, **kw) -> dict[Candidate, float]:
+    """Each trial's step as predicted by the model fitted to every other trial of its layout:
+    out-of-sample for each (needs two trials of the layout; with one, its own fit)."""
+    out = {}
+    for (tp, pp), group in _by_layout(trials).items():
+        dp = world // (tp * pp)
+        if len(group) < 2:
+            out.update({c: fit(group, world=dp, **kw).predict(c).total_s for c, _ in group})
+        else:
+            out.update({c: fit(group[:i] + group[i + 1:], world=dp, **kw).predict(c).total_s
+                        for i, (c, _) in enumerate(group)})
+    return out
+
+
+def _by_layout(trials: list[Trial]) -> dict[tuple[int, int], list[Trial]]:
+    groups: dict[tuple[int, int], list[Trial]] = {}
+    for c, r in trials:
+        groups.setdefault(c.layout, []).append((c, r))
+    return groups
 
 
 def _optimizer_rate(c: Candidate, report: dict, world: int) -> float | None:

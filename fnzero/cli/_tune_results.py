@@ -12,7 +12,7 @@ DEFAULT_TRIAL_S = 120.0  # the time budget per planned trial when --time-budget 
 
 __all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line"]
 
-COLUMNS = ("name", "stage", "micro_batch", "offload", "train_batch_size", "status", "reason", "step_time_s",
+COLUMNS = ("name", "stage", "micro_batch", "offload", "tensor_parallel", "pipeline_stages", "train_batch_size", "status", "reason", "step_time_s",
            "samples_per_s", "tokens_per_s", "flops_per_s_per_rank", "peak_memory_bytes", "model_state_bytes",
            "estimate_bytes", "predicted_step_s", "prediction_error", "metric", "wall_s", "job_step_times_s")
 
@@ -35,7 +35,8 @@ def row_for(c, *, world: int, gas: int, status: str, reason: str = "", result=No
             predicted: float | None = None, metric: float | None = None, jobs: list | None = None) -> dict:
     """One row of the table; `jobs`: every job the candidate ran (--rounds), `result` the one kept."""
     r = dict.fromkeys(COLUMNS)
-    r.update(name=c.name, stage=c.stage, micro_batch=c.micro, offload=c.offload, train_batch_size=c.micro * gas * world,
+    r.update(name=c.name, stage=c.stage, micro_batch=c.micro, offload=c.offload, tensor_parallel=c.tp,
+             pipeline_stages=c.pp, train_batch_size=c.micro * gas * c.dp(world) or None,
              status=status, reason=reason, estimate_bytes=estimate, predicted_step_s=predicted, metric=metric)
     if result is not None:
         r.update(step_time_s=result.step_time_s, samples_per_s=result.samples_per_s, tokens_per_s=result.tokens_per_s,

@@ -8,20 +8,32 @@ import dataclasses
 import math
 import random
 
-__all__ = ["Candidate", "micro_batch_sizes", "build_space", "prune", "trial_config", "order"]
+__all__ = ["Candidate", "micro_batch_sizes", "build_space", "given_layout", "prune", "trial_config", "order"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One point of the space: ZeRO stage, micro-batch size per rank, optimizer offload device."""
+    """One point of the space: ZeRO stage, micro-batch size per rank, optimizer offload device,
+    tensor-parallel size and pipeline stages (the layout; data parallelism takes the rest)."""
 
     stage: int
     micro: int
     offload: str = "none"
+    tp: int = 1
+    pp: int = 1
 
     @property
     def name(self) -> str:
-        return f"z{self.stage}_mbs{self.micro}" + ("" if self.offload == "none" else f"_off{self.offload}")
+        return (f"z{self.stage}_mbs{self.micro}" + (f"_tp{self.tp}" if self.tp > 1 else "")
+                + (f"_pp{self.pp}" if self.pp > 1 else "") + ("" if self.offload == "none" else f"_off{self.offload}"))
+
+    @property
+    def layout(self) -> tuple[int, int]:
+        return self.tp, self.pp
+
+    def dp(self, world: int) -> int:
+        """Data-parallel ranks of `world`: what ZeRO shards over and the batch multiplies by."""
+        return world // (self.tp * self.pp)
 
 
 def micro_batch_sizes(lo: int, hi: int, count: int) -> list[int]:
@@ -33,33 +45,43 @@ def micro_batch_sizes(lo: int, hi: int, count: int) -> list[int]:
 
 
 def build_space(stages, micros, offloads, *, gas: int, world: int, min_batch: int = 1,
-                max_batch: int | None = None) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
-    """(candidates, rejected with why): stage x micro x offload; offload needs stage >= 1 (ZeRO-Offload
-    offloads the optimizer's shard), and train_batch_size = micro x gas x world must lie within
-    autotuning.min/max_train_batch_size."""
+                max_batch: int | None = None, layouts=((1, 1),)) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """(candidates, rejected with why): layout (tp, pp) x stage x micro x offload; offload needs
+    stage >= 1 (ZeRO-Offload offloads the optimizer's shard); tp x pp must divide the world; a
+    pipeline takes stage 0 or 1 only (as DeepSpeed); train_batch_size = micro x gas x data-parallel
+    ranks must lie within autotuning.min/max_train_batch_size."""
     keep, rejected = [], []
-    for stage in stages:
-        for micro in micros:
-            for off in offloads:
-                c = Candidate(stage, micro, off)
-                batch = micro * gas * world
-                if off != "none" and stage == 0:
-                    continue  # not a configuration: offload_optimizer needs ZeRO stage 1-3
-                if max_batch is not None and batch > max_batch:
-                    rejected.append((c, f"train_batch_size {batch} > autotuning.max_train_batch_size {max_batch}"))
-                elif batch < min_batch:
-                    rejected.append((c, f"train_batch_size {batch} < autotuning.min_train_batch_size {min_batch}"))
-                else:
-                    keep.append(c)
+    for (tp, pp), stage, micro, off in ((lay, s, m, o) for lay in layouts for s in stages for m in micros
+                                        for o in offloads):
+        c = Candidate(stage, micro, off, tp, pp)
+        batch = micro * gas * c.dp(world)
+        if off != "none" and stage == 0:
+            continue  # not a configuration: offload_optimizer needs ZeRO stage 1-3
+        if world % (tp * pp):
+            rejected.append((c, f"tensor parallel {tp} x pipeline stages {pp} does not divide the {world} ranks"))
+        elif pp > 1 and stage >= 2:
+            rejected.append((c, f"ZeRO stage {stage} with a pipeline: DeepSpeed and fnzero allow stage 0 or 1"))
+        elif pp > gas:
+            rejected.append((c, f"{pp} pipeline stages need at least {pp} micro-batches a step (1F1B): raise "
+                                f"gradient_accumulation_steps ({gas}) in the config"))
+        elif max_batch is not None and batch > max_batch:
+            rejected.append((c, f"train_batch_size {batch} > autotuning.max_train_batch_size {max_batch}"))
+        elif batch < min_batch:
+            rejected.append((c, f"train_batch_size {batch} < autotuning.min_train_batch_size {min_batch}"))
+        else:
+            keep.append(c)
     return keep, rejected
 
 
 def model_state_estimate(c: Candidate, num_params: int, world: int, precision: str, device_is_host: bool) -> int:
     """The planner's per-rank model-state bytes of `c` where they count against the limit: the
-    device's, plus the host's when the device is the host (a CPU run: offloading moves nothing)."""
+    device's, plus the host's when the device is the host (a CPU run: offloading moves nothing).
+    Tensor and pipeline parallelism give each rank 1/(tp x pp) of the parameters (a lower bound:
+    replicated embeddings and norms, an uneven cut), which ZeRO shards over the data-parallel ranks."""
     from ..memory._estimate import estimate
 
-    e = estimate(num_params, stage=c.stage, world_size=world, precision=precision, offload_optimizer=c.offload)
+    e = estimate(num_params // (c.tp * c.pp), stage=c.stage, world_size=c.dp(world), precision=precision,
+                 offload_optimizer=c.offload)
     return int(e.device_bytes + (e.host_bytes if device_is_host else 0))
 
 
@@ -84,7 +106,10 @@ def trial_config(raw: dict, c: Candidate, *, gas: int, world: int, metric_path: 
     out = copy.deepcopy(raw)
     out["train_micro_batch_size_per_gpu"] = c.micro
     out["gradient_accumulation_steps"] = gas
-    out["train_batch_size"] = c.micro * gas * world
+    out["train_batch_size"] = c.micro * gas * c.dp(world)
+    if c.layout != given_layout(raw):  # the config's own layout is left as written ("auto" stages too)
+        out["tensor_parallel"] = {**(out.get("tensor_parallel") or {}), "autotp_size": c.tp}
+        out["pipeline"] = {**(out.get("pipeline") or {}), "stages": c.pp}
     zero = dict(out.get("zero_optimization") or {})
     zero["stage"] = c.stage
     if c.offload == "none":
@@ -100,6 +125,13 @@ def trial_config(raw: dict, c: Candidate, *, gas: int, world: int, metric_path: 
         out["autotuning"] = {"enabled": True, "metric_path": metric_path, "start_profile_step": start,
                              "end_profile_step": end}
     return out
+
+
+def given_layout(raw: dict) -> tuple[int, int]:
+    """The (tensor-parallel size, pipeline stages) a config asks for; "auto" stages count as 1."""
+    tp = (raw.get("tensor_parallel") or {}).get("autotp_size") or 1
+    pp = (raw.get("pipeline") or {}).get("stages", 1)
+    return max(1, int(tp)), pp if isinstance(pp, int) and not isinstance(pp, bool) else 1
 
 
 def order(cands: list[Candidate], tuner: str, *, seed: int = 0, predicted: dict | None = None,
