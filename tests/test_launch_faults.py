@@ -81,14 +81,16 @@ def test_a_killed_rank_is_blamed(launched):
     out, root, last = _blames_rank_1("kill", launched)
     assert "Signal 9 (SIGKILL)" in root, out
     assert last.startswith("fnzero launch: root cause: rank 1 (ended by SIGKILL)"), out
-    if "rank 0 caught DistributedError: collective #" in out:
+    if "torchrun's first observed failure" not in last:
         # Seen by rank 0's collective, or by its watchdog first (a dead peer on this machine is seen at once).
+        assert "rank 0 caught DistributedError: collective #" in out, out
         assert last.startswith("fnzero launch: root cause: rank 1 (ended by SIGKILL), as rank 0 saw it: "), out
         assert "rank(s) [1] stopped (killed, out of memory, or crashed)" in last, out
     else:
-        # torchrun's monitor (1 s ticks) stopped rank 0 before it could say what it saw: seen once on
-        # a heavily loaded 2-core CI run. The blame is still rank 1's, from torchrun's own record.
-        assert "closing signal SIGTERM" in out and "torchrun's first observed failure" in last, out
+        # torchrun's monitor (1 s ticks) stopped rank 0 before it left its record of what it saw
+        # (before it printed it, or between the print and the record, which its exit writes): seen
+        # on loaded 2-core CI runs. The blame is still rank 1's, from torchrun's own record.
+        assert "closing signal SIGTERM" in out, out
 
 
 def test_a_hung_rank_is_named_by_the_watchdog_and_blamed(launched):
