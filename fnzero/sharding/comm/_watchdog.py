@@ -150,6 +150,8 @@ class Watchdog:
         end, stops it: torchrun blames the peers, never this rank."""
         error = uncaught()
         peers = peers_at_fault(error, self.rank)
+        if error is not None:  # first: the launcher may stop this rank any moment now (its 1 s ticks)
+            record_exception(self.rank, error, peers)
         try:  # a peer that ended cleanly (done, not failed) is no culprit the launcher will stop us for
             beats = self.beats()
             near = peers and all(self._beside(r, beats) and (beats[r].get("failed") or not beats[r].get("done"))
@@ -157,8 +159,6 @@ class Watchdog:
         except Exception:
             near = False
         self.finish(error)
-        if error is not None:
-            record_exception(self.rank, error, peers)
         if near:
             linger()
 
