@@ -110,7 +110,12 @@ def _program(job: LaunchJob) -> list[str]:
     if not (job.bind_cores_to_rank or job.rank_log):
         return rank_program(job.python, job.script, list(job.script_args), job.module, job.no_python)
     rank_program(job.python, job.script, [], job.module, job.no_python)  # the same checks
-    flags = front_flags(job.bind_cores_to_rank, job.bind_core_list, job.rank_log, job.module, job.no_python)
+    return _front(job, job.bind_cores_to_rank)
+
+
+def _front(job: LaunchJob, bind: bool) -> list[str]:
+    """The rank front running the job's script: binding when `bind`, logging with --rank_log."""
+    flags = front_flags(bind, job.bind_core_list, job.rank_log, job.module, job.no_python)
     return [job.python, "-u", "-m", "fnzero.cli._rank_front", *flags, job.script, *job.script_args]
 
 
@@ -155,8 +160,7 @@ def _impi(job: LaunchJob) -> list[str]:
         bound = bind_command(job.bind_core_list, per_node, local)[1] if job.bind_cores_to_rank else []
         program = rank_program(job.python, job.script, list(job.script_args), job.module, job.no_python)
         if job.rank_log:  # bound above; the front only opens the rank's log file
-            program = [job.python, "-u", "-m", "fnzero.cli._rank_front",
-                       *front_flags(False, None, job.rank_log, job.module, job.no_python), job.script, *job.script_args]
+            program = _front(job, bind=False)
         cmd += ([":"] if i else []) + ["-n", "1", "-env", "RANK", str(i), "-env", "LOCAL_RANK", str(local),
                                        *bound, *program]
     return cmd

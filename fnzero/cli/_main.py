@@ -20,6 +20,7 @@ from ._hosts import DEFAULT_HOSTFILE, LaunchError
 from ._launch_checks import (ignored_flag_warnings, launch_flag_problems, launch_options, scan_launch_args,
                              take_default_hostfile)
 from ._launch_flags import add_launcher_flags
+from ._rank_front_args import rank_log_folder
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -106,7 +107,7 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
     for flag, given in (("--master_addr", args.master_addr), ("--master_port", args.master_port is not None),
                         ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None),
                         ("--comment", args.comment), ("--account", args.account),
-                        ("--enable_each_rank_log", args.enable_each_rank_log not in (None, "None"))):
+                        ("--enable_each_rank_log", rank_log_folder(args.enable_each_rank_log))):
         if given:
             print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
                   "this node, on a free port, its output in exps_dir)", file=sys.stderr)

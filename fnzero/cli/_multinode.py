@@ -22,6 +22,7 @@ import time
 
 from ._hosts import HostfileError, LaunchError, read_env_file, read_hostfile, select
 from ._launchers import node_flags
+from ._rank_front_args import rank_log_folder
 
 __all__ = ["launch_hostfile", "selected_hosts", "master_addr", "forwarded_env", "FORWARDED_PREFIXES", "one_host_here",
            "this_machine", "run_slots_here"]
@@ -75,7 +76,7 @@ def _remote_command(args, host_slots: list[int], all_slots: int, nnodes: int, no
         launch += ["--max-restarts", str(args.max_restarts)]
     launch += node_flags(args.module, args.no_python, os.getpid() if args.save_pid is not None else None,
                          args.bind_cores_to_rank, args.bind_core_list, args.quiet,
-                         None if args.enable_each_rank_log == "None" else args.enable_each_rank_log)
+                         rank_log_folder(args.enable_each_rank_log))
     assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     return f"cd {shlex.quote(os.getcwd())} && exec env {' '.join(assignments)} {shlex.join(launch + rest)}"
 

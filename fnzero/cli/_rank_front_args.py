@@ -8,7 +8,7 @@ import time
 
 from ._hosts import LaunchError
 
-__all__ = ["front_flags", "rank_log_prefix"]
+__all__ = ["front_flags", "rank_log_folder", "rank_log_prefix"]
 
 
 def front_flags(bind_cores_to_rank: bool, bind_core_list: str | None, rank_log: str | None, module: bool,
@@ -20,11 +20,17 @@ def front_flags(bind_cores_to_rank: bool, bind_core_list: str | None, rank_log: 
             + (["--module"] if module else []) + (["--no_python"] if no_python else []))
 
 
+def rank_log_folder(value: str | None) -> str | None:
+    """`--enable_each_rank_log`'s folder, or None when it is off (unset, or DeepSpeed's "None")."""
+    return None if value in (None, "None") else value
+
+
 def rank_log_prefix(folder: str | None) -> str | None:
     """`--enable_each_rank_log FOLDER` (DeepSpeed's; "None", its default, is off): the folder,
     made if missing, and the launch time, the start of every rank's file name
     (`FOLDER/%Y%m%d%H%M%S_rank<R>.log`, as DeepSpeed's launch.py names them)."""
-    if folder is None or folder == "None":
+    folder = rank_log_folder(folder)
+    if folder is None:
         return None
     if os.path.isfile(folder):
         raise LaunchError(f"--enable_each_rank_log {folder!r}: a file, not a folder")
