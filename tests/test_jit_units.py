@@ -7,6 +7,8 @@ of the unit graphs in the suite: a single-rank inductor run would compile the sa
 
 from __future__ import annotations
 
+import contextvars
+
 import pytest
 import torch
 
@@ -189,3 +191,64 @@ def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
     assert _forward_to_run(module, inner) is inner
     assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=None)) is inner
     assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=compiled)) == ("compiled", module, inner)
+
+
+class _Selector:
+    """A switch set and restored around a forward, the way the `kernels` package's
+    `use_kernelized_func` wrapper does around every Hugging Face attention layer (transformers 5.2x):
+    a context variable when eager, a plain attribute while torch.compile traces."""
+
+    def __init__(self):
+        self.context_var = contextvars.ContextVar("selector", default=None)
+        self.traced_value, self.tracing = None, False
+
+    def set(self, value):
+        if self.tracing or torch.compiler.is_compiling():
+            previous, self.traced_value, self.tracing = self.traced_value, value, True
+            return previous
+        return self.context_var.set(value)
+
+    def reset(self, token):
+        if self.tracing:
+            self.traced_value, self.tracing = token, token is not None
+        else:
+            self.context_var.reset(token)
+
+
+_SELECTOR = _Selector()
+
+
+class _CheckpointedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6).double()
+
+    def _inner(self, x):
+        token = _SELECTOR.set({"kernel": self.lin})  # outside state, restored below
+        try:
+            return torch.tanh(self.lin(x))
+        finally:
+            _SELECTOR.reset(token)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self._inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("scope", ["units", "loss"])
+def test_a_checkpointed_region_that_restores_outside_state_compiles_whole(scope):
+    # specs/jit.md §Checkpointing: dynamo breaks a checkpoint region at any mutation of outside
+    # state unless the forward's side effects may run once; a set-and-restore is the same either way.
+    torch.manual_seed(0)
+    cfg = fnzero.load_config({"train_batch_size": 4, "gradient_clipping": 1.0,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+    model = torch.nn.Sequential(_CheckpointedBlock(), _CheckpointedBlock())
+    sm = fnzero.shard(model, config=cfg, wrap=[_CheckpointedBlock])
+    step = fnzero.train_step(lambda p, b: sm.apply(p, b).square().mean(), cfg)
+    jitted = fnzero.jit(step, backend="aot_eager", scope=scope, fullgraph=True)
+    batch = torch.randn(4, 6, dtype=torch.float64)
+    state = sm.init_state()
+    s_jit, m_jit = jitted(fnzero.tree_clone(state), batch)
+    s_eager, m_eager = step(state, batch)
+    assert jitted.graph_breaks == () and jitted.fallback_reason is None
+    assert m_jit["loss"] == m_eager["loss"] and _SELECTOR.traced_value is None
+    W.assert_close_tree(s_jit.params, s_eager.params, rtol=0, atol=0, what=f"scope {scope}")

@@ -52,6 +52,29 @@ class CompileRecord:
     graph_breaks: tuple[str, ...]
 
 
+def compile_fn(fn, compile_kwargs: dict[str, Any]):
+    """`torch.compile(fn, **compile_kwargs)`, traced with the one dynamo setting fnzero's graphs need.
+
+    [Note: side effects in a checkpointed region] Eager activation checkpointing re-runs a region's
+    Python in the backward, so dynamo refuses any mutation of outside state inside a checkpoint
+    and breaks the graph there. Hugging Face models make one in every attention layer since
+    transformers 5.2x: the `kernels` package's `use_kernelized_func` wrapper sets and restores a
+    module-level variable around each forward, a net-zero change that only picks which Python
+    function is traced. Such a region is traced whole when dynamo may apply the forward's side
+    effects once and not again at recomputation (`skip_fwd_side_effects_in_bwd_under_checkpoint`):
+    the tensors computed are the same, and a mutation the region undoes itself, as this one does, is
+    the same either way. The setting is scoped to the calls of fnzero's compiled functions, where
+    dynamo reads it; the rest of the process keeps torch's default (`specs/jit.md` §Checkpointing)."""
+    compiled = torch.compile(fn, **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _graph_break_counts() -> dict[tuple[str, str], int]:
     """Dynamo's counts of graph breaks it resumed after ("graph_break") and of breaks that made it
     run a whole frame eagerly ("unimplemented", e.g. a break inside a loop)."""
@@ -112,7 +135,7 @@ class JittedStep:
         # A pipeline's loss is a schedule of forwards and point-to-point sends, not one function:
         # its stage's unit forwards compile (scope "units"); "loss" and "step" run it eagerly.
         piped = isinstance(step.loss_fn, PipelineLoss)
-        self._loss = step if piped else step.with_loss_fn(torch.compile(step.loss_fn, **kwargs))
+        self._loss = step if piped else step.with_loss_fn(compile_fn(step.loss_fn, kwargs))
         self._units = _UnitsStep(step, kwargs) if scope == "units" else None
         self._whole = None
         if scope == "step":
@@ -240,7 +263,7 @@ class _UnitsStep:
         fn = getattr(forward, "__func__", forward)
         hit = self._compiled.get(fn)
         if hit is None:
-            hit = self._compiled[fn] = torch.compile(_own_frame(fn), **self._kwargs)
+            hit = self._compiled[fn] = compile_fn(_own_frame(fn), self._kwargs)
         owner = getattr(forward, "__self__", None)
         return hit if owner is None else functools.partial(hit, owner)
 

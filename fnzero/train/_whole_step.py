@@ -30,6 +30,7 @@ from .._state import TrainState
 from ..sharding.comm._collectives import ProcessGroupCollectives
 from ..sharding.comm._functional import FunctionalCollectives
 from ._grads import GradientCollector, traced_forward_backward
+from ._jit import compile_fn
 from ._phases import StepSetup, clip_factor, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
 from ._step import TrainStep
 from ._update import OptimizerScalars, optimizer_update, publish_params
@@ -98,7 +99,7 @@ class WholeStep:
         # Always one graph: a break would run the rest of the step eagerly, where the forward's
         # stage-3-style hooks and functorch's grad do not mix. A step that cannot be traced whole
         # raises here, and `fnzero.jit` falls back to compiling the loss only.
-        self._graph = torch.compile(self._graph_fn, **dict(compile_kwargs, fullgraph=True))
+        self._graph = compile_fn(self._graph_fn, dict(compile_kwargs, fullgraph=True))
         # One `GraphStatics` object per distinct value, passed to the graph as an argument: the
         # same object for the same statics, so torch.compile's guards on it hold between calls.
         self._statics: dict[tuple, GraphStatics] = {}
