@@ -13,6 +13,10 @@ import os
 import re
 import shlex
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -149,16 +153,54 @@ def _script_exists(script: str, root: str) -> list[str]:
     return [f"script {script} does not exist"]
 
 
+def dependency_ranges(root: str = ROOT) -> dict[str, SpecifierSet]:
+    """Every requirement pyproject.toml names (build system, dependencies, extras), by package."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        toml = tomllib.load(f)
+    project = toml["project"]
+    reqs = [*toml["build-system"]["requires"], *project["dependencies"],
+            *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
+    ranges: dict[str, SpecifierSet] = {}
+    for r in map(Requirement, reqs):
+        name = r.name.lower().replace("_", "-")
+        if ranges.setdefault(name, r.specifier) != r.specifier:
+            raise AssertionError(f"pyproject.toml gives {name} two ranges: {ranges[name]} and {r.specifier}")
+    return ranges
+
+
 def _pip_problems(argv: list[str], root: str) -> list[str]:
-    # (read by hand: tomllib is Python 3.11+, and the project supports 3.10)
-    table = _read(os.path.join(root, "pyproject.toml")).split("[project.optional-dependencies]")[-1].split("\n[")[0]
-    extras = re.findall(r"^([\w-]+)\s*=", table, re.M)
+    """The extras a `pip install` names exist, and a package it names is one pyproject.toml
+    lists, at a version its range admits (the README installs torch by hand, first)."""
+    import tomllib
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extras = sorted(tomllib.load(f)["project"].get("optional-dependencies", {}))
+    ranges = dependency_ranges(root)
     bad = []
-    for arg in argv[2:]:
-        m = re.fullmatch(r"\.\[([\w,-]+)\]", arg)
-        for extra in m.group(1).split(",") if m else []:
-            if extra not in extras:
-                bad.append(f"pyproject.toml has no extra {extra!r} (it has {sorted(extras)})")
+    for arg in (a for a in argv[2:] if not a.startswith("-")):
+        m = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", arg)
+        if m:
+            bad += [f"pyproject.toml has no extra {e!r} (it has {extras})"
+                    for e in (m.group(1) or "").split(",") if e and e not in extras]
+            continue
+        try:
+            req = Requirement(arg)
+        except InvalidRequirement:
+            bad.append(f"{arg!r} is neither the project nor a requirement")
+            continue
+        admitted = ranges.get(req.name.lower().replace("_", "-"))
+        if admitted is None:
+            bad.append(f"pyproject.toml does not list {req.name}")
+        else:
+            pins = [s.version for s in req.specifier if s.operator == "=="]
+            bad += [f"{req.name}=={v} is outside pyproject.toml's range {req.name}{admitted}"
+                    for v in pins if not admitted.contains(v, prereleases=True)]
     return bad
 
 

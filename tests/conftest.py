@@ -57,3 +57,19 @@ def pytest_collection_modifyitems(config, items):
         return rank.get(module, len(rank))
 
     items.sort(key=key)  # stable: each module's own order is kept
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The version of every package pyproject.toml names, as this run installed it: CI installs the
+    newest each range admits, so its log says what the suite passed (or failed) with."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import _readme
+
+    found = []
+    for name in sorted(_readme.dependency_ranges()):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    terminalreporter.write_line("dependencies: " + ", ".join(found))

@@ -44,6 +44,41 @@ def test_each_readme_command_that_runs_an_example_is_run_by_test_examples():
     assert _runs_in_test_examples() == readme
 
 
+def test_every_dependency_has_the_range_the_suite_passed_with_and_this_environment_is_in_it():
+    # specs: README (pyproject.toml's comment): a lower and an upper bound on every requirement, so
+    # a fresh install (CI's too) gets the newest release the suite has passed with, never a newer one.
+    from importlib.metadata import PackageNotFoundError, version
+
+    ranges = _readme.dependency_ranges()
+    assert {"torch", "transformers", "peft", "pydantic", "optree"} <= set(ranges)
+    unbounded = [f"{n}{s}" for n, s in ranges.items()
+                 if not any(x.operator in ("<", "==", "~=") for x in s) or not any(x.operator in (">=", "==", "~=") for x in s)]
+    assert unbounded == [], f"requirements without a lower and an upper bound: {unbounded}"
+    outside = []
+    for name, spec in ranges.items():
+        try:
+            have = version(name).split("+")[0]  # (torch's CPU wheel is 2.13.0+cpu)
+        except PackageNotFoundError:
+            continue  # a build requirement, or an extra this environment did not install
+        if not spec.contains(have, prereleases=True):
+            outside.append(f"{name} {have} (pyproject.toml: {spec})")
+    assert outside == [], f"this environment runs versions pyproject.toml does not admit: {outside}"
+
+
+def test_the_readme_installs_only_what_pyproject_admits():
+    # The README's commands install torch by hand before the project; that pin is checked against
+    # pyproject.toml's range by static_problems, as is any package a README command installs.
+    installs = [c for c in _readme.commands(TEXT) if c.argv[:2] == ("pip", "install")]
+    assert any("torch==" in " ".join(c.argv) for c in installs)
+    assert [p for c in installs for p in _readme._pip_problems(list(c.argv), _readme.ROOT)] == []
+    drifted = "pip install torch==2.99.0 && pip install somepkg && pip install -e '.[hf,gpu]'"
+    assert _readme._pip_problems(drifted.split(" && ")[0].split(), _readme.ROOT) == [
+        f"torch==2.99.0 is outside pyproject.toml's range torch{_readme.dependency_ranges()['torch']}"]
+    assert _readme._pip_problems(["pip", "install", "somepkg"], _readme.ROOT) == ["pyproject.toml does not list somepkg"]
+    assert _readme._pip_problems(["pip", "install", "-e", ".[hf,gpu]"], _readme.ROOT) == [
+        "pyproject.toml has no extra 'gpu' (it has ['hf', 'plot', 'test'])"]
+
+
 BAD = """\
 Run `fnzero launch --nproc-per-node 2 examples/train_gpt_pipeline.py --config examples/configs/pp2_zero1.json`,
 read `specs/mesh.md` §Pipelines galore, and `specs/nothing.md`, then:
