@@ -8,25 +8,26 @@ import torch
 import _worlds as W
 import fnzero
 from fnzero.memory import model_state_bytes
+from fnzero.sharding.zero._param_store import is_placeholder
 from fnzero.testing._threads import simulated_world
 
 
 def _zero(stage, offload, path, sub_group=1000):
-    """The zero_optimization block: offload "cpu", "nvme", or "nvme+params" (optimizer state and
-    stage-3 parameter shards on NVMe)."""
-    oo = {"device": offload.split("+")[0]}
-    z = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group, "offload_optimizer": oo}
-    if offload.startswith("nvme"):
-        oo["nvme_path"] = str(path)
-    if offload == "nvme+params":
+    """The zero_optimization block: `offload` is where the optimizer state goes ("cpu", "nvme", or
+    "none": not offloaded), and with "+params" the stage-3 parameter shards go to NVMe too."""
+    where, _, params = offload.partition("+")
+    z = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": sub_group}
+    if where != "none":
+        z["offload_optimizer"] = {"device": where, **({"nvme_path": str(path)} if where == "nvme" else {})}
+    if params:
         z["offload_param"] = {"device": "nvme", "nvme_path": str(path)}
     return {"zero_optimization": z}
 
 
-def _run(stage, precision, offload, tmp_path, world=2, steps=3, sub_group=1000, keep_state=False):
+def _run(stage, precision, offload, tmp_path, world=2, steps=3, sub_group=1000, keep_state=False, dtype=torch.float32):
     extra = _zero(stage, offload, tmp_path, sub_group)
     def rank_fn(comm):
-        r = W.train_fnzero("gpt", stage, steps, comm, k=2, dtype=torch.float32, precision=precision,
+        r = W.train_fnzero("gpt", stage, steps, comm, k=2, dtype=dtype, precision=precision,
                            extra=extra, donate=True, return_state=True)
         # The compute parameters (a CPU-offload run also keeps an fp32 master in memory; NVMe on disk).
         r["compute_params"] = r["sm"].gather(r["state"].params)
@@ -54,10 +55,15 @@ def test_nvme_state_holds_no_optimizer_tensors_in_memory(tmp_path):
     assert state.opt_state.store.bytes_on_disk >= 12 * sum(u.shard_numel for u in state.plan.units)
 
 
-def test_an_old_state_cannot_step_again(tmp_path):
+@pytest.mark.parametrize("zero", ["optimizer", "params"])
+def test_an_old_state_cannot_step_again(zero, tmp_path):
+    # The optimizer's files, or the parameter shards' own (the optimizer on the cpu), change in place.
     def rank_fn(comm):
-        cfg = W.config(2, world=1, extra={"zero_optimization": {"stage": 2, "offload_optimizer": {
-            "device": "nvme", "nvme_path": str(tmp_path)}}})
+        nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+        block = ({"stage": 2, "offload_optimizer": nvme} if zero == "optimizer" else
+                 {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+                  "offload_param": nvme})
+        cfg = W.config(2, world=1, extra={"zero_optimization": block})
         model = W.make_model("mlp:3,4,2", torch.float32)
         sm = fnzero.shard(model, config=cfg, comm=comm)
         s0 = sm.init_state()
@@ -107,7 +113,9 @@ def _resume_run(tmp_path, stage, precision, save_with, load_with, world=2, k=2):
     (a, b, stage, precision)
     for stage, precision in [(2, "fp32"), (3, "bf16")]
     for a, b in [("nvme", "nvme"), ("nvme", "cpu"), ("cpu", "nvme")]
-] + [("nvme+params", "cpu", 3, "fp32"), ("cpu", "nvme+params", 3, "bf16"), ("nvme+params", "nvme+params", 3, "bf16")])
+] + [("nvme+params", "cpu", 3, "fp32"), ("cpu", "nvme+params", 3, "bf16"), ("nvme+params", "nvme+params", 3, "bf16"),
+       ("cpu+params", "cpu+params", 3, "bf16"), ("cpu+params", "nvme+params", 3, "fp32"),
+       ("none+params", "none", 3, "fp32"), ("cpu", "none+params", 3, "bf16")])
 def test_nvme_runs_checkpoint_and_resume_bit_for_bit(tmp_path, stage, precision, save_with, load_with):
     # The store's master and moments go into an ordinary checkpoint (the CPU-offload layout), and
     # come back into a new run's store: resuming equals training straight through, bit for bit.
@@ -131,23 +139,86 @@ def test_nvme_param_offload_equals_in_memory_params_bit_for_bit(precision, tmp_p
     assert state.opt_state.holds_params
 
 
-@pytest.mark.parametrize("zero,match", [
-    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer.device` is 'cpu'"),
-    ({}, "offload_optimizer.device` is not set"),
-    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/elsewhere"}}, "differs from"),
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("optimizer,precision,dtype", [
+    ("cpu", "fp32", torch.float32), ("cpu", "bf16", torch.float32),  # the host kernels are fp32's
+    ("none", "fp32", torch.float64), ("none", "bf16", torch.float32),
 ])
-def test_param_offload_to_nvme_says_what_it_needs(tmp_path, zero, match):
-    # specs/offload.md §Parameters: refused when the config is loaded (and `fnzero config validate`).
-    with pytest.raises(fnzero.ConfigError, match=match):
-        W.config(3, extra={"zero_optimization": {"stage": 3, **zero,
-                                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+def test_nvme_params_in_their_own_files_equal_in_memory_params_bit_for_bit(optimizer, precision, dtype, world,
+                                                                            tmp_path):
+    # specs/offload.md §Parameters: with the optimizer's master in memory (offload_optimizer cpu, or
+    # none) the shards live in a parameter store of their own; the step writes the new master into it
+    # in the compute dtype, the bits it would have kept in memory.
+    held = _run(3, precision, optimizer, tmp_path / "a", world=world, dtype=dtype)[0]
+    r0 = _run(3, precision, f"{optimizer}+params", tmp_path / "b", world=world, dtype=dtype, keep_state=True)[0]
+    assert r0["losses"] == held["losses"]
+    W.assert_close_tree(r0["compute_params"], held["compute_params"], rtol=0, atol=0,
+                        what=f"params on nvme, optimizer {optimizer}, {precision}, {world} ranks")
+    state, plan = r0["state"], r0["state"].sharding.plan
+    sharded = [u for u in plan.units if plan.params_sharded(u)]
+    assert sharded and all(state.params[u.name].untyped_storage().nbytes() <= 8 for u in sharded)
+    assert model_state_bytes(state).params <= 8 * len(plan.units)  # the 2-8Ψ/N of parameters left memory
+    # Their own files, under offload_param.nvme_path: a parameter store per rank, no optimizer store.
+    stores = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert stores and all(name.startswith("fnzero-rank") and "-params-" in name for name in stores), stores
+    assert state.master is not None  # the optimizer's fp32 master, in memory
 
 
-def test_param_offload_to_nvme_without_an_optimizer_block_loads_and_init_state_says_what_it_needs(tmp_path):
-    # specs/offload.md §Parameters: a config without an optimizer (ZeRO-Inference's) loads; a state to
-    # train from it needs the optimizer on NVMe, which holds the trainable shards.
+@pytest.mark.parametrize("offload_optimizer", [{"device": "cpu", "pin_memory": True}, None])
+def test_deepspeed_examples_param_offload_to_nvme_loads_with_the_optimizer_on_cpu_or_in_memory(offload_optimizer,
+                                                                                                 tmp_path):
+    # DeepSpeedExamples' ds_config_nvme.json / ds_offload_nvme_aio.json: parameters on NVMe, the
+    # optimizer on the CPU or not offloaded at all.
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True,
+                                          "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9}}
+    if offload_optimizer is not None:
+        zero["offload_optimizer"] = offload_optimizer
+    cfg = W.config(3, extra={"zero_optimization": zero})
+    assert cfg.zero_optimization.offload_param.device == "nvme"
+
+
+def test_param_offload_to_nvme_beside_an_nvme_optimizer_elsewhere_says_what_it_needs(tmp_path):
+    # specs/offload.md §Parameters: with the optimizer on NVMe its master file holds the shards, so
+    # both blocks name one directory (refused when the config is loaded, and `fnzero config validate`).
+    with pytest.raises(fnzero.ConfigError, match="differs from"):
+        W.config(3, extra={"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "elsewhere")},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+
+
+def test_param_offload_to_nvme_without_an_optimizer_block_loads_and_trains_with_any_optimizer(tmp_path):
+    # specs/offload.md §Parameters: a config without an optimizer (ZeRO-Inference's) loads, and a
+    # state trains from it with the optimizer's master in memory and the shards in their own files.
     cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
-    sm = fnzero.shard(torch.nn.Linear(4, 4), config=cfg)
-    with pytest.raises(fnzero.ShardingError, match="needs offload_optimizer device 'nvme'"):
-        sm.init_state(optimizer=fnzero.optim.adamw(lr=1e-3))
+        "stage": 3, "stage3_param_persistence_threshold": 0,
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    model = torch.nn.Linear(4, 4)
+    sm = fnzero.shard(model, config=cfg)
+    state = sm.init_state(optimizer=fnzero.optim.adamw(lr=1e-3))
+    assert all(is_placeholder(t) for t in state.params.values())
+    step = fnzero.train_step(lambda p, b: sm.apply(p, b).square().mean(), cfg, optimizer=fnzero.optim.adamw(lr=1e-3))
+    before = sm.gather(state)
+    state, _ = step(state, torch.ones(1, 4))
+    after = sm.gather(state)
+    assert all(is_placeholder(t) for t in state.params.values())
+    assert not torch.equal(after["weight"], before["weight"])
+
+
+@pytest.mark.parametrize("key,zero", [
+    ("offload_param", {"offload_optimizer": {"device": "cpu"}}),
+    ("offload_param", {}),
+    ("offload_optimizer", {"offload_optimizer": {"device": "nvme", "nvme_path": "PATH"}}),
+])
+def test_an_nvme_path_that_cannot_hold_files_is_one_line_naming_the_key(key, zero, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = str(blocker / "nvme")  # under a regular file: no directory can be made there
+    zero = {k: {**v, "nvme_path": path} if v.get("nvme_path") == "PATH" else v for k, v in zero.items()}
+    if key == "offload_param":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": path}
+    cfg = W.config(3, extra={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}})
+    sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg)
+    with pytest.raises(fnzero.ConfigError) as err:
+        sm.init_state()
+    msg = str(err.value)
+    assert f"zero_optimization.{key}.nvme_path" in msg and path in msg and "\n" not in msg, msg

@@ -386,4 +386,6 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
             own.copy_(value)
     for source, unit, value in stored:
         source.write(unit, value)
+    if any(source.kind != "frozen" for source, _, _ in stored):  # the trainable shards are now those of its step
+        sources.params.store.set_step(int(state.step))
     return state

@@ -77,24 +77,17 @@ def cross_checks(cfg: Config) -> list[str]:
             f"`zero_optimization.offload_optimizer.ratio` is {off_opt.ratio!r} but partial offload needs "
             f"`zero_optimization.stage` 3 (got {stage}); set ratio 1.0 or stage 3"
         )
-    if off_par is not None and off_par.device == "nvme" and cfg.optimizer is not None:
-        # fnzero reads trainable parameter shards from the optimizer's master file (specs/offload.md
-        # §Parameters). Without an optimizer block (ZeRO-Inference's configs) `init_state` checks it.
-        if off_opt is None or off_opt.device != "nvme":
-            got = "not set" if off_opt is None else f"{off_opt.device!r}"
-            out.append(
-                "`zero_optimization.offload_param.device` is 'nvme' but `zero_optimization.offload_optimizer.device` "
-                f"is {got}; fnzero reads parameter shards from the optimizer's master file on NVMe, so set "
-                "offload_optimizer to nvme at the same nvme_path"
-            )
-        elif off_par.nvme_path and off_opt.nvme_path and (
-            os.path.realpath(off_par.nvme_path) != os.path.realpath(off_opt.nvme_path)
-        ):
-            out.append(
-                f"`zero_optimization.offload_param.nvme_path` {off_par.nvme_path!r} differs from "
-                f"`zero_optimization.offload_optimizer.nvme_path` {off_opt.nvme_path!r}; fnzero keeps parameter "
-                "shards in the optimizer's master file, so give both the same directory"
-            )
+    if (off_par is not None and off_par.device == "nvme" and off_opt is not None and off_opt.device == "nvme"
+            and off_par.nvme_path and off_opt.nvme_path
+            and os.path.realpath(off_par.nvme_path) != os.path.realpath(off_opt.nvme_path)):
+        # With the optimizer on NVMe, its master file already holds every trainable shard, and fnzero
+        # reads them from there (specs/offload.md §Parameters); with the optimizer on the host or in
+        # device memory the shards have files of their own under offload_param.nvme_path.
+        out.append(
+            f"`zero_optimization.offload_param.nvme_path` {off_par.nvme_path!r} differs from "
+            f"`zero_optimization.offload_optimizer.nvme_path` {off_opt.nvme_path!r}; with the optimizer on nvme "
+            "fnzero keeps parameter shards in the optimizer's master file, so give both the same directory"
+        )
     for name, block in (("offload_optimizer", off_opt), ("offload_param", off_par)):
         if block is not None and block.device == "nvme" and not block.nvme_path:
             out.append(

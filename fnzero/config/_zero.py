@@ -55,7 +55,7 @@ class OffloadParamConfig(Model):
         True, description="Page-locked host memory for the host shards of device cpu on an accelerator (DeepSpeed's default "
                           "true); no effect otherwise."
     )
-    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers; no effect (shards are read from the optimizer's file).")
+    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers; no effect (each shard is read and written whole).")
     buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")
     max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
 

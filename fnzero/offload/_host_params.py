@@ -22,6 +22,10 @@ class HostParamStore:
 
     def __init__(self, shards: dict[str, dict[str, torch.Tensor]], *, pin: bool):
         self._held = {(kind, unit): _host_copy(t, pin) for kind, units in shards.items() for unit, t in units.items()}
+        self.last_step = 0  # as `NvmeParamStore.last_step`
+
+    def set_step(self, step: int) -> None:
+        self.last_step = int(step)
 
     def read(self, unit: str, kind: str) -> torch.Tensor:
         return self._held[(kind, unit)]

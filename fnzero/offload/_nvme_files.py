@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from .. import _ext
-from .._errors import DistributedError
+from .._errors import ConfigError, DistributedError
 
-__all__ = ["NvmeStoreError", "stale_stores"]
+__all__ = ["NvmeStoreError", "stale_stores", "usable_directory"]
 
 FORMAT = "fnzero-nvme-optimizer-store"
 VERSION = 1
@@ -152,6 +152,20 @@ def check_file(path: str, ino: tuple[int, int], want: int) -> None:
         raise NvmeStoreError(errno.ESTALE, "store file was replaced while in use", path)
     if st.st_size < want:
         raise NvmeStoreError(errno.EIO, f"store file is truncated: {st.st_size} bytes, {want} expected", path)
+
+
+def usable_directory(directory: str | os.PathLike, key: str) -> None:
+    """Make `directory` where it is missing (as DeepSpeed does), or raise one ConfigError naming the
+    config `key` it came from when it cannot be made or written: before any store writes there."""
+    path = os.fspath(directory)
+    try:
+        os.makedirs(path, exist_ok=True)
+        why = None if os.access(path, os.W_OK | os.X_OK) else "it is not writable"
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+    if why is not None:
+        raise ConfigError(f"`{key}` {path!r} cannot hold fnzero's NVMe files ({why}); give a writable directory "
+                          "(it is made when missing)")
 
 
 def take_lock(path: str) -> int:

@@ -27,6 +27,7 @@ from ..optim._base import Optimizer
 from ..sharding.zero._param_store import is_placeholder
 from ._layout import CHUNK, StoreLayout, layout_of
 from ._nvme import NvmeOptimizerStore
+from ._nvme_files import usable_directory
 from ._state import NvmeOptState
 
 __all__ = ["StoreOptions", "nvme_optimizer", "store_options_from_config"]
@@ -37,13 +38,15 @@ _STORE_OUT = (torch.float32, torch.bfloat16, torch.float16)  # what the store wr
 @dataclasses.dataclass(frozen=True)
 class StoreOptions:
     """Where and how `init` lays out the files: `directory` (nvme_path), `sub_group_size`
-    elements per chunk, `buffer_count` chunks in flight, `aio` keywords, this process's `rank`."""
+    elements per chunk, `buffer_count` chunks in flight, `aio` keywords, this process's `rank`;
+    `key`: what a bad `directory` is called in the error."""
 
     directory: str
     sub_group_size: int = 1_000_000_000
     buffer_count: int = 4
     aio: dict | None = None
     rank: int = 0
+    key: str = "StoreOptions.directory"
 
 
 def store_options_from_config(cfg: Any, rank: int) -> StoreOptions:
@@ -52,7 +55,7 @@ def store_options_from_config(cfg: Any, rank: int) -> StoreOptions:
     z = cfg.zero_optimization
     oo = z.offload_optimizer
     return StoreOptions(str(oo.nvme_path), max(1, int(z.sub_group_size)), max(2, int(oo.buffer_count)),
-                        _aio_kwargs(cfg.aio.model_dump()), rank)  # fmt: skip
+                        _aio_kwargs(cfg.aio.model_dump()), rank, "zero_optimization.offload_optimizer.nvme_path")  # fmt: skip
 
 
 def _sub_group_kernel(inner: Optimizer, layout: StoreLayout):
@@ -89,6 +92,7 @@ def nvme_optimizer(inner: Optimizer, store: StoreOptions | None = None, label: s
     def init(master: dict[str, torch.Tensor]) -> NvmeOptState:
         if store is None:
             raise ShardingError("nvme_optimizer(...).init needs StoreOptions: where to write the files")
+        usable_directory(store.directory, store.key)
         flat = {k: v.detach().to(device="cpu", dtype=torch.float32).reshape(-1) for k, v in master.items()}
         layout, resident = layout_of(inner, list(flat))
         s = NvmeOptimizerStore.create(store.directory, flat, optimizer=label, kernel=_sub_group_kernel(inner, layout),

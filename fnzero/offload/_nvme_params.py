@@ -1,11 +1,13 @@
-"""Parameter shards no optimizer holds, in a file: `offload_param: {device: nvme}` for stage 3's
-frozen units (a LoRA model's base), and for every sharded unit of an inference state, which has no
-optimizer master to read them from (`specs/offload.md` §Parameters).
+"""Parameter shards no optimizer file holds, in a file of their own: `offload_param: {device: nvme}`
+for stage 3's frozen units (a LoRA model's base), for every sharded unit of an inference state, and
+for the trainable units of a training state whose optimizer keeps its master in memory
+(`offload_optimizer` cpu or none) (`specs/offload.md` §Parameters).
 
-`NvmeParamStore` is written once, when the state is made, and then read a unit at a time, just
-before the unit's all-gather (`fnzero/sharding/zero/_param_store.py`); only `checkpoint.load`
-writes it again. Each shard is stored in its own dtype, at an aligned offset, so a read is one
-O_DIRECT `pread` where the file system allows it. The directory follows the optimizer store's
+`NvmeParamStore` is written when the state is made, and then read a unit at a time, just before
+the unit's all-gather (`fnzero/sharding/zero/_param_store.py`); the step writes each new trainable
+shard into it (`fnzero/train/_update.py`), and `checkpoint.load` the loaded ones. Each shard is
+stored in its own dtype, at an aligned offset, so a read is one O_DIRECT `pread` where the file
+system allows it. The directory follows the optimizer store's
 conventions (`_nvme.py`, `_nvme_files.py`): new for every store (`fnzero-rank{r}-params-{uuid}`),
 locked for the store's life so `stale_stores` finds what killed runs left, a manifest, a header
 tying the file to it; removed at process exit.
@@ -26,7 +28,7 @@ from .. import _ext
 from ..sharding.construct._module import ShardedModule
 from ..sharding.zero._param_store import ShardSource, placeholder
 from ._nvme_files import (_HDR, HEADER, MANIFEST, PREFIX, VERSION, _round_up, check_file,
-                          pack_header, take_lock, write_json_atomic)
+                          pack_header, take_lock, usable_directory, write_json_atomic)
 from ._host_params import HostParamStore
 from ._nvme_optimizer import _aio_kwargs
 
@@ -50,6 +52,7 @@ class NvmeParamStore:
         self._handle: _ext.AioHandle | None = None
         self._ino = (0, 0)
         self._lock_fd = -1
+        self._step = 0
 
     @classmethod
     def create(cls, directory: str | os.PathLike, shards: dict[str, dict[str, torch.Tensor]], *, rank: int = 0,
@@ -107,6 +110,16 @@ class NvmeParamStore:
     @property
     def bytes_on_disk(self) -> int:
         return self._manifest["file_bytes"]
+
+    @property
+    def last_step(self) -> int:
+        """The optimizer steps whose trainable shards the store holds (0: the initial ones), as the
+        optimizer store's: the training step sets it after writing them, `checkpoint.load` to the
+        loaded step (`set_step`), and a step refuses a state at another (`specs/offload.md` §Parameters)."""
+        return self._step
+
+    def set_step(self, step: int) -> None:
+        self._step = int(step)
 
     def __repr__(self) -> str:
         return f"NvmeParamStore({self.path!r}, shards={len(self._where)}, bytes={self.nbytes})"
@@ -172,12 +185,13 @@ class NvmeParamStore:
 
 def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = None, *,
                  where: str = "nvme") -> dict[str, torch.Tensor] | None:
-    """`offload_param`: move this rank's shards that no optimizer holds into a store, `where` is
+    """`offload_param`: move this rank's shards that no optimizer file holds into a store, `where` is
     "nvme" (a new `NvmeParamStore` under `offload_param.nvme_path`, its files removed at process
     exit) or "cpu" (a `HostParamStore`, pinned where the device allows): every stage-3 sharded
-    frozen unit of `sm` and, given `params` (an inference state's, unit -> shard), every sharded
-    trainable unit. The model's frozen constants and the returned params hold placeholders for
-    them, and `sm` reads them through the store (`read_shards_from`)."""
+    frozen unit of `sm` and, given `params` (an inference state's, or a training state's whose
+    master is in memory: unit -> shard), every sharded trainable unit. The model's frozen
+    constants and the returned params hold placeholders for them, and `sm` reads them through the
+    store (`read_shards_from`)."""
     plan = sm.plan
     frozen, buffers = sm.constants
 
@@ -194,8 +208,9 @@ def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = Non
         store: Any = HostParamStore(shards, pin=pin)
     else:
         cfg = sm.config
-        store = NvmeParamStore.create(str(cfg.zero_optimization.offload_param.nvme_path), shards, rank=sm.comm.rank,
-                                      aio=_aio_kwargs(cfg.aio.model_dump()))
+        directory = str(cfg.zero_optimization.offload_param.nvme_path)
+        usable_directory(directory, "zero_optimization.offload_param.nvme_path")
+        store = NvmeParamStore.create(directory, shards, rank=sm.comm.rank, aio=_aio_kwargs(cfg.aio.model_dump()))
         # Scratch files of this run: removed when the process ends (a killed process leaves them;
         # fnzero.offload.stale_stores finds and removes those).
         atexit.register(store.close)

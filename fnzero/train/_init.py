@@ -124,8 +124,8 @@ def _frozen_to_host(sm: ShardedModule) -> None:
         warnings.warn(ConfigWarning(
             f"zero_optimization.offload_param device 'cpu' on {sm.sharding.device.type}: the frozen parameter shards "
             f"are held in host memory, but the {len(trainable)} trainable sharded unit(s) stay in device memory "
-            "(host-resident trainable shards are not implemented; offload_param device 'nvme' with offload_optimizer "
-            "on nvme moves them off the device)"), stacklevel=4)
+            "(host-resident trainable shards are not implemented; offload_param device 'nvme' moves them off the "
+            "device)"), stacklevel=4)
 
 
 def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
@@ -173,18 +173,13 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     plan, rank = sm.plan, sm.comm.rank
     cd = sm.policy.compute_dtype or plan.param_dtype
     params = {name: t.to(cd) for name, t in initial.items()}
-    offload = sm.policy.offload_optimizer
-    if sm.policy.offload_param == "nvme" and offload != "nvme":  # a config without an optimizer block allows it
-        raise ShardingError(
-            "zero_optimization.offload_param device 'nvme' for training needs offload_optimizer device 'nvme' at the "
-            "same nvme_path: fnzero reads trainable parameter shards from the optimizer's master file (without an "
-            "optimizer, fnzero.init_inference keeps them in a parameter store)"
-        )
+    offload, params_on_nvme = sm.policy.offload_optimizer, sm.policy.offload_param == "nvme"
     if offload == "nvme":
         opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
-        if sm.policy.offload_param == "nvme":
-            # The shards are read from the store's master file when gathered (`_param_store.py`);
-            # the frozen ones, which no optimizer holds, from a parameter store of their own.
+        if params_on_nvme:
+            # The store's master file holds every trainable shard already (fp32), so the shards are
+            # read from it when gathered (`_param_store.py`): one copy on disk, and no copy-out in
+            # the step; the frozen ones, which no optimizer holds, go to a parameter store.
             params = {
                 u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]
                 for u in plan.units
@@ -193,9 +188,11 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
             sm.read_shards_from(params=ShardSource(opt_state.store, "master"))
             store_shards(sm)
         return params, None, opt_state  # the master is on disk, with the moments
-    # A separate fp32 master copy exists for 16-bit training, and for offload when the
-    # parameters live on an accelerator (the master then stays on the host).
-    separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16)
+    # A separate fp32 master copy exists for 16-bit training, for offload when the parameters live
+    # on an accelerator (the master then stays on the host), and when the parameters live in files
+    # (`offload_param: nvme`: the optimizer updates its own copy, and the step writes the new
+    # parameters into their files).
+    separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16) or params_on_nvme
     separate_master = separate_master or (offload is not None and sm.sharding.device.type != "cpu")
     if not separate_master:
         return params, None, _init_optimizer(sm, opt, optimizer_view(plan, rank, params, opt.elementwise))
@@ -209,7 +206,10 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
         target = {}
         for u in plan.units:
             target.update(unit_views(u, master[u.name]))
-    return params, master, _init_optimizer(sm, opt, target)
+    opt_state = _init_optimizer(sm, opt, target)
+    if params_on_nvme:  # every sharded shard, trainable and frozen, in a parameter store; placeholders here
+        params = store_shards(sm, params)
+    return params, master, opt_state
 
 
 def _init_optimizer(sm: ShardedModule, opt, target: dict[str, torch.Tensor]):

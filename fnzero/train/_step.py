@@ -36,7 +36,7 @@ from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
 from ..sharding.zero._policy import offload_device
 from ._policy import StepPolicy, step_policy
-from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, publish_params
+from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, params_in_store, publish_params
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
@@ -227,6 +227,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
     sh = state.sharding
     setup = step_setup(state, batch, policy, sched, opt)
+    param_source = params_in_store(state)  # an older state than its files' is refused before any work
     if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
         sh.watchdog.at_step(setup.step_no + 1)
     timer = Timer(policy.timings, sh.device)
@@ -253,7 +254,9 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     new_slices, new_master, new_opt_state = optimizer_update(
         sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
         opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm,
-        exchange=optimizer_exchange(opt, sh.comm))
+        exchange=optimizer_exchange(opt, sh.comm), param_source=param_source)
+    if param_source is not None:
+        param_source.store.set_step(setup.step_no + 1)
     timer.stop("optimizer")
     timer.start()
     new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)

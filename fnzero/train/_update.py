@@ -16,13 +16,16 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .._errors import ShardingError
+from .._state import TrainState
 from ..sharding.comm._compressed import compressed_all_reduce
 from ..sharding.construct._module import optimizer_view
 from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
+from ..sharding.zero._param_store import ShardSource, is_placeholder, sources_of
 from ._owner_update import owner_layout, owner_update
 
-__all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "publish_params"]
+__all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "params_in_store", "publish_params"]
 
 
 class OptimizerScalars(NamedTuple):
@@ -42,9 +45,28 @@ def optimizer_exchange(opt, comm) -> Callable | None:
     return functools.partial(compressed_all_reduce, comm)
 
 
+def params_in_store(state: TrainState) -> ShardSource | None:
+    """Where the step writes the new trainable shards (`offload_param: nvme` with the optimizer's
+    master in memory: the parameter store), checked to hold this state's step; None without one.
+    The store changes in place, so only the newest state can take a step, as with the optimizer's
+    NVMe store (`specs/offload.md` §Parameters); the caller `set_step`s it once the step wrote."""
+    source = sources_of(state.sharding).params
+    if source is None or state.master is None or not any(is_placeholder(p) for p in state.params.values()):
+        return None
+    held, step = source.store.last_step, int(state.step)
+    if held != step:
+        raise ShardingError(
+            f"this TrainState is at step {step} but the NVMe files of its parameter shards hold step {held}: with "
+            "offload_param device nvme each step writes the new shards into their files in place, so only the "
+            "newest state can take a step"
+        )
+    return source
+
+
 def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
                      grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
-                     param_dtype: torch.dtype, donate: bool, comm=None, exchange: Callable | None = None):
+                     param_dtype: torch.dtype, donate: bool, comm=None, exchange: Callable | None = None,
+                     param_source: ShardSource | None = None):
     """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
     this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
     master or None, new optimizer state).
@@ -55,7 +77,9 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
     (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one
     conversion, written into the input's own buffers when donated and the sizes agree.
-    `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra."""
+    `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra.
+    A placeholder parameter (`offload_param: nvme`) has its new value written into `param_source`,
+    a unit at a time, and stays a placeholder."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
@@ -78,13 +102,19 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
                                            global_norm=scalars.global_norm, **extras)
     if master is None:
         return new_target, None, new_opt_state
-    return {k: _compute_copy(t, params[k], param_dtype, donate) for k, t in new_target.items()}, new_target, new_opt_state
+    new_params = {k: _compute_copy(t, params[k], param_dtype, donate, k, param_source) for k, t in new_target.items()}
+    return new_params, new_target, new_opt_state
 
 
-def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.dtype, donate: bool) -> torch.Tensor:
+def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.dtype, donate: bool, unit: str,
+                  source: ShardSource | None) -> torch.Tensor:
     """The new master in the compute dtype on the parameters' device: into the donated parameter
     buffer when it is this slice's size (stage 0's whole units, stage 3's shards), else new (stages
-    1-2 all-gather it into the buffer next)."""
+    1-2 all-gather it into the buffer next); for a placeholder, into its store (the same rounding)."""
+    if is_placeholder(param):
+        assert source is not None, f"placeholder parameter {unit!r} without a store to write it to"
+        source.write(unit, master.to(param.dtype))
+        return param
     if donate and param.numel() == master.numel() and param.dtype == param_dtype:
         return param.copy_(master)
     return master.to(device=param.device, dtype=param_dtype)

@@ -123,7 +123,7 @@ def shard(
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
     device = torch.device(device)
-    # load_config has checked the rest of `offload_param: nvme` (optimizer on nvme, same path);
+    # load_config has checked the rest of `offload_param: nvme` (with the optimizer on nvme, one path);
     # only a stage passed here can still differ from the config's.
     if policy.offload_param == "nvme" and not policy.placement.params:
         raise ShardingError(
