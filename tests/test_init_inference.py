@@ -207,9 +207,28 @@ def test_a_tp_size_the_heads_or_the_world_do_not_divide_names_both_numbers():
         simulated_world(2).run(lambda: fnzero.init_inference(model, tensor_parallel={"tp_size": 2}))
 
 
+def test_a_training_configs_zero_section_with_its_optimizer_offloaded_warns_and_keeps_the_shards_on_nvme(
+        llama_dir, tmp_path):
+    """DeepSpeedExamples' ds_config_nvme.json: parameters on NVMe with the optimizer on the CPU. An
+    engine has no optimizer, so `offload_optimizer` warns that it has no effect (DeepSpeed's engine
+    reads no `zero` key at all); the shards are placeholders over a parameter store, and the logits
+    are the plain model's (`specs/inference.md` §ZeRO-Inference)."""
+    from fnzero.sharding.zero._param_store import is_placeholder
+
+    d, want = llama_dir
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True, "buffer_count": 5,
+                              "buffer_size": 1e8, "max_in_cpu": 1e9}}
+    with pytest.warns(ConfigWarning, match=r"`zero.offload_optimizer` is .*, which has no effect in fnzero: an "
+                                           "inference engine has no optimizer"):
+        engine = fnzero.init_inference(_llama(meta=True), checkpoint=str(d), zero=zero, **F64)
+    state = engine.state
+    assert all(is_placeholder(state.params[u.name]) for u in engine.sharded.plan.units
+               if engine.sharded.plan.params_sharded(u))
+    torch.testing.assert_close(engine(input_ids=IDS).logits, want, rtol=1e-9, atol=1e-12)
+
+
 def test_zero_sections_an_engine_cannot_use_are_refused():
-    with pytest.raises(fnzero.ConfigError, match="`zero.offload_optimizer` asks to offload an optimizer"):
-        _linear_engine(zero={"stage": 3, "offload_optimizer": {"device": "cpu"}})
     with pytest.raises(fnzero.ConfigError, match="read as a training config's zero_optimization: .*stage"):
         _linear_engine(zero={"stage": 7})
 

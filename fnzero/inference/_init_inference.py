@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._errors import ConfigError
+from ..config import ConfigWarning
+from ..config._types import describe
 from .._state import TrainState
 from ..sharding.comm._collectives import current_world_size
 from ..sharding.construct._construct import _default_device, shard
@@ -108,10 +111,16 @@ def _shard_config(cfg: InferenceConfig, world: int):
     """The training-config form of the inference keys `fnzero.shard` reads: the ZeRO section, the
     tensor-parallel size and the 16-bit precision block."""
     zero = dict(cfg.zero)
-    offload = zero.get("offload_optimizer")
-    if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
-        raise ConfigError("`zero.offload_optimizer` asks to offload an optimizer, and an inference engine has none "
-                          "(int8 weights cannot be trained either); remove it")
+    offload = zero.pop("offload_optimizer", None)
+    if offload is not None:
+        # A training config's section (DeepSpeedExamples' ds_config_nvme.json: parameters on nvme, the
+        # optimizer on the cpu): DeepSpeed validates the block and its engine reads nothing of `zero`;
+        # an engine has no optimizer, so the block is checked, warned about, and not passed on.
+        _load_zero({"stage": 3, "offload_optimizer": offload}, world)
+        if isinstance(offload, dict) and offload.get("device", "none") not in ("none", None):
+            warnings.warn(f"`zero.offload_optimizer` is {describe(offload)}, which has no effect in fnzero: an inference "
+                          "engine has no optimizer to offload; remove the key to silence this warning",
+                          ConfigWarning, stacklevel=3)
     if cfg.dtype == torch.int8 and zero.get("stage") == 3:
         raise ConfigError("dtype int8 with `zero.stage` 3: int8 weights are held whole on each rank (tensor-parallel "
                           "slices), outside the units ZeRO-3 shards; use stage 0, or a floating dtype")
@@ -121,8 +130,13 @@ def _shard_config(cfg: InferenceConfig, world: int):
                                "vocab_parallel_lm_head": False}}
     if cfg.dtype in PRECISION_BLOCK:
         raw[PRECISION_BLOCK[cfg.dtype]] = {"enabled": True}
+    return _load_zero(zero, world, raw)
+
+
+def _load_zero(zero: dict, world: int, raw: dict | None = None):
+    """`raw` (by default a config of `zero` alone) loaded, its errors said to come from `zero`."""
     try:
-        return load_config(raw, world_size=world)
+        return load_config(raw or {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=world)
     except ConfigError as err:
         raise ConfigError(f"DeepSpeed-Inference's `zero` section is read as a training config's "
                           f"zero_optimization: {err}") from None
