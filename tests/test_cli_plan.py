@@ -55,6 +55,9 @@ def test_offload_rows(rep):
     # nvme: master and moments in files (12 bytes/param), the fp32 gradient shard in host memory
     nv = _one(rep, precision="bf16", stage=3, offload_optimizer="nvme", offload_param="nvme")
     assert (nv["host_bytes"], nv["nvme_bytes"]) == (4 * PSI // N, 14 * PSI // N)
+    # Parameters on NVMe in their own files with the optimizer on the host (DeepSpeedExamples' ds_config_nvme.json).
+    own = _one(rep, precision="bf16", stage=3, offload_optimizer="cpu", offload_param="nvme")
+    assert (own["device_bytes"], own["host_bytes"], own["nvme_bytes"]) == (0, 16 * PSI // N, 2 * PSI // N)
     mixed = _one(rep, precision="bf16", stage=3, offload_optimizer="nvme", offload_param="cpu")
     assert (mixed["host_bytes"], mixed["nvme_bytes"]) == (6 * PSI // N, 12 * PSI // N)
     assert mixed["nvme"] == {"params": 0, "grads": 0, "master": PSI // N * 4, "optimizer": PSI // N * 8}
@@ -174,10 +177,18 @@ def test_partial_offload_interpolates():
     assert full.device_bytes < half.device_bytes < none.device_bytes
 
 
+def test_parameters_on_nvme_with_the_optimizer_in_device_memory_keep_a_master_there():
+    # specs/offload.md §Parameters: the shards are in files, so the optimizer updates a master copy of
+    # its own in device memory, also at fp32 (where, in memory, the parameters are their own master).
+    for precision, p in (("fp32", 4), ("bf16", 2)):
+        e = _plan.estimate(8000, stage=3, world_size=8, precision=precision, offload_param="nvme")
+        assert e.device.as_ints() == {"params": 0, "grads": p * 1000, "master": 4000, "optimizer": 8000}, precision
+        assert (e.host_bytes, e.nvme_bytes) == (0, p * 1000)
+
+
 @pytest.mark.parametrize("kw", [
     dict(stage=0, offload_optimizer="cpu"), dict(stage=2, offload_param="cpu"), dict(stage=2, ratio=0.5),
     dict(stage=4), dict(stage=1, precision="fp8"), dict(stage=1, world_size=0), dict(stage=1, offload_param="disk"),
-    dict(stage=3, offload_optimizer="cpu", offload_param="nvme"),  # shard refuses it (specs/offload.md §Parameters)
 ])
 def test_estimate_rejects_what_config_rejects(kw):
     kw = {"world_size": 8, **kw}

@@ -26,7 +26,8 @@ Where the bytes live (Ψ parameters, N ranks, p = 4 bytes fp32 / 2 bytes bf16/fp
   offloads that fraction and keeps the rest on the device.
 * `offload_param` cpu|nvme (stage 3): the parameter shard pΨ/N moves there; the device holds
   only the gathered working set (one unit at a time), which is activation-like and belongs in the
-  reserve, not here.
+  reserve, not here. With nvme and the optimizer not offloaded, the device keeps an fp32 master
+  4Ψ/N also at fp32 (the parameters are in files, so the optimizer updates a copy of its own).
 
 Not counted: activations, gathered working sets, communication buckets, allocator slack and
 fnzero's padding of each unit to a multiple of N (at most N-1 elements per unit). DeepSpeed's
@@ -121,7 +122,7 @@ OFFLOAD_CHOICES: tuple[tuple[int, str, str], ...] = (
     (1, "none", "none"), (1, "cpu", "none"), (1, "nvme", "none"),
     (2, "none", "none"), (2, "cpu", "none"), (2, "nvme", "none"),
     (3, "none", "none"), (3, "cpu", "none"), (3, "nvme", "none"),
-    (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "nvme", "nvme"),
+    (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme"),
 )
 
 
@@ -147,9 +148,6 @@ def _check(num_params, stage, world_size, precision, offload_optimizer, offload_
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
     if offload_param != "none" and stage != 3:
         raise ValueError("parameter offload needs ZeRO stage 3")
-    if offload_param == "nvme" and offload_optimizer != "nvme":
-        # What `fnzero.shard` enforces: the shards are read from the optimizer's NVMe master file.
-        raise ValueError("parameter offload to nvme needs offload_optimizer on nvme too")
     if not 0.0 <= ratio <= 1.0 or (ratio < 1.0 and stage != 3):
         raise ValueError(f"offload ratio must be in [0, 1], and below 1 only at stage 3; got {ratio!r} at stage {stage}")
 
@@ -219,6 +217,9 @@ def _tiers(psi: Fraction, n: int, stage: int, precision: str, offload_optimizer:
     if offload_param != "none":
         moved[tiers[offload_param]] += Breakdown(params=params)
         device = dataclasses.replace(device, params=Fraction(0))
+    if offload_param == "nvme" and offload_optimizer == "none" and not mixed:
+        # The parameters are in files: the optimizer updates an fp32 master of its own on the device.
+        device = dataclasses.replace(device, master=psi * 4 / n)
     return device, moved["host"], moved["nvme"]
 
 
