@@ -71,10 +71,12 @@ def config(world: int, stage: int = 3, zero: dict | None = None, tp: int = 1) ->
     }, world_size=world)  # fmt: skip
 
 
-CASES = [  # (model, ranks, tensor-parallel size, zero_optimization extras, use_cache)
+# (model, ranks, tensor-parallel size, zero_optimization extras, use_cache); a string: the parameters on
+# NVMe, the optimizer where it says.
+CASES = [
     ("llama", 2, 1, None, True), ("gpt2", 4, 1, None, True), ("qwen2", 2, 1, None, False),
     ("llama", 4, 2, None, True), ("llama", 2, 1, {"offload_param": {"device": "cpu"}}, True),
-    ("gpt2", 2, 1, "nvme", True),
+    ("gpt2", 2, 1, "nvme", True), ("llama", 2, 1, "cpu", True),
 ]  # fmt: skip
 
 
@@ -84,9 +86,9 @@ def test_tokens_equal_transformers_generate(kind, world, tp, zero, use_cache, tm
     the vocabulary), offload_param cpu and nvme, and a run without a cache: greedy tokens with
     end-of-sequence padding, and sampled tokens (temperature, top-k, top-p) from a generator
     seeded as transformers' global one, equal on every rank to transformers' `generate()`."""
-    if zero == "nvme":
+    if isinstance(zero, str):
         nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
-        zero = {"offload_param": nvme, "offload_optimizer": nvme}
+        zero = {"offload_param": nvme, "offload_optimizer": nvme if zero == "nvme" else {"device": zero}}
     eos, want_greedy, want_sampled = reference(kind, use_cache)
     cfg = config(world, zero=zero, tp=tp)
 
@@ -134,11 +136,14 @@ def test_zero_inference_with_parameters_on_nvme_generates_transformers_tokens(tm
         assert placeholders
 
 
-def test_generation_between_training_steps_leaves_the_trajectory_bit_identical():
+@pytest.mark.parametrize("offload", [False, True], ids=["in-memory", "params-on-nvme"])
+def test_generation_between_training_steps_leaves_the_trajectory_bit_identical(offload, tmp_path):
     """fnzero's GPT (no cache: the sequence is re-run per token) at stage 3 on 2 ranks: training
     with a generation after the first step ends in bit-identical parameters and losses, and the
-    tokens equal a plain greedy loop on the gathered model."""
-    cfg = config(2)
+    tokens equal a plain greedy loop on the gathered model. Also with the parameters on NVMe and the
+    optimizer on the CPU: the tokens come from the shards the step wrote into their files."""
+    nvme = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}, "offload_optimizer": {"device": "cpu"}}
+    cfg = config(2, zero=nvme if offload else None)
     data = torch.randint(0, 37, (3, 4, 8), generator=torch.Generator().manual_seed(1))
     prompt = data[0, :2, :4]
 
