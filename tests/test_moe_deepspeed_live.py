@@ -59,3 +59,36 @@ def test_equals_deepspeed_over_shapes(batch, seq, hidden, experts, k, factor, ev
     assert torch.equal(c1.long(), c2.long())
     for got, want in ((o1, o2), (a1, a2), (gx1, gx2), (gw1, gw2)):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=1e-12)
+
+
+# DeepSpeed's top-1 without dropping takes its capacity from the float counts a float mask makes and
+# hands torch.topk a tensor k (a TypeError): there its bool mask, the same tokens, is the oracle.
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.integers(4, 16), hidden=st.integers(1, 6), experts=st.integers(2, 5), k=st.sampled_from([1, 2]),
+       factor=st.sampled_from([0.5, 1.0, 2.0]), drop=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_a_float_used_token_mask_equals_deepspeed(tokens, hidden, experts, k, factor, drop, dtype, seed, data):
+    """specs/moe.md §Gating: a float 0/1 `used_token` masks top-1 routing as DeepSpeed's, top-2 ignores it."""
+    if k > experts:
+        return
+    kw = dict(num_experts=experts, k=k, capacity_factor=factor, min_capacity=0, drop_tokens=drop, use_rts=False,
+              top2_2nd_expert_sampling=False)
+    ours = MoE(hidden, _expert(hidden), **kw).double()
+    theirs = deepspeed_layer.MoE(hidden, _expert(hidden), ep_size=1, noisy_gate_policy=None, **kw).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    mask = torch.tensor(data.draw(st.lists(st.sampled_from([0, 1]), min_size=tokens, max_size=tokens)), dtype=dtype)
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    results = []
+    for layer, used in ((ours, mask), (theirs, mask.bool() if k == 1 and not drop else mask)):
+        xi = x.clone().requires_grad_(True)
+        out, l_aux, counts = layer(xi, used)
+        ((out * x).sum() + l_aux).backward()
+        results.append((out.detach(), l_aux.detach(), counts, xi.grad, layer.deepspeed_moe.gate.wg.weight.grad))
+    (o1, a1, c1, gx1, gw1), (o2, a2, c2, gx2, gw2) = results
+    assert torch.equal(c1, c2.long())
+    for got, want in ((o1, o2), (a1, a2), (gx1, gx2), (gw1, gw2)):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-12, atol=1e-12)

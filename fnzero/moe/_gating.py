@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .._errors import ConfigError
 
-__all__ = ["Routes", "capacity_for", "top1_routes", "top2_routes", "uniform_noise", "gumbel_noise"]
+__all__ = ["Routes", "capacity_for", "top1_routes", "top2_routes", "uniform_noise", "gumbel_noise", "used_token_mask"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,26 @@ def gumbel_noise(shape, generator: torch.Generator, device: torch.device) -> tor
     return -torch.log(-torch.log(u))
 
 
+def used_token_mask(used_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """`used_token` as a bool [tokens, 1] column: which tokens take part in top-1 routing.
+
+    DeepSpeed multiplies its one-hot route mask by `used_token`, so a bool, integer or float mask of
+    zeros and ones means the same whatever its dtype (a float one arrives from a bf16/fp16
+    `ShardedModule.apply`, which casts floating arguments). Any other value there gives fractional slots
+    that collide or index past the buffer, so it is refused instead of followed. The mask is data: no
+    gradient flows into it. Checking the values reads one flag on the host."""
+    if used_token.numel() != num_tokens:
+        raise ConfigError(f"MoE used_token has {used_token.numel()} elements, one per token: {num_tokens} "
+                          "(the input flattened to [tokens, hidden])")
+    if used_token.dtype != torch.bool:
+        bad = ~((used_token == 0) | (used_token == 1))
+        if bool(bad.any()):
+            raise ConfigError(f"MoE used_token must hold only 0 and 1 (1 routes the token, 0 leaves it out); it holds "
+                              f"{used_token[bad].flatten()[0].item()!r} ({used_token.dtype}): DeepSpeed multiplies its "
+                              "route mask by it, and other values give colliding capacity slots")
+    return used_token.reshape(-1, 1).to(torch.bool)
+
+
 def _no_drop_capacity(exp_counts: torch.Tensor) -> int:
     # ep_size 1: no all-reduce of the maximum over the expert group, no tensor-parallel padding.
     return int(exp_counts.max())
@@ -72,7 +92,7 @@ def top1_routes(logits: torch.Tensor, *, capacity_factor: float, min_capacity: i
     first = torch.argmax(chooser, dim=1)
     mask = F.one_hot(first, num_classes=num_experts)
     if used_token is not None:
-        mask = used_token.reshape(-1, 1) * mask
+        mask = mask * used_token_mask(used_token, num_tokens)
     exp_counts = mask.sum(dim=0).detach()
     if not drop_tokens:
         capacity = min(_no_drop_capacity(exp_counts), num_tokens)

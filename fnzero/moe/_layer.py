@@ -105,17 +105,21 @@ def _exchange(buffers: torch.Tensor, experts: Experts, same_capacity: bool) -> t
     [ep, experts here, capacity, hidden]). Without dropping, capacity differs by rank: every rank pads
     its buffers with empty slots to the group's largest (one small all-gather), as DeepSpeed's gate
     all-reduces the capacity; empty slots have weight 0 in the combine."""
+    # Output widths are read from the outputs: a capacity of 0 (no-drop routing of a call whose used_token
+    # masks every token) leaves -1 nothing to infer from.
     comm = experts.ep_comm
-    if comm is None or comm.world_size == 1:
-        return experts(buffers.unsqueeze(0)).reshape(buffers.shape[0], buffers.shape[1], -1)
     num_experts, capacity, hidden = buffers.shape
+    if comm is None or comm.world_size == 1:
+        out = experts(buffers.unsqueeze(0))
+        return out.reshape(num_experts, capacity, out.shape[-1])
     most = capacity if same_capacity else _largest_capacity(comm, capacity, buffers.device)
     if most > capacity:
         buffers = torch.cat([buffers, buffers.new_zeros(num_experts, most - capacity, hidden)], dim=1)
     received = all_to_all_grad(buffers.reshape(num_experts * most, hidden), comm, label="moe dispatch")
     out = experts(received.view(comm.world_size, num_experts // comm.world_size, most, hidden))
-    back = all_to_all_grad(out.reshape(num_experts * most, -1).contiguous(), comm, label="moe combine")
-    return back.view(num_experts, most, -1)[:, :capacity]
+    width = out.shape[-1]
+    back = all_to_all_grad(out.reshape(num_experts * most, width).contiguous(), comm, label="moe combine")
+    return back.view(num_experts, most, width)[:, :capacity]
 
 
 def _dispatch(tokens: torch.Tensor, routes: Routes, num_experts: int) -> torch.Tensor:
