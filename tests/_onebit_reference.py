@@ -87,20 +87,30 @@ def mean(ds):
     return clip({n: sum(d[n] for d in ds) / len(ds) for n in ds[0]})
 
 
-CLIP = 0.5  # active on most steps: DeepSpeed clips what a rank holds, averaged or its own, by its norm
+CLIP = 0.5  # active on most steps
 
 
-def clip(g):
-    norm = math.sqrt(sum(float(x.pow(2).sum()) for x in g.values()))
-    coef = CLIP / (norm + 1e-6)
+def norm(g):
+    return math.sqrt(sum(float(x.pow(2).sum()) for x in g.values()))
+
+
+def clip(g, by=None):
+    """`g` clipped to CLIP as DeepSpeed's clip_grad_norm_ (runtime/utils.py): times
+    CLIP / (norm + 1e-6) where that is below 1; the norm is `g`'s own unless given (`by`)."""
+    coef = CLIP / ((norm(g) if by is None else by) + 1e-6)
     return {n: x * coef for n, x in g.items()} if coef < 1 else g
 
 
 # ---- the references of the three optimizers (DeepSpeed's runtime/fp16/onebit/*.py) ----
 def rank_grads(model, params_of, data, n):
-    """Every rank's gradient at its parameters (`params_of(r)`): as computed, and clipped by its own norm."""
+    """Every rank's gradient at its parameters (`params_of(r)`): as computed, and clipped as
+    DeepSpeed's fp32 engine clips the gradients each rank holds alone (the steps it does not
+    all-reduce): clip_grad_norm_ all-reduces norm / N over the data-parallel group, so every rank
+    divides by the mean of the ranks' norms. (The averaged gradients of the other steps are
+    clipped by their own norm, in `mean`.)"""
     raw = [local_grads(model, params_of(r), *data(r), 2) for r in range(n)]
-    return raw, [clip(g) for g in raw]
+    by = sum(norm(g) for g in raw) / n
+    return raw, [clip(g, by) for g in raw]
 
 
 def adam_moments(m, v, g, b1, b2):

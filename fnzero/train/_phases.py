@@ -35,7 +35,7 @@ from ._policy import StepPolicy
 
 __all__ = [
     "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",
-    "clip_coefficient", "clip_factor", "local_norm", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
+    "clip_coefficient", "clip_factor", "clip_norm", "unscale_factor", "loss_scale_after", "next_state", "Timer", "StepSetup", "step_setup", "step_verdict",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -229,8 +229,9 @@ def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], i
     `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated.
     `replicas` (MiCS): the other shard groups, which hold the same reduced shards, so the norm is
     whole within `comm` and only the loss is summed over them, one more all-reduce of one number.
-    `local`: the gradients are each rank's own (not reduced); the norm is then the root mean square
-    of the ranks' norms, which every rank agrees on (the overflow verdict with it)."""
+    `local`: the gradients are each rank's own (not reduced); the norm is then the mean of the
+    ranks' norms, DeepSpeed's fp32 `clip_grad_norm_` (which all-reduces each rank's norm / ranks),
+    and every rank agrees on it (the overflow verdict with it: non-finite where any rank's is)."""
     norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm, local)
     if replicas is not None and replicas.world_size > 1:
         loss = replicas.all_reduce(loss.reshape(1))[0]
@@ -262,11 +263,15 @@ def _norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], 
         lo = u.shard_range(comm.rank)[0] if u.placement.optimizer else 0
         summed = local or u.placement.optimizer or u.is_expert  # differs across the dp ranks: summed over them
         share = 1.0 if u.placement.optimizer or not u.is_expert else 1.0 / expert_comm.world_size
-        share = 1.0 / comm.world_size if local else share
         for part, split in _tp_parts(u, g, lo, tp):
             sq[0 if summed else 1][int(split)] += torch.linalg.vector_norm(part, dtype=norm_dtype).square() * share
     ii = inv * inv
     loss = loss_sum.to(device=device, dtype=torch.float64)
+    if local:  # two numbers: [this rank's norm / ranks, loss], summed to the mean of the ranks' norms
+        own = (sq[0][0] + sq[0][1]).to(torch.float64) * ii
+        vec = torch.stack([own.sqrt() / comm.world_size, loss])
+        vec = comm.all_reduce(vec) if comm.world_size > 1 else vec
+        return vec[0].square(), vec[1]
     if tp is None:  # two numbers: [Σ shards' squares, loss]
         vec = torch.stack([sq[0][0].to(torch.float64) * ii, loss])
         vec = comm.all_reduce(vec) if comm.world_size > 1 else vec
@@ -293,11 +298,21 @@ def _tp_parts(u: UnitPlan, g: torch.Tensor, lo: int, tp):
             yield g[a - lo: b - lo], split
 
 
-def local_norm(grads: dict[str, torch.Tensor], inv: float) -> float:
+def _local_norm(grads: dict[str, torch.Tensor], inv: float) -> float:
     """The norm of this rank's own (un-reduced, whole-unit) gradients times `inv`, with no
-    communication: what a rank clips its own gradients by (`Optimizer.local_gradients`)."""
+    communication."""
     sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float64).square()) for g in grads.values())
     return math.sqrt(sq) * inv
+
+
+def clip_norm(setup: StepSetup, clip: float, grads: dict[str, torch.Tensor], inv: float, grad_norm: float) -> float:
+    """The norm `gradient_clipping` divides by: the step's `grad_norm`, except where each rank
+    holds its own gradients (`Optimizer.local_gradients`) in fp16/bf16, which DeepSpeed's FP16
+    optimizers clip by the rank's own norm (its fp32 engine by the mean of the ranks' norms, which
+    `grad_norm` is then: `norm_and_loss`), `specs/optim.md` §1-bit optimizers."""
+    if clip > 0 and setup.local and setup.param_dtype in _HALF:
+        return _local_norm(grads, inv)
+    return grad_norm
 
 
 def clip_coefficient(clip: float, grad_norm):

@@ -30,7 +30,7 @@ from .._state import TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward, sum_over_replicas
 from ._phases import (
-    StepSetup, Timer, clip_factor, local_norm, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
+    StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
@@ -246,9 +246,8 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     if metrics["skipped"]:
         return state.replace(loss_scale=new_ls), metrics
 
-    # Clipping a rank's own gradients uses their own norm, as DeepSpeed clips what each rank holds.
-    clip_norm = local_norm(grads, unscale) if setup.local and policy.clip > 0 else metrics["grad_norm"]
-    factor, global_norm = clip_factor(policy.clip, clip_norm, unscale)
+    factor, global_norm = clip_factor(policy.clip, clip_norm(setup, policy.clip, grads, unscale, metrics["grad_norm"]),
+                                      unscale)
     timer.start()
     scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
     new_slices, new_master, new_opt_state = optimizer_update(
