@@ -61,7 +61,12 @@ def test_equals_deepspeed(i):
     out, l_aux, exp_counts = layer(x)
     ((out * TENSORS["upstream"]).sum() + l_aux).backward()
     assert torch.equal(exp_counts, TENSORS[f"{i}.exp_counts"])
-    torch.testing.assert_close(out, TENSORS[f"{i}.out"], rtol=0, atol=1e-12)
-    torch.testing.assert_close(l_aux.reshape(1), TENSORS[f"{i}.l_aux"], rtol=0, atol=1e-12)
-    torch.testing.assert_close(x.grad, TENSORS[f"{i}.x_grad"], rtol=0, atol=1e-12)
-    torch.testing.assert_close(layer.deepspeed_moe.gate.wg.weight.grad, TENSORS[f"{i}.gate_grad"], rtol=0, atol=1e-12)
+    # The router computes in float32, as DeepSpeed's: its matmul's summation order is the CPU's SIMD
+    # kernel's, so on another processor than the recording one the gates (and everything they
+    # weigh) move by float32 rounding, 1e-7 here. 1e-6 is that noise; a wrong route, capacity or
+    # weight is O(0.1). On one machine the live test (test_moe_deepspeed_live.py) holds 1e-12.
+    tol = dict(rtol=0, atol=1e-6)
+    torch.testing.assert_close(out, TENSORS[f"{i}.out"], **tol)
+    torch.testing.assert_close(l_aux.reshape(1), TENSORS[f"{i}.l_aux"], **tol)
+    torch.testing.assert_close(x.grad, TENSORS[f"{i}.x_grad"], **tol)
+    torch.testing.assert_close(layer.deepspeed_moe.gate.wg.weight.grad, TENSORS[f"{i}.gate_grad"], **tol)
