@@ -5,9 +5,15 @@ config beside them (`_hf_config.py`).
 
 Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
 each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
-peak memory is a few chunks whatever the model size. Tied parameters are written under every name
-(as copies) by default so that a plain `model.load_state_dict(safetensors.torch.load_file(f))`
-works; `tied="first"` keeps only the first name, safetensors' own `save_model` convention.
+peak memory is a few chunks whatever the model size.
+
+Names (`Naming`): what the model's own save writes, as the plan recorded it when the model was
+sharded (`sharding/zero/_saved_names.py`; a checkpoint's index carries it): never a
+non-persistent buffer; by default (`tied="auto"`) a transformers model's tensors under the names
+`save_pretrained` writes (one per tied tensor, none of `_keys_to_ignore_on_save`, its files'
+names), and every name of any other model's `state_dict()`. `tied="copy"` writes every
+`state_dict()` name (tied ones as copies), so a strict `model.load_state_dict(load_file(f))`
+works on any model; `tied="first"` each tensor once, under its first name.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve
 from ._one_writer import Rounds, world_device
 
-__all__ = ["export", "parse_size", "parse_dtype"]
+__all__ = ["export", "parse_size", "parse_dtype", "Naming"]
 
 CHUNK_BYTES = 64 << 20
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -212,14 +218,44 @@ def _check_arguments(dtype, fmt: str, tied: str, max_shard_size) -> torch.dtype 
     no collective); the dtype to cast to."""
     if fmt not in ("safetensors", "torch"):
         raise CheckpointError(f"export format must be 'safetensors' or 'torch', got {fmt!r}")
-    if tied not in ("copy", "first"):
-        raise CheckpointError(f"tied must be 'copy' or 'first', got {tied!r}")
+    if tied not in TIED:
+        raise CheckpointError(f"tied must be 'auto', 'copy' or 'first', got {tied!r}")
     parse_size(max_shard_size)
     return parse_dtype(dtype)
 
 
-def _names(slot: dict, tied: str) -> list[str]:
-    return [slot["name"], *slot["aliases"]] if tied == "copy" else [slot["name"]]
+TIED = ("auto", "copy", "first")
+
+
+class Naming:
+    """The names an export writes each tensor under (the module docstring), from what the
+    model's save writes: `non_persistent` buffer names, and `pretrained`, a transformers model's
+    {state_dict name: save_pretrained's name, or None} where they differ (None: another model)."""
+
+    def __init__(self, tied: str, non_persistent, pretrained: dict[str, str | None] | None):
+        self.tied, self.non_persistent, self.pretrained = tied, frozenset(non_persistent), pretrained
+
+    @classmethod
+    def of_plan(cls, plan, tied: str) -> "Naming":
+        saved = plan.saved
+        return cls(tied, saved.non_persistent, None if saved.pretrained is None else dict(saved.pretrained))
+
+    @classmethod
+    def of_index(cls, index: dict, tied: str) -> "Naming":
+        # A checkpoint saved before these fields were recorded: every buffer, every name, as then.
+        pretrained = index.get("pretrained_names")
+        return cls(tied, index.get("non_persistent", ()), None if pretrained is None else dict(map(tuple, pretrained)))
+
+    def names(self, names: list[str]) -> list[str]:
+        """The names to write one tensor under; `names` are its state_dict names, first first."""
+        if names[0] in self.non_persistent:
+            return []
+        if self.tied == "first":
+            return names[:1]
+        if self.tied == "auto" and self.pretrained is not None:
+            saved = (self.pretrained.get(n, n) for n in names)
+            return list(dict.fromkeys(n for n in saved if n is not None))
+        return names
 
 
 def _cast_dtype(stored: torch.dtype, want: torch.dtype | None) -> torch.dtype:
@@ -235,7 +271,7 @@ def export(
     max_shard_size: int | str | None = None,
     exclude_frozen: bool = False,
     format: str = "safetensors",
-    tied: str = "copy",
+    tied: str = "auto",
     progress: bool | None = None,
     hf_config=None,
 ) -> list[str]:
@@ -253,6 +289,10 @@ def export(
     Trainable weights come from the fp32 master copy when the run had one. With
     `max_shard_size` ('5GB'), files are `model-0000i-of-0000n.safetensors` plus a Hugging Face
     `model.safetensors.index.json` (`weight_map`). Integer buffers keep their dtype.
+    The names are those the model's own save writes (`tied="auto"`): never a non-persistent
+    buffer; a transformers model's as `save_pretrained` names them (one name per tied tensor);
+    every `state_dict()` name of any other model. `tied="copy"`: every `state_dict()` name, tied
+    ones as copies (a strict `load_state_dict` of any model); `tied="first"`: each tensor once.
     `hf_config`: a Hugging Face config (`model.config`), the model itself (then its
     `generation_config` too) or a `save_pretrained` directory: `config.json` (and
     `generation_config.json`) are written beside the weights, so
@@ -269,7 +309,7 @@ def export(
 
     def write() -> list[str]:
         with Reader(resolve(path, tag)) as rd:
-            entries = _stored_entries(rd, want, tied, exclude_frozen)
+            entries = _stored_entries(rd, want, Naming.of_index(rd.index, tied), exclude_frozen)
             ix = rd.index
             meta = {"format": "pt", "fnzero_tag": str(ix["tag"]), "fnzero_step": str(ix["step"])}
             paths = _write_all(entries, out, format, max_shard_size, progress, meta, tick=rounds.beat)
@@ -278,8 +318,8 @@ def export(
     return rounds.write(write)
 
 
-def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
-    """What `export` writes from checkpoint `rd`, in `model.state_dict()` names."""
+def _stored_entries(rd: Reader, want, naming: Naming, exclude_frozen: bool) -> list[_Entry]:
+    """What `export` writes from checkpoint `rd`, named by `naming`."""
     entries = []
     for u in rd.index["units"]:
         key = f"master/{u['name']}" if f"master/{u['name']}" in rd.tensors else f"params/{u['name']}"
@@ -287,7 +327,7 @@ def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_
             raise CheckpointError(f"the checkpoint has no stored weights for unit {u['name']!r}")
         dt = _cast_dtype(rd.dtype(key), want)
         for s in u["slots"]:
-            for name in _names(s, tied):
+            for name in naming.names([s["name"], *s["aliases"]]):
                 entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
     for u in [] if exclude_frozen else rd.index.get("frozen_units", []):  # stage 3 (`_frozen.py`)
         key = f"frozen/{u['name']}"
@@ -295,7 +335,7 @@ def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_
             continue
         dt = _cast_dtype(rd.dtype(key), want)
         for s in u["slots"]:
-            for name in _names(s, tied):
+            for name in naming.names([s["name"], *s["aliases"]]):
                 entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
     for kind in ("frozen", "buffers"):
         if kind == "frozen" and exclude_frozen:
@@ -303,7 +343,8 @@ def _stored_entries(rd: Reader, want, tied: str, exclude_frozen: bool) -> list[_
         for key, t in rd.tensors.items():
             if key.startswith(kind + "/") and "unit" not in t:
                 dt = _cast_dtype(rd.dtype(key), want)
-                entries.append(_Entry(key[len(kind) + 1:], t["shape"], dt, _reader_fill(rd, key, 0, dt)))
+                for name in naming.names([key[len(kind) + 1:]]):
+                    entries.append(_Entry(name, t["shape"], dt, _reader_fill(rd, key, 0, dt)))
     return entries
 
 

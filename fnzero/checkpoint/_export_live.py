@@ -9,7 +9,7 @@ import torch
 
 from .._errors import CheckpointError
 from ..sharding.zero._param_store import ShardSource, held, read_placeholders, sources_of
-from ._export import _Entry, _cast_dtype, _check_arguments, _names, _write_all
+from ._export import Naming, _Entry, _cast_dtype, _check_arguments, _write_all
 from ._hf_config import hf_source, module_source, write_hf_files
 from ._ep import check_ep_supported, expert_places
 from ._one_writer import Rounds
@@ -67,7 +67,7 @@ def export_live(
     max_shard_size: int | str | None = None,
     exclude_frozen: bool = False,
     format: str = "safetensors",
-    tied: str = "copy",
+    tied: str = "auto",
     progress: bool | None = None,
     hf_config=None,
 ) -> list[str]:
@@ -108,7 +108,8 @@ def export_live(
         return rounds.result()
 
     def write() -> list[str]:
-        paths = _write_all(_live_entries(state, units, frozen, want, tied, exclude_frozen), out, format,
+        naming = Naming.of_plan(state.sharding.plan, tied)
+        paths = _write_all(_live_entries(state, units, frozen, want, naming, exclude_frozen), out, format,
                            max_shard_size, progress, {"format": "pt", "fnzero_step": str(int(state.step))})
         units.upto(len(units.units) - 1)  # units with nothing to write: the others gather them too
         frozen.upto(len(frozen.units) - 1)
@@ -117,14 +118,14 @@ def export_live(
     return rounds.write(write)
 
 
-def _live_entries(state, units: _Gathered, frozen: _Gathered, want, tied: str, exclude_frozen: bool) -> list[_Entry]:
+def _live_entries(state, units: _Gathered, frozen: _Gathered, want, naming: Naming, exclude_frozen: bool) -> list[_Entry]:
     """What `export_live` writes from a (tensor-parallel: consolidated) state."""
     src = state.master if state.master is not None else state.params
     entries = []
     for u in units.places.whole.units if units.places is not None else state.sharding.plan.units:
         dt = _cast_dtype(src[u.name].dtype, want)
         for s in u.slots:
-            for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
+            for name in naming.names([s.name, *s.aliases]):
                 entries.append(_Entry(name, s.shape, dt,
                                       lambda a, b, u=u, o=s.offset, dt=dt: units.of(u.name)[o + a: o + b].to(dt)))
     last = len(units.units) - 1
@@ -136,13 +137,14 @@ def _live_entries(state, units: _Gathered, frozen: _Gathered, want, tied: str, e
     for u in frozen.units:
         dt = _cast_dtype(state.frozen[u.name].dtype, want)
         for s in u.slots:
-            for name in _names({"name": s.name, "aliases": list(s.aliases)}, tied):
+            for name in naming.names([s.name, *s.aliases]):
                 entries.append(_Entry(name, s.shape, dt, lambda a, b, u=u, o=s.offset, dt=dt: frozen_piece(u, o, a, b, dt)))
     whole = {n: state.frozen[n] for n in state.sharding.plan.frozen}
     for kind, named in (("frozen", whole), ("buffers", state.buffers)):
         if kind == "frozen" and exclude_frozen:
             continue
-        for name, t in named.items():
+        for held, t in named.items():
             dt = _cast_dtype(t.dtype, want)
-            entries.append(_Entry(name, t.shape, dt, lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt)))
+            for name in naming.names([held]):
+                entries.append(_Entry(name, t.shape, dt, lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt)))
     return entries

@@ -228,6 +228,7 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
     _validate_units(frozen_units, "frozen_units", "frozen/", unit_numel)
     if not isinstance(ix.get("frozen_excluded", False), bool):
         raise CheckpointError("index.frozen_excluded: expected a bool")
+    _validate_saved_names(ix)
     files = _req(ix, "files", list, "index")
     if len(files) != world or not all(isinstance(f, int) and 0 <= f <= _INT64[1] for f in files):
         raise CheckpointError(f"index.files: expected {world} non-negative byte sizes, one per saving rank")
@@ -252,6 +253,19 @@ def validate_index(ix: Any, file_sizes: dict[int, int] | None = None) -> dict:
                     f"data file {data_name(r)} is {have} bytes, the index says {size}: truncated or replaced"
                 )
     return ix
+
+
+def _validate_saved_names(ix: dict) -> None:
+    """The optional fields saying what the model's own save writes (absent before they were
+    recorded: an export then writes every buffer and tied name, as it did)."""
+    transient = ix.get("non_persistent", [])
+    if not (isinstance(transient, list) and all(isinstance(n, str) for n in transient)):
+        raise CheckpointError("index.non_persistent: expected a list of buffer names")
+    pretrained = ix.get("pretrained_names")
+    if pretrained is not None and not (isinstance(pretrained, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], (str, type(None)))
+            for p in pretrained)):
+        raise CheckpointError("index.pretrained_names: expected nil or a list of [name, saved name or nil]")
 
 
 def _validate_units(units: list, field: str, prefix: str, unit_numel: dict[str, int]) -> None:

@@ -42,7 +42,9 @@ def save_pipelined(path, state: TrainState, pp, *, tag, client_state, config, up
                               "pipelines are not implemented)")
     metas, data = pieces
 
-    extra = {"nonce": nonce, "rng": rng, "stage_units": units, "pipeline_stage": pp.stage_index}
+    # Each stage's own non-persistent buffers: the index lists every stage's (`merge_pipelined`).
+    extra = {"nonce": nonce, "rng": rng, "stage_units": units, "pipeline_stage": pp.stage_index,
+             "stage_non_persistent": list(sh.plan.saved.non_persistent)}
     head = index_head(state, tag, nonce, n, cfg_json, client_state, pipeline_stages=pp.stages)
     at = Where(root, staging, tag, nonce, rank, n, update_latest, timeout)
     write_and_commit(at, metas, data, extra, lambda parts: merge_pipelined(parts, head))
@@ -53,9 +55,10 @@ def merge_pipelined(parts: list[dict], head: dict) -> dict:
     """The index of a pipeline's checkpoint: the stages' units in stage order, each
     tensor's segments from every rank, and a replicated tensor (the optimizer's step count, equal
     on every stage) from the first stage that wrote it."""
-    units, tensors, owner = [], {}, {}
+    units, tensors, owner, transient = [], {}, {}, {}
     for p in sorted(parts, key=lambda p: (p["pipeline_stage"], p["rank"])):
         units += p.get("stage_units") or []
+        transient.update(dict.fromkeys(p.get("stage_non_persistent") or []))
         for key, t in p["tensors"].items():
             cur = tensors.setdefault(key, {k: v for k, v in t.items() if k != "segments"} | {"segments": []})
             if "unit" not in t and owner.setdefault(key, p["pipeline_stage"]) != p["pipeline_stage"]:
@@ -63,4 +66,5 @@ def merge_pipelined(parts: list[dict], head: dict) -> dict:
             cur["segments"].extend(t["segments"])
     for t in tensors.values():
         t["segments"].sort(key=lambda s: s[2])
-    return dict(head, units=units, files=[p["size"] for p in parts], rng=[p["rng"] for p in parts], tensors=tensors)
+    return dict(head, units=units, files=[p["size"] for p in parts], rng=[p["rng"] for p in parts], tensors=tensors,
+                non_persistent=list(transient))

@@ -59,8 +59,18 @@ def index_head(state: TrainState, tag: str, nonce: int, world: int, cfg_json, cl
         "step": int(state.step), "config": cfg_json, "client_state": client_state,
         "loss_scale": None if ls is None else {
             "scale": float(ls.scale), "good_steps": int(ls.good_steps), "hysteresis": int(ls.hysteresis)},
+        **saved_meta(plan),
         **more,
     }
+
+
+def saved_meta(plan) -> dict:
+    """The index fields that say what the model's own save writes (`ShardPlan.saved`), which an
+    export from the files follows: its non-persistent buffers, and a transformers model's
+    save_pretrained names ([name, saved name or nil] where they differ; nil for another model)."""
+    saved = plan.saved
+    return {"non_persistent": list(saved.non_persistent),
+            "pretrained_names": None if saved.pretrained is None else [list(p) for p in saved.pretrained]}
 
 
 def write_and_commit(at: Where, metas: dict, pieces, extra: dict, merge) -> None:

@@ -75,8 +75,10 @@ def register(sub) -> None:
     ep.add_argument("--max-shard-size", default=None, help="split into files of at most this size, e.g. 5GB")
     ep.add_argument("--exclude-frozen", action="store_true", help="leave out requires_grad=False parameters")
     ep.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
-    ep.add_argument("--tied", choices=["copy", "first"], default="copy",
-                    help="tied weights: a copy under every name (default) or the first name only")
+    ep.add_argument("--tied", choices=["auto", "copy", "first"], default="auto",
+                    help="names: as the model's own save writes them (auto, the default: save_pretrained's for a "
+                         "transformers model, one name per tied weight), every state_dict name (copy: tied weights "
+                         "as copies), or each tensor once under its first name (first)")
     ep.add_argument("--hf-config", default=None, metavar="DIR",
                     help="a Hugging Face save_pretrained directory (or config.json) whose config.json, and "
                          "generation_config.json, are written beside the weights, for from_pretrained")

@@ -13,7 +13,6 @@ import os
 import warnings
 
 import torch
-from torch import nn
 
 from .._errors import ShardingError
 from .._state import TrainState
@@ -226,7 +225,7 @@ def _init_optimizer(sm: ShardedModule, opt, target: dict[str, torch.Tensor]):
 def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel: int) -> None:
     """Pretrained weights into the initial values, frozen parameters and buffers; checked before
     any byte is read, and the initial values dropped if reading fails partway."""
-    persistent = {n for n, _ in sm.module.named_buffers()} - _non_persistent_buffers(sm.module)
+    persistent = {n for n, _ in sm.module.named_buffers()} - set(sm.plan.saved.non_persistent)
     frozen, buffers = sm.constants  # entries replaced, not written into
     base_prefix = getattr(sm.module, "base_model_prefix", "") or ""
     load = load_pretrained(path, sm.plan, sm.comm.rank, sm.initial_values().params, frozen, buffers, persistent,
@@ -260,11 +259,3 @@ def _read_adapters(sm: ShardedModule, names: list[str], read) -> set[str]:
 def _adapters_note(adapters: list[str]) -> str:
     # A PEFT model's adapters are in no base model's file: their own init is expected, not a gap.
     return f" (and {len(adapters)} adapter tensor(s), which PEFT initialised, as expected)" if adapters else ""
-
-
-def _non_persistent_buffers(model: nn.Module) -> set[str]:
-    out = set()
-    for path, m in model.named_modules():
-        for leaf in getattr(m, "_non_persistent_buffers_set", ()):
-            out.add(f"{path}.{leaf}" if path else leaf)
-    return out

@@ -19,6 +19,7 @@ from ..zero._param_store import ShardSource, ShardSources, held, sources_of
 from ..zero._policy import ShardPolicy
 from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ROOT_UNIT, ShardPlan, UnitPlan, comm_for
+from ..zero._saved_names import non_persistent_buffers
 from ...optim._config import config_head_counts
 from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
 from ..zero._unit_forward import route_unit_forward
@@ -363,8 +364,7 @@ class ShardedModule:
         full = self.state_dict(state)
         target = model.state_dict()
         missing = [k for k in target if k not in full]
-        transient = {n for m_name, m in model.named_modules() for n in
-                     (f"{m_name}.{b}" if m_name else b for b in m._non_persistent_buffers_set)}
+        transient = non_persistent_buffers(model)
         unexpected = [k for k in full if k not in target and k not in transient]
         shapes = [f"{k}: {tuple(full[k].shape)} vs {tuple(target[k].shape)}" for k in target
                   if k in full and full[k].shape != target[k].shape]

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ._placement import Placement, placement_for_stage
+from ._saved_names import SavedNames, saved_names
 from ._wrap import default_unit_modules, no_split_classes
 
 __all__ = ["ParamSlot", "UnitPlan", "ShardPlan", "make_plan", "comm_for", "ROOT_UNIT", "default_unit_modules", "no_split_classes"]
@@ -106,6 +107,9 @@ class ShardPlan:
     # (alias, name) for each other name of a tied frozen parameter held whole (GPT-2's frozen
     # `lm_head.weight` is `transformer.wte.weight`): bound and exported under both names.
     frozen_aliases: tuple[tuple[str, str], ...] = ()
+    # What the model's own save writes (`_saved_names.py`): its non-persistent buffers, and a
+    # transformers model's save_pretrained names; checkpoints record it and exports write by it.
+    saved: SavedNames = SavedNames()
 
     # Units by name, made once per plan: the runtime looks units up on every gather (a scan per
     # lookup was O(units) Python work per unit per forward). Not fields: not compared, not copied.
@@ -334,4 +338,5 @@ def make_plan(
     aliases = tuple((alias, name) for group in frozen_members.values() for name, more, _ in group for alias in more
                     if not frozen_units)
     return ShardPlan(units=units, world_size=world_size, placement=placement, frozen=frozen,
-                     param_dtype=param_dtype, frozen_units=frozen_units, frozen_aliases=aliases)
+                     param_dtype=param_dtype, frozen_units=frozen_units, frozen_aliases=aliases,
+                     saved=saved_names(model))
