@@ -165,6 +165,30 @@ def test_qwen2_adapters_round_trip_through_peft(tmp_path_factory, tmp_path):
     torch.testing.assert_close(_logits(_real(base_dir, cls, adapters=tmp_path)), logits, rtol=0, atol=1e-9)
 
 
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_exported_adapters_are_the_files_peft_save_pretrained_writes(tmp_path, task_type):
+    """§Export: the tensor names and the adapter_config.json of PeftModel.save_pretrained (its
+    `auto_mapping`, the base model's class, included where the LoraConfig has no task type)."""
+    import json
+
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    _peft(task_type=task_type)().save_pretrained(tmp_path / "peft")
+    sm = fnzero.shard(_peft(task_type=task_type), config=_cfg(3, 1))
+    fnzero.checkpoint.export_adapters(sm, sm.init_state(), tmp_path / "ours")
+    files = {}
+    for who in ("peft", "ours"):
+        with safe_open(str(tmp_path / who / "adapter_model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        with open(tmp_path / who / "adapter_config.json") as f:
+            config = json.load(f)
+        config["target_modules"] = sorted(config["target_modules"])  # a set: its order is no meaning
+        files[who] = keys, config
+    assert files["ours"] == files["peft"]
+    assert (files["ours"][1]["auto_mapping"] is not None) == (task_type is None)
+
+
 def _peft_dir(tmp_path, name, base_dir=None, hf=LLAMA, **lora):
     """An adapter directory written by PEFT itself (save_pretrained)."""
     torch.manual_seed(1)

@@ -23,8 +23,8 @@ def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = 
     """Write the trained adapter of a PEFT model (`peft.get_peft_model(...)` sharded by
     `fnzero.shard`) to the directory `out` as PEFT writes it: `adapter_model.safetensors` (PEFT's
     tensor names, from `peft.get_peft_model_state_dict`) and `adapter_config.json` (the model's
-    `LoraConfig`, `inference_mode` set, as `PeftModel.save_pretrained` writes it). Returns the
-    paths written, on every rank.
+    `LoraConfig`, `inference_mode` set, and `auto_mapping` without a task type, as
+    `PeftModel.save_pretrained` writes it). Returns the paths written, on every rank.
 
     Collective, as `export_live`: call it on every rank with its state. Only the adapter's units
     are gathered (master weights when the state has them), not the frozen base. One rank writes
@@ -65,7 +65,10 @@ def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = 
         paths = _write_all(entries, os.path.join(os.fspath(out), WEIGHTS), "safetensors", None, False, {"format": "pt"})
         config = copy.deepcopy(names.config)
         config.inference_mode = True  # as PeftModel.save_pretrained records it
-        config.save_pretrained(os.fspath(out))
+        # Without a task type PEFT records the base model's class, which AutoPeftModel builds.
+        base = type(sm.module.get_base_model())
+        auto = {"base_model_class": base.__name__, "parent_library": base.__module__} if config.task_type is None else None
+        config.save_pretrained(os.fspath(out), auto_mapping_dict=auto)
         return paths + [os.path.abspath(os.path.join(os.fspath(out), CONFIG))]
 
     return rounds.write(write)
