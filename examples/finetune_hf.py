@@ -35,7 +35,6 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--seq-len", type=int, default=64)
 p.add_argument("--reentrant", action="store_true", help="reentrant activation checkpointing (default: non-reentrant)")
 args = p.parse_args()
-transformers.logging.set_verbosity_error()
 
 dist = fnzero.init_distributed()
 
@@ -75,8 +74,9 @@ print(f"rank {dist.rank}: loaded {len(report.loaded)} tensors from {len(report.f
 
 
 def loss_fn(params, batch):
-    # Keyword inputs in, a ModelOutput out: the model shifts the labels itself.
-    return sm.apply(params, input_ids=batch["x"], labels=batch["x"]).loss
+    # Keyword inputs in, a ModelOutput out: the model shifts the labels itself. No KV cache while
+    # training (the model's checkpointing would turn it off, with a warning).
+    return sm.apply(params, input_ids=batch["x"], labels=batch["x"], use_cache=False).loss
 
 
 step = fnzero.train_step(loss_fn, cfg, donate=True)
@@ -102,7 +102,7 @@ fnzero.checkpoint.save(os.path.join(args.out, "checkpoint"), state, client_state
 # Every rank calls it; one writes the weights and, from the sharded model's own config, config.json
 # and generation_config.json: the directory is a from_pretrained directory as it is.
 tuned = os.path.join(args.out, "tuned")
-fnzero.checkpoint.export_live(sm, state, tuned, dtype="bf16", tied="first", max_shard_size="1MB")
+fnzero.checkpoint.export_live(sm, state, tuned, dtype="bf16", max_shard_size="1MB")
 probe = next(token_batches(2, args.seq_len, seed=7, split="val"))["x"].to(dist.device)
 with torch.no_grad():
     ours = sm.apply(state.params, input_ids=probe).logits.float()  # every rank: stage 3 gathers

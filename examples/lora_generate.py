@@ -18,6 +18,7 @@ Run (from the repository root, after the README's setup):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import warnings
 
@@ -40,7 +41,6 @@ p.add_argument("--rank", type=int, default=16, help="LoRA rank")
 p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                help="the linear layers that get adapters (comma-separated)")
 args = p.parse_args()
-transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
 
 dist = fnzero.init_distributed()
@@ -58,11 +58,24 @@ if dist.world_size > 1:
 cfg = fnzero.load_config(args.config, world_size=dist.world_size)
 with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base_dir))
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the older name is deprecated there)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+else:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=args.targets.split(","), lora_dropout=0.0,
                        task_type="CAUSAL_LM", modules_to_save=["lm_head"])
-with warnings.catch_warnings():  # peft reads a transformers attribute that transformers 5 deprecated
-    warnings.simplefilter("ignore", FutureWarning)
+
+
+@contextlib.contextmanager
+def peft_quirk():
+    """PeftModel's constructor (peft 0.21.2, its newest release) reads transformers' deprecated
+    `is_gradient_checkpointing`: that one FutureWarning, peft's to fix, is left out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
+
+
+with peft_quirk():
     model = peft.get_peft_model(model, lora)
 sm = fnzero.shard(model, config=cfg, device=dist.device)
 state = sm.init_state(pretrained=base_dir)  # the adapters keep PEFT's initialisation (lora_B = 0)
@@ -73,7 +86,8 @@ print(f"rank {dist.rank}: model state {held.total / 2**20:.2f} MiB, of which its
 
 
 def loss_fn(params, batch):
-    logits = sm.apply(params, input_ids=batch["x"]).logits
+    # No KV cache while training (the model's checkpointing would turn it off, with a warning).
+    logits = sm.apply(params, input_ids=batch["x"], use_cache=False).logits
     return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
 
@@ -114,7 +128,8 @@ fnzero.checkpoint.export_adapters(sm, state, adapter_dir)
 greedy, sampled = sample(do_sample=False), sample(**SAMPLING, generator=torch.Generator(dist.device).manual_seed(0))
 if dist.rank == 0:
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-    tuned = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    with peft_quirk():
+        tuned = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
     prompt = {"input_ids": input_ids.cpu(), "attention_mask": attention_mask.cpu(), "pad_token_id": 0,
               "max_new_tokens": args.new_tokens}
     with torch.no_grad():

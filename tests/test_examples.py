@@ -14,10 +14,19 @@ from _readme import readme_argv
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, timeout=240):
+# What an example's stderr must not hold: a Python warning of any kind (FutureWarning,
+# DeprecationWarning, UserWarning, ...), a line transformers logs (its `[transformers]` prefix:
+# `use_cache=True is incompatible ...`), a from_pretrained load report. Progress bars may stay.
+_NOISE = re.compile(r"Warning\b|\[transformers\]|LOAD REPORT|UNEXPECTED|MISSING|deprecated", re.I)
+
+
+def _run(args, timeout=240, quiet=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if quiet:
+        noise = [line for line in proc.stderr.splitlines() if _NOISE.search(line)]
+        assert not noise, proc.stderr
     return proc.stdout
 
 
@@ -97,9 +106,11 @@ def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_an
 @pytest.mark.multiprocess
 def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
     """examples/finetune_hf.py: save_pretrained shards -> meta model -> ZeRO-3 on 2 ranks with the
-    model's checkpointing and bf16 -> checkpoint -> export -> from_pretrained, same logits."""
+    model's checkpointing and bf16 -> checkpoint -> export -> from_pretrained, same logits; no
+    warning on stderr, no load report."""
     out = _run(readme_argv("examples/finetune_hf.py",
-                           extra=["--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"]))
+                           extra=["--steps", "12", "--seq-len", "32", "--out", str(tmp_path), "--reentrant"]),
+               quiet=True)
     first, last = _losses(out)
     assert last < first - 0.5, out
     read = [float(x) for x in re.findall(r"read ([0-9.]+) MiB", out)]
@@ -112,9 +123,11 @@ def test_finetune_hf_two_ranks_meta_pretrained_checkpointing_bf16(tmp_path):
 def test_lora_generate_two_ranks_adapters_generate_as_peft_and_transformers(tmp_path):
     """examples/lora_generate.py: a meta-built PEFT LoRA Llama at ZeRO-3 on 2 ranks with its
     checkpointing, each rank holding half the frozen base; sampling while it trains; adapters out
-    in PEFT's format; `PeftModel.from_pretrained` + transformers' generate give fnzero.generate's tokens."""
+    in PEFT's format; `PeftModel.from_pretrained` + transformers' generate give fnzero.generate's
+    tokens; no warning on stderr."""
     out = _run(readme_argv("examples/lora_generate.py",
-                           extra=["--steps", "4", "--sample-every", "2", "--new-tokens", "6", "--out", str(tmp_path)]))
+                           extra=["--steps", "4", "--sample-every", "2", "--new-tokens", "6", "--out", str(tmp_path)]),
+               quiet=True)
     held = re.findall(r"rank \d: model state [0-9.]+ MiB, of which its part of the frozen base ([0-9.]+) MiB "
                       r"\(the whole base: ([0-9.]+) MiB\)", out)
     assert len(held) == 2 and all(abs(2 * float(part) - float(whole)) < 0.02 for part, whole in held), out
