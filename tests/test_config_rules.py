@@ -41,6 +41,23 @@ def test_unknown_top_level_key_is_refused_saying_deepspeed_ignores_it(key):
           "misspelt key is never lost silently", "start its name with `_`")
 
 
+@pytest.mark.parametrize("section, near, meant, listing", [
+    ("", "zero_optimizaton", "zero_optimization", "activation_checkpointing, aio, autotuning"),
+    ("zero_optimization", "stag", "stage", "allgather_bucket_size, allgather_partitions"),
+    ("activation_checkpointing", "partition_activation", "partition_activations", "contiguous_memory_optimization, cpu"),
+])
+def test_several_unknown_keys_in_one_object_list_the_valid_keys_once(section, near, meant, listing):
+    # Two stray keys used to repeat the whole list of valid keys once each (2,420 characters at the top
+    # level); each key is still named, a near one still with its suggestion.
+    stray = {"foo_bar": 1, "qux_quux": 2, near: 3}
+    err = fails(cfg(**{section: stray}) if section else cfg(**stray))
+    text, at = str(err), f"{section}." if section else ""
+    assert text.count(listing) == 1, text
+    assert f"`{at}foo_bar` and `{at}qux_quux` are not" in text, text
+    assert f"`{at}{near}` is not a" in text and f"did you mean `{meant}`?" in text, text
+    assert len(err.errors) == 2  # the two keys with no near valid key share one line
+
+
 def test_comment_keys_at_top_level_are_dropped_as_deepspeed_drops_them():
     # JSON has no comments; configs carry notes in "_comment"-style keys, which no DeepSpeed key resembles.
     noted = load_config(cfg(_comment="ZeRO-2 for 8 GPUs", _read_the_docs="https://www.deepspeed.ai/docs/config-json/"))

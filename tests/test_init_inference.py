@@ -101,6 +101,10 @@ def test_unknown_and_bad_keys_are_named():
     assert "`tensor_parallel.tp_sise` is not a DeepSpeed-Inference key; did you mean `tp_size`?" in text
     assert "`max_out_tokens` must be > 0, got 0" in text
     assert "`optimizer` is not a DeepSpeed-Inference key: an inference engine has no optimizer" in text
+    with pytest.raises(fnzero.ConfigError) as err:  # two stray keys: the valid keys listed once for both
+        _linear_engine({"tensor_parallel": {"foo_bar": 1, "qux_quux": 2}})
+    assert "`tensor_parallel.foo_bar` and `tensor_parallel.qux_quux` are not DeepSpeed-Inference keys" in str(err.value)
+    assert str(err.value).count("valid keys here: enabled, ") == 1, str(err.value)
     with pytest.raises(fnzero.ConfigError, match="`dtype` must be a torch dtype or one of .*got \"int4\""):
         _linear_engine(dtype="int4")
     with pytest.raises(fnzero.ConfigError, match="`tensor_parallel.tp_group` is a object: fnzero builds"):

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from fnzero._errors import ConfigError
 
-__all__ = ["Problems", "config_error", "suggest", "join_path"]
+__all__ = ["Problems", "config_error", "suggest", "join_path", "split_by_hint", "listed"]
 
 
 def join_path(*parts: object) -> str:
@@ -36,6 +36,29 @@ def suggest(word: str, candidates: Iterable[str]) -> str:
         prefixed = [c for c in pool if len(word) >= 4 and (c.startswith(word) or word.startswith(c))]
         match = prefixed[:1]
     return f"; did you mean `{match[0]}`?" if match else ""
+
+
+def split_by_hint(path: str, keys: Iterable[str], candidates: Iterable[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The unknown `keys` of the object at `path`, split into (dotted path, "did you mean" hint) for
+    each key with a near candidate, and the dotted paths of those with none. A caller names the
+    second group in one line with the candidates listed once: a config with ten stray keys in one
+    object would otherwise repeat the whole list of valid keys ten times."""
+    pool = list(candidates)
+    hinted: list[tuple[str, str]] = []
+    bare: list[str] = []
+    for key in keys:
+        hint = suggest(key, pool)
+        if hint:
+            hinted.append((join_path(path, key), hint))
+        else:
+            bare.append(join_path(path, key))
+    return hinted, bare
+
+
+def listed(paths: list[str]) -> str:
+    """`a`, `a` and `b`, `a`, `b` and `c`: names in backticks as a sentence lists them."""
+    quoted = [f"`{p}`" for p in paths]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
 def config_error(errors: list[str], source: str | None = None) -> ConfigError:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from ._models import Config
 from ._optim_models import OPTIMIZER_PARAMS
-from ._problems import Problems, join_path, suggest
+from ._problems import Problems, join_path, listed, split_by_hint
 from ._sched_models import SCHEDULER_PARAMS
 
 __all__ = ["check_unknown", "all_paths", "canonical_type"]
@@ -99,20 +99,33 @@ def _special(path: str, key: str) -> str | None:
     return None
 
 
-def _unknown(path: str, key: str, fields: dict[str, Any]) -> str:
-    where = f"`{join_path(path, key)}`"
-    hint = suggest(key, fields)
+def _unknown(path: str, keys: list[str], fields: dict[str, Any]) -> list[str]:
+    """One line per unknown key with a near valid key, and one line naming all the others with the
+    valid keys listed once."""
+    hinted, bare = split_by_hint(path, keys, fields)
+    valid = ", ".join(sorted(fields))
     if path not in IGNORED_BY_DEEPSPEED:  # DeepSpeed refuses it too
-        return f"{where} is not a known key{hint}" if hint else \
-            f"{where} is not a known key; valid keys here: {', '.join(sorted(fields))}"
-    # DeepSpeed reads the keys it knows here and ignores the rest without a word.
+        lines = [f"`{where}` is not a known key{hint}" for where, hint in hinted]
+        if bare:
+            verb = "is not a known key" if len(bare) == 1 else "are not known keys"
+            lines.append(f"{listed(bare)} {verb}; valid keys here: {valid}")
+        return lines
+    lines = [f"`{where}` is not a DeepSpeed config key{hint} ({_ignored(path, 1)})" for where, hint in hinted]
+    if len(bare) == 1:
+        lines.append(f"{listed(bare)} is not a DeepSpeed config key ({_ignored(path, 1)}): remove it, or start its "
+                     f"name with `{COMMENT_PREFIX}` to keep it as a comment; the keys are {valid}")
+    elif bare:
+        lines.append(f"{listed(bare)} are not DeepSpeed config keys ({_ignored(path, len(bare))}): remove them, or "
+                     f"start their names with `{COMMENT_PREFIX}` to keep them as comments; the keys are {valid}")
+    return lines
+
+
+def _ignored(path: str, count: int) -> str:
+    """Why fnzero refuses `count` unknown keys where DeepSpeed reads the keys it knows and ignores the rest."""
     scope = "top-level keys" if not path else f"keys in `{path}`"
-    why = (f"DeepSpeed ignores {scope} it does not know, so it has no effect there either; fnzero refuses it so "
-           "that a misspelt key is never lost silently")
-    if hint:
-        return f"{where} is not a DeepSpeed config key{hint} ({why})"
-    return (f"{where} is not a DeepSpeed config key ({why}): remove it, or start its name with "
-            f"`{COMMENT_PREFIX}` to keep it as a comment; the keys are {', '.join(sorted(fields))}")
+    they, have, them = ("it", "has", "it") if count == 1 else ("they", "have", "them")
+    return (f"DeepSpeed ignores {scope} it does not know, so {they} {have} no effect there either; fnzero refuses "
+            f"{them} so that a misspelt key is never lost silently")
 
 
 def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
@@ -121,12 +134,14 @@ def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
     while stack:
         node, model, path = stack.pop()
         fields = _fields(model)
+        unknown: list[str] = []
         for key in list(node):
             if key not in fields:
-                if path in IGNORED_BY_DEEPSPEED and key.startswith(COMMENT_PREFIX):
-                    del node[key]
-                    continue
-                problems.add(_special(path, key) or _unknown(path, key, fields))
+                special = _special(path, key)
+                if special:
+                    problems.add(special)
+                elif not (path in IGNORED_BY_DEEPSPEED and key.startswith(COMMENT_PREFIX)):
+                    unknown.append(key)
                 del node[key]
                 continue
             value, sub = node[key], fields[key]
@@ -137,4 +152,5 @@ def check_unknown(raw: dict[str, Any], problems: Problems) -> None:
                     kind = canonical_type(node.get("type"), _PARAM_TABLES[path])
                     if kind is not None:
                         stack.append((value, _PARAM_TABLES[path][kind], join_path(path, key)))
+        problems.extend(_unknown(path, unknown, fields))
 

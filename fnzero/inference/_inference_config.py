@@ -22,7 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from .._errors import ConfigError
 from ..config._parse import read_source
-from ..config._problems import Problems, join_path, suggest
+from ..config._problems import Problems, join_path, listed, split_by_hint
 from ..config._translate import validate_into
 from ..config._types import Bool, Int, Model, Str, describe
 
@@ -227,21 +227,28 @@ def _normalise(node: dict[str, Any], path: str, problems: Problems) -> set[str]:
                              "with two values; keep one")
             node.setdefault(name, node[alias])
             del node[alias]
+    unknown: list[str] = []
     for key in list(node):
         dotted = join_path(path, key)
         if isinstance(node[key], str) and node[key] == "auto" and key != "replace_method":
             del node[key]
         elif key not in fields:
             why = SPECIAL.get(key) if not path else None
-            hint = suggest(key, fields)
-            problems.add(f"`{dotted}` is not a DeepSpeed-Inference key"
-                         + (f": {why}" if why else hint or f"; valid keys here: {', '.join(sorted(fields))}"))
+            if why:
+                problems.add(f"`{dotted}` is not a DeepSpeed-Inference key: {why}")
+            else:
+                unknown.append(key)
             del node[key]
         else:
             given.add(dotted)
             if dotted in SECTIONS and isinstance(node[key], Mapping):
                 node[key] = dict(node[key])
                 given |= _normalise(node[key], dotted, problems)
+    hinted, bare = split_by_hint(path, unknown, fields)
+    problems.extend(f"`{where}` is not a DeepSpeed-Inference key{hint}" for where, hint in hinted)
+    if bare:  # the valid keys listed once for all of them
+        verb = "is not a DeepSpeed-Inference key" if len(bare) == 1 else "are not DeepSpeed-Inference keys"
+        problems.add(f"{listed(bare)} {verb}; valid keys here: {', '.join(sorted(fields))}")
     return given
 
 
