@@ -384,6 +384,63 @@ def test_confirm_reruns_a_measurement_far_above_what_the_others_predict(tmp_path
     assert len(calls) == 6 and "confirming" not in out and rows["z1_mbs2"]["prediction_error"] < -0.2
 
 
+def test_confirm_judges_only_positive_predictions_and_says_above_or_below_of_the_prediction(tmp_path, monkeypatch,
+                                                                                             capsys):
+    # specs/autotune.md §Confirm, with the trials' numbers given (no jobs). z1_mbs2 measured faster than
+    # z1_mbs1, so the line through the others' stage-1 points predicts z1_mbs1 a step of -5.5 ms: an
+    # error of -118 %, once printed "measured -647% above" and confirmed twice. Such a prediction says
+    # nothing about the measurement: it is not judged. Of the rest, z0_mbs4 (predicted 40.5 ms,
+    # measured 70 ms: 73 % above), z1_mbs4 (40 % above) and z0_mbs2 (22.4 ms against 30 ms: 34 % above)
+    # each get one job, the most suspect first, before any gets a second.
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    steps = {"z0_mbs1": 0.010, "z0_mbs2": 0.030, "z0_mbs4": 0.070, "z1_mbs1": 0.030, "z1_mbs2": 0.015, "z1_mbs4": 0.060}
+    calls = []
+
+    def fake_trial(c, *, exps_dir, **kw):
+        calls.append((c.name, os.path.basename(exps_dir)))
+        t = steps[c.name]
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": t,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=t, samples_per_s=2 * c.micro / t, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": str(tmp_path / "res"),
+                                                      "exps_dir": str(tmp_path / "exps")}}))
+    assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none", "--confirm", "4",
+                "--micro-batch-sizes", "1,2,4", SCRIPT, "--deepspeed_config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert calls[6:] == [("z0_mbs4", "confirm2"), ("z1_mbs4", "confirm2"), ("z0_mbs2", "confirm2"),
+                         ("z0_mbs4", "confirm3")], out
+    assert "confirming z0_mbs4: measured 73% above what the other candidates predict; one more job" in out
+    assert "confirming z0_mbs2: measured 34% above what the other candidates predict; one more job" in out
+    assert "z1_mbs1" not in "".join(ln for ln in out.splitlines() if ln.startswith("fnzero autotune: confirming"))
+    assert "not judging z1_mbs1: the other candidates predict a step of -0.0055 s" in out
+    # The words for every sign and size: the measurement's distance from the prediction, in its percent.
+    from fnzero.cli._tune_results import versus
+
+    assert [versus(m, 0.1) for m in (0.15, 0.1, 0.08, 0.01, 0.7)] == [
+        "50% above", "0% above", "20% below", "90% below", "600% above"]
+
+
+def test_model_based_tuner_does_not_rank_a_candidate_by_a_non_positive_prediction():
+    # A step of -5 ms was once the best latency and a negative throughput the worst: it is no prediction.
+    from types import SimpleNamespace
+
+    from fnzero.cli._tune_loop import Tuning
+
+    tuning = Tuning.__new__(Tuning)
+    step = {1: -0.005, 2: 0.0, 4: 0.040}
+    tuning.models = {(1, 1): SimpleNamespace(predict=lambda c: SimpleNamespace(total_s=step[c.micro]))}
+    tuning.gas, tuning.world = 1, 2
+    for metric in ("latency", "throughput"):
+        tuning.at = SimpleNamespace(metric=metric)
+        got = [tuning._predicted_metric(Candidate(1, m)) for m in (1, 2, 4)]
+        assert got == [None, None, 0.040 if metric == "latency" else 4 * 2 / 0.040]
+
+
 def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_per_rank_flags(tmp_path, monkeypatch,
                                                                                              capsys):
     # specs/autotune.md §Command: `deepspeed --autotuning tune --num_nodes 1 --num_gpus 2 ...`, as

@@ -10,7 +10,7 @@ import time
 from ._tune_jobs import launch_flags, run_trial
 from ._tune_model import fit_layouts, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
-from ._tune_results import metric_value, progress_line, row_for, write_results
+from ._tune_results import metric_value, progress_line, row_for, versus, write_results
 from ._tune_space import (Candidate, build_space, given_layout, micro_batch_sizes, model_state_estimate, order, prune,
                           trial_config)
 
@@ -117,27 +117,37 @@ class Tuning:
 
     def _confirm(self, planned: int) -> None:
         """--confirm: a candidate whose fastest job is more than CONFIRM_SLOWER slower than the model
-        fitted to every other candidate predicts (out of sample) runs one more job, the most
-        suspect first, at most twice each and --confirm jobs in all. Interference only adds time,
-        so a measurement far above what the rest of the space says is the likeliest to have met a
-        slow spell; the candidate keeps its fastest job, as with --rounds."""
+        fitted to every other candidate predicts (out of sample) runs one more job, at most twice
+        each and --confirm jobs in all: those with fewer such jobs first, then the most suspect.
+        Interference only adds time, so a measurement far above what the rest of the space says is
+        the likeliest to have met a slow spell; the candidate keeps its fastest job, as with
+        --rounds. A prediction of no time or less is the fit extrapolated past its points (a
+        faster step at a larger size tilts the line below zero), not a scale for a measurement:
+        that candidate is not judged."""
         extra, cap = 0, self.args.confirm
         if cap is None:
             cap = -(-len(self.fitted) // 5)  # a fifth of the candidates that ran successfully
         confirmed: dict[Candidate, int] = {}
+        unjudged: set[Candidate] = set()
         while extra < cap and len(self.fitted) >= 3:
             loo = leave_one_out(self.fitted, **self._fit_options())
             # Only where the prediction rests on the candidate's own stage: two others of it ran.
             stages = [(c.stage, c.layout) for c, _ in self.fitted]
-            suspects = sorted(((loo[c] / rep["step_time_s"] - 1, c) for c, rep in self.fitted
-                               if stages.count((c.stage, c.layout)) >= 3 and confirmed.get(c, 0) < 2
-                               and loo[c] / rep["step_time_s"] - 1 < -CONFIRM_SLOWER), key=lambda ec: ec[0])
+            judged = [(c, rep["step_time_s"]) for c, rep in self.fitted
+                      if stages.count((c.stage, c.layout)) >= 3 and confirmed.get(c, 0) < 2]
+            for c, _ in judged:
+                if loo[c] <= 0 and c not in unjudged:
+                    unjudged.add(c)
+                    self._say(f"not judging {c.name}: the other candidates predict a step of {loo[c]:.4f} s, "
+                              "which says nothing about its measurement")
+            suspects = sorted((c for c, measured in judged if loo[c] > 0 and loo[c] / measured - 1 < -CONFIRM_SLOWER),
+                              key=lambda c: (confirmed.get(c, 0), loo[c] / self.results[c].step_time_s))
             if not suspects:
                 return
             if self._left() <= 0:
                 return self._say(f"confirming stopped: time budget ({self.budget:.0f} s) spent")
-            error, c = suspects[0]
-            self._say(f"confirming {c.name}: measured {100 * -error / (1 + error):.0f}% above what the other "
+            c = suspects[0]
+            self._say(f"confirming {c.name}: measured {versus(self.results[c].step_time_s, loo[c])} what the other "
                       f"candidates predict; one more job")
             confirmed[c] = confirmed.get(c, 0) + 1
             extra += 1
@@ -203,7 +213,7 @@ class Tuning:
 
     def _predicted_metric(self, c: Candidate) -> float | None:
         t = self._predict(c)
-        if t is None:
+        if t is None or t <= 0:  # no time or less: the fit extrapolated past its points, no rank for the tuner
             return None
         return t if self.at.metric == "latency" else c.micro * self.gas * c.dp(self.world) / t
 

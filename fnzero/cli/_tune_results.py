@@ -10,7 +10,7 @@ import os
 
 DEFAULT_TRIAL_S = 120.0  # the time budget per planned trial when --time-budget is not given
 
-__all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line"]
+__all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line", "versus"]
 
 COLUMNS = ("name", "stage", "micro_batch", "offload", "tensor_parallel", "pipeline_stages", "train_batch_size", "status", "reason", "step_time_s",
            "samples_per_s", "tokens_per_s", "flops_per_s_per_rank", "peak_memory_bytes", "model_state_bytes",
@@ -84,3 +84,10 @@ def progress_line(i: int, total: int, row: dict, elapsed: float, budget: float) 
         if row["predicted_step_s"] is not None:
             body += f"; predicted {row['predicted_step_s']:.4f} s ({100 * row['prediction_error']:+.1f}%)"
     return f"{head}{body} | {elapsed:.0f} s of {budget:.0f} s"
+
+
+def versus(measured: float, predicted: float) -> str:
+    """`27% above` / `12% below`: where a measured step lies, in percent of the (positive) prediction."""
+    assert predicted > 0, predicted  # a non-positive prediction is no scale: callers leave it out
+    pct = 100 * (measured / predicted - 1)
+    return f"{abs(pct):.0f}% {'above' if pct >= 0 else 'below'}"
