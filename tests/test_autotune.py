@@ -441,6 +441,55 @@ def test_model_based_tuner_does_not_rank_a_candidate_by_a_non_positive_predictio
         assert got == [None, None, 0.040 if metric == "latency" else 4 * 2 / 0.040]
 
 
+def test_micro_batch_grid_stops_growing_at_the_memory_limit_and_the_time_budget(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Bounds, with the trials' numbers given (no jobs). DeepSpeed's default grid,
+    # 1, 32, 1024, once ran a 0.87M-parameter model at 1024 (15.5 s a step). Here a step is 20 ms +
+    # 5 ms per sample, a trial 6 s + its 33 steps, the peak 100 MiB + 2 MiB per sample.
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    calls = []
+
+    def fake_trial(c, **kw):
+        calls.append(c.name)
+        t = 0.020 + 0.005 * c.micro
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": t,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=t, samples_per_s=2 * c.micro / t, model_state_bytes=16_000,
+                           peak_memory_bytes=(100 + 2 * c.micro) * 2**20, wall_s=6.0 + 33 * t, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+
+    def tune(*flags):
+        calls.clear()
+        cfg, res = tmp_path / "ds.json", tmp_path / f"res{len(flags)}"
+        cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "end_profile_step": 33,
+                                                          "results_dir": str(res), "exps_dir": str(tmp_path / "e")}}))
+        assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none", *flags,
+                    SCRIPT, "--deepspeed_config", str(cfg)]) == 0
+        return {r["name"]: r for r in json.loads((res / "autotune_results.json").read_text())}, capsys.readouterr().out
+
+    # The time budget: 120 s a trial by default; at 1024 the line through 1 and 32 predicts 5.14 s a
+    # step, 6 + 33 x 5.14 = 176 s: not run, at either stage (stage 1 from stage 0's slope).
+    rows, out = tune()
+    assert calls == ["z0_mbs1", "z0_mbs32", "z1_mbs1", "z1_mbs32"], out
+    for name in ("z0_mbs1024", "z1_mbs1024"):
+        assert rows[name]["status"] == "skipped", rows[name]
+        assert "predicted 5.140 s a step" in rows[name]["reason"] and "~176 s" in rows[name]["reason"]
+    assert "skipped z0_mbs1024: predicted 5.140 s a step from the smaller sizes measured" in out
+    # The memory limit: peak grows 2 MiB a sample, so 1024 needs at least 164 + 2 x 992 MiB (2.10 GiB) > 1 GiB
+    # (stage 0, its own 32's peak grown), and stage 1, not yet run at any size, its model state plus
+    # 2 GiB; 32 (one size ran) is run, nothing is judged before two sizes ran.
+    rows, out = tune("--memory-limit", "1GiB", "--time-budget", "100000")
+    assert calls == ["z0_mbs1", "z0_mbs32", "z1_mbs1", "z1_mbs32"], out
+    assert rows["z0_mbs1024"]["status"] == rows["z1_mbs1024"]["status"] == "pruned"
+    assert rows["z0_mbs1024"]["reason"] == ("planner: at least 2.10 GiB per rank (model state 15.62 KiB, peak memory "
+                                            "growing 2.00 MiB a sample as measured) > memory limit 1.00 GiB")
+    rows, out = tune("--memory-limit", "1GiB", "--time-budget", "100000", "--micro-batch-sizes", "1,2,16,400,600")
+    assert calls == ["z0_mbs1", "z0_mbs2", "z0_mbs16", "z0_mbs400", "z1_mbs1", "z1_mbs2", "z1_mbs16", "z1_mbs400"]
+    assert rows["z0_mbs600"]["status"] == "pruned"  # 100 + 2 x 600 MiB: 1.27 GiB
+
+
 def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_per_rank_flags(tmp_path, monkeypatch,
                                                                                              capsys):
     # specs/autotune.md §Command: `deepspeed --autotuning tune --num_nodes 1 --num_gpus 2 ...`, as

@@ -56,7 +56,8 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help=f"seconds for all trials (default {_DEFAULT_TRIAL_S:g} per planned trial); printed up front")
     g.add_argument("--memory-limit", type=_bytes, default=None, metavar="BYTES",
-                   help="model-state bytes one rank may hold (default: the GPU's memory; none on CPU)")
+                   help="bytes one rank may hold (default: the GPU's memory; on CPU, this machine's memory over "
+                   "the trial's ranks)")
     g.add_argument("--params", type=int, default=None, metavar="N",
                    help="trainable parameters (default autotuning.model_info.num_params, else the first trial's)")
     g.add_argument("--stages", type=_ints, default=[0, 1, 2, 3], help="ZeRO stages to try (default 0,1,2,3)")

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from ._tune_bounds import activation_bytes_per_sample, host_memory_bytes, memory_floor, trial_overhead_s, two_sizes_ran
 from ._tune_jobs import launch_flags, run_trial
 from ._tune_model import fit_layouts, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
@@ -33,6 +34,8 @@ class Tuning:
         self.limit = args.memory_limit
         if self.limit is None and self.cuda:
             self.limit = torch.cuda.get_device_properties(0).total_memory
+        elif self.limit is None and (host := host_memory_bytes()):  # the device is the host: its ranks share it
+            self.limit = host // max(1, args.world)
         self.num_params = args.params or self.at.model_info.num_params
         self.rows: dict[Candidate, dict] = {}
         self.results: dict = {}
@@ -99,10 +102,43 @@ class Tuning:
                 c = order(todo, at.tuner_type, seed=self.args.seed, predicted=predicted,
                           better_high=at.metric != "latency")[0]
             todo.remove(c)
+            if bound := self._beyond_bounds(c, planned):
+                self._row(c, *bound)
+                self._say(f"{bound[0]} {c.name}: {bound[1]}")
+                continue
             self._trial(c, planned)
             new_best = self._best()
             since_best = 0 if new_best != best else since_best + 1
             best = new_best
+
+    def _beyond_bounds(self, c: Candidate, planned: int) -> tuple[str, str] | None:
+        """(status, why) when c need not run: its memory floor is over the limit, or its trial would
+        take more than its share of the budget (§Bounds); None to run it."""
+        from ..memory._estimate import format_bytes
+
+        ran = [(r, res) for r, res in self.results.items() if res.status == "ok"]
+        if not two_sizes_ran(c, ran):
+            return None
+        per_sample = activation_bytes_per_sample(c, ran)
+        if self.limit is not None and per_sample is not None and self.num_params:
+            state = model_state_estimate(c, self.num_params, self.world, self.cfg.precision, not self.cuda)
+            need = memory_floor(c, ran, state, per_sample)
+            if need > self.limit:
+                return "pruned", (f"planner: at least {format_bytes(need)} per rank (model state {format_bytes(state)}, "
+                                  f"peak memory growing {format_bytes(per_sample)} a sample as measured) > memory "
+                                  f"limit {format_bytes(self.limit)}")
+        step = self._predict(c)
+        if step is None or step <= 0:
+            return None
+        steps = self.at.end_profile_step
+        trial = trial_overhead_s(ran, steps) + steps * step
+        share = self.budget / max(1, planned)
+        allowed = min(share, self._left(), self.args.trial_timeout or float("inf"))
+        if trial > allowed:
+            return "skipped", (f"predicted {step:.3f} s a step from the smaller sizes measured: its {steps} steps "
+                               f"would take ~{trial:.0f} s, more than the {allowed:.0f} s its trial may take "
+                               f"(its share of the time budget, {share:.0f} s, or what is left)")
+        return None
 
     def _round(self, r: int, planned: int) -> bool:
         """Round r of --rounds: every candidate that succeeded runs again as a new job, in the order
