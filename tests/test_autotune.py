@@ -4,6 +4,7 @@ spawned run of every candidate of a tiny space (stages {0,3} x micro-batch {1,4}
 import json
 import math
 import os
+import shutil
 import warnings
 
 import pytest
@@ -488,6 +489,51 @@ def test_micro_batch_grid_stops_growing_at_the_memory_limit_and_the_time_budget(
     rows, out = tune("--memory-limit", "1GiB", "--time-budget", "100000", "--micro-batch-sizes", "1,2,16,400,600")
     assert calls == ["z0_mbs1", "z0_mbs2", "z0_mbs16", "z0_mbs400", "z1_mbs1", "z1_mbs2", "z1_mbs16", "z1_mbs400"]
     assert rows["z0_mbs600"]["status"] == "pruned"  # 100 + 2 x 600 MiB: 1.27 GiB
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_default_output_directories_stay_out_of_git_and_given_ones_are_the_users(tmp_path, monkeypatch, capsys):
+    # specs/autotune.md §Outputs: DeepSpeed's default autotuning_results/ and autotuning_exps/ land in
+    # the working directory, often a repository's root, where `git status` showed them after a run.
+    import subprocess
+
+    import fnzero.cli._tune_loop as loop
+    from fnzero.cli._tune_jobs import TrialResult
+
+    def fake_trial(c, *, exps_dir, **kw):
+        os.makedirs(os.path.join(exps_dir, c.name))  # what a trial writes: its log, config, command
+        with open(os.path.join(exps_dir, c.name, "stdout.log"), "w") as log:
+            log.write("step 1\n")
+        report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": 0.01,
+                  "timings_s": {"optimizer": 0.0}, "link": {"latency_s": 1e-4, "bandwidth_Bps": 1e9}}
+        return TrialResult("ok", step_time_s=0.01, samples_per_s=200.0, model_state_bytes=1, report=report)
+
+    monkeypatch.setattr(loop, "run_trial", fake_trial)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    monkeypatch.chdir(repo)
+
+    def status():
+        return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()
+
+    (repo / "ds.json").write_text(json.dumps({**BASE, "autotuning": {"enabled": True}}))
+    assert status() == ["?? ds.json"]
+    args = ["autotune", "--world", "2", "--params", "1000", "--stages", "0", "--micro-batch-sizes", "1,2", SCRIPT,
+            "--deepspeed_config", "ds.json"]
+    assert cli(args) == 0
+    assert status() == ["?? ds.json"]  # nothing new shows
+    assert (repo / "autotuning_results" / "ds_config_optimal.json").is_file()  # where DeepSpeed puts it
+    assert (repo / "autotuning_exps" / "z0_mbs2" / "stdout.log").is_file()
+    # Directories the config names are the user's: written as they are, nothing added.
+    (repo / "ds.json").write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": "mine",
+                                                                     "exps_dir": "runs/exps"}}))
+    assert cli(args) == 0
+    assert sorted(status()) == ["?? ds.json", "?? mine/autotune_results.csv", "?? mine/autotune_results.json",
+                                "?? mine/cmd_optimal.txt", "?? mine/ds_config_optimal.json",
+                                "?? runs/exps/z0_mbs1/stdout.log", "?? runs/exps/z0_mbs2/stdout.log"]
+    capsys.readouterr()
 
 
 def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_per_rank_flags(tmp_path, monkeypatch,

@@ -11,7 +11,7 @@ from ._tune_bounds import activation_bytes_per_sample, host_memory_bytes, memory
 from ._tune_jobs import launch_flags, run_trial
 from ._tune_model import fit_layouts, leave_one_out
 from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
-from ._tune_results import metric_value, progress_line, row_for, versus, write_results
+from ._tune_results import ignored_dir, metric_value, progress_line, row_for, versus, write_results
 from ._tune_space import (Candidate, build_space, given_layout, micro_batch_sizes, model_state_estimate, order, prune,
                           trial_config)
 
@@ -50,6 +50,9 @@ class Tuning:
 
     def run(self) -> int:
         at = self.at
+        for key in ("results_dir", "exps_dir"):  # DeepSpeed's defaults, in the working directory: kept out of git
+            if key not in (self.raw.get("autotuning") or {}):
+                ignored_dir(getattr(at, key))
         micros = self.args.micro_batch_sizes or micro_batch_sizes(
             at.min_train_micro_batch_size_per_gpu, at.max_train_micro_batch_size_per_gpu, at.num_tuning_micro_batch_sizes)
         tp0, pp0 = given_layout(self.raw)

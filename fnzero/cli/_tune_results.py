@@ -10,7 +10,8 @@ import os
 
 DEFAULT_TRIAL_S = 120.0  # the time budget per planned trial when --time-budget is not given
 
-__all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line", "versus"]
+__all__ = ["DEFAULT_TRIAL_S", "COLUMNS", "row_for", "metric_value", "write_results", "progress_line", "versus",
+           "ignored_dir"]
 
 COLUMNS = ("name", "stage", "micro_batch", "offload", "tensor_parallel", "pipeline_stages", "train_batch_size", "status", "reason", "step_time_s",
            "samples_per_s", "tokens_per_s", "flops_per_s_per_rank", "peak_memory_bytes", "model_state_bytes",
@@ -47,6 +48,20 @@ def row_for(c, *, world: int, gas: int, status: str, reason: str = "", result=No
     if jobs:
         r["job_step_times_s"] = [j.step_time_s for j in jobs]
     return r
+
+
+def ignored_dir(path: str) -> None:
+    """Make `path` a directory that version control leaves alone: a `.gitignore` of `*` in it, as
+    pytest's and ruff's caches have. For DeepSpeed's default `autotuning_results` and
+    `autotuning_exps`, which land in the working directory, often a repository's root; a directory
+    the config names is the user's, and left as it is."""
+    os.makedirs(path, exist_ok=True)
+    marker = os.path.join(path, ".gitignore")
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write("# Written by fnzero autotune: this is autotuning's default output directory, which version "
+                    "control need not see.\n# Set autotuning.results_dir / exps_dir to choose the directory; "
+                    "delete this file to track it here.\n*\n")
 
 
 def write_results(results_dir: str, rows: list[dict], best_config: dict | None, best_cmd: list[str] | None) -> dict:
