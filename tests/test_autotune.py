@@ -287,7 +287,8 @@ def test_tuners_stop_at_num_trials_and_early_stopping(tmp_path, monkeypatch, cap
         order_run.clear()
         cfg = tmp_path / f"{tuner}.json"
         cfg.write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "tuner_type": tuner, **block,
-                                                          "results_dir": str(tmp_path / tuner)}}))
+                                                          "results_dir": str(tmp_path / tuner),
+                                                          "exps_dir": str(tmp_path / "exps")}}))
         assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1,2,3", "--offload", "none",
                     "--micro-batch-sizes", "1,2", SCRIPT, "--deepspeed_config", str(cfg)]) == 0
         rows = json.loads((tmp_path / tuner / "autotune_results.json").read_text())
@@ -647,7 +648,8 @@ def test_tensor_and_pipeline_layouts_are_candidates_with_their_own_model(tmp_pat
         ran.clear()
         res = tmp_path / tuner
         (tmp_path / "ds.json").write_text(json.dumps({**BASE, "autotuning": {
-            "enabled": True, "tuner_type": tuner, "tuner_early_stopping": 100, "results_dir": str(res)}}))
+            "enabled": True, "tuner_type": tuner, "tuner_early_stopping": 100, "results_dir": str(res),
+            "exps_dir": str(tmp_path / "exps")}}))
         assert cli(["autotune", "--world", "2", "--params", "1000", "--stages", "0,1", "--offload", "none",
                     "--micro-batch-sizes", "1,2,4", "--tensor-parallel", "1,2", "--confirm", "0", *flags, SCRIPT,
                     "--deepspeed_config", str(tmp_path / "ds.json")]) == 0
