@@ -73,3 +73,44 @@ def pytest_terminal_summary(terminalreporter):
         except PackageNotFoundError:
             pass
     terminalreporter.write_line("dependencies: " + ", ".join(found))
+
+
+# Nothing a test makes may outlive it. A directory from `tempfile.mkdtemp` or a file from `mkstemp` /
+# `NamedTemporaryFile(delete=False)` is the test's to remove (pytest's `tmp_path`, which pytest itself
+# prunes to the last three runs, is the usual way): Python announces each one it makes (audit events
+# `tempfile.mkdtemp`, `tempfile.mkstemp`), so a test that leaves one fails at its teardown naming it,
+# and one made while the test modules are imported fails the first test. Module- and session-scoped
+# fixtures are set up before a test's own, so what they make is not counted. Nor may a test leave a
+# new entry in the checkout's root (the working directory of the suite and of the examples it runs).
+_MADE: list[str] = []
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT_OWN = {".hypothesis", ".pytest_cache"}  # hypothesis' example database, pytest's cache
+
+
+def _record_temp(event: str, args: tuple) -> None:
+    if event in ("tempfile.mkdtemp", "tempfile.mkstemp"):
+        _MADE.append(args[0])
+
+
+sys.addaudithook(_record_temp)  # for the process's life: audit hooks cannot be removed
+
+
+def _left(since: int) -> list[str]:
+    # multiprocessing's own `pymp-*` directory is the process's, made on first use and removed at exit.
+    return [p for p in _MADE[since:] if os.path.lexists(p) and not os.path.basename(p).startswith("pymp-")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_made_at_import():
+    left = _left(0)
+    assert not left, f"made by tempfile while the test modules were imported, and never removed: {left}"
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind(_nothing_made_at_import):
+    since, root = len(_MADE), set(os.listdir(_ROOT))
+    yield
+    left = _left(since)
+    assert not left, f"this test left what it made with tempfile: {left}; use tmp_path, or remove it"
+    new = sorted(set(os.listdir(_ROOT)) - root - _ROOT_OWN)
+    assert not new, f"this test left {new} in {_ROOT}; write under tmp_path"

@@ -53,7 +53,6 @@ for line in sys.stdin:
 """
 
 _server = None
-_tmp = tempfile.mkdtemp(prefix="fnzero_cli_test_")
 
 
 def _env():
@@ -74,13 +73,14 @@ def run_cli(*argv):
         _server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, env=_env(), text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         atexit.register(_stop)
-    out, err = os.path.join(_tmp, "out"), os.path.join(_tmp, "err")
-    _server.stdin.write(json.dumps({"argv": [str(a) for a in argv], "out": out, "err": err}) + "\n")
-    _server.stdin.flush()
-    reply = _server.stdout.readline()
-    assert reply, "the CLI fork server died"
-    with open(out) as fo, open(err) as fe:
-        return json.loads(reply)["rc"], fo.read(), fe.read()
+    with tempfile.TemporaryDirectory(prefix="fnzero_cli_test_") as tmp:  # the child's stdout and stderr
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        _server.stdin.write(json.dumps({"argv": [str(a) for a in argv], "out": out, "err": err}) + "\n")
+        _server.stdin.flush()
+        reply = _server.stdout.readline()
+        assert reply, "the CLI fork server died"
+        with open(out) as fo, open(err) as fe:
+            return json.loads(reply)["rc"], fo.read(), fe.read()
 
 
 def run_fresh(*argv):
