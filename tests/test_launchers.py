@@ -426,9 +426,15 @@ def test_each_rank_logs_to_its_own_file_as_deepspeed(tmp_path, monkeypatch, caps
 
     (tmp_path / "job.py").write_text("import os, sys\nprint('out', os.environ['RANK'])\n"
                                      "print('err', os.environ['RANK'], file=sys.stderr)\n")
+    temp = tmp_path / "temp"  # the launch's temporary directory, to see what it leaves there
+    temp.mkdir()
     r = subprocess.run([sys.executable, "-m", "fnzero.cli", "launch", "--nproc-per-node", "2", "--enable_each_rank_log",
-                        "logs", "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                        "logs", "job.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TMPDIR": str(temp)})
     assert r.returncode == 0, r.stderr
+    # Not even torchrun's empty `torchelastic_*` log folder, once per launch (torch's compile cache,
+    # `torchinductor_<user>`, is kept on purpose: it is shared by every run).
+    assert [f for f in os.listdir(temp) if not f.startswith("torchinductor_")] == []
     assert "out " not in r.stdout and "err " not in r.stderr, (r.stdout, r.stderr)
     assert "Warning" not in r.stderr, r.stderr  # the front runs fresh: nothing imported it before `-m`
     files = sorted(os.listdir(tmp_path / "logs"))

@@ -229,6 +229,10 @@ def _run_torchrun(argv: list[str]) -> int:
     # torchrun copies its root cause's error file to its own: there, not a logged complaint that
     # it has none (each worker is given its own path).
     os.environ.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(failures, "torchrun.error"))
+    # torchrun's agent makes a log directory for every run (empty unless asked to redirect the ranks'
+    # output, which fnzero does not): without one given it leaves a `torchelastic_*` in the temp
+    # directory per launch. In the failures' folder it goes when the launch ends.
+    argv = ["--log-dir", os.path.join(failures, "torchelastic"), *argv]
     exits: dict[int, int] = {}
     try:
         torchrun.main(argv)
