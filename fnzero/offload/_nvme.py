@@ -23,9 +23,9 @@ import torch
 
 from .. import _ext
 from ._nvme_files import (
-    _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, MANIFEST, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
-    check_unit_tensors, checked_create_args, chunk_span, check_file, flat_cpu, pack_header, read_manifest, stale_stores,
-    take_lock, write_json_atomic,
+    _ELEM, _HDR, _PAGE_ELEMS, FORMAT, HEADER, PREFIX, VERSION, NvmeStoreError, _round_up, check_header,
+    Updates, check_unit_tensors, checked_create_args, chunk_span, check_file, flat_cpu, pack_header, read_manifest,
+    stale_stores, take_lock,
 )
 
 __all__ = ["NvmeOptimizerStore", "NvmeStoreError", "OPTIMIZERS", "stale_stores"]
@@ -40,7 +40,7 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
 }
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
 
-class NvmeOptimizerStore:
+class NvmeOptimizerStore(Updates):
     """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit).
 
     Make one with `create` (new scratch files) or, to inspect files left behind, `open`
@@ -59,7 +59,6 @@ class NvmeOptimizerStore:
         self.sub_group_size: int = manifest["sub_group_size"]
         self.buffer_count = buffer_count
         self._writable, self._use_cext = writable, use_cext
-        self._broken: str | None = None  # why the files are inconsistent (a step or write failed part-way)
         self._bufs: list[dict[str, torch.Tensor]] | None = None
         self._gbuf: torch.Tensor | None = None
         self._lock_fd = -1
@@ -182,10 +181,9 @@ class NvmeOptimizerStore:
         empty = torch.empty(0)
         self._kernel(*[empty] * (len(self.kinds) + 1), **kw)  # bad keywords fail here, before any file changes
         self._check_files()
-        self._begin("step", step)
-        self._pipeline(grads, outs, kw)
-        self._manifest["step"] = int(step)
-        self._end()
+        with self.updating("step", step):
+            self._pipeline(grads, outs, kw)
+            self._manifest["step"] = int(step)
 
     def _pipeline(self, grads: dict[str, torch.Tensor], outs: dict[str, torch.Tensor], kw: dict) -> None:
         """Chunk i lives in slot i % B from its read until its write completes, so at most B chunks
@@ -271,13 +269,12 @@ class NvmeOptimizerStore:
             raise ValueError(f"NvmeOptimizerStore.write: value must be a float tensor of {numel} elements")
         value = value.detach().to("cpu", torch.float32).contiguous().reshape(-1)
         self._check_files()
-        self._begin("write", self._manifest["step"])
-        try:
-            if numel:
-                self._handles[which].pwrite(value, off)
-        finally:
-            self._drain()
-        self._end()
+        with self.updating("write", self._manifest["step"]):
+            try:
+                if numel:
+                    self._handles[which].pwrite(value, off)
+            finally:
+                self._drain()
 
     def set_step(self, step: int) -> None:
         """Record that the files now hold the state after `step` steps (after `write`s that
@@ -288,29 +285,13 @@ class NvmeOptimizerStore:
         self._manifest["step"] = step if step > 0 else None
         self._save_manifest("clean", fsync=True)
 
-    # -- consistency ----------------------------------------------------------------------------
-    def _begin(self, what: str, step: Any) -> None:
-        # Marked before the first byte changes: a kill from here to _end leaves a manifest that
-        # makes `open` refuse the files, and an exception leaves this object refusing too.
-        self._broken = f"a {what} (step {step}) failed part-way; its files mix old and new values"
-        self._save_manifest(what)
-
-    def _end(self) -> None:
-        self._save_manifest("clean")
-        self._broken = None
-
-    def _save_manifest(self, state: str | None = None, fsync: bool = False) -> None:
-        if state is not None:
-            self._manifest["state"] = state
-        write_json_atomic(os.path.join(self.path, MANIFEST), self._manifest, fsync)
-
+    # -- consistency (`updating`, `refuse_if_broken`: `Updates`) -----------------------------------
     def _check_usable(self, what: str, write: bool) -> None:
         if not self._handles:
             raise ValueError(f"NvmeOptimizerStore.{what}: the store at {self.path} is closed")
         if write and not self._writable:
             raise ValueError(f"NvmeOptimizerStore.{what}: {self.path} was opened read-only (open() is for inspection)")
-        if self._broken is not None:
-            raise NvmeStoreError(errno.EIO, self._broken, self.path)
+        self.refuse_if_broken()
 
     def _check_files(self) -> None:
         """Each file still there, the one opened, and long enough (`check_file`)."""

@@ -1,23 +1,25 @@
-"""The NVMe store's files (`_nvme.py`): their format (manifest, per-file headers, aligned units),
-the directory lock, the checks of what callers hand the store, and finding the directories
-killed runs left behind (`specs/offload.md §NVMe store`)."""
+"""The NVMe stores' files (`_nvme.py`, `_nvme_params.py`): their format (manifest, per-file
+headers, aligned units), the directory lock, what the manifest and the store say while the files
+change (`Updates`), the checks of what callers hand the store, and finding the directories killed
+runs left behind (`specs/offload.md §NVMe store`)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import shutil
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from .. import _ext
 from .._errors import ConfigError, DistributedError
 
-__all__ = ["NvmeStoreError", "stale_stores", "usable_directory"]
+__all__ = ["NvmeStoreError", "Updates", "stale_stores", "usable_directory"]
 
 FORMAT = "fnzero-nvme-optimizer-store"
 VERSION = 1
@@ -35,6 +37,52 @@ class NvmeStoreError(OSError, DistributedError):
     """A store file is missing, truncated, replaced, of another store, or was left part-way through
     a step: the run cannot go on from it. An OSError (errno, filename = the path) and a
     fnzero.DistributedError."""
+
+
+class Updates:
+    """How a store's files change, shared by the optimizer store and the parameter store: inside
+    `updating(what, step)` the manifest's `state` is `what` from before the first byte changes
+    until the last is written, then "clean" again (a kill in between leaves a manifest that `open`
+    refuses). An update that raises part-way leaves the files holding old and new values together,
+    of no one step, so the store refuses every later use (`refuse_if_broken`: one NvmeStoreError
+    naming it and the way back) instead of letting a retried state read them. Updates nest: a
+    store's own `write` inside a caller's update of many units (a step's copy-out, a checkpoint
+    load) is part of it. The store provides `path` and `_manifest`."""
+
+    path: str
+    _manifest: dict
+    _broken: str | None = None  # why the files are of no one step
+    _depth = 0  # updates open
+    _outer: tuple[str, Any] = ("", None)  # the outermost one's (what, step)
+
+    @contextlib.contextmanager
+    def updating(self, what: str, step: Any) -> Iterator[None]:
+        self.refuse_if_broken()
+        outer = self._depth == 0
+        if outer:
+            self._save_manifest(what)  # a failure here changed no byte: the store stays usable
+            self._outer = (what, step)
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._broken = (f"a {self._outer[0]} (step {self._outer[1]}) failed part-way, so the store's files hold "
+                            "old and new values together and cannot be used again; load the last checkpoint into a "
+                            "new state (fnzero.shard the model again, init_state, fnzero.checkpoint.load)")
+            raise
+        finally:
+            self._depth -= 1
+        if outer and self._broken is None:  # (an inner update that raised, caught inside, still broke it)
+            self._save_manifest("clean")
+
+    def refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise NvmeStoreError(errno.EIO, self._broken, self.path)
+
+    def _save_manifest(self, state: str | None = None, fsync: bool = False) -> None:
+        if state is not None:
+            self._manifest["state"] = state
+        write_json_atomic(os.path.join(self.path, MANIFEST), self._manifest, fsync)
 
 
 def _round_up(n: int, m: int) -> int:
