@@ -2,13 +2,16 @@
 the master weights and moments live in files, and the run equals the CPU-offload run bit for bit
 (the same C kernel, streamed in sub-groups)."""
 
+import errno
+
 import pytest
 import torch
 
 import _worlds as W
 import fnzero
 from fnzero.memory import model_state_bytes
-from fnzero.sharding.zero._param_store import is_placeholder
+from fnzero.offload import NvmeStoreError
+from fnzero.sharding.zero._param_store import is_placeholder, sources_of
 from fnzero.testing._threads import simulated_world
 
 
@@ -222,3 +225,63 @@ def test_an_nvme_path_that_cannot_hold_files_is_one_line_naming_the_key(key, zer
         sm.init_state()
     msg = str(err.value)
     assert f"zero_optimization.{key}.nvme_path" in msg and path in msg and "\n" not in msg, msg
+
+
+def _failing_after(store, monkeypatch, writes):
+    """The parameter store's file writes fail (disk full) once `writes` of them went through; the
+    list of those that did."""
+    real, done = store._handle.pwrite, []
+
+    def pwrite(*args, **kw):
+        if len(done) == writes:
+            raise OSError(errno.ENOSPC, "No space left on device", store.path)
+        done.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store._handle, "pwrite", pwrite)
+    return done
+
+
+@pytest.mark.parametrize("fails_in", ["step", "load"])
+def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fails_in, tmp_path, monkeypatch):
+    # specs/offload.md §Parameters: the step's copy-out (and a checkpoint load) writes the shards a
+    # unit at a time; one that fails after some units were written leaves the files of no one step,
+    # so every later use of them is one NvmeStoreError naming the store and the way back, never a
+    # read of old and new shards together.
+    def rank_fn(comm):
+        cfg = W.config(3, world=1, extra={"zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
+        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+        step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
+        batch = (torch.randn(2, 3), torch.randn(2, 2))
+        s1, _ = step(sm.init_state(), batch)
+        fnzero.checkpoint.save(str(tmp_path / "ckpt"), s1)
+        at_step_1 = sm.gather(s1.params)
+        store = sources_of(s1.sharding).params.store
+        assert len(store.units("params")) >= 2  # so one can be written and the next fail
+        written = _failing_after(store, monkeypatch, 1)
+        with pytest.raises(OSError, match="No space left"):
+            if fails_in == "step":
+                step(s1, batch)
+            else:
+                fnzero.checkpoint.load(str(tmp_path / "ckpt"), like=s1)
+        monkeypatch.undo()
+        assert len(written) == 1  # one unit's new shard is in the file, the others' are old
+        uses = {"step": lambda: step(s1, batch), "gather": lambda: sm.gather(s1.params),
+                "forward": lambda: sm.apply(s1.params, batch[0]),  # what generate runs
+                "save": lambda: fnzero.checkpoint.save(str(tmp_path / "again"), s1),
+                "load": lambda: fnzero.checkpoint.load(str(tmp_path / "ckpt"), like=s1)}
+        for use, call in uses.items():
+            with pytest.raises(NvmeStoreError, match="failed part-way") as err:
+                call()
+            msg = str(err.value)
+            assert store.path in msg and "fnzero.shard" in msg and "checkpoint.load" in msg, (use, msg)
+        # The way back the error names: a new state, the last checkpoint loaded into it.
+        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+        state, _ = fnzero.checkpoint.load(str(tmp_path / "ckpt"), like=sm.init_state())
+        assert sources_of(state.sharding).params.store is not store
+        W.assert_close_tree(sm.gather(state.params), at_step_1, rtol=0, atol=0, what="reloaded")
+        step(state, batch)
+
+    simulated_world(1).run(rank_fn)

@@ -9,6 +9,7 @@ them; the padding is zero. No conversion step, and each rank reads only what it 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 from typing import Any
 
@@ -384,8 +385,11 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     with torch.no_grad():
         for own, value in pending:
             own.copy_(value)
-    for source, unit, value in stored:
-        source.write(unit, value)
-    if any(source.kind != "frozen" for source, _, _ in stored):  # the trainable shards are now those of its step
-        sources.params.store.set_step(int(state.step))
+    with contextlib.ExitStack() as updates:  # one update of each store: all its shards, or it refuses all later use
+        for store in {id(source.store): source.store for source, _, _ in stored}.values():
+            updates.enter_context(store.updating("checkpoint load", int(state.step)))
+        for source, unit, value in stored:
+            source.write(unit, value)
+        if any(source.kind != "frozen" for source, _, _ in stored):  # the trainable shards are now those of its step
+            sources.params.store.set_step(int(state.step))
     return state

@@ -10,6 +10,9 @@ so that copy is a DMA. On a CPU run the parameters are host memory already, and 
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 __all__ = ["HostParamStore"]
@@ -26,6 +29,13 @@ class HostParamStore:
 
     def set_step(self, step: int) -> None:
         self.last_step = int(step)
+
+    @contextlib.contextmanager
+    def updating(self, what: str, step: int) -> Iterator[None]:
+        """As `NvmeParamStore.updating`, whose callers group writes in it; nothing to mark here: a
+        write is a copy between tensors of the checked size, which does not stop part-way as a
+        file write can (disk full)."""
+        yield
 
     def read(self, unit: str, kind: str) -> torch.Tensor:
         return self._held[(kind, unit)]

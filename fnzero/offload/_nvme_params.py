@@ -5,7 +5,9 @@ for the trainable units of a training state whose optimizer keeps its master in 
 
 `NvmeParamStore` is written when the state is made, and then read a unit at a time, just before
 the unit's all-gather (`fnzero/sharding/zero/_param_store.py`); the step writes each new trainable
-shard into it (`fnzero/train/_update.py`), and `checkpoint.load` the loaded ones. Each shard is
+shard into it (`fnzero/train/_update.py`), and `checkpoint.load` the loaded ones, each as one
+update of the store (`Updates.updating`: a write that fails part-way leaves it refusing every
+later use, as the optimizer store does, never a mix of two steps' shards). Each shard is
 stored in its own dtype, at an aligned offset, so a read is one O_DIRECT `pread` where the file
 system allows it. The directory follows the optimizer store's
 conventions (`_nvme.py`, `_nvme_files.py`): new for every store (`fnzero-rank{r}-params-{uuid}`),
@@ -27,8 +29,8 @@ import torch
 from .. import _ext
 from ..sharding.construct._module import ShardedModule
 from ..sharding.zero._param_store import ShardSource, placeholder
-from ._nvme_files import (_HDR, HEADER, MANIFEST, PREFIX, VERSION, _round_up, check_file,
-                          pack_header, take_lock, usable_directory, write_json_atomic)
+from ._nvme_files import (_HDR, HEADER, PREFIX, VERSION, Updates, _round_up, check_file,
+                          pack_header, take_lock, usable_directory)
 from ._host_params import HostParamStore
 from ._nvme_optimizer import _aio_kwargs
 
@@ -38,10 +40,11 @@ FORMAT = "fnzero-nvme-param-store"
 _FILE = "shards.bin"
 
 
-class NvmeParamStore:
+class NvmeParamStore(Updates):
     """One rank's parameter shards in a file: `read(unit, kind)` (a new CPU tensor in the shard's
-    own dtype), `write(unit, kind, value)`. `kind` is "params" (trainable units) or "frozen". Made
-    by `create`; not thread-safe (one per rank)."""
+    own dtype), `write(unit, kind, value)`; writes of many units go inside one `updating(what,
+    step)`. `kind` is "params" (trainable units) or "frozen". Made by `create`; not thread-safe
+    (one per rank)."""
 
     def __init__(self, path: str, manifest: dict, engine: _ext.AioEngine):
         self.path = path
@@ -76,7 +79,7 @@ class NvmeParamStore:
         self = cls(path, manifest, _ext.AioEngine.from_config(aio or {}, use_cext=use_cext))
         try:
             self._lock_fd = take_lock(path)
-            write_json_atomic(os.path.join(path, MANIFEST), manifest, fsync=False)
+            self._save_manifest()
             file = os.path.join(path, _FILE)
             self._handle = _ext.AioHandle(file, "w", engine=self._engine, size=off)
             st = os.stat(file)
@@ -87,10 +90,9 @@ class NvmeParamStore:
             self._handle.pwrite(header, 0)
             for kind, units in shards.items():
                 for unit, t in units.items():
-                    self._put(unit, kind, t)
+                    self._handle.pwrite(*self._block(unit, kind, t))
             self._handle.sync()
-            manifest["state"] = "clean"
-            write_json_atomic(os.path.join(path, MANIFEST), manifest, fsync=True)
+            self._save_manifest("clean", fsync=True)
             _ext.fsync_dir(path)
         except BaseException:
             self.close()
@@ -115,10 +117,13 @@ class NvmeParamStore:
     def last_step(self) -> int:
         """The optimizer steps whose trainable shards the store holds (0: the initial ones), as the
         optimizer store's: the training step sets it after writing them, `checkpoint.load` to the
-        loaded step (`set_step`), and a step refuses a state at another (`specs/offload.md` §Parameters)."""
+        loaded step (`set_step`), and a step refuses a state at another (`specs/offload.md` §Parameters).
+        Raises NvmeStoreError when an update failed part-way: the shards are then of no one step."""
+        self.refuse_if_broken()
         return self._step
 
     def set_step(self, step: int) -> None:
+        self.refuse_if_broken()
         self._step = int(step)
 
     def __repr__(self) -> str:
@@ -136,12 +141,15 @@ class NvmeParamStore:
 
     def write(self, unit: str, kind: str, value: torch.Tensor) -> None:
         """Replace the unit's shard of `kind` with `value` (any float dtype and shape, its element
-        count), converted to the stored dtype (`checkpoint.load`)."""
+        count), converted to the stored dtype (the step's copy-out, `checkpoint.load`)."""
         self._entry(unit, kind)
-        self._put(unit, kind, value)
-        self._handle.sync()
+        block = self._block(unit, kind, value)  # a bad value is refused before any byte changes
+        with self.updating("write", self._step):
+            self._handle.pwrite(*block)
+            self._handle.sync()
 
-    def _put(self, unit: str, kind: str, value: torch.Tensor) -> None:
+    def _block(self, unit: str, kind: str, value: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(the aligned block holding `value` in the stored dtype, its file offset)."""
         dtype, numel, off = self._where[(kind, unit)]
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != numel:
             raise ValueError(f"NvmeParamStore.write: {kind} {unit!r} takes a float tensor of {numel} elements")
@@ -149,11 +157,12 @@ class NvmeParamStore:
         buf = _ext.aligned_empty(_round_up(nbytes, _ext.ALIGN), torch.uint8)
         buf[nbytes:].zero_()
         buf[:nbytes].view(dtype).copy_(value.detach().reshape(-1))
-        self._handle.pwrite(buf, off)
+        return buf, off
 
     def _entry(self, unit: str, kind: str) -> tuple[torch.dtype, int, int]:
         if self._handle is None:
             raise ValueError(f"NvmeParamStore: the store at {self.path} is closed")
+        self.refuse_if_broken()
         entry = self._where.get((kind, unit))
         if entry is None:
             raise KeyError(f"NvmeParamStore: no {kind} shard of unit {unit!r} (it holds "

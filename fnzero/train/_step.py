@@ -253,9 +253,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     new_slices, new_master, new_opt_state = optimizer_update(
         sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
         opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm,
-        exchange=optimizer_exchange(opt, sh.comm), param_source=param_source)
-    if param_source is not None:
-        param_source.store.set_step(setup.step_no + 1)
+        exchange=optimizer_exchange(opt, sh.comm), param_source=param_source)  # (which also set_steps the store)
     timer.stop("optimizer")
     timer.start()
     new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)

@@ -49,7 +49,8 @@ def params_in_store(state: TrainState) -> ShardSource | None:
     """Where the step writes the new trainable shards (`offload_param: nvme` with the optimizer's
     master in memory: the parameter store), checked to hold this state's step; None without one.
     The store changes in place, so only the newest state can take a step, as with the optimizer's
-    NVMe store (`specs/offload.md` §Parameters); the caller `set_step`s it once the step wrote."""
+    NVMe store (`specs/offload.md` §Parameters); `optimizer_update` writes it and `set_step`s it.
+    A store an earlier update left part-way raises its NvmeStoreError here (`last_step`)."""
     source = sources_of(state.sharding).params
     if source is None or state.master is None or not any(is_placeholder(p) for p in state.params.values()):
         return None
@@ -79,7 +80,7 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     conversion, written into the input's own buffers when donated and the sizes agree.
     `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra.
     A placeholder parameter (`offload_param: nvme`) has its new value written into `param_source`,
-    a unit at a time, and stays a placeholder."""
+    a unit at a time, and stays a placeholder (`_copy_out`)."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():
@@ -102,8 +103,25 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
                                            global_norm=scalars.global_norm, **extras)
     if master is None:
         return new_target, None, new_opt_state
-    new_params = {k: _compute_copy(t, params[k], param_dtype, donate, k, param_source) for k, t in new_target.items()}
-    return new_params, new_target, new_opt_state
+    return _copy_out(new_target, params, param_dtype, donate, param_source), new_target, new_opt_state
+
+
+def _copy_out(master: dict[str, torch.Tensor], params: dict[str, torch.Tensor], param_dtype: torch.dtype, donate: bool,
+              source: ShardSource | None) -> dict[str, torch.Tensor]:
+    """The new master in the compute dtype (`_compute_copy`). Into a store, all the units' writes
+    and the step they are of (`set_step`) are one update of it (`updating`): one that fails part-way
+    (disk full, an I/O error) leaves it refusing every later use, where a retry of this state
+    would otherwise read some units' new shards with the others' old ones."""
+    def copy() -> dict[str, torch.Tensor]:
+        return {k: _compute_copy(t, params[k], param_dtype, donate, k, source) for k, t in master.items()}
+
+    if source is None:
+        return copy()
+    step = source.store.last_step + 1  # `params_in_store` checked it holds this state's step
+    with source.store.updating("step", step):
+        new_params = copy()
+        source.store.set_step(step)
+    return new_params
 
 
 def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.dtype, donate: bool, unit: str,
