@@ -285,3 +285,34 @@ def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fail
         step(state, batch)
 
     simulated_world(1).run(rank_fn)
+
+
+def test_a_checkpoint_load_into_an_nvme_optimizer_that_fails_part_way_refuses_all_later_use(tmp_path, monkeypatch):
+    # The optimizer store's load is one update too: a failure between two units' writes (here a
+    # store file found gone), not only inside one, leaves it refusing the state's next step and save.
+    def rank_fn(comm):
+        cfg = W.config(2, world=1, extra={"zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
+        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+        step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
+        batch = (torch.randn(2, 3), torch.randn(2, 2))
+        s1, _ = step(sm.init_state(), batch)
+        fnzero.checkpoint.save(str(tmp_path / "ckpt"), s1)
+        s2, _ = step(s1, batch)
+        store, real, checks = s2.opt_state.store, s2.opt_state.store._check_files, []
+
+        def check_files():  # before each write: the second finds a file gone, after the first was written
+            checks.append(1)
+            if len(checks) == 2:
+                raise NvmeStoreError(errno.ENOENT, "store file is missing", store.path)
+            real()
+
+        monkeypatch.setattr(store, "_check_files", check_files)
+        with pytest.raises(NvmeStoreError, match="missing"):
+            fnzero.checkpoint.load(str(tmp_path / "ckpt"), like=s2)
+        monkeypatch.undo()
+        for call in (lambda: step(s2, batch), lambda: fnzero.checkpoint.save(str(tmp_path / "again"), s2)):
+            with pytest.raises(NvmeStoreError, match="a checkpoint load .* failed part-way"):
+                call()
+
+    simulated_world(1).run(rank_fn)

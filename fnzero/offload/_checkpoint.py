@@ -65,11 +65,12 @@ def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
     else:
         master = optimizer_view(plan, rank, loaded.params, True)
     files, resident = like.opt_state.layout.split(loaded.opt_state)
-    for u in store.units:
-        store.write(u, "master", master[u])
-        for kind in store.kinds[1:]:
-            store.write(u, kind, files[(kind, u)])
     count = int(loaded.step)  # the optimizer steps applied, as the store counts them
+    with store.updating("checkpoint load", count):  # every unit, or a store that refuses all later use
+        for u in store.units:
+            store.write(u, "master", master[u])
+            for kind in store.kinds[1:]:
+                store.write(u, kind, files[(kind, u)])
     store.set_step(count)
     # Parameters held in the store go back to placeholders: their values are the master just written.
     params = {u: like.params[u] if is_placeholder(like.params[u]) else p for u, p in loaded.params.items()}
