@@ -25,6 +25,17 @@ def _expert(hidden: int) -> torch.nn.Module:
 
 
 # Enough tokens per call that capacity binds (factors below 1 drop tokens at every shape drawn).
+def _twin_layers(hidden: int, kw: dict, g: torch.Generator):
+    """fnzero's layer and DeepSpeed's, with the same float64 weights drawn from `g`."""
+    ours = MoE(hidden, _expert(hidden), **kw).double()
+    theirs = deepspeed_layer.MoE(hidden, _expert(hidden), ep_size=1, noisy_gate_policy=None, **kw).double()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return ours, theirs
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), seq=st.integers(4, 12), hidden=st.integers(1, 8), experts=st.integers(2, 6),
        k=st.sampled_from([1, 2]), factor=st.sampled_from([0.25, 0.5, 1.0, 1.5]), eval_factor=st.sampled_from([0.5, 3.0]),
@@ -38,13 +49,7 @@ def test_equals_deepspeed_over_shapes(batch, seq, hidden, experts, k, factor, ev
     kw = dict(num_experts=experts, k=k, capacity_factor=factor, eval_capacity_factor=eval_factor,
               min_capacity=min_capacity, use_residual=residual, drop_tokens=drop, use_rts=False,
               top2_2nd_expert_sampling=False)
-    ours = MoE(hidden, _expert(hidden), **kw).double()
-    theirs = deepspeed_layer.MoE(hidden, _expert(hidden), ep_size=1, noisy_gate_policy=None, **kw).double()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-    theirs.load_state_dict(ours.state_dict(), strict=True)
+    ours, theirs = _twin_layers(hidden, kw, g := torch.Generator().manual_seed(seed))
     ours.train(training)
     theirs.train(training)
     x = torch.randn(batch, seq, hidden, generator=g, dtype=torch.float64)
@@ -73,13 +78,7 @@ def test_a_float_used_token_mask_equals_deepspeed(tokens, hidden, experts, k, fa
         return
     kw = dict(num_experts=experts, k=k, capacity_factor=factor, min_capacity=0, drop_tokens=drop, use_rts=False,
               top2_2nd_expert_sampling=False)
-    ours = MoE(hidden, _expert(hidden), **kw).double()
-    theirs = deepspeed_layer.MoE(hidden, _expert(hidden), ep_size=1, noisy_gate_policy=None, **kw).double()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-    theirs.load_state_dict(ours.state_dict(), strict=True)
+    ours, theirs = _twin_layers(hidden, kw, g := torch.Generator().manual_seed(seed))
     mask = torch.tensor(data.draw(st.lists(st.sampled_from([0, 1]), min_size=tokens, max_size=tokens)), dtype=dtype)
     x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
     results = []
