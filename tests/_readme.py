@@ -153,8 +153,9 @@ def _script_exists(script: str, root: str) -> list[str]:
     return [f"script {script} does not exist"]
 
 
-def dependency_ranges(root: str = ROOT) -> dict[str, SpecifierSet]:
-    """Every requirement pyproject.toml names (build system, dependencies, extras), by package."""
+def dependency_ranges(root: str = ROOT, *, build: bool = True) -> dict[str, SpecifierSet]:
+    """Every requirement pyproject.toml names (the build system's too unless `build=False`: pip
+    installs those in an isolated environment of the build's own), by package."""
     import tomllib
 
     from packaging.requirements import Requirement
@@ -162,7 +163,7 @@ def dependency_ranges(root: str = ROOT) -> dict[str, SpecifierSet]:
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         toml = tomllib.load(f)
     project = toml["project"]
-    reqs = [*toml["build-system"]["requires"], *project["dependencies"],
+    reqs = [*(toml["build-system"]["requires"] if build else ()), *project["dependencies"],
             *(r for extra in project.get("optional-dependencies", {}).values() for r in extra)]
     ranges: dict[str, SpecifierSet] = {}
     for r in map(Requirement, reqs):

@@ -67,7 +67,7 @@ def pytest_terminal_summary(terminalreporter):
     import _readme
 
     found = []
-    for name in sorted(_readme.dependency_ranges()):
+    for name in sorted(_readme.dependency_ranges(build=False)):
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
