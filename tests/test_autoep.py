@@ -188,11 +188,20 @@ def test_bad_presets_patterns_and_splits_are_config_errors_naming_them():
     with pytest.raises(ConfigError, match="expert_pattern='mlp.experts'.*no dots"):
         autoep_replace(mixtral, expert_pattern="mlp.experts")
     experts = mixtral.model.layers[1].mlp.experts
-    experts.has_bias = True  # a layout the replacement does not compute: refused, model untouched
-    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.experts: experts with has_bias=True"):
+    experts.has_bias = True  # says it has biases, holds none: refused, the model untouched
+    with pytest.raises(ConfigError, match=r"model\.layers\.1\.mlp\.experts: MixtralExperts holds \['down_proj', "
+                                          r"'gate_up_proj'\], not the stacked experts .*has_bias=True"):
         autoep_replace(mixtral)
     assert not isinstance(mixtral.model.layers[0].mlp.experts, HFExpertGroup)
     experts.has_bias = False
+    experts.norm = torch.nn.LayerNorm(16, dtype=torch.float64)  # a weight every expert shares: not split
+    with pytest.raises(ConfigError, match=r"holds \['norm.weight', 'norm.bias'\], shared by all its experts"):
+        autoep_replace(mixtral)
+    del experts.norm
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach()[:, :15])  # [4, 15, 16]: no gate and up
+    with pytest.raises(ConfigError, match=r"stacked weights \[4, 15, 16\] and \[4, 16, 8\] are not \[E, 2I, H\]"):
+        autoep_replace(mixtral)
+    mixtral = _model("mixtral")
     paths = autoep_replace(mixtral)
     with pytest.raises(ConfigError, match="4 experts do not divide over 3 expert-parallel ranks"):
         mixtral.get_submodule(paths[0]).split_experts(types.SimpleNamespace(world_size=3, rank=0), where=paths[0])

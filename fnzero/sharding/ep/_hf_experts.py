@@ -1,17 +1,32 @@
 """`HFExpertGroup`: a Hugging Face MoE block's experts module as an `ExpertGroup`, so expert
 parallelism can split it over the `ep` ranks (`specs/mesh.md §Expert parallelism`).
 
-Transformers 5 stores a layer's experts as two 3-D parameters, `gate_up_proj` [E, 2I, H] and
-`down_proj` [E, H, I], and the MoE block calls `experts(hidden_states, top_k_index,
-top_k_weights)` after its own router (Mixtral, Qwen2/3-MoE, Qwen3.5-MoE, OLMoE, DeepSeek-V2/V3
-alike). The replacement keeps those parameters (the same objects, names and dtypes) and that call,
-and computes what the eager experts compute: for each (token, chosen expert) row,
-`down[e] @ (act(gate) * up)` with `gate, up = chunk(gate_up[e] @ x, 2)`, times the router's
-weight, summed per token. Router, shared experts and aux loss stay the block's own.
+Transformers 5 stores a layer's E experts as stacked parameters, each with the experts along dim
+0: an up projection (`gate_up_proj`, gate and up fused, or `up_proj` for ungated experts), a
+`down_proj`, and with `has_bias` their biases `gate_up_proj_bias`/`up_proj_bias` and
+`down_proj_bias`. Its `use_experts_implementation` decorator names the rest of the layout
+(`is_transposed`: weights stored [E, in, out] rather than [E, out, in]; `has_gate`;
+`has_post_expert_norm`) and gives the class an `_apply_gate` (act(gate) * up, unless the
+class gates its own way: gpt-oss's clamped, interleaved SwiGLU). Every computation transformers
+offers for such a module (eager, batched, grouped) is, per (token, chosen expert) row,
+`post_norm(down[e](gate(up[e](x))))` times the router's weight, summed per token; this module
+computes the same with the module's own `_apply_gate`, `act_fn` and `post_expert_norm`
+(`ExpertsLayout`, read from the module by `read_experts_layout`). The block calls it one of two
+ways:
 
-Split over ep ranks, each rank keeps experts `[lo, hi)` (dim 0 of both tensors, names unchanged)
+* routed (Mixtral, Qwen, DeepSeek, gpt-oss and nearly every model): `experts(hidden_states [T, H],
+  top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`, after its own router;
+* expert-major (Llama 4, whose experts module takes one argument): `experts(rows [E·T, H]) ->
+  [E·T, H]`, rows `[e·T, (e+1)·T)` for expert e, every expert on every token (the block scales
+  the rows by the router's scores before and sums the E outputs after).
+
+The replacement keeps the parameters (the same objects, names and dtypes) and that call. Router,
+shared experts and aux loss stay the block's own.
+
+Split over ep ranks, each rank keeps experts `[lo, hi)` (dim 0 of every tensor, names unchanged)
 and exchanges rows: [Note: dispatch]
-  1. the rank's rows are sorted by expert id (stable), so rows for ep rank r are one block;
+  1. the rank's rows are sorted by expert id (stable), so rows for ep rank r are one block
+     (expert-major rows are so already);
   2. one all-to-all of the per-expert row counts (E int64 per rank) tells each rank how many rows
      every rank sends to each of its experts: the variable split sizes both ways, and the layout
      of what arrives (source-major, expert-minor). An all-to-all rather than an all-gather of
@@ -19,16 +34,21 @@ and exchanges rows: [Note: dispatch]
   3. the token rows go by `all_to_all_grad` (dropless: every row travels, nothing is capped);
   4. the received rows are grouped by local expert, each expert runs on its rows, the results
      are put back in arrival order and return by the reverse all-to-all;
-  5. each row's result times its router weight is added to its token, as the eager code does.
+  5. routed: each row's result times its router weight is added to its token, as the eager code
+     does; expert-major: the results are the output, in the rows' order.
 The backward runs the two all-to-alls in reverse, so an expert's gradient sums every rank's
 tokens routed to it; the router weights' and the tokens' gradients stay on the rank that owns them.
 
 A model's code that asks `isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`, which
 fnzero's meta construction calls per module) still finds the experts: the replacement's class is
 made a subclass of the source's class too, as `torch.nn.utils.parametrize` does for its modules.
+That also gives it the source's `_apply_gate`.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -38,39 +58,113 @@ from ..._errors import ConfigError
 from ._group import ExpertGroup
 from ._ops import all_to_all_grad
 
-__all__ = ["HFExpertGroup", "check_hf_experts"]
-
-# Hugging Face's experts attributes (set by `use_experts_implementation`) and the values of the
-# one layout this module computes; any other is refused by name instead of computed wrong.
-_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-           "has_post_expert_norm": False}
-# Plain attributes of the source kept on the replacement (code that treats it as the source reads them).
-_KEPT_ATTRIBUTES = ("hidden_dim", "intermediate_dim", "config", "_is_expert_parallel", *_LAYOUT)
+__all__ = ["ExpertsLayout", "HFExpertGroup", "looks_like_experts", "read_experts_layout"]
 
 
-def check_hf_experts(experts: nn.Module, where: str) -> tuple[int, int, int]:
-    """(E, H, I) of a transformers-5 experts module in the layout `HFExpertGroup` computes, or one
-    ConfigError naming `where` and what differs."""
-    for flag, want in _LAYOUT.items():
-        if getattr(experts, flag, want) != want:
-            raise ConfigError(f"{where}: experts with {flag}={getattr(experts, flag)!r} are not supported by expert "
-                              f"parallelism (it computes the fused gate_up_proj/down_proj layout with {flag}={want})")
-    custom_gate = getattr(type(experts), "_apply_gate", None)
-    if custom_gate is not None and custom_gate.__name__ != "_default_apply_gate":
-        raise ConfigError(f"{where}: {type(experts).__name__} gates its experts its own way (_apply_gate); "
-                          f"expert parallelism computes act(gate) * up only")
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3 \
-            or down.dim() != 3:
-        raise ConfigError(f"{where}: {type(experts).__name__} has no 3-D gate_up_proj and down_proj parameters "
-                          f"(transformers 5's expert layout)")
-    num_experts, two_inter, hidden = gate_up.shape
-    if two_inter % 2 or tuple(down.shape) != (num_experts, hidden, two_inter // 2):
-        raise ConfigError(f"{where}: gate_up_proj {list(gate_up.shape)} and down_proj {list(down.shape)} are not "
-                          f"[E, 2I, H] and [E, H, I]")
-    if not callable(getattr(experts, "act_fn", None)):
-        raise ConfigError(f"{where}: {type(experts).__name__} has no act_fn")
-    return num_experts, hidden, two_inter // 2
+@dataclasses.dataclass(frozen=True)
+class ExpertsLayout:
+    """How one transformers-5 experts module stores and is called with its experts."""
+
+    num_experts: int
+    up: str  # "gate_up_proj" (gated: gate and up fused) or "up_proj" (ungated)
+    transposed: bool  # weights [E, in, out], applied as x @ W; else [E, out, in], F.linear(x, W)
+    bias: bool  # `<up>_bias` [E, out] and `down_proj_bias` [E, H]
+    own_gate: bool  # the class's `_apply_gate` gates (transformers' decorator gives every class one)
+    post_norm: bool  # a parameter-free `post_expert_norm` after down_proj
+    routed: bool  # experts(hidden, top_k_index, top_k_weights); False: experts(expert-major rows)
+
+    @property
+    def gated(self) -> bool:
+        return self.up == "gate_up_proj"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The module's parameters, all stacked along dim 0."""
+        return (self.up, "down_proj") + ((self.up + "_bias", "down_proj_bias") if self.bias else ())
+
+
+def _stacked(module: nn.Module) -> bool:
+    """A 3-D `down_proj` and a 3-D `gate_up_proj` or `up_proj` of the module's own, with the same
+    number of experts along dim 0."""
+    own = module._parameters
+    down, up = own.get("down_proj"), own.get("gate_up_proj", own.get("up_proj"))
+    return (isinstance(down, torch.Tensor) and isinstance(up, torch.Tensor) and down.dim() == 3 and up.dim() == 3
+            and down.shape[0] == up.shape[0])
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Whether `module` holds stacked experts as transformers 5 does (`_stacked`) and is called as
+    experts are: routed or expert-major (one or three positional arguments). Inkling's shared
+    experts, stacked too but called with their own gammas, are not."""
+    return _stacked(module) and _positional(type(module)) in (1, 3)
+
+
+def _positional(cls: type) -> int:
+    """How many positional arguments `cls.forward` takes after self (the decorator's wrapper
+    reports the wrapped forward's)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in list(inspect.signature(cls.forward).parameters.values())[1:])
+
+
+def _orientation(experts: nn.Module, up: torch.Tensor, down: torch.Tensor, factor: int, where: str) -> bool:
+    """Whether the weights are stored transposed: the decorator's `is_transposed` when the class
+    has one (checked against the shapes), else what the shapes allow (Llama 4 is undecorated)."""
+    plain = up.shape[2] == down.shape[1] and up.shape[1] == factor * down.shape[2]  # [E, f*I, H], [E, H, I]
+    flipped = up.shape[1] == down.shape[2] and up.shape[2] == factor * down.shape[1]  # [E, H, f*I], [E, I, H]
+    said = getattr(experts, "is_transposed", None)
+    if said is None and plain != flipped:
+        return flipped
+    if said is not None and (flipped if said else plain):
+        return bool(said)
+    raise ConfigError(f"{where}: {type(experts).__name__}'s stacked weights {list(up.shape)} and {list(down.shape)} "
+                      f"are not [E, {factor}I, H] and [E, H, I]{' (is_transposed=False)' if said is False else ''}, "
+                      f"nor [E, H, {factor}I] and [E, I, H]{' (is_transposed=True)' if said else ''}")
+
+
+def read_experts_layout(experts: nn.Module, where: str) -> ExpertsLayout:
+    """The layout of a transformers-5 experts module, or one ConfigError naming `where` and what
+    expert parallelism cannot split or compute."""
+    name = type(experts).__name__
+    if not _stacked(experts):
+        raise ConfigError(f"{where}: {name} has no 3-D gate_up_proj (or up_proj) and down_proj parameters with the "
+                          "experts along dim 0 (transformers 5's stacked experts)")
+    own = experts._parameters
+    up_name = "gate_up_proj" if "gate_up_proj" in own else "up_proj"
+    if getattr(experts, "has_gate", up_name == "gate_up_proj") != (up_name == "gate_up_proj"):
+        raise ConfigError(f"{where}: {name} says has_gate={experts.has_gate} but holds {up_name}")
+    up, down = own[up_name], own["down_proj"]
+    factor = 2 if up_name == "gate_up_proj" else 1
+    layout = ExpertsLayout(up.shape[0], up_name, _orientation(experts, up, down, factor, where),
+                           bool(getattr(experts, "has_bias", "down_proj_bias" in own)),
+                           callable(getattr(experts, "_apply_gate", None)),
+                           bool(getattr(experts, "has_post_expert_norm", False)), _positional(type(experts)) != 1)
+    _check_parts(experts, layout, where)
+    return layout
+
+
+def _check_parts(experts: nn.Module, layout: ExpertsLayout, where: str) -> None:
+    """Every parameter stacked per expert, nothing shared by all experts, the call one of the two."""
+    name, num = type(experts).__name__, layout.num_experts
+    own = {n: p for n, p in experts._parameters.items() if p is not None}
+    if set(own) != set(layout.names):
+        raise ConfigError(f"{where}: {name} holds {sorted(own)}, not the stacked experts {list(layout.names)} "
+                          f"(has_bias={layout.bias})")
+    for n in layout.names[2:]:
+        if own[n].dim() != 2 or own[n].shape[0] != num:
+            raise ConfigError(f"{where}: {name}.{n} {list(own[n].shape)} is not [{num}, ...] (a bias per expert)")
+    shared = [f"{c}.{p}" for c, child in experts.named_children() for p, _ in child.named_parameters()]
+    shared += [b for b, _ in experts.named_buffers()]
+    if shared:
+        raise ConfigError(f"{where}: {name} holds {shared}, shared by all its experts; expert parallelism splits the "
+                          "experts over ranks, so each rank would train that tensor on its own experts' rows only")
+    if _positional(type(experts)) not in (1, 3):
+        raise ConfigError(f"{where}: {name}.forward takes {_positional(type(experts))} positional arguments; expert "
+                          "parallelism computes experts(hidden_states, top_k_index, top_k_weights) (routed) and "
+                          "experts(rows) (every expert on its block of expert-major rows, as Llama 4's)")
+    if (not layout.gated or not layout.own_gate) and not callable(getattr(experts, "act_fn", None)):
+        raise ConfigError(f"{where}: {name} has no act_fn")
+    if layout.post_norm and not callable(getattr(experts, "post_expert_norm", None)):
+        raise ConfigError(f"{where}: {name} says has_post_expert_norm but has no post_expert_norm")
 
 
 class HFExpertGroup(ExpertGroup):
@@ -78,39 +172,47 @@ class HFExpertGroup(ExpertGroup):
 
     `HFExpertGroup.replacing(experts, where)` builds it from the model's experts module (the
     same parameter objects). Unsplit it equals the eager experts; split (`split_experts(comm)`)
-    it holds `gate_up_proj[lo:hi]` and `down_proj[lo:hi]` and sends each row to its expert."""
+    it holds rows `[lo:hi]` of every stacked tensor and sends each row to its expert."""
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn, where: str = ""):
+    def __init__(self, weights: dict[str, nn.Parameter], layout: ExpertsLayout, where: str = ""):
         super().__init__()
-        self.num_experts = gate_up_proj.shape[0]
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
-        self.act_fn = act_fn
+        self.num_experts = layout.num_experts
+        self.layout = layout
+        for name in layout.names:
+            setattr(self, name, weights[name])
         self.where = where
 
     @classmethod
     def replacing(cls, experts: nn.Module, where: str) -> "HFExpertGroup":
-        """The replacement of `experts` (checked by `check_hf_experts`): its parameters, its act_fn
-        and its training mode, and a class that is also `type(experts)`."""
-        check_hf_experts(experts, where)
-        group = cls(experts.gate_up_proj, experts.down_proj, experts.act_fn, where)
-        for name in _KEPT_ATTRIBUTES:
-            if name in vars(experts):
-                setattr(group, name, vars(experts)[name])
+        """The replacement of `experts` (checked by `read_experts_layout`): its parameters, its
+        parameter-free modules (act_fn, post_expert_norm), its plain attributes (what its own
+        `_apply_gate` reads: gpt-oss's `alpha` and `limit`), its training mode, and a class that
+        is also `type(experts)`."""
+        layout = read_experts_layout(experts, where)
+        group = cls(dict(experts.named_parameters(recurse=False)), layout, where=where)
+        for name, child in experts.named_children():
+            setattr(group, name, child)
+        mine = set(vars(group))
+        for name, value in vars(experts).items():
+            if (not name.startswith("_") or name == "_is_expert_parallel") and name not in mine \
+                    and not hasattr(cls, name):
+                setattr(group, name, value)
         group.train(experts.training)
         group.__class__ = _subclass_of(cls, type(experts))
         return group
 
     def _keep_experts(self, lo: int, hi: int) -> None:
-        for name in ("gate_up_proj", "down_proj"):
+        for name in self.layout.names:
             p = getattr(self, name)
             setattr(self, name, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
 
     # Dropless routing sizes every exchange and every expert's batch from the routes' counts, read on
     # the host, and the exchanges are collectives: the experts run eagerly, as the model's eager ones.
     @torch.compiler.disable
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.layout.routed:
+            return self._expert_major(hidden_states)
         top_k = top_k_index.shape[-1]
         ids = top_k_index.reshape(-1).long()
         # Ids past the last expert are Hugging Face's "no expert" sentinel: dropped, as eager does.
@@ -119,17 +221,28 @@ class HFExpertGroup(ExpertGroup):
         counts_list = counts.tolist()
         order = order[: sum(counts_list)]
         token = order // top_k
-        rows = hidden_states[token]
-        if self.ep_comm is None or self.ep_comm.world_size == 1:
-            out = self._run_experts(rows, counts_list)
-        else:
-            out = self._exchange_and_run(rows, counts, counts_list)
+        out = self._through_experts(hidden_states[token], counts, counts_list)
         weighted = (out * top_k_weights.reshape(-1)[order, None]).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token, weighted)
 
-    def _exchange_and_run(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int]) -> torch.Tensor:
+    def _expert_major(self, rows: torch.Tensor) -> torch.Tensor:
+        """Llama 4's call: rows `[e·T, (e+1)·T)` for expert e, every expert's T rows (the whole layer's
+        E experts, split or not), out in the same order."""
+        if rows.shape[0] % self.num_experts:
+            raise ValueError(f"{self.where}: {rows.shape[0]} expert-major rows are not {self.num_experts} experts' "
+                             "equal blocks")
+        per = rows.shape[0] // self.num_experts
+        counts = torch.full((self.num_experts,), per, dtype=torch.int64, device=rows.device)
+        return self._through_experts(rows, counts, [per] * self.num_experts)
+
+    def _through_experts(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int]) -> torch.Tensor:
         """Rows sorted by global expert id in (`counts[e]` for expert e); their experts' outputs,
-        same order, out."""
+        same order, out: here, or through the ep ranks holding them."""
+        if self.ep_comm is None or self.ep_comm.world_size == 1:
+            return self._run_experts(rows, counts_list)
+        return self._exchange_and_run(rows, counts, counts_list)
+
+    def _exchange_and_run(self, rows: torch.Tensor, counts: torch.Tensor, counts_list: list[int]) -> torch.Tensor:
         comm, ep, local = self.ep_comm, self.ep_size, self.num_local_experts
         send = [sum(counts_list[r * local:(r + 1) * local]) for r in range(ep)]
         arriving = comm.all_to_all(counts, label="expert row counts")  # [ep * local]: source-major
@@ -146,13 +259,31 @@ class HFExpertGroup(ExpertGroup):
         return all_to_all_grad(grouped[back], comm, recv, send, label="expert combine")
 
     def _run_experts(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (`sizes[j]` rows for expert j), each through its expert.
-        Every expert runs, an empty one too, so each holds a gradient (zeros) after backward."""
+        """Rows grouped by local expert (`sizes[j]` rows for expert j), each through its expert, as
+        transformers' batched computation does: up projection, gate (or activation), down
+        projection, post-expert norm. Every expert runs, an empty one too, so each holds a
+        gradient (zeros) after backward."""
+        layout = self.layout
+        tensors = [getattr(self, n).unbind(0) for n in layout.names]
         outs = []
-        for x, w_gate_up, w_down in zip(rows.split(sizes), self.gate_up_proj.unbind(0), self.down_proj.unbind(0)):
-            gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, w_down))
+        for x, *weights in zip(rows.split(sizes), *tensors):
+            up_b, down_b = (weights[2], weights[3]) if layout.bias else (None, None)
+            h = self._project(x, weights[0], up_b)
+            if not layout.gated:
+                h = self.act_fn(h)
+            elif layout.own_gate:
+                h = self._apply_gate(h)
+            else:  # an undecorated class (Llama 4): transformers' default gate
+                gate, up = h.chunk(2, dim=-1)
+                h = self.act_fn(gate) * up
+            h = self._project(h, weights[1], down_b)
+            outs.append(self.post_expert_norm(h) if layout.post_norm else h)
         return torch.cat(outs)
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if self.layout.transposed:  # [in, out], as the eager transposed experts (gpt-oss) compute it
+            return x @ w if b is None else x @ w + b
+        return F.linear(x, w, b)
 
     def extra_repr(self) -> str:
         held = f"{self.expert_lo}..{self.expert_hi}" if self.ep_comm is not None else "all"
