@@ -25,8 +25,9 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
 from fnzero._errors import ConfigError
 from fnzero.sharding.comm._observed import RecordingCollectives
 from fnzero.sharding.ep import _autoep
-from fnzero.sharding.ep import AUTOEP_PRESETS, ExpertGroup, HFExpertGroup, autoep_replace
+from fnzero.sharding.ep import AUTOEP_PRESETS, ExpertGroup, HFExpertGroup, autoep_replace, resolve_autoep_preset
 from fnzero.testing import seeded, simulated_world
+from test_autoep_layouts import tiny_model
 
 VOCAB, SEQ, TOL = 64, 8, 1e-12
 _COMMON = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -154,7 +155,7 @@ def test_replacing_keeps_names_shapes_dtypes_values_and_the_result():
 
 
 def test_presets_follow_deepspeeds_names_and_patterns():
-    assert {"mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3"} <= set(AUTOEP_PRESETS)
+    assert {"mixtral", "qwen3_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3"} <= set(AUTOEP_PRESETS)
     assert {n for n, p in AUTOEP_PRESETS.items() if p.origin == "fnzero"} == {"qwen2_moe", "olmoe"}
     model = _model("mixtral")
     # A preset named explicitly, and patterns that override it (DeepSpeed's semantics).
@@ -162,6 +163,19 @@ def test_presets_follow_deepspeeds_names_and_patterns():
         "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert autoep_replace(copy.deepcopy(model), moe_layer_pattern=r"model\.layers\.1\.mlp") == [
         "model.layers.1.mlp.experts"]
+    # No preset and no moe_layer_pattern: the blocks are found by layout, and given child names must match.
+    granite = tiny_model("granitemoe")
+    want = ["model.layers.0.block_sparse_moe.experts", "model.layers.1.block_sparse_moe.experts"]
+    assert autoep_replace(copy.deepcopy(granite), router_pattern="router", expert_pattern="experts") == want
+    with pytest.raises(ConfigError, match=r"\['model.layers.0.block_sparse_moe.experts', .* hold stacked experts, but "
+                                          r"no module beside them routes to them .*, named 'gate'"):
+        autoep_replace(copy.deepcopy(granite), router_pattern="gate")
+    with pytest.raises(ConfigError, match="model_type 'granitemoe' has no AutoEP preset, and no module"):
+        autoep_replace(copy.deepcopy(granite), expert_pattern="routed_experts")
+    # DeepSpeed's minimax_m3: its clamped SwiGLU is the experts' own _apply_gate, which AutoEP runs.
+    minimax_m3 = tiny_model("minimax_m3_vl")
+    assert resolve_autoep_preset(minimax_m3) == AUTOEP_PRESETS["minimax_m3"]
+    assert autoep_replace(minimax_m3) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     result = doctest.testmod(_autoep)  # autoep_replace's example
     assert result.attempted and not result.failed
 
@@ -175,12 +189,12 @@ def test_bad_presets_patterns_and_splits_are_config_errors_naming_them():
     mixtral = _model("mixtral")
     with pytest.raises(ConfigError, match="unknown preset_model 'mixtrall'.*known presets"):
         autoep_replace(mixtral, preset_model="mixtrall")
-    with pytest.raises(ConfigError, match="minimax_m3 preset is not offered"):
-        autoep_replace(mixtral, preset_model="minimax_m3")
-    with pytest.raises(ConfigError, match="model_type 'llama' has no AutoEP preset.*known presets"):
+    with pytest.raises(ConfigError, match="model_type 'llama' has no AutoEP preset, and no module of the model holds "
+                                          "transformers 5's stacked experts.*known presets"):
         autoep_replace(_llama())
-    with pytest.raises(ConfigError, match="qwen3_5_moe_text"):
-        autoep_replace(types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen3_5_moe")))
+    for composite, text in (("qwen3_5_moe", "qwen3_5_moe_text"), ("minimax_m3_vl", "minimax_m3_vl_text")):
+        with pytest.raises(ConfigError, match=f"model_type '{composite}' has no AutoEP preset.*'{text}'"):
+            autoep_replace(types.SimpleNamespace(config=types.SimpleNamespace(model_type=composite)))
     with pytest.raises(ConfigError, match=r"moe_layer_pattern 'model\\\\.blocks\\\\.\\\\d\+' matches no MoE block"):
         autoep_replace(mixtral, moe_layer_pattern=r"model\.blocks\.\d+")
     with pytest.raises(ConfigError, match="matches no MoE block"):  # the pattern matches dense MLPs only

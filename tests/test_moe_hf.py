@@ -17,17 +17,17 @@ import transformers
 
 import fnzero
 from fnzero.sharding import TPRule
-from fnzero.config import ConfigWarning
 from fnzero.testing import seeded, simulated_world
 from test_autoep import FAMILIES, _model
+from test_autoep_layouts import tiny_model
 
 VOCAB, SEQ, ACCUM, LR, CLIP, STEPS = 64, 8, 2, 1e-2, 0.5, 2
 
 
 _SMALL = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
               max_position_embeddings=32)
-# MoE models no preset names (nor the issue): AutoEP finds their blocks by the layout the presets
-# share (`model.layers.N.mlp` with `gate` and `experts`), with a ConfigWarning saying so.
+# MoE models no preset names: AutoEP finds their blocks by their layout (stacked experts beside a
+# router), whatever the blocks and routers are called, with no warning.
 UNNAMED = {
     "glm4_moe": lambda: transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(
         **_SMALL, intermediate_size=16, moe_intermediate_size=8, n_routed_experts=4, num_experts_per_tok=2,
@@ -42,13 +42,22 @@ UNNAMED = {
 }
 
 
+# Built as tests/test_autoep_layouts.py builds them (tiny, float64), in training mode but PhiMoE,
+# whose router samples its experts in training from the process's one generator, which the ranks
+# (threads) would draw from in turn: in eval mode it routes as the plain model does.
+BY_LAYOUT = ("phimoe", "granitemoe", "qwen3_next", "dots1", "gpt_oss", "llama4")
+
+
 def _build(family: str):
-    if family not in UNNAMED:
+    if family not in UNNAMED and family not in BY_LAYOUT:
         return _model(family)
     with seeded(0):
-        model = UNNAMED[family]().to(torch.float64)
+        if family in UNNAMED:
+            model = UNNAMED[family]().to(torch.float64)
+        else:  # one dtype for fnzero.shard: dots1's router weight is made float32
+            model = tiny_model(family).to(torch.float64).train(family != "phimoe")
         for name, m in model.named_modules():
-            if name.endswith("mlp.gate") and getattr(m, "weight", None) is not None:
+            if name.endswith(("mlp.gate", ".router")) and getattr(m, "weight", None) is not None:
                 m.weight.data.normal_(0.0, 1.0)  # routers wide enough that tokens pick different experts
     model.set_experts_implementation("eager")
     return model
@@ -131,7 +140,7 @@ def test_hugging_face_moe_with_tensor_parallel_attention(stage):
     _assert_close(_sharded("mixtral", stage, 4, ep=2, tp=2), _reference("mixtral", 2))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", "gpt_oss"])  # gpt-oss: stacked biases too
 def test_meta_construction_initialises_each_ranks_experts_as_the_unsplit_model(family):
     """Built on the meta device, each rank initialises its rows of the stacked expert tensors as the
     whole tensor's (initialised whole, then cut, as tensor-parallel slices are): the consolidated
@@ -142,7 +151,7 @@ def test_meta_construction_initialises_each_ranks_experts_as_the_unsplit_model(f
 
         def rank(comm):
             with torch.device("meta"):
-                model = FAMILIES[family]().to(torch.float64)
+                model = (FAMILIES[family]() if family in FAMILIES else tiny_model(family)).to(torch.float64)
             sm = fnzero.shard(model, config=cfg, comm=comm, init_seed=3)
             return sm.gather(sm.init_state())
 
@@ -156,13 +165,15 @@ def test_meta_construction_initialises_each_ranks_experts_as_the_unsplit_model(f
             assert [n for n in want if not torch.equal(got[n], want[n])] == [], (world, ep)
 
 
-@pytest.mark.filterwarnings("ignore::fnzero.config.ConfigWarning")  # each rank's; checked once below
 @pytest.mark.parametrize("family, stage, world, ep", [
     ("glm4_moe", 3, 2, 2), ("ernie4_5_moe", 1, 4, 2), ("hunyuan_v1_moe", 2, 2, 2), ("minimax", 3, 4, 4),
+    ("phimoe", 1, 2, 2), ("granitemoe", 3, 2, 2), ("qwen3_next", 2, 2, 2), ("dots1", 0, 2, 2), ("gpt_oss", 3, 2, 2),
+    ("llama4", 1, 2, 2),
 ])
 def test_moe_models_without_a_preset_train_as_plain_torch(family, stage, world, ep):
-    with pytest.warns(ConfigWarning, match=f"model_type '{family}' has no AutoEP preset"):
-        fnzero.sharding.ep.autoep_replace(_build(family))
+    """Found by their layout (warnings are errors here): GraniteMoE's `block_sparse_moe.router`, PhiMoE's
+    `router`, Llama 4's `feed_forward` with experts every token meets (its own call), gpt-oss's experts
+    with biases and their own gate, Qwen3-Next and dots1."""
     _assert_close(_sharded(family, stage, world, ep), _reference(family, world))
 
 

@@ -42,8 +42,8 @@ NO_EFFECT_KEYS: dict[str, str] = {
                     _COMM),
     "validate_folding_routing": "it checks DeepSpeed's AutoEP+AutoTP folded routing, which fnzero does not have",
     **dict.fromkeys(("expert_w1", "expert_w2", "expert_w3", "num_experts_attr"),
-                    "fnzero splits the experts module's own stacked tensors (transformers 5's gate_up_proj and "
-                    "down_proj) and counts experts from them"),
+                    "fnzero splits the experts module's own stacked tensors (transformers 5's gate_up_proj or "
+                    "up_proj, down_proj, and their biases) and counts experts from them"),
     **dict.fromkeys(("has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern"),
                     "shared experts stay the model's own dense modules, found by nothing but the model itself"),
 }

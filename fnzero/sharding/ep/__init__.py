@@ -7,7 +7,8 @@ Layer 3 of `specs/architecture.md`; the order of the sub-packages is written the
     all_to_all_grad               the differentiable all-to-all the dispatch uses
     HFExpertGroup                 a Hugging Face (transformers 5) MoE block's experts as an ExpertGroup
     autoep_replace, AUTOEP_PRESETS, AutoEPPreset
-                                  AutoEP: find a model's experts modules by preset and replace them
+                                  AutoEP: find a model's experts modules (by preset, pattern or layout) and
+                                  replace them
 """
 
 from ._autoep import (AUTOEP_KEYS_NO_EFFECT, AUTOEP_KEYS_READ, AUTOEP_PRESETS, AutoEPPreset, autoep_replace,

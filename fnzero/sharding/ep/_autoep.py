@@ -1,5 +1,5 @@
-"""AutoEP: find a Hugging Face MoE model's experts modules by preset and replace each by an
-`HFExpertGroup` (`specs/mesh.md §Expert parallelism`), in DeepSpeed 0.19.8's vocabulary.
+"""AutoEP: find a Hugging Face MoE model's experts modules and replace each by an `HFExpertGroup`
+(`specs/mesh.md §AutoEP`), in DeepSpeed 0.19.8's vocabulary.
 
 A preset names, as DeepSpeed's `MoEModelPreset` does, the MoE blocks (`moe_layer_pattern`, a
 regex that must match a module's whole dotted path), and two direct children of each block: its
@@ -9,29 +9,32 @@ without the router child. Only the experts module is replaced: the router, the s
 and the router's aux loss stay the model's own, so the routing is the model's whatever the
 config's routing keys say (`top_k`, `score_func`, `route_norm`, ...: `AUTOEP_KEYS_NO_EFFECT`).
 
-Presets: DeepSpeed's `mixtral`, `qwen3_moe`, `qwen3_5_moe`, `deepseek_v2` and `deepseek_v3`, with
-its model types (its `qwen3_moe` serves `qwen2_moe` models too, and `qwen3_5_moe` the text
-backbone `qwen3_5_moe_text` only); fnzero's own `qwen2_moe` and `olmoe` (DeepSpeed 0.19.8 has no
-preset of these names, and none for OLMoE at all). DeepSpeed's `minimax_m3` is not offered: its
-experts compute a clamped SwiGLU (`_apply_gate` of their own), which `HFExpertGroup` refuses, and
-transformers 5.24 has no `minimax_m3_vl_text` experts of the fused layout AutoEP reads without it.
+Presets: DeepSpeed's `mixtral`, `qwen3_moe`, `qwen3_5_moe`, `deepseek_v2`, `deepseek_v3` and
+`minimax_m3`, with its model types (its `qwen3_moe` serves `qwen2_moe` models too, `qwen3_5_moe`
+the text backbone `qwen3_5_moe_text` only, `minimax_m3` the text backbone `minimax_m3_vl_text`);
+fnzero's own `qwen2_moe` and `olmoe` (DeepSpeed 0.19.8 has no preset of these names, and none for
+OLMoE at all).
+
+A model no preset names, with no pattern given, has its MoE blocks found by their layout
+(`find_moe_blocks`): every module holding transformers 5's stacked experts (`looks_like_experts`)
+beside a router, a sibling module holding a 2-D weight with a row per expert. Names and paths do
+not matter (GraniteMoE's `block_sparse_moe.router`, Llama 4's `feed_forward`, Hunyuan's
+`gate.wg`), so every transformers MoE model of that layout is found without a preset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..._errors import ConfigError
-from ...config._noop import ConfigWarning
-from ._hf_experts import HFExpertGroup
+from ._hf_experts import HFExpertGroup, looks_like_experts
 
 __all__ = ["AutoEPPreset", "AUTOEP_PRESETS", "AUTOEP_KEYS_READ", "AUTOEP_KEYS_NO_EFFECT", "autoep_replace",
-           "resolve_autoep_preset"]
+           "find_moe_blocks", "resolve_autoep_preset"]
 
 
 @dataclass(frozen=True)
@@ -59,18 +62,19 @@ AUTOEP_PRESETS: dict[str, AutoEPPreset] = {
                                 shared_experts_pattern="shared_experts"),
     "deepseek_v3": AutoEPPreset(_LAYERS, "gate", "experts", ("deepseek_v3",), score_func="sigmoid",
                                 route_norm=False, shared_experts_pattern="shared_experts"),
+    "minimax_m3": AutoEPPreset(_LAYERS, "gate", "experts", ("minimax_m3_vl_text",), score_func="sigmoid",
+                               shared_experts_pattern="shared_experts"),
     "qwen2_moe": AutoEPPreset(_LAYERS, "gate", "experts", ("qwen2_moe",), shared_experts_pattern="shared_expert",
                               origin="fnzero"),
     "olmoe": AutoEPPreset(_LAYERS, "gate", "experts", ("olmoe",), route_norm=False, origin="fnzero"),
 }
 
-# Model types DeepSpeed refuses with a note rather than a preset (the composite vision-language model).
+# Model types DeepSpeed refuses with a note rather than a preset (the composite vision-language models).
 _MODEL_TYPE_NOTES = {
     "qwen3_5_moe": "AutoEP replaces the Qwen3.5-MoE text backbone: pass the text model (Qwen3_5MoeForCausalLM, "
                    "model_type 'qwen3_5_moe_text'), or give moe_layer_pattern for the composite model",
-}
-_NOT_OFFERED = {
-    "minimax_m3": "DeepSpeed's minimax_m3 preset is not offered: its experts use a clamped SwiGLU of their own",
+    "minimax_m3_vl": "AutoEP replaces the MiniMax-M3 text backbone: pass the text model (MiniMaxM3VLForCausalLM, "
+                     "model_type 'minimax_m3_vl_text'), or give moe_layer_pattern for the composite model",
 }
 
 # The `expert_parallel` keys autoep_replace reads (`enabled` and `autoep_size` are the mesh's), and
@@ -99,51 +103,94 @@ def _child_name(key: str, value: str | None) -> None:
                           f"(an attribute name, no dots)")
 
 
-def resolve_autoep_preset(model: nn.Module, preset_model: str | None = None, moe_layer_pattern: str | None = None,
-                          expert_pattern: str | None = None, router_pattern: str | None = None) -> AutoEPPreset:
-    """The preset AutoEP uses, as DeepSpeed picks it: `preset_model` when given, else the one for
-    `model.config.model_type`, else a custom preset from `moe_layer_pattern` (router `gate`, experts
-    `experts` unless given); the patterns given override the preset's."""
-    _child_name("expert_pattern", expert_pattern)
-    _child_name("router_pattern", router_pattern)
+def _model_type(model: nn.Module) -> str | None:
     # A pipeline stage cut from a model names it `plan_source` (`sharding/pp/_module.py`).
     source = model if hasattr(model, "config") else getattr(model, "plan_source", model)
-    model_type = getattr(getattr(source, "config", None), "model_type", None)
+    return getattr(getattr(source, "config", None), "model_type", None)
+
+
+def resolve_autoep_preset(model: nn.Module, preset_model: str | None = None, moe_layer_pattern: str | None = None,
+                          expert_pattern: str | None = None, router_pattern: str | None = None
+                          ) -> AutoEPPreset | None:
+    """The preset AutoEP uses, as DeepSpeed picks it: `preset_model` when given, else the one for
+    `model.config.model_type`, else a custom preset from `moe_layer_pattern` (router `gate`, experts
+    `experts` unless given); the patterns given override the preset's. None when none of these
+    applies: the blocks are then found by their layout (`find_moe_blocks`)."""
+    _child_name("expert_pattern", expert_pattern)
+    _child_name("router_pattern", router_pattern)
+    model_type = _model_type(model)
     if preset_model is not None:
         if preset_model not in AUTOEP_PRESETS:
-            why = _NOT_OFFERED.get(preset_model, f"unknown preset_model {preset_model!r}")
-            raise ConfigError(f"expert_parallel.preset_model: {why}; {_known()}")
+            raise ConfigError(f"expert_parallel.preset_model: unknown preset_model {preset_model!r}; {_known()}")
         preset = AUTOEP_PRESETS[preset_model]
     else:
         preset = next((p for p in AUTOEP_PRESETS.values() if model_type in p.hf_model_types), None)
-    if preset is None and moe_layer_pattern is None and model_type not in _MODEL_TYPE_NOTES:
-        preset = _common_layout(model, model_type)
     if preset is None:
         if moe_layer_pattern is None:
-            note = _MODEL_TYPE_NOTES.get(model_type, "give expert_parallel.preset_model or moe_layer_pattern")
-            raise ConfigError(f"expert_parallel: model_type {model_type!r} has no AutoEP preset ({note}); {_known()}")
+            if model_type in _MODEL_TYPE_NOTES:
+                raise ConfigError(f"expert_parallel: model_type {model_type!r} has no AutoEP preset "
+                                  f"({_MODEL_TYPE_NOTES[model_type]}); {_known()}")
+            return None
         preset = AutoEPPreset(moe_layer_pattern, "gate", "experts", origin="custom")
     overrides = {k: v for k, v in (("moe_layer_pattern", moe_layer_pattern), ("expert_pattern", expert_pattern),
                                    ("router_pattern", router_pattern)) if v is not None}
     return dataclasses.replace(preset, **overrides)
 
 
-def _common_layout(model: nn.Module, model_type: str | None) -> AutoEPPreset | None:
-    """For a model type no preset names: the layout every preset shares (`model.layers.N.mlp` with a
-    `gate` router and an `experts` child), when the model has it, with a ConfigWarning saying so;
-    DeepSpeed likewise tries its presets in turn when none names the model. None when it does not."""
-    common = AutoEPPreset(_LAYERS, "gate", "experts", origin="common")
-    found = _matched_experts(model, common)
-    if not found:
-        return None
-    warnings.warn(f"expert_parallel: model_type {model_type!r} has no AutoEP preset; its {len(found)} MoE block(s) "
-                  f"were found by the layout the presets share ({_LAYERS} with 'gate' and 'experts' children). Give "
-                  "expert_parallel.preset_model or moe_layer_pattern to choose", ConfigWarning, stacklevel=4)
-    return common
+@dataclass(frozen=True)
+class _Block:
+    module: nn.Module
+    name: str  # the block's path ("" for the model itself)
+    experts: str  # its children's names
+    router: str
+
+    def path(self, child: str) -> str:
+        return f"{self.name}.{child}" if self.name else child
 
 
-def _matched_experts(model: nn.Module, preset: AutoEPPreset) -> list[tuple[nn.Module, str]]:
-    """(block, path) of every block the preset matches that has its experts and router children."""
+def _router_rows(module: nn.Module) -> list[int]:
+    return [p.shape[0] for p in module.parameters() if p.dim() == 2]
+
+
+def _router_of(block: nn.Module, experts_name: str, num_experts: int) -> str | None:
+    """The sibling of the experts that routes to them: one holding a 2-D weight with a row per
+    expert (the first such child), else one with more rows (Longcat's router also scores its
+    "zero experts", which its block computes itself); None without either."""
+    siblings = [(n, c) for n, c in block.named_children() if n != experts_name and not looks_like_experts(c)]
+    for wanted in (lambda rows: rows == num_experts, lambda rows: rows > num_experts):
+        for name, child in siblings:
+            if any(wanted(rows) for rows in _router_rows(child)):
+                return name
+    return None
+
+
+def find_moe_blocks(model: nn.Module, expert_pattern: str | None = None,
+                    router_pattern: str | None = None) -> list[_Block]:
+    """Every block of `model` holding stacked experts beside a router, found by layout alone, in
+    module order (`expert_pattern`/`router_pattern`, when given, must name those children).
+    ConfigError naming a stacked experts module no router sits beside."""
+    found, alone = [], []
+    for name, block in model.named_modules():
+        for child_name, child in block.named_children():
+            if not looks_like_experts(child) or expert_pattern not in (None, child_name):
+                continue
+            router = _router_of(block, child_name, child._parameters["down_proj"].shape[0])
+            if router_pattern is not None:
+                router = router_pattern if isinstance(getattr(block, router_pattern, None), nn.Module) else None
+            if router is None:
+                alone.append(f"{name}.{child_name}" if name else child_name)
+            else:
+                found.append(_Block(block, name, child_name, router))
+    if alone:
+        raise ConfigError(f"expert_parallel: {alone[:3]} hold stacked experts, but no module beside them routes to "
+                          f"them (a child of the same block with a 2-D weight of a row per expert"
+                          f"{', named ' + repr(router_pattern) if router_pattern else ''}); give "
+                          "expert_parallel.moe_layer_pattern and router_pattern")
+    return found
+
+
+def _matched_experts(model: nn.Module, preset: AutoEPPreset) -> list[_Block]:
+    """Every block the preset matches that has its experts and router children."""
     try:
         pattern = re.compile(preset.moe_layer_pattern)
     except re.error as e:
@@ -157,18 +204,37 @@ def _matched_experts(model: nn.Module, preset: AutoEPPreset) -> list[tuple[nn.Mo
         router = getattr(block, preset.router_pattern, None)
         if not isinstance(experts, nn.Module) or not isinstance(router, nn.Module):
             continue  # a dense layer, or no router: not an MoE block (DeepSpeed skips these too)
-        found.append((block, name))
+        found.append(_Block(block, name, preset.expert_pattern, preset.router_pattern))
+    return found
+
+
+def _blocks(model: nn.Module, preset: AutoEPPreset | None, expert_pattern: str | None,
+            router_pattern: str | None) -> list[_Block]:
+    if preset is not None:
+        found = _matched_experts(model, preset)
+        if not found:
+            raise ConfigError(f"expert_parallel: moe_layer_pattern {preset.moe_layer_pattern!r} matches no MoE block "
+                              f"with a {preset.expert_pattern!r} (experts) and a {preset.router_pattern!r} (router) "
+                              "child")
+        return found
+    found = find_moe_blocks(model, expert_pattern, router_pattern)
+    if not found:
+        raise ConfigError(f"expert_parallel: model_type {_model_type(model)!r} has no AutoEP preset, and no module of "
+                          "the model holds transformers 5's stacked experts (3-D gate_up_proj or up_proj, and "
+                          f"down_proj) beside a router; give expert_parallel.preset_model or moe_layer_pattern; "
+                          f"{_known()}")
     return found
 
 
 def autoep_replace(model: nn.Module, preset_model: str | None = None, moe_layer_pattern: str | None = None,
                    expert_pattern: str | None = None, router_pattern: str | None = None) -> list[str]:
-    """Replace, in place, every experts module the AutoEP preset finds by an `HFExpertGroup`
-    holding the same parameters; returns their paths (e.g. `model.layers.0.mlp.experts`).
+    """Replace, in place, every experts module AutoEP finds (by preset or pattern, else by layout:
+    `resolve_autoep_preset`, `find_moe_blocks`) by an `HFExpertGroup` holding the same
+    parameters; returns their paths (e.g. `model.layers.0.mlp.experts`).
 
-    The preset is picked by `resolve_autoep_preset`. ConfigError when no preset applies, when the
-    pattern matches no MoE block, when an experts module is not transformers 5's fused layout,
-    when its router's expert count differs from its experts', or when it is replaced already.
+    ConfigError when no MoE block is found, when an experts module is not of a layout
+    `HFExpertGroup` splits and computes (`read_experts_layout`), when a router named by a preset
+    scores another number of experts, or when an experts module is replaced already.
 
     >>> from transformers import MixtralConfig, MixtralForCausalLM
     >>> cfg = MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -177,22 +243,18 @@ def autoep_replace(model: nn.Module, preset_model: str | None = None, moe_layer_
     ['model.layers.0.mlp.experts']
     """
     preset = resolve_autoep_preset(model, preset_model, moe_layer_pattern, expert_pattern, router_pattern)
-    found = _matched_experts(model, preset)
-    if not found:
-        raise ConfigError(f"expert_parallel: moe_layer_pattern {preset.moe_layer_pattern!r} matches no MoE block with "
-                          f"a {preset.expert_pattern!r} (experts) and a {preset.router_pattern!r} (router) child")
     replacements = []  # every block checked before any is replaced: an error leaves the model as it was
-    for block, name in found:
-        path = f"{name}.{preset.expert_pattern}"
-        experts = getattr(block, preset.expert_pattern)
+    for block in _blocks(model, preset, expert_pattern, router_pattern):
+        path = block.path(block.experts)
+        experts = getattr(block.module, block.experts)
         if isinstance(experts, HFExpertGroup):
             raise ConfigError(f"{path}: its experts were replaced for expert parallelism already")
         group = HFExpertGroup.replacing(experts, path)
-        router_weight = getattr(getattr(block, preset.router_pattern), "weight", None)
-        if router_weight is not None and router_weight.dim() == 2 and router_weight.shape[0] != group.num_experts:
-            raise ConfigError(f"{path}: the router {name}.{preset.router_pattern} scores {router_weight.shape[0]} "
-                              f"experts, the experts module holds {group.num_experts}")
-        replacements.append((block, group, path))
-    for block, group, _ in replacements:
-        setattr(block, preset.expert_pattern, group)
-    return [path for _, _, path in replacements]
+        rows = _router_rows(getattr(block.module, block.router))
+        if preset is not None and rows and rows[0] != group.num_experts:
+            raise ConfigError(f"{path}: the router {block.path(block.router)} scores {rows[0]} experts, the experts "
+                              f"module holds {group.num_experts}")
+        replacements.append((block, group))
+    for block, group in replacements:
+        setattr(block.module, block.experts, group)
+    return [block.path(block.experts) for block, _ in replacements]
