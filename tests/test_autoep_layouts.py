@@ -162,7 +162,7 @@ def test_every_stacked_experts_model_is_found_and_splits_as_its_eager_experts(mo
     whole = model_type in _WHOLE
     where, _, experts = paths[0].rpartition(".")
     unit, reference_unit = (model, reference) if whole else (model.get_submodule(where), reference.get_submodule(where))
-    split = (paths[0] if whole else experts,) if not whole else tuple(paths)
+    split = tuple(paths) if whole else (experts,)  # paths within the unit
     want = [_run(reference_unit, whole, r) for r in range(2)]
     copies = [copy.deepcopy(unit) for _ in range(2)]
 
