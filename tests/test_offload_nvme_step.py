@@ -287,6 +287,34 @@ def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fail
     simulated_world(1).run(rank_fn)
 
 
+def test_a_parameter_store_refuses_an_older_state_and_a_step_it_could_not_flush(tmp_path, monkeypatch):
+    # specs/offload.md §Parameters: the store changes in place, so an older state's save would pair
+    # its own master and moments with a later step's parameters; and a step whose one closing
+    # fdatasync fails (a write-back error shows only there) leaves the store refusing further use.
+    def rank_fn(comm):
+        cfg = W.config(3, world=1, extra={"zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
+        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+        step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
+        batch = (torch.randn(2, 3), torch.randn(2, 2))
+        s1, _ = step(sm.init_state(), batch)
+        s2, _ = step(s1, batch)
+        with pytest.raises(fnzero.ShardingError, match="at step 1 but the NVMe files of its parameter shards hold step 2"):
+            fnzero.checkpoint.save(str(tmp_path / "old"), s1)
+        assert not (tmp_path / "old").exists()
+        fnzero.checkpoint.save(str(tmp_path / "new"), s2)  # the newest state saves
+        store = sources_of(s2.sharding).params.store
+        monkeypatch.setattr(store._handle, "sync", lambda: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        with pytest.raises(OSError, match="I/O error"):
+            step(s2, batch)
+        monkeypatch.undo()
+        with pytest.raises(NvmeStoreError, match="could not be flushed"):
+            step(s2, batch)
+
+    simulated_world(1).run(rank_fn)
+
+
 def test_a_checkpoint_load_into_an_nvme_optimizer_that_fails_part_way_refuses_all_later_use(tmp_path, monkeypatch):
     # The optimizer store's load is one update too: a failure between two units' writes (here a
     # store file found gone), not only inside one, leaves it refusing the state's next step and save.

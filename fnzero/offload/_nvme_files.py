@@ -66,14 +66,27 @@ class Updates:
         try:
             yield
         except BaseException:
-            self._broken = (f"a {self._outer[0]} (step {self._outer[1]}) failed part-way, so the store's files hold "
-                            "old and new values together and cannot be used again; load the last checkpoint into a "
-                            "new state (fnzero.shard the model again, init_state, fnzero.checkpoint.load)")
+            self._break("failed part-way")
             raise
         finally:
             self._depth -= 1
         if outer and self._broken is None:  # (an inner update that raised, caught inside, still broke it)
+            try:
+                self._flush()
+            except BaseException:
+                self._break("could not be flushed to its files")
+                raise
             self._save_manifest("clean")
+
+    def _flush(self) -> None:
+        """What makes an update's writes readable and its write-back errors seen, once per outermost
+        update (not per write: a step writes every unit)."""
+
+    def _break(self, how: str) -> None:
+        what, step = self._outer
+        self._broken = (f"a {what} (step {step}) {how}, so the store's files hold old and new values together and "
+                        "cannot be used again; load the last checkpoint into a new state (fnzero.shard the model "
+                        "again, init_state, fnzero.checkpoint.load)")
 
     def refuse_if_broken(self) -> None:
         if self._broken is not None:

@@ -146,7 +146,11 @@ class NvmeParamStore(Updates):
         block = self._block(unit, kind, value)  # a bad value is refused before any byte changes
         with self.updating("write", self._step):
             self._handle.pwrite(*block)
-            self._handle.sync()
+
+    def _flush(self) -> None:
+        # One fdatasync per update (a step's copy-out of every unit, a checkpoint load): a buffered
+        # write's write-back error shows only there, and must break the store before it reads "clean".
+        self._handle.sync()
 
     def _block(self, unit: str, kind: str, value: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(the aligned block holding `value` in the stored dtype, its file offset)."""

@@ -34,9 +34,10 @@ from ._phases import (
 )
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
+from ..sharding.zero._param_store import stepped_in_place
 from ..sharding.zero._policy import offload_device
 from ._policy import StepPolicy, step_policy
-from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, params_in_store, publish_params
+from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, publish_params
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
@@ -227,7 +228,7 @@ def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, don
     (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
     sh = state.sharding
     setup = step_setup(state, batch, policy, sched, opt)
-    param_source = params_in_store(state)  # an older state than its files' is refused before any work
+    param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
     if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
         sh.watchdog.at_step(setup.step_no + 1)
     timer = Timer(policy.timings, sh.device)

@@ -22,10 +22,10 @@ from ..sharding.comm._compressed import compressed_all_reduce
 from ..sharding.construct._module import optimizer_view
 from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
-from ..sharding.zero._param_store import ShardSource, is_placeholder, sources_of
+from ..sharding.zero._param_store import ShardSource, is_placeholder
 from ._owner_update import owner_layout, owner_update
 
-__all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "params_in_store", "publish_params"]
+__all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "publish_params"]
 
 
 class OptimizerScalars(NamedTuple):
@@ -43,25 +43,6 @@ def optimizer_exchange(opt, comm) -> Callable | None:
     if opt.local_gradients is None:
         return None
     return functools.partial(compressed_all_reduce, comm)
-
-
-def params_in_store(state: TrainState) -> ShardSource | None:
-    """Where the step writes the new trainable shards (`offload_param: nvme` with the optimizer's
-    master in memory: the parameter store), checked to hold this state's step; None without one.
-    The store changes in place, so only the newest state can take a step, as with the optimizer's
-    NVMe store (`specs/offload.md` §Parameters); `optimizer_update` writes it and `set_step`s it.
-    A store an earlier update left part-way raises its NvmeStoreError here (`last_step`)."""
-    source = sources_of(state.sharding).params
-    if source is None or state.master is None or not any(is_placeholder(p) for p in state.params.values()):
-        return None
-    held, step = source.store.last_step, int(state.step)
-    if held != step:
-        raise ShardingError(
-            f"this TrainState is at step {step} but the NVMe files of its parameter shards hold step {held}: with "
-            "offload_param device nvme each step writes the new shards into their files in place, so only the "
-            "newest state can take a step"
-        )
-    return source
 
 
 def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
@@ -117,7 +98,7 @@ def _copy_out(master: dict[str, torch.Tensor], params: dict[str, torch.Tensor], 
 
     if source is None:
         return copy()
-    step = source.store.last_step + 1  # `params_in_store` checked it holds this state's step
+    step = source.store.last_step + 1  # `stepped_in_place` checked it holds this state's step
     with source.store.updating("step", step):
         new_params = copy()
         source.store.set_step(step)

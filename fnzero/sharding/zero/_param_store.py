@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
+from ..._errors import ShardingError
 from ..._state import TrainState
 
-__all__ = ["ShardSource", "ShardSources", "placeholder", "is_placeholder", "sources_of", "held", "read_placeholders",
+__all__ = ["ShardSource", "ShardSources", "placeholder", "is_placeholder", "sources_of", "held", "read_placeholders", "stepped_in_place",
            "stored_bytes"]
 
 
@@ -90,12 +91,33 @@ def held(t: torch.Tensor, source: ShardSource | None, unit: str) -> torch.Tensor
     return t.detach()
 
 
+def stepped_in_place(state: TrainState) -> ShardSource | None:
+    """The parameter store each step writes its new trainable shards into, in place (`offload_param:
+    nvme` with the optimizer's master in memory), checked to hold this state's step; None where no
+    step writes a store. Only the newest state can step, be saved or read from such a store: an
+    older one would pair its own master and moments with a later step's parameters
+    (`specs/offload.md` §Parameters). A store an update left part-way raises its NvmeStoreError."""
+    source = sources_of(state.sharding).params
+    if source is None or state.master is None or not any(is_placeholder(p) for p in state.params.values()):
+        return None
+    held_step, step = source.store.last_step, int(state.step)
+    if held_step != step:
+        raise ShardingError(
+            f"this TrainState is at step {step} but the NVMe files of its parameter shards hold step {held_step}: "
+            "with offload_param device nvme each step writes the new shards into their files in place, so only "
+            "the newest state can take a step or be saved"
+        )
+    return source
+
+
 def read_placeholders(state: TrainState, *, frozen: bool = True) -> TrainState:
     """`state` with every placeholder in `params` (and `frozen`, unless `frozen=False`) replaced by
-    its shard read from its store: what saving whole tensors needs. The state itself is unchanged."""
+    its shard read from its store: what saving whole tensors needs. The state itself is unchanged.
+    A state older than its parameter store's shards is refused (`stepped_in_place`)."""
     sources = sources_of(state.sharding)
     if sources is NO_SOURCES:
         return state
+    stepped_in_place(state)
     changes: dict[str, dict[str, torch.Tensor]] = {}
     for field, source in (("params", sources.params), ("frozen", sources.frozen if frozen else None)):
         tensors = getattr(state, field)
