@@ -502,7 +502,7 @@ def test_default_output_directories_stay_out_of_git_and_given_ones_are_the_users
     from fnzero.cli._tune_jobs import TrialResult
 
     def fake_trial(c, *, exps_dir, **kw):
-        os.makedirs(os.path.join(exps_dir, c.name))  # what a trial writes: its log, config, command
+        os.makedirs(os.path.join(exps_dir, c.name), exist_ok=True)  # what a trial writes: its log, config, command
         with open(os.path.join(exps_dir, c.name, "stdout.log"), "w") as log:
             log.write("step 1\n")
         report = {"num_params": 1000, "units": 2, "comm_bytes": 4, "step_time_s": 0.01,
@@ -527,6 +527,13 @@ def test_default_output_directories_stay_out_of_git_and_given_ones_are_the_users
     assert status() == ["?? ds.json"]  # nothing new shows
     assert (repo / "autotuning_results" / "ds_config_optimal.json").is_file()  # where DeepSpeed puts it
     assert (repo / "autotuning_exps" / "z0_mbs2" / "stdout.log").is_file()
+    # Only a directory autotune makes gets the marker: one already there is left as it is, so a marker
+    # the user deleted to track it stays deleted.
+    (repo / "autotuning_exps" / ".gitignore").unlink()
+    assert cli(args) == 0
+    assert not (repo / "autotuning_exps" / ".gitignore").exists()
+    assert "?? autotuning_exps/z0_mbs2/stdout.log" in status()
+    shutil.rmtree(repo / "autotuning_exps")
     # Directories the config names are the user's: written as they are, nothing added.
     (repo / "ds.json").write_text(json.dumps({**BASE, "autotuning": {"enabled": True, "results_dir": "mine",
                                                                      "exps_dir": "runs/exps"}}))

@@ -131,8 +131,8 @@ class Tuning:
                                   f"peak memory growing {format_bytes(per_sample)} a sample as measured) > memory "
                                   f"limit {format_bytes(self.limit)}")
         step = self._predict(c)
-        if step is None or step <= 0:
-            return None
+        if step is None or step <= 0 or c.micro <= max(r.micro for r, _ in ran if r.layout == c.layout):
+            return None  # time bounds the grid's growth: sizes up to those measured run (their cost is seen)
         steps = self.at.end_profile_step
         trial = trial_overhead_s(ran, steps) + steps * step
         share = self.budget / max(1, planned)

@@ -54,14 +54,16 @@ def ignored_dir(path: str) -> None:
     """Make `path` a directory that version control leaves alone: a `.gitignore` of `*` in it, as
     pytest's and ruff's caches have. For DeepSpeed's default `autotuning_results` and
     `autotuning_exps`, which land in the working directory, often a repository's root; a directory
-    the config names is the user's, and left as it is."""
-    os.makedirs(path, exist_ok=True)
-    marker = os.path.join(path, ".gitignore")
-    if not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write("# Written by fnzero autotune: this is autotuning's default output directory, which version "
-                    "control need not see.\n# Set autotuning.results_dir / exps_dir to choose the directory; "
-                    "delete this file to track it here.\n*\n")
+    the config names is the user's, and left as it is. Only a directory made here gets the marker:
+    one that exists already (a user's, perhaps tracked) is left as it is, and so is a marker the user
+    deleted."""
+    if os.path.isdir(path):
+        return
+    os.makedirs(path)
+    with open(os.path.join(path, ".gitignore"), "w") as f:
+        f.write("# Written by fnzero autotune when it made this directory, its default output directory, which "
+                "version control need not see.\n# Set autotuning.results_dir / exps_dir to choose the directory; "
+                "delete this file to track this one.\n*\n")
 
 
 def write_results(results_dir: str, rows: list[dict], best_config: dict | None, best_cmd: list[str] | None) -> dict:
