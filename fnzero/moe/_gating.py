@@ -62,11 +62,12 @@ def used_token_mask(used_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
     zeros and ones means the same whatever its dtype (a float one arrives from a bf16/fp16
     `ShardedModule.apply`, which casts floating arguments). Any other value there gives fractional slots
     that collide or index past the buffer, so it is refused instead of followed. The mask is data: no
-    gradient flows into it. Checking the values reads one flag on the host."""
+    gradient flows into it. Checking the values reads one flag on the host, so it is left out while
+    torch.compile traces the layer (a host read there would break the graph)."""
     if used_token.numel() != num_tokens:
         raise ConfigError(f"MoE used_token has {used_token.numel()} elements, one per token: {num_tokens} "
                           "(the input flattened to [tokens, hidden])")
-    if used_token.dtype != torch.bool:
+    if used_token.dtype != torch.bool and not torch.compiler.is_compiling():
         bad = ~((used_token == 0) | (used_token == 1))
         if bool(bad.any()):
             raise ConfigError(f"MoE used_token must hold only 0 and 1 (1 routes the token, 0 leaves it out); it holds "
