@@ -173,6 +173,11 @@ def dependency_ranges(root: str = ROOT, *, build: bool = True) -> dict[str, Spec
     return ranges
 
 
+# pip install options that take the next word as their value.
+_PIP_VALUED = {"-i", "--index-url", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r",
+               "--requirement", "-t", "--target", "--prefix", "--root", "--python-version", "--platform"}
+
+
 def _pip_problems(argv: list[str], root: str) -> list[str]:
     """The extras a `pip install` names exist, and a package it names is one pyproject.toml
     lists, at a version its range admits (the README installs torch by hand, first)."""
@@ -184,7 +189,12 @@ def _pip_problems(argv: list[str], root: str) -> list[str]:
         extras = sorted(tomllib.load(f)["project"].get("optional-dependencies", {}))
     ranges = dependency_ranges(root)
     bad = []
-    for arg in (a for a in argv[2:] if not a.startswith("-")):
+    words = iter(argv[2:])
+    for arg in words:
+        if arg in _PIP_VALUED:
+            next(words, None)  # (its value: an index, a folder, a requirements file)
+        if arg.startswith("-"):
+            continue
         m = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", arg)
         if m:
             bad += [f"pyproject.toml has no extra {e!r} (it has {extras})"

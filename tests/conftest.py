@@ -81,7 +81,9 @@ def pytest_terminal_summary(terminalreporter):
 # `tempfile.mkdtemp`, `tempfile.mkstemp`), so a test that leaves one fails at its teardown naming it,
 # and one made while the test modules are imported fails the first test. Module- and session-scoped
 # fixtures are set up before a test's own, so what they make is not counted. Nor may a test leave a
-# new entry in the checkout's root (the working directory of the suite and of the examples it runs).
+# new entry in the checkout's root (the working directory of the suite and of the examples it runs):
+# checked after each test in a run of one process, and once at the end of an xdist run, whose two
+# workers share the root (a per-test check there would blame a test for what the other worker's made).
 _MADE: list[str] = []
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ROOT_OWN = {".hypothesis", ".pytest_cache"}  # hypothesis' example database, pytest's cache
@@ -106,11 +108,35 @@ def _nothing_made_at_import():
     assert not left, f"made by tempfile while the test modules were imported, and never removed: {left}"
 
 
+def _new_in_root(before: set[str]) -> list[str]:
+    return sorted(set(os.listdir(_ROOT)) - before - _ROOT_OWN)
+
+
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+_ROOT_AT_START = pytest.StashKey[set]()
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_behind(_nothing_made_at_import):
     since, root = len(_MADE), set(os.listdir(_ROOT))
     yield
     left = _left(since)
     assert not left, f"this test left what it made with tempfile: {left}; use tmp_path, or remove it"
-    new = sorted(set(os.listdir(_ROOT)) - root - _ROOT_OWN)
+    new = [] if _XDIST_WORKER else _new_in_root(root)
     assert not new, f"this test left {new} in {_ROOT}; write under tmp_path"
+
+
+def pytest_sessionstart(session):
+    if not _XDIST_WORKER:
+        session.config.stash[_ROOT_AT_START] = set(os.listdir(_ROOT))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XDIST_WORKER or _ROOT_AT_START not in session.config.stash:
+        return
+    new = _new_in_root(session.config.stash[_ROOT_AT_START])
+    if new:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"\nthe suite left {new} in {_ROOT}: a test must write under tmp_path", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

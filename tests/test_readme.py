@@ -75,6 +75,7 @@ def test_the_readme_installs_only_what_pyproject_admits():
     assert _readme._pip_problems(drifted.split(" && ")[0].split(), _readme.ROOT) == [
         f"torch==2.99.0 is outside pyproject.toml's range torch{_readme.dependency_ranges()['torch']}"]
     assert _readme._pip_problems(["pip", "install", "somepkg"], _readme.ROOT) == ["pyproject.toml does not list somepkg"]
+    assert _readme._pip_problems(["pip", "install", "--index-url", "https://x/simple", "torch==2.13.0"], _readme.ROOT) == []
     assert _readme._pip_problems(["pip", "install", "-e", ".[hf,gpu]"], _readme.ROOT) == [
         "pyproject.toml has no extra 'gpu' (it has ['hf', 'plot', 'test'])"]
 
