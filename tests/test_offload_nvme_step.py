@@ -242,6 +242,17 @@ def _failing_after(store, monkeypatch, writes):
     return done
 
 
+def _params_on_nvme(comm, tmp_path):
+    """(config, sharded model, step, batch) of a stage-3 MLP whose parameters are on NVMe in their
+    own store, the optimizer on the CPU."""
+    cfg = W.config(3, world=1, extra={"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
+    sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+    step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
+    return cfg, sm, step, (torch.randn(2, 3), torch.randn(2, 2))
+
+
 @pytest.mark.parametrize("fails_in", ["step", "load"])
 def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fails_in, tmp_path, monkeypatch):
     # specs/offload.md §Parameters: the step's copy-out (and a checkpoint load) writes the shards a
@@ -249,12 +260,7 @@ def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fail
     # so every later use of them is one NvmeStoreError naming the store and the way back, never a
     # read of old and new shards together.
     def rank_fn(comm):
-        cfg = W.config(3, world=1, extra={"zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
-            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
-        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
-        step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
-        batch = (torch.randn(2, 3), torch.randn(2, 2))
+        cfg, sm, step, batch = _params_on_nvme(comm, tmp_path)
         s1, _ = step(sm.init_state(), batch)
         fnzero.checkpoint.save(str(tmp_path / "ckpt"), s1)
         at_step_1 = sm.gather(s1.params)
@@ -278,7 +284,7 @@ def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fail
             msg = str(err.value)
             assert store.path in msg and "fnzero.shard" in msg and "checkpoint.load" in msg, (use, msg)
         # The way back the error names: a new state, the last checkpoint loaded into it.
-        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
+        _, sm, step, _ = _params_on_nvme(comm, tmp_path)
         state, _ = fnzero.checkpoint.load(str(tmp_path / "ckpt"), like=sm.init_state())
         assert sources_of(state.sharding).params.store is not store
         W.assert_close_tree(sm.gather(state.params), at_step_1, rtol=0, atol=0, what="reloaded")
@@ -292,12 +298,7 @@ def test_a_parameter_store_refuses_an_older_state_and_a_step_it_could_not_flush(
     # its own master and moments with a later step's parameters; and a step whose one closing
     # fdatasync fails (a write-back error shows only there) leaves the store refusing further use.
     def rank_fn(comm):
-        cfg = W.config(3, world=1, extra={"zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"},
-            "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}}})
-        sm = fnzero.shard(W.make_model("mlp:3,4,2", torch.float32), config=cfg, comm=comm)
-        step = fnzero.train_step(lambda p, b: W.loss_of("mlp", sm.apply(p, b[0]), b[1]), cfg)
-        batch = (torch.randn(2, 3), torch.randn(2, 2))
+        _, sm, step, batch = _params_on_nvme(comm, tmp_path)
         s1, _ = step(sm.init_state(), batch)
         s2, _ = step(s1, batch)
         with pytest.raises(fnzero.ShardingError, match="at step 1 but the NVMe files of its parameter shards hold step 2"):
