@@ -260,7 +260,7 @@ def test_a_parameter_store_update_that_fails_part_way_refuses_all_later_use(fail
     # so every later use of them is one NvmeStoreError naming the store and the way back, never a
     # read of old and new shards together.
     def rank_fn(comm):
-        cfg, sm, step, batch = _params_on_nvme(comm, tmp_path)
+        _, sm, step, batch = _params_on_nvme(comm, tmp_path)
         s1, _ = step(sm.init_state(), batch)
         fnzero.checkpoint.save(str(tmp_path / "ckpt"), s1)
         at_step_1 = sm.gather(s1.params)
