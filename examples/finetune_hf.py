@@ -61,10 +61,7 @@ with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
 # The model's own layer checkpointing, inside fnzero's sharded forward (either mode works).
 ckpt_kwargs = {"use_reentrant": args.reentrant}
-if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
-else:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
+model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
 model.train()
 sm = fnzero.shard(model, config=cfg, device=dist.device)  # units: the model's _no_split_modules layers
 state = sm.init_state(pretrained=pretrained)

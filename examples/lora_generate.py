@@ -58,10 +58,7 @@ if dist.world_size > 1:
 cfg = fnzero.load_config(args.config, world_size=dist.world_size)
 with torch.device("meta"):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(base_dir))
-if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the older name is deprecated there)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-else:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=args.targets.split(","), lora_dropout=0.0,
                        task_type="CAUSAL_LM", modules_to_save=["lm_head"])
 

@@ -51,12 +51,8 @@ def lora_model(kind: str = "llama", gc: str = "off", seed: int = 0, dtype=torch.
             lora = peft.LoraConfig(r=8, target_modules=["c_attn"], lora_dropout=0.0, fan_in_fan_out=True,
                                    init_lora_weights=False)
         base = base.to(dtype).train()
-        if gc != "off":  # `activation_checkpointing_enable` in transformers 5, the older name before
-            kwargs = {"use_reentrant": gc == "reentrant"}
-            if hasattr(base, "activation_checkpointing_enable"):
-                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if gc != "off":  # transformers' layer checkpointing (`gradient_checkpointing_enable` before 5.x)
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": gc == "reentrant"})
         with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
             warnings.simplefilter("ignore", FutureWarning)
             return peft.get_peft_model(base, lora)

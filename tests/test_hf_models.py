@@ -69,11 +69,7 @@ def build(kind: str, gc: str = "off") -> torch.nn.Module:
 def enable_checkpointing(model, reentrant: bool) -> None:
     """transformers' layer checkpointing: `activation_checkpointing_enable` since 5.x, which
     deprecates the older name (still what most scripts call, and the same mechanism)."""
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
 
 
 def chunk(kind: str, step: int, index: int, rows: int = 2) -> dict[str, torch.Tensor]:
