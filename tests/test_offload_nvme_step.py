@@ -305,6 +305,14 @@ def test_a_parameter_store_refuses_an_older_state_and_a_step_it_could_not_flush(
             fnzero.checkpoint.save(str(tmp_path / "old"), s1)
         assert not (tmp_path / "old").exists()
         fnzero.checkpoint.save(str(tmp_path / "new"), s2)  # the newest state saves
+        # An older state's forward (what generate runs) would compute with step 2's parameters.
+        with pytest.raises(fnzero.ShardingError, match="older state's placeholder"):
+            sm.apply(s1.params, batch[0])
+        sm.apply(s2.params, batch[0])
+        s2_again, _ = fnzero.checkpoint.load(str(tmp_path / "new"), like=s2)  # the store now holds its shards
+        with pytest.raises(fnzero.ShardingError, match="older state's placeholder"):
+            sm.apply(s2.params, batch[0])
+        s2 = s2_again
         store = sources_of(s2.sharding).params.store
         monkeypatch.setattr(store._handle, "sync", lambda: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
         with pytest.raises(OSError, match="I/O error"):

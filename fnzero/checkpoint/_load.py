@@ -364,7 +364,9 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     they were). They are the module's: `ShardedModule.apply` binds the tensors the state was built
     with (`init_state` hands them over), not a state's; new tensors would be saved and exported
     while the model kept computing with the old ones. A shard whose values are in a store
-    (`offload_param: nvme`, a placeholder in `like`) is written into the store and stays a placeholder."""
+    (`offload_param: nvme`, a placeholder in `like`) is written into the store and stays a placeholder:
+    a new one for a training state's trainable shard, since the store now holds this state's, not
+    `like`'s (`ShardSource.renew`)."""
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     stored: list[tuple[ShardSource, str, torch.Tensor]] = []
     sources = sources_of(like.sharding)
@@ -374,7 +376,10 @@ def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
         field = leaf.path.partition("/")[0]
         if field in ("params", "frozen") and is_placeholder(leaf.tensor):
             if not is_placeholder(value):  # (a kept frozen shard, `keep_frozen`, is the store's already)
-                stored.append((sources.of(field == "frozen"), leaf.path.partition("/")[2], value))
+                source, unit = sources.of(field == "frozen"), leaf.path.partition("/")[2]
+                stored.append((source, unit, value))
+                if field == "params" and like.master is not None:  # (an inference engine's loads in place)
+                    return source.renew(unit, leaf.tensor)  # the store holds this state's shard, not `like`'s
             return leaf.tensor
         if field not in ("frozen", "buffers"):
             return value

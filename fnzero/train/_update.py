@@ -113,7 +113,7 @@ def _compute_copy(master: torch.Tensor, param: torch.Tensor, param_dtype: torch.
     if is_placeholder(param):
         assert source is not None, f"placeholder parameter {unit!r} without a store to write it to"
         source.write(unit, master.to(param.dtype))
-        return param
+        return source.renew(unit, param)  # the older state's placeholder is refused from now on
     if donate and param.numel() == master.numel() and param.dtype == param_dtype:
         return param.copy_(master)
     return master.to(device=param.device, dtype=param_dtype)

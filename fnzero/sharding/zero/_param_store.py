@@ -50,19 +50,40 @@ def is_placeholder(t: torch.Tensor) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ShardSource:
     """Where one kind of placeholder shard is read from: `store.read(unit, kind)` (a CPU tensor of
-    any float dtype) and, for `checkpoint.load`, `store.write(unit, kind, value)`."""
+    any float dtype) and, for `checkpoint.load`, `store.write(unit, kind, value)`.
+
+    A store written in place (the step's copy-out, a checkpoint load) holds the newest state's
+    shards only, so each such write gives that state new placeholders (`renew`) and `read` refuses
+    any other: an older state's forward, generation or save would otherwise compute with a later
+    step's parameters, silently (`specs/offload.md` §Parameters). `current` is unit -> the address
+    of the newest placeholder (a stride-0 tensor over one element of its own); a unit never
+    renewed (frozen ones, an inference engine's, loaded in place) is read by any state."""
 
     store: Any
     kind: str
+    current: dict[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def read(self, unit: str, like: torch.Tensor) -> torch.Tensor:
         """The unit's current shard, in `like`'s dtype and on its device."""
+        shard = self.store.read(unit, self.kind)  # (first: a store an update broke says so, not this)
+        newest = self.current.get(unit)
+        if newest is not None and like.data_ptr() != newest:
+            raise ShardingError(
+                f"the parameters given hold an older state's placeholder for unit {unit!r}: with offload_param "
+                "device nvme each step (and checkpoint.load) writes the shards into their files in place, so only the "
+                "newest state's parameters can be read; use the newest state, or load a checkpoint")
         # Not blocking: a pinned host shard (`offload/_host_params.py`) then copies by DMA while
         # the host goes on to issue the gather; a pageable one copies synchronously as before.
-        return self.store.read(unit, self.kind).to(device=like.device, dtype=like.dtype, non_blocking=True)
+        return shard.to(device=like.device, dtype=like.dtype, non_blocking=True)
 
     def write(self, unit: str, value: torch.Tensor) -> None:
         self.store.write(unit, self.kind, value)
+
+    def renew(self, unit: str, like: torch.Tensor) -> torch.Tensor:
+        """A new placeholder like `like` for the state whose shard of `unit` the store now holds."""
+        fresh = placeholder(like.numel(), like.dtype, like.device)
+        self.current[unit] = fresh.data_ptr()
+        return fresh
 
 
 @dataclasses.dataclass(frozen=True)
