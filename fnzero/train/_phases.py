@@ -1,5 +1,5 @@
-"""The phases of a training step, which the eager step (`_step.py`) and the whole-step graph
-(`_whole_step.py`) both run, in the same order (`specs/architecture.md` §How a batch flows):
+"""The phases of a training step, which the one ladder (`_ladder.py`) runs in this order, eagerly
+(`_step.py`) or traced (`_whole_step.py`) (`specs/architecture.md` §How a batch flows):
 
     step_setup          the host's decisions before any tensor work (micro-batches, lr, ...)
     gradients           reduced by placement (`_grads.py`: hooks eagerly, torch.func in a graph)
@@ -12,7 +12,7 @@
 
 Each is a small function of tensors, a unit's `Placement` and a `Collectives`: the eager step
 passes the state's own collectives and Python numbers, the graph passes torch's traceable
-functional collectives (`fnzero/sharding/_functional.py`) and 0-dim tensors, so each rule is
+functional collectives (`fnzero/sharding/comm/_functional.py`) and 0-dim tensors, so each rule is
 written once and a fix in one is a fix in both (`specs/sharding.md` §Step).
 """
 

@@ -49,6 +49,15 @@ class StepPolicy:
     micro_batch: int | None = None
     config_world: int | None = None
 
+    @property
+    def not_traceable(self) -> str | None:
+        """Why a step of this policy cannot run as one graph (`fnzero.jit(scope="step")`), or None."""
+        if self.offload_optimizer is not None:
+            return "offload_optimizer runs the optimizer on the host, outside any graph"
+        if self.timings:
+            return "wall_clock_breakdown times phases that a single graph does not separate"
+        return None
+
 
 def step_policy(cfg) -> StepPolicy:
     precision = config_precision(cfg)

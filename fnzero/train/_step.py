@@ -27,17 +27,14 @@ from .. import optim as _optim
 from .. import schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
-from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
-from ._grads import GradientCollector, forward_backward, sum_over_replicas
-from ._phases import (
-    StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, split_micro_batches, step_setup, step_verdict, unscale_factor,
-)
+from ._ladder import PhaseResult, StepContext, run_step, tensor_phases
+from ._phases import StepSetup, Timer, split_micro_batches
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ..optim._transform import not_elementwise
 from ..sharding.zero._param_store import stepped_in_place
 from ..sharding.zero._policy import offload_device
-from ._policy import StepPolicy, step_policy
-from ._update import OptimizerScalars, optimizer_exchange, optimizer_update, publish_params
+from ._policy import step_policy
+from ._update import optimizer_exchange
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
 
@@ -165,7 +162,26 @@ class TrainStep:
         if opt.local_gradients is not None:
             _check_exchanging_optimizer(state)
         with torch.enable_grad():
-            return _step(state, batch, self.loss_fn, self.policy, opt, self.sched, self.donate, self.has_aux)
+            return self._eager(state, batch, opt)
+
+    def _eager(self, state: TrainState, batch: Any, opt) -> tuple[TrainState, dict[str, Any]]:
+        """The ladder (`_ladder.run_step`) run eagerly: the state's own collectives, autograd
+        hooks, Python numbers, the optimizer's `update` (`update_` when donated)."""
+        sh = state.sharding
+        timer = Timer(self.policy.timings, sh.device)
+
+        def phases(setup: StepSetup) -> PhaseResult:
+            param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
+            if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
+                sh.watchdog.at_step(setup.step_no + 1)
+            x = StepContext(sh.plan, sh.rank, sh.comm, sh.device, self.policy, self.loss_fn, self.has_aux, opt,
+                            opt.update_ if self.donate else opt.update, self.donate, tp=sh.tp, pp=sh.pp,
+                            expert_comm=sh.expert_comm, replicas=sh.replicas, quantization=sh.quantization,
+                            exchange=optimizer_exchange(opt, sh.comm), param_source=param_source, timer=timer)
+            return tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.micro, setup.scale,
+                                 setup.lr, setup.momentum)
+
+        return run_step(state, batch, self.policy, self.sched, opt, self.has_aux, phases, timer)
 
 
 def _heads_from_state(config, optimizer) -> bool:
@@ -198,65 +214,3 @@ def exchanging_optimizer_refused(why: str) -> ShardingError:
     """The one refusal of a 1-bit optimizer where it cannot run (`specs/optim.md` §1-bit optimizers)."""
     return ShardingError(f"this optimizer exchanges its momentum through the compressed all-reduce itself and runs at "
                          f"ZeRO stage 0 on whole parameters only (as DeepSpeed's 1-bit optimizers); {why}")
-
-
-def _gradients(state: TrainState, setup: StepSetup, loss_fn, policy: StepPolicy, has_aux: bool, timer: Timer):
-    """Every micro-batch's forward and backward, with the gradients reduced by placement as they
-    come: (gradient per unit, Σ loss, auxes). A pipeline's schedule runs them across its stages,
-    and sums the copies of weights its stages share."""
-    sh = state.sharding
-    leaves = {u.name: state.params[u.name].detach().requires_grad_(True) for u in sh.plan.units}
-    collector = GradientCollector(sh.plan, sh.comm, policy, setup.prediv, setup.accum_dtype, sh.expert_comm,
-                                  sh.quantization, reduce=not setup.local)
-    trim = policy.trim_heap and sh.device.type == "cpu"
-    if isinstance(loss_fn, PipelineLoss):
-        loss_sum, auxes = loss_fn.forward_backward(leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
-    else:
-        loss_sum, auxes = forward_backward(loss_fn, leaves, setup.micro, setup.scale, has_aux, collector, trim, timer)
-    grads = collector.gradients(sh.device)
-    if sh.replicas is not None:
-        grads = sum_over_replicas(grads, sh.replicas)
-    if sh.pp is not None and sh.pp.ties:
-        grads = sum_tied_gradients(grads, sh.plan, sh.pp)
-    return grads, loss_sum, auxes
-
-
-def _step(state: TrainState, batch, loss_fn, policy: StepPolicy, opt, sched, donate: bool, has_aux: bool):
-    """The step's phases (`_phases.py`) in order, eagerly: forward/backward per micro-batch with
-    gradients reduced by placement, one all-reduce of norm and loss, the verdict (skip an fp16
-    overflow), clipping, the optimizer, publishing the parameters. The whole-step graph
-    (`_whole_step.py`) runs the same phases (`specs/architecture.md` §How a batch flows)."""
-    sh = state.sharding
-    setup = step_setup(state, batch, policy, sched, opt)
-    param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
-    if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
-        sh.watchdog.at_step(setup.step_no + 1)
-    timer = Timer(policy.timings, sh.device)
-    grads, loss_sum, auxes = _gradients(state, setup, loss_fn, policy, has_aux, timer)
-    # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
-    # `unscale * clip_coef` just before the optimizer.
-    unscale = unscale_factor(setup.prediv, 1 if setup.local else setup.n, setup.k, setup.scale)  # local: not summed
-    pp = sh.pp.comm if sh.pp is not None else None
-    units = units_for_norm(sh.plan, sh.pp)
-    norm_sq, loss_total = (float(x) for x in norm_and_loss(units, grads, unscale, loss_sum, sh.comm, sh.device,
-                                                            sh.tp, pp, sh.expert_comm, sh.replicas, setup.local))
-    timer.stop("comm")
-    metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, auxes, has_aux)
-    if timer.on:
-        metrics["timings"] = timer.totals  # filled in place until the step returns
-    if metrics["skipped"]:
-        return state.replace(loss_scale=new_ls), metrics
-
-    factor, global_norm = clip_factor(policy.clip, clip_norm(setup, policy.clip, grads, unscale, metrics["grad_norm"]),
-                                      unscale)
-    timer.start()
-    scalars = OptimizerScalars(factor, setup.lr, setup.momentum, global_norm)
-    new_slices, new_master, new_opt_state = optimizer_update(
-        sh.plan, sh.rank, state.params, state.master, state.opt_state, grads, scalars, opt,
-        opt.update_ if donate else opt.update, setup.param_dtype, donate, sh.comm,
-        exchange=optimizer_exchange(opt, sh.comm), param_source=param_source)  # (which also set_steps the store)
-    timer.stop("optimizer")
-    timer.start()
-    new_params = publish_params(sh.plan, sh.comm, state.params, new_slices, donate, sh.expert_comm)
-    timer.stop("comm")
-    return next_state(state, new_params, new_master, new_opt_state, new_ls), metrics

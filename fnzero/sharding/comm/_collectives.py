@@ -230,6 +230,9 @@ class ProcessGroupCollectives:
     group is the default one: a rank that does not reach it is named, and a backend error is a
     `DistributedError` naming the collective and, where it can be known, the rank at fault."""
 
+    # torch's functional collectives can run over this group inside a graph (`fnzero.jit(scope="step")`).
+    traceable = True
+
     def __init__(self, group=None):
         self.group = group
         self.watchdog = process_watchdog() if group is None else None

@@ -146,6 +146,14 @@ class CommQuantization:
     gradient reduce-scatters at stages 2 and 3 (`zero_quantized_gradients`, qgZ). The shards, the
     master weights and the optimizer state stay in full precision."""
 
+    @property
+    def not_traceable(self) -> str | None:
+        """Why a step with these codecs cannot run as one graph (`fnzero.jit(scope="step")`), or None
+        (qwZ is stage 3, which the plan already declares)."""
+        if self.gradients is not None:
+            return "zero_quantized_gradients' quantized reduce-scatter is eager code, not traced"
+        return None
+
     weights: PayloadCodec | None = None
     frozen_weights: PayloadCodec | None = None
     gradients: PayloadCodec | None = None

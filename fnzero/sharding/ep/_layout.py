@@ -38,6 +38,9 @@ class EPLayout:
     unit of the plan with `ep` = `size`; `num_experts`: path -> the layer's global expert count;
     `renames`: path -> the module's `ExpertGroup.name_on`."""
 
+    # Why a step with this axis cannot run as one graph (`fnzero.jit(scope="step")`).
+    not_traceable = "expert parallelism's all-to-all runs inside the model's MoE layers"
+
     comm: Any
     expert_dp: Any
     modules: tuple[str, ...]

@@ -24,6 +24,9 @@ class PipelineInfo:
     pipeline (ranks indexed by stage), the loss at the end, its layers' range, and the collectives
     of the whole job (a checkpoint of a pipeline is written by every rank)."""
 
+    # Why a step with this axis cannot run as one graph (`fnzero.jit(scope="step")`).
+    not_traceable = "a pipeline schedule sends activations between its stages' forwards"
+
     stage_index: int
     stages: int
     comm: Any

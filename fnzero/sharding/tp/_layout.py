@@ -66,6 +66,9 @@ class TPLayout:
     compared: equal layouts on different ranks are the same layout). `vocab_head`: the LM head's
     weight name when its logits come out split over the vocabulary."""
 
+    # Why a step with this axis cannot run as one graph (`fnzero.jit(scope="step")`).
+    not_traceable = "tensor parallelism's collectives run inside the model's layers"
+
     size: int
     rank: int
     splits: dict[str, ParamSplit]

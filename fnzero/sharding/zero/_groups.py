@@ -18,6 +18,14 @@ class ZeroGroups:
     re-gather it from there for backward. None where that feature is off.
     """
 
+    @property
+    def not_traceable(self) -> str | None:
+        """Why a step with these groups cannot run as one graph (`fnzero.jit(scope="step")`), or None
+        (hpZ's secondary partitions serve stage 3, which the plan already declares)."""
+        if self.replicas is not None:
+            return "MiCS all-reduces the gradient shards across its replica groups, a collective the graph's ladder lacks"
+        return None
+
     replicas: Any = None
     hpz: Any = None
 

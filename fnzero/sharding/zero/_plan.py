@@ -98,6 +98,11 @@ class ShardPlan:
     (`frozen`). `specs/sharding.md` §Frozen parameters.
     """
 
+    @property
+    def not_traceable(self) -> str | None:
+        """Why a step over this plan cannot run as one graph (`fnzero.jit(scope="step")`), or None."""
+        return "stage 3 gathers parameter shards inside the forward" if self.any_sharded_params else None
+
     units: tuple[UnitPlan, ...]
     world_size: int
     placement: Placement  # the preset every unit starts from (`UnitPlan.placement` may drop params)
