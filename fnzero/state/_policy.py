@@ -1,4 +1,5 @@
-"""The step's policies: what `fnzero.train_step` reads from a Config, once, at the edge. Core code
+"""The step's policies: what `fnzero.train_step` (and `init_state`, for the first loss scale) reads
+from a Config, once, at the edge. Core code
 receives these frozen policies, never the raw config, so it can be driven and tested without a
 config file."""
 
