@@ -37,6 +37,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
 from ._ep import ExpertPlaces, check_ep_supported, expert_places
 from ._io import wait_for
+from ._handle import SaveHandle
 from ._mics import save_first_replica, saved_by_one
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
@@ -60,42 +61,6 @@ def _finish_pending() -> None:
             h.wait(timeout=3600)
         except Exception:  # noqa: BLE001 - exiting; the error was the caller's to collect via wait()
             pass
-
-
-class SaveHandle:
-    """The result of `save`. `wait()` blocks until the checkpoint is committed (every rank's data
-    durable, index and `latest` in place) and re-raises a failure; `done()` does not block."""
-
-    def __init__(self, path: str, tag: str):
-        self.path, self.tag = path, tag
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._finished = threading.Event()
-
-    def _run(self, fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
-            self._error = e
-        finally:
-            self._finished.set()
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until committed; returns the checkpoint directory."""
-        if not self._finished.wait(timeout):
-            raise CheckpointError(f"save of {self.tag!r} did not finish within {timeout}s")
-        if self._error is not None:
-            err = self._error
-            if isinstance(err, CheckpointError):
-                raise err
-            raise CheckpointError(f"saving checkpoint {self.tag!r} failed: {type(err).__name__}: {err}") from err
-        return os.path.join(self.path, self.tag)
-
-    def __repr__(self):
-        return f"SaveHandle({self.path!r}, tag={self.tag!r}, done={self.done()})"
 
 
 def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
@@ -277,7 +242,7 @@ def save(
     state = read_placeholders(state, frozen=not exclude_frozen_parameters)
     check_ep_supported(state, _node_local(node_local, config))
     if state.sharding.replicas is not None and state.sharding.replicas.world_size > 1:
-        return save_first_replica(path, state, _node_local(node_local, config), tag=tag, client_state=client_state,
+        return save_first_replica(save, path, state, _node_local(node_local, config), tag=tag, client_state=client_state,
                                   config=config, update_latest=update_latest, timeout=timeout,
                                   exclude_frozen_parameters=exclude_frozen_parameters)
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
