@@ -178,7 +178,7 @@ def _params_and_optimizer(sm, initial: dict[str, torch.Tensor], opt):
         opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
         if params_on_nvme:
             # The store's master file holds every trainable shard already (fp32), so the shards are
-            # read from it when gathered (`_param_store.py`): one copy on disk, and no copy-out in
+            # read from it when gathered (`sharding/zero/_param_store.py`): one copy on disk, and no copy-out in
             # the step; the frozen ones, which no optimizer holds, go to a parameter store.
             params = {
                 u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]

@@ -12,7 +12,7 @@
 
 Each is a small function of tensors, a unit's `Placement` and a `Collectives`: the eager step
 passes the state's own collectives and Python numbers, the graph passes torch's traceable
-functional collectives (`fnzero/sharding/_functional.py`) and 0-dim tensors, so each rule is
+functional collectives (`fnzero/sharding/comm/_functional.py`) and 0-dim tensors, so each rule is
 written once and a fix in one is a fix in both (`specs/sharding.md` §Step).
 """
 

@@ -68,7 +68,7 @@ class ShardedModule:
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         self._units_routed = False  # see `_route_units`
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
-        # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
+        # The apply runs whose parameters are bound for a backward pass right now (`sharding/zero/_backward.py`).
         self._backward_runs: list[ApplyRun] = []
 
     # ---------------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class ShardedModule:
 
     def read_shards_from(self, *, params: ShardSource | None = None, frozen: ShardSource | None = None) -> None:
         """`offload_param: nvme`: the placeholder shards of trainable (`params`) and frozen units are
-        read from these sources when gathered, saved or consolidated (`_param_store.py`); a source
+        read from these sources when gathered, saved or consolidated (`sharding/zero/_param_store.py`); a source
         not given is kept. Set while the first state is made, before any state holds a placeholder:
         every state of this model shares the sharding that carries them."""
         old = sources_of(self.sharding)
