@@ -31,7 +31,7 @@ class Sharding:
         # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
         # and the pipeline's collectives; None without pipeline parallelism.
         self.pp = pp
-        # The expert-parallel layout (`fnzero.sharding.ep.EPLayout`): the modules holding this rank's
+        # The expert-parallel layout (`fnzero.sharding.EPLayout`): the modules holding this rank's
         # experts, the ep group they exchange tokens over and the expert-data-parallel group their
         # units are sharded and reduced over; None without expert parallelism.
         self.ep = ep

@@ -385,7 +385,7 @@ def test_frozen_shards_held_on_the_host_train_as_in_memory():
     def rank(comm):
         sm = fnzero.shard(lora_model("llama", "non-reentrant"), config=config, comm=comm)
         state = sm.init_state()
-        store_shards(sm, where="cpu")  # what init_state does on an accelerator (`train/_init.py`)
+        store_shards(sm, where="cpu")  # what init_state does on an accelerator (`state/_init.py`)
         state = state.replace(frozen=sm.constants[0])
         assert all(is_placeholder(t) for t in state.frozen.values())
         return sm.state_dict(train(sm, state, config, 2, comm.rank))

@@ -4,8 +4,7 @@ DeepSpeed's DynamicLossScaler.update_scale state machine."""
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fnzero.train._loss_scale import init_loss_scale, update_loss_scale
-from fnzero.train._policy import LossScalePolicy
+from fnzero.state import LossScalePolicy, init_loss_scale, update_loss_scale
 
 
 class DeepSpeedScaler:

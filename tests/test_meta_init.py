@@ -222,7 +222,7 @@ def test_drawn_models_initialise_the_same_at_any_world(factory, stage, world, ch
         assert not any(t.is_floating_point() and torch.isnan(t).any() for t in got.values())
 
 
-# Replayed initialisation (`sharding/_replay.py`): a rank computes only the chunks it keeps.
+# Replayed initialisation (`sharding/construct/_replay.py`): a rank computes only the chunks it keeps.
 
 
 @given(rows=st.integers(1, 40), cols=st.integers(1, 40), chunk=st.sampled_from([1, 7, 16, 64, 4096]),

@@ -35,6 +35,7 @@ from ._export_live import export_live
 from ._info import info
 from ._load import list_tags, load
 from ._peft_export import export_adapters
-from ._save import SaveHandle, save
+from ._handle import SaveHandle
+from ._save import save
 
 __all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle"]

@@ -11,15 +11,14 @@ import torch
 from .._errors import CheckpointError
 from .._state import Sharding, TrainState
 from . import _format as F
+from ._handle import SaveHandle
 
 __all__ = ["save_first_replica", "saved_by_one"]
 
 
-def saved_by_one(comm, writes: bool, save_it: Callable[[], "object"], path, tag, state: TrainState, who: str):
+def saved_by_one(comm, writes: bool, save_it: Callable[[], SaveHandle], path, tag, state: TrainState, who: str):
     """`save_it()` (a blocking save) where `writes`; every rank of `comm` then hears whether it
     failed (one all-reduce), and the others get a finished handle: the same outcome everywhere."""
-    from ._save import SaveHandle  # the save protocol, which calls this
-
     handle, error = None, None
     if writes:
         try:
@@ -38,12 +37,11 @@ def saved_by_one(comm, writes: bool, save_it: Callable[[], "object"], path, tag,
     return handle
 
 
-def save_first_replica(path, state: TrainState, node_local: bool, **kw):
+def save_first_replica(save: Callable[..., SaveHandle], path, state: TrainState, node_local: bool, **kw) -> SaveHandle:
     """A MiCS state (`specs/checkpoint-format.md` §MiCS): every shard group holds the same state,
-    so the first one saves it, as a run of that group's size would, and the others wait for it and
+    so the first one saves it with `save` (the whole protocol, `_save.py`, which calls this
+    first and hands itself in), as a run of that group's size would, and the others wait for it and
     hear whether it failed. Blocking."""
-    from ._save import save  # the whole save protocol, which calls this first
-
     if node_local:
         raise CheckpointError("a node-local save (checkpoint.use_node_local_storage) of a MiCS state "
                               "(zero_optimization.mics_shard_size) is not implemented: save to a directory every rank "

@@ -37,6 +37,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
 from ._ep import ExpertPlaces, check_ep_supported, expert_places
 from ._io import wait_for
+from ._handle import SaveHandle
 from ._mics import save_first_replica, saved_by_one
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
@@ -60,42 +61,6 @@ def _finish_pending() -> None:
             h.wait(timeout=3600)
         except Exception:  # noqa: BLE001 - exiting; the error was the caller's to collect via wait()
             pass
-
-
-class SaveHandle:
-    """The result of `save`. `wait()` blocks until the checkpoint is committed (every rank's data
-    durable, index and `latest` in place) and re-raises a failure; `done()` does not block."""
-
-    def __init__(self, path: str, tag: str):
-        self.path, self.tag = path, tag
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._finished = threading.Event()
-
-    def _run(self, fn) -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to wait()
-            self._error = e
-        finally:
-            self._finished.set()
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> str:
-        """Block until committed; returns the checkpoint directory."""
-        if not self._finished.wait(timeout):
-            raise CheckpointError(f"save of {self.tag!r} did not finish within {timeout}s")
-        if self._error is not None:
-            err = self._error
-            if isinstance(err, CheckpointError):
-                raise err
-            raise CheckpointError(f"saving checkpoint {self.tag!r} failed: {type(err).__name__}: {err}") from err
-        return os.path.join(self.path, self.tag)
-
-    def __repr__(self):
-        return f"SaveHandle({self.path!r}, tag={self.tag!r}, done={self.done()})"
 
 
 def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
@@ -268,38 +233,68 @@ def save(
     `checkpoint.use_node_local_storage`) saves such a directory anyway: each group of ranks that
     share it (a node) commits a whole checkpoint there, replicated tensors included (`_nodes.py`).
     """
-    # Long: the atomic-save protocol (write, fsync, rename, then `latest`) is one sequence; split, its
-    # crash-safety argument would span functions.
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")
     # Shards kept in NVMe stores (`offload_param: nvme`) are read now, as the optimizer store's are
     # below: the checkpoint is an ordinary one (`specs/offload.md` §Parameters).
     state = read_placeholders(state, frozen=not exclude_frozen_parameters)
     check_ep_supported(state, _node_local(node_local, config))
-    if state.sharding.replicas is not None and state.sharding.replicas.world_size > 1:
-        return save_first_replica(path, state, _node_local(node_local, config), tag=tag, client_state=client_state,
-                                  config=config, update_latest=update_latest, timeout=timeout,
-                                  exclude_frozen_parameters=exclude_frozen_parameters)
-    if state.sharding.pp is not None and state.sharding.pp.stages > 1:
+    kw = dict(tag=tag, client_state=client_state, config=config, update_latest=update_latest, timeout=timeout)
+    handle = _saved_through_a_group(path, state, node_local, exclude_frozen_parameters, **kw)
+    if handle is not None:
+        return handle
+    state = _writable(state)
+    root, tag, cfg_json, node_local = _checked_arguments(path, state, tag, client_state, config, node_local, blocking)
+    sh = state.sharding
+    with _PENDING_LOCK:
+        prev = _PENDING.get((root, sh.rank))
+    if prev is not None:
+        prev.wait()
+    # The protocol (module docstring): 1. in the foreground, then 2.-4. in `work`.
+    at, groups, group = _stage(root, sh, tag, node_local, update_latest, timeout)
+    work = _writer(state, at, groups, group, copy=not blocking, exclude_frozen=exclude_frozen_parameters,
+                   cfg_json=cfg_json, client_state=client_state)
+    return _run(work, root, tag, sh.rank, blocking)
+
+
+def _saved_through_a_group(path, state: TrainState, node_local, exclude_frozen_parameters: bool, **kw) -> SaveHandle | None:
+    """A state that one rank of a group saves for the group (MiCS's shard groups, a tensor-parallel
+    group) or whose stages each save their part (a pipeline): its blocking save. None for the
+    others, which every rank saves itself."""
+    config, sh = kw["config"], state.sharding
+    if sh.replicas is not None and sh.replicas.world_size > 1:
+        return save_first_replica(save, path, state, _node_local(node_local, config),
+                                  exclude_frozen_parameters=exclude_frozen_parameters, **kw)
+    if sh.pp is not None and sh.pp.stages > 1:
         if exclude_frozen_parameters:
             raise CheckpointError("save(..., exclude_frozen_parameters=True) of a pipeline-parallel state is not "
                                   "implemented yet")
-        return _save_pipelined(path, state, tag, client_state, config, update_latest, timeout, node_local)
-    if state.sharding.tp is not None and state.sharding.tp.size > 1:
-        return _save_tensor_parallel(path, state, tag=tag, client_state=client_state, config=config,
-                                     update_latest=update_latest, timeout=timeout, node_local=node_local,
-                                     exclude_frozen_parameters=exclude_frozen_parameters)
+        return _save_pipelined(path, state, kw["tag"], kw["client_state"], config, kw["update_latest"], kw["timeout"],
+                               node_local)
+    if sh.tp is not None and sh.tp.size > 1:
+        return _save_tensor_parallel(path, state, node_local=node_local,
+                                     exclude_frozen_parameters=exclude_frozen_parameters, **kw)
+    return None
+
+
+def _writable(state: TrainState) -> TrainState:
+    """`state` as it is written: an NVMe optimizer store's files read into memory, and refused when
+    its optimizer says it cannot be saved now (the same verdict on every rank: nothing started)."""
     from ..offload._checkpoint import is_nvme, materialize
 
     if is_nvme(state):
         # The store's files change with every step: read them now, in the layout a CPU-offload
         # run holds, so the checkpoint is an ordinary one (`specs/offload.md` §Checkpoints).
         state = materialize(state)
-    sh = state.sharding
-    comm, rank, world = sh.comm, sh.rank, sh.world_size
     problem = getattr(state.opt_state, "checkpoint_problem", None)
-    if callable(problem) and problem() is not None:  # the same verdict on every rank: nothing started yet
+    if callable(problem) and problem() is not None:
         raise CheckpointError(f"this state cannot be saved now: {problem()}")
+    return state
+
+
+def _checked_arguments(path, state: TrainState, tag, client_state, config, node_local, blocking: bool):
+    """(the root directory, the tag, the config as JSON, whether the save is node-local), each
+    checked before anything is written."""
     root = os.path.abspath(os.fspath(path))
     tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
     F.check_client_state(client_state)
@@ -312,11 +307,14 @@ def save(
             "a node-local save (checkpoint.use_node_local_storage) is blocking: the nodes exchange their parts of the "
             "index by collectives, which a background thread may not issue; pass blocking=True"
         )
-    with _PENDING_LOCK:
-        prev = _PENDING.get((root, rank))
-    if prev is not None:
-        prev.wait()
+    return root, tag, cfg_json, node_local
 
+
+def _stage(root: str, sh, tag: str, node_local: bool, update_latest: bool, timeout: float):
+    """Step 1 of the protocol, on every rank: a fresh staging directory and the groups of ranks that
+    see it; a directory not every rank sees is refused unless the save is node-local. Returns
+    (where this save writes, the groups, this rank's group or None when the directory is shared)."""
+    comm, rank, world = sh.comm, sh.rank, sh.world_size
     nonce, staging = start(root, comm, rank, world, tag, sh.device)
     groups = discover_groups(comm, staging, rank, world, sh.device)
     leader = groups.leader(rank)
@@ -333,26 +331,35 @@ def save(
     group = None if groups.shared else groups.of(rank)
     if rank == leader != 0:
         clean_stale(root, keep=staging)
+    return Where(root, staging, tag, nonce, rank, world, update_latest, timeout), groups, group
 
+
+def _writer(state: TrainState, at: Where, groups, group, *, copy: bool, exclude_frozen: bool, cfg_json, client_state):
+    """Steps 2-4 of the protocol, as a function to run now or in a background thread: this rank's
+    part (taken here, in the foreground; copied to CPU memory when `copy`), written and committed."""
+    sh = state.sharding
     places = expert_places(sh)  # expert units: stored as their whole layers' (`_ep.py`)
-    metas, pieces = _pieces(state, copy=not blocking, group=group, exclude_frozen=exclude_frozen_parameters,
-                            places=places)
-    extra = {"nonce": nonce, "rng": _rng_state()}
+    metas, pieces = _pieces(state, copy=copy, group=group, exclude_frozen=exclude_frozen, places=places)
+    extra = {"nonce": at.nonce, "rng": _rng_state()}
     plan = places.whole if places is not None else sh.plan
-    head = index_head(state, tag, nonce, world, cfg_json, client_state, units=unit_meta(plan),
-                      frozen_units=unit_meta(plan, frozen=True), frozen_excluded=bool(exclude_frozen_parameters))
-    at = Where(root, staging, tag, nonce, rank, world, update_latest, timeout)
+    head = index_head(state, at.tag, at.nonce, at.world, cfg_json, client_state, units=unit_meta(plan),
+                      frozen_units=unit_meta(plan, frozen=True), frozen_excluded=bool(exclude_frozen))
 
     def work():
         if group is not None:
             try:
-                _node_local_save(at, comm, sh.device, groups, metas, pieces, extra, head, plan)
+                _node_local_save(at, sh.comm, sh.device, groups, metas, pieces, extra, head, plan)
             except BaseException as e:
                 mark_failed(at, e)
                 raise
             return
         write_and_commit(at, metas, pieces, extra, lambda parts: merge_parts(parts, head))
 
+    return work
+
+
+def _run(work, root: str, tag: str, rank: int, blocking: bool) -> SaveHandle:
+    """`work` now (blocking), or in a background thread that a later save, and interpreter exit, wait for."""
     handle = SaveHandle(root, tag)
     if blocking:
         handle._run(work)

@@ -180,19 +180,7 @@ def hf_auto_values(
         problems.append(f"hf_auto_values: `betas` must be a pair such as (0.9, 0.999), got {describe(betas)}")
     if bf16 is True and fp16 is True:
         problems.append("hf_auto_values: `bf16` and `fp16` are both True; choose at most one precision")
-    warmup: int | None = None
-    if not problems:
-        if warmup_steps >= 1:
-            warmup = int(warmup_steps)
-        elif warmup_steps == 0:
-            warmup = 0
-        elif total_steps is not None:
-            warmup = math.ceil(total_steps * warmup_steps)  # a ratio, as TrainingArguments.get_warmup_steps
-        else:
-            problems.append(
-                f"hf_auto_values: `warmup_steps` {warmup_steps!r} is a ratio of total_steps (it is below 1); "
-                "pass total_steps, or give warmup_steps as a step count"
-            )
+    warmup = None if problems else _warmup(warmup_steps, total_steps, problems)
     if problems:
         raise config_error(problems)
     values: dict[str, Any] = {
@@ -212,11 +200,35 @@ def hf_auto_values(
     }
     if total_steps is not None:
         values["scheduler.params.total_num_steps"] = total_steps
-    if hidden_size is not None:
-        values["zero_optimization.reduce_bucket_size"] = hidden_size * hidden_size
-        values["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * hidden_size * hidden_size)
-        values["zero_optimization.stage3_param_persistence_threshold"] = 10 * hidden_size
+    values.update(_bucket_sizes(hidden_size))
     return AutoValues(values)
+
+
+def _warmup(warmup_steps: int | float, total_steps: int | None, problems: list[str]) -> int | None:
+    """The Trainer's warmup step count: `warmup_steps` itself, or below 1 a ratio of `total_steps`
+    rounded up (TrainingArguments.get_warmup_steps); a ratio without `total_steps` is a problem."""
+    if warmup_steps >= 1:
+        return int(warmup_steps)
+    if warmup_steps == 0:
+        return 0
+    if total_steps is not None:
+        return math.ceil(total_steps * warmup_steps)
+    problems.append(
+        f"hf_auto_values: `warmup_steps` {warmup_steps!r} is a ratio of total_steps (it is below 1); "
+        "pass total_steps, or give warmup_steps as a step count"
+    )
+    return None
+
+
+def _bucket_sizes(hidden_size: int | None) -> dict[str, int]:
+    """The ZeRO bucket sizes transformers derives from the model's hidden size (none without it)."""
+    if hidden_size is None:
+        return {}
+    return {
+        "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+    }
 
 
 def _same(a: Any, b: Any) -> bool:

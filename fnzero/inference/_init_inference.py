@@ -18,7 +18,7 @@ from ..sharding.construct._module import ShardedModule
 from ..sharding.construct._world_config import load_config
 from ..sharding.tp._autotp import check_heads
 from ..offload._nvme_params import store_shards
-from ..train._init import initial_params
+from ..state import initial_params
 from ._engine import InferenceEngine
 from ._inference_config import InferenceConfig, read_inference_config
 from ._int8 import int8_targets, quantize_model

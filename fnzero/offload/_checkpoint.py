@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..sharding.construct._module import optimizer_view
+from ..sharding.zero._owners import optimizer_view
 from .._state import TrainState
 from ..sharding.zero._param_store import is_placeholder
 from ._state import NvmeOptState

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from .. import _ext
-from ..sharding.construct._module import ShardedModule
 from ..sharding.zero._param_store import ShardSource, placeholder
 from ._nvme_files import (_HDR, HEADER, PREFIX, VERSION, Updates, _round_up, check_file,
                           pack_header, take_lock, usable_directory)
@@ -196,12 +195,13 @@ class NvmeParamStore(Updates):
             pass
 
 
-def store_shards(sm: ShardedModule, params: dict[str, torch.Tensor] | None = None, *,
+def store_shards(sm, params: dict[str, torch.Tensor] | None = None, *,
                  where: str = "nvme") -> dict[str, torch.Tensor] | None:
     """`offload_param`: move this rank's shards that no optimizer file holds into a store, `where` is
     "nvme" (a new `NvmeParamStore` under `offload_param.nvme_path`, its files removed at process
     exit) or "cpu" (a `HostParamStore`, pinned where the device allows): every stage-3 sharded
-    frozen unit of `sm` and, given `params` (an inference state's, or a training state's whose
+    frozen unit of `sm` (a `ShardedModule`, read by its attributes rather than imported: its
+    `init_state` reaches this function through the state layer) and, given `params` (an inference state's, or a training state's whose
     master is in memory: unit -> shard), every sharded trainable unit. The model's frozen
     constants and the returned params hold placeholders for them, and `sm` reads them through the
     store (`read_shards_from`)."""

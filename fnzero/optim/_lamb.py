@@ -91,26 +91,33 @@ def lamb(
         t = advance(opt_state.count)
         step_size = step_lr * math.sqrt(1.0 - beta2**t) / (1.0 - b1**t) if bias_correction else step_lr
         for gp, gg, gm, gv in groups(p, g, m, v):
-            torch._foreach_mul_(gm, b1)
-            torch._foreach_add_(gm, gg, alpha=1.0 - b1)
-            torch._foreach_mul_(gv, beta2)
-            torch._foreach_addcmul_(gv, gg, gg, value=1.0 - beta2)
-            if eps_inside_sqrt:
-                denom = torch._foreach_add(gv, eps)
-                torch._foreach_sqrt_(denom)
-            else:
-                denom = torch._foreach_sqrt(gv)
-                torch._foreach_add_(denom, eps)
-            upd = torch._foreach_div(gm, denom)
-            if weight_decay != 0.0:
-                torch._foreach_add_(upd, gp, alpha=weight_decay)
-            # One host transfer for all the trust ratios of the group, not one per tensor.
-            w = torch.stack(torch._foreach_norm(gp))
-            u = torch.stack(torch._foreach_norm(upd))
-            ok = (w != 0) & (u != 0)
-            ratio = torch.where(ok, (w / torch.where(ok, u, 1.0)).clamp(min_coeff, max_coeff), 1.0)
-            torch._foreach_mul_(upd, ratio.tolist())
-            torch._foreach_add_(gp, upd, alpha=-step_size)
+            _foreach_step_(gp, gg, gm, gv, step_size, b1, beta2, eps, eps_inside_sqrt, weight_decay, min_coeff, max_coeff)
         return params, opt_state
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=False)
+
+
+def _foreach_step_(gp, gg, gm, gv, step_size: float, b1: float, beta2: float, eps: float, eps_inside_sqrt: bool,
+                   weight_decay: float, min_coeff: float, max_coeff: float) -> None:
+    """One group's step in place (`torch._foreach_*` over its tensors): the moments `gm`, `gv`, each
+    tensor's trust ratio, and the parameters `gp`, as FusedLamb computes them."""
+    torch._foreach_mul_(gm, b1)
+    torch._foreach_add_(gm, gg, alpha=1.0 - b1)
+    torch._foreach_mul_(gv, beta2)
+    torch._foreach_addcmul_(gv, gg, gg, value=1.0 - beta2)
+    if eps_inside_sqrt:
+        denom = torch._foreach_add(gv, eps)
+        torch._foreach_sqrt_(denom)
+    else:
+        denom = torch._foreach_sqrt(gv)
+        torch._foreach_add_(denom, eps)
+    upd = torch._foreach_div(gm, denom)
+    if weight_decay != 0.0:
+        torch._foreach_add_(upd, gp, alpha=weight_decay)
+    # One host transfer for all the trust ratios of the group, not one per tensor.
+    w = torch.stack(torch._foreach_norm(gp))
+    u = torch.stack(torch._foreach_norm(upd))
+    ok = (w != 0) & (u != 0)
+    ratio = torch.where(ok, (w / torch.where(ok, u, 1.0)).clamp(min_coeff, max_coeff), 1.0)
+    torch._foreach_mul_(upd, ratio.tolist())
+    torch._foreach_add_(gp, upd, alpha=-step_size)

@@ -44,8 +44,6 @@ def sgd(
     >>> round(params[0].item(), 6)  # 1 - 0.5*1 - 0.5*(0.9*1 + 1)
     -0.45
     """
-    # Long: the three update forms (in place, fused, traced) are closures over one set of checked hyper-
-    # parameters.
     name = "sgd"
     default_lr = check.number(name, "lr", lr)
     default_mom = check.number(name, "momentum", momentum)
@@ -76,17 +74,7 @@ def sgd(
         buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
         t = advance(opt_state.count)
         for gp, gg, gb in groups(p, g, buf):
-            if weight_decay != 0.0:
-                gg = torch._foreach_add(gg, gp, alpha=weight_decay)
-            if mom != 0.0:
-                if t == 1:
-                    # torch starts the buffer at the first gradient itself (no dampening).
-                    torch._foreach_copy_(gb, gg)
-                else:
-                    torch._foreach_mul_(gb, mom)
-                    torch._foreach_add_(gb, gg, alpha=1.0 - dampening)
-                gg = torch._foreach_add(gg, gb, alpha=mom) if nesterov else gb
-            torch._foreach_add_(gp, gg, alpha=-step_lr)
+            _foreach_step_(gp, gg, gb, t, step_lr, mom, dampening, weight_decay, nesterov)
         return params, opt_state
 
     def graph_update(grads: Params, opt_state: OptState, params: Params, lr: torch.Tensor | None = None, *,
@@ -101,17 +89,42 @@ def sgd(
         buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
         new_p, new_buf = [], []
         for pp, gg, bb in zip(p, g, buf):
-            gg = gg.to(pp.dtype)
-            if weight_decay != 0.0:
-                gg = gg + weight_decay * pp
-            lr_, mom_ = scalars_as(pp, lr, mom)
+            pp, bb = _traced_step(pp, gg, bb, t, lr, mom, dampening, weight_decay, nesterov, has_buffer)
+            new_p.append(pp)
             if has_buffer:
-                # torch starts the buffer at the first gradient itself (no dampening).
-                bb = torch.where(t == 1.0, gg, bb * mom_ + gg * (1.0 - dampening))
                 new_buf.append(bb)
-                gg = gg + bb * mom_ if nesterov else bb
-            new_p.append(pp - lr_ * gg)
         state_buf = optree.tree_unflatten(treedef, new_buf) if has_buffer else None
         return optree.tree_unflatten(treedef, new_p), SGDState(count, state_buf)
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=True, graph_update=graph_update)
+
+
+def _foreach_step_(gp, gg, gb, t: int, lr: float, mom: float, dampening: float, weight_decay: float,
+                   nesterov: bool) -> None:
+    """One group's step in place (`torch._foreach_*` over its tensors): the parameters `gp` and,
+    with momentum, their buffers `gb`, as torch.optim.SGD computes them."""
+    if weight_decay != 0.0:
+        gg = torch._foreach_add(gg, gp, alpha=weight_decay)
+    if mom != 0.0:
+        if t == 1:
+            # torch starts the buffer at the first gradient itself (no dampening).
+            torch._foreach_copy_(gb, gg)
+        else:
+            torch._foreach_mul_(gb, mom)
+            torch._foreach_add_(gb, gg, alpha=1.0 - dampening)
+        gg = torch._foreach_add(gg, gb, alpha=mom) if nesterov else gb
+    torch._foreach_add_(gp, gg, alpha=-lr)
+
+
+def _traced_step(pp, gg, bb, t, lr, mom, dampening: float, weight_decay: float, nesterov: bool, has_buffer: bool):
+    """One parameter's step in plain tensor ops (`lr`, `mom` and the count `t` may be 0-dim
+    tensors): (the new parameter, its new momentum buffer, or `bb` itself without momentum)."""
+    gg = gg.to(pp.dtype)
+    if weight_decay != 0.0:
+        gg = gg + weight_decay * pp
+    lr_, mom_ = scalars_as(pp, lr, mom)
+    if has_buffer:
+        # torch starts the buffer at the first gradient itself (no dampening).
+        bb = torch.where(t == 1.0, gg, bb * mom_ + gg * (1.0 - dampening))
+        gg = gg + bb * mom_ if nesterov else bb
+    return pp - lr_ * gg, bb

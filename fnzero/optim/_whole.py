@@ -4,7 +4,7 @@ At ZeRO stages 1-3 each rank's optimizer state is a flat shard that may cut a te
 An elementwise transform updates a piece of a tensor as if it were a tensor of its own; one that
 reads whole tensors (`scale_by_muon`, `scale_by_trust_ratio`, a user's) cannot. The step gives the
 parameters such a transform reaches whole to one owning rank each and the others in pieces
-(`sharding/zero/_owners.py`, `train/_owner_update.py`); these two functions read what that needs
+(`sharding/zero/_owners.py`, `state/_owner_update.py`); these two functions read what that needs
 off the chain's structure, on the parameters' true shapes (specs/optim.md §Muon).
 """
 

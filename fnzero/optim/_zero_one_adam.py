@@ -95,7 +95,6 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
                 momentum: float | None = None, **extras):
-        # Long: DeepSpeed's step read top to bottom, one branch per phase, so the two can be compared.
         is_frozen = frozen(int(opt_state.count))
         s = step_start(name, grads, opt_state, params, lr, momentum, default_lr, beta1)
         if s is None:
@@ -104,18 +103,12 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
         m, v, acc, we, se = state_leaves(opt_state, treedef, "exp_avg", "exp_avg_sq", "momentum_accumulator",
                                          "worker_error", "server_error")
         var_interval, lrs = int(opt_state.var_interval), float(opt_state.lrs)
-        if not is_frozen:
-            if t % var_interval == 0:
-                for mi, vi, gi in zip(m, v, g):
-                    vi.mul_(beta2).addcmul_(gi, gi, value=1 - beta2)
-                    mi.mul_(b1).add_(gi, alpha=1 - b1)
-            else:
-                averaged, we, se = exchange(exchange_from(name, extras), g, we, se)
-                for mi, ai in zip(m, averaged):
-                    mi.mul_(b1).add_(ai, alpha=1 - b1)
-        else:
-            for mi, gi in zip(m, g):
-                mi.mul_(b1).add_(gi, alpha=1 - b1)
+
+        def exchanged(tensors, we, se):  # the step's compressed all-reduce, asked for only where it runs
+            return exchange(exchange_from(name, extras), tensors, we, se)
+
+        we, se = _moments_(m, v, g, b1, beta2, is_frozen, t % var_interval == 0, exchanged, we, se)
+        if is_frozen:
             lrs += step_lr
         for pi, mi, vi, ai in zip(p, m, v, acc):
             upd = mi / (vi.sqrt() + eps)
@@ -125,15 +118,7 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
             if is_frozen:
                 ai.add_(-step_lr * upd)
         if is_frozen and t % int(opt_state.local_step_interval) == 0:
-            for pi, ai, vi in zip(p, acc, v):
-                pi.add_(-1 * ai)
-                ai.mul_(vi.sqrt() + eps)
-            averaged, we, se = exchange(exchange_from(name, extras), acc, we, se)
-            for pi, ai, mi, vi, avg in zip(p, acc, m, v, averaged):
-                ai.copy_(avg)
-                mi.zero_().add_(ai / lrs, alpha=-1)
-                pi.add_(ai / (vi.sqrt() + eps))
-                ai.zero_()
+            we, se = _exchange_local_steps(p, acc, m, v, eps, lrs, exchanged, we, se)
             lrs = 0.0
         state = _advance_counters(opt_state, is_frozen, t, var_update_scaler, local_step_scaler, local_step_clipper)
         if not is_frozen and frozen(t):  # freezing now: the errors start again from zero (DeepSpeed)
@@ -145,6 +130,41 @@ def zero_one_adam(lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), e
 
     return Optimizer(init=init, update=pure(update_), update_=update_, elementwise=False,
                      local_gradients=local_gradients)
+
+
+def _moments_(m, v, g, b1: float, beta2: float, is_frozen: bool, variance_step: bool, exchanged, we, se):
+    """The moments of one step, in place (DeepSpeed's phases): before the freeze, both from the
+    gradients on a variance step (they arrive averaged), else the momentum alone from the gradients
+    averaged by the compressed all-reduce (`exchanged`); after it, the momentum from this rank's own
+    gradients. Returns the compression errors."""
+    if is_frozen:
+        for mi, gi in zip(m, g):
+            mi.mul_(b1).add_(gi, alpha=1 - b1)
+    elif variance_step:
+        for mi, vi, gi in zip(m, v, g):
+            vi.mul_(beta2).addcmul_(gi, gi, value=1 - beta2)
+            mi.mul_(b1).add_(gi, alpha=1 - b1)
+    else:
+        averaged, we, se = exchanged(g, we, se)
+        for mi, ai in zip(m, averaged):
+            mi.mul_(b1).add_(ai, alpha=1 - b1)
+    return we, se
+
+
+def _exchange_local_steps(p, acc, m, v, eps: float, lrs: float, exchanged, we, se):
+    """Every `local_step_interval` steps after the freeze, in place: the local steps undone, their
+    buffer (times `sqrt(v) + eps`) averaged by the compressed all-reduce and applied, and the
+    momentum rebuilt from it (`m = -buffer / Σ lr`). Returns the compression errors."""
+    for pi, ai, vi in zip(p, acc, v):
+        pi.add_(-1 * ai)
+        ai.mul_(vi.sqrt() + eps)
+    averaged, we, se = exchanged(acc, we, se)
+    for pi, ai, mi, vi, avg in zip(p, acc, m, v, averaged):
+        ai.copy_(avg)
+        mi.zero_().add_(ai / lrs, alpha=-1)
+        pi.add_(ai / (vi.sqrt() + eps))
+        ai.zero_()
+    return we, se
 
 
 def _advance_counters(state: ZeroOneAdamState, is_frozen: bool, t: int, var_update_scaler: int,

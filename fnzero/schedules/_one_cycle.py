@@ -6,6 +6,7 @@ operation for operation; `engine` maps applied steps onto i.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from fnzero._errors import ConfigError
@@ -49,8 +50,6 @@ def one_cycle(
     >>> [round(s.momentum(k), 6) for k in range(6)]
     [0.8, 0.85, 0.8, 0.85, 0.9, 0.9]
     """
-    # Long: DeepSpeed's OneCycle: validation and the lr and momentum phases are closures over the same
-    # checked values.
     where = "one_cycle"
     min_lr = number(where, "cycle_min_lr", cycle_min_lr)
     max_lr = number(where, "cycle_max_lr", cycle_max_lr)
@@ -72,24 +71,59 @@ def one_cycle(
     L = last_iteration(where, last_batch_iteration)
     base = None if base_lr is None else number(where, "base_lr", base_lr)
     base_mom = None if base_momentum is None else number(where, "base_momentum", base_momentum)
+    cycle = _Cycle(min_lr, max_lr, decay_lr_rate, first, second, first_stairs, second_stairs, decay_step_size,
+                   min_mom, max_mom, decay_mom_rate)
+    momentum = engine(cycle.momentum, L, min_mom, base_mom) if cycle_momentum else None
+    return Schedule(engine(cycle.lr, L, min_lr, base), momentum)
 
-    total = first + second
-    step_ratio = first / total
+
+@dataclasses.dataclass(frozen=True)
+class _Cycle:
+    """DeepSpeed's OneCycle at `last_batch_iteration = i` over checked values: the lr and the
+    momentum within the cycle (`first` steps up, `second` down, on stairs where a stair count
+    is > 0) and their decay after it."""
+
+    min_lr: float
+    max_lr: float
+    decay_lr_rate: float
+    first: float
+    second: float
+    first_stairs: int
+    second_stairs: int
+    decay_step_size: int
+    min_mom: float
+    max_mom: float
+    decay_mom_rate: float
+
+    @property
+    def total(self) -> float:
+        return self.first + self.second
+
+    @property
+    def step_ratio(self) -> float:
+        return self.first / self.total
+
     # DeepSpeed skips the post-cycle decay (holding the end value) when the interval or the
     # rate is (close to) zero, which also keeps it from dividing by a zero interval.
-    skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
-    skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
+    @property
+    def skip_lr_decay(self) -> bool:
+        return math.isclose(self.decay_step_size, 0) or math.isclose(self.decay_lr_rate, 0)
 
-    def scale(i: int) -> float:
+    @property
+    def skip_mom_decay(self) -> bool:
+        return math.isclose(self.decay_step_size, 0) or math.isclose(self.decay_mom_rate, 0)
+
+    def scale(self, i: int) -> float:
+        total, first, second, step_ratio = self.total, self.first, self.second, self.step_ratio
         batch_iteration = i + 1
         cycle = math.floor(1 + batch_iteration / total)
         x = 1.0 + batch_iteration / total - cycle
         if x <= step_ratio:
             factor = x / step_ratio
-            stairs = first_stairs
+            stairs = self.first_stairs
         else:
             factor = (x - 1) / (step_ratio - 1)
-            stairs = second_stairs
+            stairs = self.second_stairs
         if stairs > 0:
             # Quantised from the integer offset, not from `factor` (see DeepSpeed #8179).
             cycle_iteration = batch_iteration % total
@@ -100,22 +134,19 @@ def one_cycle(
             factor = math.floor(position) / stairs
         return factor
 
-    def get_lr(i: int) -> float:
-        if i < total:
-            return min_lr + (max_lr - min_lr) * scale(i)
-        if skip_lr_decay:
-            return min_lr
-        return min_lr / (1 + decay_lr_rate * ((i - total + 1) / decay_step_size))
+    def lr(self, i: int) -> float:
+        if i < self.total:
+            return self.min_lr + (self.max_lr - self.min_lr) * self.scale(i)
+        if self.skip_lr_decay:
+            return self.min_lr
+        return self.min_lr / (1 + self.decay_lr_rate * ((i - self.total + 1) / self.decay_step_size))
 
-    def get_mom(i: int) -> float:
-        if i < total:
-            return max_mom - (max_mom - min_mom) * scale(i)
-        if skip_mom_decay:
-            return max_mom
-        return max_mom * (1 + decay_mom_rate * ((i - total + 1) / decay_step_size))
-
-    momentum = engine(get_mom, L, min_mom, base_mom) if cycle_momentum else None
-    return Schedule(engine(get_lr, L, min_lr, base), momentum)
+    def momentum(self, i: int) -> float:
+        if i < self.total:
+            return self.max_mom - (self.max_mom - self.min_mom) * self.scale(i)
+        if self.skip_mom_decay:
+            return self.max_mom
+        return self.max_mom * (1 + self.decay_mom_rate * ((i - self.total + 1) / self.decay_step_size))
 
 
 def lr_range_test(

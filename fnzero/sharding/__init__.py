@@ -37,7 +37,8 @@ from .comm._observed import RecordingCollectives
 from .comm._compressed import CompressedAllReduce, compressed_all_reduce, compressed_bytes, compressed_padded_numel
 from .construct._construct import shard
 from .comm._dist import DistInfo, init_distributed
-from .construct._module import PretrainedWarning, ShardedModule
+from .construct._initial import PretrainedWarning
+from .construct._module import ShardedModule
 from .zero._placement import Placement, placement_for_stage
 from .zero._plan import ShardPlan, UnitPlan
 from .tp._autotp import TPRule

@@ -1,6 +1,6 @@
 """Which simulated rank the calling thread is, and a lock for torch's process-wide RNG.
 
-Each rank's thread runs inside `providing_collectives(comm)` (`fnzero/sharding/_collectives.py`),
+Each rank's thread runs inside `providing_collectives(comm)` (`fnzero/sharding/comm/_collectives.py`),
 so user code that calls `fnzero.shard`, `fnzero.init_distributed()` or `fnzero.load_config`
 without naming a world gets its thread's rank inside `simulated_world(n).run(fn)` and the real
 process group under `fnzero launch`.

@@ -125,8 +125,6 @@ def run_world(
     Ranks are forked from a server that imported torch and fnzero once, unless the world needs
     another environment (`env=`); `FNZERO_SPAWN_RANKS=1` spawns every rank afresh.
     """
-    # Long: starting ranks, collecting results and the failure protocol (name the rank, stop the rest)
-    # share one set of processes and queues.
     ctx, env = _rank_context(env)
     q = ctx.Queue()
     port = free_port()
@@ -140,56 +138,85 @@ def run_world(
     ]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
+    ranks = _Ranks(procs, q, world_size)
     deadline = time.monotonic() + timeout
-    failure = None
     try:
-        while len(results) < world_size and failure is None:
-            try:
-                status, rank, payload = q.get(timeout=0.2)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    # Give its message a moment to arrive before reporting a silent death.
-                    try:
-                        status, rank, payload = q.get(timeout=2.0)
-                    except queue_mod.Empty:
-                        failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no message"
-                        break
-                elif time.monotonic() > deadline:
-                    late = [r for r in range(world_size) if r not in results]
-                    failure = f"world of {world_size} did not finish within {timeout:.0f}s; ranks still running: {late}"
-                    break
-                else:
-                    continue
-            if status == "ok":
-                results[rank] = _decode(payload)
-            else:
-                failure = f"rank {rank} raised:\n{payload}"
-                # Other ranks usually fail as a consequence (a broken connection); collect them
-                # briefly so the report shows the first failure and what followed.
-                end = time.monotonic() + 1.0
-                while time.monotonic() < end:
-                    try:
-                        st2, r2, p2 = q.get(timeout=0.2)
-                    except queue_mod.Empty:
-                        continue
-                    if st2 == "err":
-                        failure += f"\n(then rank {r2} raised:)\n{p2}"
+        ranks.collect(deadline, timeout)
     finally:
-        if failure is not None:
-            for p in procs:
+        ranks.stop()
+    if ranks.failure is not None:
+        raise WorldError(ranks.failure)
+    return [ranks.results[r] for r in range(world_size)]
+
+
+class _Ranks:
+    """The processes of one `run_world`, the queue their messages arrive on, and what arrived: each
+    rank's result, or the first failure (`failure`), after which the others are stopped."""
+
+    def __init__(self, procs: list, q, world_size: int):
+        self.procs, self.q, self.world_size = procs, q, world_size
+        self.results: dict[int, Any] = {}
+        self.failure: str | None = None
+
+    def collect(self, deadline: float, timeout: float) -> None:
+        """Every rank's result, until one raises or dies or `deadline` passes."""
+        while len(self.results) < self.world_size and self.failure is None:
+            message = self._next(deadline, timeout)
+            if message is None:
+                continue
+            status, rank, payload = message
+            if status == "ok":
+                self.results[rank] = _decode(payload)
+            else:
+                self.failure = f"rank {rank} raised:\n{payload}"
+                self.failure += self._then_raised()
+
+    def _next(self, deadline: float, timeout: float):
+        """The next message, or None: none yet, or (with `failure` set) a rank died without one or
+        the world is late."""
+        try:
+            return self.q.get(timeout=0.2)
+        except queue_mod.Empty:
+            pass
+        dead = [r for r, p in enumerate(self.procs) if p.exitcode not in (None, 0) and r not in self.results]
+        if dead:
+            # Give its message a moment to arrive before reporting a silent death.
+            try:
+                return self.q.get(timeout=2.0)
+            except queue_mod.Empty:
+                self.failure = f"rank {dead[0]} died with exit code {self.procs[dead[0]].exitcode} and no message"
+        elif time.monotonic() > deadline:
+            late = [r for r in range(self.world_size) if r not in self.results]
+            self.failure = f"world of {self.world_size} did not finish within {timeout:.0f}s; ranks still running: {late}"
+        return None
+
+    def _then_raised(self) -> str:
+        # Other ranks usually fail as a consequence (a broken connection); collect them
+        # briefly so the report shows the first failure and what followed.
+        out = ""
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            try:
+                st2, r2, p2 = self.q.get(timeout=0.2)
+            except queue_mod.Empty:
+                continue
+            if st2 == "err":
+                out += f"\n(then rank {r2} raised:)\n{p2}"
+        return out
+
+    def stop(self) -> None:
+        """After a failure the ranks still running are killed; every rank is joined (killed if it
+        lingers), and the queue closed."""
+        if self.failure is not None:
+            for p in self.procs:
                 if p.is_alive():
                     p.kill()
-        for p in procs:
+        for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-        q.close()
-    if failure is not None:
-        raise WorldError(failure)
-    return [results[r] for r in range(world_size)]
+        self.q.close()
 
 
 def _call_in_rank(fn: Callable[..., Any]) -> Any:

@@ -3,9 +3,10 @@
     train_step / TrainStep     the eager step (`_step.py`), one phase per placement decision
     jit / JittedStep           torch.compile of a step: per unit, the loss, or the whole step
                                (`_jit.py`, `_whole_step.py`; `specs/jit.md`)
-    remat                      activation checkpointing as a function transform (`sharding/_remat.py`)
-    loss scaling               fp16 dynamic loss scale (`_loss_scale.py`; `specs/loss-scaling.md`)
-    policies                   what the step reads from a config, once (`_policy.py`)
+    remat                      activation checkpointing as a function transform (`sharding/zero/_remat.py`)
+
+The first state, the optimizer a step runs, its loss scaling and the policies it reads from a
+config are the state layer's (`fnzero/state/`), below this one.
 """
 
 from __future__ import annotations

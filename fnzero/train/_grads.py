@@ -19,7 +19,7 @@ from ..sharding.comm._quantized import quantizing
 from ..sharding.zero._plan import ShardPlan, UnitPlan, comm_for
 from ..sharding.zero._runtime import STEP_RUNS
 from ._phases import Timer, prepare_for_comm, reduce_whole
-from ._policy import StepPolicy
+from ..state import StepPolicy
 
 __all__ = ["GradientCollector", "forward_backward", "sum_over_replicas", "traced_forward_backward"]
 

@@ -31,7 +31,7 @@ from .._state import TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
 from ._phases import StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
-from ._policy import StepPolicy
+from ..state import StepPolicy
 from ._update import OptimizerScalars, optimizer_update, publish_params
 
 __all__ = ["StepContext", "PhaseResult", "tensor_phases", "run_step", "why_not_traced"]

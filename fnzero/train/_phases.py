@@ -30,8 +30,7 @@ from .._errors import ShardingError
 from .._state import TrainState
 from ..sharding.zero._placement import Placement
 from ..sharding.zero._plan import ShardPlan, UnitPlan
-from ._loss_scale import update_loss_scale
-from ._policy import StepPolicy
+from ..state import StepPolicy, update_loss_scale
 
 __all__ = [
     "split_micro_batches", "micro_batch_rows", "accum_dtype_for", "predivisor", "prepare_for_comm", "reduce_whole", "norm_and_loss",

@@ -19,11 +19,11 @@ import torch
 from .._errors import ShardingError
 from .._state import TrainState
 from ..sharding.comm._compressed import compressed_all_reduce
-from ..sharding.construct._module import optimizer_view
+from ..sharding.zero._owners import optimizer_view
 from ..sharding.zero._plan import ShardPlan, comm_for
 from ..sharding.zero._gather import unit_views
 from ..sharding.zero._param_store import ShardSource, is_placeholder
-from ._owner_update import owner_layout, owner_update
+from ..state import owner_layout, owner_update
 
 __all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "publish_params"]
 
@@ -57,7 +57,7 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     and moved to where the optimizer's target is: the master (on the host with offload), else
     this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
     A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
-    (the dp ranks: `_owner_update.py`). A new master becomes the compute parameters by one
+    (the dp ranks: `state/_owner_update.py`). A new master becomes the compute parameters by one
     conversion, written into the input's own buffers when donated and the sizes agree.
     `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra.
     A placeholder parameter (`offload_param: nvme`) has its new value written into `param_source`,

@@ -99,6 +99,32 @@ def shard(
     policy = shard_policy(config, stage)
     comm = comm if comm is not None else default_collectives()
     debug = debug_collectives or os.environ.get("FNZERO_DEBUG_COLLECTIVES") == "1"
+    model, mesh, pipe, wrap, ep = _this_ranks_model(model, comm, mesh, config, policy, debug, wrap)
+    meta = is_meta_model(model)
+    world = comm  # every rank of the job: a meta model's seed is the same on all of them
+    whole, comm, tp_layout, ep_layout = _split_for_parallelism(model, comm, mesh, ep, config, tp_plan, debug, pipe, meta)
+    watchdog = _job_watchdog(world, config)
+    comm, groups = _zero_groups(comm, mesh, policy, config, debug)
+    device = _device_for(model, device, meta)
+    _check_params_on_nvme(policy)
+    # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
+    # parameters), except tensor-parallel slices, which stay whole by name.
+    plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold,
+                     shard_frozen=tp_layout is None, expert_modules=ep_layout.modules if ep_layout else (),
+                     ep=ep_layout.size if ep_layout else 1)
+    initial, frozen, buffers = _initial_values(model, whole, plan, comm, world, device, policy, tp_layout, ep_layout,
+                                               meta, init_seed)
+    sm = ShardedModule(model, plan, comm, policy, config, device, initial, frozen, buffers, tp=tp_layout, pp=pipe,
+                       watchdog=watchdog, ep=ep_layout, quantization=checked_quantization(policy, comm_quantization),
+                       groups=groups)
+    _guard_and_route(model, plan, sm)
+    return sm
+
+
+def _this_ranks_model(model, comm: Collectives, mesh: Mesh | None, config: Any, policy, debug: bool, wrap):
+    """The module this rank shards: a factory's model built on the meta device, a Hugging Face
+    model's experts replaced where AutoEP asks, a pipeline's stage cut out. (the module, the mesh
+    (given, or the config's), the stage's place in the pipeline or None, the unit predicate, the ep size)."""
     pipe = None
     if not isinstance(model, (nn.Module, PipelineModule)):
         if not callable(model):
@@ -110,31 +136,44 @@ def shard(
         replace_for_autoep(model, config, mesh.shape.ep)  # the stage's Hugging Face MoE blocks, if any
     if is_released(model):
         raise ShardingError("this model was given to fnzero.shard already (its parameters are released); build a fresh model")
-    meta = is_meta_model(model)
-    whole = None  # a meta model split over tp or ep: its regions are initialised whole, then cut (`_initial.py`)
+    return model, mesh, pipe, wrap, ep
+
+
+def _split_for_parallelism(model: nn.Module, comm: Collectives, mesh: Mesh | None, ep: int, config: Any,
+                           tp_plan: list[TPRule] | None, debug: bool, pipe: PipelineInfo | None, meta: bool):
+    """This rank's model split over its tensor- and expert-parallel ranks. (a meta model's whole
+    copy, whose regions are initialised whole and then cut (`_initial.py`), or None; the
+    data-parallel collectives; the tp layout or None; the ep layout or None)."""
+    whole = None
     if meta and (mesh is not None or (config is not None and config.tensor_parallel.size > 1)):
         whole = copy.deepcopy(model)
-    world = comm  # every rank of the job: a meta model's seed is the same on all of them
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
-    ep_layout = _split_for_ep(model, mesh, ep, config, debug, meta)
-    watchdog = _job_watchdog(world, config)
-    comm, groups = _zero_groups(comm, mesh, policy, config, debug)
+    return whole, comm, tp_layout, _split_for_ep(model, mesh, ep, config, debug, meta)
+
+
+def _device_for(model: nn.Module, device: torch.device | str | None, meta: bool) -> torch.device:
+    """Where the shards go: `device`, else a built model's own device, else the accelerator if any."""
     params0 = list(model.parameters())
     if device is None:
         device = _default_device() if meta or not params0 else params0[0].device
-    device = torch.device(device)
+    return torch.device(device)
+
+
+def _check_params_on_nvme(policy) -> None:
     # load_config has checked the rest of `offload_param: nvme` (with the optimizer on nvme, one path);
-    # only a stage passed here can still differ from the config's.
+    # only a stage passed to `shard` can still differ from the config's.
     if policy.offload_param == "nvme" and not policy.placement.params:
         raise ShardingError(
             f"zero_optimization.offload_param device 'nvme' needs sharded parameters, stage 3 (this run is "
             f"stage {policy.placement.stage})"
         )
-    # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
-    # parameters), except tensor-parallel slices, which stay whole by name.
-    plan = make_plan(model, comm.world_size, policy.placement, wrap=wrap, persistence_threshold=policy.persistence_threshold,
-                     shard_frozen=tp_layout is None, expert_modules=ep_layout.modules if ep_layout else (),
-                     ep=ep_layout.size if ep_layout else 1)
+
+
+def _initial_values(model: nn.Module, whole: nn.Module | None, plan: ShardPlan, comm: Collectives, world: Collectives,
+                    device: torch.device, policy, tp_layout: TPLayout | None, ep_layout: EPLayout | None, meta: bool,
+                    init_seed: int | None):
+    """This rank's initial values (`InitialValues`, frozen parameters, buffers): computed region by
+    region from a meta model, else taken from the built model's storage, which is released."""
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         # Experts the split names apart (the DeepSpeed layer's) replay on the split model by their
@@ -149,13 +188,15 @@ def shard(
     from ..._ext._heap import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
-    sm = ShardedModule(model, plan, comm, policy, config, device, InitialValues(initial, uninitialised, checksums), frozen,
-                       buffers, tp=tp_layout, pp=pipe, watchdog=watchdog, ep=ep_layout,
-                       quantization=checked_quantization(policy, comm_quantization), groups=groups)
+    return InitialValues(initial, uninitialised, checksums), frozen, buffers
+
+
+def _guard_and_route(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
+    """The user's model once sharded: `load_state_dict` and direct calls refused, naming what to do
+    instead, and its sharded units routed through the apply run."""
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _wrap_sharded_units(model, plan, sm)
-    return sm
 
 
 def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:

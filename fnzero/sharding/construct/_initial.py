@@ -34,6 +34,10 @@ class InitialValues:
     checksums: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
+class PretrainedWarning(UserWarning):
+    """`init_state(pretrained=...)`: some of the model's tensors are not in the files."""
+
+
 def placeholder_param(p: torch.Tensor) -> nn.Parameter:
     """What a sharded model holds in place of a parameter: shape and dtype stay visible (repr,
     shape checks), the storage is gone, and it is marked as released by fnzero."""

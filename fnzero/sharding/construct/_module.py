@@ -24,7 +24,7 @@ from ...optim._config import config_head_counts
 from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
 from ..zero._unit_forward import route_unit_forward
 
-__all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
+__all__ = ["ShardedModule", "full_unit"]
 
 
 def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
@@ -37,30 +37,6 @@ def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
         f"unit {unit.name!r}: a buffer of {t.numel()} elements is neither the full unit "
         f"({unit.padded_numel}) nor a shard ({unit.shard_numel})"
     )
-
-
-def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
-    """What the optimizer updates when params are the master copy (fp32 training), by each unit's
-    placement: the whole unit where the optimizer state is replicated, the shard itself where
-    parameters are sharded, else this rank's slice of the replicated buffer. Slices are views.
-
-    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views where the
-    optimizer state is replicated.
-    """
-    out = {}
-    for u in plan.units:
-        t = params[u.name]
-        if not u.placement.optimizer:
-            if elementwise:
-                out[u.name] = t
-            else:
-                out.update(unit_views(u, t))
-        elif u.placement.params:
-            out[u.name] = t
-        else:
-            lo, hi = u.shard_range(rank)
-            out[u.name] = t[lo:hi]
-    return out
 
 
 class ShardedModule:
@@ -92,7 +68,7 @@ class ShardedModule:
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
         self._units_routed = False  # see `_route_units`
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
-        # The apply runs whose parameters are bound for a backward pass right now (`_backward.py`).
+        # The apply runs whose parameters are bound for a backward pass right now (`sharding/zero/_backward.py`).
         self._backward_runs: list[ApplyRun] = []
 
     # ---------------------------------------------------------------------------------------------
@@ -241,8 +217,9 @@ class ShardedModule:
         """
         # [Note: the one upward import] The state holds what layers above sharding define (the
         # optimizer's state, the loss scale, offload stores, pretrained weights), so it is built
-        # by the training layer (`fnzero/train/_init.py`); this method is its public door.
-        from ...train._init import init_state
+        # by the state layer (`fnzero/state/_init.py`), which never imports this module back;
+        # this method is its public door.
+        from ...state import init_state
 
         return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
                           check_ranks_equal=check_ranks_equal, adapters=adapters)
@@ -271,7 +248,7 @@ class ShardedModule:
 
     def read_shards_from(self, *, params: ShardSource | None = None, frozen: ShardSource | None = None) -> None:
         """`offload_param: nvme`: the placeholder shards of trainable (`params`) and frozen units are
-        read from these sources when gathered, saved or consolidated (`_param_store.py`); a source
+        read from these sources when gathered, saved or consolidated (`sharding/zero/_param_store.py`); a source
         not given is kept. Set while the first state is made, before any state holds a placeholder:
         every state of this model shares the sharding that carries them."""
         old = sources_of(self.sharding)
@@ -378,10 +355,6 @@ class ShardedModule:
             )
         model.load_state_dict({k: full[k] for k in target if k in full}, strict=False)
         return model
-
-
-class PretrainedWarning(UserWarning):
-    """`init_state(pretrained=...)`: some of the model's tensors are not in the files."""
 
 
 class _live_all:

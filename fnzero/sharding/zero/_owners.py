@@ -1,4 +1,7 @@
-"""The whole-tensor optimizer partition (specs/optim.md §Muon): at ZeRO stages 1-3 each parameter
+"""What of the parameters this rank's optimizer updates: by each unit's placement (`optimizer_view`),
+and, for an optimizer that reads whole tensors, the whole-tensor optimizer partition.
+
+The whole-tensor optimizer partition (specs/optim.md §Muon): at ZeRO stages 1-3 each parameter
 an optimizer must see whole (Muon's matrices) is owned by one data-parallel rank, which holds its
 optimizer state whole and computes its update; every other parameter stays cut into the ranks'
 flat shards. Pure data, the same on every rank, and the two all-to-alls that move a step's pieces
@@ -17,9 +20,34 @@ import functools
 import torch
 
 from ..._errors import ShardingError
+from ._gather import unit_views
 from ._plan import ParamSlot, ShardPlan, UnitPlan
 
-__all__ = ["WholeTensorPartition", "whole_tensor_partition", "param_pieces", "to_owners", "from_owners"]
+__all__ = ["optimizer_view", "WholeTensorPartition", "whole_tensor_partition", "param_pieces", "to_owners", "from_owners"]
+
+
+def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
+    """What the optimizer updates when params are the master copy (fp32 training), by each unit's
+    placement: the whole unit where the optimizer state is replicated, the shard itself where
+    parameters are sharded, else this rank's slice of the replicated buffer. Slices are views.
+
+    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views where the
+    optimizer state is replicated.
+    """
+    out = {}
+    for u in plan.units:
+        t = params[u.name]
+        if not u.placement.optimizer:
+            if elementwise:
+                out[u.name] = t
+            else:
+                out.update(unit_views(u, t))
+        elif u.placement.params:
+            out[u.name] = t
+        else:
+            lo, hi = u.shard_range(rank)
+            out[u.name] = t[lo:hi]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +82,7 @@ class WholeTensorPartition:
         return (a - s.offset, b - s.offset) if a < b else (0, 0)
 
     def exchange_numel(self, rank: int) -> int:
-        """Elements `rank` sends in one step's two all-to-alls (`train/_owner_update.py`): the
+        """Elements `rank` sends in one step's two all-to-alls (`state/_owner_update.py`): the
         gradient and value of its piece of every matrix another rank owns, then the rest of each
         matrix it owns back to the ranks whose pieces they are."""
         def size(n: str, r: int) -> int:

@@ -1,7 +1,7 @@
 """The sharding policy: what `fnzero.shard` reads from a Config, once, at the edge. Core code
 receives these frozen policies, never the raw config, so it can be driven and tested without a
 config file. The readers of the config's precision and offload blocks are shared with the step's
-policy (`fnzero/train/_policy.py`)."""
+policy (`fnzero/state/_policy.py`)."""
 
 from __future__ import annotations
 

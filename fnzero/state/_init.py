@@ -2,8 +2,10 @@
 
 The state is where the layers meet: the sharding layer's parameters (flat buffers or shards), the
 optimizer's state, the fp32 master copy, the loss scale, the offload stores and pretrained weights
-read from files. Building it here, above all of them, keeps the sharding layer free of imports
-from the optimizer, offload, checkpoint and step code (`specs/architecture.md`).
+read from files. Building it here, above all of them and below the step and inference that use
+it, keeps the sharding layer free of imports from the optimizer, offload and checkpoint code
+(`specs/architecture.md`). `sm` is always the `ShardedModule`, read by its attributes: this module
+imports nothing of `sharding/construct/_module.py`, whose `init_state` imports it.
 """
 
 from __future__ import annotations
@@ -20,21 +22,20 @@ from ..checkpoint._peft_adapters import load_adapters
 from ..checkpoint._hf_renames import hf_renames
 from ..config import ConfigWarning
 from ..checkpoint._pretrained import load_pretrained
-from ..sharding.construct._initial import frozen_checksum_key
-from ..sharding.construct._module import PretrainedWarning, ShardedModule, optimizer_view
+from ..sharding.construct._initial import PretrainedWarning, frozen_checksum_key
 from ..offload._nvme_params import store_shards
 from ..sharding.zero._param_store import ShardSource, placeholder
 from ..sharding.zero._gather import unit_views
 from ._loss_scale import init_loss_scale
 from ._owner_update import owner_layout, owner_tree
-from ..sharding.zero._owners import param_pieces
+from ..sharding.zero._owners import optimizer_view, param_pieces
 from ._policy import step_policy
-from ._step import exchanging_optimizer_refused, optimizer_or_config
+from ._optimizer import exchanging_optimizer_refused, optimizer_or_config
 
 __all__ = ["init_state", "initial_params"]
 
 
-def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *,
+def init_state(sm, pretrained: str | os.PathLike | None = None, *,
                allow_unexpected: bool = False, optimizer=None, check_ranks_equal: bool = True,
                adapters: str | os.PathLike | None = None) -> TrainState:
     """This rank's initial TrainState from `sm`'s initial values (see `ShardedModule.init_state`)."""
@@ -81,7 +82,7 @@ def init_state(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *
     )
 
 
-def initial_params(sm: ShardedModule, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
+def initial_params(sm, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
                    check_ranks_equal: bool = True, adapters: str | os.PathLike | None = None,
                    stacklevel: int = 4) -> dict[str, torch.Tensor]:
     """The model's initial parameters, handed over from `sm` (unit name -> flat buffer or shard, in the
@@ -112,7 +113,7 @@ def initial_params(sm: ShardedModule, pretrained: str | os.PathLike | None = Non
     return sm.hand_over_initial().params
 
 
-def _frozen_to_host(sm: ShardedModule) -> None:
+def _frozen_to_host(sm) -> None:
     """`offload_param: cpu` on an accelerator: the frozen shards, which no optimizer holds, live in
     host memory and are copied to the device for their gathers (`offload/_host_params.py`). The
     trainable shards of a training state stay in device memory: the step's reduce-scatter and
@@ -127,7 +128,7 @@ def _frozen_to_host(sm: ShardedModule) -> None:
             "device)"), stacklevel=4)
 
 
-def _check_ranks_start_equal(sm: ShardedModule, loaded: set[str]) -> None:
+def _check_ranks_start_equal(sm, loaded: set[str]) -> None:
     """Every rank built its own copy of the model; one built under another seed would make each
     rank's shard come from its own init, and the first step train a patchwork. Compare each
     unit's checksum (taken by `shard` from the whole unit) with rank 0's, in one small
@@ -166,7 +167,7 @@ def _compare_checksums(comm, who: str, names: list[str], sums: dict[str, torch.T
         )
 
 
-def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], opt):
+def _params_and_optimizer(sm, initial: dict[str, torch.Tensor], opt):
     """The compute-dtype parameters, the fp32 master copy (None where the parameters are it) and
     the optimizer state over what this rank updates (`optimizer_view`)."""
     plan, rank = sm.plan, sm.comm.rank
@@ -177,7 +178,7 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
         opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
         if params_on_nvme:
             # The store's master file holds every trainable shard already (fp32), so the shards are
-            # read from it when gathered (`_param_store.py`): one copy on disk, and no copy-out in
+            # read from it when gathered (`sharding/zero/_param_store.py`): one copy on disk, and no copy-out in
             # the step; the frozen ones, which no optimizer holds, go to a parameter store.
             params = {
                 u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]
@@ -211,7 +212,7 @@ def _params_and_optimizer(sm: ShardedModule, initial: dict[str, torch.Tensor], o
     return params, master, opt_state
 
 
-def _init_optimizer(sm: ShardedModule, opt, target: dict[str, torch.Tensor]):
+def _init_optimizer(sm, opt, target: dict[str, torch.Tensor]):
     """`opt`'s initial state over `target` (what the step updates); a non-elementwise optimizer at
     stages 1-3 over its whole-tensor partition's tree (`_owner_update.py`: a collective)."""
     plan = sm.plan
@@ -222,7 +223,7 @@ def _init_optimizer(sm: ShardedModule, opt, target: dict[str, torch.Tensor]):
     return layout.optimizer.init(tree)
 
 
-def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel: int) -> None:
+def _load_pretrained(sm, path, allow_unexpected: bool, stacklevel: int) -> None:
     """Pretrained weights into the initial values, frozen parameters and buffers; checked before
     any byte is read, and the initial values dropped if reading fails partway."""
     persistent = {n for n, _ in sm.module.named_buffers()} - set(sm.plan.saved.non_persistent)
@@ -247,7 +248,7 @@ def _load_pretrained(sm: ShardedModule, path, allow_unexpected: bool, stacklevel
         )
 
 
-def _read_adapters(sm: ShardedModule, names: list[str], read) -> set[str]:
+def _read_adapters(sm, names: list[str], read) -> set[str]:
     try:
         read()
     except BaseException:

@@ -1,4 +1,5 @@
-"""The step's policies: what `fnzero.train_step` reads from a Config, once, at the edge. Core code
+"""The step's policies: what `fnzero.train_step` (and `init_state`, for the first loss scale) reads
+from a Config, once, at the edge. Core code
 receives these frozen policies, never the raw config, so it can be driven and tested without a
 config file."""
 
@@ -45,7 +46,7 @@ class StepPolicy:
     # `fnzero.memory.return_freed_memory` tuned the allocator (`fnzero/_ext/_heap.py`).
     trim_heap: bool = True
     # The rows one micro-batch has (train_micro_batch_size_per_gpu) and the world size the
-    # config's batch triad was resolved for; a batch is checked against them (`_phases.py`).
+    # config's batch triad was resolved for; a batch is checked against them (`train/_phases.py`).
     micro_batch: int | None = None
     config_world: int | None = None
 
