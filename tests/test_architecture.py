@@ -162,8 +162,6 @@ def test_a_sharding_sub_package_violation_is_caught(tmp_path):
 KNOWN_CIRCLES = {
     # _gather names _runtime's ApplyRun in annotations (the ZeRO-3 runtime, being rewritten without patching).
     frozenset({"fnzero.sharding.zero._gather", "fnzero.sharding.zero._runtime"}),
-    # jit builds the whole-step graph, which imports jit's helpers (the step ladder, being made one).
-    frozenset({"fnzero.train._jit", "fnzero.train._whole_step"}),
     # The command line, being cut into cli/launch/, cli/autotune/ and the commands.
     frozenset({"fnzero.cli._multinode", "fnzero.cli._tool_launch"}),
     frozenset({"fnzero.cli._autotune", "fnzero.cli._tune_loop"}),
