@@ -18,10 +18,10 @@ class Sharding:
     """
 
     __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization", "groups",
-                 "muon_heads")
+                 "optimizer")
 
     def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None,
-                 groups=None, muon_heads=None):
+                 groups=None, optimizer=None):
         self.plan = plan
         self.comm = comm  # the ranks ZeRO shards over: the data-parallel ranks, or with MiCS its shard group
         self.device = torch.device(device)
@@ -48,10 +48,10 @@ class Sharding:
         # What travels quantized (ZeRO++ qwZ/qgZ, `fnzero.sharding.CommQuantization`): codecs for
         # stage 3's gathers and the gradient reduce-scatters; None: everything in full precision.
         self.quantization = quantization
-        # The model's attention heads per parameter name, for the config's Muon with `per_head_muon`
-        # (`fnzero.optim.muon_head_counts`, resolved by `shard`): the step builds the config's
-        # optimizer from the state, and only the model knows its heads; None otherwise.
-        self.muon_heads = muon_heads
+        # The config's optimizer block with the facts of the model it reads (`fnzero.optim.ConfigOptimizer`:
+        # per_head_muon's head counts), resolved by `shard`, where the model is known: `init_state`
+        # and the step build the config's optimizer from it; None without an optimizer block.
+        self.optimizer = optimizer
 
     @property
     def rank(self) -> int:

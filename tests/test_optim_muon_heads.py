@@ -142,10 +142,10 @@ def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
         m.load_state_dict(model.state_dict())
         sm = fnzero.shard(m, config=cfg, comm=comm)
         # Stage 0 passes the chain built with the model's counts; stage 3 the config alone: `shard`
-        # resolves the heads into the state (`Sharding.muon_heads`), where the step finds them.
+        # resolves the heads into the state (`Sharding.optimizer`), where the step finds them.
         tx = optim.chain_from_config(cfg, head_counts=optim.muon_head_counts(m)) if stage == 0 else None
         state = sm.init_state(optimizer=tx)
-        assert state.sharding.muon_heads == counts
+        assert state.sharding.optimizer.head_counts == counts
         step = fnzero.train_step(lambda p, b: _loss(sm.apply(p, b[0]), b[1]), cfg, optimizer=tx)
         rows = slice(2 * comm.rank, 2 * comm.rank + 2)
         for _ in range(STEPS):
@@ -155,3 +155,15 @@ def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
     for got in simulated_world(2).run(rank):
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-9, msg=lambda m: f"stage {stage} {n}: {m}")
+
+
+def test_the_step_never_asks_which_optimizer_type_it_runs():
+    """The step asks the optimizer it is given or the state's sharding for what it needs (the
+    model's heads live with the config's optimizer, `Sharding.optimizer`), never a type name."""
+    import pathlib
+    import re
+
+    train = pathlib.Path(fnzero.__file__).parent / "train"
+    for path in sorted(train.glob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"[\"']muon[\"']|optimizer\.type\s*[=!]=|per_head_muon\b\W*\)", text, re.IGNORECASE), path.name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from fnzero._errors import ConfigError
 
@@ -21,7 +21,7 @@ from ._onebit_adam import onebit_adam
 from ._onebit_lamb import onebit_lamb
 from ._zero_one_adam import zero_one_adam
 
-__all__ = ["from_config", "chain_from_config", "host_from_config", "config_head_counts"]
+__all__ = ["from_config", "chain_from_config", "host_from_config", "ConfigOptimizer", "config_optimizer", "needs_model"]
 
 # Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
 FACTORIES: dict[str, Callable[..., Optimizer]] = {
@@ -85,13 +85,45 @@ def _params(cfg: Any, kind: str, head_counts: Mapping[str, int] | None = None) -
     return params
 
 
-def config_head_counts(cfg: Any, model: Any) -> dict[str, int] | None:
-    """`muon_head_counts(model)` when ``cfg`` is Muon with ``per_head_muon`` (its ConfigError when
-    the model's heads cannot be resolved), else None: what `fnzero.shard` keeps for the step."""
+class ConfigOptimizer(NamedTuple):
+    """A config's `optimizer` block as one model needs it: the `config` and the facts of the model
+    its optimizer reads (`head_counts`: per_head_muon's, resolved from the model by
+    `config_optimizer`; None where the optimizer reads none). `fnzero.shard` keeps it with the
+    state's sharding, so whoever builds the optimizer (`init_state`, the step) never asks which
+    type needs what; `for_config` carries the same model's facts to another config's block."""
+
+    config: Any
+    head_counts: Mapping[str, int] | None = None
+
+    def for_config(self, cfg: Any) -> "ConfigOptimizer":
+        """The same model's facts for `cfg`'s optimizer block (a step may run another config)."""
+        return ConfigOptimizer(cfg, self.head_counts if _needs_heads(cfg) else None)
+
+    def implementation(self, on_host: bool) -> Optimizer:
+        """The fused implementation of this block: torch's kernels on the device (`from_config`),
+        or fnzero's C kernels on the host (`host_from_config`: ZeRO-Offload)."""
+        return host_from_config(self.config) if on_host else from_config(self.config, self.head_counts)
+
+
+def _needs_heads(cfg: Any) -> bool:
+    """The block is Muon with `per_head_muon`: its optimizer orthogonalises per attention head."""
     opt = getattr(cfg, "optimizer", None)
-    if opt is None or optimizer_kind(cfg) != "muon" or not getattr(opt.params, "per_head_muon", False):
+    return opt is not None and optimizer_kind(cfg) == "muon" and bool(getattr(opt.params, "per_head_muon", False))
+
+
+def needs_model(cfg: Any) -> bool:
+    """Whether the optimizer of `cfg` reads facts of the model (per_head_muon's heads), so that it
+    can only be built once the model is known (`config_optimizer`)."""
+    return _needs_heads(cfg)
+
+
+def config_optimizer(cfg: Any, model: Any) -> ConfigOptimizer | None:
+    """`cfg`'s optimizer block with the facts of `model` it reads: `muon_head_counts(model)` for
+    Muon with `per_head_muon` (its ConfigError when the model's heads cannot be resolved); None
+    without an optimizer block."""
+    if getattr(cfg, "optimizer", None) is None:
         return None
-    return muon_head_counts(model)
+    return ConfigOptimizer(cfg, muon_head_counts(model) if _needs_heads(cfg) else None)
 
 
 def from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> Optimizer:

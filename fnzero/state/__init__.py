@@ -3,8 +3,10 @@
     init_state, initial_params     the first TrainState of a `ShardedModule` (`sm.init_state`, the
                                    public door) and the initial parameters alone, which an inference
                                    state starts from (`_init.py`)
-    optimizer_or_config            the optimizer a state runs: a given one or the config's, placed
-                                   where the config puts its state (`_optimizer.py`)
+    optimizer_or_config, built_per_model
+                                   the optimizer a state runs: a given one or the config's (with the
+                                   model's facts it reads), placed where the config puts its state
+                                   (`_optimizer.py`)
     owner_layout, owner_tree, owner_update
                                    a non-elementwise optimizer at ZeRO stages 1-3: the whole-tensor
                                    partition (`_owner_update.py`; `specs/optim.md` §Muon)
@@ -22,12 +24,12 @@ from __future__ import annotations
 
 from ._init import init_state, initial_params
 from ._loss_scale import init_loss_scale, update_loss_scale
-from ._optimizer import exchanging_optimizer_refused, optimizer_or_config
+from ._optimizer import built_per_model, exchanging_optimizer_refused, optimizer_or_config
 from ._owner_update import OwnerLayout, owner_layout, owner_tree, owner_update
 from ._policy import LossScalePolicy, StepPolicy, step_policy
 
 __all__ = [
-    "LossScalePolicy", "OwnerLayout", "StepPolicy", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
+    "LossScalePolicy", "OwnerLayout", "StepPolicy", "built_per_model", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
     "initial_params", "optimizer_or_config", "owner_layout", "owner_tree", "owner_update", "step_policy",
     "update_loss_scale",
 ]

@@ -30,10 +30,12 @@ from .._state import TrainState
 from ._ladder import PhaseResult, StepContext, run_step, tensor_phases
 from ._phases import StepSetup, Timer, split_micro_batches
 from ..sharding.zero._param_store import stepped_in_place
-from ..state import exchanging_optimizer_refused, optimizer_or_config, step_policy
+from ..state import built_per_model, exchanging_optimizer_refused, optimizer_or_config, step_policy
 from ._update import optimizer_exchange
 
 __all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
+
+_UNSET = object()
 
 
 def train_step(
@@ -79,20 +81,21 @@ class TrainStep:
         self.donate = donate
         self.has_aux = has_aux
         self.policy = step_policy(config)
-        # The config's Muon with `per_head_muon` needs the model's heads, which the state carries
-        # (`Sharding.muon_heads`): built by `optimizer_for` from the first state.
-        self.opt = None if _heads_from_state(config, optimizer) else optimizer_or_config(optimizer, config)
-        self._opt_heads = None  # the head counts `opt` was built with
+        # A config's optimizer that reads facts of the model (per_head_muon's heads) is built by
+        # `optimizer_for` from the state's sharding, where `shard` resolved them.
+        self._per_model = built_per_model(optimizer, config)
+        self.opt = None if self._per_model else optimizer_or_config(optimizer, config)
+        self._model = _UNSET  # the state's `Sharding.optimizer` that `opt` was built with
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and config.scheduler is None
         self.sched = None if own_lr else _schedules.from_config(config)
 
     def optimizer_for(self, state: TrainState) -> "_optim.Optimizer":
-        """The optimizer this step runs on `state`: the given or config's one, for a per-head Muon
-        config built with the state's `Sharding.muon_heads` (again when a state of another model comes)."""
-        heads = state.sharding.muon_heads
-        if self._opt_heads is not heads and _heads_from_state(self.config, self._given):
-            self.opt, self._opt_heads = optimizer_or_config(None, self.config, head_counts=heads), heads
+        """The optimizer this step runs on `state`: the given or config's one; a config's that reads
+        facts of the model built with the state's `Sharding.optimizer` (again for another model's state)."""
+        model = state.sharding.optimizer
+        if self._per_model and self._model is not model:
+            self.opt, self._model = optimizer_or_config(None, self.config, model=model), model
         return self.opt
 
     def with_loss_fn(self, loss_fn: Callable[..., Any]) -> "TrainStep":
@@ -138,12 +141,6 @@ class TrainStep:
                                  setup.lr, setup.momentum)
 
         return run_step(state, batch, self.policy, self.sched, opt, self.has_aux, phases, timer)
-
-
-def _heads_from_state(config, optimizer) -> bool:
-    """The config's optimizer is Muon with `per_head_muon`: its head counts come from the state."""
-    opt = getattr(config, "optimizer", None) if optimizer is None else None
-    return opt is not None and opt.type == "Muon" and bool(getattr(opt.params, "per_head_muon", False))
 
 
 def _check_exchanging_optimizer(state: TrainState) -> None:

@@ -20,7 +20,7 @@ from ..zero._policy import ShardPolicy
 from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ROOT_UNIT, ShardPlan, UnitPlan, comm_for
 from ..zero._saved_names import non_persistent_buffers
-from ...optim._config import config_head_counts
+from ...optim._config import config_optimizer
 from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
 from ..zero._unit_forward import route_unit_forward
 
@@ -59,7 +59,7 @@ class ShardedModule:
         self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
         self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts
         self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep, quantization, groups,
-                                 config_head_counts(config, module))  # per_head_muon's heads, from the model
+                                 config_optimizer(config, module))  # the optimizer with the model's facts it reads
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
         self._schedule = GatherSchedule(policy.prefetch_numel, policy.max_live_numel, policy.max_reuse_distance)
