@@ -25,6 +25,13 @@ optimizer name is a chain (`adamw_chain`, ..., `chain_from_config`), the factori
 fused implementations on the device, `host_optimizer` (fnzero's C kernels: ZeRO-Offload) on the
 host, and `as_optimizer(chain)` runs a chain of your own in `fnzero.train_step`.
 
+One protocol: what an optimizer computes is a chain of gradient transformations; an `Optimizer`
+is one implementation of it (how it runs, with its declared capabilities `elementwise`,
+`traceable`, `exchanges_gradients`), and `implementation(optimizer, on_host)` is the one lookup
+from a chain, the config's block (`config_optimizer(cfg, model)`: a `ConfigOptimizer`, which
+runs DeepSpeed's fused kernels) or an `Optimizer` to what runs it (specs/optim.md §Where an
+optimizer runs).
+
 `onebit_adam`, `zero_one_adam` and `onebit_lamb` (DeepSpeed's 1-bit optimizers) exchange their
 momentum themselves through the compressed all-reduce; their `local_gradients` says when the
 step hands them each rank's own gradients (specs/optim.md §1-bit optimizers).
@@ -36,8 +43,9 @@ from ._base import Optimizer, OptState, Params
 from ._chains import (
     CHAINS, adagrad_chain, adam_chain, adamw_chain, lamb_chain, lion_chain, muon, muon_chain, sgd_chain,
 )
-from ._config import chain_from_config, from_config, host_from_config
+from ._config import ConfigOptimizer, chain_from_config, config_optimizer, from_config, host_from_config
 from ._host import host_optimizer
+from ._implement import implementation
 from ._lamb import LambState, lamb
 from ._lion import LionState, lion
 from ._onebit_adam import OneBitAdamState, onebit_adam
@@ -58,6 +66,7 @@ __all__ = [
     "AdamState", "SGDState", "AdagradState", "LambState", "LionState",
     "adam", "adamw", "sgd", "adagrad", "lamb", "lion", "muon",
     "from_config", "chain_from_config", "host_optimizer", "host_from_config",
+    "implementation", "ConfigOptimizer", "config_optimizer",
     "GradientTransformation", "chain", "apply_updates", "as_optimizer", "scale", "scale_by_learning_rate",
     "scale_by_adam", "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay",
     "scale_by_trust_ratio", "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale",

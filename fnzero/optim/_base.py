@@ -1,12 +1,14 @@
-"""The `Optimizer` triple and the pytree plumbing every update rule shares.
+"""`Optimizer`, the record of how an optimizer runs, and the pytree plumbing every update rule shares.
 
-An optimizer is data: two pure functions (`init`, `update`), one explicitly in-place function
-(`update_`), a traceable `graph_update` and a property (`elementwise`). Nothing is hidden in an
-object, so a training step can be written as a function of (params, opt_state) and the sharding
-layer can slice the state like any pytree. Every implementation has this one calling convention,
-wherever its state lives: torch's kernels on the device, fnzero's C kernels on the host
-(`host_optimizer`), a chain (`as_optimizer`), or any of them streamed through NVMe files
-(`fnzero.offload`).
+What an optimizer computes is a chain of gradient transformations (`GradientTransformation`,
+`_transform.py`): the one protocol. An `Optimizer` is one *implementation* of such a chain, the
+form the step runs: two pure functions (`init`, `update`, which returns new parameters), one
+explicitly in-place function (`update_`), a traceable `graph_update`, the chain it runs
+(`transform`, where it has one) and its declared capabilities (`elementwise`, `traceable`,
+`exchanges_gradients`), which are all the step asks of it. Implementations: torch's fused
+kernels on the device (`adam`, ...), fnzero's C kernels on the host (`host_optimizer`), a chain's
+own arithmetic (`as_optimizer`), or any of them streamed through NVMe files (`fnzero.offload`);
+which one runs is chosen from the optimizer and where its state lives (`state/_optimizer.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ UpdateFn = Callable[..., tuple[Params, OptState]]
 
 
 class Optimizer(NamedTuple):
-    """A functional optimizer.
+    """One implementation of an optimizer: how its chain runs (specs/optim.md §Where an optimizer runs).
 
     Attributes:
       init: ``init(params) -> opt_state``; pure. The state's tensors have the params' dtypes.
@@ -68,6 +70,17 @@ class Optimizer(NamedTuple):
     graph_update: UpdateFn | None = None
     transform: Any = None
     local_gradients: Callable[[OptState], bool] | None = None
+
+    @property
+    def traceable(self) -> bool:
+        """It can run inside the whole-step graph (it has a `graph_update`)."""
+        return self.graph_update is not None
+
+    @property
+    def exchanges_gradients(self) -> bool:
+        """It exchanges what it needs itself (the 1-bit optimizers): the step may hand it this
+        rank's own gradients (`local_gradients`) and gives it the compressed all-reduce."""
+        return self.local_gradients is not None
 
 
 def pure(update_: UpdateFn) -> UpdateFn:

@@ -48,7 +48,7 @@ def init_state(sm, pretrained: str | os.PathLike | None = None, *,
     opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank, sm.sharding.optimizer)
     plan = sm.plan
     kind = sm.config.optimizer.type if optimizer is None else "optimizer="
-    if opt.local_gradients is not None and any(u.placement.grads or u.placement.optimizer for u in plan.units):
+    if opt.exchanges_gradients and any(u.placement.grads or u.placement.optimizer for u in plan.units):
         raise exchanging_optimizer_refused(f"this model is sharded at ZeRO stage {plan.placement.stage}")
     if not opt.elementwise and sm.tp is not None:
         raise ShardingError(

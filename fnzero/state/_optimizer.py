@@ -8,18 +8,18 @@ from __future__ import annotations
 from .. import optim as _optim
 from .._errors import ShardingError
 from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
-from ..optim._config import ConfigOptimizer, needs_model
+from ..optim._config import needs_model
 from ..optim._transform import not_elementwise
 from ..sharding.zero._policy import offload_device
 
 __all__ = ["optimizer_or_config", "built_per_model", "exchanging_optimizer_refused"]
 
 
-def optimizer_or_config(optimizer, config, rank: int = 0, model: ConfigOptimizer | None = None) -> "_optim.Optimizer":
-    """The optimizer implementation a step or an initial state runs: a given one (a chain is run
-    through `as_optimizer`), else the config's `optimizer` block, on the parameters' device
-    (torch's fused kernels) or, with `offload_optimizer`, on the host (fnzero's C kernels for the
-    config's type). Either runs where its state is placed: with `offload_optimizer: cpu` on host
+def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigOptimizer | None" = None) -> "_optim.Optimizer":
+    """The optimizer implementation a step or an initial state runs: of a given one, else of the
+    config's `optimizer` block, looked up by `fnzero.optim.implementation` from what it is and
+    where its state lives (a chain: its own arithmetic; the config's block: torch's fused kernels
+    on the parameters' device or, with `offload_optimizer`, fnzero's C kernels on the host). Either runs where its state is placed: with `offload_optimizer: cpu` on host
     tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
     time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
     there, naming the transform that reads whole tensors. `model`: the facts of the model the
@@ -27,12 +27,12 @@ def optimizer_or_config(optimizer, config, rank: int = 0, model: ConfigOptimizer
     carried to `config`'s block."""
     where = offload_device(config)
     if optimizer is None:
-        block = model.for_config(config) if model is not None else ConfigOptimizer(config)
-        opt = block.implementation(on_host=where is not None)
+        optimizer = model.for_config(config) if model is not None else _optim.ConfigOptimizer(config)
     else:
-        opt = _given_optimizer(optimizer, where)
+        _check_given(optimizer, where)
+    opt = _optim.implementation(optimizer, on_host=where is not None)
     if where == "nvme":
-        label = config.optimizer.type.lower() if optimizer is None else "optimizer"
+        label = config.optimizer.type.lower() if isinstance(optimizer, _optim.ConfigOptimizer) else "optimizer"
         return nvme_optimizer(opt, store_options_from_config(config, rank), label)
     return opt
 
@@ -43,7 +43,9 @@ def built_per_model(optimizer, config) -> bool:
     return optimizer is None and needs_model(config)
 
 
-def _given_optimizer(optimizer, where: str | None) -> "_optim.Optimizer":
+def _check_given(optimizer, where: str | None) -> None:
+    """A given optimizer is a chain or an `Optimizer`; with offload (flat shards of the master) it
+    must be elementwise, and a chain's refusal names the transform that reads whole tensors."""
     if isinstance(optimizer, _optim.GradientTransformation):
         blocked = not_elementwise(optimizer)
         if where is not None and blocked:
@@ -52,16 +54,15 @@ def _given_optimizer(optimizer, where: str | None) -> "_optim.Optimizer":
                 f"chain's {', '.join(blocked)} reads whole tensors (it is not elementwise): remove the offload "
                 "or that transform"
             )
-        return _optim.as_optimizer(optimizer)
-    if isinstance(optimizer, _optim.Optimizer):
+    elif isinstance(optimizer, _optim.Optimizer):
         if where is not None and not optimizer.elementwise:
             raise ShardingError(f"offload_optimizer ({where}) runs the optimizer on flat shards of the master "
                                 "weights; the optimizer= given is not elementwise: remove the offload")
-        return optimizer
-    raise ShardingError(
-        f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
-        f"{type(optimizer).__name__}"
-    )
+    else:
+        raise ShardingError(
+            f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
+            f"{type(optimizer).__name__}"
+        )
 
 
 def exchanging_optimizer_refused(why: str) -> ShardingError:

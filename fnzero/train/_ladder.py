@@ -165,7 +165,7 @@ def why_not_traced(state: TrainState, policy: StepPolicy, opt, optimizer_name: s
         reason = getattr(part, "not_traceable", None) if part is not None else None
         if reason is not None:
             return reason
-    if opt.graph_update is None:
+    if not opt.traceable:
         return f"the {optimizer_name} optimizer has no traceable update (graph_update)"
     if sh.comm.world_size > 1 and not getattr(type(sh.comm), "traceable", False):
         return f"its collectives ({type(sh.comm).__name__}) are not a torch.distributed process group"

@@ -76,7 +76,7 @@ def step_setup(state: TrainState, batch: Any, policy: StepPolicy, sched, opt=Non
     param_dtype = next(iter(state.params.values())).dtype if state.params else plan.param_dtype
     accum_dtype = accum_dtype_for(policy, param_dtype)
     has_momentum = sched is not None and sched.momentum is not None
-    local = opt is not None and opt.local_gradients is not None and bool(opt.local_gradients(state.opt_state))
+    local = opt is not None and opt.exchanges_gradients and bool(opt.local_gradients(state.opt_state))
     return StepSetup(
         micro=micro, step_no=step_no,
         scale=float(state.loss_scale.scale) if state.loss_scale is not None else 1.0,

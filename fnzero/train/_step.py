@@ -118,7 +118,7 @@ class TrainStep:
             )
         state.sharding.plan.check_params(state.params, "state.params")
         opt = self.optimizer_for(state)
-        if opt.local_gradients is not None:
+        if opt.exchanges_gradients:
             _check_exchanging_optimizer(state)
         with torch.enable_grad():
             return self._eager(state, batch, opt)

@@ -39,8 +39,8 @@ class OptimizerScalars(NamedTuple):
 
 def optimizer_exchange(opt, comm) -> Callable | None:
     """The compressed all-reduce over the dp collectives `comm`, for an optimizer that exchanges
-    what it needs itself (`Optimizer.local_gradients`); None for the others."""
-    if opt.local_gradients is None:
+    what it needs itself (`Optimizer.exchanges_gradients`); None for the others."""
+    if not opt.exchanges_gradients:
         return None
     return functools.partial(compressed_all_reduce, comm)
 
