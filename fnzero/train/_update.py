@@ -3,8 +3,9 @@ parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.
 
 One phase for every placement of the optimizer state: on the device, on the host with
 ZeRO-Offload (the master is a host tensor), or streamed through NVMe files with ZeRO-Infinity
-(the store holds the master). Which implementation runs is the `Optimizer` the step was built
-with (`optimizer_or_config`); the phase calls its `update` the same way for all of them.
+(the store holds the master). Which implementation runs is looked up once from the optimizer
+and where its state lives (`fnzero.optim.implementation`, via `optimizer_or_config`); the phase
+calls its `update` the same way for all of them and asks it only for its capabilities.
 
 `optimizer_update` and `publish_params` take the state's tensors rather than a `TrainState`, so
 the eager step and the whole-step graph (whose inputs are those tensors) run the same phases."""
