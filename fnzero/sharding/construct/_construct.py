@@ -26,7 +26,7 @@ from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
 from ..zero._plan import ShardPlan, make_plan, unit_predicate
-from ..zero._runtime import ACTIVE_RUN
+from ..zero._ambient import ambient
 from ..zero._unit_forward import wrap_unit_forward
 
 __all__ = ["shard"]
@@ -319,7 +319,7 @@ def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
             return
-        run = ACTIVE_RUN.get()
+        run = ambient().run
         if run is not None and run.plan is plan:
             return
         raise ShardingError(

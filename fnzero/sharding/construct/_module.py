@@ -21,7 +21,8 @@ from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ROOT_UNIT, ShardPlan, UnitPlan, comm_for
 from ..zero._saved_names import non_persistent_buffers
 from ...optim._config import config_head_counts
-from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
+from ..zero._ambient import ambient, within
+from ..zero._runtime import ApplyRun, GatherSchedule, unit_views
 from ..zero._unit_forward import route_unit_forward
 
 __all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
@@ -112,7 +113,7 @@ class ShardedModule:
             )
         if not torch.compiler.is_compiling():
             plan.check_params(params, "the params given to apply")
-        if not torch.compiler.is_compiling() and UNIT_COMPILER.get() is not None:
+        if not torch.compiler.is_compiling() and ambient().unit_compiler is not None:
             self._route_units()
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
@@ -122,7 +123,7 @@ class ShardedModule:
         return self._apply_gathering(params, args, kwargs)
 
     def _route_units(self) -> None:
-        """Once: route every gathered unit module's forward through `UNIT_COMPILER` (stage-3
+        """Once: route every gathered unit module's forward through the unit compiler (stage-3
         sharded units are routed already, by the wrapper that gathers them)."""
         if self._units_routed:
             return
@@ -185,10 +186,9 @@ class ShardedModule:
         live = [(full, rt) for _, full, rt in root]
         tensors = self._tensors(fulls)
         stack = contextlib.ExitStack()
-        token = ACTIVE_RUN.set(run)
-        stack.callback(ACTIVE_RUN.reset, token)
         run.bindings.append(("tensors", self.module, tensors))
         try:
+            stack.enter_context(within(run=run))
             stack.enter_context(run.saved_tensor_hooks())
             stack.enter_context(_live_all(run, live))
         except BaseException:

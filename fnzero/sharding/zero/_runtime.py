@@ -14,13 +14,13 @@ only during its forward and its backward, never between them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..._errors import ShardingError
+from ._ambient import ambient
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
@@ -28,27 +28,7 @@ from ..comm._quantized import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
 
-__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER"]
-
-# [Note: why context variables] The three below carry what fnzero's code needs inside code it does
-# not call: a model's own forward (called by `torch.func.functional_call`), torch's saved-tensor
-# hooks, and the user's loss function (called by the step, calling `sm.apply` itself). None of
-# these has a parameter fnzero could pass through, and a module attribute would leak across
-# threads (simulated ranks) and nested applies; a context variable is scoped to the call.
-
-# The apply run whose unit wrappers are gathering right now (`wrap_unit_forward` finds it here).
-ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
-
-# Inside `fnzero.train_step`: the list every `ApplyRun` created by the loss function is added to,
-# so the step can `release` them once their backward is done (see `ApplyRun.release`).
-STEP_RUNS: contextvars.ContextVar["list[ApplyRun] | None"] = contextvars.ContextVar("fnzero_step_runs", default=None)
-
-# Set by `fnzero.jit(scope="units")` around an eager step: `(module, forward) -> forward` returns
-# the compiled forward a unit module runs instead of its own (`specs/jit.md`). Unset, units run
-# their own forward.
-UNIT_COMPILER: contextvars.ContextVar["Callable[[nn.Module, Callable], Callable] | None"] = contextvars.ContextVar(
-    "fnzero_unit_compiler", default=None
-)
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors"]
 
 
 class ApplyRun:
@@ -89,11 +69,11 @@ class ApplyRun:
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
         # `fnzero.jit(scope="units")`'s unit compiler in force when this run was made, for
-        # recomputations on a thread where the context variable is unset (`_forward_to_run`).
-        self.unit_compiler = UNIT_COMPILER.get()
-        runs = STEP_RUNS.get()
-        if runs is not None:
-            runs.append(self)
+        # recomputations on a thread where the ambient context is unset (`_forward_to_run`).
+        context = ambient()
+        self.unit_compiler = context.unit_compiler
+        if context.step_runs is not None:
+            context.step_runs.append(self)
 
     def release(self) -> None:
         """Drop every reference this run holds, once its backward has run.

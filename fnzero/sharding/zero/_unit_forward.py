@@ -11,7 +11,7 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ._plan import UnitPlan
-from ._runtime import ACTIVE_RUN, UNIT_COMPILER
+from ._ambient import ambient
 
 if TYPE_CHECKING:
     from ._runtime import ApplyRun
@@ -26,7 +26,7 @@ def wrap_unit_forward(module: nn.Module, unit: UnitPlan, backward_runs: "list[Ap
     inner = module.forward
 
     def forward(*args, **kwargs):
-        run = ACTIVE_RUN.get()
+        run = ambient().run
         if run is None and backward_runs:
             run = backward_runs[-1]
         if run is None:
@@ -49,7 +49,7 @@ def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
     A recomputation in backward may run on autograd's device thread, where the step's context
     variable is not set: it then takes the compiler its run was made under, so the recomputed
     forward is the same graph as the first one (inductor's dropout draws differ from eager's)."""
-    compiler = UNIT_COMPILER.get()
+    compiler = ambient().unit_compiler
     if compiler is None and run is not None:
         compiler = run.unit_compiler
     return inner if compiler is None else compiler(module, inner)
