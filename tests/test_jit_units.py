@@ -183,7 +183,7 @@ def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
     from types import SimpleNamespace
 
     from fnzero.sharding.zero._ambient import ambient
-    from fnzero.sharding.zero._unit_forward import _forward_to_run
+    from fnzero.sharding.zero._unit_hooks import _forward_to_run
 
     module, inner = torch.nn.Linear(2, 2), (lambda x: x)
     compiled = lambda m, f: ("compiled", m, f)  # noqa: E731

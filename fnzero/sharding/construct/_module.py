@@ -23,7 +23,7 @@ from ..zero._saved_names import non_persistent_buffers
 from ...optim._config import config_head_counts
 from ..zero._ambient import ambient, within
 from ..zero._runtime import ApplyRun, GatherSchedule, unit_views
-from ..zero._unit_forward import route_unit_forward
+from ..zero._unit_hooks import route_unit_forward
 
 __all__ = ["ShardedModule", "optimizer_view", "full_unit", "PretrainedWarning"]
 
@@ -71,8 +71,8 @@ class ShardedModule:
     `params` field of a TrainState, or the differentiable aliases `train_step` hands to the loss);
     `init_state()` builds this rank's initial TrainState; `gather(...)` consolidates full parameters
     in `model.state_dict()` naming. The model is owned by the ShardedModule after `shard`: its
-    parameter storage is released (replaced by meta placeholders) and stage-3 units' forwards are
-    routed through `apply`.
+    parameter storage is released (replaced by meta placeholders) and stage-3 units gather their
+    parameters from `apply`'s run by forward hooks (`sharding/zero/_unit_hooks.py`).
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
@@ -123,14 +123,12 @@ class ShardedModule:
         return self._apply_gathering(params, args, kwargs)
 
     def _route_units(self) -> None:
-        """Once: route every gathered unit module's forward through the unit compiler (stage-3
-        sharded units are routed already, by the wrapper that gathers them)."""
+        """Once, at the first `fnzero.jit(scope="units")` step: route every unit module's forward
+        through the unit compiler (`_unit_hooks.py` says why this scope alone needs it)."""
         if self._units_routed:
             return
-        units = (*self.plan.units, *self.plan.frozen_units)
-        sharded = {u.module for u in units if self.plan.params_sharded(u)}
-        for module in dict.fromkeys(u.module for u in units):
-            if module != "" and module not in sharded:
+        for module in dict.fromkeys(u.module for u in (*self.plan.units, *self.plan.frozen_units)):
+            if module != "":
                 route_unit_forward(self.module.get_submodule(module), self._backward_runs)
         self._units_routed = True
 
@@ -164,7 +162,7 @@ class ShardedModule:
         try:
             out = self._call(tensors, args, kwargs)
         finally:
-            self._end_run(stack)
+            self._end_run(run, stack)
         run.bind_in_backward(self.module, tensors, out)
         run.finish_forward(out)
         return out
@@ -197,8 +195,11 @@ class ShardedModule:
         return run, tensors, stack
 
     @torch.compiler.disable
-    def _end_run(self, stack: Any) -> None:
-        stack.close()
+    def _end_run(self, run: ApplyRun, stack: Any) -> None:
+        try:
+            run.exit_units()  # none, unless the forward was interrupted past the units' hooks
+        finally:
+            stack.close()
 
     __call__ = apply
     # Eager under torch.compile (it sets up gathering and saved-tensor hooks); the module's

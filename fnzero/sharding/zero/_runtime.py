@@ -63,9 +63,10 @@ class ApplyRun:
         # for the root, ("unit", name, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
+        self._units_entered: list[contextlib.ExitStack] = []  # what `exit_unit` undoes, innermost last
         # Bound again while backward runs, for recomputation inside the model (`_backward.py`);
         # made by `bind_in_backward`. `backward_runs`: the runs bound right now, shared with the
-        # stage-3 unit wrappers, which find their run there when a recomputation calls them.
+        # stage-3 units' hooks, which find their run there when a recomputation calls them.
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
         # `fnzero.jit(scope="units")`'s unit compiler in force when this run was made, for
@@ -338,17 +339,13 @@ class ApplyRun:
         finally:
             self._live.pop(ptr, None)
 
-    def unit_forward(self, name: str, module: nn.Module, forward, args, kwargs):
-        stack, args, kwargs = self._enter_unit(name, module, args, kwargs)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            self._exit_unit(stack)
-
+    # -- a unit's forward: `_unit_hooks.py` calls these from the unit module's forward hooks ------
     # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
-    # frames whole, and compiles the unit's own `forward` called between them.
+    # frames whole, and compiles the unit's own `forward`, which runs between them.
     @torch.compiler.disable
-    def _enter_unit(self, name: str, module: nn.Module, args: tuple, kwargs: dict):
+    def enter_unit(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Gather unit `name` and bind its views into `module` until `exit_unit`; the forward's
+        (args, kwargs): a frozen part's tensor inputs pass through its release (`_frozen.py`)."""
         stack = contextlib.ExitStack()
         self.bindings.append(("unit", name, module))
         try:
@@ -361,16 +358,19 @@ class ApplyRun:
             stack.close()
             self.bindings.pop()
             raise
-        return stack, args, kwargs
+        self._units_entered.append(stack)
+        return args, kwargs
 
     @torch.compiler.disable
-    def _exit_unit(self, stack: contextlib.ExitStack) -> None:
+    def exit_unit(self) -> None:
+        """The unit entered last is done: its placeholders back, its buffer released."""
+        stack = self._units_entered.pop()
         try:
             stack.close()
         finally:
             self.bindings.pop()
 
-    unit_forward = torch.compiler.disable(
-        unit_forward, recursive=False,
-        reason="fnzero ZeRO-3: a sharded unit all-gathers its parameter shards before its forward (eager)",
-    )
+    def exit_units(self) -> None:
+        """Exit every unit still entered (a forward interrupted past its hooks' reach), last first."""
+        while self._units_entered:
+            self.exit_unit()
