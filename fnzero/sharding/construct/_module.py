@@ -127,9 +127,11 @@ class ShardedModule:
         through the unit compiler (`_unit_hooks.py` says why this scope alone needs it)."""
         if self._units_routed:
             return
-        for module in dict.fromkeys(u.module for u in (*self.plan.units, *self.plan.frozen_units)):
+        units = (*self.plan.units, *self.plan.frozen_units)
+        sharded = {u.module: u.name for u in units if self.plan.params_sharded(u)}
+        for module in dict.fromkeys(u.module for u in units):
             if module != "":
-                route_unit_forward(self.module.get_submodule(module), self._backward_runs)
+                route_unit_forward(self.module.get_submodule(module), self._backward_runs, sharded.get(module))
         self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
@@ -196,10 +198,8 @@ class ShardedModule:
 
     @torch.compiler.disable
     def _end_run(self, run: ApplyRun, stack: Any) -> None:
-        try:
+        with stack:  # closed whatever happens
             run.exit_units()  # none, unless the forward was interrupted past the units' hooks
-        finally:
-            stack.close()
 
     __call__ = apply
     # Eager under torch.compile (it sets up gathering and saved-tensor hooks); the module's

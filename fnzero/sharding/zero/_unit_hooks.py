@@ -84,10 +84,13 @@ def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
     return inner if compiler is None else compiler(module, inner)
 
 
-def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None" = None) -> None:
+def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None" = None,
+                       sharded: str | None = None) -> None:
     """Let `fnzero.jit(scope="units")` run a unit's forward as its own compiled graph (a stage-3
     unit's hooks gather around it as around its own); otherwise, and inside any torch.compile
-    trace, the forward is unchanged."""
+    trace, the forward is unchanged. `sharded`: the name of a stage-3 unit, which a whole-loss
+    trace breaks at anyway (its gathering hook): the route stays out of that trace and the unit's
+    own forward is compiled as a frame of its own, as without the route."""
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -96,4 +99,7 @@ def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None"
         return _forward_to_run(module, inner, _run_for(backward_runs))(*args, **kwargs)
 
     forward.__wrapped__ = inner  # type: ignore[attr-defined]
+    if sharded is not None:
+        forward = torch.compiler.disable(forward, recursive=False,
+                                         reason=f"fnzero ZeRO-3: unit {sharded!r} runs fnzero.jit's compiled forward")
     module.forward = forward
