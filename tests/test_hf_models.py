@@ -332,7 +332,7 @@ class _Block(torch.nn.Module):
 
 
 class _CheckpointsItsBlocks(torch.nn.Module):
-    """Checkpoints each block by calling the block itself (the unit's wrapped forward), as
+    """Checkpoints each block by calling the block itself (the unit's hooked module), as
     transformers 4.x and torch's checkpoint_wrapper do."""
 
     def __init__(self, reentrant):
@@ -342,8 +342,7 @@ class _CheckpointsItsBlocks(torch.nn.Module):
         self.reentrant = reentrant
 
     def _probe(self, block):
-        # How many blocks hold gathered (non-placeholder) weights right now; dict's own lookup,
-        # since reading a lazy table entry in backward would gather it.
+        # How many blocks hold gathered (non-placeholder) weights right now.
         self.seen.append(sum(not dict.__getitem__(b.lin._parameters, "weight").is_meta for b in self.blocks))
 
     def forward(self, x):
