@@ -160,8 +160,6 @@ def test_a_sharding_sub_package_violation_is_caught(tmp_path):
 # rework of its code (issue #41). Whoever breaks one removes it here: a listed circle that no
 # longer exists fails `test_no_import_circles` as a new one does.
 KNOWN_CIRCLES = {
-    # _gather names _runtime's ApplyRun in annotations (the ZeRO-3 runtime, being rewritten without patching).
-    frozenset({"fnzero.sharding.zero._gather", "fnzero.sharding.zero._runtime"}),
     # The command line, being cut into cli/launch/, cli/autotune/ and the commands.
     frozenset({"fnzero.cli._multinode", "fnzero.cli._tool_launch"}),
     frozenset({"fnzero.cli._autotune", "fnzero.cli._tune_loop"}),

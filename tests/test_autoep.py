@@ -127,6 +127,23 @@ def test_split_experts_equal_the_unsplit_model(family, ep):
                 _close(g, want[r][1][name], f"rank {r} {name}")
 
 
+def test_replacing_assigns_no_class(monkeypatch):
+    """The replacement is made as the class it is (HFExpertGroup and the source's experts class);
+    no module's `__class__` is assigned afterwards."""
+    model = _model("qwen2_moe")
+    assigned = []
+    setattr_ = torch.nn.Module.__setattr__
+
+    def spy(self, name, value):
+        if name == "__class__":
+            assigned.append(f"{type(self).__name__} -> {value.__name__}")
+        setattr_(self, name, value)
+
+    monkeypatch.setattr(torch.nn.Module, "__setattr__", spy)
+    paths = autoep_replace(model)
+    assert assigned == [] and len(paths) == 2
+
+
 def test_replacing_keeps_names_shapes_dtypes_values_and_the_result():
     reference = _model("qwen2_moe")
     model = copy.deepcopy(reference)

@@ -332,7 +332,7 @@ class _Block(torch.nn.Module):
 
 
 class _CheckpointsItsBlocks(torch.nn.Module):
-    """Checkpoints each block by calling the block itself (the unit's wrapped forward), as
+    """Checkpoints each block by calling the block itself (the unit's hooked module), as
     transformers 4.x and torch's checkpoint_wrapper do."""
 
     def __init__(self, reentrant):
@@ -342,8 +342,7 @@ class _CheckpointsItsBlocks(torch.nn.Module):
         self.reentrant = reentrant
 
     def _probe(self, block):
-        # How many blocks hold gathered (non-placeholder) weights right now; dict's own lookup,
-        # since reading a lazy table entry in backward would gather it.
+        # How many blocks hold gathered (non-placeholder) weights right now.
         self.seen.append(sum(not dict.__getitem__(b.lin._parameters, "weight").is_meta for b in self.blocks))
 
     def forward(self, x):
@@ -403,3 +402,70 @@ def test_two_applies_in_one_loss_with_checkpointing(stage, reentrant):
         assert all(type(m._parameters) is dict for m in model.modules())
         assert all(p.is_meta for p in model.parameters())
     W.assert_close_tree(sm.gather(state), dict(ref.named_parameters()), rtol=RTOL, atol=ATOL, what=f"stage {stage}")
+
+
+class _ChecksItsLinear(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.out = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        # The recomputation starts inside the unit, at a module owning some of its parameters.
+        h = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=self.reentrant)
+        return self.out(torch.tanh(h))
+
+
+class _ChecksInsideItsBlocks(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_ChecksItsLinear(reentrant) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_stage3_leaves_the_modules_as_built(reentrant):
+    """specs/sharding.md §Apply: stage 3 hooks its unit modules and rewrites nothing of them: no
+    module's forward, class or parameter-table dict changes, at `shard` or while a recomputation
+    runs in backward; a recomputation that starts inside a unit (at a submodule) gathers the unit
+    too, and two steps equal plain PyTorch."""
+
+    def batch(s):
+        return torch.randn(2, 6, generator=torch.Generator().manual_seed(s), dtype=torch.float64).requires_grad_()
+
+    def build():
+        with _BUILD:
+            torch.manual_seed(0)
+            return _ChecksInsideItsBlocks(reentrant)
+
+    ref = build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(2):
+        opt.zero_grad()
+        ref(batch(s)).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+    model = build()
+    built = {name: (type(m), id(m._parameters), type(m._parameters)) for name, m in model.named_modules()}
+    seen = []  # (module, its table's id and type, whether it has a forward of its own), at each call
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda m, a: seen.append((m, id(m._parameters), type(m._parameters),
+                                                              "forward" in vars(m))))
+    cfg = config(3, 1, 1)
+    sm = fnzero.shard(model, config=cfg)
+    step = fnzero.train_step(lambda p, b: sm.apply(p, b).square().mean(), cfg)
+    state = sm.init_state()
+    for s in range(2):
+        state, _ = step(state, batch(s))
+    assert {name: (type(m), id(m._parameters), type(m._parameters)) for name, m in model.named_modules()} == built
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert all(t is dict and not own and built_id == built[n][1] for m, built_id, t, own in seen
+               for n in [next(k for k, v in model.named_modules() if v is m)])
+    assert sum(m is model.blocks[0].lin for m, *_ in seen) == 4  # each step: forward, recomputation
+    assert all(p.is_meta for p in model.parameters())
+    W.assert_close_tree(sm.gather(state), dict(ref.named_parameters()), rtol=RTOL, atol=ATOL, what="stage 3")

@@ -182,12 +182,12 @@ def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
     # the recomputed forward would be eager while the first was compiled (dropout draws differ).
     from types import SimpleNamespace
 
-    from fnzero.sharding.zero._runtime import UNIT_COMPILER
-    from fnzero.sharding.zero._unit_forward import _forward_to_run
+    from fnzero.sharding.zero._ambient import ambient
+    from fnzero.sharding.zero._unit_hooks import _forward_to_run
 
     module, inner = torch.nn.Linear(2, 2), (lambda x: x)
     compiled = lambda m, f: ("compiled", m, f)  # noqa: E731
-    assert UNIT_COMPILER.get() is None
+    assert ambient().unit_compiler is None
     assert _forward_to_run(module, inner) is inner
     assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=None)) is inner
     assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=compiled)) == ("compiled", module, inner)

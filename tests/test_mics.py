@@ -339,7 +339,7 @@ def test_hpz_holds_one_hpz_share_of_each_unit_from_forward_to_backward():
     """specs/mesh.md §hpZ memory: after the forward each rank holds, of each unit gathered and not
     kept for backward, its 1/H part (P/H elements of the P padded), at most Ψ/H in all; the step
     drops them once backward is done."""
-    from fnzero.sharding.zero._runtime import STEP_RUNS
+    from fnzero.sharding.zero._ambient import ambient
 
     cfg = _config(3, stage3_max_reuse_distance=0)  # (the default keeps every unit of this model gathered for backward)
 
@@ -349,7 +349,7 @@ def test_hpz_holds_one_hpz_share_of_each_unit_from_forward_to_backward():
 
         def loss_fn(p, b):
             loss = _loss(lambda x: sm.apply(p, x), b)
-            run = STEP_RUNS.get()[-1]  # this micro-batch's
+            run = ambient().step_runs[-1]  # this micro-batch's
             runs.append(run)
             held.append([(rt.unit.padded_numel, rt.secondary.numel()) for rt in run.rts.values() if rt.secondary is not None])
             return loss

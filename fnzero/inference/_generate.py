@@ -17,7 +17,7 @@ import torch
 from .._errors import ShardingError
 from .._state import TrainState
 from ..sharding.tp._ops import gather_from_tp
-from ..sharding.zero._runtime import STEP_RUNS
+from ..sharding.zero._ambient import within
 from ._model_calls import ModelCalls, max_positions, model_calls
 from ._prompt import agree_on_prompt, attention_mask_for, check_length
 from ._sampling import choose_tokens
@@ -137,11 +137,10 @@ def _runs_released() -> Iterator[None]:
     and LM head, its largest unit) would be alive at once. With no backward to come, nothing needs
     them after the forward (the step does the same after its backward, `ApplyRun.release`)."""
     runs: list = []
-    token = STEP_RUNS.set(runs)
     try:
-        yield
+        with within(step_runs=runs):
+            yield
     finally:
-        STEP_RUNS.reset(token)
         for run in runs:
             run.release()
 

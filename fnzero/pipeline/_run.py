@@ -12,7 +12,7 @@ import torch
 
 from .._errors import ConfigError, ShardingError
 from ..sharding.zero._plan import padded_size
-from ..sharding.zero._runtime import STEP_RUNS
+from ..sharding.zero._ambient import within
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
 
@@ -100,15 +100,12 @@ class _Run:
         x = inputs if info.first(c) else recv_activation(info.comm, self.prev, self.sm.sharding.device, f"act{j}.{c}")
         timer.stop("comm")
         timer.start()
-        token = STEP_RUNS.set(self.runs)
-        try:
+        with within(step_runs=self.runs):
             out = self.sm.apply(self.leaves, x, chunk=c)
             if info.last(c):
                 out = info.loss_fn(out, labels)
                 _check_loss(out)
                 self.loss_sum += out.detach().to(torch.float64).cpu()
-        finally:
-            STEP_RUNS.reset(token)
         if not info.last(c):
             self.sends += send_activation(info.comm, out, self.next, info.stage_index, f"act{j}.{c}")
         self.saved[(j, c)] = (x, out)

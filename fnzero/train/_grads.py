@@ -17,7 +17,7 @@ from .._errors import ShardingError
 from .._ext._heap import trim_between_passes
 from ..sharding.comm._quantized import quantizing
 from ..sharding.zero._plan import ShardPlan, UnitPlan, comm_for
-from ..sharding.zero._runtime import STEP_RUNS
+from ..sharding.zero._ambient import within
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ..state import StepPolicy
 
@@ -158,11 +158,8 @@ def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor
         for i, mb in enumerate(micro):
             collector.last_micro_batch = i == len(micro) - 1
             timer.start()
-            token = STEP_RUNS.set(runs)
-            try:
+            with within(step_runs=runs):
                 out = loss_fn(leaves, mb)
-            finally:
-                STEP_RUNS.reset(token)
             timer.stop("forward")
             loss, aux = _loss_and_aux(out, has_aux)
             timer.start()

@@ -246,13 +246,10 @@ class _UnitsStep:
         return hit if owner is None else functools.partial(hit, owner)
 
     def __call__(self, state: TrainState, batch: Any):
-        from ..sharding.zero._runtime import UNIT_COMPILER
+        from ..sharding.zero._ambient import within
 
-        token = UNIT_COMPILER.set(self._compiled_forward)
-        try:
+        with within(unit_compiler=self._compiled_forward):
             return self.step(state, batch)
-        finally:
-            UNIT_COMPILER.reset(token)
 
 
 def _own_frame(fn):

@@ -26,8 +26,8 @@ from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
 from ..zero._plan import ShardPlan, make_plan, unit_predicate
-from ..zero._runtime import ACTIVE_RUN
-from ..zero._unit_forward import wrap_unit_forward
+from ..zero._ambient import ambient
+from ..zero._unit_hooks import hook_unit
 
 __all__ = ["shard"]
 
@@ -196,7 +196,7 @@ def _guard_and_route(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> No
     instead, and its sharded units routed through the apply run."""
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
-    _wrap_sharded_units(model, plan, sm)
+    _hook_sharded_units(model, plan, sm)
 
 
 def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:
@@ -234,13 +234,13 @@ def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
     return _observed(mesh.mics if mesh.mics is not None else comm, config, debug), ZeroGroups(replicas, hpz)
 
 
-def _wrap_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
-    """Route each module whose trainable or frozen unit is sharded through the apply run, once."""
-    wrapped = set()
+def _hook_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
+    """Hook each module whose trainable or frozen unit is sharded to the apply run, once."""
+    hooked = set()
     for u in (*plan.units, *plan.frozen_units):
-        if u.placement.params and u.module != "" and u.module not in wrapped:
-            wrapped.add(u.module)
-            wrap_unit_forward(model.get_submodule(u.module), u, sm._backward_runs)
+        if u.placement.params and u.module != "" and u.module not in hooked:
+            hooked.add(u.module)
+            hook_unit(model.get_submodule(u.module), u, sm._backward_runs)
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
@@ -360,7 +360,7 @@ def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
     def hook(module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
             return
-        run = ACTIVE_RUN.get()
+        run = ambient().run
         if run is not None and run.plan is plan:
             return
         raise ShardingError(

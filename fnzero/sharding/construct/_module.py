@@ -21,8 +21,9 @@ from ..tp._ops import vocab_parallel_cross_entropy
 from ..zero._plan import ROOT_UNIT, ShardPlan, UnitPlan, comm_for
 from ..zero._saved_names import non_persistent_buffers
 from ...optim._config import config_optimizer
-from ..zero._runtime import ACTIVE_RUN, UNIT_COMPILER, ApplyRun, GatherSchedule, unit_views
-from ..zero._unit_forward import route_unit_forward
+from ..zero._ambient import ambient, within
+from ..zero._runtime import ApplyRun, GatherSchedule, unit_views
+from ..zero._unit_hooks import route_unit_forward
 
 __all__ = ["ShardedModule", "full_unit"]
 
@@ -46,8 +47,8 @@ class ShardedModule:
     `params` field of a TrainState, or the differentiable aliases `train_step` hands to the loss);
     `init_state()` builds this rank's initial TrainState; `gather(...)` consolidates full parameters
     in `model.state_dict()` naming. The model is owned by the ShardedModule after `shard`: its
-    parameter storage is released (replaced by meta placeholders) and stage-3 units' forwards are
-    routed through `apply`.
+    parameter storage is released (replaced by meta placeholders) and stage-3 units gather their
+    parameters from `apply`'s run by forward hooks (`sharding/zero/_unit_hooks.py`).
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
@@ -88,7 +89,7 @@ class ShardedModule:
             )
         if not torch.compiler.is_compiling():
             plan.check_params(params, "the params given to apply")
-        if not torch.compiler.is_compiling() and UNIT_COMPILER.get() is not None:
+        if not torch.compiler.is_compiling() and ambient().unit_compiler is not None:
             self._route_units()
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
@@ -98,15 +99,15 @@ class ShardedModule:
         return self._apply_gathering(params, args, kwargs)
 
     def _route_units(self) -> None:
-        """Once: route every gathered unit module's forward through `UNIT_COMPILER` (stage-3
-        sharded units are routed already, by the wrapper that gathers them)."""
+        """Once, at the first `fnzero.jit(scope="units")` step: route every unit module's forward
+        through the unit compiler (`_unit_hooks.py` says why this scope alone needs it)."""
         if self._units_routed:
             return
         units = (*self.plan.units, *self.plan.frozen_units)
-        sharded = {u.module for u in units if self.plan.params_sharded(u)}
+        sharded = {u.module: u.name for u in units if self.plan.params_sharded(u)}
         for module in dict.fromkeys(u.module for u in units):
-            if module != "" and module not in sharded:
-                route_unit_forward(self.module.get_submodule(module), self._backward_runs)
+            if module != "":
+                route_unit_forward(self.module.get_submodule(module), self._backward_runs, sharded.get(module))
         self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
@@ -139,7 +140,7 @@ class ShardedModule:
         try:
             out = self._call(tensors, args, kwargs)
         finally:
-            self._end_run(stack)
+            self._end_run(run, stack)
         run.bind_in_backward(self.module, tensors, out)
         run.finish_forward(out)
         return out
@@ -161,10 +162,9 @@ class ShardedModule:
         live = [(full, rt) for _, full, rt in root]
         tensors = self._tensors(fulls)
         stack = contextlib.ExitStack()
-        token = ACTIVE_RUN.set(run)
-        stack.callback(ACTIVE_RUN.reset, token)
         run.bindings.append(("tensors", self.module, tensors))
         try:
+            stack.enter_context(within(run=run))
             stack.enter_context(run.saved_tensor_hooks())
             stack.enter_context(_live_all(run, live))
         except BaseException:
@@ -173,8 +173,9 @@ class ShardedModule:
         return run, tensors, stack
 
     @torch.compiler.disable
-    def _end_run(self, stack: Any) -> None:
-        stack.close()
+    def _end_run(self, run: ApplyRun, stack: Any) -> None:
+        with stack:  # closed whatever happens
+            run.exit_units()  # none, unless the forward was interrupted past the units' hooks
 
     __call__ = apply
     # Eager under torch.compile (it sets up gathering and saved-tensor hooks); the module's

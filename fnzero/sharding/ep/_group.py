@@ -47,7 +47,10 @@ class ExpertGroup(nn.Module):
     num_experts: int
 
     def __init__(self) -> None:
-        super().__init__()
+        # nn.Module's own, not the next class in the MRO: an `HFExpertGroup` is made as a class
+        # that is also its source experts class (`_hf_experts.py`), whose constructor takes the
+        # model's config; the group takes its state from the source module instead.
+        nn.Module.__init__(self)
         self.ep_comm = None  # the expert-parallel ranks' Collectives once split; None: all experts here
         self.expert_lo, self.expert_hi = 0, None  # this rank's global expert ids (hi None: all)
 

@@ -40,9 +40,10 @@ The backward runs the two all-to-alls in reverse, so an expert's gradient sums e
 tokens routed to it; the router weights' and the tokens' gradients stay on the rank that owns them.
 
 A model's code that asks `isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`, which
-fnzero's meta construction calls per module) still finds the experts: the replacement's class is
-made a subclass of the source's class too, as `torch.nn.utils.parametrize` does for its modules.
-That also gives it the source's `_apply_gate`.
+fnzero's meta construction calls per module) still finds the experts: the replacement is made as
+an instance of a class that subclasses both `HFExpertGroup` and the source's class (one such
+class per pair, made once; `HFExpertGroup` first, so its forward and attributes win). That also
+gives it the source's `_apply_gate`. No object's class is changed after it is made.
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class HFExpertGroup(ExpertGroup):
         """The replacement of `experts` (checked by `read_experts_layout`): its parameters, its
         parameter-free modules (act_fn, post_expert_norm), its plain attributes (what its own
         `_apply_gate` reads: gpt-oss's `alpha` and `limit`), its training mode, and a class that
-        is also `type(experts)`."""
+        is also `type(experts)`: the group is made as one (`_subclass_of`)."""
         layout = read_experts_layout(experts, where)
-        group = cls(dict(experts.named_parameters(recurse=False)), layout, where=where)
+        kind = _subclass_of(cls, type(experts))
+        group = kind(dict(experts.named_parameters(recurse=False)), layout, where=where)
         for name, child in experts.named_children():
             setattr(group, name, child)
         mine = set(vars(group))
@@ -198,7 +200,6 @@ class HFExpertGroup(ExpertGroup):
                     and not hasattr(cls, name):
                 setattr(group, name, value)
         group.train(experts.training)
-        group.__class__ = _subclass_of(cls, type(experts))
         return group
 
     def _keep_experts(self, lo: int, hi: int) -> None:

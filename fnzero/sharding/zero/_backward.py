@@ -12,11 +12,16 @@ before its backward:
 * the root tensors (every gathered unit's views, frozen parameters, buffers) are swapped back in,
   the same differentiable views the forward used: with reentrant checkpointing, whose inner
   backward accumulates into the leaves it reaches, gradients reach the step's aliases as usual;
-* a stage-3 unit's parameters are not gathered up front: its modules get a parameter table whose
-  first read gathers the unit (the copy re-gathered for its backward, cached) and binds its views,
-  differentiably with respect to the shard. Units no recomputation reads cost nothing. The unit's
+* a stage-3 unit's parameters are not gathered up front: the first call of a module that owns
+  some of them gathers the unit (the copy re-gathered for its backward, cached) and binds its
+  views, differentiably with respect to the shard: the unit module's own hooks do so
+  (`_unit_hooks.py`), and a forward pre-hook registered for the binding's time on every other
+  module owning the unit's parameters does so for a recomputation that starts inside the unit
+  (`checkpoint(self.mlp, x)` in a block). Units no recomputation calls cost nothing. The unit's
   reduce-scatter (`GatherUnit.backward`, of the first forward's gather or, with reentrant
   checkpointing, of the recomputation's) unbinds it again, so one unit is gathered at a time.
+  Nothing else of the modules changes: their parameter tables stay the dicts they were, only
+  entries are swapped (as `torch.func.functional_call` and FSDP2 swap them).
 
 The binding ends with the backward pass that entered it (autograd's final callback), or when the
 run is released, whichever comes first.
@@ -25,6 +30,7 @@ run is released, whichever comes first.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import torch
@@ -32,15 +38,16 @@ from torch import nn
 
 from ._plan import UnitPlan
 
-__all__ = ["LazyParameters", "UnitBinder", "BackwardBinding", "swap_tensors"]
+__all__ = ["UnitBinder", "BackwardBinding", "swap_tensors"]
 
 
 @contextlib.contextmanager
 def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
     """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit.
 
-    This is what torch.func.functional_call does for the root; units need it for a submodule whose
-    own `forward` is wrapped, where functional_call would recurse into the wrapper.
+    This is what torch.func.functional_call does for the root; a unit's hooks do it for the unit's
+    module, inside the root's call (a functional_call there would call the module, and so its
+    hooks, again).
     """
     saved = []
     try:
@@ -48,41 +55,23 @@ def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
             owner_path, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_path) if owner_path else module
             table = owner._parameters if leaf in owner._parameters else owner._buffers
-            # dict's own methods: reading a `LazyParameters` entry to save it must not gather it.
-            saved.append((table, leaf, dict.__getitem__(table, leaf)))
-            dict.__setitem__(table, leaf, t)
+            saved.append((table, leaf, table[leaf]))
+            table[leaf] = t
         yield
     finally:
         for table, leaf, old in reversed(saved):
-            dict.__setitem__(table, leaf, old)
-
-
-class LazyParameters(dict):
-    """A module's `_parameters` while backward runs: reading an entry of a stage-3 unit that is
-    not bound yet asks its binder to gather the unit first. Everything else is a plain dict."""
-
-    __slots__ = ("binders",)
-
-    def __init__(self, table: dict, binders: dict[str, "UnitBinder"]):
-        super().__init__(table)
-        self.binders = binders  # leaf name -> the binder of the unit it belongs to
-
-    def __getitem__(self, key):
-        binder = self.binders.get(key)
-        if binder is not None and not binder.bound:
-            binder.bind()
-        return dict.__getitem__(self, key)
+            table[leaf] = old
 
 
 class UnitBinder:
-    """Binds one stage-3 unit's gathered views into its modules' lazy tables, and unbinds them.
+    """Binds one stage-3 unit's gathered views into its modules' parameter tables, and unbinds them.
 
     `units`: the unit's sharded parts (its trainable and its frozen unit, `ShardPlan.frozen_units`).
     `gather() -> (fulls, views)`: each part's full buffer by whether it is frozen, gathered for
     backward (the trainable one differentiable with respect to the shard), and their parameter
     views by state_dict name. While bound, `fulls` is also what a recomputation that calls the
-    unit's own (wrapped) forward binds, so a unit is gathered once per recomputation whichever way
-    the model reaches its parameters.
+    unit's module binds (its hooks), so a unit is gathered once per recomputation whichever of its
+    modules the model calls first.
     """
 
     def __init__(self, units: list[UnitPlan], root: nn.Module,
@@ -100,20 +89,25 @@ class UnitBinder:
 
     def snapshot(self) -> None:
         """Remember what the tables hold when backward starts (the placeholders), to put back."""
-        self._placeholders = {name: dict.__getitem__(owner._parameters, leaf) for name, (owner, leaf) in self.tables.items()}
+        self._placeholders = {name: owner._parameters[leaf] for name, (owner, leaf) in self.tables.items()}
+
+    @property
+    def owners(self) -> list[nn.Module]:
+        """The modules holding the unit's parameters (each once)."""
+        return list({id(owner): owner for owner, _ in self.tables.values()}.values())
 
     def bind(self) -> None:
         self.fulls, views = self.gather()
         self.bound = True
         for name, (owner, leaf) in self.tables.items():
-            dict.__setitem__(owner._parameters, leaf, views[name])
+            owner._parameters[leaf] = views[name]
 
     def unbind(self) -> None:
         if not self.bound:
             return
         self.bound, self.fulls = False, {}
         for name, (owner, leaf) in self.tables.items():
-            dict.__setitem__(owner._parameters, leaf, self._placeholders[name])
+            owner._parameters[leaf] = self._placeholders[name]
 
 
 class BackwardBinding:
@@ -146,21 +140,27 @@ class BackwardBinding:
         stack.enter_context(swap_tensors(self.module, self.root_tensors))
         for b in self.binders:
             b.snapshot()
-        # Lazy tables on every module that owns a stage-3 unit's parameters.
-        by_owner: dict[int, tuple[nn.Module, dict[str, UnitBinder]]] = {}
+        # A call of any module owning a stage-3 unit's parameters binds the unit first.
         for b in self.binders:
-            for owner, leaf in b.tables.values():
-                by_owner.setdefault(id(owner), (owner, {}))[1][leaf] = b
-        for owner, leaves in by_owner.values():
-            original = owner._parameters
-            owner.__dict__["_parameters"] = LazyParameters(original, leaves)
-            stack.callback(owner.__dict__.__setitem__, "_parameters", original)
+            for owner in b.owners:
+                hook = functools.partial(self._bind_before_call, b)
+                stack.callback(owner.register_forward_pre_hook(hook).remove)
         for b in self.binders:
-            stack.callback(b.unbind)  # runs before the tables are restored (LIFO)
+            stack.callback(b.unbind)  # runs before the hooks are removed (LIFO)
         stack.callback(self.run.drop_regathered)  # frozen copies no unit input's backward freed
         self.bound_runs.append(self.run)
         stack.callback(self.bound_runs.remove, self.run)
         self._stack = stack
+
+    def _bind_before_call(self, binder: UnitBinder, module: nn.Module, args: tuple) -> None:
+        """A forward pre-hook on an owner of `binder`'s unit while this binding is in force: a
+        recomputation is calling it. The binding made last serves (see the class docstring).
+        Inside a torch.compile trace (a unit's compiled forward, recompiled in backward) the unit
+        is bound already by its module's hooks, which run eagerly around that graph: nothing to
+        do, and nothing of this binding for dynamo to guard on."""
+        if torch.compiler.is_compiling() or binder.bound or not self.bound_runs or self.bound_runs[-1] is not self.run:
+            return
+        binder.bind()
 
     def exit(self) -> None:
         if self._stack is None:

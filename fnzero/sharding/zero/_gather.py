@@ -5,18 +5,28 @@ apply run that drives them is `_runtime.py` (its note explains the scheme)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ._param_store import ShardSource, held
 from ._plan import UnitPlan
 
-if TYPE_CHECKING:  # annotations only: the run and the binder hold these runtimes, not the reverse
+if TYPE_CHECKING:  # an annotation only: the binder holds these runtimes, not the reverse
     from ._backward import UnitBinder
-    from ._runtime import ApplyRun
 
-__all__ = ["GatherSchedule", "GatherUnit", "Regather", "UnitRuntime", "unit_views"]
+__all__ = ["GatherSchedule", "GatherUnit", "Regather", "RunOfUnits", "UnitRuntime", "unit_views"]
+
+
+class RunOfUnits(Protocol):
+    """What a unit's runtime reads of the apply run it belongs to (`_runtime.ApplyRun`, which
+    imports this module: the runtime knows its run only through these)."""
+
+    keep: frozenset[str]  # units kept gathered from forward to backward (not re-gathered)
+    deferred_regather: str | None  # the unit whose re-gather waits for the output's gradient
+    num_replicas: int  # MiCS: copies of each shard
+
+    def prefetch_backward(self, name: str) -> None: ...
 
 
 def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
@@ -50,7 +60,7 @@ class UnitRuntime:
     __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder",
                  "hpz", "secondary")
 
-    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: "ApplyRun", source: ShardSource | None = None,
+    def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: RunOfUnits, source: ShardSource | None = None,
                  hpz=None):
         self.unit = unit
         self.shard = shard

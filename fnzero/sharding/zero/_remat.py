@@ -16,7 +16,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ._runtime import ACTIVE_RUN
+from ._ambient import ambient, within
 
 __all__ = ["remat"]
 
@@ -43,7 +43,7 @@ def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, pr
             # Traced by torch.compile: parameters are graph inputs, so the recomputation needs no
             # rebinding and the checkpoint becomes part of the compiled backward.
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-        run = ACTIVE_RUN.get()
+        run = ambient().run
         bindings = list(run.bindings) if run is not None else []
         devices: dict[int, torch.device] = {}
 
@@ -53,16 +53,12 @@ def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, pr
                     lambda x: x.to(devices[id(x)]) if isinstance(x, torch.Tensor) and id(x) in devices else x,
                     (a, k), none_is_leaf=True,
                 )
-            if run is None or ACTIVE_RUN.get() is run:
+            if run is None or ambient().run is run:
                 return fn(*a, **k)  # the first forward: parameters are bound already
             # Recomputation runs inside backward, after `apply` returned: bind the parameters the
             # forward saw again (stage-3 units are re-gathered) and make the run current.
-            token = ACTIVE_RUN.set(run)
-            try:
-                with run.rebind(bindings):
-                    return fn(*a, **k)
-            finally:
-                ACTIVE_RUN.reset(token)
+            with within(run=run), run.rebind(bindings):
+                return fn(*a, **k)
 
         if cpu_offload:
             def to_host(x):

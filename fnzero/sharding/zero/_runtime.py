@@ -14,13 +14,13 @@ only during its forward and its backward, never between them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..._errors import ShardingError
+from ._ambient import ambient
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
@@ -28,27 +28,7 @@ from ..comm._quantized import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
 
-__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors", "ACTIVE_RUN", "STEP_RUNS", "UNIT_COMPILER"]
-
-# [Note: why context variables] The three below carry what fnzero's code needs inside code it does
-# not call: a model's own forward (called by `torch.func.functional_call`), torch's saved-tensor
-# hooks, and the user's loss function (called by the step, calling `sm.apply` itself). None of
-# these has a parameter fnzero could pass through, and a module attribute would leak across
-# threads (simulated ranks) and nested applies; a context variable is scoped to the call.
-
-# The apply run whose unit wrappers are gathering right now (`wrap_unit_forward` finds it here).
-ACTIVE_RUN: contextvars.ContextVar["ApplyRun | None"] = contextvars.ContextVar("fnzero_active_run", default=None)
-
-# Inside `fnzero.train_step`: the list every `ApplyRun` created by the loss function is added to,
-# so the step can `release` them once their backward is done (see `ApplyRun.release`).
-STEP_RUNS: contextvars.ContextVar["list[ApplyRun] | None"] = contextvars.ContextVar("fnzero_step_runs", default=None)
-
-# Set by `fnzero.jit(scope="units")` around an eager step: `(module, forward) -> forward` returns
-# the compiled forward a unit module runs instead of its own (`specs/jit.md`). Unset, units run
-# their own forward.
-UNIT_COMPILER: contextvars.ContextVar["Callable[[nn.Module, Callable], Callable] | None"] = contextvars.ContextVar(
-    "fnzero_unit_compiler", default=None
-)
+__all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors"]
 
 
 class ApplyRun:
@@ -83,17 +63,18 @@ class ApplyRun:
         # for the root, ("unit", name, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
+        self._units_entered: list[contextlib.ExitStack] = []  # what `exit_unit` undoes, innermost last
         # Bound again while backward runs, for recomputation inside the model (`_backward.py`);
         # made by `bind_in_backward`. `backward_runs`: the runs bound right now, shared with the
-        # stage-3 unit wrappers, which find their run there when a recomputation calls them.
+        # stage-3 units' hooks, which find their run there when a recomputation calls them.
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
         # `fnzero.jit(scope="units")`'s unit compiler in force when this run was made, for
-        # recomputations on a thread where the context variable is unset (`_forward_to_run`).
-        self.unit_compiler = UNIT_COMPILER.get()
-        runs = STEP_RUNS.get()
-        if runs is not None:
-            runs.append(self)
+        # recomputations on a thread where the ambient context is unset (`_forward_to_run`).
+        context = ambient()
+        self.unit_compiler = context.unit_compiler
+        if context.step_runs is not None:
+            context.step_runs.append(self)
 
     def release(self) -> None:
         """Drop every reference this run holds, once its backward has run.
@@ -358,17 +339,13 @@ class ApplyRun:
         finally:
             self._live.pop(ptr, None)
 
-    def unit_forward(self, name: str, module: nn.Module, forward, args, kwargs):
-        stack, args, kwargs = self._enter_unit(name, module, args, kwargs)
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            self._exit_unit(stack)
-
+    # -- a unit's forward: `_unit_hooks.py` calls these from the unit module's forward hooks ------
     # Gathering and binding stay eager under torch.compile (`specs/jit.md`): dynamo skips these
-    # frames whole, and compiles the unit's own `forward` called between them.
+    # frames whole, and compiles the unit's own `forward`, which runs between them.
     @torch.compiler.disable
-    def _enter_unit(self, name: str, module: nn.Module, args: tuple, kwargs: dict):
+    def enter_unit(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Gather unit `name` and bind its views into `module` until `exit_unit`; the forward's
+        (args, kwargs): a frozen part's tensor inputs pass through its release (`_frozen.py`)."""
         stack = contextlib.ExitStack()
         self.bindings.append(("unit", name, module))
         try:
@@ -381,16 +358,19 @@ class ApplyRun:
             stack.close()
             self.bindings.pop()
             raise
-        return stack, args, kwargs
+        self._units_entered.append(stack)
+        return args, kwargs
 
     @torch.compiler.disable
-    def _exit_unit(self, stack: contextlib.ExitStack) -> None:
+    def exit_unit(self) -> None:
+        """The unit entered last is done: its placeholders back, its buffer released."""
+        stack = self._units_entered.pop()
         try:
             stack.close()
         finally:
             self.bindings.pop()
 
-    unit_forward = torch.compiler.disable(
-        unit_forward, recursive=False,
-        reason="fnzero ZeRO-3: a sharded unit all-gathers its parameter shards before its forward (eager)",
-    )
+    def exit_units(self) -> None:
+        """Exit every unit still entered (a forward interrupted past its hooks' reach), last first."""
+        while self._units_entered:
+            self.exit_unit()

@@ -1,0 +1,55 @@
+"""The step's ambient context: what fnzero's code needs inside code it does not call.
+
+[Note: why a context variable]
+A model's own forward (called by `torch.func.functional_call`), its unit modules' hooks, torch's
+saved-tensor hooks and the user's loss function (called by the step, calling `sm.apply` itself)
+have no parameter fnzero could pass a value through. A module attribute would leak across
+threads (simulated ranks) and nested applies; a context variable is scoped to the call. So the
+three values below live in one `Ambient` record in one context variable, and `within` is the only
+place that sets it: every scope that changes one of them is a `with within(...)` block, undone on
+exit whatever happens inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Iterator
+
+__all__ = ["Ambient", "ambient", "within"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ambient:
+    """What is in force around the code running now (each field None where nothing is)."""
+
+    # The apply run whose units gather right now (`ShardedModule.apply`, and `fnzero.remat`'s
+    # recomputation in backward): the unit hooks and the root's direct-call check find it here.
+    run: Any = None
+    # Inside the step (or a pipeline schedule, or generation): the list every apply run made by
+    # the loss function is added to, so that the caller releases them once their backward is
+    # done (`ApplyRun.release`).
+    step_runs: list | None = None
+    # While `fnzero.jit(scope="units")` runs a step: `(module, forward) -> forward`, the compiled
+    # forward a unit module runs instead of its own (`specs/jit.md`).
+    unit_compiler: Callable | None = None
+
+
+_AMBIENT: contextvars.ContextVar[Ambient] = contextvars.ContextVar("fnzero_ambient", default=Ambient())
+
+
+def ambient() -> Ambient:
+    """The ambient context of the code running now."""
+    return _AMBIENT.get()
+
+
+@contextlib.contextmanager
+def within(**changes: Any) -> Iterator[Ambient]:
+    """Run the block with the ambient fields in `changes` replaced (`run`, `step_runs`,
+    `unit_compiler`); the previous context is back on exit."""
+    token = _AMBIENT.set(dataclasses.replace(_AMBIENT.get(), **changes))
+    try:
+        yield _AMBIENT.get()
+    finally:
+        _AMBIENT.reset(token)
