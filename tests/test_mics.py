@@ -66,7 +66,7 @@ def _train(stage: int, **zero):
     def rank(comm):
         sm = fnzero.shard(_model(), config=cfg, comm=comm)
         assert sm.plan.world_size == zero.get("mics_shard_size", WORLD) and sm.sharding.dp_size == WORLD
-        assert (sm.sharding.groups.hpz is not None) == ("zero_hpz_partition_size" in zero)
+        assert (sm.sharding.mesh.hpz is not None) == ("zero_hpz_partition_size" in zero)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
         for s in range(STEPS):
@@ -109,7 +109,7 @@ def _recorded_step(mesh_args: dict, stage: int = 3):
         sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm, mesh=mesh)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
-        groups = [sm.comm, sm.sharding.replicas, sm.sharding.groups.hpz if sm.sharding.groups else None]
+        groups = [sm.comm, sm.sharding.replicas, sm.sharding.mesh.hpz]
         for c in groups:
             if c is not None:
                 c.reset()

@@ -160,7 +160,7 @@ def why_not_traced(state: TrainState, policy: StepPolicy, opt, optimizer_name: s
     (`not_traceable`: a reason, or None), or None when it can. `optimizer_name` names the
     optimizer in its reason."""
     sh = state.sharding
-    parts = (sh.plan, sh.tp, sh.pp, sh.ep, sh.quantization, sh.groups, policy)
+    parts = (sh.plan, sh.mesh, sh.quantization, policy)  # the mesh: each axis' layout, MiCS's replicas
     for part in parts:
         reason = getattr(part, "not_traceable", None) if part is not None else None
         if reason is not None:

@@ -85,15 +85,15 @@ class TrainStep:
         # `optimizer_for` from the state's sharding, where `shard` resolved them.
         self._per_model = built_per_model(optimizer, config)
         self.opt = None if self._per_model else optimizer_or_config(optimizer, config)
-        self._model = _UNSET  # the state's `Sharding.optimizer` that `opt` was built with
+        self._model = _UNSET  # the state's `Sharding.config_optimizer` that `opt` was built with
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and config.scheduler is None
         self.sched = None if own_lr else _schedules.from_config(config)
 
     def optimizer_for(self, state: TrainState) -> "_optim.Optimizer":
         """The optimizer this step runs on `state`: the given or config's one; a config's that reads
-        facts of the model built with the state's `Sharding.optimizer` (again for another model's state)."""
-        model = state.sharding.optimizer
+        facts of the model built with the state's `Sharding.config_optimizer` (again for another model's state)."""
+        model = state.sharding.config_optimizer
         if self._per_model and self._model is not model:
             self.opt, self._model = optimizer_or_config(None, self.config, model=model), model
         return self.opt
