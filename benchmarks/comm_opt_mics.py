@@ -49,12 +49,12 @@ def _batch(step: int, rank: int):
 
 def _groups(sm) -> list[tuple[str, object]]:
     """(where, collectives) of each group the run uses: "intra" inside a node of 2, "cross" spanning them."""
-    groups = sm.sharding.groups
-    out = [("intra" if groups is not None and groups.replicas is not None else "cross", sm.comm)]
-    if groups is not None and groups.replicas is not None:
-        out.append(("cross", groups.replicas))
-    if groups is not None and groups.hpz is not None:
-        out.append(("intra", groups.hpz))
+    mesh = sm.sharding.mesh
+    out = [("intra" if mesh.replicas is not None else "cross", sm.comm)]
+    if mesh.replicas is not None:
+        out.append(("cross", mesh.replicas))
+    if mesh.hpz is not None:
+        out.append(("intra", mesh.hpz))
     return out
 
 

@@ -8,36 +8,113 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["TrainState", "LossScaleState", "Sharding"]
+from ._errors import ShardingError
+
+__all__ = ["TrainState", "LossScaleState", "Sharding", "StateMesh"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StateMesh:
+    """The axes a state's tensors are laid out over, one value (`specs/mesh.md` §The state's mesh).
+    Each named axis carries its collectives and, where the axis has one, its layout; an axis the
+    run does not use is None, and `axis(name)` asks for one that must be there.
+
+      data      the ranks ZeRO shards over (Collectives): the data-parallel ranks, or with MiCS this
+                rank's shard group
+      replicas  MiCS's replica group (Collectives): the ranks holding the same shard as this one,
+                one in each shard group; each unit's reduced gradient shard is summed over them
+      hpz       hpZ's group (Collectives): the adjacent ranks holding a secondary partition of each
+                stage-3 unit between its forward and its backward, re-gathered there for backward
+      tp        the tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
+                rank's slices, and the axis' collectives (`tp.comm`)
+      pp        this rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan
+                holds, and the pipeline's collectives (`pp.comm`)
+      ep        the expert-parallel layout (`fnzero.sharding.EPLayout`): the modules holding this
+                rank's experts, the ep group they exchange tokens over (`ep.comm`) and the
+                expert-data-parallel group their units are sharded and reduced over (`ep.expert_dp`)
+    """
+
+    data: Any
+    replicas: Any = None
+    hpz: Any = None
+    tp: Any = None
+    pp: Any = None
+    ep: Any = None
+
+    AXES = ("data", "replicas", "hpz", "tp", "pp", "ep")
+
+    def axis(self, name: str) -> Any:
+        """The axis `name`, which this state must have: a ShardingError says when it has none."""
+        if name not in self.AXES:
+            raise ValueError(f"a state's mesh has the axes {', '.join(self.AXES)}, not {name!r}")
+        value = getattr(self, name)
+        if value is None:
+            raise ShardingError(f"this state has no {name} axis (its mesh has {', '.join(self.present)})")
+        return value
+
+    @property
+    def present(self) -> tuple[str, ...]:
+        """The axes this state has, `data` always among them."""
+        return tuple(a for a in self.AXES if getattr(self, a) is not None)
+
+    def replace(self, **axes) -> "StateMesh":
+        """The same mesh with some axes changed (None: without that axis)."""
+        return dataclasses.replace(self, **axes)
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of each ZeRO shard: MiCS's replica group's size, 1 without MiCS."""
+        return self.replicas.world_size if self.replicas is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: those sharing the batch (the data axis times the MiCS replicas)."""
+        return self.data.world_size * self.num_replicas
+
+    @property
+    def expert_data(self) -> Any:
+        """The collectives expert units are sharded and reduced over; None without expert parallelism."""
+        return self.ep.expert_dp if self.ep is not None else None
+
+    @property
+    def not_traceable(self) -> str | None:
+        """Why a step over this mesh cannot run as one graph (`fnzero.jit(scope="step")`), or None:
+        what each axis' layout declares, and MiCS's replica groups (hpZ's secondary partitions
+        serve stage 3, which the plan already declares)."""
+        for layout in (self.tp, self.pp, self.ep):
+            reason = getattr(layout, "not_traceable", None) if layout is not None else None
+            if reason is not None:
+                return reason
+        if self.replicas is not None:
+            return "MiCS all-reduces the gradient shards across its replica groups, a collective the graph's ladder lacks"
+        return None
+
+    # Two meshes are the same when they hold the same collectives (identity: one per process group,
+    # and it keeps treespec comparison cheap) and equal layouts (equal on every rank of an axis).
+    def __eq__(self, other):
+        return (isinstance(other, StateMesh) and other.data is self.data and other.replicas is self.replicas
+                and other.hpz is self.hpz and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep)
+
+    def __hash__(self):
+        return id(self.data)
 
 
 class Sharding:
-    """Where a state's tensors live: the ShardPlan (pure data, equal on every rank) and the
-    collectives that connect the ranks. Like `jax.Array.sharding`, it travels with the state as
-    static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
+    """Where a state's tensors live: the ShardPlan (pure data, equal on every rank) and the mesh
+    of axes that connect the ranks (`StateMesh`). Like `jax.Array.sharding`, it travels with the
+    state as static (non-leaf) metadata, so `train_step` needs nothing but the state and the batch.
+
+    `comm`, `tp`, `pp`, `ep`, `replicas`, `expert_comm`, `dp_size`, `rank` and `world_size` are
+    read from the mesh, its only source.
     """
 
-    __slots__ = ("plan", "comm", "device", "tp", "pp", "watchdog", "shard_sources", "ep", "quantization", "groups",
-                 "optimizer")
+    __slots__ = ("plan", "mesh", "device", "watchdog", "shard_sources", "quantization", "config_optimizer")
 
-    def __init__(self, plan, comm, device: torch.device, tp=None, pp=None, watchdog=None, ep=None, quantization=None,
-                 groups=None, optimizer=None):
+    def __init__(self, plan, mesh: StateMesh, device: torch.device, watchdog=None, quantization=None,
+                 config_optimizer=None):
         self.plan = plan
-        self.comm = comm  # the ranks ZeRO shards over: the data-parallel ranks, or with MiCS its shard group
+        self.mesh = mesh
         self.device = torch.device(device)
-        # The tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
-        # rank's slices along the tp axis, and that axis' collectives; None without tensor parallelism.
-        self.tp = tp
-        # This rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan holds,
-        # and the pipeline's collectives; None without pipeline parallelism.
-        self.pp = pp
-        # The expert-parallel layout (`fnzero.sharding.EPLayout`): the modules holding this rank's
-        # experts, the ep group they exchange tokens over and the expert-data-parallel group their
-        # units are sharded and reduced over; None without expert parallelism.
-        self.ep = ep
-        # MiCS's replica group and hpZ's group (`fnzero.sharding.zero._groups.ZeroGroups`); None
-        # without either (`specs/mesh.md §MiCS`).
-        self.groups = groups
         # The job's collective watchdog (`fnzero.sharding.comm._watchdog`), told by the step which step
         # runs; None without one (one process, a simulated world, its own collectives).
         self.watchdog = watchdog
@@ -48,39 +125,53 @@ class Sharding:
         # What travels quantized (ZeRO++ qwZ/qgZ, `fnzero.sharding.CommQuantization`): codecs for
         # stage 3's gathers and the gradient reduce-scatters; None: everything in full precision.
         self.quantization = quantization
-        # The config's optimizer block with the facts of the model it reads (`fnzero.optim.ConfigOptimizer`:
-        # per_head_muon's head counts), resolved by `shard`, where the model is known: `init_state`
-        # and the step build the config's optimizer from it; None without an optimizer block.
-        self.optimizer = optimizer
+        # Not part of the mesh: the config's optimizer block with the facts of the model it reads
+        # (`fnzero.optim.ConfigOptimizer`: per_head_muon's head counts), resolved by `shard`, where
+        # the model is known: `init_state` and the step build the config's optimizer from it; None
+        # without an optimizer block (`specs/optim.md` §Muon per head).
+        self.config_optimizer = config_optimizer
 
     @property
-    def rank(self) -> int:
-        return self.comm.rank
+    def comm(self):
+        """The ranks ZeRO shards over: the mesh's data axis."""
+        return self.mesh.data
 
     @property
-    def world_size(self) -> int:
-        return self.comm.world_size
+    def tp(self):
+        return self.mesh.tp
+
+    @property
+    def pp(self):
+        return self.mesh.pp
+
+    @property
+    def ep(self):
+        return self.mesh.ep
 
     @property
     def replicas(self):
         """MiCS's replica group (the ranks holding this rank's shard); None without MiCS."""
-        return self.groups.replicas if self.groups is not None else None
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: those sharing the batch (`world_size` times the MiCS replicas)."""
-        return self.comm.world_size * (self.groups.num_replicas if self.groups is not None else 1)
+        return self.mesh.replicas
 
     @property
     def expert_comm(self):
-        """The collectives expert units are sharded and reduced over; None without expert parallelism."""
-        return self.ep.expert_dp if self.ep is not None else None
+        return self.mesh.expert_data
 
-    # Two states share a sharding when they share plan and communicator; identity is enough for the
-    # communicator (one per process group) and keeps treespec comparison cheap.
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.data.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.data.world_size
+
+    # Two states share a sharding when they share plan and mesh.
     def __eq__(self, other):
-        return (isinstance(other, Sharding) and other.plan == self.plan and other.comm is self.comm
-                and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep and other.groups is self.groups)
+        return isinstance(other, Sharding) and other.plan == self.plan and other.mesh == self.mesh
 
     def __hash__(self):
         return hash((self.plan, id(self.comm)))

@@ -66,7 +66,7 @@ def _train(stage: int, **zero):
     def rank(comm):
         sm = fnzero.shard(_model(), config=cfg, comm=comm)
         assert sm.plan.world_size == zero.get("mics_shard_size", WORLD) and sm.sharding.dp_size == WORLD
-        assert (sm.sharding.groups.hpz is not None) == ("zero_hpz_partition_size" in zero)
+        assert (sm.sharding.mesh.hpz is not None) == ("zero_hpz_partition_size" in zero)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
         for s in range(STEPS):
@@ -95,6 +95,27 @@ def test_hpz_equals_plain_torch():
             torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_mics_groups_are_axes_of_the_state_mesh():
+    """specs/mesh.md §The state's mesh: MiCS's shard and replica groups are the data and replicas
+    axes of one mesh, which the sharding's names read; an axis the state lacks is named."""
+    cfg = _config(1, mics_shard_size=2)
+
+    def rank(comm):
+        sm = fnzero.shard(_model(), config=cfg, comm=comm)
+        sh = sm.init_state().sharding
+        mesh = sh.mesh
+        assert mesh.present == ("data", "replicas")
+        assert sh.comm is mesh.data is sm.comm and sh.replicas is mesh.replicas is mesh.axis("replicas")
+        assert (mesh.data.world_size, mesh.num_replicas, sh.dp_size) == (2, 2, WORLD)
+        with pytest.raises(fnzero.ShardingError, match=r"no tp axis \(its mesh has data, replicas\)"):
+            mesh.axis("tp")
+        with pytest.raises(AttributeError):
+            sh.replicas = None  # read from the mesh, its only source
+        return mesh.not_traceable
+
+    assert all("MiCS" in why for why in simulated_world(WORLD).run(rank))
+
+
 def _recorded_step(mesh_args: dict, stage: int = 3):
     """Per rank: the plan and the (op, numel) records of one step on the group ZeRO shards over
     (`sm.comm`), MiCS's replica group and hpZ's group (empty where a group is absent)."""
@@ -109,7 +130,7 @@ def _recorded_step(mesh_args: dict, stage: int = 3):
         sm = fnzero.shard(_model(torch.float32), config=cfg, comm=comm, mesh=mesh)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: _loss(lambda x: sm.apply(p, x), b), cfg)
-        groups = [sm.comm, sm.sharding.replicas, sm.sharding.groups.hpz if sm.sharding.groups else None]
+        groups = [sm.comm, sm.sharding.replicas, sm.sharding.mesh.hpz]
         for c in groups:
             if c is not None:
                 c.reset()

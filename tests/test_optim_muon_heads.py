@@ -142,10 +142,10 @@ def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
         m.load_state_dict(model.state_dict())
         sm = fnzero.shard(m, config=cfg, comm=comm)
         # Stage 0 passes the chain built with the model's counts; stage 3 the config alone: `shard`
-        # resolves the heads into the state (`Sharding.optimizer`), where the step finds them.
+        # resolves the heads into the state (`Sharding.config_optimizer`), where the step finds them.
         tx = optim.chain_from_config(cfg, head_counts=optim.muon_head_counts(m)) if stage == 0 else None
         state = sm.init_state(optimizer=tx)
-        assert state.sharding.optimizer.head_counts == counts
+        assert state.sharding.config_optimizer.head_counts == counts
         step = fnzero.train_step(lambda p, b: _loss(sm.apply(p, b[0]), b[1]), cfg, optimizer=tx)
         rows = slice(2 * comm.rank, 2 * comm.rank + 2)
         for _ in range(STEPS):
@@ -159,7 +159,7 @@ def test_per_head_muon_trains_a_llama_as_deepspeeds_formula(stage):
 
 def test_the_step_never_asks_which_optimizer_type_it_runs():
     """The step asks the optimizer it is given or the state's sharding for what it needs (the
-    model's heads live with the config's optimizer, `Sharding.optimizer`), never a type name."""
+    model's heads live with the config's optimizer, `Sharding.config_optimizer`), never a type name."""
     import pathlib
     import re
 

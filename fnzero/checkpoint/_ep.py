@@ -19,7 +19,7 @@ import math
 import torch
 
 from .._errors import CheckpointError
-from .._state import Sharding, TrainState
+from .._state import Sharding, StateMesh, TrainState
 from ..sharding.zero._plan import ParamSlot, ShardPlan, UnitPlan, padded_size
 
 __all__ = ["ExpertPlaces", "expert_places", "check_ep_supported", "ep_check_view", "stored_place"]
@@ -130,7 +130,7 @@ def ep_check_view(like: TrainState, places: ExpertPlaces) -> TrainState:
     """`like` as `check_model` compares it with a checkpoint: every expert of every layer, by the
     names and shapes of the whole model."""
     sh = like.sharding
-    return like.replace(sharding=Sharding(places.whole, sh.comm, sh.device))
+    return like.replace(sharding=Sharding(places.whole, StateMesh(sh.comm), sh.device))
 
 
 def stored_place(unit: UnitPlan, slot: ParamSlot, ep) -> tuple[tuple, int]:

@@ -53,7 +53,7 @@ def save_first_replica(save: Callable[..., SaveHandle], path, state: TrainState,
 
 
 def _without_replicas(sh: Sharding) -> Sharding:
-    """The same sharding seen as the run of one shard group (a Sharding without MiCS's groups)."""
-    out = Sharding(sh.plan, sh.comm, sh.device, sh.tp, sh.pp, sh.watchdog, sh.ep)
+    """The same sharding seen as the run of one shard group (its mesh without MiCS's replica groups)."""
+    out = Sharding(sh.plan, sh.mesh.replace(replicas=None, hpz=None), sh.device, sh.watchdog)
     out.shard_sources = sh.shard_sources
     return out

@@ -17,7 +17,7 @@ import math
 import torch
 
 from .._errors import CheckpointError
-from .._state import Sharding, TrainState
+from .._state import Sharding, StateMesh, TrainState
 from ..sharding.zero._plan import ParamSlot, ShardPlan, padded_size
 from ._tree import Leaf, rebuild_state
 
@@ -83,7 +83,7 @@ def consolidated(state: TrainState) -> TrainState:
         return full[lo:hi].clone()
 
     new = rebuild_state(state, convert)
-    return new.replace(sharding=Sharding(fplan, comm, sh.device, ep=sh.ep))
+    return new.replace(sharding=Sharding(fplan, StateMesh(comm, ep=sh.ep), sh.device))
 
 
 def tp_check_view(like: TrainState) -> TrainState:
@@ -92,7 +92,8 @@ def tp_check_view(like: TrainState) -> TrainState:
     frozen = {n: torch.empty(tp.split_of(n).full_shape, device="meta") if tp.split_of(n) is not None else t
               for n, t in like.frozen.items()}  # fmt: skip
     sh = like.sharding
-    return like.replace(frozen=frozen, sharding=Sharding(full_plan(sh.plan, sh.tp), sh.comm, sh.device, ep=sh.ep))
+    whole = Sharding(full_plan(sh.plan, sh.tp), StateMesh(sh.comm, ep=sh.ep), sh.device)
+    return like.replace(frozen=frozen, sharding=whole)
 
 
 def fill_tp_leaf(leaf: Leaf, like: TrainState, fplan: ShardPlan, read, key: str, out: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ def init_state(sm, pretrained: str | os.PathLike | None = None, *,
             "init_state() needs an optimizer: pass config= with an `optimizer` block to fnzero.shard, or optimizer="
         )
     # Before any file is read: a bad optimizer fails first.
-    opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank, sm.sharding.optimizer)
+    opt = optimizer_or_config(optimizer, sm.config, sm.comm.rank, sm.sharding.config_optimizer)
     plan = sm.plan
     kind = sm.config.optimizer.type if optimizer is None else "optimizer="
     if opt.exchanges_gradients and any(u.placement.grads or u.placement.optimizer for u in plan.units):

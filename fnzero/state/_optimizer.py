@@ -23,7 +23,7 @@ def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigO
     tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
     time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
     there, naming the transform that reads whole tensors. `model`: the facts of the model the
-    config's optimizer reads (`Sharding.optimizer`, resolved by `shard`: per_head_muon's heads),
+    config's optimizer reads (`Sharding.config_optimizer`, resolved by `shard`: per_head_muon's heads),
     carried to `config`'s block."""
     where = offload_device(config)
     if optimizer is None:
@@ -39,7 +39,7 @@ def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigO
 
 def built_per_model(optimizer, config) -> bool:
     """Whether the optimizer a step runs is the config's and reads facts of the model (per_head_muon's
-    heads): then it is built from each state's `Sharding.optimizer` (`optimizer_or_config(model=)`)."""
+    heads): then it is built from each state's `Sharding.config_optimizer` (`optimizer_or_config(model=)`)."""
     return optimizer is None and needs_model(config)
 
 

@@ -70,15 +70,15 @@ class CollectiveCounter:
         return f"CollectiveCounter(rank {self.comm.rank} of {self.comm.world_size}: {self.summary()})"
 
 
-def _sharding_holders(target: Any) -> tuple[Sharding | None, Any]:
-    """(the Sharding to patch, the ShardedModule to patch too or None)."""
+def _sharding_of(target: Any) -> Sharding | None:
+    """The Sharding to patch: a TrainState's, a ShardedModule's, or `target` itself."""
     if isinstance(target, TrainState):
-        return target.sharding, None
+        return target.sharding
     if isinstance(target, Sharding):
-        return target, None
+        return target
     if hasattr(target, "sharding") and hasattr(target, "comm") and isinstance(target.sharding, Sharding):
-        return target.sharding, target  # a ShardedModule
-    return None, None
+        return target.sharding  # a ShardedModule
+    return None
 
 
 @contextlib.contextmanager
@@ -89,7 +89,7 @@ def count_collectives(target: Any) -> Iterator[CollectiveCounter]:
     recording wrapper for the block), or any Collectives (then use `counter.comm` yourself).
     In a simulated world each rank counts its own calls.
     """
-    sharding, module = _sharding_holders(target)
+    sharding = _sharding_of(target)
     if sharding is None:
         if not (hasattr(target, "world_size") and hasattr(target, "all_gather")):
             raise TypeError(
@@ -97,14 +97,12 @@ def count_collectives(target: Any) -> Iterator[CollectiveCounter]:
             )
         yield CollectiveCounter(RecordingCollectives(target))
         return
-    original = sharding.comm
-    recorder = RecordingCollectives(original)
-    sharding.comm = recorder
-    if module is not None:
-        module.comm = recorder
+    # The mesh is the only source of the collectives (a ShardedModule's `comm` reads it too): the
+    # block's mesh has the recorder for its data axis.
+    original = sharding.mesh
+    recorder = RecordingCollectives(original.data)
+    sharding.mesh = original.replace(data=recorder)
     try:
         yield CollectiveCounter(recorder)
     finally:
-        sharding.comm = original
-        if module is not None:
-            module.comm = original
+        sharding.mesh = original

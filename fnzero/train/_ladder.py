@@ -7,9 +7,9 @@
     next_state
 
 `run_step` is the ladder; `tensor_phases` its middle, written once for both ways of running it. A
-`StepContext` says how: the eager step (`_step.py`) passes the state's own collectives, Python
+`StepContext` says how: the eager step (`_step.py`) passes the state's own mesh, Python
 numbers, autograd hooks and the optimizer's `update`; the whole-step graph (`_whole_step.py`)
-passes torch's traceable functional collectives, 0-dim tensors, `torch.func` and the optimizer's
+passes a mesh of torch's traceable functional collectives, 0-dim tensors, `torch.func` and the optimizer's
 `graph_update`, and calls `tensor_phases` inside the compiled function (`specs/architecture.md`
 §How a batch flows). The one difference of order: eagerly an fp16 overflow skips the optimizer
 before it runs; in a graph the optimizer runs and its results are discarded.
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._state import TrainState
+from .._state import StateMesh, TrainState
 from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
 from ._phases import StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
@@ -39,15 +39,15 @@ __all__ = ["StepContext", "PhaseResult", "tensor_phases", "run_step", "why_not_t
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """How the tensor phases run, and what they read besides the state's tensors. `traced`: inside
-    the whole-step graph (numbers are 0-dim tensors, `comm` is functional, gradients come from
-    `torch.func`); else eager. `update`: the optimizer's `update`, `update_` (donated) or
-    `graph_update`. Mesh axes other than data (`tp`, `pp`, `expert_comm`, `replicas`) and ZeRO++'s
-    `quantization` are None where the state has none (a graph never has them)."""
+    """How the tensor phases run, and what they read besides the state's tensors. `mesh`: the
+    state's axes (`StateMesh`), which the phases ask for each collective. `traced`: inside the
+    whole-step graph (numbers are 0-dim tensors, the mesh is its data axis alone, functional,
+    gradients come from `torch.func`); else eager. `update`: the optimizer's `update`, `update_`
+    (donated) or `graph_update`. ZeRO++'s `quantization` is None where the state has none (a graph
+    never has it, nor a mesh axis besides data)."""
 
     plan: Any
-    rank: int
-    comm: Any
+    mesh: StateMesh
     device: torch.device
     policy: StepPolicy
     loss_fn: Callable[..., Any]
@@ -56,10 +56,6 @@ class StepContext:
     update: Callable
     donate: bool
     traced: bool = False
-    tp: Any = None
-    pp: Any = None
-    expert_comm: Any = None
-    replicas: Any = None
     quantization: Any = None
     exchange: Callable | None = None  # `optimizer_exchange`: the 1-bit optimizers' compressed all-reduce
     param_source: Any = None  # `offload_param: nvme`'s store, where new placeholder shards are written
@@ -105,9 +101,8 @@ def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, m
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `unscale * clip_coef` just before the optimizer.
     unscale = unscale_factor(setup.prediv, 1 if setup.local else setup.n, setup.k, scale)  # local: not summed
-    pp_comm = x.pp.comm if x.pp is not None else None
-    norm_sq, loss_total = norm_and_loss(units_for_norm(x.plan, x.pp), grads, unscale, loss_sum, x.comm, x.device,
-                                        x.tp, pp_comm, x.expert_comm, x.replicas, setup.local)
+    norm_sq, loss_total = norm_and_loss(units_for_norm(x.plan, x.mesh.pp), grads, unscale, loss_sum, x.mesh, x.device,
+                                        setup.local)
     if x.traced:
         grad_norm = norm_sq.sqrt()  # an overflow is judged after the graph, its updates discarded
     else:
@@ -120,11 +115,11 @@ def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, m
                                       unscale)
     x.timer.start()
     new_slices, new_master, new_opt_state = optimizer_update(
-        x.plan, x.rank, params, master, opt_state, grads, OptimizerScalars(factor, lr, momentum, global_norm), x.opt,
-        x.update, setup.param_dtype, x.donate, x.comm, exchange=x.exchange, param_source=x.param_source)
+        x.plan, x.mesh.data.rank, params, master, opt_state, grads, OptimizerScalars(factor, lr, momentum, global_norm),
+        x.opt, x.update, setup.param_dtype, x.donate, x.mesh.data, exchange=x.exchange, param_source=x.param_source)
     x.timer.stop("optimizer")
     x.timer.start()
-    new_params = publish_params(x.plan, x.comm, params, new_slices, x.donate, x.expert_comm)
+    new_params = publish_params(x.plan, x.mesh.data, params, new_slices, x.donate, x.mesh.expert_data)
     x.timer.stop("comm")
     return PhaseResult(norm_sq, loss_total, auxes, (new_params, new_master, new_opt_state))
 
@@ -134,7 +129,8 @@ def _gradients(x: StepContext, setup: StepSetup, params, micro, scale):
     come: (gradient per unit, Σ loss, auxes). Eagerly autograd hooks hand each unit's gradient to
     the collector, and a pipeline's schedule runs the micro-batches across its stages (summing the
     copies of weights its stages share); traced, `torch.func` gives each micro-batch's gradients."""
-    collector = GradientCollector(x.plan, x.comm, x.policy, setup.prediv, setup.accum_dtype, x.expert_comm,
+    mesh = x.mesh
+    collector = GradientCollector(x.plan, mesh.data, x.policy, setup.prediv, setup.accum_dtype, mesh.expert_data,
                                   x.quantization, reduce=not setup.local)
     if x.traced:
         loss_sum, auxes = traced_forward_backward(x.loss_fn, params, micro, scale, x.has_aux, collector, x.device)
@@ -144,10 +140,10 @@ def _gradients(x: StepContext, setup: StepSetup, params, micro, scale):
     run = x.loss_fn.forward_backward if isinstance(x.loss_fn, PipelineLoss) else _forward_backward(x.loss_fn)
     loss_sum, auxes = run(leaves, micro, scale, x.has_aux, collector, trim, x.timer)
     grads = collector.gradients(x.device)
-    if x.replicas is not None:
-        grads = sum_over_replicas(grads, x.replicas)
-    if x.pp is not None and x.pp.ties:
-        grads = sum_tied_gradients(grads, x.plan, x.pp)
+    if mesh.replicas is not None:
+        grads = sum_over_replicas(grads, mesh.replicas)
+    if mesh.pp is not None and mesh.pp.ties:
+        grads = sum_tied_gradients(grads, x.plan, mesh.pp)
     return grads, loss_sum, auxes
 
 
@@ -160,7 +156,7 @@ def why_not_traced(state: TrainState, policy: StepPolicy, opt, optimizer_name: s
     (`not_traceable`: a reason, or None), or None when it can. `optimizer_name` names the
     optimizer in its reason."""
     sh = state.sharding
-    parts = (sh.plan, sh.tp, sh.pp, sh.ep, sh.quantization, sh.groups, policy)
+    parts = (sh.plan, sh.mesh, sh.quantization, policy)  # the mesh: each axis' layout, MiCS's replicas
     for part in parts:
         reason = getattr(part, "not_traceable", None) if part is not None else None
         if reason is not None:

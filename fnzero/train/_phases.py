@@ -220,20 +220,22 @@ def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
 
 
 def norm_and_loss(units: tuple[UnitPlan, ...], grads: dict[str, torch.Tensor], inv, loss_sum: torch.Tensor,
-                  comm, device: torch.device, tp=None, pp=None, expert_comm=None,
-                  replicas=None, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global squared gradient norm, loss summed over ranks): `_norm_and_loss` on this rank's
-    units, then, with pipeline parallelism (`pp`, the pipeline's collectives), summed over the
-    stages (each holds other layers; only the last has a loss): one more all-reduce of two numbers.
-    `expert_comm`: the expert-data-parallel ranks, over which expert units are replicated.
-    `replicas` (MiCS): the other shard groups, which hold the same reduced shards, so the norm is
-    whole within `comm` and only the loss is summed over them, one more all-reduce of one number.
+                  mesh, device: torch.device, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global squared gradient norm, loss summed over ranks) over the state's `mesh` (a
+    `StateMesh`): `_norm_and_loss` on this rank's units over its data axis, then, with a pipeline
+    axis, summed over the stages (each holds other layers; only the last has a loss): one more
+    all-reduce of two numbers. Expert units are replicated over the expert-data-parallel ranks
+    (`mesh.expert_data`). MiCS's replicas hold the same reduced shards as the other shard groups,
+    so the norm is whole within the data axis and only the loss is summed over them, one more
+    all-reduce of one number.
     `local`: the gradients are each rank's own (not reduced); the norm is then the mean of the
     ranks' norms, DeepSpeed's fp32 `clip_grad_norm_` (which all-reduces each rank's norm / ranks),
     and every rank agrees on it (the overflow verdict with it: non-finite where any rank's is)."""
-    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, comm, device, tp, expert_comm, local)
+    norm_sq, loss = _norm_and_loss(units, grads, inv, loss_sum, mesh.data, device, mesh.tp, mesh.expert_data, local)
+    replicas = mesh.replicas
     if replicas is not None and replicas.world_size > 1:
         loss = replicas.all_reduce(loss.reshape(1))[0]
+    pp = mesh.pp.comm if mesh.pp is not None else None
     if pp is None or pp.world_size == 1:
         return norm_sq, loss
     both = pp.all_reduce(torch.stack([norm_sq, loss]))

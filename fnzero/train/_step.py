@@ -85,15 +85,15 @@ class TrainStep:
         # `optimizer_for` from the state's sharding, where `shard` resolved them.
         self._per_model = built_per_model(optimizer, config)
         self.opt = None if self._per_model else optimizer_or_config(optimizer, config)
-        self._model = _UNSET  # the state's `Sharding.optimizer` that `opt` was built with
+        self._model = _UNSET  # the state's `Sharding.config_optimizer` that `opt` was built with
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and config.scheduler is None
         self.sched = None if own_lr else _schedules.from_config(config)
 
     def optimizer_for(self, state: TrainState) -> "_optim.Optimizer":
         """The optimizer this step runs on `state`: the given or config's one; a config's that reads
-        facts of the model built with the state's `Sharding.optimizer` (again for another model's state)."""
-        model = state.sharding.optimizer
+        facts of the model built with the state's `Sharding.config_optimizer` (again for another model's state)."""
+        model = state.sharding.config_optimizer
         if self._per_model and self._model is not model:
             self.opt, self._model = optimizer_or_config(None, self.config, model=model), model
         return self.opt
@@ -133,9 +133,8 @@ class TrainStep:
             param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
             if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
                 sh.watchdog.at_step(setup.step_no + 1)
-            x = StepContext(sh.plan, sh.rank, sh.comm, sh.device, self.policy, self.loss_fn, self.has_aux, opt,
-                            opt.update_ if self.donate else opt.update, self.donate, tp=sh.tp, pp=sh.pp,
-                            expert_comm=sh.expert_comm, replicas=sh.replicas, quantization=sh.quantization,
+            x = StepContext(sh.plan, sh.mesh, sh.device, self.policy, self.loss_fn, self.has_aux, opt,
+                            opt.update_ if self.donate else opt.update, self.donate, quantization=sh.quantization,
                             exchange=optimizer_exchange(opt, sh.comm), param_source=param_source, timer=timer)
             return tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.micro, setup.scale,
                                  setup.lr, setup.momentum)
@@ -153,11 +152,12 @@ def _check_exchanging_optimizer(state: TrainState) -> None:
     if where is None and state.master is not None and any(m.device != p.device for m, p in
                                                           zip(state.master.values(), state.params.values())):
         where = "offload_optimizer"
-    if where is None and (sh.tp is not None and sh.tp.size > 1):
+    mesh = sh.mesh
+    if where is None and (mesh.tp is not None and mesh.tp.size > 1):
         where = "tensor parallelism"
-    if where is None and sh.pp is not None:
+    if where is None and mesh.pp is not None:
         where = "pipeline parallelism"
-    if where is None and sh.expert_comm is not None:
+    if where is None and mesh.ep is not None:
         where = "expert parallelism"
     if where is not None:
         raise exchanging_optimizer_refused(f"this state uses {where}")

@@ -27,7 +27,7 @@ from typing import Any
 import optree
 import torch
 
-from .._state import TrainState
+from .._state import StateMesh, TrainState
 from ..sharding.comm._collectives import ProcessGroupCollectives
 from ..sharding.comm._functional import FunctionalCollectives
 from ._compile import compile_fn
@@ -128,8 +128,8 @@ class WholeStep:
         # numbers, lr, momentum and scale, come as the tensors above).
         setup = StepSetup(micro=micro, step_no=-1, scale=1.0, lr=None, momentum=None, param_dtype=c.param_dtype,
                           accum_dtype=c.accum_dtype, prediv=c.prediv, n=c.n, k=c.k)
-        x = StepContext(c.plan, c.rank, comm, c.device, step.policy, step.loss_fn, step.has_aux, c.opt,
-                        c.opt.graph_update, donate=False, traced=True)
+        x = StepContext(c.plan, StateMesh(comm), c.device, step.policy, step.loss_fn, step.has_aux, c.opt,
+                        c.opt.graph_update, donate=False, traced=True)  # a graph's mesh: its data axis alone
         out = tensor_phases(x, setup, params, master, opt_state, micro, scale, lr, momentum)
         new_params, new_master, new_opt = out.updated
         norm_sq = out.norm_sq

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from ..._errors import ConfigError, ShardingError
+from ..._state import StateMesh
 from ..pp._module import PipelineInfo, PipelineModule
 from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
 from ..comm._mesh import Mesh, mesh_from_config, zero_groups_of
 from ..tp._layout import TPLayout
 from ..ep._layout import EPLayout
 from ..ep._split import replace_for_autoep, split_for_ep, wanted_ep_size
-from ..zero._groups import ZeroGroups
 from ..zero._policy import checked_quantization, shard_policy
 from ..comm._quantize import CommQuantization
 from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
@@ -104,7 +104,8 @@ def shard(
     world = comm  # every rank of the job: a meta model's seed is the same on all of them
     whole, comm, tp_layout, ep_layout = _split_for_parallelism(model, comm, mesh, ep, config, tp_plan, debug, pipe, meta)
     watchdog = _job_watchdog(world, config)
-    comm, groups = _zero_groups(comm, mesh, policy, config, debug)
+    axes = _zero_axes(comm, mesh, policy, config, debug)
+    comm = axes.data
     device = _device_for(model, device, meta)
     _check_params_on_nvme(policy)
     # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
@@ -114,9 +115,8 @@ def shard(
                      ep=ep_layout.size if ep_layout else 1)
     initial, frozen, buffers = _initial_values(model, whole, plan, comm, world, device, policy, tp_layout, ep_layout,
                                                meta, init_seed)
-    sm = ShardedModule(model, plan, comm, policy, config, device, initial, frozen, buffers, tp=tp_layout, pp=pipe,
-                       watchdog=watchdog, ep=ep_layout, quantization=checked_quantization(policy, comm_quantization),
-                       groups=groups)
+    sm = ShardedModule(model, plan, axes.replace(tp=tp_layout, pp=pipe, ep=ep_layout), policy, config, device, initial,
+                       frozen, buffers, watchdog=watchdog, quantization=checked_quantization(policy, comm_quantization))
     _guard_and_route(model, plan, sm)
     return sm
 
@@ -217,13 +217,13 @@ def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, 
     return mesh, ep
 
 
-def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
-                 debug: bool) -> tuple[Collectives, ZeroGroups | None]:
-    """The collectives ZeRO shards over (the MiCS shard group, else `comm`, the data-parallel ranks),
-    recorded and checked as the config and `debug` ask (`_observed`), and the run's MiCS replica and
-    hpZ groups (`specs/mesh.md §MiCS`, `specs/mesh.md §hpZ`), or None."""
+def _zero_axes(comm: Collectives, mesh: Mesh | None, policy, config: Any, debug: bool) -> StateMesh:
+    """The state's mesh as far as ZeRO's axes: the collectives ZeRO shards over (the MiCS shard
+    group, else `comm`, the data-parallel ranks), recorded and checked as the config and `debug`
+    ask (`_observed`), and the run's MiCS replica and hpZ groups (`specs/mesh.md §MiCS`,
+    `specs/mesh.md §hpZ`), where it has them."""
     if mesh is None or (mesh.mics is None and mesh.hpz is None):
-        return _observed(comm, config, debug), None
+        return StateMesh(_observed(comm, config, debug))
     if policy.offload_optimizer is not None or policy.offload_param is not None:
         key = "offload_optimizer" if policy.offload_optimizer is not None else "offload_param"
         feature = "mics_shard_size" if mesh.mics is not None else "zero_hpz_partition_size"
@@ -231,7 +231,7 @@ def _zero_groups(comm: Collectives, mesh: Mesh | None, policy, config: Any,
                           "for offloaded state; remove one")
     replicas = _observed(mesh.mics_replicas, config, debug) if mesh.mics is not None else None
     hpz = _observed(mesh.hpz, config, debug) if mesh.hpz is not None else None
-    return _observed(mesh.mics if mesh.mics is not None else comm, config, debug), ZeroGroups(replicas, hpz)
+    return StateMesh(_observed(mesh.mics if mesh.mics is not None else comm, config, debug), replicas, hpz)
 
 
 def _hook_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:

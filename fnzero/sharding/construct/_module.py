@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..._errors import ShardingError
-from ..._state import Sharding, TrainState
+from ..._state import Sharding, StateMesh, TrainState
 from ..comm._collectives import Collectives
 from ._initial import InitialValues, is_released
 from ..zero._param_store import ShardSource, ShardSources, held, sources_of
@@ -51,15 +51,11 @@ class ShardedModule:
     parameters from `apply`'s run by forward hooks (`sharding/zero/_unit_hooks.py`).
     """
 
-    def __init__(self, module: nn.Module, plan: ShardPlan, comm: Collectives, policy: ShardPolicy, config, device,
+    def __init__(self, module: nn.Module, plan: ShardPlan, mesh: StateMesh, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, tp=None, pp=None, watchdog=None, ep=None,
-                 quantization=None, groups=None):
-        self.module, self.plan, self.comm, self.policy, self.config = module, plan, comm, policy, config
-        self.tp = tp  # TPLayout or None: the model's layers hold this rank's tensor-parallel slices
-        self.pp = pp  # PipelineInfo or None: the module is this rank's pipeline stage
-        self.ep = ep  # EPLayout or None: the model's ExpertGroups hold this rank's experts
-        self.sharding = Sharding(plan, comm, device, tp, pp, watchdog, ep, quantization, groups,
+                 buffers: dict[str, torch.Tensor] | None = None, watchdog=None, quantization=None):
+        self.module, self.plan, self.policy, self.config = module, plan, policy, config
+        self.sharding = Sharding(plan, mesh, device, watchdog, quantization,
                                  config_optimizer(config, module))  # the optimizer with the model's facts it reads
         self._initial = initial  # handed over to the first TrainState (`init_state`)
         # Stage-3 prefetch order, learned from the last step (a performance cache, not state).
@@ -71,6 +67,25 @@ class ShardedModule:
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
         # The apply runs whose parameters are bound for a backward pass right now (`sharding/zero/_backward.py`).
         self._backward_runs: list[ApplyRun] = []
+
+    # The mesh's axes, read from the state's sharding (its only source): `comm` the ranks ZeRO shards
+    # over; `tp`, `pp`, `ep` the tensor-parallel layout, the pipeline stage, the expert-parallel
+    # layout, or None.
+    @property
+    def comm(self) -> Collectives:
+        return self.sharding.mesh.data
+
+    @property
+    def tp(self):
+        return self.sharding.mesh.tp
+
+    @property
+    def pp(self):
+        return self.sharding.mesh.pp
+
+    @property
+    def ep(self):
+        return self.sharding.mesh.ep
 
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +167,7 @@ class ShardedModule:
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
                        sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
                        expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization,
-                       groups=self.sharding.groups)
+                       groups=self.sharding.mesh)  # its MiCS replicas and hpZ group
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
