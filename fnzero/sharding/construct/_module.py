@@ -167,7 +167,7 @@ class ShardedModule:
         run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
                        sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
                        expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization,
-                       groups=self.sharding.mesh)  # its MiCS replicas and hpZ group
+                       mesh=self.sharding.mesh)  # its MiCS replicas and hpZ group
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]

@@ -37,13 +37,13 @@ class ApplyRun:
 
     def __init__(self, plan: ShardPlan, comm, params: dict[str, torch.Tensor], schedule: "GatherSchedule | None" = None,
                  sources: ShardSources = NO_SOURCES, backward_runs: "list[ApplyRun] | None" = None,
-                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, quantization=None, groups=None):
+                 frozen: dict[str, torch.Tensor] | None = None, expert_comm=None, quantization=None, mesh=None):
         self.plan = plan
         self.comm = comm
         self.quantization = quantization  # `CommQuantization` or None: the codecs of what units' collectives carry
         self.expert_comm = expert_comm  # expert units' gathers (`comm_for`)
-        self.hpz = groups.hpz if groups is not None else None  # hpZ: backward re-gathers over it (`UnitRuntime`)
-        self.num_replicas = groups.num_replicas if groups is not None else 1  # MiCS: copies of each shard
+        self.hpz = mesh.hpz if mesh is not None else None  # hpZ: backward re-gathers over it (`UnitRuntime`)
+        self.num_replicas = mesh.num_replicas if mesh is not None else 1  # MiCS: copies of each shard
         self.params = params
         self.frozen = frozen if frozen is not None else {}  # frozen unit name -> shard (the module's constants)
         self.schedule = schedule
