@@ -90,7 +90,7 @@ _LAZY = {
         "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
         "BlockQuantizer", "CommQuantization", "IdentityCodec",
     ), ".sharding"),
-    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding.construct._world_config"),
+    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding"),
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
@@ -131,7 +131,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         init_distributed, make_mesh, shard, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
         IdentityCodec,
     )
-    from .sharding.construct._world_config import hf_auto_values, load_config
+    from .sharding import hf_auto_values, load_config
     from .inference import InferenceEngine, generate, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 

@@ -191,6 +191,9 @@ def _import_graph(root=ROOT) -> dict[str, set[str]]:
                         graph[mod].add(f"{target}.{a.name}")
                     elif target in modules and f"{target}.{a.name}" != "fnzero._cext":
                         graph[mod].add(target)
+        # The one upward import (EXCEPTIONS) runs inside a method, after both layers are loaded:
+        # it closes no circle at import time (specs/architecture.md §No import circles).
+        graph[mod] -= {t for m, t in EXCEPTIONS if m == mod}
     return graph
 
 
@@ -320,3 +323,48 @@ def test_stage_numbers_are_compared_only_at_the_edges():
             if not str(p.relative_to(ROOT)).startswith(edges)
             for i, line in enumerate(p.read_text().splitlines(), 1) if compare.search(line.split("#")[0])]
     assert not hits, hits
+
+
+# specs/architecture.md §Package faces: another package's private modules are imported only here,
+# each for the reason given; everything else goes through the package's `__init__`.
+PRIVATE_IMPORTS = {
+}
+
+
+def _private_imports(root=ROOT) -> set[tuple[str, str]]:
+    """(importing module, imported private module) where the importer is outside the package whose
+    face (`__init__`) it passes by: `from ..sharding.zero._plan import X` from `train/` (the face is
+    `fnzero.sharding`), `from ..zero._plan import X` from `sharding/construct/` (`fnzero.sharding.zero`)."""
+    packages = {mod for _, mod, is_pkg in _modules(root) if is_pkg}
+    found = set()
+    for path, mod, is_pkg in _modules(root):
+        own = mod if is_pkg else mod.rpartition(".")[0]
+        for _, target in _imports(path, mod, is_pkg):
+            parts = target.split(".")
+            for i in range(2, len(parts)):
+                pkg = ".".join(parts[:i])
+                if pkg not in packages or own == pkg or own.startswith(pkg + "."):
+                    continue
+                if any(p.startswith("_") for p in parts[i:]) and target not in packages:
+                    found.add((mod, target))
+                break
+    return found
+
+
+def test_packages_are_imported_through_their_faces():
+    found = _private_imports()
+    new, gone = found - set(PRIVATE_IMPORTS), set(PRIVATE_IMPORTS) - found
+    assert not new, "import these through the package's __init__ (specs/architecture.md §Package faces):\n" + "\n".join(
+        f"{m} -> {t}" for m, t in sorted(new))
+    assert not gone, f"no longer imported, remove from PRIVATE_IMPORTS: {sorted(gone)}"
+    assert len(PRIVATE_IMPORTS) <= 10
+
+
+def test_a_private_import_is_caught(tmp_path):
+    for sub in ("", "/a", "/b", "/b/c"):
+        (tmp_path / f"fnzero{sub}").mkdir(parents=True)
+        (tmp_path / f"fnzero{sub}/__init__.py").write_text("")
+    (tmp_path / "fnzero/b/c/_x.py").write_text("X = 1\n")
+    (tmp_path / "fnzero/b/_y.py").write_text("from .c._x import X\n")  # c is another package: caught
+    (tmp_path / "fnzero/a/_z.py").write_text("from ..b import X\n\ndef f():\n    from ..b.c._x import X\n")
+    assert _private_imports(tmp_path) == {("fnzero.b._y", "fnzero.b.c._x"), ("fnzero.a._z", "fnzero.b.c._x")}

@@ -15,6 +15,11 @@ from ._aio import ALIGN, AioEngine, AioHandle, AioRequest, aligned_empty, direct
 from ._kernels import adagrad_step_, adam_step_, crc32, lion_step_, stream_adam_shape_, to_16bit
 from ._lib import LEVELS, available, force_simd, supported_levels
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._heap import allocator_env, return_freed_memory, trim_between_passes, trim_freed_memory
+
 __all__ = [
     "ALIGN", "AioEngine", "AioHandle", "AioRequest", "LEVELS", "adagrad_step_", "adam_step_", "aligned_empty", "crc32",
     "available", "build_info", "direct_supported", "force_simd", "fsync_dir", "is_aligned", "lion_step_", "report_lines",

@@ -38,4 +38,11 @@ from ._peft_export import export_adapters
 from ._handle import SaveHandle
 from ._save import save
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._hf_renames import hf_renames
+from ._peft_adapters import load_adapters
+from ._pretrained import load_pretrained
+
 __all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle"]

@@ -20,7 +20,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import Sharding, StateMesh, TrainState
-from ..sharding.zero._plan import ParamSlot, ShardPlan, UnitPlan, padded_size
+from ..sharding import ParamSlot, ShardPlan, UnitPlan, padded_size
 
 __all__ = ["ExpertPlaces", "expert_places", "check_ep_supported", "ep_check_view", "stored_place"]
 
@@ -107,7 +107,7 @@ def expert_places(sharding: Sharding) -> ExpertPlaces | None:
 def check_ep_supported(state: TrainState, node_local: bool = False, optimizer: bool = True) -> None:
     """What a checkpoint of an expert-parallel state does not cover yet: one `CheckpointError`.
     `optimizer=False`: the weights only (`export_live`), wherever the optimizer state is."""
-    from ..offload._checkpoint import is_nvme
+    from ..offload import is_nvme
 
     sh = state.sharding
     if sh.ep is None:

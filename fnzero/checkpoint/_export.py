@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from .._errors import CheckpointError
-from ..sharding.comm._collectives import default_collectives
+from ..sharding import default_collectives
 from ._hf_config import hf_source, write_hf_files
 from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve

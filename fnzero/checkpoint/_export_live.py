@@ -8,7 +8,7 @@ import os
 import torch
 
 from .._errors import CheckpointError
-from ..sharding.zero._param_store import ShardSource, held, read_placeholders, sources_of
+from ..sharding import ShardSource, held, read_placeholders, sources_of
 from ._export import Naming, _Entry, _cast_dtype, _check_arguments, _write_all
 from ._hf_config import hf_source, module_source, write_hf_files
 from ._ep import check_ep_supported, expert_places
@@ -35,7 +35,7 @@ class _Gathered:
 
     def upto(self, i: int) -> bool:
         """Gather units through `i`; False (on a rank that does not write) when the writer stopped."""
-        from ..sharding.construct._module import full_unit
+        from ..sharding import full_unit
 
         while self.next <= i:
             if self.rounds.writes:

@@ -14,7 +14,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
-from ..sharding.zero._param_store import is_placeholder
+from ..sharding import is_placeholder
 from ._tree import FROZEN, Leaf
 
 __all__ = ["saved_frozen", "check_frozen", "fill_frozen"]

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import LossScaleState, TrainState
-from ..sharding.zero._param_store import ShardSource, is_placeholder, sources_of
+from ..sharding import ShardSource, is_placeholder, sources_of
 from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
@@ -285,7 +285,7 @@ def load(
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
-    from ..offload._checkpoint import is_nvme, like_in_memory, restore_into_store
+    from ..offload import is_nvme, like_in_memory, restore_into_store
 
     check_ep_supported(like)
     if is_nvme(like) and tp is not None:

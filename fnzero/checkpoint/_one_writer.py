@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import CheckpointError
-from ..sharding.comm._collectives import ProcessGroupCollectives, default_collectives
-from ..sharding.construct._construct import _default_device
+from ..sharding import ProcessGroupCollectives, default_collectives, default_device
 
 __all__ = ["Rounds", "world_device", "job_rank"]
 
@@ -38,7 +37,7 @@ _LABEL = "checkpoint export (every rank calls it)"  # the watchdog names this if
 def world_device(comm) -> torch.device:
     """Where `comm`'s collectives take their tensors: the accelerator for NCCL, else the host."""
     if isinstance(comm, ProcessGroupCollectives) and "gloo" not in str(dist.get_backend(comm.group)):
-        return _default_device()
+        return default_device()
     return torch.device("cpu")
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from ..sharding.construct._initial import Cuts
+from ..sharding import Cuts
 from ._peft_names import peft_names
 
 __all__ = ["PretrainedReport", "PretrainedLoad", "TensorEntry", "index_pretrained", "load_pretrained"]

@@ -31,7 +31,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
-from ..sharding.zero._param_store import read_placeholders
+from ..sharding import read_placeholders
 from ..config import Config
 from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
@@ -79,7 +79,7 @@ def _save_tensor_parallel(path, state: TrainState, **kw) -> SaveHandle:
 def _save_pipelined(path, state: TrainState, tag, client_state, config, update_latest, timeout, node_local) -> SaveHandle:
     """A pipeline stage's part of the job's one checkpoint (`_pp.py`); with tensor parallelism the
     stage is consolidated over its tp ranks first and their rank 0 writes it. Blocking."""
-    from ..offload._checkpoint import is_nvme, materialize
+    from ..offload import is_nvme, materialize
     from ._tp import check_supported, consolidated
 
     if _node_local(node_local, config):
@@ -280,7 +280,7 @@ def _saved_through_a_group(path, state: TrainState, node_local, exclude_frozen_p
 def _writable(state: TrainState) -> TrainState:
     """`state` as it is written: an NVMe optimizer store's files read into memory, and refused when
     its optimizer says it cannot be saved now (the same verdict on every rank: nothing started)."""
-    from ..offload._checkpoint import is_nvme, materialize
+    from ..offload import is_nvme, materialize
 
     if is_nvme(state):
         # The store's files change with every step: read them now, in the layout a CPU-offload

@@ -18,7 +18,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import Sharding, StateMesh, TrainState
-from ..sharding.zero._plan import ParamSlot, ShardPlan, padded_size
+from ..sharding import ParamSlot, ShardPlan, padded_size
 from ._tree import Leaf, rebuild_state
 
 __all__ = ["full_plan", "consolidated", "tp_check_view", "fill_tp_leaf"]
@@ -131,7 +131,7 @@ def fill_tp_leaf(leaf: Leaf, like: TrainState, fplan: ShardPlan, read, key: str,
 
 def check_supported(state: TrainState) -> None:
     """What a tensor-parallel checkpoint does not cover yet."""
-    from ..offload._state import NvmeOptState
+    from ..offload import NvmeOptState
 
     if isinstance(state.opt_state, NvmeOptState):
         raise CheckpointError("checkpoints of a tensor-parallel state with its optimizer on NVMe are not implemented yet")

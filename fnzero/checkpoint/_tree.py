@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .._errors import CheckpointError
-from ..sharding.zero._plan import ShardPlan
+from ..sharding import ShardPlan
 from .._state import TrainState
 
 __all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN", "per_rank_key"]

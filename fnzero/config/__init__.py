@@ -35,6 +35,14 @@ from ._sections import (
 )
 from ._zero import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._parse import read_source
+from ._problems import Problems, join_path, listed, split_by_hint
+from ._translate import validate_into
+from ._types import Bool, Int, Model, Str, describe
+
 __all__ = [
     "load_config", "read_config", "Config", "ConfigWarning", "hf_auto_values", "AutoValues",
     "FP16Config", "BF16Config", "TorchAutocastConfig", "ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig",

@@ -8,7 +8,7 @@ import torch
 
 from .._errors import ConfigError
 from .._state import TrainState
-from ..sharding.construct._module import ShardedModule
+from ..sharding import ShardedModule
 from ._inference_config import InferenceConfig
 
 __all__ = ["InferenceEngine"]

@@ -16,8 +16,7 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..sharding.tp._ops import gather_from_tp
-from ..sharding.zero._ambient import within
+from ..sharding import gather_from_tp, within
 from ._model_calls import ModelCalls, max_positions, model_calls
 from ._prompt import agree_on_prompt, attention_mask_for, check_length
 from ._sampling import choose_tokens

@@ -21,10 +21,9 @@ from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
 from .._errors import ConfigError
-from ..config._parse import read_source
-from ..config._problems import Problems, join_path, listed, split_by_hint
-from ..config._translate import validate_into
-from ..config._types import Bool, Int, Model, Str, describe
+from ..config import (
+    read_source, Problems, join_path, listed, split_by_hint, validate_into, Bool, Int, Model, Str, describe,
+)
 
 __all__ = ["InferenceConfig", "TPConfig", "read_inference_config", "DTYPE_NAMES"]
 

@@ -9,15 +9,10 @@ import torch
 from torch import nn
 
 from .._errors import ConfigError
-from ..config import ConfigWarning
-from ..config._types import describe
+from ..config import ConfigWarning, describe
 from .._state import TrainState
-from ..sharding.comm._collectives import current_world_size
-from ..sharding.construct._construct import _default_device, shard
-from ..sharding.construct._module import ShardedModule
-from ..sharding.construct._world_config import load_config
-from ..sharding.tp._autotp import check_heads
-from ..offload._nvme_params import store_shards
+from ..sharding import current_world_size, default_device, shard, ShardedModule, load_config, check_heads
+from ..offload import store_shards
 from ..state import initial_params
 from ._engine import InferenceEngine
 from ._inference_config import InferenceConfig, read_inference_config
@@ -78,7 +73,7 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     for path in targets:  # held whole per rank, outside ZeRO's units, until quantised (`_int8.py`)
         model.get_submodule(path).weight.requires_grad_(False)
     model.eval()
-    sm = shard(model, config=shard_cfg, device=_default_device())
+    sm = shard(model, config=shard_cfg, device=default_device())
     compute = sm.policy.compute_dtype or sm.plan.param_dtype
     params = {n: t.to(compute) for n, t in initial_params(sm, cfg.checkpoint_path, stacklevel=4).items()}
     if sm.policy.offload_param == "nvme":  # ZeRO-Inference: the shards in a parameter store, placeholders here

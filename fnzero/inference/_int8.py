@@ -21,8 +21,7 @@ import collections
 import torch
 from torch import nn
 
-from ..sharding.tp._modules import ColumnParallelLinear, RowParallelLinear
-from ..sharding.tp._ops import copy_to_tp, gather_from_tp, reduce_from_tp
+from ..sharding import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_tp, reduce_from_tp
 
 __all__ = ["Int8Linear", "int8_targets", "quantize_weight", "quantize_model"]
 

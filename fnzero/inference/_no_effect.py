@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import ConfigError
-from ..config import ConfigWarning
-from ..config._types import describe
+from ..config import ConfigWarning, describe
 from ._inference_config import InferenceConfig
 
 __all__ = ["warn_no_effect", "refuse_objects", "NO_EFFECT"]

@@ -23,7 +23,7 @@ The host allocator (glibc; a no-op elsewhere):
 
 from __future__ import annotations
 
-from .._ext._heap import allocator_env, return_freed_memory, trim_freed_memory
+from .._ext import allocator_env, return_freed_memory, trim_freed_memory
 from ._estimate import Breakdown, Estimate, estimate, largest_model
 from ._experts import expert_param_counts
 from ._muon import muon_state_bytes

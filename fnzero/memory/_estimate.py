@@ -41,7 +41,7 @@ import math
 import re
 from fractions import Fraction
 
-from ..sharding.zero._placement import placement_for_stage
+from ..sharding import placement_for_stage
 from ._state_bytes import ep_zero_formula
 
 __all__ = [

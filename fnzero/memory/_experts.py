@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from ..sharding.ep._group import ExpertGroup
+from ..sharding import ExpertGroup
 
 __all__ = ["expert_param_counts", "experts_per_layer", "hf_expert_param_counts"]
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..optim._muon import uses_muon
-from ..sharding.zero._owners import whole_tensor_partition
-from ..sharding.zero._plan import ShardPlan
+from ..optim import uses_muon
+from ..sharding import whole_tensor_partition, ShardPlan
 
 __all__ = ["muon_state_bytes"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..sharding.zero._placement import placement_for_stage
+from ..sharding import placement_for_stage
 
 __all__ = ["Link", "StepPrediction", "collective_passes", "collective_traffic", "predict_step", "ring_link"]
 

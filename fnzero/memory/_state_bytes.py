@@ -21,7 +21,7 @@ import optree
 import torch
 
 from .._state import TrainState
-from ..sharding.zero._param_store import is_placeholder, stored_bytes
+from ..sharding import is_placeholder, stored_bytes
 
 __all__ = ["ModelStateBytes", "ep_zero_formula", "model_state_bytes", "peak_rss_bytes", "zero_formula"]
 

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ConfigError
-from ..sharding.ep._group import ExpertGroup
-from ..sharding.ep._ops import all_to_all_grad
+from ..sharding import ExpertGroup, all_to_all_grad
 from ._gating import Routes, top1_routes, top2_routes, uniform_noise
 
 __all__ = ["MoE", "TopKGate", "Experts", "MOELayer"]

@@ -6,4 +6,12 @@ in-memory host step is `fnzero.optim.host_optimizer`."""
 from ._nvme import NvmeOptimizerStore, NvmeStoreError, stale_stores
 from ._nvme_params import NvmeParamStore
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._checkpoint import is_nvme, like_in_memory, materialize, restore_into_store
+from ._nvme_optimizer import nvme_optimizer, store_options_from_config
+from ._nvme_params import store_shards
+from ._state import NvmeOptState
+
 __all__ = ["NvmeOptimizerStore", "NvmeParamStore", "NvmeStoreError", "stale_stores"]

@@ -13,9 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..sharding.zero._owners import optimizer_view
+from ..sharding import optimizer_view, is_placeholder
 from .._state import TrainState
-from ..sharding.zero._param_store import is_placeholder
 from ._state import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from .._errors import ShardingError
-from ..optim._base import Optimizer
-from ..sharding.zero._param_store import is_placeholder
+from ..optim import Optimizer
+from ..sharding import is_placeholder
 from ._layout import CHUNK, StoreLayout, layout_of
 from ._nvme import NvmeOptimizerStore
 from ._nvme_files import usable_directory

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import _ext
-from ..sharding.zero._param_store import ShardSource, placeholder
+from ..sharding import ShardSource, placeholder
 from ._nvme_files import (_HDR, HEADER, PREFIX, VERSION, Updates, _round_up, check_file,
                           pack_header, take_lock, usable_directory)
 from ._host_params import HostParamStore

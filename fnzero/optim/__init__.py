@@ -61,6 +61,14 @@ from ._transform import (
     trace,
 )
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._config import DEFAULT_LR, HAS_BETAS, needs_model, optimizer_kind, params_dict
+from ._transform import not_elementwise
+from ._validate import momentum_override
+from ._whole import routed_by_name, whole_tensor_names
+
 __all__ = [
     "Optimizer", "Params", "OptState",
     "AdamState", "SGDState", "AdagradState", "LambState", "LionState",

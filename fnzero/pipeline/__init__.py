@@ -13,11 +13,18 @@ along the mesh's `pp` axis, run by a schedule inside the ordinary training step.
                                      a Hugging Face GPT-2 / Llama-family causal LM as pipeline layers
 """
 
-from ..sharding.pp._module import LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight
-from ..sharding.pp._partition import partition_balanced, partition_uniform, stage_bounds
+from ..sharding import (
+    LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight, partition_balanced, partition_uniform,
+    stage_bounds,
+)
 from ._hf import causal_lm_loss, hf_causal_lm, hf_pipeline_layers
 from ._run import PipelineLoss, pipeline_loss
 from ._schedule import Action, bubble_fraction, gpipe, one_f_one_b, schedule
+
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._run import sum_tied_gradients, units_for_norm
 
 __all__ = [
     "Action", "LayerSpec", "TiedWeight", "causal_lm_loss", "hf_causal_lm", "hf_pipeline_layers", "PipelineInfo", "PipelineLoss", "PipelineModule", "PipelineStage", "bubble_fraction",

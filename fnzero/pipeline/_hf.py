@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardingError
-from ..sharding.pp._module import PipelineModule
+from ..sharding import PipelineModule
 
 __all__ = ["causal_lm_loss", "hf_causal_lm", "hf_pipeline_layers"]
 

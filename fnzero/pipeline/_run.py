@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from .._errors import ConfigError, ShardingError
-from ..sharding.zero._plan import padded_size
-from ..sharding.zero._ambient import within
+from ..sharding import padded_size, within
 from ._p2p import boundary_tensors, recv_activation, recv_grads, send_activation, send_grads
 from ._schedule import schedule
 

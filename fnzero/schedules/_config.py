@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fnzero._errors import ConfigError
-from fnzero.optim._config import DEFAULT_LR, HAS_BETAS, optimizer_kind, params_dict
+from fnzero.optim import DEFAULT_LR, HAS_BETAS, optimizer_kind, params_dict
 
 from ._base import Schedule, constant
 from ._one_cycle import lr_range_test, one_cycle

@@ -29,26 +29,37 @@
 
 from __future__ import annotations
 
-from .comm._collectives import (
+from .comm import (
     Collectives, CollectivesBase, LocalCollectives, ProcessGroupCollectives, current_world_size, default_collectives,
-    providing_collectives,
+    providing_collectives, RecordingCollectives, CompressedAllReduce, compressed_all_reduce, compressed_bytes,
+    compressed_padded_numel, DistInfo, init_distributed, Mesh, MeshShape, make_mesh, BlockQuantizer,
+    CommQuantization, IdentityCodec, dequantize, quantize, QuantizedCollectives, quantized_all_gather_async,
+    quantized_reduce_scatter_async,
 )
-from .comm._observed import RecordingCollectives
-from .comm._compressed import CompressedAllReduce, compressed_all_reduce, compressed_bytes, compressed_padded_numel
-from .construct._construct import shard
-from .comm._dist import DistInfo, init_distributed
-from .construct._initial import PretrainedWarning
-from .construct._module import ShardedModule
-from .zero._placement import Placement, placement_for_stage
-from .zero._plan import ShardPlan, UnitPlan
-from .tp._autotp import TPRule
-from .comm._mesh import Mesh, MeshShape, make_mesh
-from .tp._layout import ParamSplit, TPLayout
-from .tp._ops import vocab_parallel_cross_entropy
-from .ep._group import ExpertGroup
-from .ep._layout import EPLayout
-from .comm._quantize import BlockQuantizer, CommQuantization, IdentityCodec, dequantize, quantize
-from .comm._quantized import QuantizedCollectives, quantized_all_gather_async, quantized_reduce_scatter_async
+from .construct import shard, PretrainedWarning, ShardedModule
+from .zero import Placement, placement_for_stage, ShardPlan, UnitPlan
+from .tp import TPRule, ParamSplit, TPLayout, vocab_parallel_cross_entropy
+from .ep import ExpertGroup, EPLayout
+
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from .comm import (
+    CollectiveRecord, FunctionalCollectives, PendingTensor, check_agreement, free_port, provided_collectives,
+    quantizing, resolve_splits,
+)
+from .construct import Cuts, GLOBAL_RNG_LOCK, default_device, frozen_checksum_key, full_unit, hf_auto_values, load_config
+from .ep import all_to_all_grad
+from .pp import (
+    LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight, partition_balanced, partition_uniform,
+    stage_bounds,
+)
+from .tp import ColumnParallelLinear, RowParallelLinear, check_heads, copy_to_tp, gather_from_tp, reduce_from_tp
+from .zero import (
+    DTYPES, ParamSlot, ShardSource, WholeTensorPartition, comm_for, config_precision, from_owners, held,
+    is_placeholder, offload_device, optimizer_view, padded_size, param_pieces, placeholder, read_placeholders, remat,
+    sources_of, stepped_in_place, stored_bytes, to_owners, unit_views, whole_tensor_partition, within,
+)
 
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",

@@ -18,17 +18,14 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..checkpoint._peft_adapters import load_adapters
-from ..checkpoint._hf_renames import hf_renames
+from ..checkpoint import load_adapters, hf_renames, load_pretrained
 from ..config import ConfigWarning
-from ..checkpoint._pretrained import load_pretrained
-from ..sharding.construct._initial import PretrainedWarning, frozen_checksum_key
-from ..offload._nvme_params import store_shards
-from ..sharding.zero._param_store import ShardSource, placeholder
-from ..sharding.zero._gather import unit_views
+from ..sharding import (
+    PretrainedWarning, frozen_checksum_key, ShardSource, placeholder, unit_views, optimizer_view, param_pieces,
+)
+from ..offload import store_shards
 from ._loss_scale import init_loss_scale
 from ._owner_update import owner_layout, owner_tree
-from ..sharding.zero._owners import optimizer_view, param_pieces
 from ._policy import step_policy
 from ._optimizer import exchanging_optimizer_refused, optimizer_or_config
 

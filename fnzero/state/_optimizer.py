@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from .. import optim as _optim
 from .._errors import ShardingError
-from ..offload._nvme_optimizer import nvme_optimizer, store_options_from_config
-from ..optim._config import needs_model
-from ..optim._transform import not_elementwise
-from ..sharding.zero._policy import offload_device
+from ..offload import nvme_optimizer, store_options_from_config
+from ..optim import needs_model, not_elementwise
+from ..sharding import offload_device
 
 __all__ = ["optimizer_or_config", "built_per_model", "exchanging_optimizer_refused"]
 

@@ -18,11 +18,8 @@ from typing import NamedTuple
 import torch
 
 from .._errors import ShardingError
-from ..optim._base import Optimizer
-from ..optim._transform import as_optimizer
-from ..optim._whole import routed_by_name, whole_tensor_names
-from ..sharding.zero._owners import WholeTensorPartition, from_owners, param_pieces, to_owners, whole_tensor_partition
-from ..sharding.zero._plan import ShardPlan
+from ..optim import Optimizer, as_optimizer, routed_by_name, whole_tensor_names
+from ..sharding import WholeTensorPartition, from_owners, param_pieces, to_owners, whole_tensor_partition, ShardPlan
 
 __all__ = ["OwnerLayout", "owner_layout", "owner_tree", "owner_update"]
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from ..sharding.zero._policy import DTYPES, config_precision, offload_device
+from ..sharding import DTYPES, config_precision, offload_device
 
 __all__ = ["StepPolicy", "LossScalePolicy", "step_policy"]
 

@@ -13,8 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..sharding.comm._collectives import provided_collectives, providing_collectives
-from ..sharding.construct._materialize import GLOBAL_RNG_LOCK
+from ..sharding import provided_collectives, providing_collectives, GLOBAL_RNG_LOCK
 
 __all__ = ["current_comm", "rank_context", "RNG_LOCK", "seeded"]
 

@@ -16,7 +16,7 @@ import contextlib
 from collections import Counter
 from typing import Any, Iterator
 
-from ..sharding.comm._observed import CollectiveRecord, RecordingCollectives
+from ..sharding import CollectiveRecord, RecordingCollectives
 from .._state import Sharding, TrainState
 
 __all__ = ["count_collectives", "CollectiveCounter"]

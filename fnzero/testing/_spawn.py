@@ -15,7 +15,7 @@ import optree
 import torch
 
 from .._errors import DistributedError
-from ..sharding.comm._dist import free_port
+from ..sharding import free_port
 
 __all__ = ["run_world", "free_port", "WorldError", "SpawnedWorld", "spawned_world"]
 
@@ -222,7 +222,7 @@ class _Ranks:
 def _call_in_rank(fn: Callable[..., Any]) -> Any:
     # Runs in the spawned rank: give `fn` the process group's collectives when it takes one
     # argument, exactly as SimulatedWorld.run does with its thread collectives.
-    from ..sharding.comm._collectives import ProcessGroupCollectives
+    from ..sharding import ProcessGroupCollectives
     from ._threads import wants_comm
 
     return fn(ProcessGroupCollectives()) if wants_comm(fn) else fn()

@@ -19,8 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .._errors import DistributedError
-from ..sharding.comm._all_to_all import check_agreement, resolve_splits
-from ..sharding.comm._collectives import CollectivesBase, PendingTensor
+from ..sharding import check_agreement, resolve_splits, CollectivesBase, PendingTensor
 from ._context import RNG_LOCK, rank_context
 
 __all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]

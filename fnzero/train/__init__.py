@@ -12,7 +12,7 @@ config are the state layer's (`fnzero/state/`), below this one.
 from __future__ import annotations
 
 from ._jit import CompileRecord, JittedStep, JitWarning, jit
-from ..sharding.zero._remat import remat
+from ..sharding import remat
 from ._step import TrainStep, split_micro_batches, train_step
 
 __all__ = ["CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step"]

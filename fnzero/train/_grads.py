@@ -14,10 +14,8 @@ from typing import Any, Callable
 import torch
 
 from .._errors import ShardingError
-from .._ext._heap import trim_between_passes
-from ..sharding.comm._quantized import quantizing
-from ..sharding.zero._plan import ShardPlan, UnitPlan, comm_for
-from ..sharding.zero._ambient import within
+from .._ext import trim_between_passes
+from ..sharding import quantizing, ShardPlan, UnitPlan, comm_for, within
 from ._phases import Timer, prepare_for_comm, reduce_whole
 from ..state import StepPolicy
 

@@ -32,7 +32,7 @@ import torch
 
 from .._errors import FnzeroError
 from .._state import TrainState
-from ..pipeline._run import PipelineLoss
+from ..pipeline import PipelineLoss
 from ._compile import compile_fn
 from ._step import TrainStep
 
@@ -246,7 +246,7 @@ class _UnitsStep:
         return hit if owner is None else functools.partial(hit, owner)
 
     def __call__(self, state: TrainState, batch: Any):
-        from ..sharding.zero._ambient import within
+        from ..sharding import within
 
         with within(unit_compiler=self._compiled_forward):
             return self.step(state, batch)

@@ -28,9 +28,11 @@ from typing import Any, Callable
 import torch
 
 from .._state import StateMesh, TrainState
-from ..pipeline._run import PipelineLoss, sum_tied_gradients, units_for_norm
+from ..pipeline import PipelineLoss, sum_tied_gradients, units_for_norm
 from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
-from ._phases import StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor
+from ._phases import (
+    StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor,
+)
 from ..state import StepPolicy
 from ._update import OptimizerScalars, optimizer_update, publish_params
 

@@ -28,8 +28,7 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..sharding.zero._placement import Placement
-from ..sharding.zero._plan import ShardPlan, UnitPlan
+from ..sharding import Placement, ShardPlan, UnitPlan
 from ..state import StepPolicy, update_loss_scale
 
 __all__ = [

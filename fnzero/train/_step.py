@@ -23,13 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from .. import optim as _optim
-from .. import schedules as _schedules
+from .. import optim as _optim, schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
 from ._ladder import PhaseResult, StepContext, run_step, tensor_phases
 from ._phases import StepSetup, Timer, split_micro_batches
-from ..sharding.zero._param_store import stepped_in_place
+from ..sharding import stepped_in_place
 from ..state import built_per_model, exchanging_optimizer_refused, optimizer_or_config, step_policy
 from ._update import optimizer_exchange
 

@@ -19,11 +19,9 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..sharding.comm._compressed import compressed_all_reduce
-from ..sharding.zero._owners import optimizer_view
-from ..sharding.zero._plan import ShardPlan, comm_for
-from ..sharding.zero._gather import unit_views
-from ..sharding.zero._param_store import ShardSource, is_placeholder
+from ..sharding import (
+    compressed_all_reduce, optimizer_view, ShardPlan, comm_for, unit_views, ShardSource, is_placeholder,
+)
 from ..state import owner_layout, owner_update
 
 __all__ = ["OptimizerScalars", "optimizer_exchange", "optimizer_update", "publish_params"]

@@ -28,8 +28,7 @@ import optree
 import torch
 
 from .._state import StateMesh, TrainState
-from ..sharding.comm._collectives import ProcessGroupCollectives
-from ..sharding.comm._functional import FunctionalCollectives
+from ..sharding import ProcessGroupCollectives, FunctionalCollectives
 from ._compile import compile_fn
 from ._ladder import PhaseResult, StepContext, run_step, tensor_phases, why_not_traced
 from ._phases import StepSetup
@@ -93,7 +92,7 @@ class WholeStep:
         def phases(setup: StepSetup) -> PhaseResult:
             if setup.momentum is not None:
                 # The optimizer's own check reads a number; inside the graph the momentum is a tensor.
-                from ..optim._validate import momentum_override
+                from ..optim import momentum_override
 
                 momentum_override("the optimizer", setup.momentum)
             statics = self._statics_for(state, setup, opt)

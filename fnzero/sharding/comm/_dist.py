@@ -59,7 +59,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
         backend = getattr(comm, "backend", "provided")
         return DistInfo(comm.rank, comm.world_size, comm.rank, backend, torch.device("cpu"))
     if malloc_mmap_threshold:
-        from ..._ext._heap import return_freed_memory
+        from ..._ext import return_freed_memory
 
         return_freed_memory(malloc_mmap_threshold)
     rank, world, local, _ = launcher_ranks()

@@ -12,22 +12,17 @@ from torch import nn
 
 from ..._errors import ConfigError, ShardingError
 from ..._state import StateMesh
-from ..pp._module import PipelineInfo, PipelineModule
-from ..tp._autotp import PLANS, TPRule, parallelize, rules_from_config
-from ..comm._mesh import Mesh, mesh_from_config, zero_groups_of
-from ..tp._layout import TPLayout
-from ..ep._layout import EPLayout
-from ..ep._split import replace_for_autoep, split_for_ep, wanted_ep_size
-from ..zero._policy import checked_quantization, shard_policy
-from ..comm._quantize import CommQuantization
-from ..comm._collectives import Collectives, ProcessGroupCollectives, default_collectives
-from ..comm._observed import CheckedCollectives, RecordingCollectives
+from ..pp import PipelineInfo, PipelineModule
+from ..tp import PLANS, TPRule, parallelize, rules_from_config, TPLayout
+from ..comm import (
+    Mesh, mesh_from_config, zero_groups_of, CommQuantization, Collectives, ProcessGroupCollectives,
+    default_collectives, CheckedCollectives, RecordingCollectives,
+)
+from ..ep import EPLayout, replace_for_autoep, split_for_ep, wanted_ep_size
+from ..zero import checked_quantization, shard_policy, ShardPlan, make_plan, unit_predicate, ambient, hook_unit
 from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
 from ._module import ShardedModule
-from ..zero._plan import ShardPlan, make_plan, unit_predicate
-from ..zero._ambient import ambient
-from ..zero._unit_hooks import hook_unit
 
 __all__ = ["shard"]
 
@@ -155,7 +150,7 @@ def _device_for(model: nn.Module, device: torch.device | str | None, meta: bool)
     """Where the shards go: `device`, else a built model's own device, else the accelerator if any."""
     params0 = list(model.parameters())
     if device is None:
-        device = _default_device() if meta or not params0 else params0[0].device
+        device = default_device() if meta or not params0 else params0[0].device
     return torch.device(device)
 
 
@@ -185,7 +180,7 @@ def _initial_values(model: nn.Module, whole: nn.Module | None, plan: ShardPlan, 
     else:
         initial, frozen, buffers, uninitialised = initial_from_model(
             model, plan, comm.rank, device, policy.compute_dtype, checksums if comm.world_size > 1 else None)
-    from ..._ext._heap import trim_freed_memory
+    from ..._ext import trim_freed_memory
 
     trim_freed_memory()  # the model's parameters were freed: do not keep their pages
     return InitialValues(initial, uninitialised, checksums), frozen, buffers
@@ -373,7 +368,7 @@ def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
     return hook
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     """Where a meta model's shards go when `shard` is not told: the current accelerator, else the host."""
     acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     if acc is not None and torch.accelerator.is_available():

@@ -11,8 +11,8 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ._materialize import MetaInitializer
-from ..comm._observed import checksum
-from ..zero._plan import ShardPlan, UnitPlan
+from ..comm import checksum
+from ..zero import ShardPlan, UnitPlan
 
 __all__ = ["Initial", "InitialValues", "checksum", "initial_from_model", "initial_from_meta", "placeholder_param", "is_released"]
 

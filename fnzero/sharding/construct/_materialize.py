@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..._errors import ShardingError
-from ..zero._plan import ShardPlan, owner_module
+from ..zero import ShardPlan, owner_module
 from ._adapter_init import AdapterInit
 from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fill
 

@@ -13,17 +13,14 @@ from torch import nn
 
 from ..._errors import ShardingError
 from ..._state import Sharding, StateMesh, TrainState
-from ..comm._collectives import Collectives
+from ..comm import Collectives
 from ._initial import InitialValues, is_released
-from ..zero._param_store import ShardSource, ShardSources, held, sources_of
-from ..zero._policy import ShardPolicy
-from ..tp._ops import vocab_parallel_cross_entropy
-from ..zero._plan import ROOT_UNIT, ShardPlan, UnitPlan, comm_for
-from ..zero._saved_names import non_persistent_buffers
-from ...optim._config import config_optimizer
-from ..zero._ambient import ambient, within
-from ..zero._runtime import ApplyRun, GatherSchedule, unit_views
-from ..zero._unit_hooks import route_unit_forward
+from ..zero import (
+    ShardSource, ShardSources, held, sources_of, ShardPolicy, ROOT_UNIT, ShardPlan, UnitPlan, comm_for,
+    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, route_unit_forward,
+)
+from ..tp import vocab_parallel_cross_entropy
+from ...optim import config_optimizer
 
 __all__ = ["ShardedModule", "full_unit"]
 
@@ -233,8 +230,9 @@ class ShardedModule:
         """
         # [Note: the one upward import] The state holds what layers above sharding define (the
         # optimizer's state, the loss scale, offload stores, pretrained weights), so it is built
-        # by the state layer (`fnzero/state/_init.py`), which never imports this module back;
-        # this method is its public door.
+        # by the state layer (`fnzero/state/_init.py`); this method is its public door. The import
+        # runs when the method is called, after both layers are loaded, so the circle it closes
+        # on paper (the state layer imports sharding's face) is never taken at import time.
         from ...state import init_state
 
         return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,

@@ -12,7 +12,7 @@ import functools
 from typing import Any, Mapping
 
 from ... import config as _config
-from ..comm._collectives import current_world_size
+from ..comm import current_world_size
 
 __all__ = ["load_config", "hf_auto_values"]
 

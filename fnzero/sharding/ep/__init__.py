@@ -17,5 +17,11 @@ from ._group import ExpertGroup, check_expert_split, expert_range
 from ._hf_experts import HFExpertGroup
 from ._ops import all_to_all_grad
 
+
+# What fnzero's other packages use of this package: they import it from here, its face, and
+# never from its private modules (`specs/architecture.md` §Package faces).
+from ._layout import EPLayout
+from ._split import replace_for_autoep, split_for_ep, wanted_ep_size
+
 __all__ = ["AUTOEP_KEYS_NO_EFFECT", "AUTOEP_KEYS_READ", "AUTOEP_PRESETS", "AutoEPPreset", "ExpertGroup",
            "HFExpertGroup", "all_to_all_grad", "autoep_replace", "check_expert_split", "expert_range", "resolve_autoep_preset"]

@@ -87,7 +87,7 @@ class EPLayout:
     def unit_from_every_rank(self, unit, full) -> dict[str, Any]:
         """An expert unit's parameters on every ep rank (each holds the same layout of other experts),
         by the whole layer's names, from this rank's full buffer: one all-gather over the ep ranks."""
-        from ..zero._gather import unit_views
+        from ..zero import unit_views
 
         every = self.comm.all_gather(full).view(self.size, -1)
         return self.consolidate(unit.module, [unit_views(unit, every[j]) for j in range(self.size)])

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..._errors import ConfigError, ShardingError
 from ._partition import stage_bounds
-from ..zero._remat import remat
+from ..zero import remat
 
 __all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage", "TiedWeight", "find_ties"]
 

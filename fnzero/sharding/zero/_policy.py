@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from ..._errors import ConfigError
-from ..comm._quantize import BlockQuantizer, CommQuantization
+from ..comm import BlockQuantizer, CommQuantization
 from ._placement import REPLICATED, Placement, placement_for_stage
 
 __all__ = ["ShardPolicy", "shard_policy", "DTYPES", "config_precision", "offload_device", "comm_quantization",

@@ -24,7 +24,7 @@ from ._ambient import ambient
 from ._backward import BackwardBinding, UnitBinder, swap_tensors
 from ._frozen import release_after_backward
 from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_views
-from ..comm._quantized import quantizing
+from ..comm import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
 
