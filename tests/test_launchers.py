@@ -20,10 +20,10 @@ import sys
 
 import pytest
 
-from fnzero.cli._binding import bind_command, core_ranges, parse_core_list, physical_cores
-from fnzero.cli._hosts import LaunchError, select
-from fnzero.cli._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command,
-                                   pdsh_kill_command)
+from fnzero.cli.launch._binding import bind_command, core_ranges, parse_core_list, physical_cores
+from fnzero.cli.launch._hosts import LaunchError, select
+from fnzero.cli.launch._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info,
+                                          launcher_command, pdsh_kill_command)
 from fnzero.cli._main import split_launch_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -221,7 +221,7 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     # CUDA device, else one per NUMA node), e.g. `--include localhost:1,2` on GPUs 1 and 2.
     import torch
 
-    from fnzero.cli._binding import numa_nodes
+    from fnzero.cli.launch._binding import numa_nodes
     n = torch.cuda.device_count() if torch.cuda.is_available() else sum(1 for c in numa_nodes().values() if c) or 1
     assert _launch(capsys, "--include", f"localhost:{n}", "t.py") == (2, [
         f"fnzero launch: --include 'localhost:{n}': host 'localhost' has slots 0..{n - 1}, not [{n}]"])
@@ -314,7 +314,7 @@ def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
     """The default launcher (ssh): --launcher_args are ssh's options, and each host's `fnzero
     launch` gets the front's --module/--no_python/--save_pid/--bind_cores_to_rank/-q."""
     from fnzero.cli._main import build_parser
-    from fnzero.cli._multinode import _remote_command, _ssh
+    from fnzero.cli.launch._multinode import _remote_command, _ssh
 
     monkeypatch.delenv("FNZERO_SSH", raising=False)
     args = build_parser().parse_args(["launch", "--hostfile", "h", "--launcher_args", "-o ConnectTimeout=5",
@@ -329,7 +329,7 @@ def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
 def test_launch_reads_deepspeeds_default_hostfile_where_it_exists(tmp_path):
     # DeepSpeed's runner reads /job/hostfile without --hostfile; not a node's own launch (which
     # would start the hosts again), nor beside --nproc-per-node, nor where the file is missing.
-    from fnzero.cli._launch_checks import take_default_hostfile
+    from fnzero.cli.launch._checks import take_default_hostfile
     from fnzero.cli._main import build_parser
 
     path = tmp_path / "hostfile"
@@ -349,7 +349,7 @@ def test_a_bare_launch_runs_every_device_of_this_machine_as_deepspeed(tmp_path, 
     # `deepspeed train.py` with no hostfile runs one rank per device (its CPU accelerator: per NUMA
     # node); --nproc-per-node or --num_gpus still say how many.
     import fnzero.cli._main as cli_main
-    import fnzero.cli._multinode as multinode
+    import fnzero.cli.launch._multinode as multinode
 
     (tmp_path / "t.py").write_text("")
     monkeypatch.chdir(tmp_path)
@@ -379,7 +379,7 @@ def test_each_host_is_checked_over_ssh_before_anything_starts(tmp_path, monkeypa
     # DeepSpeed's runner checks passwordless ssh before a multi-node launch (--no_ssh_check skips
     # it); fnzero asks every selected host at once, and names each that does not answer.
     from fnzero.cli._main import build_parser
-    from fnzero.cli._multinode import check_ssh
+    from fnzero.cli.launch._multinode import check_ssh
 
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)

@@ -16,11 +16,11 @@ from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
-from ._hosts import DEFAULT_HOSTFILE, LaunchError
-from ._launch_checks import (ignored_flag_warnings, launch_flag_problems, launch_options, scan_launch_args,
+from .launch._hosts import DEFAULT_HOSTFILE, LaunchError
+from .launch._checks import (ignored_flag_warnings, launch_flag_problems, launch_options, scan_launch_args,
                              take_default_hostfile)
-from ._launch_flags import add_launcher_flags
-from ._rank_front_args import rank_log_folder
+from .launch._flags import add_launcher_flags
+from .launch._rank_front_args import rank_log_folder
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
@@ -40,7 +40,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     if not rest:
         print("fnzero launch: name the training script, e.g. `fnzero launch --nproc-per-node 2 train.py`", file=sys.stderr)
         return 2
-    from ._multinode import machine_slots, this_machine
+    from .launch._multinode import machine_slots, this_machine
 
     try:
         if here:
@@ -72,7 +72,7 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
         os.environ["LOGLEVEL"] = "ERROR"  # torchrun's own logging
     pid_path = None
     if args.save_pid is not None:  # DeepSpeed's launch.py: named after the front launcher's pid
-        from ._tool_launch import pid_file
+        from .launch._tool_launch import pid_file
 
         pid_path = pid_file(os.getpid() if args.save_pid < 0 else args.save_pid)
         if not args.quiet:  # a launcher line, which -q leaves out
@@ -111,7 +111,7 @@ def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
         if given:
             print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
                   "this node, on a free port, its output in exps_dir)", file=sys.stderr)
-    from ._multinode import machine_slots
+    from .launch._multinode import machine_slots
 
     world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None)
     world = machine_slots() if world is None else world
@@ -130,8 +130,8 @@ def _too_few_ranks(args: argparse.Namespace, n: int) -> str:
 def _this_node(args: argparse.Namespace) -> None:
     """--no_ssh --node_rank i with a hostfile (each node started by hand), or pdsh's per-host
     `--world_info ... --node_rank N`: this node's ranks, its rank among the nodes, the master."""
-    from ._launchers import decode_world_info
-    from ._multinode import run_slots_here, selected_hosts
+    from .launch._launchers import decode_world_info
+    from .launch._multinode import run_slots_here, selected_hosts
 
     active = decode_world_info(args.world_info) if args.world_info else selected_hosts(args)[1]
     hosts = list(active)
@@ -146,7 +146,7 @@ def _this_node(args: argparse.Namespace) -> None:
 def _start_hosts(args: argparse.Namespace, rest: list[str]) -> int | None:
     """A hostfile's job: the exit status of starting its hosts, or None when the selection is one
     host whose ranks run here (`one_host_here`)."""
-    from ._multinode import launch_hostfile, one_host_here
+    from .launch._multinode import launch_hostfile, one_host_here
 
     if not rest:
         print("fnzero launch: name the training script, e.g. `fnzero launch --hostfile hosts train.py`",
@@ -164,8 +164,8 @@ def _start_hosts(args: argparse.Namespace, rest: list[str]) -> int | None:
 def _program(args: argparse.Namespace, rest: list[str]) -> list[str]:
     """torchrun's words for what each rank runs: `[-m] SCRIPT ARGS`, `--no-python SCRIPT ARGS`, or,
     with --bind_cores_to_rank or --enable_each_rank_log, fnzero's rank front (`_rank_front.py`)."""
-    from ._binding import bind_command, check_cores_exist, rank_program
-    from ._rank_front_args import front_flags, rank_log_prefix
+    from .launch._binding import bind_command, check_cores_exist, rank_program
+    from .launch._rank_front_args import front_flags, rank_log_prefix
 
     rank_program(sys.executable, rest[0], [], args.module, args.no_python)  # the flags' checks
     if not (args.module or args.no_python) and not os.path.isfile(rest[0]):

@@ -9,8 +9,8 @@ import shlex
 import subprocess
 import sys
 
-from ._hosts import DEFAULT_HOSTFILE, HostfileError, read_hostfile, select
-from ._multinode import _pump, ssh_command
+from .launch._hosts import DEFAULT_HOSTFILE, HostfileError, read_hostfile, select
+from .launch._multinode import _pump, ssh_command
 
 __all__ = ["register"]
 

@@ -1,0 +1,1 @@
+"""`fnzero launch`: DeepSpeed's runner on torchrun (`specs/cli.md` §fnzero launch)."""
