@@ -16,7 +16,7 @@ import subprocess
 import sys
 import warnings
 
-from .launch._flags import add_rank_flags
+from .launch import add_rank_flags
 from ._tune_jobs import config_arg_index, launch_flags, script_args_for, trial_argv
 
 __all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
@@ -92,8 +92,7 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
 def _script_problem(args) -> str | None:
     """Why the script cannot run, where that can be told before any trial and without running
     user code: a missing file, a module not found from here, a program not on PATH."""
-    from .launch._binding import rank_program
-    from .launch._hosts import LaunchError
+    from .launch import LaunchError, rank_program
 
     try:
         rank_program(sys.executable, args.script, [], args.module, args.no_python)  # the flags' own checks
@@ -159,7 +158,7 @@ def _fail(msg: str) -> int:
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
     if args.world is None:  # as DeepSpeed's autotuner: every device of this machine
-        from .launch._multinode import machine_slots
+        from .launch import machine_slots
 
         args.world = machine_slots()
     i = config_arg_index(args.script_args)

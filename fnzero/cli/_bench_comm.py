@@ -157,7 +157,7 @@ def _wait_ranks(pids: list[int]) -> int:
 def _torchrun(world: int) -> int:
     """This same command (less --world) on `world` ranks started by torchrun."""
     from ..sharding.comm._dist import free_port
-    from ._main import _run_torchrun
+    from .launch import run_torchrun
 
     argv, skip = [], False
     for a in sys.argv[1:]:
@@ -170,7 +170,7 @@ def _torchrun(world: int) -> int:
         if not a.startswith("--world="):
             argv.append(a)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return _run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
+    return run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
                           "--master-port", str(free_port()), "--monitor-interval", "1", "-m", "fnzero.cli", *argv])
 
 

@@ -1,8 +1,10 @@
-"""`fnzero launch --hostfile FILE --launcher pdsh|openmpi|mpich|impi|mvapich|slurm`: runs the command
-`_launchers.launcher_command` builds, here, and waits for it (`specs/cli.md` §Launchers)."""
+"""`fnzero launch --hostfile FILE --launcher pdsh|openmpi|mpich|impi|mvapich|slurm`: a `LaunchPlan`
+of kind `tool`, the command `_launchers.launcher_command` builds, and its executor, which runs it
+here and waits for it (`specs/cli.md` §Launchers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -14,26 +16,53 @@ import time
 from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
                          pdsh_kill_command)
-from ._multinode import check_ssh, forwarded_env, master_addr
+from ._plan import LaunchPlan, pid_file
 from ._rank_front_args import rank_log_prefix
+from ._ssh import check_ssh, forwarded_env, master_addr
 
-__all__ = ["launch_with_tool", "pid_file"]
+__all__ = ["plan_tool", "run_tool"]
 
 _GRACE_S = 10.0  # after a stop, how long the tool gets to end before it is killed
 
 
-def pid_file(front_pid: int) -> str:
-    """Where `--save_pid` leaves the launcher's pid (DeepSpeed's name, for tools that wait on it)."""
-    return os.path.join(tempfile.gettempdir(), f"{front_pid}.deepspeed")
+def plan_tool(args, rest: list[str], hostfile: str, hosts: dict[str, int], active: dict[str, list[int]]) -> LaunchPlan:
+    """The launcher's tool over the selected hosts: it must be on PATH, and every host answers
+    over ssh first (`check_ssh`)."""
+    tool = launcher_tool(args.launcher)
+    if shutil.which(tool) is None:
+        raise LaunchError(f"--launcher {args.launcher}: `{tool}` is not on PATH; install it, or use "
+                          "--launcher ssh (the default)")
+    check_ssh(args, list(active))
+    # Every rank imports from this directory first, as DeepSpeed's runner arranges.
+    setenv = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    environ = {**os.environ, **setenv}
+    job = _job(args, rest, active, hostfile, environ)
+    cmd, env = launcher_command(job, environ)  # its checks, before anything is made
+    files, scratch = {}, None
+    if args.launcher == "openmpi" and active != {h: list(range(n)) for h, n in hosts.items()}:
+        scratch = tempfile.mkdtemp(prefix="fnzero-launch-")  # mpirun reads the hosts the filters keep
+        job = dataclasses.replace(job, hostfile=os.path.join(scratch, "hostfile"))
+        files[job.hostfile] = "".join(f"{h} slots={len(s)}\n" for h, s in active.items())
+        cmd, env = launcher_command(job, environ)
+    if args.launcher == "mvapich":
+        files[MVAPICH_HOSTFILE] = "".join(f"{h}\n" for h in active)
+    announce = None if args.quiet else (
+        f"fnzero launch: {args.launcher} on {len(active)} host(s) "
+        f"{', '.join(f'{h}:{len(s)}' for h, s in active.items())}, rendezvous at "
+        f"{job.master_addr}:{job.master_port}: {subprocess.list2cmdline(cmd)}")
+    return LaunchPlan(kind="tool", launcher=args.launcher, command=tuple(cmd), hosts=active, setenv=setenv,
+                      command_env=env, files=files, scratch=scratch, announce=announce,
+                      kill_command=tuple(pdsh_kill_command(job)) if args.launcher == "pdsh" else None,
+                      pid_file=pid_file(os.getpid()) if args.save_pid is not None and args.launcher != "pdsh" else None)
 
 
-def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[int]], hostfile: str) -> LaunchJob:
+def _job(args, rest: list[str], active: dict[str, list[int]], hostfile: str, environ: dict[str, str]) -> LaunchJob:
     cuda = False
     if args.launcher == "mvapich":  # its CUDA-aware transport is asked for on CUDA machines only
         import torch
 
         cuda = torch.cuda.is_available()
-    exports = {**default_exports(args.launcher, cuda), **forwarded_env()}
+    exports = {**default_exports(args.launcher, cuda), **forwarded_env(environ)}
     return LaunchJob(
         launcher=args.launcher, hostfile=hostfile, active=active,
         exports={k: v.strip() for k, v in exports.items()},
@@ -46,35 +75,22 @@ def _job(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[in
         slurm_comment=args.comment, slurm_account=args.account, rank_log=rank_log_prefix(args.enable_each_rank_log))
 
 
-def launch_with_tool(args, rest: list[str], hosts: dict[str, int], active: dict[str, list[int]]) -> int:
-    """Run the launcher's tool over the selected hosts; its exit status."""
-    tool = launcher_tool(args.launcher)
-    if shutil.which(tool) is None:
-        raise LaunchError(f"--launcher {args.launcher}: `{tool}` is not on PATH; install it, or use "
-                          "--launcher ssh (the default)")
-    check_ssh(args, list(active))
-    # Every rank imports from this directory first, as DeepSpeed's runner arranges.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory(prefix="fnzero-launch-") as tmp:
-        hostfile = args.hostfile
-        if args.launcher == "openmpi" and active != {h: list(range(n)) for h, n in hosts.items()}:
-            hostfile = os.path.join(tmp, "hostfile")  # mpirun reads the hosts the filters keep
-            with open(hostfile, "w") as f:
-                f.writelines(f"{h} slots={len(s)}\n" for h, s in active.items())
-        job = _job(args, rest, hosts, active, hostfile)
-        cmd, env = launcher_command(job, dict(os.environ))
-        if args.launcher == "mvapich":
-            with open(MVAPICH_HOSTFILE, "w") as f:
-                f.writelines(f"{h}\n" for h in active)
-        if not args.quiet:
-            print(f"fnzero launch: {args.launcher} on {len(active)} host(s) "
-                  f"{', '.join(f'{h}:{len(s)}' for h, s in active.items())}, rendezvous at "
-                  f"{job.master_addr}:{job.master_port}: {subprocess.list2cmdline(cmd)}", file=sys.stderr, flush=True)
-        return _run(cmd, env, pdsh_kill_command(job) if args.launcher == "pdsh" else None,
-                    pid_file(os.getpid()) if args.save_pid is not None and args.launcher != "pdsh" else None)
+def run_tool(plan: LaunchPlan) -> int:
+    """Run a `tool` plan; the tool's exit status."""
+    os.environ.update(plan.setenv)
+    try:
+        for path, text in plan.files.items():
+            with open(path, "w") as f:
+                f.write(text)
+        if plan.announce:
+            print(plan.announce, file=sys.stderr, flush=True)
+        return _run(list(plan.command), dict(plan.command_env), plan.kill_command, plan.pid_file)
+    finally:
+        if plan.scratch:
+            shutil.rmtree(plan.scratch, ignore_errors=True)
 
 
-def _run(cmd: list[str], env: dict[str, str], kill_cmd: list[str] | None, pid_path: str | None) -> int:
+def _run(cmd: list[str], env: dict[str, str], kill_cmd: tuple[str, ...] | None, pid_path: str | None) -> int:
     """Run the tool; on Ctrl-C or SIGTERM pass it on (and, for pdsh, end the per-host launchers)."""
     if pid_path:
         with open(pid_path, "w") as f:
@@ -85,7 +101,7 @@ def _run(cmd: list[str], env: dict[str, str], kill_cmd: list[str] | None, pid_pa
     def stop(signum, frame):  # no waiting here: the loop below reaps the tool
         stopping.append(time.monotonic())
         if kill_cmd:  # pdsh: end each host's launcher; its ssh sessions, then pdsh, end with them
-            subprocess.run(kill_cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+            subprocess.run(list(kill_cmd), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
         else:  # mpirun and srun pass SIGINT on to the ranks
             proc.send_signal(signal.SIGINT)
 
