@@ -7,56 +7,20 @@ import os
 import sys
 
 from . import _bench as bench_commands
-from . import _autotune as autotune_commands
 from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
-from .launch import (add_launch_parser, launch_main, launch_options, machine_slots, rank_log_folder, scan_launch_args,
-                     too_few_ranks)
+from . import autotune as autotune_commands
+from .launch import add_launch_parser, launch_main, launch_options, scan_launch_args
 
 __all__ = ["build_parser", "main", "split_launch_args"]
 
 
 def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.autotuning:
-        return _autotune_from_launch(args, rest)
+    if args.autotuning:  # DeepSpeed's `deepspeed --autotuning tune|run`: the autotuner, given this node's ranks
+        return autotune_commands.autotune_from_launch(args, rest)
     return launch_main(args, rest)
-
-
-def _autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
-    """DeepSpeed's `deepspeed --autotuning tune|run --num_gpus N script ...`: `fnzero autotune` with
-    this node's N ranks (--num_gpus, else --nproc-per-node) and the per-rank flags every trial
-    takes (`_tune_jobs.launch_flags`). Each trial is its own job on this node on a free port, so
-    flags that choose or start other hosts are refused, and the port and restart flags warned of."""
-    from ._tune_jobs import launch_flags
-
-    refused = [flag for flag, given in (
-        ("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude),
-        ("--num_nodes", (args.num_nodes or 1) > 1), ("--nnodes", (args.nnodes or 1) > 1),
-        ("--node_rank", args.node_rank is not None), ("--no_ssh", args.no_ssh), ("--launcher", args.launcher != "ssh"),
-        ("--launcher_args", args.launcher_args), ("--ssh_port", args.ssh_port is not None)) if given]
-    for flag in refused:
-        print(f"fnzero launch: {flag} cannot be used with --autotuning: the autotuner runs each trial as its own "
-              "job on this node; tune on one node, then launch the hosts with its ds_config_optimal.json",
-              file=sys.stderr)
-    if refused:
-        return 2
-    for flag, given in (("--master_addr", args.master_addr), ("--master_port", args.master_port is not None),
-                        ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None),
-                        ("--comment", args.comment), ("--account", args.account),
-                        ("--enable_each_rank_log", rank_log_folder(args.enable_each_rank_log))):
-        if given:
-            print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
-                  "this node, on a free port, its output in exps_dir)", file=sys.stderr)
-    world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None)
-    world = machine_slots() if world is None else world
-    if world < 1:
-        print(f"fnzero launch: {too_few_ranks(args, world)}", file=sys.stderr)
-        return 2
-    run = ["--run"] if args.autotuning == "run" else []
-    tune = build_parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
-    return int(tune.func(tune))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
