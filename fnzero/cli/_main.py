@@ -11,6 +11,7 @@ from . import _checkpoint as checkpoint_commands
 from . import _config as config_commands
 from . import _plan as plan_commands
 from . import _remote as ssh_commands
+from . import _report as report_commands
 from . import autotune as autotune_commands
 from .launch import add_launch_parser, launch_main, launch_options, scan_launch_args
 
@@ -23,22 +24,14 @@ def _cmd_launch(args: argparse.Namespace, rest: list[str]) -> int:
     return launch_main(args, rest)
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
-    from ._report import report_lines
-
-    print("\n".join(report_lines()))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fnzero", description="ZeRO sharding as pure training steps on PyTorch.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    add_launch_parser(sub)
-    sub.add_parser("report", help="environment, devices, backends and native-extension status")
-
-    config_commands.register(sub)
-    # Each command family adds its parsers with `set_defaults(func=handler)`, and
+    add_launch_parser(sub)  # run by `_cmd_launch`: the script's own arguments are split off first
+    # Each other command family adds its parsers with `set_defaults(func=handler)`, and
     # `handler(args) -> int` is the exit code.
+    report_commands.register(sub)
+    config_commands.register(sub)
     checkpoint_commands.register(sub)
     plan_commands.register(sub)
     bench_commands.register(sub)
@@ -80,8 +73,6 @@ def _dispatch(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is not None:
         return int(args.func(args) or 0)
-    if args.command == "report":
-        return _cmd_report(args)
     parser.print_help()
     return 0 if args.command is None else 2
 
