@@ -8,8 +8,8 @@ import dataclasses
 import math
 import random
 
-__all__ = ["Candidate", "micro_batch_sizes", "build_space", "given_layout", "model_state_estimate", "prune", "trial_config",
-           "order"]
+__all__ = ["Candidate", "micro_batch_sizes", "build_space", "given_layout", "model_state_estimate", "prune",
+           "trial_config", "order"]
 
 
 @dataclasses.dataclass(frozen=True)
