@@ -12,7 +12,7 @@ import pytest
 import fnzero
 from fnzero._errors import ConfigError
 from fnzero.cli._main import main as cli
-from fnzero.cli._tune_space import Candidate, micro_batch_sizes, prune
+from fnzero.autotune import Candidate, micro_batch_sizes, prune
 from fnzero.memory._estimate import estimate
 from fnzero.memory._predict import Link, collective_traffic, predict_step
 
@@ -164,7 +164,7 @@ def test_model_fitted_to_trials_recovers_their_rates_and_predicts_each_from_the_
     # specs/autotune.md §Calibration: steps made by the model itself (per-stage micro-step costs, one
     # per-sample rate, measured passes and optimizer rates) are fitted exactly, and every trial's
     # leave-one-out prediction is its step; passes replace the link's formulas, per collective_passes.
-    from fnzero.cli._tune_model import fit, leave_one_out
+    from fnzero.autotune import fit, leave_one_out
 
     psi, world, gas = 10_000, 2, 2
     passes = {"all_gather": 0.003, "reduce_scatter": 0.004, "all_reduce": 0.009, "scalar": 0.0002}
@@ -258,7 +258,7 @@ def test_plan_predicts_clusters_with_the_same_model(capsys):
 
 
 def test_script_args_carry_the_trials_config_and_arg_mappings():
-    from fnzero.cli._tune_jobs import script_args_for
+    from fnzero.cli.autotune._jobs import script_args_for
 
     cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
     maps = {"train_micro_batch_size_per_gpu": "--batch-size", "zero_optimization.stage": "--zero-stage"}
@@ -269,8 +269,8 @@ def test_script_args_carry_the_trials_config_and_arg_mappings():
 
 def test_tuners_stop_at_num_trials_and_early_stopping(tmp_path, monkeypatch, capsys):
     # specs/autotune.md §Tuners, with the trials' numbers given (no jobs): samples/s = 10 x micro - stage.
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     order_run = []
 
@@ -308,8 +308,8 @@ def test_tuners_stop_at_num_trials_and_early_stopping(tmp_path, monkeypatch, cap
 def test_rounds_rerun_every_successful_candidate_round_robin_and_keep_its_fastest_job(tmp_path, monkeypatch, capsys):
     # specs/autotune.md §Rounds, with the trials' numbers given (no jobs): z0_mbs2's second job is a
     # slow spell's, z1_mbs2's is faster than its first, z1_mbs1's fails; z0_mbs1 never succeeds.
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     calls = []
     times = {("z0_mbs2", 1): 0.10, ("z0_mbs2", 2): 0.30, ("z1_mbs2", 1): 0.20, ("z1_mbs2", 2): 0.08,
@@ -350,8 +350,8 @@ def test_rounds_rerun_every_successful_candidate_round_robin_and_keep_its_fastes
 def test_confirm_reruns_a_measurement_far_above_what_the_others_predict(tmp_path, monkeypatch, capsys):
     # specs/autotune.md §Confirm, with the trials' numbers given (no jobs): steps are 20 ms (stage 0)
     # or 25 ms (stage 1) plus 10 ms per sample, except z1_mbs2's first job, a slow spell's (+40 %).
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     calls = []
 
@@ -394,8 +394,8 @@ def test_confirm_judges_only_positive_predictions_and_says_above_or_below_of_the
     # nothing about the measurement: it is not judged. Of the rest, z0_mbs4 (predicted 40.5 ms,
     # measured 70 ms: 73 % above), z1_mbs4 (40 % above) and z0_mbs2 (22.4 ms against 30 ms: 34 % above)
     # each get one job, the most suspect first, before any gets a second.
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     steps = {"z0_mbs1": 0.010, "z0_mbs2": 0.030, "z0_mbs4": 0.070, "z1_mbs1": 0.030, "z1_mbs2": 0.015, "z1_mbs4": 0.060}
     calls = []
@@ -421,7 +421,7 @@ def test_confirm_judges_only_positive_predictions_and_says_above_or_below_of_the
     assert "z1_mbs1" not in "".join(ln for ln in out.splitlines() if ln.startswith("fnzero autotune: confirming"))
     assert "not judging z1_mbs1: the other candidates predict a step of -0.0055 s" in out
     # The words for every sign and size: the measurement's distance from the prediction, in its percent.
-    from fnzero.cli._tune_results import versus
+    from fnzero.cli.autotune._results import versus
 
     assert [versus(m, 0.1) for m in (0.15, 0.1, 0.08, 0.01, 0.7)] == [
         "50% above", "0% above", "20% below", "90% below", "600% above"]
@@ -431,7 +431,7 @@ def test_model_based_tuner_does_not_rank_a_candidate_by_a_non_positive_predictio
     # A step of -5 ms was once the best latency and a negative throughput the worst: it is no prediction.
     from types import SimpleNamespace
 
-    from fnzero.cli._tune_loop import Tuning
+    from fnzero.cli.autotune._loop import Tuning
 
     tuning = Tuning.__new__(Tuning)
     step = {1: -0.005, 2: 0.0, 4: 0.040}
@@ -447,8 +447,8 @@ def test_micro_batch_grid_stops_growing_at_the_memory_limit_and_the_time_budget(
     # specs/autotune.md §Bounds, with the trials' numbers given (no jobs). DeepSpeed's default grid,
     # 1, 32, 1024, once ran a 0.87M-parameter model at 1024 (15.5 s a step). Here a step is 20 ms +
     # 5 ms per sample, a trial 6 s + its 33 steps, the peak 100 MiB + 2 MiB per sample.
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     calls = []
 
@@ -498,8 +498,8 @@ def test_default_output_directories_stay_out_of_git_and_given_ones_are_the_users
     # the working directory, often a repository's root, where `git status` showed them after a run.
     import subprocess
 
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     def fake_trial(c, *, exps_dir, **kw):
         os.makedirs(os.path.join(exps_dir, c.name), exist_ok=True)  # what a trial writes: its log, config, command
@@ -548,8 +548,8 @@ def test_launch_autotuning_takes_deepspeeds_num_gpus_and_gives_each_trial_the_pe
                                                                                              capsys):
     # specs/autotune.md §Command: `deepspeed --autotuning tune --num_nodes 1 --num_gpus 2 ...`, as
     # DeepSpeed's tutorial writes it; the trial's numbers are given (no jobs).
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.cli.autotune._jobs import TrialResult
 
     seen = []
 
@@ -622,9 +622,9 @@ def test_a_bad_value_and_an_impossible_range_in_the_block_are_reported_together(
 def test_tensor_and_pipeline_layouts_are_candidates_with_their_own_model(tmp_path, monkeypatch, capsys):
     # specs/autotune.md §Search space, §Calibration, trials' numbers given (no jobs): a tp 2 step
     # costs 30 ms more than a tp 1 step of the same micro-batch; each layout's model is its own.
-    import fnzero.cli._tune_loop as loop
-    from fnzero.cli._tune_jobs import TrialResult
-    from fnzero.cli._tune_space import build_space, trial_config
+    import fnzero.cli.autotune._loop as loop
+    from fnzero.autotune import build_space, trial_config
+    from fnzero.cli.autotune._jobs import TrialResult
 
     keep, rejected = build_space([0, 2], [2], ["none"], gas=2, world=4, layouts=[(1, 1), (2, 1), (1, 2), (1, 4), (3, 1)])
     assert [c.name for c in keep] == ["z0_mbs2", "z2_mbs2", "z0_mbs2_tp2", "z2_mbs2_tp2", "z0_mbs2_pp2"]

@@ -11,9 +11,9 @@ import types
 
 import pytest
 
+from fnzero.autotune import Candidate
 from fnzero.cli._main import main as cli
-from fnzero.cli._tune_jobs import run_trial
-from fnzero.cli._tune_space import Candidate
+from fnzero.cli.autotune._jobs import run_trial
 from fnzero.config._parse import read_source
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

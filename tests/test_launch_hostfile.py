@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from fnzero.cli._hosts import HostfileError, parse_hostfile, read_env_file, select
+from fnzero.cli.launch._hosts import HostfileError, parse_hostfile, read_env_file, select
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
@@ -80,7 +80,7 @@ def test_deepspeed_env_files_are_read_from_home_and_here(tmp_path, monkeypatch):
     home.mkdir(), here.mkdir()
     (home / ".deepspeed_env").write_text("A=1\nB=from home\n")
     (here / ".deepspeed_env").write_text("# comment\nB=from here=with equals\n")
-    monkeypatch.setattr("fnzero.cli._hosts.ENV_FILE_PATHS", (str(home), str(here)))
+    monkeypatch.setattr("fnzero.cli.launch._hosts.ENV_FILE_PATHS", (str(home), str(here)))
     assert read_env_file() == {"A": "1", "B": "from here=with equals"}
     (here / ".deepspeed_env").write_text("not a pair\n")
     with pytest.raises(HostfileError, match=r"\.deepspeed_env:1: expected KEY=VALUE"):

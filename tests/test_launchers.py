@@ -20,10 +20,10 @@ import sys
 
 import pytest
 
-from fnzero.cli._binding import bind_command, core_ranges, parse_core_list, physical_cores
-from fnzero.cli._hosts import LaunchError, select
-from fnzero.cli._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info, launcher_command,
-                                   pdsh_kill_command)
+from fnzero.cli.launch._binding import bind_command, core_ranges, parse_core_list, physical_cores
+from fnzero.cli.launch._hosts import LaunchError, select
+from fnzero.cli.launch._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, encode_world_info,
+                                          launcher_command, pdsh_kill_command)
 from fnzero.cli._main import split_launch_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -221,7 +221,7 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     # CUDA device, else one per NUMA node), e.g. `--include localhost:1,2` on GPUs 1 and 2.
     import torch
 
-    from fnzero.cli._binding import numa_nodes
+    from fnzero.cli.launch._binding import numa_nodes
     n = torch.cuda.device_count() if torch.cuda.is_available() else sum(1 for c in numa_nodes().values() if c) or 1
     assert _launch(capsys, "--include", f"localhost:{n}", "t.py") == (2, [
         f"fnzero launch: --include 'localhost:{n}': host 'localhost' has slots 0..{n - 1}, not [{n}]"])
@@ -242,17 +242,21 @@ def test_bad_launches_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
 def test_no_ssh_node_rank_is_that_hosts_share(tmp_path, monkeypatch):
     """`--no_ssh --node_rank 1` (each node started by hand): torchrun gets host 1's slots as node 1
     of the hosts kept, the rendezvous at the first host unless --master_addr says."""
-    from fnzero.cli._main import _this_node, _torchrun_argv, build_parser
+    from fnzero.cli._main import build_parser
+    from fnzero.cli.launch import plan_launch
 
     (tmp_path / "hosts").write_text("w0 slots=2\nw1 slots=4\nw2 slots=1\n")
+    (tmp_path / "t.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after: _this_node sets it for its ranks
     args = build_parser().parse_args(["launch", "--hostfile", "hosts", "--no_ssh", "--node_rank", "1", "--exclude",
                                       "w2@w1:0", "--master_port", "29531"])
-    _this_node(args)
-    assert _torchrun_argv(args) == ["--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                    "w0", "--master-port", "29531", "--monitor-interval", "1"]
-    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1,2,3"  # the slots kept of w1
+    parsed = dict(vars(args))
+    plan = plan_launch(args, ["t.py"])
+    assert plan.kind == "torchrun" and plan.command == (
+        "--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "w0", "--master-port", "29531",
+        "--monitor-interval", "1", "t.py")
+    assert plan.setenv == {"CUDA_VISIBLE_DEVICES": "1,2,3"}  # the slots kept of w1, set for its ranks at the start
+    assert vars(args) == parsed  # the plan is built from the flags, which stay as parsed
 
 
 def test_no_ssh_runs_this_nodes_ranks_with_its_pid_saved(tmp_path):
@@ -314,13 +318,14 @@ def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
     """The default launcher (ssh): --launcher_args are ssh's options, and each host's `fnzero
     launch` gets the front's --module/--no_python/--save_pid/--bind_cores_to_rank/-q."""
     from fnzero.cli._main import build_parser
-    from fnzero.cli._multinode import _remote_command, _ssh
+    from fnzero.cli.launch._multinode import _remote_command
+    from fnzero.cli.launch._ssh import launch_ssh
 
     monkeypatch.delenv("FNZERO_SSH", raising=False)
     args = build_parser().parse_args(["launch", "--hostfile", "h", "--launcher_args", "-o ConnectTimeout=5",
                                       "--ssh_port", "22", "--module", "--save_pid", "--bind_cores_to_rank",
                                       "--bind_core_list", "0-3", "-q"])
-    assert _ssh(args) == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-p", "22"]
+    assert launch_ssh(args) == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-p", "22"]
     line = _remote_command(args, [0, 1], 2, 2, 1, "10.0.0.1", {}, ["pkg.train", "--lr", "1"])
     assert line.endswith(f"--master-port 29500 --module --save_pid={os.getpid()} --bind_cores_to_rank "
                          "--bind_core_list=0-3 -q pkg.train --lr 1"), line
@@ -329,34 +334,32 @@ def test_ssh_launcher_passes_the_flags_to_each_hosts_launch(monkeypatch):
 def test_launch_reads_deepspeeds_default_hostfile_where_it_exists(tmp_path):
     # DeepSpeed's runner reads /job/hostfile without --hostfile; not a node's own launch (which
     # would start the hosts again), nor beside --nproc-per-node, nor where the file is missing.
-    from fnzero.cli._launch_checks import take_default_hostfile
     from fnzero.cli._main import build_parser
+    from fnzero.cli.launch._checks import launch_hostfile
 
     path = tmp_path / "hostfile"
     path.write_text("w0 slots=2\n")
     for flags, taken in (([], True), (["--hostfile", "mine"], False), (["--nnodes", "2", "--node-rank", "1"], False),
                          (["--world_info", "e30="], False), (["--nproc-per-node", "2"], False)):
         args = build_parser().parse_args(["launch", *flags])
-        before = args.hostfile
-        take_default_hostfile(args, str(path))
-        assert args.hostfile == (str(path) if taken else before), flags
+        assert launch_hostfile(args, str(path)) == (str(path) if taken else args.hostfile), flags
     args = build_parser().parse_args(["launch"])
-    take_default_hostfile(args, str(tmp_path / "missing"))
-    assert args.hostfile is None
+    assert launch_hostfile(args, str(tmp_path / "missing")) is None
 
 
 def test_a_bare_launch_runs_every_device_of_this_machine_as_deepspeed(tmp_path, monkeypatch, capsys):
     # `deepspeed train.py` with no hostfile runs one rank per device (its CPU accelerator: per NUMA
     # node); --nproc-per-node or --num_gpus still say how many.
     import fnzero.cli._main as cli_main
-    import fnzero.cli._multinode as multinode
+    import fnzero.cli.launch._launch as launching
+    from fnzero.cli.launch import _node, _torchrun
 
     (tmp_path / "t.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli_main, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
-    monkeypatch.setattr(multinode, "machine_slots", lambda: 3)
+    monkeypatch.setattr(launching, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+    monkeypatch.setattr(_node, "machine_slots", lambda: 3)
     started = []
-    monkeypatch.setattr(cli_main, "_run_torchrun", lambda argv: started.append(argv) or 0)
+    monkeypatch.setattr(_torchrun, "run_torchrun", lambda argv: started.append(argv) or 0)
     for flags, ranks in (([], "3"), (["--nproc-per-node", "1"], "1"), (["--num_gpus", "2"], "2"),
                          (["--num_accelerators", "2"], "2")):
         assert cli_main.main(["launch", *flags, "t.py"]) == 0, capsys.readouterr().err
@@ -379,7 +382,7 @@ def test_each_host_is_checked_over_ssh_before_anything_starts(tmp_path, monkeypa
     # DeepSpeed's runner checks passwordless ssh before a multi-node launch (--no_ssh_check skips
     # it); fnzero asks every selected host at once, and names each that does not answer.
     from fnzero.cli._main import build_parser
-    from fnzero.cli._multinode import check_ssh
+    from fnzero.cli.launch._ssh import check_ssh
 
     ssh = tmp_path / "ssh"
     ssh.write_text(FAKE_SSH)
@@ -408,12 +411,13 @@ def test_slurm_takes_deepspeeds_comment_and_account_and_other_launches_warn(tmp_
                     master_port=1, python="PY", cwd="/", script="t.py", slurm_comment="run 7", slurm_account="proj")
     cmd, _ = launcher_command(job, {})
     assert cmd[:7] == ["srun", "-n", "2", "--comment", "run 7", "--account", "proj"], cmd
-    import fnzero.cli._main as cli_main
+    import fnzero.cli.launch._launch as launching
+    from fnzero.cli.launch import _torchrun
 
     (tmp_path / "t.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli_main, "_run_torchrun", lambda argv: 0)
-    monkeypatch.setattr(cli_main, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
+    monkeypatch.setattr(_torchrun, "run_torchrun", lambda argv: 0)
+    monkeypatch.setattr(launching, "DEFAULT_HOSTFILE", str(tmp_path / "no-hostfile"))
     assert _launch(capsys, "--comment", "x", "--nproc-per-node", "1", "t.py") == (0, [
         "fnzero launch: warning: --comment has no effect without --hostfile and --launcher slurm (it is srun's "
         "--comment)"])

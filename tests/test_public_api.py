@@ -8,7 +8,7 @@ import pytest
 import fnzero
 
 PACKAGES = ["fnzero", "fnzero.config", "fnzero.optim", "fnzero.schedules", "fnzero.checkpoint", "fnzero.testing",
-            "fnzero.monitor", "fnzero.memory", "fnzero.inference", "fnzero.moe"]
+            "fnzero.monitor", "fnzero.memory", "fnzero.inference", "fnzero.moe", "fnzero.autotune"]
 
 
 @pytest.mark.parametrize("name", PACKAGES)

@@ -50,7 +50,7 @@ def _choices(args) -> tuple[list[str], list[int], object] | str:
     """The ops, sizes and dtype asked for, or a one-line complaint."""
     import torch
 
-    from ..memory._estimate import parse_bytes
+    from ..memory import parse_bytes
 
     switched = [o for o in OPS if getattr(args, f"op_{o}", False)]
     ops = list(OPS) if args.ops.strip() == "all" else [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -98,11 +98,11 @@ def _spawn(world: int, args, chosen) -> int:
 
     import torch
 
-    from ..sharding.comm._dist import free_port
+    from ..sharding import free_port
 
     if not hasattr(os, "fork"):
         return _torchrun(world)
-    from ..sharding.comm import _collectives, _dist  # noqa: F401  (imported once, before the ranks fork)
+    from .. import sharding  # noqa: F401  (its collectives imported once, before the ranks fork)
 
     port = str(free_port())
     pids = []
@@ -156,8 +156,8 @@ def _wait_ranks(pids: list[int]) -> int:
 
 def _torchrun(world: int) -> int:
     """This same command (less --world) on `world` ranks started by torchrun."""
-    from ..sharding.comm._dist import free_port
-    from ._main import _run_torchrun
+    from ..sharding import free_port
+    from .launch import run_torchrun
 
     argv, skip = [], False
     for a in sys.argv[1:]:
@@ -170,7 +170,7 @@ def _torchrun(world: int) -> int:
         if not a.startswith("--world="):
             argv.append(a)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return _run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
+    return run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
                           "--master-port", str(free_port()), "--monitor-interval", "1", "-m", "fnzero.cli", *argv])
 
 
@@ -178,7 +178,7 @@ def _bench(args, ops, sizes, dtype) -> int:
     import torch
 
     import fnzero
-    from ..sharding.comm._collectives import default_collectives
+    from ..sharding import default_collectives
 
     info = fnzero.init_distributed()
     comm = default_collectives()
@@ -236,7 +236,7 @@ def _measure(comm, op: str, size: int, dtype, device, trials: int, warmups: int)
 
     import torch
 
-    from ..sharding.comm._comms_summary import bus_factor
+    from ..sharding import bus_factor
 
     t, numel, elem = _buffers(op, size, dtype, device, comm.world_size)
     for _ in range(warmups):

@@ -12,7 +12,7 @@ __all__ = ["register"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from ..checkpoint._export import export
+    from ..checkpoint import export
 
     try:
         paths = export(args.checkpoint, args.out, dtype=args.dtype, tag=args.tag, max_shard_size=args.max_shard_size,
@@ -35,7 +35,7 @@ def _human(n: int) -> str:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from ..checkpoint._info import info
+    from ..checkpoint import info
 
     try:
         rep = info(args.checkpoint, verify=args.verify)

@@ -22,7 +22,7 @@ __all__ = ["add_io_parser", "register", "measure_io"]
 def _size(text: str) -> int:
     """ds_io's `4M`, `128K`, `1G` (one letter: powers of 1024, as its refine_integer_value), else
     fnzero's sizes (`parse_bytes`: KB/MB powers of 1000, KiB/MiB of 1024)."""
-    from ..memory._estimate import parse_bytes
+    from ..memory import parse_bytes
 
     if len(text) > 1 and text[-1] in "KMG" and text[:-1].isdigit():
         return int(text[:-1]) * 1024 ** ("KMG".index(text[-1]) + 1)

@@ -45,7 +45,7 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
 
 def predict_rows(args) -> list[dict]:
     """One row per (world size, stage): the model's step time and its parts, for args.params."""
-    from ..memory._predict import Link, predict_step
+    from ..memory import Link, predict_step
 
     rows = []
     b = 2 if (args.precision or "bf16") != "fp32" else 4

@@ -1,6 +1,6 @@
 """`fnzero ssh`: one shell command on every host of a DeepSpeed hostfile, as DeepSpeed's `ds_ssh`
 (which runs `pdsh -w HOSTS CMD`); `specs/cli.md` §fnzero ssh. The hosts and filters are
-`fnzero launch --hostfile`'s (`_hosts.py`), and so is the SSH command (`FNZERO_SSH` replaces ssh)."""
+`fnzero launch --hostfile`'s (`launch/_hosts.py`), and so is the SSH command (`FNZERO_SSH` replaces ssh)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import shlex
 import subprocess
 import sys
 
-from ._hosts import DEFAULT_HOSTFILE, HostfileError, read_hostfile, select
-from ._multinode import _pump, ssh_command
+from .launch import DEFAULT_HOSTFILE, HostfileError, pump, read_hostfile, select, ssh_command
 
 __all__ = ["register"]
-
 
 
 def register(sub) -> None:
@@ -49,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"fnzero ssh: cannot start {shlex.join(ssh_command(args.ssh_port))!r}: {e.strerror}", file=sys.stderr)
             return 2
-        pumps.append(_pump(procs[host], host))
+        pumps.append(pump(procs[host], host))
     codes = {h: p.wait() for h, p in procs.items()}
     for t in pumps:
         t.join()

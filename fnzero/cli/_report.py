@@ -5,7 +5,17 @@ from __future__ import annotations
 import platform
 import sys
 
-__all__ = ["report_lines"]
+__all__ = ["register", "report_lines"]
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="environment, devices, backends and native-extension status")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    print("\n".join(report_lines()))
+    return 0
 
 
 def _gloo_direct_note() -> str:

@@ -29,6 +29,12 @@ from ._experts import expert_param_counts
 from ._muon import muon_state_bytes
 from ._state_bytes import ModelStateBytes, ep_zero_formula, model_state_bytes, peak_rss_bytes, zero_formula
 
+
+# What fnzero's other packages use of this one, beyond the documented surface above: they import
+# it from here, not from the private modules (`specs/architecture.md` §Package faces).
+from ._estimate import format_bytes, parse_bytes
+from ._predict import Link, PASS_KINDS, StepPrediction, predict_step, ring_link
+
 __all__ = [
     "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "ep_zero_formula", "estimate", "expert_param_counts",
     "largest_model", "model_state_bytes", "muon_state_bytes", "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",

@@ -61,6 +61,11 @@ from .zero import (
     sources_of, stepped_in_place, stored_bytes, to_owners, unit_views, whole_tensor_partition, within,
 )
 
+
+# What fnzero's other packages use of this one, beyond the documented surface above: they import
+# it from here, not from the private modules (`specs/architecture.md` §Package faces).
+from .comm import bus_factor, root_cause
+
 __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",

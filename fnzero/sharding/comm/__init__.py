@@ -17,3 +17,8 @@ from ._mesh import Mesh, MeshShape, make_mesh, mesh_from_config, zero_groups_of
 from ._observed import CheckedCollectives, CollectiveRecord, RecordingCollectives, checksum
 from ._quantize import BlockQuantizer, CommQuantization, IdentityCodec, dequantize, quantize
 from ._quantized import QuantizedCollectives, quantized_all_gather_async, quantized_reduce_scatter_async, quantizing
+
+# What fnzero's other packages use of this one, beyond the documented surface above: they import
+# it from here, not from the private modules (`specs/architecture.md` §Package faces).
+from ._comms_summary import bus_factor
+from ._failure import root_cause

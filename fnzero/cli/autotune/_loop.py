@@ -1,5 +1,6 @@
 """The autotuner's loop: the space, the planner's pruning, the trials in the tuner's order, the
-model's predictions, the results (`specs/autotune.md` §Trials)."""
+model's predictions, the results (`specs/autotune.md` §Trials). The space, the step-time model
+and the bounds are `fnzero/autotune/`; each trial's job is `_jobs.py`, the outputs `_results.py`."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ import os
 import sys
 import time
 
-from ._tune_bounds import activation_bytes_per_sample, host_memory_bytes, memory_floor, trial_overhead_s, two_sizes_ran
-from ._tune_jobs import launch_flags, run_trial
-from ._tune_model import fit_layouts, leave_one_out
-from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
-from ._tune_results import ignored_dir, metric_value, progress_line, row_for, versus, write_results
-from ._tune_space import (Candidate, build_space, given_layout, micro_batch_sizes, model_state_estimate, order, prune,
-                          trial_config)
+from ...autotune import (Candidate, activation_bytes_per_sample, build_space, fit_layouts, given_layout,
+                        host_memory_bytes, leave_one_out, memory_floor, micro_batch_sizes, model_state_estimate, order,
+                        prune, trial_config, trial_overhead_s, two_sizes_ran)
+from ._jobs import launch_flags, launch_with_best, run_trial, script_args_for
+from ._results import (
+    DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S, ignored_dir, metric_value, progress_line, row_for, versus, write_results,
+)
 
 __all__ = ["CONFIRM_SLOWER", "Tuning"]
 
@@ -117,7 +118,7 @@ class Tuning:
     def _beyond_bounds(self, c: Candidate, planned: int) -> tuple[str, str] | None:
         """(status, why) when c need not run: its memory floor is over the limit, or its trial would
         take more than its share of the budget (§Bounds); None to run it."""
-        from ..memory._estimate import format_bytes
+        from ...memory import format_bytes
 
         ran = [(r, res) for r, res in self.results.items() if res.status == "ok"]
         if not two_sizes_ran(c, ran):
@@ -221,7 +222,7 @@ class Tuning:
     # -- the model -----------------------------------------------------------------------------------------
 
     def _fit_options(self) -> dict:
-        from ..memory._predict import Link, ring_link
+        from ...memory import Link, ring_link
 
         a, link = self.args, None
         if a.link_bandwidth is not None or a.link_latency is not None:
@@ -287,9 +288,6 @@ class Tuning:
         return self.budget - (time.perf_counter() - self.t0)
 
     def _finish(self, error: str | None) -> int:
-        from ._autotune import launch_with_best
-        from ._tune_jobs import script_args_for
-
         if self.models:  # each trial's prediction from the others (out of sample), the rest from them all
             self.predicted = {c: t for c in self.rows if (t := self._predict(c)) is not None}
             self.predicted.update(leave_one_out(self.fitted, **self._fit_options()))

@@ -8,7 +8,8 @@ import dataclasses
 import math
 import random
 
-__all__ = ["Candidate", "micro_batch_sizes", "build_space", "given_layout", "prune", "trial_config", "order"]
+__all__ = ["Candidate", "micro_batch_sizes", "build_space", "given_layout", "model_state_estimate", "prune",
+           "trial_config", "order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def model_state_estimate(c: Candidate, num_params: int, world: int, precision: s
     device's, plus the host's when the device is the host (a CPU run: offloading moves nothing).
     Tensor and pipeline parallelism give each rank 1/(tp x pp) of the parameters (a lower bound:
     replicated embeddings and norms, an uneven cut), which ZeRO shards over the data-parallel ranks."""
-    from ..memory._estimate import estimate
+    from ..memory import estimate
 
     e = estimate(num_params // (c.tp * c.pp), stage=c.stage, world_size=c.dp(world), precision=precision,
                  offload_optimizer=c.offload)
@@ -87,7 +88,7 @@ def model_state_estimate(c: Candidate, num_params: int, world: int, precision: s
 
 def prune(cands, num_params: int, world: int, precision: str, limit: int | None, device_is_host: bool):
     """(fitting candidates, [(candidate, why)] that the planner says cannot fit `limit` bytes per rank)."""
-    from ..memory._estimate import format_bytes
+    from ..memory import format_bytes
 
     keep, pruned = [], []
     for c in cands:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from ..memory._predict import PASS_KINDS, Link, StepPrediction, predict_step, ring_link
-from ._tune_space import Candidate
+from ..memory import PASS_KINDS, Link, StepPrediction, predict_step, ring_link
+from ._space import Candidate
 
 __all__ = ["Calibration", "fit", "fit_layouts", "leave_one_out"]
 

@@ -1,5 +1,5 @@
 """One autotuner trial as its own job: its config file, its `fnzero launch` command, its reports
-(`specs/autotune.md` §Trials)."""
+(`specs/autotune.md` §Trials); and `--run`'s training job with the optimal config."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
-from ._tune_space import Candidate, trial_config
+from ...autotune import Candidate, trial_config
 
-__all__ = ["TrialResult", "config_arg_index", "launch_flags", "trial_argv", "run_trial"]
+__all__ = ["TrialResult", "config_arg_index", "launch_flags", "launch_with_best", "run_trial", "script_args_for",
+           "trial_argv"]
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed", "--config")  # DeepSpeed's two, then fnzero's examples'
 _OOM_SIGNS = ("out of memory", "OutOfMemoryError", "CUDA error: out of memory", "Cannot allocate memory",
@@ -145,3 +146,11 @@ def _read_reports(metric_path: str, wall: float, note: str) -> TrialResult:
                        tokens_per_s=r0["tokens_per_s"], flops_per_s_per_rank=r0.get("flops_per_s_per_rank"),
                        peak_memory_bytes=max(peak(r) or 0 for r in reports), model_state_bytes=max(states, default=None),
                        wall_s=wall, report=r0)
+
+
+def launch_with_best(args, best_config_path: str) -> int:
+    """`--autotuning run`: train with the optimal config, the script's config argument replaced."""
+    user = script_args_for(args.script_args, best_config_path, {}, None)
+    argv = trial_argv(args.world, args.script, user, launch_flags(args))
+    print("fnzero autotune: training with the optimal config: " + " ".join(argv[2:]), flush=True)
+    return subprocess.run(argv).returncode

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import warnings
 
-from ._launch_flags import add_rank_flags
-from ._tune_jobs import config_arg_index, launch_flags, script_args_for, trial_argv
+from ..launch import LaunchError, add_rank_flags, machine_slots, rank_log_folder, rank_program, too_few_ranks
+from ._jobs import config_arg_index, launch_flags
+from ._results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 
-__all__ = ["register", "autotune_main", "add_tuning_options", "launch_with_best"]
-
-from ._tune_results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
+__all__ = ["register", "autotune_main", "autotune_from_launch", "add_tuning_options"]
 
 
 def _ints(text: str) -> list[int]:
@@ -42,7 +40,7 @@ def _choices(allowed):
 
 
 def _bytes(text: str) -> int:
-    from ..memory._estimate import parse_bytes
+    from ...memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -92,9 +90,6 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
 def _script_problem(args) -> str | None:
     """Why the script cannot run, where that can be told before any trial and without running
     user code: a missing file, a module not found from here, a program not on PATH."""
-    from ._binding import rank_program
-    from ._hosts import LaunchError
-
     try:
         rank_program(sys.executable, args.script, [], args.module, args.no_python)  # the flags' own checks
     except LaunchError as e:
@@ -159,8 +154,6 @@ def _fail(msg: str) -> int:
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
     if args.world is None:  # as DeepSpeed's autotuner: every device of this machine
-        from ._multinode import machine_slots
-
         args.world = machine_slots()
     i = config_arg_index(args.script_args)
     problems = [p for p in [_script_problem(args)] if p] + _option_problems(args)
@@ -172,8 +165,8 @@ def autotune_main(args) -> int:
     if problems:
         return 2
     path = args.script_args[i].split("=", 1)[1] if args.script_args[i].startswith("--") else args.script_args[i]
-    from ..config._parse import read_source
-    from ._common import load_config_or_report
+    from ...config import read_source
+    from .._common import load_config_or_report
 
     with warnings.catch_warnings():  # the block's "enabled has no effect in a training run": this is the tuner
         warnings.filterwarnings("ignore", message="`autotuning.enabled`")
@@ -181,15 +174,46 @@ def autotune_main(args) -> int:
     if cfg is None:
         return 2
     raw, _ = read_source(path)
-    from ._tune_loop import Tuning
+    from ._loop import Tuning
 
     return Tuning(args, cfg, raw).run()
 
 
-def launch_with_best(args, best_config_path: str) -> int:
-    """`--autotuning run`: train with the optimal config, the script's config argument replaced."""
-    user = script_args_for(args.script_args, best_config_path, {}, None)
-    argv = trial_argv(args.world, args.script, user, launch_flags(args))
-    print("fnzero autotune: training with the optimal config: " + " ".join(argv[2:]), flush=True)
-    return subprocess.run(argv).returncode
+def autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
+    """DeepSpeed's `deepspeed --autotuning tune|run --num_gpus N script ...`: `fnzero autotune` with
+    this node's N ranks (--num_gpus, else --nproc-per-node) and the per-rank flags every trial
+    takes (`_jobs.launch_flags`). Each trial is its own job on this node on a free port, so
+    flags that choose or start other hosts are refused, and the port and restart flags warned of."""
+    refused = [flag for flag, given in (
+        ("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude),
+        ("--num_nodes", (args.num_nodes or 1) > 1), ("--nnodes", (args.nnodes or 1) > 1),
+        ("--node_rank", args.node_rank is not None), ("--no_ssh", args.no_ssh), ("--launcher", args.launcher != "ssh"),
+        ("--launcher_args", args.launcher_args), ("--ssh_port", args.ssh_port is not None)) if given]
+    for flag in refused:
+        print(f"fnzero launch: {flag} cannot be used with --autotuning: the autotuner runs each trial as its own "
+              "job on this node; tune on one node, then launch the hosts with its ds_config_optimal.json",
+              file=sys.stderr)
+    if refused:
+        return 2
+    for flag, given in (("--master_addr", args.master_addr), ("--master_port", args.master_port is not None),
+                        ("--max-restarts", args.max_restarts is not None), ("--save_pid", args.save_pid is not None),
+                        ("--comment", args.comment), ("--account", args.account),
+                        ("--enable_each_rank_log", rank_log_folder(args.enable_each_rank_log))):
+        if given:
+            print(f"fnzero launch: warning: {flag} has no effect with --autotuning (each trial is its own job on "
+                  "this node, on a free port, its output in exps_dir)", file=sys.stderr)
+    world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None)
+    world = machine_slots() if world is None else world
+    if world < 1:
+        print(f"fnzero launch: {too_few_ranks(args, world)}", file=sys.stderr)
+        return 2
+    run = ["--run"] if args.autotuning == "run" else []
+    tune = _parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
+    return int(tune.func(tune))
 
+
+def _parser() -> argparse.ArgumentParser:
+    """`fnzero autotune`'s parser alone, as the `fnzero` command builds it: the same usage and errors."""
+    p = argparse.ArgumentParser(prog="fnzero")
+    register(p.add_subparsers(dest="command", metavar="COMMAND"))
+    return p

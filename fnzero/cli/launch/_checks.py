@@ -8,8 +8,8 @@ import argparse
 import os
 import shlex
 
-__all__ = ["ignored_flag_warnings", "launch_options", "scan_launch_args", "launch_flag_problems",
-           "take_default_hostfile"]
+__all__ = ["ignored_flag_warnings", "launch_options", "scan_launch_args", "launch_flag_problems", "launch_hostfile",
+           "too_few_ranks"]
 
 
 def launch_options(parser: argparse.ArgumentParser) -> dict[str, bool]:
@@ -48,18 +48,25 @@ def scan_launch_args(argv: list[str], options: dict[str, bool]) -> tuple[list[st
     return head, [], unknown
 
 
-def take_default_hostfile(args: argparse.Namespace, path: str) -> None:
-    """DeepSpeed's runner reads `/job/hostfile` (`path`) when no --hostfile is given and it
-    exists. Not for a node's own launch (--nnodes, --node_rank, pdsh's --world_info: the per-host
-    `fnzero launch` a multi-node job starts, which would start the hosts again), nor beside
-    --nproc-per-node (a one-node launch asked for)."""
+def launch_hostfile(args: argparse.Namespace, default: str) -> str | None:
+    """The hostfile a launch reads: --hostfile, else DeepSpeed's runner's `/job/hostfile`
+    (`default`) where it exists. Not for a node's own launch (--nnodes, --node_rank, pdsh's
+    --world_info: the per-host `fnzero launch` a multi-node job starts, which would start the hosts
+    again), nor beside --nproc-per-node (a one-node launch asked for)."""
     if (args.hostfile is None and args.nnodes is None and args.node_rank is None and args.world_info is None
-            and args.nproc_per_node is None and os.path.isfile(path)):
-        args.hostfile = path
+            and args.nproc_per_node is None and os.path.isfile(default)):
+        return default
+    return args.hostfile
 
 
-def launch_flag_problems(args: argparse.Namespace) -> list[str]:
-    """What is wrong with `launch`'s flags as given, one line each (nothing started yet)."""
+def too_few_ranks(args: argparse.Namespace, n: int) -> str:
+    """The line refusing `n` ranks on this node, naming the flag that gave it."""
+    return f"--{'num_gpus' if args.num_gpus is not None else 'nproc-per-node'} must be at least 1, got {n}"
+
+
+def launch_flag_problems(args: argparse.Namespace, hostfile: str | None) -> list[str]:
+    """What is wrong with `launch`'s flags as given, one line each (nothing started yet); `hostfile`
+    the one the launch reads (`launch_hostfile`)."""
     out = []
     try:
         shlex.split(args.launcher_args)
@@ -67,20 +74,20 @@ def launch_flag_problems(args: argparse.Namespace) -> list[str]:
         out.append(f"--launcher_args {args.launcher_args!r}: {e}")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         out.append(f"--master_port {args.master_port}: a TCP port is 1-65535")
-    return out + _conflicting_flags(args)
+    return out + _conflicting_flags(args, hostfile)
 
 
-def ignored_flag_warnings(args: argparse.Namespace) -> list[str]:
+def ignored_flag_warnings(args: argparse.Namespace, hostfile: str | None) -> list[str]:
     """Flags accepted, as DeepSpeed's runner accepts them, that this launch does not act on."""
-    slurm = bool(args.hostfile) and args.launcher == "slurm" and not args.no_ssh
+    slurm = bool(hostfile) and args.launcher == "slurm" and not args.no_ssh
     return [f"{flag} has no effect without --hostfile and --launcher slurm (it is srun's {flag})"
             for flag, given in (("--comment", args.comment), ("--account", args.account)) if given and not slurm]
 
 
-def _conflicting_flags(args: argparse.Namespace) -> list[str]:
+def _conflicting_flags(args: argparse.Namespace, hostfile: str | None) -> list[str]:
     """Flags given together where one would silently win over the other, one line each."""
     out = []
-    if args.hostfile:
+    if hostfile:
         slots = "the hostfile's slots (--num_gpus, --include and --exclude select among them)"
         if args.nproc_per_node is not None:
             out.append(f"--nproc-per-node cannot be used with --hostfile: each host runs {slots}")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 
-from ._tune_space import Candidate
+from ._space import Candidate
 
 __all__ = ["host_memory_bytes", "activation_bytes_per_sample", "memory_floor", "trial_overhead_s", "two_sizes_ran"]
 
-Ran = list[tuple[Candidate, object]]  # each candidate that ran and its kept TrialResult ("ok")
+# Each candidate that ran and its kept result ("ok"): `peak_memory_bytes`, `step_time_s` and `wall_s`
+# (`fnzero autotune`'s TrialResult).
+Ran = list[tuple[Candidate, object]]
 
 
 def host_memory_bytes() -> int | None:

@@ -1,4 +1,5 @@
-"""`fnzero launch`'s launcher flags, DeepSpeed's runner's spellings (`specs/cli.md` §Launcher flags)."""
+"""`fnzero launch`'s parser: torchrun's options, the hostfile's, and the launcher flags in DeepSpeed's
+runner's spellings (`specs/cli.md` §Launcher flags)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,39 @@ import argparse
 
 from ._launchers import LAUNCHERS
 
-__all__ = ["add_launcher_flags", "add_rank_flags"]
+__all__ = ["add_launch_parser", "add_launcher_flags", "add_rank_flags"]
+
+
+def add_launch_parser(sub) -> argparse.ArgumentParser:
+    """`launch`'s parser among the command's `sub`parsers."""
+    lp = sub.add_parser("launch", help="start a multi-process run (a front on torchrun)",
+                        description="Start one process per rank with torch.distributed.run. Everything after the "
+                        "script name is passed to the script.")
+    lp.add_argument("--nproc-per-node", type=int, default=None,
+                    help="processes on this node (default: one per CUDA device, else one per NUMA node, as DeepSpeed)")
+    lp.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or SLURM_NNODES)")
+    lp.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (multi-node)")
+    lp.add_argument("--master-addr", "--master_addr", default=None,
+                    help="address of rank 0's node (multi-node; with --hostfile default: the first host's)")
+    lp.add_argument("--master-port", "--master_port", type=int, default=None,
+                    help="port on the master (default: a free one; 29500 with several nodes)")
+    lp.add_argument("--max-restarts", type=int, default=None, help="torchrun restarts on failure (default 0)")
+    hp = lp.add_argument_group("multi-node from a DeepSpeed hostfile (ssh to each host)")
+    hp.add_argument("-H", "--hostfile", default=None, metavar="FILE",
+                    help="'HOST slots=N' lines: start one launcher per host over ssh (passwordless)")
+    hp.add_argument("-i", "--include", default=None, metavar="SPEC",
+                    help="hosts/slots to use: HOST[:SLOT,...][@HOST...]")
+    hp.add_argument("-e", "--exclude", default=None, metavar="SPEC", help="hosts/slots to leave out, same syntax")
+    hp.add_argument("--num_nodes", "--num-nodes", type=int, default=None, metavar="N", help="the first N hosts")
+    hp.add_argument("--num_gpus", "--num-gpus", "--num_accelerators", type=int, default=None, metavar="N",
+                    help="the first N slots of each host")
+    hp.add_argument("--ssh_port", "--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    lp.add_argument("--autotuning", choices=["tune", "run"], default=None,
+                    help="tune the script's config (`fnzero autotune`) and, with run, then train with the best")
+    lp.add_argument("--exit-with-stdin", action="store_true", help=argparse.SUPPRESS)
+    add_launcher_flags(lp)
+    return lp
+
 
 def add_rank_flags(g) -> None:
     """The flags that shape how each rank of one node runs (the autotuner passes them to every

@@ -1,0 +1,46 @@
+"""`python -m fnzero.cli._rank_front [--bind_cores_to_rank [--bind_core_list=L]] [--rank_log=PREFIX]
+[--module | --no_python] SCRIPT ARGS`: what `fnzero launch` runs in front of each rank when it
+binds cores (`--bind_cores_to_rank`, `_binding.py`) or gives each rank its own log file
+(`--enable_each_rank_log`). It reads the rank, local rank and local size from the launcher's
+environment (torchrun's, an MPI's, SLURM's); with a log, points its stdout and stderr at
+`PREFIX_rank<RANK>.log` (DeepSpeed's launch.py's name); with binding, sets OMP_NUM_THREADS to its
+share of cores; then replaces itself with the rank's program.
+(Each rank runs it fresh as `python -m fnzero.cli._rank_front`, a module nothing imports; the
+launcher's side, its flags and the log files' prefix, is `_rank_front_args.py`.)"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ._binding import bind_command, rank_program
+from ._hosts import LaunchError
+
+
+def main(argv: list[str]) -> None:
+    """Log, bind, then become the rank's program."""
+    from ..._launch_env import launcher_ranks
+
+    opts: dict[str, str] = {}
+    while argv and argv[0].startswith("--"):
+        flag, _, value = argv.pop(0).partition("=")
+        opts[flag] = value
+    rank, _, local_rank, local_size = launcher_ranks()
+    prefix: list[str] = []
+    try:
+        program = rank_program(sys.executable, argv[0], argv[1:], "--module" in opts, "--no_python" in opts)
+        if "--bind_cores_to_rank" in opts:
+            per, prefix = bind_command(opts.get("--bind_core_list") or None, local_size or 1, local_rank)
+            os.environ["OMP_NUM_THREADS"] = str(per)
+        if "--rank_log" in opts:  # this host's folder may not exist yet (an MPI rank on another host)
+            path = f"{opts['--rank_log']}_rank{rank if rank is not None else local_rank}.log"
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)  # a restart adds
+    except (LaunchError, OSError) as e:
+        print(f"fnzero launch: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if "--rank_log" in opts:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.execvp((prefix + program)[0], prefix + program)
