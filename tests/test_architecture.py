@@ -39,17 +39,21 @@ def _modules(root=ROOT):
         yield path, ".".join(parts[:-1] if is_pkg else parts), is_pkg
 
 
+def _absolute(node: ast.ImportFrom, mod: str, is_pkg: bool) -> str:
+    """The absolute module name a `from ... import` reads from, `mod` being the importing module."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path, mod, is_pkg):
     """(line, absolute module name) of every fnzero import in the file, wherever it is."""
     tree = ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _absolute(node, mod, is_pkg)
             if target == "fnzero" or (node.module is None and node.level):
                 # `from . import optim`: each name may be a module of its own layer
                 for a in node.names:
@@ -175,12 +179,7 @@ def _import_graph(root=ROOT) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 graph[mod] |= {a.name for a in node.names if a.name in modules}
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                    base = base[: len(base) - (node.level - 1)]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
+                target = _absolute(node, mod, is_pkg)
                 for a in node.names:
                     if f"{target}.{a.name}" in modules:
                         graph[mod].add(f"{target}.{a.name}")
