@@ -108,6 +108,14 @@ def test_my_checkpoints_reshard(save, load, stages):
     ft.assert_reshard_roundtrip(TinyLM, cfg, save, load, load_stage=stages[1], loss_fn=lm_loss, batch=batch)
 
 
+def _batch(rows=2):
+    """Token rows from a generator of their own: simulated ranks are threads sharing torch's global
+    RNG, and a draw from it here could land between another rank's draws inside `ft.seeded` while
+    that rank is still building its model (which then differs)."""
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randint(0, 64, (rows, 12), generator=g), "y": torch.randint(0, 64, (rows, 12), generator=g)}
+
+
 def test_my_step_is_pure_on_every_rank():
     def check():
         cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
@@ -115,7 +123,7 @@ def test_my_step_is_pure_on_every_rank():
         with ft.seeded(0):
             sm = fnzero.shard(TinyLM().double(), config=cfg)
         step = fnzero.train_step(ft.step_loss(sm, lm_loss), cfg)
-        batch = {"x": torch.randint(0, 64, (2, 12)), "y": torch.randint(0, 64, (2, 12))}
+        batch = _batch()
         ft.assert_pure(step, sm.init_state(), batch)
 
     ft.simulated_world(2).run(check)
@@ -131,7 +139,7 @@ def test_my_stage_2_sends_what_ddp_sends():
             sm = fnzero.shard(TinyLM(), config=cfg)
         state = sm.init_state()
         step = fnzero.train_step(ft.step_loss(sm, lm_loss), cfg)
-        batch = {"x": torch.randint(0, 64, (2, 12)), "y": torch.randint(0, 64, (2, 12))}
+        batch = _batch()
         with ft.count_collectives(sm) as c:
             step(state, batch)
         grads = sum(u.padded_numel for u in sm.plan.units) * 4  # fp32 gradient bytes

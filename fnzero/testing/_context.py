@@ -44,7 +44,10 @@ def seeded(seed: int) -> Iterator[None]:
     `RNG_LOCK` so their draws cannot interleave; in a real process it is just a seeded fork of
     the RNG. Restoring the previous state keeps the block free of side effects on later draws.
     A collective inside the block lets the lock go while it waits (no deadlock), so draws after a
-    collective inside `seeded` are not reproducible: build first, shard and init after.
+    collective inside `seeded` are not reproducible: build first, shard and init after. Draws
+    outside it take no lock, so in a simulated world a rank's `torch.randint(...)` may land between
+    another rank's draws inside `seeded`: give such data a generator of its own
+    (`torch.Generator().manual_seed(k)`).
     """
     with RNG_LOCK:
         state = torch.random.get_rng_state()
