@@ -92,14 +92,14 @@ def run_step(state: TrainState, batch: Any, policy: StepPolicy, sched, opt, has_
     return next_state(state, *out.updated, new_ls), metrics
 
 
-def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, micro, scale, lr,
-                  momentum) -> PhaseResult:
+def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, scale, lr, momentum) -> PhaseResult:
     """From the micro-batches to the published parameters: each micro-batch's forward and
     backward with gradients reduced by placement as they come, one all-reduce of norm and loss,
     one factor for unscaling and clipping, the optimizer on this rank's slice, the new parameters
-    gathered where only the optimizer state is sharded. `scale`, `lr` and `momentum` are Python
-    numbers eagerly and 0-dim tensors in a graph, so a new value never recompiles."""
-    grads, loss_sum, auxes = _gradients(x, setup, params, micro, scale)
+    gathered where only the optimizer state is sharded. The micro-batches are `setup.micro`;
+    `scale`, `lr` and `momentum` are Python numbers eagerly and 0-dim tensors in a graph, so a new
+    value never recompiles."""
+    grads, loss_sum, auxes = _gradients(x, setup, params, scale)
     # Gradients stay as reduced (sums of loss-scaled gradients) until one multiply by
     # `unscale * clip_coef` just before the optimizer.
     unscale = unscale_factor(setup.prediv, 1 if setup.local else setup.n, setup.k, scale)  # local: not summed
@@ -126,7 +126,7 @@ def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, m
     return PhaseResult(norm_sq, loss_total, auxes, (new_params, new_master, new_opt_state))
 
 
-def _gradients(x: StepContext, setup: StepSetup, params, micro, scale):
+def _gradients(x: StepContext, setup: StepSetup, params, scale):
     """Every micro-batch's forward and backward, with the gradients reduced by placement as they
     come: (gradient per unit, Σ loss, auxes). Eagerly autograd hooks hand each unit's gradient to
     the collector, and a pipeline's schedule runs the micro-batches across its stages (summing the
@@ -135,12 +135,12 @@ def _gradients(x: StepContext, setup: StepSetup, params, micro, scale):
     collector = GradientCollector(x.plan, mesh.data, x.policy, setup.prediv, setup.accum_dtype, mesh.expert_data,
                                   x.quantization, reduce=not setup.local)
     if x.traced:
-        loss_sum, auxes = traced_forward_backward(x.loss_fn, params, micro, scale, x.has_aux, collector, x.device)
+        loss_sum, auxes = traced_forward_backward(x.loss_fn, params, setup.micro, scale, x.has_aux, collector, x.device)
         return collector.gradients(x.device), loss_sum, auxes
     leaves = {u.name: params[u.name].detach().requires_grad_(True) for u in x.plan.units}
     trim = x.policy.trim_heap and x.device.type == "cpu"
     run = x.loss_fn.forward_backward if isinstance(x.loss_fn, PipelineLoss) else _forward_backward(x.loss_fn)
-    loss_sum, auxes = run(leaves, micro, scale, x.has_aux, collector, trim, x.timer)
+    loss_sum, auxes = run(leaves, setup.micro, scale, x.has_aux, collector, trim, x.timer)
     grads = collector.gradients(x.device)
     if mesh.replicas is not None:
         grads = sum_over_replicas(grads, mesh.replicas)

@@ -135,8 +135,8 @@ class TrainStep:
             x = StepContext(sh.plan, sh.mesh, sh.device, self.policy, self.loss_fn, self.has_aux, opt,
                             opt.update_ if self.donate else opt.update, self.donate, quantization=sh.quantization,
                             exchange=optimizer_exchange(opt, sh.comm), param_source=param_source, timer=timer)
-            return tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.micro, setup.scale,
-                                 setup.lr, setup.momentum)
+            return tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.scale, setup.lr,
+                                 setup.momentum)
 
         return run_step(state, batch, self.policy, self.sched, opt, self.has_aux, phases, timer)
 

@@ -129,7 +129,7 @@ class WholeStep:
                           accum_dtype=c.accum_dtype, prediv=c.prediv, n=c.n, k=c.k)
         x = StepContext(c.plan, StateMesh(comm), c.device, step.policy, step.loss_fn, step.has_aux, c.opt,
                         c.opt.graph_update, donate=False, traced=True)  # a graph's mesh: its data axis alone
-        out = tensor_phases(x, setup, params, master, opt_state, micro, scale, lr, momentum)
+        out = tensor_phases(x, setup, params, master, opt_state, scale, lr, momentum)
         new_params, new_master, new_opt = out.updated
         norm_sq = out.norm_sq
         if c.donate:
