@@ -15,11 +15,26 @@ import torch
 
 from .._errors import ShardingError
 from .._ext import trim_between_passes
-from ..sharding import quantizing, ShardPlan, UnitPlan, comm_for, within
-from ._phases import Timer, prepare_for_comm, reduce_whole
+from ..sharding import Placement, quantizing, ShardPlan, UnitPlan, comm_for, within
 from ..state import StepPolicy
 
 __all__ = ["GradientCollector", "forward_backward", "sum_over_replicas", "traced_forward_backward"]
+
+
+def prepare_for_comm(g: torch.Tensor, policy: StepPolicy, prediv: float = 1.0) -> torch.Tensor:
+    """The gradient as it goes on the wire: communication dtype, divided by the predivisor."""
+    cd = policy.comm_dtype
+    if cd is not None and g.dtype != cd:
+        g = g.to(cd)
+    if prediv != 1.0:
+        g = g / prediv
+    return g
+
+
+def reduce_whole(comm, g: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """A whole-unit gradient summed across ranks: all of it where the optimizer state is
+    replicated, this rank's shard where it is sharded."""
+    return comm.reduce_scatter(g) if placement.optimizer else comm.all_reduce(g)
 
 
 class GradientCollector:
@@ -145,9 +160,10 @@ def sum_over_replicas(grads: dict[str, torch.Tensor], replicas) -> dict[str, tor
 
 def forward_backward(loss_fn: Callable[..., Any], leaves: dict[str, torch.Tensor], micro: list[Any], scale: float,
                      has_aux: bool, collector: GradientCollector, trim_heap: bool,
-                     timer: Timer) -> tuple[torch.Tensor, list[Any]]:
+                     timer) -> tuple[torch.Tensor, list[Any]]:
     """Run the loss and its backward per micro-batch; returns (Σ loss as float64, auxes). The
-    loss function's `apply` runs are released once backward is done, even on error."""
+    loss function's `apply` runs are released once backward is done, even on error. `timer`: the
+    step's `Timer` (`_tensor_phases.py`), told where forward and backward begin and end."""
     handles = collector.attach(leaves)
     loss_sum = torch.zeros((), dtype=torch.float64)
     auxes = []

@@ -1,19 +1,18 @@
-"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`.
+"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`, and its ladder.
 
-One mechanism serves every placement (`specs/sharding.md`, `specs/collectives.md`); each unit's
-`Placement` says what of it is sharded, and the step reads nothing else:
+`run_step` is the one ladder, for the eager step and the whole-step graph alike; each rung is a
+module of its own, entered once and in order (`specs/architecture.md` §How a batch flows):
 
-* The loss is differentiated with respect to fresh aliases of `state.params` (one flat buffer or
-  shard per unit), so the input state is never touched.
-* A post-accumulate-grad hook on each alias moves the unit's gradient into this step's accumulator
-  as soon as backward produces it: with gradients sharded it is reduce-scattered there, so only one
-  unit's full gradient exists at a time; with parameters sharded `GatherUnit`'s backward already
-  reduced it to a shard.
-* After the last micro-batch, whole-unit gradients are reduced: all-reduced where the optimizer
-  state is replicated, reduce-scattered where it is sharded. One scalar all-reduce gives the global
-  gradient norm, the fp16 overflow verdict (a non-finite norm on any rank) and the mean loss.
-* The optimizer updates this rank's master slice; units whose optimizer state is sharded but
-  parameters are not all-gather the new parameters.
+    _setup.py           the host's decisions: micro-batches, lr, momentum, loss scale, dtypes
+    _tensor_phases.py   the tensor phases, eagerly or traced (`StepContext` says how)
+    _grads.py           each micro-batch's forward and backward, gradients reduced by placement
+    _norm.py            one all-reduce of the global norm and the loss; unscale x clip as one factor
+    _update.py          the optimizer on this rank's slice; the new parameters published
+    _verdict.py         the metrics, the fp16 overflow skip, the next loss scale and state
+
+One mechanism serves every placement: each unit's `Placement` says what of it is sharded, and the
+step reads nothing else. The loss is differentiated with respect to fresh aliases of
+`state.params`, so the input state is never touched (unless donated).
 """
 
 from __future__ import annotations
@@ -26,13 +25,12 @@ import torch
 from .. import optim as _optim, schedules as _schedules
 from .._errors import ShardingError
 from .._state import TrainState
-from ._ladder import PhaseResult, StepContext, run_step, tensor_phases
-from ._phases import StepSetup, Timer, split_micro_batches
-from ..sharding import stepped_in_place
 from ..state import built_per_model, exchanging_optimizer_refused, optimizer_or_config, step_policy
-from ._update import optimizer_exchange
+from ._setup import StepSetup, split_micro_batches, step_setup
+from ._tensor_phases import PhaseResult, eager_phases
+from ._verdict import finish_step
 
-__all__ = ["TrainStep", "train_step", "split_micro_batches", "optimizer_or_config"]
+__all__ = ["TrainStep", "train_step", "run_step", "split_micro_batches", "optimizer_or_config"]
 
 _UNSET = object()
 
@@ -120,25 +118,21 @@ class TrainStep:
         if opt.exchanges_gradients:
             _check_exchanging_optimizer(state)
         with torch.enable_grad():
-            return self._eager(state, batch, opt)
+            return run_step(state, batch, self, opt)
 
-    def _eager(self, state: TrainState, batch: Any, opt) -> tuple[TrainState, dict[str, Any]]:
-        """The ladder (`_ladder.run_step`) run eagerly: the state's own collectives, autograd
-        hooks, Python numbers, the optimizer's `update` (`update_` when donated)."""
-        sh = state.sharding
-        timer = Timer(self.policy.timings, sh.device)
 
-        def phases(setup: StepSetup) -> PhaseResult:
-            param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
-            if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
-                sh.watchdog.at_step(setup.step_no + 1)
-            x = StepContext(sh.plan, sh.mesh, sh.device, self.policy, self.loss_fn, self.has_aux, opt,
-                            opt.update_ if self.donate else opt.update, self.donate, quantization=sh.quantization,
-                            exchange=optimizer_exchange(opt, sh.comm), param_source=param_source, timer=timer)
-            return tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.scale, setup.lr,
-                                 setup.momentum)
-
-        return run_step(state, batch, self.policy, self.sched, opt, self.has_aux, phases, timer)
+def run_step(state: TrainState, batch: Any, step: TrainStep, opt,
+             graph: Callable[[StepSetup], PhaseResult] | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """The ladder, one for both ways of running a step: the host's setup (`_setup.py`), the tensor
+    phases (`_tensor_phases.py`: eagerly, or `graph(setup)`, the whole-step graph around them),
+    then the verdict on the two numbers every rank agreed on and the next state (`_verdict.py`),
+    an fp16 overflow skipped with only the loss scale moved."""
+    setup = step_setup(state, batch, step.policy, step.sched, opt)
+    if graph is not None:
+        out = graph(setup)
+    else:
+        out = eager_phases(state, setup, opt, step.policy, step.loss_fn, step.has_aux, step.donate)
+    return finish_step(state, setup, out, step.policy, step.has_aux)
 
 
 def _check_exchanging_optimizer(state: TrainState) -> None:

@@ -17,8 +17,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .._errors import ShardingError
-from .._state import TrainState
 from ..sharding import (
     compressed_all_reduce, optimizer_view, ShardPlan, comm_for, unit_views, ShardSource, is_placeholder,
 )
@@ -46,8 +44,7 @@ def optimizer_exchange(opt, comm) -> Callable | None:
 
 def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], master, opt_state,
                      grads: dict[str, torch.Tensor], scalars: OptimizerScalars, opt, update: Callable,
-                     param_dtype: torch.dtype, donate: bool, comm=None, exchange: Callable | None = None,
-                     param_source: ShardSource | None = None):
+                     param_dtype: torch.dtype, donate: bool, comm=None, param_source: ShardSource | None = None):
     """`update` (the optimizer's `update`, `update_` when donated, `graph_update` in a graph) of
     this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
     master or None, new optimizer state).
@@ -58,7 +55,8 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
     (the dp ranks: `state/_owner_update.py`). A new master becomes the compute parameters by one
     conversion, written into the input's own buffers when donated and the sizes agree.
-    `exchange` (`optimizer_exchange`) goes to the optimizer as its `compressed_all_reduce=` extra.
+    An optimizer that exchanges its gradients itself gets the compressed all-reduce over `comm` as
+    its `compressed_all_reduce=` extra (`optimizer_exchange`).
     A placeholder parameter (`offload_param: nvme`) has its new value written into `param_source`,
     a unit at a time, and stays a placeholder (`_copy_out`)."""
     factor = scalars.factor
@@ -68,6 +66,7 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     where = master if master is not None else params
     grads = {k: g if g.device == where[k].device else g.to(where[k].device) for k, g in grads.items()}
     target = master if master is not None else optimizer_view(plan, rank, params, opt.elementwise)
+    exchange = optimizer_exchange(opt, comm)
     extras = {} if exchange is None else {"compressed_all_reduce": exchange}
     if not opt.elementwise and plan.placement.optimizer:
         new_target, new_opt_state = owner_update(plan, owner_layout(plan, opt), comm, grads, target, opt_state, scalars)

@@ -3,7 +3,7 @@
 Without sharded parameters (stages 0-2) nothing in a step needs the host between reading the
 batch and returning the new state, so the step's phases from the gradients to the new
 parameters are traced into one graph (`specs/jit.md`). They are the eager step's own phases
-(`_phases.py`, `_grads.py`, `_update.py`), called with what a graph can carry:
+(`_tensor_phases.py`, `_grads.py`, `_update.py`), called with what a graph can carry:
 
 * gradients come from `torch.func.grad_and_value` over the loss function (autograd hooks cannot
   be traced) and go to the eager step's `GradientCollector`;
@@ -13,7 +13,7 @@ parameters are traced into one graph (`specs/jit.md`). They are the eager step's
   is its `graph_update` (the same signature as `update`, in tensor ops), so a schedule never
   recompiles.
 
-The ladder is the eager step's (`_ladder.py`): `step_setup` before the graph, `tensor_phases`
+The ladder is the eager step's (`_step.py` `run_step`): `step_setup` before the graph, `tensor_phases`
 inside it with what a graph can carry, and after it `step_verdict` on the two numbers the graph
 returns (the squared norm and the loss sum), which skips an fp16 step that overflowed and updates
 the loss scale.
@@ -28,21 +28,39 @@ import optree
 import torch
 
 from .._state import StateMesh, TrainState
+from ..state import StepPolicy
 from ..sharding import ProcessGroupCollectives, FunctionalCollectives
 from ._compile import compile_fn
-from ._ladder import PhaseResult, StepContext, run_step, tensor_phases, why_not_traced
-from ._phases import StepSetup
-from ._step import TrainStep
+from ._setup import StepSetup
+from ._step import TrainStep, run_step
+from ._tensor_phases import PhaseResult, StepContext, tensor_phases
 
 __all__ = ["WholeStep", "whole_step_unsupported"]
 
 
 def whole_step_unsupported(step: TrainStep, state: TrainState) -> str | None:
     """Why this step cannot be one graph for this state, or None when it can: what its parts
-    declare (`_ladder.why_not_traced`)."""
+    declare (`why_not_traced`)."""
     block = step.config.optimizer
     name = block.type if block is not None else "this optimizer"
     return why_not_traced(state, step.policy, step.optimizer_for(state), name)
+
+
+def why_not_traced(state: TrainState, policy: StepPolicy, opt, optimizer_name: str) -> str | None:
+    """Why this step cannot run as one graph for this state, from what its parts declare
+    (`not_traceable`: a reason, or None), or None when it can. `optimizer_name` names the
+    optimizer in its reason."""
+    sh = state.sharding
+    parts = (sh.plan, sh.mesh, sh.quantization, policy)  # the mesh: each axis' layout, MiCS's replicas
+    for part in parts:
+        reason = getattr(part, "not_traceable", None) if part is not None else None
+        if reason is not None:
+            return reason
+    if not opt.traceable:
+        return f"the {optimizer_name} optimizer has no traceable update (graph_update)"
+    if sh.comm.world_size > 1 and not getattr(type(sh.comm), "traceable", False):
+        return f"its collectives ({type(sh.comm).__name__}) are not a torch.distributed process group"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +123,7 @@ class WholeStep:
             norm_sq, loss_total = stats.cpu()
             return PhaseResult(norm_sq, loss_total, auxes, (new_params, new_master, new_opt))
 
-        return run_step(state, batch, step.policy, step.sched, opt, step.has_aux, phases)
+        return run_step(state, batch, step, opt, graph=phases)
 
     def _statics_for(self, state: TrainState, setup: StepSetup, opt) -> GraphStatics:
         sh = state.sharding
@@ -116,7 +134,7 @@ class WholeStep:
 
     # -- the graph -------------------------------------------------------------------------------
     def _graph_fn(self, c: GraphStatics, params, master, opt_state, scalars, micro):
-        """The ladder's tensor phases (`_ladder.tensor_phases`), traced: functional collectives,
+        """The ladder's tensor phases (`_tensor_phases.tensor_phases`), traced: functional collectives,
         tensor scalars, `torch.func` gradients, the optimizer's `graph_update`."""
         step = self.step
         comm = FunctionalCollectives(c.group, c.rank, c.n)

@@ -1,42 +1,62 @@
-"""The one ladder of a training step: its phases in order, run eagerly or traced into one graph.
+"""The tensor phases of a step, the middle rung of the ladder (`_step.py`), written once for both
+ways of running it (`specs/architecture.md` §How a batch flows):
 
-    step_setup          the host's decisions before any tensor work (micro-batches, lr, ...)
-    tensor_phases       gradients reduced by placement, one all-reduce of norm and loss, the clip
-                        factor, the optimizer on this rank's slice, the parameters published
-    step_verdict        the metrics, the fp16 overflow verdict and the next loss scale (host)
-    next_state
+    gradients           each micro-batch's forward and backward, reduced by placement (`_grads.py`)
+    norm_and_loss       one all-reduce of two numbers: the global gradient norm and the loss sum
+    clip_factor         unscaling and `gradient_clipping` as one factor (`_norm.py`)
+    optimizer_update    the optimizer on this rank's slice, wherever its state is (`_update.py`)
+    publish_params      the new parameters by placement (`_update.py`)
 
-`run_step` is the ladder; `tensor_phases` its middle, written once for both ways of running it. A
-`StepContext` says how: the eager step (`_step.py`) passes the state's own mesh, Python
-numbers, autograd hooks and the optimizer's `update`; the whole-step graph (`_whole_step.py`)
-passes a mesh of torch's traceable functional collectives, 0-dim tensors, `torch.func` and the optimizer's
-`graph_update`, and calls `tensor_phases` inside the compiled function (`specs/architecture.md`
-§How a batch flows). The one difference of order: eagerly an fp16 overflow skips the optimizer
-before it runs; in a graph the optimizer runs and its results are discarded.
-
-Whether a step can run traced at all is what its parts declare (`not_traceable`): the plan, each
-mesh axis, the quantization codecs, the policy, the optimizer and the collectives each say why
-they cannot be traced, or nothing (`why_not_traced`).
+A `StepContext` says how they run: the eager step (`eager_phases`) passes the state's own mesh,
+Python numbers, autograd hooks and the optimizer's `update`; the whole-step graph
+(`_whole_step.py`) passes a mesh of torch's traceable functional collectives, 0-dim tensors,
+`torch.func` and the optimizer's `graph_update`, and traces `tensor_phases` into one graph. The
+one difference of order: eagerly an fp16 overflow skips the optimizer before it runs; in a graph
+the optimizer runs and the verdict (`_verdict.py`) discards its results.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable
 
 import torch
 
 from .._state import StateMesh, TrainState
 from ..pipeline import PipelineLoss, sum_tied_gradients, units_for_norm
-from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
-from ._phases import (
-    StepSetup, Timer, clip_factor, clip_norm, next_state, norm_and_loss, step_setup, step_verdict, unscale_factor,
-)
+from ..sharding import stepped_in_place
 from ..state import StepPolicy
+from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
+from ._norm import clip_factor, clip_norm, norm_and_loss, unscale_factor
+from ._setup import StepSetup
 from ._update import OptimizerScalars, optimizer_update, publish_params
 
-__all__ = ["StepContext", "PhaseResult", "tensor_phases", "run_step", "why_not_traced"]
+__all__ = ["StepContext", "PhaseResult", "Timer", "eager_phases", "tensor_phases"]
+
+
+class Timer:
+    """Wall-clock seconds per phase (`wall_clock_breakdown`); a no-op when off. On accelerators it
+    synchronizes the device at phase boundaries, which is why it is opt-in."""
+
+    def __init__(self, on: bool, device: torch.device):
+        self.on = on
+        self.sync = on and device.type == "cuda"
+        self.totals = {"forward": 0.0, "backward": 0.0, "comm": 0.0, "optimizer": 0.0}
+        self._t = 0.0
+
+    def start(self) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self._t = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        if self.on:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.totals[phase] += time.perf_counter() - self._t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +79,6 @@ class StepContext:
     donate: bool
     traced: bool = False
     quantization: Any = None
-    exchange: Callable | None = None  # `optimizer_exchange`: the 1-bit optimizers' compressed all-reduce
     param_source: Any = None  # `offload_param: nvme`'s store, where new placeholder shards are written
     timer: Timer = dataclasses.field(default_factory=lambda: Timer(False, torch.device("cpu")))
 
@@ -68,28 +87,30 @@ class StepContext:
 class PhaseResult:
     """What the tensor phases give the host: the squared gradient norm and the loss summed over
     ranks (floats eagerly, 0-dim tensors from a graph), the auxes, and the new (params, master,
-    opt_state), or None where an eager step stopped at an overflow."""
+    opt_state), or None where an eager step stopped at an overflow; `timings`, the wall-clock
+    breakdown (`wall_clock_breakdown`), where it was taken."""
 
     norm_sq: Any
     loss_total: Any
     auxes: list
     updated: tuple | None
+    timings: dict | None = None
 
 
-def run_step(state: TrainState, batch: Any, policy: StepPolicy, sched, opt, has_aux: bool,
-             phases: Callable[[StepSetup], PhaseResult], timer: Timer | None = None) -> tuple[TrainState, dict]:
-    """The ladder: `step_setup`, the tensor phases (`phases(setup)`: `tensor_phases` eagerly or the
-    compiled graph around it), `step_verdict` on the two numbers every rank agreed on, and the next
-    state; an fp16 overflow is skipped (the loss scale still moves)."""
-    setup = step_setup(state, batch, policy, sched, opt)
-    out = phases(setup)
-    norm_sq, loss_total = float(out.norm_sq), float(out.loss_total)
-    metrics, new_ls = step_verdict(state, setup, policy, norm_sq, loss_total, out.auxes, has_aux)
-    if timer is not None and timer.on:
-        metrics["timings"] = timer.totals
-    if metrics["skipped"]:
-        return state.replace(loss_scale=new_ls), metrics  # (donated buffers were left as they were)
-    return next_state(state, *out.updated, new_ls), metrics
+def eager_phases(state: TrainState, setup: StepSetup, opt, policy: StepPolicy, loss_fn: Callable[..., Any],
+                 has_aux: bool, donate: bool) -> PhaseResult:
+    """`tensor_phases` run eagerly on `state`: its own mesh and collectives, autograd hooks, Python
+    numbers, the optimizer's `update` (`update_` when donated), the wall-clock breakdown when the
+    policy asks for it."""
+    sh = state.sharding
+    param_source = stepped_in_place(state)  # an older state than its files' is refused before any work
+    if sh.watchdog is not None:  # its verdicts name the step a rank was stuck in
+        sh.watchdog.at_step(setup.step_no + 1)
+    timer = Timer(policy.timings, sh.device)
+    x = StepContext(sh.plan, sh.mesh, sh.device, policy, loss_fn, has_aux, opt, opt.update_ if donate else opt.update,
+                    donate, quantization=sh.quantization, param_source=param_source, timer=timer)
+    out = tensor_phases(x, setup, state.params, state.master, state.opt_state, setup.scale, setup.lr, setup.momentum)
+    return dataclasses.replace(out, timings=timer.totals) if timer.on else out
 
 
 def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, scale, lr, momentum) -> PhaseResult:
@@ -118,7 +139,7 @@ def tensor_phases(x: StepContext, setup: StepSetup, params, master, opt_state, s
     x.timer.start()
     new_slices, new_master, new_opt_state = optimizer_update(
         x.plan, x.mesh.data.rank, params, master, opt_state, grads, OptimizerScalars(factor, lr, momentum, global_norm),
-        x.opt, x.update, setup.param_dtype, x.donate, x.mesh.data, exchange=x.exchange, param_source=x.param_source)
+        x.opt, x.update, setup.param_dtype, x.donate, x.mesh.data, param_source=x.param_source)
     x.timer.stop("optimizer")
     x.timer.start()
     new_params = publish_params(x.plan, x.mesh.data, params, new_slices, x.donate, x.mesh.expert_data)
@@ -151,20 +172,3 @@ def _gradients(x: StepContext, setup: StepSetup, params, scale):
 
 def _forward_backward(loss_fn):
     return lambda *args: forward_backward(loss_fn, *args)
-
-
-def why_not_traced(state: TrainState, policy: StepPolicy, opt, optimizer_name: str) -> str | None:
-    """Why this step cannot run as one graph for this state, from what its parts declare
-    (`not_traceable`: a reason, or None), or None when it can. `optimizer_name` names the
-    optimizer in its reason."""
-    sh = state.sharding
-    parts = (sh.plan, sh.mesh, sh.quantization, policy)  # the mesh: each axis' layout, MiCS's replicas
-    for part in parts:
-        reason = getattr(part, "not_traceable", None) if part is not None else None
-        if reason is not None:
-            return reason
-    if not opt.traceable:
-        return f"the {optimizer_name} optimizer has no traceable update (graph_update)"
-    if sh.comm.world_size > 1 and not getattr(type(sh.comm), "traceable", False):
-        return f"its collectives ({type(sh.comm).__name__}) are not a torch.distributed process group"
-    return None
