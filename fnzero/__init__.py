@@ -87,10 +87,11 @@ _LAZY = {
     **dict.fromkeys((
         "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
-        "init_distributed", "shard", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
+        "init_distributed", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
         "BlockQuantizer", "CommQuantization", "IdentityCodec",
     ), ".sharding"),
     **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding"),
+    "shard": ".state",
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
@@ -128,10 +129,11 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .sharding import (
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
         Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
-        init_distributed, make_mesh, shard, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
+        init_distributed, make_mesh, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
         IdentityCodec,
     )
     from .sharding import hf_auto_values, load_config
+    from .state import shard
     from .inference import InferenceEngine, generate, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 

@@ -28,8 +28,8 @@ LAYERS = {
     "testing": 12,
 }
 ROOT_API = 11  # `fnzero/__init__.py`: re-exports layers 0-9, so only cli and testing import it
-# (importing module, imported module): the exceptions specs/architecture.md names.
-EXCEPTIONS = {("fnzero.sharding.construct._module", "fnzero.state")}
+# (importing module, imported module): the exceptions specs/architecture.md names (none today).
+EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _modules(root=ROOT):
@@ -185,9 +185,6 @@ def _import_graph(root=ROOT) -> dict[str, set[str]]:
                         graph[mod].add(f"{target}.{a.name}")
                     elif target in modules and f"{target}.{a.name}" != "fnzero._cext":
                         graph[mod].add(target)
-        # The one upward import (EXCEPTIONS) runs inside a method, after both layers are loaded:
-        # it closes no circle at import time (specs/architecture.md §No import circles).
-        graph[mod] -= {t for m, t in EXCEPTIONS if m == mod}
     return graph
 
 
@@ -372,3 +369,18 @@ def test_a_private_import_is_caught(tmp_path):
     (tmp_path / "fnzero/a/_w.py").write_text("from ..b.c import _x\n")  # a private module from a face
     assert _private_imports(tmp_path) == {("fnzero.b._y", "fnzero.b.c._x"), ("fnzero.a._z", "fnzero.b.c._x"),
                                           ("fnzero.a._w", "fnzero.b.c._x")}
+
+
+def test_the_state_layer_hands_init_state_down_as_a_parameter():
+    """`sm.init_state()` builds what layers above sharding define, so `fnzero.shard` (the state
+    layer's) gives the module the builder; a module laid out by sharding alone says so."""
+    import torch
+    import fnzero
+    from fnzero import sharding, state
+
+    cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})
+    assert fnzero.shard is state.shard
+    assert int(fnzero.shard(torch.nn.Linear(3, 2), stage=0, config=cfg).init_state().step) == 0
+    bare = sharding.shard(torch.nn.Linear(3, 2), stage=0, config=cfg)
+    with pytest.raises(fnzero.ShardingError, match="fnzero.shard"):
+        bare.init_state()

@@ -11,9 +11,9 @@ from torch import nn
 from .._errors import ConfigError
 from ..config import ConfigWarning, describe
 from .._state import TrainState
-from ..sharding import current_world_size, default_device, shard, ShardedModule, load_config, check_heads
+from ..sharding import current_world_size, default_device, ShardedModule, load_config, check_heads
 from ..offload import store_shards
-from ..state import initial_params
+from ..state import initial_params, shard
 from ._engine import InferenceEngine
 from ._inference_config import InferenceConfig, read_inference_config
 from ._int8 import int8_targets, quantize_model

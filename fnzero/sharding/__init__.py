@@ -3,7 +3,8 @@
 
     Placement, placement_for_stage   what of a unit is sharded; a ZeRO stage names a preset
     ShardPlan, UnitPlan              which parameters form a unit and which slice each rank owns
-    shard, ShardedModule             a model laid out by a plan: `.apply`, `.init_state`, `.gather`
+    shard, ShardedModule             a model laid out by a plan: `.apply`, `.gather`, and `.init_state`
+                                     where the state layer gave it its builder (`fnzero.shard`)
     Collectives (and implementations)  the communication interface the step and the runtime use;
         CollectivesBase derives the async and option-taking forms for a custom backend
     default_collectives, providing_collectives, current_world_size

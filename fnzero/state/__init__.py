@@ -1,8 +1,9 @@
 """The state layer: what a `TrainState` holds beyond the model's shards, and the first one.
 
-    init_state, initial_params     the first TrainState of a `ShardedModule` (`sm.init_state`, the
-                                   public door) and the initial parameters alone, which an inference
-                                   state starts from (`_init.py`)
+    shard                          `fnzero.shard`: the model laid out by sharding, whose
+                                   `sm.init_state()` builds its first state here (`_shard.py`)
+    init_state, initial_params     the first TrainState of a `ShardedModule` and the initial
+                                   parameters alone, which an inference state starts from (`_init.py`)
     optimizer_or_config, built_per_model
                                    the optimizer a state runs: a given one or the config's (with the
                                    model's facts it reads), placed where the config puts its state
@@ -27,9 +28,10 @@ from ._loss_scale import init_loss_scale, update_loss_scale
 from ._optimizer import built_per_model, exchanging_optimizer_refused, optimizer_or_config
 from ._owner_update import OwnerLayout, owner_layout, owner_tree, owner_update
 from ._policy import LossScalePolicy, StepPolicy, step_policy
+from ._shard import shard
 
 __all__ = [
     "LossScalePolicy", "OwnerLayout", "StepPolicy", "built_per_model", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
     "initial_params", "optimizer_or_config", "owner_layout", "owner_tree", "owner_update", "step_policy",
-    "update_loss_scale",
+    "shard", "update_loss_scale",
 ]

@@ -49,6 +49,7 @@ def shard(
     mesh: Mesh | None = None,
     tp_plan: list[TPRule] | None = None,
     comm_quantization: CommQuantization | None = None,
+    build_state: Callable[..., Any] | None = None,
 ) -> ShardedModule:
     """Lay out `model`'s parameters for ZeRO `stage` over the ranks of `comm` (default: the
     torch.distributed default group, or one process). `stage` overrides the config's
@@ -74,15 +75,15 @@ def shard(
     `pipeline.stages`, or the module's `num_stages`) and this rank keeps its stage's layers only;
     `fnzero.pipeline_loss(sm)` is then the loss function of `fnzero.train_step`.
 
-    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype,
-    bytes). `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
+    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype, bytes).
+    `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
     that every rank is issuing the same one, and names the first divergence.
 
     ZeRO++ (`specs/collectives.md` §Quantized collectives): the config's `zero_quantized_weights`,
     `zero_quantized_nontrainable_weights` and `zero_quantized_gradients` quantize what stage 3's
     gathers and the gradient reduce-scatters carry; `comm_quantization` (a `CommQuantization`)
     replaces what the config says, with any codec (`IdentityCodec()` computes what unquantized
-    collectives do).
+    collectives do). `build_state`: what `sm.init_state` runs (`fnzero.shard` gives the state layer's).
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
@@ -111,7 +112,8 @@ def shard(
     initial, frozen, buffers = _initial_values(model, whole, plan, comm, world, device, policy, tp_layout, ep_layout,
                                                meta, init_seed)
     sm = ShardedModule(model, plan, axes.replace(tp=tp_layout, pp=pipe, ep=ep_layout), policy, config, device, initial,
-                       frozen, buffers, watchdog=watchdog, quantization=checked_quantization(policy, comm_quantization))
+                       frozen, buffers, watchdog=watchdog, quantization=checked_quantization(policy, comm_quantization),
+                       build_state=build_state)
     _guard_and_route(model, plan, sm)
     return sm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import optree
 import torch
@@ -50,8 +50,12 @@ class ShardedModule:
 
     def __init__(self, module: nn.Module, plan: ShardPlan, mesh: StateMesh, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
-                 buffers: dict[str, torch.Tensor] | None = None, watchdog=None, quantization=None):
+                 buffers: dict[str, torch.Tensor] | None = None, watchdog=None, quantization=None,
+                 build_state: Callable[..., TrainState] | None = None):
         self.module, self.plan, self.policy, self.config = module, plan, policy, config
+        # What `init_state` runs: the state layer's `init_state`, above this one, which `fnzero.shard`
+        # hands over (`specs/architecture.md` §Layers): a parameter, so no import runs upward.
+        self._build_state = build_state
         self.sharding = Sharding(plan, mesh, device, watchdog, quantization,
                                  config_optimizer(config, module))  # the optimizer with the model's facts it reads
         self._initial = initial  # handed over to the first TrainState (`init_state`)
@@ -228,15 +232,13 @@ class ShardedModule:
         The initial buffers are handed over, not copied, so a model's memory is held once; call
         `fnzero.shard` again for a second independent initial state.
         """
-        # [Note: the one upward import] The state holds what layers above sharding define (the
-        # optimizer's state, the loss scale, offload stores, pretrained weights), so it is built
-        # by the state layer (`fnzero/state/_init.py`); this method is its public door. The import
-        # runs when the method is called, after both layers are loaded, so the circle it closes
-        # on paper (the state layer imports sharding's face) is never taken at import time.
-        from ...state import init_state
-
-        return init_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
-                          check_ranks_equal=check_ranks_equal, adapters=adapters)
+        if self._build_state is None:
+            raise ShardingError(
+                "this module was laid out by fnzero.sharding.shard, which builds no state; shard it with "
+                "fnzero.shard (or fnzero.state.shard), whose modules build their TrainState with init_state()"
+            )
+        return self._build_state(self, pretrained, allow_unexpected=allow_unexpected, optimizer=optimizer,
+                                 check_ranks_equal=check_ranks_equal, adapters=adapters)
 
     def initial_values(self) -> InitialValues:
         """What the first TrainState is built from, until `hand_over_initial` gives it away."""
