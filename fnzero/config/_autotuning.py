@@ -5,16 +5,14 @@ set) has its `Monitor` measure the profile steps and write them there (`specs/au
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from ._types import Bool, Int, Model, Str
+from ._types import Bool, Model, PosInt, Str
 
 __all__ = ["AutotuningConfig", "ModelInfoConfig", "autotuning_rules"]
 
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 
 
 class ModelInfoConfig(Model):

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from ._types import Bool, Float, Model, Pair
+from ._types import Bool, Float, Model, NonNegFloat, Pair
 
 __all__ = [
     "OptimizerConfig", "OptimizerParams", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES",
@@ -20,7 +20,6 @@ __all__ = [
     "OneBitAdamParams", "ZeroOneAdamParams", "OneBitLambParams", "ONEBIT_TYPES",
 ]
 
-NonNegFloat = Annotated[Float, Field(ge=0.0)]
 TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default weight_decay
 PosFloat = Annotated[Float, Field(gt=0.0)]
 

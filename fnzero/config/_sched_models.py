@@ -10,16 +10,13 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ._types import Bool, Float, Int, Model
+from ._types import Bool, Int, Model, NonNegFloat, NonNegInt, PosInt
 
 __all__ = [
     "SchedulerConfig", "SchedulerParams", "SCHEDULER_PARAMS", "SCHEDULER_TYPES",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
 ]
 
-NonNegFloat = Annotated[Float, Field(ge=0.0)]
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 LastIter = Annotated[Int, Field(ge=-1)]
 WarmupType = Literal["log", "linear"]
 
