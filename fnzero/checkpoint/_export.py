@@ -1,19 +1,10 @@
-"""Consolidated weights in `model.state_dict()` naming: safetensors (streamed) or torch files,
-from a saved checkpoint (`export`; `_export_live.py` reads a running job's state instead), called
-on every rank: one writes, every rank returns its paths (`_one_writer.py`); with a Hugging Face
-config beside them (`_hf_config.py`).
+"""Consolidated weights in `model.state_dict()` naming, safetensors (streamed) or torch files, from a
+saved checkpoint (`export`; `_export_live.py` reads a running job's state instead); every rank
+calls it and one writes (`_one_writer.py`). Names and files: `specs/checkpoint-format.md` §Export.
 
 Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
 each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
 peak memory is a few chunks whatever the model size.
-
-Names (`Naming`): what the model's own save writes, as the plan recorded it when the model was
-sharded (`sharding/zero/_saved_names.py`; a checkpoint's index carries it): never a
-non-persistent buffer; by default (`tied="auto"`) a transformers model's tensors under the names
-`save_pretrained` writes (one per tied tensor, none of `_keys_to_ignore_on_save`, its files'
-names), and every name of any other model's `state_dict()`. `tied="copy"` writes every
-`state_dict()` name (tied ones as copies), so a strict `model.load_state_dict(load_file(f))`
-works on any model; `tied="first"` each tensor once, under its first name.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """`save`: every rank writes the bytes it owns to its own data file; rank 0 commits.
 
-Ownership: of a unit-indexed tensor, rank r writes the elements of its shard range of the saving
-plan that are real (not padding) and that its leaf holds. Replicated buffers (stage 0 params, the
-stage 1-2 gathered params) are therefore written once in total, split across ranks in parallel;
-replicated non-unit leaves (frozen, buffers, counts) are written by rank 0.
-
-Commit protocol (all through files, so an async save's background thread issues no collectives):
-  1. foreground: rank 0 removes stale staging dirs and broadcasts a fresh nonce; the ranks check
-     that they all see the staging directory (`_nodes.py`: a barrier and an all-gather, the other
-     collectives; a directory that is not shared is refused, or saved node-locally);
-  2. rank r writes `.{tag}.{nonce}.partial/rank{r}.bin`, fsyncs it, then atomically writes its index
-     part `rank{r}.msgpack` (its presence is rank r's done marker);
-  3. rank 0 waits for every part, merges them into `index.msgpack`, fsyncs the staging dir, renames
-     it to `{tag}` (an existing `{tag}` is first moved aside to `.{tag}.{nonce}.old`), fsyncs the root,
-     then replaces `latest`; the old copy is deleted last;
-  4. other ranks' handles complete when `{tag}/index.msgpack` carries their nonce.
-A crash anywhere before the rename in 3 leaves only a staging dir, which loaders never look at.
+Who writes what and the commit protocol (all through files, so an async save's background thread
+issues no collectives): `specs/checkpoint-format.md` §Who writes what, §Atomicity and durability.
+A crash anywhere before the final rename leaves only a staging dir, which loaders never look at.
 """
 
 from __future__ import annotations
