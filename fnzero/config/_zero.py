@@ -105,9 +105,11 @@ class ZeroConfig(Model):
     offload_optimizer: OffloadOptimizerConfig | None = Field(None, description="Optimizer-state offload; null = none.")
     offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload (stage 3 only); null = none.")
     sub_group_size: NonNegInt = Field(1_000_000_000, description="Elements per optimizer-step tile.")
-    stage3_max_live_parameters: NonNegInt = Field(1_000_000_000, description="Max gathered parameter elements resident.")
+    stage3_max_live_parameters: NonNegInt = Field(1_000_000_000,
+                                                  description="Max gathered parameter elements resident.")
     stage3_max_reuse_distance: NonNegInt = Field(1_000_000_000, description="Keep a gathered parameter if reused within this.")
-    stage3_prefetch_bucket_size: NonNegInt = Field(50_000_000, description="Elements prefetched ahead of use at stage 3.")
+    stage3_prefetch_bucket_size: NonNegInt = Field(50_000_000,
+                                                   description="Elements prefetched ahead of use at stage 3.")
     stage3_param_persistence_threshold: NonNegInt = Field(100_000, description="Parameters smaller than this stay unsharded.")
     stage3_model_persistence_threshold: NonNegInt = Field(
         sys.maxsize, description="Upper bound on total unsharded parameter elements at stage 3."
