@@ -1,14 +1,8 @@
 """Checkpoints of expert-parallel states, in the ordinary format (`specs/checkpoint-format.md`
-§Expert parallelism).
-
-An expert unit (one layer's experts this rank holds, `UnitPlan.is_expert`) is stored as the
-*whole layer's* unit: every ep rank's experts under the names they have in the whole model
-(fnzero's MoE: `deepspeed_experts.{global id}...`; stacked Hugging Face tensors: one name, the ep
-ranks' dim-0 pieces concatenated). Each parameter of a rank's unit is a contiguous run of elements
-of that whole unit, so every rank writes its own elements straight to their place there (no
-gather), and a load reads each rank's experts by name. The index is the one a run without expert
-parallelism would write if each layer's experts were a unit of their own: nothing records the ep
-size, and any mesh loads it (another grouping is read by name, §Loading by name).
+§Expert parallelism): an expert unit is stored as the *whole layer's* unit, every ep rank's
+experts under their names in the whole model, each rank writing its own elements straight to
+their place (no gather); a load reads each rank's experts by name. Nothing records the ep size,
+and any mesh loads it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""Consolidated weights in `model.state_dict()` naming: safetensors (streamed) or torch files,
-from a saved checkpoint (`export`; `_export_live.py` reads a running job's state instead), called
-on every rank: one writes, every rank returns its paths (`_one_writer.py`); with a Hugging Face
-config beside them (`_hf_config.py`).
+"""Consolidated weights in `model.state_dict()` naming, safetensors (streamed) or torch files, from a
+saved checkpoint (`export`; `_export_live.py` reads a running job's state instead); every rank
+calls it and one writes (`_one_writer.py`). Names and files: `specs/checkpoint-format.md` §Export.
 
 Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
 each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
 peak memory is a few chunks whatever the model size.
-
-Names (`Naming`): what the model's own save writes, as the plan recorded it when the model was
-sharded (`sharding/zero/_saved_names.py`; a checkpoint's index carries it): never a
-non-persistent buffer; by default (`tied="auto"`) a transformers model's tensors under the names
-`save_pretrained` writes (one per tied tensor, none of `_keys_to_ignore_on_save`, its files'
-names), and every name of any other model's `state_dict()`. `tied="copy"` writes every
-`state_dict()` name (tied ones as copies), so a strict `model.load_state_dict(load_file(f))`
-works on any model; `tied="first"` each tensor once, under its first name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -74,9 +66,7 @@ class _Entry:
 
     def __init__(self, name, shape, dtype, fill: Callable[[int, int], torch.Tensor]):
         self.name, self.shape, self.dtype, self.fill = name, tuple(shape), dtype, fill
-        self.numel = 1
-        for d in self.shape:
-            self.numel *= d
+        self.numel = math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -228,7 +218,7 @@ TIED = ("auto", "copy", "first")
 
 
 class Naming:
-    """The names an export writes each tensor under (the module docstring), from what the
+    """The names an export writes each tensor under (`specs/checkpoint-format.md` §Export), from what the
     model's save writes: `non_persistent` buffer names, and `pretrained`, a transformers model's
     {state_dict name: save_pretrained's name, or None} where they differ (None: another model)."""
 
@@ -256,6 +246,10 @@ class Naming:
             saved = (self.pretrained.get(n, n) for n in names)
             return list(dict.fromkeys(n for n in saved if n is not None))
         return names
+
+    def entries(self, names: list[str], shape, dtype: torch.dtype, fill) -> list[_Entry]:
+        """One tensor's entries, one per name it is written under."""
+        return [_Entry(name, shape, dtype, fill) for name in self.names(names)]
 
 
 def _cast_dtype(stored: torch.dtype, want: torch.dtype | None) -> torch.dtype:
@@ -320,31 +314,28 @@ def export(
 
 def _stored_entries(rd: Reader, want, naming: Naming, exclude_frozen: bool) -> list[_Entry]:
     """What `export` writes from checkpoint `rd`, named by `naming`."""
-    entries = []
+    units = []
     for u in rd.index["units"]:
         key = f"master/{u['name']}" if f"master/{u['name']}" in rd.tensors else f"params/{u['name']}"
         if key not in rd.tensors:
             raise CheckpointError(f"the checkpoint has no stored weights for unit {u['name']!r}")
-        dt = _cast_dtype(rd.dtype(key), want)
-        for s in u["slots"]:
-            for name in naming.names([s["name"], *s["aliases"]]):
-                entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
+        units.append((u, key))
     for u in [] if exclude_frozen else rd.index.get("frozen_units", []):  # stage 3 (`_frozen.py`)
-        key = f"frozen/{u['name']}"
-        if key not in rd.tensors:  # saved with exclude_frozen_parameters
-            continue
+        if f"frozen/{u['name']}" in rd.tensors:  # (absent: saved with exclude_frozen_parameters)
+            units.append((u, f"frozen/{u['name']}"))
+    entries = []
+    for u, key in units:
         dt = _cast_dtype(rd.dtype(key), want)
         for s in u["slots"]:
-            for name in naming.names([s["name"], *s["aliases"]]):
-                entries.append(_Entry(name, s["shape"], dt, _reader_fill(rd, key, s["offset"], dt)))
+            fill = _reader_fill(rd, key, s["offset"], dt)
+            entries += naming.entries([s["name"], *s["aliases"]], s["shape"], dt, fill)
     for kind in ("frozen", "buffers"):
         if kind == "frozen" and exclude_frozen:
             continue
         for key, t in rd.tensors.items():
             if key.startswith(kind + "/") and "unit" not in t:
                 dt = _cast_dtype(rd.dtype(key), want)
-                for name in naming.names([key[len(kind) + 1:]]):
-                    entries.append(_Entry(name, t["shape"], dt, _reader_fill(rd, key, 0, dt)))
+                entries += naming.entries([key[len(kind) + 1:]], t["shape"], dt, _reader_fill(rd, key, 0, dt))
     return entries
 
 

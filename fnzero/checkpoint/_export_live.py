@@ -125,9 +125,8 @@ def _live_entries(state, units: _Gathered, frozen: _Gathered, want, naming: Nami
     for u in units.places.whole.units if units.places is not None else state.sharding.plan.units:
         dt = _cast_dtype(src[u.name].dtype, want)
         for s in u.slots:
-            for name in naming.names([s.name, *s.aliases]):
-                entries.append(_Entry(name, s.shape, dt,
-                                      lambda a, b, u=u, o=s.offset, dt=dt: units.of(u.name)[o + a: o + b].to(dt)))
+            entries += naming.entries([s.name, *s.aliases], s.shape, dt,
+                                      lambda a, b, u=u, o=s.offset, dt=dt: units.of(u.name)[o + a: o + b].to(dt))
     last = len(units.units) - 1
 
     def frozen_piece(u, o: int, a: int, b: int, dt) -> torch.Tensor:
@@ -137,14 +136,14 @@ def _live_entries(state, units: _Gathered, frozen: _Gathered, want, naming: Nami
     for u in frozen.units:
         dt = _cast_dtype(state.frozen[u.name].dtype, want)
         for s in u.slots:
-            for name in naming.names([s.name, *s.aliases]):
-                entries.append(_Entry(name, s.shape, dt, lambda a, b, u=u, o=s.offset, dt=dt: frozen_piece(u, o, a, b, dt)))
+            entries += naming.entries([s.name, *s.aliases], s.shape, dt,
+                                      lambda a, b, u=u, o=s.offset, dt=dt: frozen_piece(u, o, a, b, dt))
     whole = {n: state.frozen[n] for n in state.sharding.plan.frozen}
     for kind, named in (("frozen", whole), ("buffers", state.buffers)):
         if kind == "frozen" and exclude_frozen:
             continue
         for held, t in named.items():
             dt = _cast_dtype(t.dtype, want)
-            for name in naming.names([held]):
-                entries.append(_Entry(name, t.shape, dt, lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt)))
+            entries += naming.entries([held], t.shape, dt,
+                                      lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt))
     return entries

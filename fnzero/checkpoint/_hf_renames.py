@@ -1,13 +1,8 @@
-"""transformers' own renames of a checkpoint's tensor names, applied before fnzero matches a
-pretrained file's names with the model's (`specs/checkpoint-format.md` §Pretrained).
-
-A transformers model may call a tensor otherwise than its `save_pretrained` files do: GPT-NeoX's
-head is `lm_head.weight` in the model and `embed_out.weight` on disk, and older files say
-`LayerNorm.gamma` for `LayerNorm.weight`. transformers undoes these when it loads
-(`conversion_mapping.get_model_conversion_mapping`, a list of `WeightRenaming`s of regular
-expressions); fnzero reads the same list. Only renames are taken: transforms that change tensors
-(concatenating, splitting, permuting) would need the whole tensor on every rank, and a file that
-needs one reports its names as the model's missing ones, as before.
+"""transformers' own renames of a checkpoint's tensor names (`conversion_mapping`'s `WeightRenaming`s),
+applied before fnzero matches a pretrained file's names with the model's (`specs/checkpoint-format.md`
+§Pretrained). Only renames are taken: transforms that change tensors (concatenating, splitting,
+permuting) would need the whole tensor on every rank, and a file that needs one reports its names
+as the model's missing ones.
 """
 
 from __future__ import annotations

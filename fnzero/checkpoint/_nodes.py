@@ -1,20 +1,8 @@
 """Which ranks share the checkpoint directory, and saving when they do not
-(`specs/checkpoint-format.md` §Directories that are not shared).
-
-A checkpoint's files are written by every rank and committed by one, so the protocol assumes one
-directory every rank sees. On clusters whose nodes have only local disks, each node's "same path"
-is its own directory, and rank 0 would wait forever for files it cannot see. So every save first
-finds out: each rank leaves a marker in the staging directory, and after a barrier each lists the
-markers it sees; one all-gather of those lists gives every rank the groups of ranks that share a
-directory (a node, usually). One group: the ordinary save. Several: a `CheckpointError` naming them,
-unless `use_node_local_storage` asks for a node-local save, where each group's first rank commits
-a complete checkpoint of its own in its own directory:
-
-* replicated tensors (a stage 0-2 parameter buffer, buffers, step counts) are written by the
-  group's ranks in parts, so each directory holds a whole copy;
-* sharded tensors (optimizer state, stage-3 parameters) are written by their owner, once;
-* each group's index lists its own copy of the replicated tensors and every rank's shards, with
-  `node_local.groups`, so a load that needs another group's file says which and where.
+(`specs/checkpoint-format.md` §Directories that are not shared): the commit protocol assumes one
+directory every rank sees, so each save first finds the groups of ranks that see each other's
+files; several groups are refused, or each commits a whole checkpoint of its own
+(`use_node_local_storage`).
 """
 
 from __future__ import annotations

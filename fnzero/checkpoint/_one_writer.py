@@ -1,18 +1,10 @@
-"""One rank writes an export, every rank learns how it went (`specs/checkpoint-format.md` §Export).
+"""One rank writes an export, every rank learns how it went (`specs/checkpoint-format.md` §Export,
+"Every rank calls it"): the writer speaks in small all-reduces ("rounds"), at least every `BEAT_S`
+seconds or before each unit it gathers, so no rank waits in one collective for the whole write.
 
-`export` and `export_live` are called on every rank, as `save` is. One rank writes the files; the
-others return the paths it wrote, or raise when it failed, naming it: a failure on the writing
-rank never leaves the others waiting, and is never blamed on a rank that only waited.
-
-[Note: rounds, not one long wait] The ranks meet in small all-reduces ("rounds") in which only
-the writer speaks: go on, done (with the paths) or failed (with its error), the others adding
-zeros. The writer holds a round between chunks at least every `BEAT_S` seconds (`export` from
-files), or before each unit it gathers (`export_live`, whose other ranks take part in the
-gathers), so no rank waits in one collective for the whole write: the collective watchdog and
-the process group's timeout see ranks that answer, whatever the model's size. A round is a sum
-over each of `comms` in turn (the data-parallel group, then the tensor-parallel one): the writer's
-words reach the whole grid without a group spanning it, and without a rank-0 `src` (which
-torch's `broadcast` reads as a rank of the whole job).
+[Note: a round is a sum over each of `comms` in turn] (the data-parallel group, then the
+tensor-parallel one): the writer's words reach the whole grid without a group spanning it, and
+without a rank-0 `src` (which torch's `broadcast` reads as a rank of the whole job).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """A PEFT model's tensor names and its base model's (`specs/peft.md` §Names).
 
-`peft.get_peft_model` wraps a model: its names gain `base_model.model.`, a wrapped layer keeps
-its base weights under `base_layer` (`...q_proj.base_layer.weight` where the base model's file
-says `...q_proj.weight`) beside its adapters (`...q_proj.lora_A.default.weight`), and a
-`modules_to_save` layer keeps the base module as `original_module` beside a trainable copy per
-adapter (`...lm_head.modules_to_save.default.weight`). The base model's file feeds the base
-weights and each copy; the adapters have no name in it.
-
 Read from the names alone, by structure rather than by PEFT's tuner prefixes: a module with a
 tensor under `base_layer` is a tuner layer, and its other tensors are adapters; a module with
 one under `original_module` is a modules_to_save wrapper.

@@ -1,12 +1,6 @@
-"""Pretrained weights straight into a sharded state (`specs/checkpoint-format.md` §Pretrained).
-
-A safetensors file, or a directory as transformers' `save_pretrained` writes it (`model.safetensors`,
-or shards listed by `model.safetensors.index.json`). Every header is read and checked before any
-tensor data: names, shapes, dtypes and byte ranges, against the model and against the file sizes
-(a truncated file is found here, naming the file and the tensor). Then each rank reads, with
-positioned reads, only the bytes of the elements it keeps: its slice of each stage-3 unit (frozen
-units too), the whole unit at stages 0-2, and every buffer and frozen parameter held whole
-(replicated). Values are cast to the dtype the model trains in.
+"""Pretrained weights straight into a sharded state (`specs/checkpoint-format.md` §Pretrained):
+every header is checked before any tensor data is read, then each rank reads only the bytes of
+the elements it keeps, cast to the dtype the model trains in.
 
 Written by hand rather than through `safetensors.safe_open`: the format is a length-prefixed JSON
 header and raw little-endian bytes, and positioned reads make the bytes each rank reads exact

@@ -1,15 +1,7 @@
 """Opening what a checkpoint directory holds without trusting it (`specs/checkpoint-format.md`
-§Reading a directory nobody vouches for).
-
-* No symbolic links below the checkpoint root: tag directories, `latest`, the index and the data
-  files are opened relative to their directory's descriptor with `O_NOFOLLOW`, so a link (to
-  `/dev/zero`, `/etc/passwd`, another disk) is refused, never followed. The root itself is the
-  caller's path and may be a link (a run directory on another disk is common).
-* Regular files only: the kind is checked with `lstat` before opening (a device or a FIFO is
-  never opened), the file is opened with `O_NONBLOCK` (a FIFO swapped in between cannot block) and
-  checked again with `fstat` on the descriptor actually read.
-* Sizes are known before a byte is read: a small file larger than its limit is refused.
-* Messages name the file and what is wrong with it, never its contents.
+§Reading a directory nobody vouches for): no symbolic links below the root (`O_NOFOLLOW` relative
+to each directory's descriptor), regular files only (`lstat`, then `fstat` on the descriptor
+read), sizes known before a byte is read, messages that name the file and never its contents.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """`save`: every rank writes the bytes it owns to its own data file; rank 0 commits.
 
-Ownership: of a unit-indexed tensor, rank r writes the elements of its shard range of the saving
-plan that are real (not padding) and that its leaf holds. Replicated buffers (stage 0 params, the
-stage 1-2 gathered params) are therefore written once in total, split across ranks in parallel;
-replicated non-unit leaves (frozen, buffers, counts) are written by rank 0.
-
-Commit protocol (all through files, so an async save's background thread issues no collectives):
-  1. foreground: rank 0 removes stale staging dirs and broadcasts a fresh nonce; the ranks check
-     that they all see the staging directory (`_nodes.py`: a barrier and an all-gather, the other
-     collectives; a directory that is not shared is refused, or saved node-locally);
-  2. rank r writes `.{tag}.{nonce}.partial/rank{r}.bin`, fsyncs it, then atomically writes its index
-     part `rank{r}.msgpack` (its presence is rank r's done marker);
-  3. rank 0 waits for every part, merges them into `index.msgpack`, fsyncs the staging dir, renames
-     it to `{tag}` (an existing `{tag}` is first moved aside to `.{tag}.{nonce}.old`), fsyncs the root,
-     then replaces `latest`; the old copy is deleted last;
-  4. other ranks' handles complete when `{tag}/index.msgpack` carries their nonce.
-A crash anywhere before the rename in 3 leaves only a staging dir, which loaders never look at.
+Who writes what and the commit protocol (all through files, so an async save's background thread
+issues no collectives): `specs/checkpoint-format.md` §Who writes what, §Atomicity and durability.
+A crash anywhere before the final rename leaves only a staging dir, which loaders never look at.
 """
 
 from __future__ import annotations
@@ -37,8 +24,7 @@ from . import _format as F
 from ._commit import clean_stale, commit, committed, merge_parts
 from ._ep import ExpertPlaces, check_ep_supported, expert_places
 from ._io import wait_for
-from ._handle import SaveHandle
-from ._mics import save_first_replica, saved_by_one
+from ._handle import SaveHandle, checked_tag, save_first_replica, saved_by_one
 from ._nodes import discover_groups, exchange_parts, merge_for_group
 from ._pp import save_pipelined
 from ._protocol import Where, index_head, start, mark_failed, write_and_commit, write_rank
@@ -96,7 +82,7 @@ def _save_pipelined(path, state: TrainState, tag, client_state, config, update_l
     pieces = _pieces(whole, copy=False, places=places) if writes else ({}, [])
     plan = places.whole if places is not None else whole.sharding.plan
     units = unit_meta(plan) if writes and whole.sharding.rank == 0 else None
-    handle = SaveHandle(os.path.abspath(os.fspath(path)), F.check_tag(tag or f"step_{int(state.step)}"))
+    handle = SaveHandle(os.path.abspath(os.fspath(path)), checked_tag(tag, state))
     handle._run(lambda: save_pipelined(path, whole, pp, tag=handle.tag, client_state=client_state, config=config,
                                        update_latest=update_latest, timeout=timeout, pieces=pieces, units=units,
                                        rng=_rng_state()))
@@ -296,7 +282,7 @@ def _checked_arguments(path, state: TrainState, tag, client_state, config, node_
     """(the root directory, the tag, the config as JSON, whether the save is node-local), each
     checked before anything is written."""
     root = os.path.abspath(os.fspath(path))
-    tag = F.check_tag(tag if tag is not None else f"step_{int(state.step)}")
+    tag = checked_tag(tag, state)
     F.check_client_state(client_state)
     cfg_json = config.to_json() if config is not None and hasattr(config, "to_json") else config
     if cfg_json is not None and not isinstance(cfg_json, str):

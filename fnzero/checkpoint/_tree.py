@@ -1,21 +1,13 @@
-"""A TrainState as named leaves in unit coordinates: the vocabulary shared by save, load and export.
+"""A TrainState as named leaves in unit coordinates: the vocabulary shared by save, load and export
+(`specs/checkpoint-format.md` §Coordinates).
 
-Every tensor of a state is either
-* a *unit leaf*: it holds elements `[lo, hi)` of some unit's logical flat buffer (a whole padded
-  buffer, a rank's shard, or one parameter's slot: Lamb's per-parameter state at stage 0). On disk it
-  is stored under a *key* naming the unit (`opt_state/exp_avg/blocks.0`), as element ranges of that
-  unit's real elements `[0, unit.numel)`, whatever world size or stage wrote it; or
-* a *replicated leaf* (frozen parameters held whole, buffers, optimizer step counts), stored whole
-  under its path; or
-* a *per-rank leaf*: a field an optimizer state names in its class's `PER_RANK_FIELDS` (the 1-bit
-  optimizers' compression errors, which every rank holds its own of), stored whole by each rank
-  under its path and `@rank<r>`, and read back only at the same world size.
-
-A frozen unit's buffer (stage 3, `ShardPlan.frozen_units`) is a unit leaf of unit `frozen/NAME`
-(its name is the trainable unit's of the same module; no unit name holds a slash).
-
-Paths join field names, NamedTuple field names, dict keys and list indices with '/', which no
-module path or state_dict name contains.
+Every tensor of a state is a *unit leaf* (elements `[lo, hi)` of a unit's logical flat buffer,
+stored under a key naming the unit as ranges of its real elements, whatever world size or stage
+wrote it), a *replicated leaf* (stored whole under its path) or a *per-rank leaf* (a field in an
+optimizer state's `PER_RANK_FIELDS`, stored whole by each rank under its path and `@rank<r>`).
+A frozen unit's buffer (stage 3) is a unit leaf of unit `frozen/NAME`. Paths join field names,
+NamedTuple field names, dict keys and list indices with '/', which no module path or state_dict
+name contains.
 """
 
 from __future__ import annotations

@@ -5,16 +5,14 @@ set) has its `Monitor` measure the profile steps and write them there (`specs/au
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from ._types import Bool, Int, Model, Str
+from ._types import Bool, Model, PosInt, Str
 
-__all__ = ["AutotuningConfig", "ModelInfoConfig", "autotuning_rules", "AUTOTUNING_NO_EFFECT"]
+__all__ = ["AutotuningConfig", "ModelInfoConfig", "autotuning_rules"]
 
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 
 
 class ModelInfoConfig(Model):
@@ -74,28 +72,3 @@ def autotuning_rules(at: AutotuningConfig) -> list[str]:
                    f"`autotuning.max_train_batch_size` ({at.max_train_batch_size}): no batch size to try")
     return out
 
-
-def _set(field: str, default: Any):
-    return lambda c: (getattr(c.autotuning, field) if getattr(c.autotuning, field) != default else None)
-
-
-# dotted key -> (the user's value when it asks for something fnzero does not do, else None; why).
-AUTOTUNING_NO_EFFECT: dict[str, tuple[Any, str]] = {
-    "autotuning.enabled": (
-        lambda c: True if c.autotuning.enabled and c.autotuning.metric_path is None else None,
-        "a training run does not tune (as in DeepSpeed, where only the launcher acts on the block): run "
-        "`fnzero autotune` or `fnzero launch --autotuning tune|run` to tune",
-    ),
-    "autotuning.fast": (_set("fast", True), "fnzero tunes only ZeRO stage x micro-batch x offload (DeepSpeed's "
-                        "fast mode), never the buckets and overlap switches"),
-    "autotuning.mp_size": (_set("mp_size", 1), "fnzero reads the tensor-parallel size from "
-                           "`tensor_parallel.autotp_size`"),
-    "autotuning.model_info_path": (_set("model_info_path", None), "fnzero writes no model-info file; the first "
-                                   "trial reports the parameter count"),
-    "autotuning.model_info.profile": (lambda c: True if c.autotuning.model_info.profile else None,
-                                      "fnzero has no profile-only run"),
-    "autotuning.model_info.hidden_size": (lambda c: c.autotuning.model_info.hidden_size,
-                                          "the step-time model needs only the parameter count"),
-    "autotuning.model_info.num_layers": (lambda c: c.autotuning.model_info.num_layers,
-                                         "the step-time model needs only the parameter count"),
-}

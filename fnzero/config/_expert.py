@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, model_serializer
 from pydantic_core import PydanticCustomError
 
-from ._types import Bool, Float, Int, Model, Str, _as_float, _as_int, describe
+from ._types import Bool, Float, Int, Model, NonNegInt, Str, _as_float, _as_int, describe
 
 __all__ = ["ExpertParallelConfig", "EXPERT_ACTIVATIONS", "NO_EFFECT_KEYS", "STRUCTURE_KEYS", "expert_rules",
            "expert_world_rule"]
@@ -99,7 +99,6 @@ def _no_load_balance(value: Any) -> None:
 AttrName = Annotated[Str, AfterValidator(_attribute_name)]
 Regex = Annotated[Str, AfterValidator(_regex)]
 PosInt = Annotated[Int, Field(ge=1)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 
 
 class ExpertParallelConfig(Model):

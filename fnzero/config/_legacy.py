@@ -7,6 +7,7 @@ later checks do not report them a second time); disabled unsupported blocks are 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ._problems import Problems
@@ -107,12 +108,15 @@ ALIASES = {
 }
 
 
-def _parent(raw: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
-    *head, leaf = dotted.split(".")
-    node: Any = raw
-    for part in head:
-        node = node.get(part) if isinstance(node, dict) else None
-    return (node if isinstance(node, dict) else None), leaf
+def _present(raw: dict[str, Any], keys: Iterable[str]) -> Iterator[tuple[str, dict[str, Any], str]]:
+    """(dotted key, the object holding it, its last part) of each of `keys` that `raw` holds."""
+    for dotted in keys:
+        *head, leaf = dotted.split(".")
+        node: Any = raw
+        for part in head:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            yield dotted, node, leaf
 
 
 def _is_off(value: Any) -> bool:
@@ -124,10 +128,8 @@ def _is_off(value: Any) -> bool:
 def _rename_aliases(raw: dict[str, Any], problems: Problems) -> None:
     """Rewrite the other spelling of each key to fnzero's, reporting both spellings given at once."""
     for table, strict in ((MODEL_ALIASES, True), (ALIASES, False)):
-        for old, new in table.items():
-            parent, leaf = _parent(raw, old)
-            if parent is None or leaf not in parent:
-                continue
+        for old, parent, leaf in _present(raw, table):
+            new = table[old]
             new_leaf = new.rsplit(".", 1)[-1]
             if new_leaf in parent and (strict or parent[new_leaf] != parent[leaf]):
                 values = (f" (set to {describe(parent[leaf])} and {describe(parent[new_leaf])})"
@@ -142,10 +144,7 @@ def _rename_aliases(raw: dict[str, Any], problems: Problems) -> None:
 def _removed_by_deepspeed(raw: dict[str, Any]) -> list[str]:
     """A warning for each key present that DeepSpeed 0.19.8 refuses whatever its value."""
     out = []
-    for key in DEEPSPEED_REMOVED:
-        parent, leaf = _parent(raw, key)
-        if parent is None or leaf not in parent:
-            continue
+    for key, parent, leaf in _present(raw, DEEPSPEED_REMOVED):
         is_off, what = IMPLEMENTED_REMOVED.get(key, (lambda v: True, ""))
         if is_off(parent[leaf]):
             out.append(f"`{key}` is off, so it has no effect in fnzero, but DeepSpeed 0.19.8 refuses this key in any "
@@ -173,10 +172,8 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
         raw["zero_optimization"] = {"stage": stage}
         if stage and "allgather_size" in raw:
             raw["zero_optimization"]["allgather_bucket_size"] = raw.pop("allgather_size")
-    for key, (new, convert) in DEPRECATED.items():
-        parent, leaf = _parent(raw, key)
-        if parent is None or leaf not in parent:
-            continue
+    for key, parent, leaf in _present(raw, DEPRECATED):
+        new, convert = DEPRECATED[key]
         value = parent.pop(leaf)
         if new is None:
             deprecations.append(f"`{key}` is deprecated in DeepSpeed and has no effect; remove it")
@@ -196,11 +193,9 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
             "(write that instead)"
         )
 
-    for key, advice in REMOVED.items():
-        parent, leaf = _parent(raw, key)
-        if parent is not None and leaf in parent:
-            problems.add(f"`{key}` was removed from DeepSpeed; use {advice} instead")
-            del parent[leaf]
+    for key, parent, leaf in _present(raw, REMOVED):
+        problems.add(f"`{key}` was removed from DeepSpeed; use {REMOVED[key]} instead")
+        del parent[leaf]
 
     for key in UNSUPPORTED_BLOCKS:
         if key in raw:
@@ -214,10 +209,8 @@ def normalize(raw: dict[str, Any], problems: Problems) -> list[str]:
                 )
             del raw[key]
 
-    for key, (off, what) in UNSUPPORTED_FLAGS.items():
-        parent, leaf = _parent(raw, key)
-        if parent is None or leaf not in parent:
-            continue
+    for key, parent, leaf in _present(raw, UNSUPPORTED_FLAGS):
+        off, what = UNSUPPORTED_FLAGS[key]
         value = parent[leaf]
         if value is off:
             if key in NOT_FIELDS:

@@ -22,12 +22,11 @@ from ._sections import (
     CsvMonitorConfig, DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TimersConfig,
     TorchAutocastConfig, WatchdogConfig, canonical_dtype,
 )
-from ._types import Bool, Float, Int, Model
+from ._types import Bool, Float, Model, PosInt
 from ._zero import ZeroConfig
 
 __all__ = ["Config"]
 
-PosInt = Annotated[Int, Field(gt=0)]
 
 
 class Config(Model):

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
-from ._types import Bool, Float, Model, Pair
+from ._types import Bool, Float, Model, NonNegFloat, Pair
 
 __all__ = [
     "OptimizerConfig", "OptimizerParams", "OPTIMIZER_PARAMS", "OPTIMIZER_TYPES",
@@ -20,18 +20,28 @@ __all__ = [
     "OneBitAdamParams", "ZeroOneAdamParams", "OneBitLambParams", "ONEBIT_TYPES",
 ]
 
-NonNegFloat = Annotated[Float, Field(ge=0.0)]
 TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default weight_decay
 PosFloat = Annotated[Float, Field(gt=0.0)]
 
 
-def _check_betas(betas: tuple[float, float], where: str) -> None:
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"`{where}[{i}]` is {beta!r}; each beta must be in [0, 1), e.g. [0.9, 0.999]")
+def _check_order(params: Model, low: str, high: str) -> None:
+    lo, hi = getattr(params, low), getattr(params, high)
+    if lo > hi:
+        raise ValueError(f"{low} {lo!r} exceeds {high} {hi!r}; make {low} <= {high}")
 
 
-class _AdamBase(Model):
+class _WithBetas(Model):
+    """Params whose `betas` must each lie in [0, 1)."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> "_WithBetas":
+        for i, beta in enumerate(self.betas):  # type: ignore[attr-defined]
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"`betas[{i}]` is {beta!r}; each beta must be in [0, 1), e.g. [0.9, 0.999]")
+        return self
+
+
+class _AdamBase(_WithBetas):
     lr: NonNegFloat = Field(1e-3, description="Learning rate.")
     betas: Pair = Field((0.9, 0.999), description="Coefficients for the running averages of the gradient and its square.")
     eps: NonNegFloat = Field(1e-8, description="Term added to the denominator for numerical stability.")
@@ -56,11 +66,6 @@ class _AdamBase(Model):
                 and data.get("adam_w_mode", True) is True:
             return {**data, "weight_decay": TORCH_ADAMW_WEIGHT_DECAY}
         return data
-
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> "_AdamBase":
-        _check_betas(self.betas, "betas")
-        return self
 
 
 class AdamParams(_AdamBase):
@@ -104,7 +109,7 @@ class AdagradParams(Model):
     initial_accumulator_value: NonNegFloat = Field(0.0, description="Initial value of the squared-gradient sum.")
 
 
-class LambParams(Model):
+class LambParams(_WithBetas):
     """`optimizer.params` for type Lamb (DeepSpeed FusedLamb names and defaults)."""
 
     lr: NonNegFloat = Field(1e-3, description="Learning rate.")
@@ -118,26 +123,19 @@ class LambParams(Model):
 
     @model_validator(mode="after")
     def _ranges(self) -> "LambParams":
-        _check_betas(self.betas, "betas")
-        if self.min_coeff > self.max_coeff:
-            raise ValueError(f"min_coeff {self.min_coeff!r} exceeds max_coeff {self.max_coeff!r}; make min_coeff <= max_coeff")
+        _check_order(self, "min_coeff", "max_coeff")
         return self
 
 
-class LionParams(Model):
+class LionParams(_WithBetas):
     """`optimizer.params` for type Lion (DeepSpeed FusedLion defaults)."""
 
     lr: NonNegFloat = Field(1e-3, description="Learning rate.")
     betas: Pair = Field((0.9, 0.999), description="Interpolation and running-average coefficients.")
     weight_decay: NonNegFloat = Field(0.0, description="Decoupled weight decay.")
 
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> "LionParams":
-        _check_betas(self.betas, "betas")
-        return self
 
-
-class MuonParams(Model):
+class MuonParams(_WithBetas):
     """`optimizer.params` for type Muon (DeepSpeed 0.19.8 runtime/engine.py `_muon_param_groups` and
     runtime/zero/muon/original_muon.py `MuonWithAuxAdam`): Muon for the hidden matrices, Adam for the rest.
     `lr` and `weight_decay` are shared; `muon_lr` / `adam_lr` override `lr` for one half."""
@@ -168,13 +166,8 @@ class MuonParams(Model):
             data = {"muon_lr": data["lr"], "adam_lr": data["lr"], **data}
         return data
 
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> "MuonParams":
-        _check_betas(self.betas, "betas")
-        return self
 
-
-class _OneBitBase(Model):
+class _OneBitBase(_WithBetas):
     """The keys DeepSpeed's 1-bit optimizers share (`deepspeed/runtime/fp16/onebit/`, removed in 0.19.8):
     the ones their step never reads, or that choose a transport, are accepted and warn when set."""
 
@@ -191,11 +184,6 @@ class _OneBitBase(Model):
     comm_backend_name: Literal["nccl", "mpi", "hccl", "compressed"] = Field(
         "nccl", description="DeepSpeed's transport of the compressed all-reduce; fnzero's runs over the data-parallel "
         "collectives whatever it says (warns when not nccl).")
-
-    @model_validator(mode="after")
-    def _betas_in_range(self) -> "_OneBitBase":
-        _check_betas(self.betas, "betas")
-        return self
 
 
 Steps = Annotated[int, Field(ge=0)]
@@ -231,11 +219,8 @@ class OneBitLambParams(_OneBitBase):
 
     @model_validator(mode="after")
     def _ranges(self) -> "OneBitLambParams":
-        if self.min_coeff > self.max_coeff:
-            raise ValueError(f"min_coeff {self.min_coeff!r} exceeds max_coeff {self.max_coeff!r}; make min_coeff <= max_coeff")
-        if self.factor_min > self.factor_max:
-            raise ValueError(f"factor_min {self.factor_min!r} exceeds factor_max {self.factor_max!r}; make "
-                             "factor_min <= factor_max")
+        _check_order(self, "min_coeff", "max_coeff")
+        _check_order(self, "factor_min", "factor_max")
         return self
 
 

@@ -10,16 +10,13 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from ._types import Bool, Float, Int, Model
+from ._types import Bool, Int, Model, NonNegFloat, NonNegInt, PosInt
 
 __all__ = [
     "SchedulerConfig", "SchedulerParams", "SCHEDULER_PARAMS", "SCHEDULER_TYPES",
     "WarmupLRParams", "WarmupDecayLRParams", "WarmupCosineLRParams", "OneCycleParams", "LRRangeTestParams",
 ]
 
-NonNegFloat = Annotated[Float, Field(ge=0.0)]
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 LastIter = Annotated[Int, Field(ge=-1)]
 WarmupType = Literal["log", "linear"]
 
@@ -46,23 +43,26 @@ class WarmupLRParams(_WarmupBase):
     )
 
 
-class WarmupDecayLRParams(_WarmupBase):
+class _WarmupWithinTotal(Model):
+    """Params whose warmup must end by `total_num_steps`."""
+
+    @model_validator(mode="after")
+    def _order(self) -> "_WarmupWithinTotal":
+        total, warmup = self.total_num_steps, self.warmup_num_steps  # type: ignore[attr-defined]
+        if total < warmup:
+            raise ValueError(f"total_num_steps {total} is less than warmup_num_steps {warmup}; the schedule would "
+                             "never finish warming up, so raise total_num_steps or lower warmup_num_steps")
+        return self
+
+
+class WarmupDecayLRParams(_WarmupBase, _WarmupWithinTotal):
     """`scheduler.params` for WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
 
     warmup_max_lr: NonNegFloat = Field(0.001, description="Learning rate after warmup.")
     total_num_steps: PosInt = Field(description="Total training steps; required.")
 
-    @model_validator(mode="after")
-    def _order(self) -> "WarmupDecayLRParams":
-        if self.total_num_steps < self.warmup_num_steps:
-            raise ValueError(
-                f"total_num_steps {self.total_num_steps} is less than warmup_num_steps {self.warmup_num_steps}; "
-                "the schedule would never finish warming up, so raise total_num_steps or lower warmup_num_steps"
-            )
-        return self
 
-
-class WarmupCosineLRParams(Model):
+class WarmupCosineLRParams(_WarmupWithinTotal):
     """`scheduler.params` for WarmupCosineLR: warmup as a ratio of the optimizer lr, then cosine decay."""
 
     total_num_steps: PosInt = Field(description="Total training steps; required.")
@@ -73,15 +73,6 @@ class WarmupCosineLRParams(Model):
     last_batch_iteration: LastIter = Field(-1, description="Step to resume from; -1 starts fresh.")
 
     _wt = field_validator("warmup_type", mode="before")(classmethod(lambda cls, v: _lower(v)))
-
-    @model_validator(mode="after")
-    def _order(self) -> "WarmupCosineLRParams":
-        if self.total_num_steps < self.warmup_num_steps:
-            raise ValueError(
-                f"total_num_steps {self.total_num_steps} is less than warmup_num_steps {self.warmup_num_steps}; "
-                "raise total_num_steps or lower warmup_num_steps"
-            )
-        return self
 
 
 class OneCycleParams(Model):

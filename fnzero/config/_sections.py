@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from ._types import Bool, Float, Int, Model, Str, StrList
+from ._types import Bool, Float, Int, Model, PosInt, Str, StrList
 
 __all__ = [
     "FP16Config", "BF16Config", "TorchAutocastConfig", "AioConfig", "ActivationCheckpointingConfig",
@@ -35,8 +35,6 @@ def canonical_dtype(value: object) -> object:
     return value
 
 
-PosInt = Annotated[Int, Field(gt=0)]
-NonNegInt = Annotated[Int, Field(ge=0)]
 
 
 class FP16Config(Model):

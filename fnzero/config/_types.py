@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-__all__ = ["Model", "Int", "Float", "Bool", "Str", "Pair", "StrList", "INT64_MAX", "describe"]
+__all__ = ["Model", "Int", "Float", "Bool", "Str", "Pair", "StrList", "PosInt", "NonNegInt", "NonNegFloat", "INT64_MAX",
+           "describe"]
 
 INT64_MAX = 2**63 - 1
 
@@ -151,3 +152,6 @@ Bool = Annotated[bool, BeforeValidator(_as_bool)]
 Str = Annotated[str, BeforeValidator(_as_str)]
 Pair = Annotated[tuple[Float, Float], BeforeValidator(_as_pair)]
 StrList = Annotated[tuple[str, ...], BeforeValidator(_as_str_list)]
+PosInt = Annotated[Int, Field(gt=0)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+NonNegFloat = Annotated[Float, Field(ge=0.0)]

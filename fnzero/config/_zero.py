@@ -12,11 +12,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from ._types import Bool, Float, Int, Model, Str, StrList
+from ._types import Bool, Float, Int, Model, NonNegInt, Str, StrList
 
 __all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LeafModuleConfig"]
 
-NonNeg = Annotated[Int, Field(ge=0)]
 Device = Literal["none", "cpu", "nvme"]
 
 
@@ -32,7 +31,7 @@ class OffloadOptimizerConfig(Model):
     pin_memory: Bool = Field(
         True, description="Page-locked host memory (DeepSpeed's default true); no effect: fnzero's host buffers are pageable."
     )
-    buffer_count: NonNeg = Field(4, description="Number of NVMe swap buffers.")
+    buffer_count: NonNegInt = Field(4, description="Number of NVMe swap buffers.")
     fast_init: Bool = Field(False, description="Fast optimizer initialisation when offloading to NVMe; no effect in fnzero.")
     ratio: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
         1.0, description="Fraction of optimizer state to offload (stage 3 only); fnzero offloads all (warns below 1.0)."
@@ -55,9 +54,9 @@ class OffloadParamConfig(Model):
         True, description="Page-locked host memory for the host shards of device cpu on an accelerator (DeepSpeed's default "
                           "true); no effect otherwise."
     )
-    buffer_count: NonNeg = Field(5, description="Number of NVMe swap buffers; no effect (each shard is read and written whole).")
-    buffer_size: NonNeg = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")
-    max_in_cpu: NonNeg = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
+    buffer_count: NonNegInt = Field(5, description="Number of NVMe swap buffers; no effect (each shard is read and written whole).")
+    buffer_size: NonNegInt = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")
+    max_in_cpu: NonNegInt = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
 
     _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
 
@@ -97,7 +96,7 @@ class ZeroConfig(Model):
     reduce_bucket_size: Annotated[Int, Field(gt=0)] = Field(
         500_000_000, description="Elements reduced per gradient bucket (> 0, as DeepSpeed 0.19.8: 0 is refused there).")
     allgather_partitions: Bool = Field(True, description="Gather updated shards with all-gather, not broadcasts.")
-    allgather_bucket_size: NonNeg = Field(500_000_000, description="Elements all-gathered per bucket.")
+    allgather_bucket_size: NonNegInt = Field(500_000_000, description="Elements all-gathered per bucket.")
     overlap_comm: Bool | None = Field(
         None, description="Overlap gradient reduction with backward; null resolves to `stage == 3`, as DeepSpeed."
     )
@@ -105,12 +104,14 @@ class ZeroConfig(Model):
     elastic_checkpoint: Bool = Field(False, description="Legacy elastic checkpoints (accepted, no effect).")
     offload_optimizer: OffloadOptimizerConfig | None = Field(None, description="Optimizer-state offload; null = none.")
     offload_param: OffloadParamConfig | None = Field(None, description="Parameter offload (stage 3 only); null = none.")
-    sub_group_size: NonNeg = Field(1_000_000_000, description="Elements per optimizer-step tile.")
-    stage3_max_live_parameters: NonNeg = Field(1_000_000_000, description="Max gathered parameter elements resident.")
-    stage3_max_reuse_distance: NonNeg = Field(1_000_000_000, description="Keep a gathered parameter if reused within this.")
-    stage3_prefetch_bucket_size: NonNeg = Field(50_000_000, description="Elements prefetched ahead of use at stage 3.")
-    stage3_param_persistence_threshold: NonNeg = Field(100_000, description="Parameters smaller than this stay unsharded.")
-    stage3_model_persistence_threshold: NonNeg = Field(
+    sub_group_size: NonNegInt = Field(1_000_000_000, description="Elements per optimizer-step tile.")
+    stage3_max_live_parameters: NonNegInt = Field(1_000_000_000,
+                                                  description="Max gathered parameter elements resident.")
+    stage3_max_reuse_distance: NonNegInt = Field(1_000_000_000, description="Keep a gathered parameter if reused within this.")
+    stage3_prefetch_bucket_size: NonNegInt = Field(50_000_000,
+                                                   description="Elements prefetched ahead of use at stage 3.")
+    stage3_param_persistence_threshold: NonNegInt = Field(100_000, description="Parameters smaller than this stay unsharded.")
+    stage3_model_persistence_threshold: NonNegInt = Field(
         sys.maxsize, description="Upper bound on total unsharded parameter elements at stage 3."
     )
     stage3_gather_16bit_weights_on_model_save: Bool = Field(
@@ -121,7 +122,7 @@ class ZeroConfig(Model):
     )
     legacy_stage1: Bool = Field(False, description="DeepSpeed's old stage-1 implementation (accepted, no effect).")
     round_robin_gradients: Bool = Field(False, description="Round-robin gradient copies to host (scheduling hint).")
-    zero_hpz_partition_size: NonNeg = Field(
+    zero_hpz_partition_size: NonNegInt = Field(
         1, description="ZeRO++ hpZ: stage 3 keeps a secondary parameter partition within groups of this many adjacent "
         "ranks (on one node), which backward re-gathers from; 0 or 1 = off (specs/mesh.md §hpZ).")
     mics_shard_size: Int = Field(
