@@ -99,23 +99,18 @@ class ConfigOptimizer(NamedTuple):
 
     def for_config(self, cfg: Any) -> "ConfigOptimizer":
         """The same model's facts for `cfg`'s optimizer block (a step may run another config)."""
-        return ConfigOptimizer(cfg, self.head_counts if _needs_heads(cfg) else None)
+        return ConfigOptimizer(cfg, self.head_counts if needs_model(cfg) else None)
 
     def chain(self) -> GradientTransformation:
         """The block's chain with its implementations declared (`chain_from_config`)."""
         return chain_from_config(self.config, self.head_counts)
 
 
-def _needs_heads(cfg: Any) -> bool:
-    """The block is Muon with `per_head_muon`: its optimizer orthogonalises per attention head."""
+def needs_model(cfg: Any) -> bool:
+    """Whether the optimizer of `cfg` reads facts of the model, so that it can only be built once
+    the model is known (`config_optimizer`): Muon with `per_head_muon` orthogonalises per head."""
     opt = getattr(cfg, "optimizer", None)
     return opt is not None and optimizer_kind(cfg) == "muon" and bool(getattr(opt.params, "per_head_muon", False))
-
-
-def needs_model(cfg: Any) -> bool:
-    """Whether the optimizer of `cfg` reads facts of the model (per_head_muon's heads), so that it
-    can only be built once the model is known (`config_optimizer`)."""
-    return _needs_heads(cfg)
 
 
 def config_optimizer(cfg: Any, model: Any) -> ConfigOptimizer | None:
@@ -124,7 +119,7 @@ def config_optimizer(cfg: Any, model: Any) -> ConfigOptimizer | None:
     without an optimizer block."""
     if getattr(cfg, "optimizer", None) is None:
         return None
-    return ConfigOptimizer(cfg, muon_head_counts(model) if _needs_heads(cfg) else None)
+    return ConfigOptimizer(cfg, muon_head_counts(model) if needs_model(cfg) else None)
 
 
 def chain_from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> GradientTransformation:
