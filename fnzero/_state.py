@@ -127,8 +127,9 @@ class Sharding:
         self.quantization = quantization
         # Not part of the mesh: the config's optimizer block with the facts of the model it reads
         # (`fnzero.optim.ConfigOptimizer`: per_head_muon's head counts), resolved by `shard`, where
-        # the model is known: `init_state` and the step build the config's optimizer from it; None
-        # without an optimizer block (`specs/optim.md` §Muon per head).
+        # the model is known: `init_state` and the step build the config's chain from it (`chain()`,
+        # or `for_config(cfg).chain()` for another config); None without an optimizer block
+        # (`specs/optim.md` §Muon per head).
         self.config_optimizer = config_optimizer
 
     @property

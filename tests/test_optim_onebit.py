@@ -41,14 +41,14 @@ def config(kind, params, n, **extra):
                                **extra}, world_size=n)
 
 
-def run_fnzero(model, data, cfg, steps, n, record=False):
+def run_fnzero(model, data, cfg, steps, n, record=False, optimizer=None):
     def rank(comm):
         comm = RecordingCollectives(comm) if record else comm
         m = Tiny().double()
         m.load_state_dict(model.state_dict())
         sm = fnzero.shard(m, config=cfg, comm=comm)
-        state = sm.init_state()
-        step = fnzero.train_step(lambda prm, b: loss_of(sm.apply(prm, b[0]), b[1]), cfg)
+        state = sm.init_state(optimizer=optimizer)
+        step = fnzero.train_step(lambda prm, b: loss_of(sm.apply(prm, b[0]), b[1]), cfg, optimizer=optimizer)
         per_step = []
         for _ in range(steps):
             if record:
@@ -82,6 +82,21 @@ def test_equals_a_float64_simulation_of_deepspeeds_algorithm(kind, n):
             torch.testing.assert_close(params_r[k], want[r][k], rtol=0, atol=1e-9, msg=lambda msg: f"{kind} r{r} {k}: {msg}")
     moved = got[0][0]["a.weight"] - model.a.weight
     assert moved.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_the_configs_chain_given_as_optimizer_trains_bit_for_bit_as_the_config(kind):
+    """The 1-bit types are chains too (`chain_from_config`): given as `optimizer=` on 2 simulated
+    ranks, through the freeze and compressed steps, every rank's parameters equal the config's own
+    run exactly (the chain declares the same fused step and that it exchanges its gradients)."""
+    params, _, steps = CASES[kind]
+    model, data = setup(2)
+    cfg = config(kind, params, 2)
+    tx = optim.chain_from_config(cfg)
+    assert tx.exchanges_gradients
+    for (want, _, _), (got, _, _) in zip(run_fnzero(model, data, cfg, steps, 2),
+                                         run_fnzero(model, data, cfg, steps, 2, optimizer=tx)):
+        assert all(torch.equal(got[k], want[k]) for k in want), kind
 
 
 def test_compressed_all_reduce_is_pure_and_equals_the_reference():

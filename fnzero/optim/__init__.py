@@ -1,47 +1,51 @@
 """Functional optimizers: pure ``init``/``update`` pairs over pytrees of tensors, optax style.
 
+One protocol: what an optimizer computes is a chain of gradient transformations
+(`GradientTransformation`: `init`/`update`, composed with `chain` from `scale_by_adam`,
+`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`, `scale_by_muon`,
+`partition`, ...). Every DeepSpeed optimizer name is a chain (`adamw_chain`, ...,
+`onebit_adam_chain`, `CHAINS`), and the config's is `chain_from_config(cfg)`.
+
+How a chain runs is an *implementation*, the `Optimizer` record, which the step asks only for its
+capabilities (`elementwise`, `traceable`, `exchanges_gradients`). A chain declares its
+implementations as data (`Implementations`): the config's chain declares DeepSpeed's fused
+kernels (torch's on the device, fnzero's C kernels on the host: ZeRO-Offload), a 1-bit chain its
+fused step; a chain that declares none (a user's own, `adamw_chain(...)` called directly) runs its
+own arithmetic (`as_optimizer`). `implementation(optimizer, on_host)` is the one lookup from a
+chain (or an `Optimizer`, run as it is) to what runs it (specs/optim.md §Where an optimizer runs).
+`fnzero.train_step(optimizer=)` and `init_state(optimizer=)` take a chain or an `Optimizer`.
+
 An `Optimizer` holds no state. ``init(params)`` builds the state (a NamedTuple such as
 `AdamState`, whose first field is the applied-step count); ``update(grads, state, params, lr)``
 returns new params and state and leaves its inputs alone; ``update_`` is the same step allowed
 to write into the given params and state buffers (the fast path of a training loop). The
-learning rate is passed at every step, normally from `fnzero.schedules`. Formulas, state layouts
-and the ``elementwise`` property are in specs/optim.md.
+learning rate is passed at every step, normally from `fnzero.schedules`. The factories `adam`,
+`adamw`, `sgd`, ... build the fused implementations directly. Formulas, state layouts and the
+``elementwise`` property are in specs/optim.md.
 
 >>> import torch
 >>> from fnzero import optim
->>> opt = optim.adamw(lr=1e-2, weight_decay=0.1)
+>>> opt = optim.implementation(optim.adamw_chain(lr=1e-2, weight_decay=0.1))
 >>> params = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
 >>> state = opt.init(params)
 >>> grads = {"w": torch.ones(2, 3), "b": -torch.ones(3)}
 >>> new_params, state = opt.update(grads, state, params, 1e-2)
 >>> new_params["b"].tolist()
 [0.009999999776482582, 0.009999999776482582, 0.009999999776482582]
->>> int(state.count), params["b"].tolist()  # the inputs are untouched
+>>> int(state[0].count), params["b"].tolist()  # the inputs are untouched
 (1, [0.0, 0.0, 0.0])
 
-Gradient transformations compose the same optimizers from parts (`chain`, `scale_by_adam`,
-`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`, `scale_by_muon`, `partition`, ...): every DeepSpeed
-optimizer name is a chain (`adamw_chain`, ..., `chain_from_config`), the factories above are its
-fused implementations on the device, `host_optimizer` (fnzero's C kernels: ZeRO-Offload) on the
-host, and `as_optimizer(chain)` runs a chain of your own in `fnzero.train_step`.
-
-One protocol: what an optimizer computes is a chain of gradient transformations; an `Optimizer`
-is one implementation of it (how it runs, with its declared capabilities `elementwise`,
-`traceable`, `exchanges_gradients`), and `implementation(optimizer, on_host)` is the one lookup
-from a chain, the config's block (`config_optimizer(cfg, model)`: a `ConfigOptimizer`, which
-runs DeepSpeed's fused kernels) or an `Optimizer` to what runs it (specs/optim.md §Where an
-optimizer runs).
-
-`onebit_adam`, `zero_one_adam` and `onebit_lamb` (DeepSpeed's 1-bit optimizers) exchange their
-momentum themselves through the compressed all-reduce; their `local_gradients` says when the
-step hands them each rank's own gradients (specs/optim.md §1-bit optimizers).
+`onebit_adam`, `zero_one_adam` and `onebit_lamb` (DeepSpeed's 1-bit optimizers, and their chains)
+exchange their momentum themselves through the compressed all-reduce; their `local_gradients`
+says when the step hands them each rank's own gradients (specs/optim.md §1-bit optimizers).
 """
 
 from ._adagrad import AdagradState, adagrad
 from ._adam import AdamState, adam, adamw
 from ._base import Optimizer, OptState, Params
 from ._chains import (
-    CHAINS, adagrad_chain, adam_chain, adamw_chain, lamb_chain, lion_chain, muon, muon_chain, sgd_chain,
+    CHAINS, adagrad_chain, adam_chain, adamw_chain, lamb_chain, lion_chain, muon, muon_chain, onebit_adam_chain,
+    onebit_lamb_chain, sgd_chain, zero_one_adam_chain,
 )
 from ._config import ConfigOptimizer, chain_from_config, config_optimizer, from_config, host_from_config
 from ._host import host_optimizer
@@ -55,7 +59,7 @@ from ._muon import PartitionState, ScaleByMuonState, partition, scale_by_muon, u
 from ._muon_heads import muon_head_counts
 from ._sgd import SGDState, sgd
 from ._transform import (
-    CountState, GradientTransformation, ScaleByAdamState, ScaleByLionState, ScaleByRssState, TraceState, add_decayed_weights,
+    CountState, GradientTransformation, Implementations, ScaleByAdamState, ScaleByLionState, ScaleByRssState, TraceState, add_decayed_weights,
     apply_updates, as_optimizer, chain, clip_by_global_norm, scale, scale_by_adam, scale_by_bias_correction,
     scale_by_learning_rate, scale_by_lion, scale_by_loss_scale, scale_by_lr_decay, scale_by_rss, scale_by_trust_ratio,
     trace,
@@ -75,11 +79,12 @@ __all__ = [
     "adam", "adamw", "sgd", "adagrad", "lamb", "lion", "muon",
     "from_config", "chain_from_config", "host_optimizer", "host_from_config",
     "implementation", "ConfigOptimizer", "config_optimizer",
-    "GradientTransformation", "chain", "apply_updates", "as_optimizer", "scale", "scale_by_learning_rate",
+    "GradientTransformation", "Implementations", "chain", "apply_updates", "as_optimizer", "scale", "scale_by_learning_rate",
     "scale_by_adam", "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay",
     "scale_by_trust_ratio", "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale",
     "CountState", "ScaleByAdamState", "TraceState", "ScaleByLionState", "ScaleByRssState",
     "CHAINS", "adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain",
     "scale_by_muon", "partition", "uses_muon", "muon_head_counts", "ScaleByMuonState", "PartitionState",
-    "onebit_adam", "zero_one_adam", "onebit_lamb", "OneBitAdamState", "ZeroOneAdamState", "OneBitLambState",
+    "onebit_adam", "zero_one_adam", "onebit_lamb", "onebit_adam_chain", "zero_one_adam_chain", "onebit_lamb_chain",
+    "OneBitAdamState", "ZeroOneAdamState", "OneBitLambState",
 ]

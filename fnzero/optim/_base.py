@@ -8,7 +8,8 @@ explicitly in-place function (`update_`), a traceable `graph_update`, the chain 
 `exchanges_gradients`), which are all the step asks of it. Implementations: torch's fused
 kernels on the device (`adam`, ...), fnzero's C kernels on the host (`host_optimizer`), a chain's
 own arithmetic (`as_optimizer`), or any of them streamed through NVMe files (`fnzero.offload`);
-which one runs is chosen from the optimizer and where its state lives (`state/_optimizer.py`).
+a chain declares which of them run it (`Implementations`, read by `implementation`). A user may
+still pass an `Optimizer` itself as `optimizer=`: it runs as it is.
 """
 
 from __future__ import annotations

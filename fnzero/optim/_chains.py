@@ -2,8 +2,10 @@
 
 These are the definitions: `fnzero.optim.adamw(...)` and the others compute the same step with
 fused kernels (torch's, fnzero's C kernels on the host, the NVMe store), and a property test
-checks each against its chain in float64 (`tests/test_optim_chains.py`). A user's own chain runs
-through `as_optimizer`.
+checks each against its chain in float64 (`tests/test_optim_chains.py`). Called directly they
+declare no implementation and run their own arithmetic (`as_optimizer`), as a user's own chain;
+`chain_from_config` declares the fused kernels DeepSpeed runs for the name. The 1-bit chains
+are their fused step (`_onebit_common.chain_form`), declared wherever they are built.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from fnzero._errors import ConfigError
 from . import _validate as check
 from ._base import Optimizer
 from ._muon import ADAM_DEFAULT_LR, MUON_DEFAULT_LR, partition, scale_by_muon, uses_muon
+from ._onebit_adam import onebit_adam
+from ._onebit_common import chain_form
+from ._onebit_lamb import onebit_lamb
 from ._transform import (
-    GradientTransformation, add_decayed_weights, as_optimizer, chain, scale_by_adam, scale_by_bias_correction,
+    GradientTransformation, _named, add_decayed_weights, as_optimizer, chain, scale_by_adam, scale_by_bias_correction,
     scale_by_learning_rate, scale_by_lion, scale_by_lr_decay, scale_by_rss, scale_by_trust_ratio, trace,
 )
+from ._zero_one_adam import zero_one_adam
 
 __all__ = ["adam_chain", "adamw_chain", "sgd_chain", "adagrad_chain", "lamb_chain", "lion_chain", "muon_chain", "muon",
-           "CHAINS"]
+           "onebit_adam_chain", "zero_one_adam_chain", "onebit_lamb_chain", "CHAINS"]
 
 
 def adam_chain(lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -127,8 +133,28 @@ def muon(**kwargs: Any) -> Optimizer:
     return as_optimizer(muon_chain(**kwargs))
 
 
-# Keyed by the lower-cased DeepSpeed optimizer type, as `_config.FACTORIES`.
+@_named
+def onebit_adam_chain(**params: Any) -> GradientTransformation:
+    """1-bit Adam (`onebit_adam(**params)`) as a chain that exchanges its own gradients."""
+    return chain_form(onebit_adam(**params))
+
+
+@_named
+def zero_one_adam_chain(**params: Any) -> GradientTransformation:
+    """0/1 Adam (`zero_one_adam(**params)`) as a chain that exchanges its own gradients."""
+    return chain_form(zero_one_adam(**params))
+
+
+@_named
+def onebit_lamb_chain(**params: Any) -> GradientTransformation:
+    """1-bit LAMB (`onebit_lamb(**params)`) as a chain that exchanges its own gradients."""
+    return chain_form(onebit_lamb(**params))
+
+
+# Keyed by the lower-cased DeepSpeed optimizer type (DeepSpeed matches names case-insensitively):
+# the optimizers a config may name.
 CHAINS: dict[str, Callable[..., GradientTransformation]] = {
     "adam": adam_chain, "adamw": adamw_chain, "sgd": sgd_chain, "adagrad": adagrad_chain, "lamb": lamb_chain,
-    "lion": lion_chain, "muon": muon_chain,
+    "lion": lion_chain, "muon": muon_chain, "onebitadam": onebit_adam_chain, "zerooneadam": zero_one_adam_chain,
+    "onebitlamb": onebit_lamb_chain,
 }

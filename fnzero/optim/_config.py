@@ -1,7 +1,9 @@
-"""Build the optimizer a fnzero Config names (the `optimizer` block, DeepSpeed's layout)."""
+"""The chain a fnzero Config names (the `optimizer` block, DeepSpeed's layout), with the
+implementations DeepSpeed runs for it declared (`chain_from_config`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -10,23 +12,22 @@ from fnzero._errors import ConfigError
 from ._adagrad import adagrad
 from ._adam import adam, adamw
 from ._base import Optimizer
-from ._chains import CHAINS, muon
+from ._chains import CHAINS
 from ._host import host_optimizer
-from ._transform import GradientTransformation
+from ._implement import implementation
+from ._transform import GradientTransformation, Implementations
 from ._lamb import lamb
 from ._lion import lion
 from ._muon_heads import muon_head_counts
 from ._sgd import sgd
-from ._onebit_adam import onebit_adam
-from ._onebit_lamb import onebit_lamb
-from ._zero_one_adam import zero_one_adam
 
 __all__ = ["from_config", "chain_from_config", "host_from_config", "ConfigOptimizer", "config_optimizer", "needs_model"]
 
-# Keyed by the lower-cased type: DeepSpeed matches optimizer names case-insensitively.
-FACTORIES: dict[str, Callable[..., Optimizer]] = {
-    "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion, "muon": muon,
-    "onebitadam": onebit_adam, "zerooneadam": zero_one_adam, "onebitlamb": onebit_lamb,
+# The fused device implementation of each type that has one, keyed as `CHAINS` (Muon's is its
+# chain's own arithmetic; a 1-bit chain declares its own). These factories also check every value,
+# which the chains of these types do not.
+_FUSED: dict[str, Callable[..., Optimizer]] = {
+    "adam": adam, "adamw": adamw, "sgd": sgd, "adagrad": adagrad, "lamb": lamb, "lion": lion,
 }
 CANONICAL = ("Adam", "AdamW", "SGD", "Adagrad", "Lamb", "Lion", "Muon", "OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 # The lr each factory uses when a config gives none; schedules need it too (WarmupCosineLR
@@ -60,7 +61,7 @@ def optimizer_kind(cfg: Any) -> str:
             'the config has no `optimizer` block; add one, e.g. "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}'
         )
     kind = str(block.type).lower()
-    if kind not in FACTORIES:
+    if kind not in CHAINS:
         raise ConfigError(f"optimizer type {block.type!r} is not supported; use one of {', '.join(CANONICAL)}")
     return kind
 
@@ -88,33 +89,28 @@ def _params(cfg: Any, kind: str, head_counts: Mapping[str, int] | None = None) -
 class ConfigOptimizer(NamedTuple):
     """A config's `optimizer` block as one model needs it: the `config` and the facts of the model
     its optimizer reads (`head_counts`: per_head_muon's, resolved from the model by
-    `config_optimizer`; None where the optimizer reads none). `fnzero.shard` keeps it with the
-    state's sharding, so whoever builds the optimizer (`init_state`, the step) never asks which
-    type needs what; `for_config` carries the same model's facts to another config's block."""
+    `config_optimizer`; None where the optimizer reads none). Not an optimizer itself: `chain()`
+    is the config's chain. `fnzero.shard` keeps it with the state's sharding, so whoever builds
+    the optimizer (`init_state`, the step) never asks which type needs what; `for_config` carries
+    the same model's facts to another config's block."""
 
     config: Any
     head_counts: Mapping[str, int] | None = None
 
     def for_config(self, cfg: Any) -> "ConfigOptimizer":
         """The same model's facts for `cfg`'s optimizer block (a step may run another config)."""
-        return ConfigOptimizer(cfg, self.head_counts if _needs_heads(cfg) else None)
+        return ConfigOptimizer(cfg, self.head_counts if needs_model(cfg) else None)
 
-    def implementation(self, on_host: bool) -> Optimizer:
-        """The fused implementation of this block: torch's kernels on the device (`from_config`),
-        or fnzero's C kernels on the host (`host_from_config`: ZeRO-Offload)."""
-        return host_from_config(self.config) if on_host else from_config(self.config, self.head_counts)
-
-
-def _needs_heads(cfg: Any) -> bool:
-    """The block is Muon with `per_head_muon`: its optimizer orthogonalises per attention head."""
-    opt = getattr(cfg, "optimizer", None)
-    return opt is not None and optimizer_kind(cfg) == "muon" and bool(getattr(opt.params, "per_head_muon", False))
+    def chain(self) -> GradientTransformation:
+        """The block's chain with its implementations declared (`chain_from_config`)."""
+        return chain_from_config(self.config, self.head_counts)
 
 
 def needs_model(cfg: Any) -> bool:
-    """Whether the optimizer of `cfg` reads facts of the model (per_head_muon's heads), so that it
-    can only be built once the model is known (`config_optimizer`)."""
-    return _needs_heads(cfg)
+    """Whether the optimizer of `cfg` reads facts of the model, so that it can only be built once
+    the model is known (`config_optimizer`): Muon with `per_head_muon` orthogonalises per head."""
+    opt = getattr(cfg, "optimizer", None)
+    return opt is not None and optimizer_kind(cfg) == "muon" and bool(getattr(opt.params, "per_head_muon", False))
 
 
 def config_optimizer(cfg: Any, model: Any) -> ConfigOptimizer | None:
@@ -123,27 +119,15 @@ def config_optimizer(cfg: Any, model: Any) -> ConfigOptimizer | None:
     without an optimizer block."""
     if getattr(cfg, "optimizer", None) is None:
         return None
-    return ConfigOptimizer(cfg, muon_head_counts(model) if _needs_heads(cfg) else None)
-
-
-def from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> Optimizer:
-    """The optimizer of ``cfg.optimizer``: its ``type`` (any case) and ``params`` (Muon's
-    ``per_head_muon`` takes ``head_counts=fnzero.optim.muon_head_counts(model)``).
-
-    >>> import fnzero
-    >>> cfg = fnzero.load_config({"train_batch_size": 1,
-    ...                           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}})
-    >>> from_config(cfg).elementwise
-    True
-    """
-    kind = optimizer_kind(cfg)
-    return FACTORIES[kind](**_params(cfg, kind, head_counts))
+    return ConfigOptimizer(cfg, muon_head_counts(model) if needs_model(cfg) else None)
 
 
 def chain_from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> GradientTransformation:
-    """The chain of gradient transformations that ``cfg.optimizer`` names, with its ``params``
-    (and Muon's ``head_counts``, as `from_config`): the definition the fused optimizer of
-    `from_config` computes.
+    """The chain of gradient transformations that ``cfg.optimizer`` names: its ``type`` (any case)
+    and ``params`` (Muon's ``per_head_muon`` takes ``head_counts=fnzero.optim.muon_head_counts(model)``),
+    declaring the implementations DeepSpeed runs for that name (`implementation` reads them): the
+    fused kernels on the device (Muon: none, its chain's own arithmetic; 1-bit: their step), and
+    fnzero's C kernels on the host (ZeRO-Offload; a ConfigError for a type none computes).
 
     >>> import fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
@@ -151,23 +135,34 @@ def chain_from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) ->
     False
     """
     kind = optimizer_kind(cfg)
-    FACTORIES[kind](**_params(cfg, kind, head_counts))  # the same checks of every value
-    if kind not in CHAINS:
-        raise ConfigError(f"optimizer type {cfg.optimizer.type} exchanges its momentum itself and has no chain; "
-                          "build it with from_config (specs/optim.md §1-bit optimizers)")
-    return CHAINS[kind](**_params(cfg, kind, head_counts))
+    params = _params(cfg, kind, head_counts)
+    fused = _FUSED[kind](**params) if kind in _FUSED else None  # first: its checks of every value
+    tx = CHAINS[kind](**params)
+    declared = tx.implementations or Implementations()
+    device = declared.device if fused is None else (lambda: fused)
+    host = functools.partial(host_optimizer, cfg.optimizer.type, **params)
+    return tx._replace(implementations=Implementations(device, host))
+
+
+def from_config(cfg: Any, head_counts: Mapping[str, int] | None = None) -> Optimizer:
+    """The device implementation of ``cfg.optimizer``'s chain (`chain_from_config`).
+
+    >>> import fnzero
+    >>> cfg = fnzero.load_config({"train_batch_size": 1,
+    ...                           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}}})
+    >>> from_config(cfg).elementwise
+    True
+    """
+    return implementation(chain_from_config(cfg, head_counts))
 
 
 def host_from_config(cfg: Any) -> Optimizer:
     """The host implementation (fnzero's C kernels over flat fp32 shards: ZeRO-Offload) of
-    ``cfg.optimizer``; a ConfigError for a type no host kernel computes (SGD, Lamb).
+    ``cfg.optimizer``'s chain; a ConfigError for a type no host kernel computes (SGD, Lamb).
 
     >>> import fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 1, "optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})
     >>> host_from_config(cfg).elementwise
     True
     """
-    kind = optimizer_kind(cfg)
-    params = params_dict(cfg.optimizer.params)
-    FACTORIES[kind](**params)  # the same checks of every value
-    return host_optimizer(cfg.optimizer.type, **params)
+    return implementation(chain_from_config(cfg), on_host=True)

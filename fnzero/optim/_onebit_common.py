@@ -19,10 +19,11 @@ import torch
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import advance, grads_as, leaves_like
+from ._base import Optimizer, advance, grads_as, leaves_like
+from ._transform import GradientTransformation, Implementations
 
 __all__ = ["exchange_from", "exchange", "steps", "no_effect_kwargs", "empty_error", "first_compressed_count",
-           "StepStart", "step_start", "state_leaves", "compressed_from", "hyper"]
+           "StepStart", "step_start", "state_leaves", "compressed_from", "hyper", "chain_form"]
 
 # Keys DeepSpeed's 1-bit optimizers take that change nothing in their arithmetic (bias_correction,
 # eps_inside_sqrt and max_grad_norm are stored and never read there) or choose a transport.
@@ -118,3 +119,17 @@ def hyper(opt: str, lr: Any, betas: Any, eps: Any, weight_decay: Any) -> tuple[f
     b1, b2 = check.betas(opt, betas)
     return (check.number(opt, "lr", lr), b1, b2, check.number(opt, "eps", eps),
             check.number(opt, "weight_decay", weight_decay))
+
+
+def chain_form(opt: Optimizer) -> GradientTransformation:
+    """The chain of a 1-bit optimizer: it declares `opt` as its implementation (what runs it) and
+    its `local_gradients`. These optimizers exchange and step whole parameters (0/1 Adam undoes
+    its local steps), so there are no finer transforms; the chain's own update is `opt`'s step
+    as updates (new − old parameters), which another chain may compose."""
+
+    def update(updates, state, params=None, **extra):
+        new, state = opt.update(updates, state, params, **extra)
+        return optree.tree_map(torch.sub, new, params), state
+
+    return GradientTransformation(opt.init, update, elementwise=False, implementations=Implementations(lambda: opt),
+                                  local_gradients=opt.local_gradients)

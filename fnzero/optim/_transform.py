@@ -18,9 +18,10 @@ whole-step graph (`fnzero.jit(step, scope="step")`), where the extras are graph 
     >>> [round(x, 6) for x in optim.apply_updates(params, updates)["w"].tolist()]
     [0.989, 0.989]
 
-`fnzero.optim.adamw(...)` and the other built-in optimizers are fused implementations of the
-chains in `chains.py` (checked equal by a property test); `as_optimizer(tx)` runs any chain,
-a user's own included, in `fnzero.train_step`.
+A chain is the one optimizer protocol. How it runs is an `Optimizer` record: its own arithmetic
+(`as_optimizer(tx)`, a user's chain included), or the implementations it declares as data
+(`Implementations`: DeepSpeed's fused kernels for a chain from a config, `_config.py`), which
+`implementation` (`_implement.py`) reads.
 """
 
 from __future__ import annotations
@@ -37,8 +38,18 @@ __all__ = [
     "GradientTransformation", "chain", "apply_updates", "scale", "scale_by_learning_rate", "scale_by_adam",
     "add_decayed_weights", "trace", "scale_by_lion", "scale_by_rss", "scale_by_lr_decay", "scale_by_trust_ratio",
     "scale_by_bias_correction", "clip_by_global_norm", "scale_by_loss_scale", "CountState", "ScaleByAdamState",
-    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer", "not_elementwise",
+    "TraceState", "ScaleByLionState", "ScaleByRssState", "as_optimizer", "not_elementwise", "Implementations",
 ]
+
+
+class Implementations(NamedTuple):
+    """The implementations a chain declares besides its own arithmetic: zero-argument builders of
+    the `Optimizer` that runs it on the device (`device`: torch's fused kernels) and on the host
+    (`host`: fnzero's C kernels, ZeRO-Offload's master), None where it declares none there (then
+    `as_optimizer` runs the chain). `implementation` reads them; nothing asks a chain's type."""
+
+    device: Callable[[], Optimizer] | None = None
+    host: Callable[[], Optimizer] | None = None
 
 
 class GradientTransformation(NamedTuple):
@@ -48,7 +59,10 @@ class GradientTransformation(NamedTuple):
     updated on its own (False where a transform reads whole tensors: trust ratios). `name`: how
     messages name it (the factory and its arguments); `parts`: a chain's transforms, applied in
     turn to the same leaves, or a `partition`'s two chains; `route`: a `partition`'s
-    `(select, outside_extra)`, which tells those apart (`_whole.py` reads both)."""
+    `(select, outside_extra)`, which tells those apart (`_whole.py` reads both).
+    `implementations`: how it runs besides its own arithmetic (`Implementations`), or None.
+    `local_gradients`: None, or for a chain that exchanges what it needs itself (the 1-bit
+    optimizers) `local_gradients(state) -> bool`, as `Optimizer.local_gradients`."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]
@@ -56,6 +70,13 @@ class GradientTransformation(NamedTuple):
     name: str = ""
     parts: tuple = ()
     route: tuple | None = None
+    implementations: Implementations | None = None
+    local_gradients: Callable[[Any], bool] | None = None
+
+    @property
+    def exchanges_gradients(self) -> bool:
+        """It exchanges what it needs itself (`Optimizer.exchanges_gradients`)."""
+        return self.local_gradients is not None
 
 
 def _named(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -70,8 +91,11 @@ def _named(factory: Callable[..., GradientTransformation]) -> Callable[..., Grad
     return make
 
 
-def not_elementwise(tx: GradientTransformation) -> list[str]:
-    """The transforms of `tx` (a chain's, recursively) that read whole tensors, by name."""
+def not_elementwise(tx: GradientTransformation | Optimizer) -> list[str]:
+    """The transforms of `tx` (a chain's, recursively; an `Optimizer`'s chain, none for a fused
+    one) that read whole tensors, by name."""
+    if isinstance(tx, Optimizer):
+        return [] if tx.transform is None else not_elementwise(tx.transform)
     if tx.elementwise:
         return []
     if not tx.parts:
@@ -129,7 +153,8 @@ def _stateless(fn: Callable[..., Params], elementwise: bool = True) -> GradientT
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply `transforms` in order; the state is the tuple of their states, the extras go to all."""
+    """Apply `transforms` in order; the state is the tuple of their states, the extras go to all.
+    It exchanges gradients where a part does; it declares no implementations (it computes more)."""
 
     def init(params):
         return tuple(t.init(params) for t in transforms)
@@ -141,8 +166,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
+    local = [(i, t.local_gradients) for i, t in enumerate(transforms) if t.local_gradients is not None]
     return GradientTransformation(init, update, all(t.elementwise for t in transforms),
-                                  f"chain({', '.join(t.name or '?' for t in transforms)})", tuple(transforms))
+                                  f"chain({', '.join(t.name or '?' for t in transforms)})", tuple(transforms),
+                                  local_gradients=(lambda s: any(f(s[i]) for i, f in local)) if local else None)
 
 
 def apply_updates(params: Params, updates: Params) -> Params:
@@ -328,7 +355,8 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
     """Run a chain where fnzero runs an optimizer (`fnzero.train_step(..., optimizer=)`,
     `sm.init_state(optimizer=)`): `update` returns new parameters, `update_` writes them into the
     given ones. The step's `lr`, `momentum` and `global_norm` (of the gradients the chain is
-    given, over every rank) arrive as the chain's extras. The chain's `update` is written in
+    given, over every rank) arrive as the chain's extras, with the compressed all-reduce for a
+    chain that exchanges its own gradients (`local_gradients`). The chain's `update` is written in
     tensor ops throughout, so it is also the `graph_update` that `fnzero.jit(scope="step")`
     traces into the whole-step graph (a transform of a user's that reads a Python number from
     a tensor cannot be traced: that step then compiles the loss only, and says why)."""
@@ -344,5 +372,8 @@ def as_optimizer(tx: GradientTransformation) -> Optimizer:
             updates, new_state = tx.update(grads, opt_state, params, lr=lr, momentum=momentum, **extra)
             return apply_updates(params, updates), new_state
 
-    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise, graph_update=update,
-                     transform=tx)
+    # A chain that exchanges its own gradients steps by Python numbers (the 1-bit optimizers'):
+    # it cannot run traced.
+    return Optimizer(init=tx.init, update=update, update_=update_, elementwise=tx.elementwise,
+                     graph_update=None if tx.exchanges_gradients else update, transform=tx,
+                     local_gradients=tx.local_gradients)

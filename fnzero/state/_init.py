@@ -53,13 +53,6 @@ def init_state(sm, pretrained: str | os.PathLike | None = None, *,
             "slices; use it without tensor parallelism"
         )
     if not opt.elementwise and plan.placement.optimizer:
-        if opt.transform is None:
-            raise ShardingError(
-                f"optimizer {kind} is not elementwise (it normalises per tensor) and is a fused implementation "
-                "without a chain of gradient transformations, so it cannot update ZeRO stage 1-3 flat shards; use "
-                "stage 0, or pass its chain (optimizer=fnzero.optim.as_optimizer(chain)): a chain's whole-tensor "
-                "transforms run on each parameter's owning rank (specs/optim.md §Muon at ZeRO stages 1-3)"
-            )
         owner_layout(plan, opt)  # what the whole-tensor partition refuses, before any file is read
     initial = initial_params(sm, pretrained, allow_unexpected=allow_unexpected, check_ranks_equal=check_ranks_equal,
                              adapters=adapters, stacklevel=5)

@@ -15,23 +15,26 @@ __all__ = ["optimizer_or_config", "built_per_model", "exchanging_optimizer_refus
 
 
 def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigOptimizer | None" = None) -> "_optim.Optimizer":
-    """The optimizer implementation a step or an initial state runs: of a given one, else of the
-    config's `optimizer` block, looked up by `fnzero.optim.implementation` from what it is and
-    where its state lives (a chain: its own arithmetic; the config's block: torch's fused kernels
-    on the parameters' device or, with `offload_optimizer`, fnzero's C kernels on the host). Either runs where its state is placed: with `offload_optimizer: cpu` on host
-    tensors, with `nvme` streamed through files (`rank` names this process's), a sub-group at a
-    time. Both cut the state into flat shards, so an optimizer that is not elementwise is refused
-    there, naming the transform that reads whole tensors. `model`: the facts of the model the
-    config's optimizer reads (`Sharding.config_optimizer`, resolved by `shard`: per_head_muon's heads),
-    carried to `config`'s block."""
+    """The optimizer implementation a step or an initial state runs: of a given chain or
+    `Optimizer`, else of the config's chain (`ConfigOptimizer.chain`), looked up by
+    `fnzero.optim.implementation` from what the chain declares and where its state lives (the
+    config's: torch's fused kernels on the parameters' device or, with `offload_optimizer`,
+    fnzero's C kernels on the host; a chain that declares none: its own arithmetic). Either runs
+    where its state is placed: with `offload_optimizer: cpu` on host tensors, with `nvme` streamed
+    through files (`rank` names this process's), a sub-group at a time. Both cut the state into
+    flat shards, so a given optimizer that is not elementwise is refused there, naming the
+    transform that reads whole tensors. `model`: the facts of the model the config's optimizer
+    reads (`Sharding.config_optimizer`, resolved by `shard`: per_head_muon's heads), carried to
+    `config`'s block."""
     where = offload_device(config)
     if optimizer is None:
-        optimizer = model.for_config(config) if model is not None else _optim.ConfigOptimizer(config)
+        block = model.for_config(config) if model is not None else _optim.ConfigOptimizer(config)
+        optimizer, label = block.chain(), config.optimizer.type.lower()
     else:
         _check_given(optimizer, where)
+        label = "optimizer"
     opt = _optim.implementation(optimizer, on_host=where is not None)
     if where == "nvme":
-        label = config.optimizer.type.lower() if isinstance(optimizer, _optim.ConfigOptimizer) else "optimizer"
         return nvme_optimizer(opt, store_options_from_config(config, rank), label)
     return opt
 
@@ -43,25 +46,14 @@ def built_per_model(optimizer, config) -> bool:
 
 
 def _check_given(optimizer, where: str | None) -> None:
-    """A given optimizer is a chain or an `Optimizer`; with offload (flat shards of the master) it
-    must be elementwise, and a chain's refusal names the transform that reads whole tensors."""
-    if isinstance(optimizer, _optim.GradientTransformation):
-        blocked = not_elementwise(optimizer)
-        if where is not None and blocked:
-            raise ShardingError(
-                f"offload_optimizer ({where}) runs the optimizer on flat shards of the master weights; the "
-                f"chain's {', '.join(blocked)} reads whole tensors (it is not elementwise): remove the offload "
-                "or that transform"
-            )
-    elif isinstance(optimizer, _optim.Optimizer):
-        if where is not None and not optimizer.elementwise:
-            raise ShardingError(f"offload_optimizer ({where}) runs the optimizer on flat shards of the master "
-                                "weights; the optimizer= given is not elementwise: remove the offload")
-    else:
-        raise ShardingError(
-            f"optimizer= must be a fnzero.optim.Optimizer or a chain of gradient transformations, got "
-            f"{type(optimizer).__name__}"
-        )
+    """With offload (flat shards of the master) a given optimizer must be elementwise; the refusal
+    names the transforms that read whole tensors where it has a chain (`not_elementwise`)."""
+    if where is None or getattr(optimizer, "elementwise", True):  # (not an optimizer: `implementation` says so)
+        return
+    blocked = not_elementwise(optimizer)
+    why = (f"the chain's {', '.join(blocked)} reads whole tensors (it is not elementwise): remove the offload or "
+           "that transform") if blocked else "the optimizer= given is not elementwise: remove the offload"
+    raise ShardingError(f"offload_optimizer ({where}) runs the optimizer on flat shards of the master weights; {why}")
 
 
 def exchanging_optimizer_refused(why: str) -> ShardingError:

@@ -39,8 +39,9 @@ def owner_layout(plan: ShardPlan, opt: Optimizer) -> OwnerLayout:
     if tx is None:
         raise ShardingError(
             "the optimizer is not elementwise (it reads whole tensors) and is a fused implementation without a chain of "
-            "gradient transformations, so it cannot run on ZeRO stage 1-3 flat shards; use stage 0, or give its "
-            "chain (fnzero.optim.as_optimizer(chain)) so fnzero can partition the whole tensors it reads"
+            "gradient transformations, so it cannot run on ZeRO stage 1-3 flat shards; use stage 0, or give a chain "
+            "that declares no fused implementation (fnzero.optim.lamb_chain(...), say): its whole-tensor transforms "
+            "run on each parameter's owning rank (specs/optim.md §Muon at ZeRO stages 1-3)"
         )
     shapes = {s.name: s.shape for u in plan.units for s in u.slots}
     _check_shapes(tx, shapes)

@@ -41,7 +41,7 @@ def train_step(
     *,
     donate: bool = False,
     has_aux: bool = False,
-    optimizer: "_optim.Optimizer | _optim.GradientTransformation | None" = None,
+    optimizer: "_optim.GradientTransformation | _optim.Optimizer | None" = None,
 ) -> "TrainStep":
     """Build the pure step `(state, batch) -> (new_state, metrics)` for `loss_fn(params, batch)`.
 
@@ -56,8 +56,9 @@ def train_step(
     `donate=True` lets the step write into the input state's buffers (like JAX's donate_argnums):
     no second copy of the model state is allocated, and the input state must not be used again.
 
-    `optimizer`: an `Optimizer` or a chain of gradient transformations (`fnzero.optim.chain`)
-    used instead of the config's `optimizer` block; give the same one to `sm.init_state`. It
+    `optimizer`: a chain of gradient transformations (`fnzero.optim.chain`; it runs the
+    implementation it declares, else its own arithmetic) or an `Optimizer` (an implementation,
+    run as it is), used instead of the config's chain; give the same one to `sm.init_state`. It
     keeps its own learning rate (metrics' `lr` is None) unless the config has a `scheduler`.
     """
     return TrainStep(loss_fn, config, donate=donate, has_aux=has_aux, optimizer=optimizer)
@@ -71,7 +72,7 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable[..., Any], config: Any, *, donate: bool = False, has_aux: bool = False,
-                 optimizer: "_optim.Optimizer | _optim.GradientTransformation | None" = None):
+                 optimizer: "_optim.GradientTransformation | _optim.Optimizer | None" = None):
         self.loss_fn = loss_fn
         self.config = config
         self._given = optimizer
