@@ -14,7 +14,7 @@ import torch
 
 from ..._errors import DistributedError
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
-from ._collectives import _SUM, Collectives
+from ._collectives import _SUM, Collectives, PendingTensor
 from ._comms_summary import bus_factor, comms_summary, format_comms_summary
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
@@ -88,23 +88,16 @@ class RecordingCollectives:
             self.on_record(rec)
         return rec
 
-    def _timed(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs):
-        """A blocking call, recorded and timed from its start until its result is ready."""
-        rec = self._record(op, t, numel)
-        _settle(t)  # work queued before the call is not the collective's time
-        t0 = time.perf_counter()
-        out = call(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            _settle(out)
-        rec._elapsed.append(time.perf_counter() - t0)
-        return out
-
     def _timed_async(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs) -> _TimedPending:
         """An async call, recorded; timed from its start until its `wait()` returns."""
         rec = self._record(op, t, numel)
-        _settle(t)
+        _settle(t)  # work queued before the call is not the collective's time
         t0 = time.perf_counter()
         return _TimedPending(call(*args, **kwargs), rec, t0)
+
+    def _timed(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs):
+        """A blocking call, recorded and timed from its start until its result is ready."""
+        return self._timed_async(op, t, numel, lambda: PendingTensor(call(*args, **kwargs))).wait()
 
     def all_gather(self, shard):
         return self._timed("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather, shard)
