@@ -13,11 +13,13 @@ from typing import Any
 
 from ._aio import ALIGN, AioEngine, AioHandle, AioRequest, aligned_empty, direct_supported, fsync_dir, is_aligned
 from ._kernels import adagrad_step_, adam_step_, crc32, lion_step_, stream_adam_shape_, to_16bit
+from . import _lib
 from ._lib import LEVELS, available, force_simd, supported_levels
 
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
+from ._aio import wait_every
 from ._heap import allocator_env, return_freed_memory, trim_between_passes, trim_freed_memory
 
 __all__ = [
@@ -31,16 +33,12 @@ AIO_BACKEND = "pthread pool (pread/pwrite)"
 
 def simd_level() -> str:
     """The SIMD level the kernels run at now ("avx512", "avx2", "scalar"), or "none" without the extension."""
-    from . import _lib
-
     return _lib.active_level()
 
 
 def build_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
     """What was built and what it can do here; ``path``: a directory to probe O_DIRECT in
     (default: the temp directory)."""
-    from . import _lib
-
     probe_dir = os.fspath(path) if path is not None else tempfile.gettempdir()
     try:
         o_direct = direct_supported(probe_dir)
@@ -61,8 +59,6 @@ def build_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 def _threads() -> str:
-    from . import _lib
-
     if _lib.lib.fnz_cpu_thread_pool():
         return "the process's OpenMP pool (torch's), a few large tiles per call"
     return "pthreads (no OpenMP runtime loaded), a few large tiles per call"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import weakref
 from typing import Any
@@ -26,15 +27,25 @@ def aligned_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.float
 
     torch owns the memory (a view into a slightly larger byte buffer), so it is freed normally."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
     start = (-raw.data_ptr()) % alignment
     t = raw[start : start + nbytes].view(dtype).view(shape)
     assert t.data_ptr() % alignment == 0
     return t
+
+
+def wait_every(waits) -> None:
+    """Call every one of `waits` (each waits for some I/O), even past a failure; then raise the
+    first `OSError`."""
+    first: OSError | None = None
+    for wait in waits:
+        try:
+            wait()
+        except OSError as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def is_aligned(t: torch.Tensor, alignment: int = ALIGN) -> bool:
@@ -242,14 +253,7 @@ class AioHandle:
 
     def wait_all(self) -> None:
         """Wait for every outstanding request of this file; raises the first error."""
-        first: OSError | None = None
-        for r in list(self._pending):
-            try:
-                r.wait()
-            except OSError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        wait_every([r.wait for r in self._pending])
 
     def _submit(self, write: bool, tensor: torch.Tensor, offset: int) -> AioRequest:
         what = "submit_write" if write else "submit_read"

@@ -333,14 +333,7 @@ class NvmeOptimizerStore(Updates):
         self._lock_fd = take_lock(self.path)
 
     def _drain(self) -> None:
-        first: BaseException | None = None
-        for h in self._handles.values():
-            try:
-                h.wait_all()
-            except OSError as e:
-                first = first or e
-        if first is not None:
-            raise first
+        _ext.wait_every([h.wait_all for h in self._handles.values()])
 
     def close(self, delete: bool = True) -> None:
         """Wait for outstanding I/O, close the files; `delete` removes the store's directory

@@ -1,17 +1,11 @@
 """ZeRO-Infinity: any elementwise `Optimizer` with its state streamed through an
 `NvmeOptimizerStore`'s files, sub-group by sub-group (`specs/offload.md §NVMe store`).
 
-The config's optimizer is the host kernels' (`fnzero.optim.host_optimizer`), a user's chain is
-`as_optimizer(chain)`: the store calls the optimizer's own `update_` on each sub-group, with the
-per-unit leaves of its state (moments, momentum buffers: the store's *kinds*) read from and
-written back to the files, and its other leaves (step counts) held in memory
-(`NvmeOptState.resident`, `_layout.py`). It is an `Optimizer` with the one calling convention:
-`init(master)` writes the fp32 master shards and the initial state to new files; `update(grads,
-state, params, ...)` returns the new parameters in `params`' dtype (new buffers; `update_`, the
-donated form, writes them into `params`) and the next state. The master lives in the files, so
-the parameters it is given say only where the new ones go (placeholders of parameters the store
-itself holds are returned as they are). The files change in place: that is the one exception to
-purity (`Optimizer`), and only the newest state can take a step; an older one is refused.
+The store calls the optimizer's own `update_` on each sub-group (the config's host kernels,
+`fnzero.optim.host_optimizer`, or a user's chain, `as_optimizer(chain)`), with the per-unit
+leaves of its state read from and written back to the files and its other leaves held in memory
+(`_layout.py`). The master lives in the files, which change in place: that is the one exception
+to `Optimizer`'s purity, and only the newest state can take a step; an older one is refused.
 """
 
 from __future__ import annotations
@@ -84,7 +78,10 @@ def _put(buf: torch.Tensor, value: torch.Tensor) -> None:
 
 def nvme_optimizer(inner: Optimizer, store: StoreOptions | None = None, label: str = "optimizer") -> Optimizer:
     """`inner`, an elementwise Optimizer, with its state in NVMe files; `label` names it in the
-    store's manifest. `store` is needed by `init` only: a step reads its store from the state."""
+    store's manifest. `store` is needed by `init` only: a step reads its store from the state.
+    `init(master)` writes the fp32 master shards and the initial state to new files; `update`
+    returns the new parameters in `params`' dtype (`update_` writes them into `params`), and
+    placeholders of parameters the store itself holds as they are."""
     if not inner.elementwise:
         raise ShardingError("an NVMe optimizer store updates its files a sub-group at a time, which needs an "
                             "elementwise optimizer")

@@ -1,18 +1,12 @@
 """Parameter shards no optimizer file holds, in a file of their own: `offload_param: {device: nvme}`
-for stage 3's frozen units (a LoRA model's base), for every sharded unit of an inference state, and
-for the trainable units of a training state whose optimizer keeps its master in memory
-(`offload_optimizer` cpu or none) (`specs/offload.md` §Parameters).
+(`specs/offload.md` §Parameters says which shards, and how they are written and read).
 
-`NvmeParamStore` is written when the state is made, and then read a unit at a time, just before
-the unit's all-gather (`fnzero/sharding/zero/_param_store.py`); the step writes each new trainable
-shard into it (`fnzero/train/_update.py`), and `checkpoint.load` the loaded ones, each as one
-update of the store (`Updates.updating`: a write that fails part-way leaves it refusing every
-later use, as the optimizer store does, never a mix of two steps' shards). Each shard is
-stored in its own dtype, at an aligned offset, so a read is one O_DIRECT `pread` where the file
-system allows it. The directory follows the optimizer store's
-conventions (`_nvme.py`, `_nvme_files.py`): new for every store (`fnzero-rank{r}-params-{uuid}`),
-locked for the store's life so `stale_stores` finds what killed runs left, a manifest, a header
-tying the file to it; removed at process exit.
+`NvmeParamStore` is written when the state is made, read a unit at a time just before the unit's
+all-gather (`fnzero/sharding/zero/_param_store.py`), and updated by the step and `checkpoint.load`
+as one update each (`Updates.updating`: a write that fails part-way leaves it refusing every later
+use, never a mix of two steps' shards). Each shard is stored in its own dtype at an aligned
+offset, so a read is one O_DIRECT `pread`; the directory follows the optimizer store's
+conventions (`_nvme.py`, `_nvme_files.py`).
 """
 
 from __future__ import annotations

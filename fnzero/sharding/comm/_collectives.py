@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from typing import Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, NoReturn, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ class _KeepAlive:
         self.ref = None
 
 
-class LocalCollectives:
+class LocalCollectives(CollectivesBase):
     """World of one: every collective is the identity (a copy, so results never alias inputs)."""
 
     rank = 0
@@ -169,10 +169,6 @@ class LocalCollectives:
         resolve_splits(self, tensor, input_split_sizes, output_split_sizes)  # the same errors as N > 1
         return tensor.clone()
 
-    def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
-        return PendingTensor(self.all_to_all(tensor, input_split_sizes=input_split_sizes,
-                                             output_split_sizes=output_split_sizes))
-
 
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
 
@@ -201,6 +197,15 @@ def _backend_error(e: RuntimeError) -> bool:
     return any(w in text for w in _BACKEND_WORDS)
 
 
+def _raise_failure(e: RuntimeError, wd, seq: int, kind: str, label: str) -> NoReturn:
+    """`e` as a `DistributedError` naming the rank and collective #seq when the backend failed;
+    any other error as it is."""
+    if not _backend_error(e):
+        raise e
+    message, ranks = explain_failure(wd, seq, kind, e, label)
+    raise DistributedError(message, ranks=ranks) from e
+
+
 class _Watched:
     """A collective in flight under the watchdog: its wait is marked as blocked on #seq, and a
     backend error becomes a `DistributedError` that names the rank and the collective."""
@@ -217,10 +222,7 @@ class _Watched:
             with self._wd.waiting(self._seq, self._kind, self._label):
                 return self._pending.wait()
         except RuntimeError as e:  # gloo/NCCL: "Connection closed by peer", "Timed out waiting ..."
-            if not _backend_error(e):
-                raise
-            message, ranks = explain_failure(self._wd, self._seq, self._kind, e, self._label)
-            raise DistributedError(message, ranks=ranks) from e
+            _raise_failure(e, self._wd, self._seq, self._kind, self._label)
 
 
 class ProcessGroupCollectives:
@@ -255,10 +257,7 @@ class ProcessGroupCollectives:
         try:
             return _Watched(start(), self.watchdog, seq, kind, label)
         except RuntimeError as e:
-            if not _backend_error(e):
-                raise
-            message, ranks = explain_failure(self.watchdog, seq, kind, e, label)
-            raise DistributedError(message, ranks=ranks) from e
+            _raise_failure(e, self.watchdog, seq, kind, label)
 
     def all_gather(self, shard):
         return self.all_gather_async(shard).wait()

@@ -1,23 +1,8 @@
 """What a failing rank leaves behind, so that the launcher blames the rank at fault
-(`specs/collectives.md` §Blame).
-
-torchrun's summary names as root cause the failure with the earliest timestamp: the one a rank
-wrote to its error file (TORCHELASTIC_ERROR_FILE), else the second in which its agent saw the
-process end. The resolution is one second, and a tie goes to the failure the agent saw first,
-then to the lower local rank. A rank whose collective broke because a peer died or raised ends
-a moment after that peer, usually in the same second and often in the same check of the agent:
-rank 0 was then named for rank 1's error. So:
-
-* a rank that fails on its own writes its error file at once, as torch's `@record` would (its
-  message, traceback and the time it failed): its timestamp is never later than the agent's;
-* a rank that fails because of peers (a `DistributedError` whose `ranks` name others) writes
-  none, and under torchrun lingers at exit (`LINGER_S` at most) until the agent, which has seen
-  the peer end, stops it: its failure is then seen after the peer's, never before;
-* both leave a record in `fnzero launch`'s folder (FNZERO_FAILURE_DIR), from which its last line
-  names the rank at fault.
-
-`explain_failure` turns a collective's backend error into the message and the ranks at fault of
-a `DistributedError`, from what the watchdogs published (`_watchdog.py`).
+(`specs/collectives.md` §Blame): torchrun names the failure with the earliest timestamp, so a rank
+that fails on its own writes its error file at once, and one that fails because of peers writes
+none and lingers at exit until the launcher stops it; both leave a record for `fnzero launch`.
+`explain_failure` turns a collective's backend error into a `DistributedError`'s message and ranks.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""The device mesh: the job's ranks as a grid of named axes, each with its own collectives
-(`specs/mesh.md`).
-
-Axes, outermost first: `pp` (pipeline parallel: each stage holds a run of the model's layers),
-`dp` (data parallel: ZeRO shards over it, the batch is split over it) and `tp` (tensor parallel:
-each layer's weights are split over it). Rank r sits at r = (pp * DP + dp) * TP + tp: the ranks
-of one tensor-parallel group are adjacent, so on a multi-GPU host they share the fast links, and
-pipeline stages, which exchange one activation per micro-batch, are furthest apart, as in
-Megatron and torchtitan.
-
-Over torch.distributed the axes are a `torch.distributed.device_mesh.DeviceMesh`'s dimensions,
-so each axis is a process group (gloo on CPU, NCCL on GPU). In a simulated world each axis is a
-sub-world of the threads (`Collectives.new_groups`).
-
-Expert parallelism divides the dp axis: dp = edp x ep, a dp index d at (edp, ep) = divmod(d, EP).
-The `ep` ranks of a group are adjacent dp ranks (DeepSpeed's order) and each holds other experts
-of every MoE layer; the `edp` (expert-data-parallel) ranks hold the same experts, and ZeRO shards
-and reduces expert parameters over them, dense ones over the whole dp axis.
-
-MiCS divides the dp axis the same way for every unit: runs of `mics` adjacent dp ranks (its shard
-groups) each hold the whole model state sharded among them, and the ranks at the same place in
-every run (its replica group) hold the same shard (`specs/mesh.md §MiCS`). ZeRO++'s hpZ keeps a
-second copy of the stage-3 parameters sharded within runs of `hpz` adjacent ranks, inside a node
-(`specs/mesh.md §hpZ`).
+"""The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp` (rank
+r = (pp · DP + dp) · TP + tp), each with its own collectives (`specs/mesh.md` §Mesh); the dp axis
+divides into adjacent sub-axes and their strided complements for expert parallelism (`ep`/`edp`),
+MiCS (`mics`/`mics_replica`) and hpZ (`hpz`), as §Expert parallelism, §MiCS and §hpZ say.
 """
 
 from __future__ import annotations

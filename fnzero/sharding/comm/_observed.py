@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-
 import zlib
 
 import torch
 
+from ..._errors import DistributedError
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
-from ._collectives import _SUM, Collectives
+from ._collectives import _SUM, Collectives, PendingTensor
 from ._comms_summary import bus_factor, comms_summary, format_comms_summary
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
@@ -88,23 +88,16 @@ class RecordingCollectives:
             self.on_record(rec)
         return rec
 
-    def _timed(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs):
-        """A blocking call, recorded and timed from its start until its result is ready."""
-        rec = self._record(op, t, numel)
-        _settle(t)  # work queued before the call is not the collective's time
-        t0 = time.perf_counter()
-        out = call(*args, **kwargs)
-        if isinstance(out, torch.Tensor):
-            _settle(out)
-        rec._elapsed.append(time.perf_counter() - t0)
-        return out
-
     def _timed_async(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs) -> _TimedPending:
         """An async call, recorded; timed from its start until its `wait()` returns."""
         rec = self._record(op, t, numel)
-        _settle(t)
+        _settle(t)  # work queued before the call is not the collective's time
         t0 = time.perf_counter()
         return _TimedPending(call(*args, **kwargs), rec, t0)
+
+    def _timed(self, op: str, t: torch.Tensor, numel: int, call, *args, **kwargs):
+        """A blocking call, recorded and timed from its start until its result is ready."""
+        return self._timed_async(op, t, numel, lambda: PendingTensor(call(*args, **kwargs))).wait()
 
     def all_gather(self, shard):
         return self._timed("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather, shard)
@@ -171,6 +164,17 @@ class RecordingCollectives:
         return sum((r.bytes * bus_factor(r.op, self.world_size) for r in records), 0.0)
 
 
+def _checked(method: str):
+    """`CheckedCollectives`' `method`: `inner`'s, called once every rank has shown the same call."""
+
+    def call(self, *args, **kwargs):
+        self._check(method.removesuffix("_async"), args[0] if args else None)
+        return getattr(self.inner, method)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = method
+    return call
+
+
 class CheckedCollectives:
     """Debug wrapper: before each collective, every rank shares a fingerprint of the call it is
     about to make (op, dtype, element count, call index); a mismatch raises on every rank, naming
@@ -191,8 +195,6 @@ class CheckedCollectives:
         self.p2p_calls: dict[tuple, int] = {}
 
     def _check(self, op: str, t: torch.Tensor | None, numel: int | None = None) -> None:
-        from ..._errors import DistributedError
-
         dtype_code = _dtype_code(t.dtype) if t is not None else 0
         numel = (t.numel() if t is not None else 0) if numel is None else numel
         mine = torch.tensor([self.calls, self._OPS[op], dtype_code, numel], dtype=torch.int64)
@@ -209,37 +211,14 @@ class CheckedCollectives:
                 f"ranks diverged at collective #{self.calls - 1} (this is rank {self.rank}): " + "; ".join(desc)
             )
 
-    def all_gather(self, shard):
-        self._check("all_gather", shard)
-        return self.inner.all_gather(shard)
-
-    def all_gather_async(self, shard, out=None, label: str = ""):
-        self._check("all_gather", shard)
-        return self.inner.all_gather_async(shard, out=out, label=label)
-
-    def reduce_scatter(self, full, donate: bool = False):
-        self._check("reduce_scatter", full)
-        return self.inner.reduce_scatter(full, donate=donate)
-
-    def reduce_scatter_async(self, full, label: str = ""):
-        self._check("reduce_scatter", full)
-        return self.inner.reduce_scatter_async(full, label=label)
-
-    def all_reduce(self, t, op=_SUM):
-        self._check("all_reduce", t)
-        return self.inner.all_reduce(t, op)
-
-    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
-        self._check("all_reduce", t)
-        return self.inner.all_reduce_async(t, donate=donate, label=label)
-
-    def broadcast(self, t, src=0):
-        self._check("broadcast", t)
-        return self.inner.broadcast(t, src)
-
-    def barrier(self):
-        self._check("barrier", None)
-        return self.inner.barrier()
+    all_gather = _checked("all_gather")
+    all_gather_async = _checked("all_gather_async")
+    reduce_scatter = _checked("reduce_scatter")
+    reduce_scatter_async = _checked("reduce_scatter_async")
+    all_reduce = _checked("all_reduce")
+    all_reduce_async = _checked("all_reduce_async")
+    broadcast = _checked("broadcast")
+    barrier = _checked("barrier")
 
     def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
         return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
@@ -266,8 +245,6 @@ class CheckedCollectives:
         return self.inner.send_async(t, dst, label=label, tag=tag)
 
     def recv(self, out, src: int, label: str = "", tag: int = 0):
-        from ..._errors import DistributedError
-
         mine = self._fingerprint(("from", src, tag), out)
         theirs = self.inner.recv(torch.empty_like(mine), src, tag=tag)
         if not bool((theirs == mine).all()):

@@ -1,28 +1,8 @@
-"""The collective watchdog: a rank that does not reach a collective is named, and the job ends
-(`specs/collectives.md` §Watchdog).
-
-Without it, a stuck rank (a deadlock, a stuck data loader, a lost device) keeps the others
-waiting until the process group's timeout, and gloo then fails a rank that did nothing wrong.
-
-How it works. Every collective fnzero issues over a process group gets a sequence number. Each
-rank's watchdog thread publishes, once per `poll_s`, a heartbeat to the job's TCP store (the
-collectives issued, the one it is blocked in and since when, the step, kinds and units) and
-reads the others':
-
-* A rank that has not issued collective #S while another has waited in #S for `timeout_s` is the
-  stuck one: it writes a verdict (the collective, the step, the ranks waiting, its own Python
-  stack) to the store and to stderr and exits first, so the launcher names it as the root cause.
-* A rank waiting in #S learns of the verdict when its collective fails (the stuck rank's sockets
-  close) and raises `DistributedError` with it; if the stuck rank cannot act (its main thread
-  holds the GIL in C code), the waiting ranks write the verdict themselves after a grace period
-  and end the stuck rank's process when it runs on their machine (else their own).
-* A rank that dies (SIGKILL, OOM) or raises stops beating or says so at exit: a collective that
-  fails with a backend error is reported as a `DistributedError` naming those ranks.
-* `timeout_s` is at most `limit_s`, half the process group's timeout: it judges before gloo does.
-* At exit, a rank leaves what the launcher needs to blame the rank at fault (`_failure.py`).
-
-The watchdog runs on its own connection to the store, never issues collectives, and only reads
-and writes small strings; its cost is one store round trip per rank per `poll_s`.
+"""The collective watchdog: a rank that does not reach a collective is named, and the job ends,
+before the process group's timeout would fail a rank that did nothing wrong (`specs/collectives.md`
+§Watchdog). Each rank's thread publishes a heartbeat (the collectives issued, the one it waits in)
+to the job's TCP store on its own connection, reads the others' and judges; it never issues a
+collective, so its cost is one store round trip per rank per `poll_s`.
 """
 
 from __future__ import annotations

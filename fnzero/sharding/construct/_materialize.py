@@ -1,31 +1,15 @@
-"""Building a sharded model from one constructed on the meta device, one unit at a time.
+"""Building a sharded model from one constructed on the meta device, one region (a unit module's
+subtree without the units nested in it; the root's: the rest) at a time (`specs/sharding.md`
+§Meta construction).
 
 [Note: meta construction]
-`fnzero.shard` accepts a model whose parameters (and buffers) are on the meta device — built
-under `with torch.device("meta"):`, or by a zero-argument factory that `shard` calls there — so
-no rank ever holds the whole model. The modules are grouped into *regions*: a unit module's
-subtree without the unit modules nested in it, and the rest of the model for the root. For each
-region in turn, every rank
-
-1. runs the model's own init code over the region's meta tensors as eager construction does:
-   every module's `reset_parameters()` (what its constructor ran), then the nearest
-   `_init_weights(module)` above each (Hugging Face's `PreTrainedModel`, or any model with the
-   same hook), children before parents, with torch's CPU generator seeded from (seed, region
-   name) inside `fork_rng`, recording each write (`_replay.py`);
-2. where the record can be replayed element by element (random fills, constant fills, copies
-   from real tensors, elementwise arithmetic: nearly all init code), computes only the elements
-   it keeps: its slice of each unit's flat buffer, the frozen parameters and buffers whole
-   (`Recorded`; see [Note: recorded initialisation]);
-3. otherwise gives the region's modules real (host) storage, filled with a sentinel (NaN, or the
-   integer minimum) so that anything the init code leaves untouched is caught, runs the init code
-   again over it (real tensors of a partly-meta model are kept as they were), keeps its slice and
-   puts the meta placeholders back, so at most one region is materialised at a time (`Region`).
-
-Both depend only on the seed and the region's and tensors' names, never on which part a rank
-keeps, so the initial parameters are the same bits at any world size and rank. They are not the
-bits eager construction draws (that consumes one RNG stream across the whole model), but the same
-distributions. A tensor the init code did not write whole is recorded; `init_state` names it
-unless pretrained weights supply it.
+Every rank runs the model's own init code over the region's meta tensors (each module's
+`reset_parameters()`, then the nearest `_init_weights`, children first, torch's CPU generator
+seeded from (seed, region name)) while the writes are recorded; where the record replays element
+by element it computes only what it keeps (`Recorded`, [Note: recorded initialisation]),
+otherwise it materialises the region on the host over a sentinel, runs the init code again and
+keeps its slice (`Region`). The values depend on the seed and the names only, never on the world
+size or the rank.
 """
 
 from __future__ import annotations

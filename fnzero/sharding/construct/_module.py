@@ -182,7 +182,8 @@ class ShardedModule:
         try:
             stack.enter_context(within(run=run))
             stack.enter_context(run.saved_tensor_hooks())
-            stack.enter_context(_live_all(run, live))
+            for full, rt in live:
+                stack.enter_context(run.live(full, rt))
         except BaseException:
             stack.close()
             raise
@@ -372,16 +373,3 @@ class ShardedModule:
         model.load_state_dict({k: full[k] for k in target if k in full}, strict=False)
         return model
 
-
-class _live_all:
-    def __init__(self, run: ApplyRun, live):
-        self.run, self.live, self.stack = run, live, None
-
-    def __enter__(self):
-        self.stack = contextlib.ExitStack()
-        for full, rt in self.live:
-            self.stack.enter_context(self.run.live(full, rt))
-        return self
-
-    def __exit__(self, *exc):
-        return self.stack.__exit__(*exc)

@@ -1,31 +1,16 @@
 """Initialising a meta model's tensors slice by slice: its init code runs once over stand-ins for
 the meta tensors while the writes are recorded, and each rank replays the record for the
-elements it keeps.
+elements it keeps (`specs/sharding.md` §Meta construction, step 2).
 
 [Note: recorded initialisation]
-Materialising a region and running its init code costs every rank the whole model's init work,
-though at stage 3 a rank keeps 1/N of it. Init code is, almost always, a short sequence of
-in-place writes per tensor: a random fill (`normal_`, `uniform_`, ...), a constant fill (whole,
-or a row such as an embedding's padding index), a copy from a real tensor computed on the side
-(rotary `inv_freq`), and elementwise arithmetic with scalars (`mul_`, `add_`, `clamp_`). Every
-element of such a tensor can be computed on its own, so:
-
-1. The region's modules hold a `_Standin` per tensor while their init code runs (`Recording`):
-   a storage-less tensor that says it lives on the host (init code skips meta tensors: torch's
-   `trunc_normal_` and `orthogonal_` return them untouched) and writes down each op that writes
-   it. Anything else (an `out=` op, a write that reads another tensor being initialised, a
-   random fill of a part, a fill with the init code's own generator, a read such as `.item()` or
-   a comparison) makes the region `Unreplayable`, and it is materialised whole as before
-   (`_materialize.py`).
-2. `TensorRecord.fill` replays a tensor's ops from its last whole overwrite (earlier writes,
-   such as `reset_parameters()` before `_init_weights`, are discarded unexecuted) over the
-   requested elements, in chunks of `CHUNK` elements aligned at the tensor's start. A random op's
-   values in chunk c come from a generator seeded from (seed, tensor name, op index, c), and a
-   chunk is always computed whole, so every rank computes the same bits for an element whatever
-   part it asks for: the values depend on the seed and the names only, never on the world size.
-
-A tensor no op overwrote whole is uninitialised (replayed over the sentinel: NaN, the integer
-minimum, False), as a materialised one still holding the sentinel is.
+Materialising a region costs every rank the whole region's init work, though at stage 3 a rank
+keeps 1/N of it; but init code is almost always a few in-place writes per tensor (random and
+constant fills, copies, elementwise arithmetic with scalars), each element computable on its own.
+A `_Standin` (storage-less, claiming the host: init code skips meta tensors) records each write;
+anything else makes the region `Unreplayable`, and it is materialised whole (`_materialize.py`).
+`TensorRecord.fill` replays from the last whole overwrite in `CHUNK`-element chunks whose random
+draws are seeded from (seed, tensor name, op index, chunk), so an element's bits never depend on
+the world size or on the part a rank asks for.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """AutoEP: find a Hugging Face MoE model's experts modules and replace each by an `HFExpertGroup`
-(`specs/mesh.md §AutoEP`), in DeepSpeed 0.19.8's vocabulary.
-
-A preset names, as DeepSpeed's `MoEModelPreset` does, the MoE blocks (`moe_layer_pattern`, a
-regex that must match a module's whole dotted path), and two direct children of each block: its
-router (`router_pattern`) and its experts (`expert_pattern`). A matched block without the experts
-child is a dense layer (DeepSeek's first `first_k_dense_replace` layers) and is skipped, as is one
-without the router child. Only the experts module is replaced: the router, the shared experts
-and the router's aux loss stay the model's own, so the routing is the model's whatever the
-config's routing keys say (`top_k`, `score_func`, `route_norm`, ...: `AUTOEP_KEYS_NO_EFFECT`).
-
-Presets: DeepSpeed's `mixtral`, `qwen3_moe`, `qwen3_5_moe`, `deepseek_v2`, `deepseek_v3` and
-`minimax_m3`, with its model types (its `qwen3_moe` serves `qwen2_moe` models too, `qwen3_5_moe`
-the text backbone `qwen3_5_moe_text` only, `minimax_m3` the text backbone `minimax_m3_vl_text`);
-fnzero's own `qwen2_moe` and `olmoe` (DeepSpeed 0.19.8 has no preset of these names, and none for
-OLMoE at all).
-
-A model no preset names, with no pattern given, has its MoE blocks found by their layout
-(`find_moe_blocks`): every module holding transformers 5's stacked experts (`looks_like_experts`)
-beside a router, a sibling module holding a 2-D weight with a row per expert. Names and paths do
-not matter (GraniteMoE's `block_sparse_moe.router`, Llama 4's `feed_forward`, Hunyuan's
-`gate.wg`), so every transformers MoE model of that layout is found without a preset.
+(`specs/mesh.md §AutoEP`: the presets, the patterns, finding blocks by their layout, what is
+refused), in DeepSpeed 0.19.8's vocabulary. A preset names, as DeepSpeed's `MoEModelPreset`
+does, the MoE blocks (`moe_layer_pattern`) and two direct children of each: its router and its
+experts. Only the experts module is replaced, so the routing is the model's whatever the
+config's routing keys say (`AUTOEP_KEYS_NO_EFFECT`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """`ExpertGroup`: a module holding a layer's experts, which expert parallelism splits over the
-`ep` ranks (`specs/mesh.md §Expert parallelism`).
-
-`fnzero.shard` finds every `ExpertGroup` in a model, checks that its expert count divides over
-the mesh's ep ranks, and calls `split_experts(comm)`: the module keeps this rank's experts
-(`expert_range`) under their global names and sends tokens to the other ranks' experts through
-`comm` (`all_to_all_grad`). Its parameters are expert parameters: ZeRO shards them over the
-expert-data-parallel ranks (those holding the same experts) and reduces their gradients there,
-while dense parameters are sharded and reduced over every data-parallel rank. An `ExpertGroup`
-is always a ZeRO unit of its own, so no unit mixes the two.
-
-Until split (ep 1, or a model that was never sharded) the module holds every expert and runs
-them all: the same model object unsharded is the reference for the sharded run.
+`ep` ranks (`specs/mesh.md §Expert parallelism`): `split_experts(comm)` keeps this rank's experts
+(`expert_range`) under their global names and sends tokens to the others' through `comm`. An
+`ExpertGroup` is always a ZeRO unit of its own, sharded and reduced over the expert-data-parallel
+ranks. Until split it holds and runs every expert: the same model object unsharded is the
+reference for the sharded run.
 """
 
 from __future__ import annotations

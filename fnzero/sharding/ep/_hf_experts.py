@@ -1,49 +1,16 @@
 """`HFExpertGroup`: a Hugging Face MoE block's experts module as an `ExpertGroup`, so expert
-parallelism can split it over the `ep` ranks (`specs/mesh.md §Expert parallelism`).
+parallelism can split it over the `ep` ranks (`specs/mesh.md` §AutoEP for the stacked layout and
+the two ways a block calls its experts, §Dropless dispatch for the exchange of rows).
 
-Transformers 5 stores a layer's E experts as stacked parameters, each with the experts along dim
-0: an up projection (`gate_up_proj`, gate and up fused, or `up_proj` for ungated experts), a
-`down_proj`, and with `has_bias` their biases `gate_up_proj_bias`/`up_proj_bias` and
-`down_proj_bias`. Its `use_experts_implementation` decorator names the rest of the layout
-(`is_transposed`: weights stored [E, in, out] rather than [E, out, in]; `has_gate`;
-`has_post_expert_norm`) and gives the class an `_apply_gate` (act(gate) * up, unless the
-class gates its own way: gpt-oss's clamped, interleaved SwiGLU). Every computation transformers
-offers for such a module (eager, batched, grouped) is, per (token, chosen expert) row,
-`post_norm(down[e](gate(up[e](x))))` times the router's weight, summed per token; this module
-computes the same with the module's own `_apply_gate`, `act_fn` and `post_expert_norm`
-(`ExpertsLayout`, read from the module by `read_experts_layout`). The block calls it one of two
-ways:
+The replacement keeps the parameters (the same objects, names and dtypes) and the block's call;
+router, shared experts and aux loss stay the block's own. Per (token, chosen expert) row it
+computes what transformers' implementations compute, with the module's own `_apply_gate`,
+`act_fn` and `post_expert_norm` (`ExpertsLayout`, `read_experts_layout`).
 
-* routed (Mixtral, Qwen, DeepSeek, gpt-oss and nearly every model): `experts(hidden_states [T, H],
-  top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`, after its own router;
-* expert-major (Llama 4, whose experts module takes one argument): `experts(rows [E·T, H]) ->
-  [E·T, H]`, rows `[e·T, (e+1)·T)` for expert e, every expert on every token (the block scales
-  the rows by the router's scores before and sums the E outputs after).
-
-The replacement keeps the parameters (the same objects, names and dtypes) and that call. Router,
-shared experts and aux loss stay the block's own.
-
-Split over ep ranks, each rank keeps experts `[lo, hi)` (dim 0 of every tensor, names unchanged)
-and exchanges rows: [Note: dispatch]
-  1. the rank's rows are sorted by expert id (stable), so rows for ep rank r are one block
-     (expert-major rows are so already);
-  2. one all-to-all of the per-expert row counts (E int64 per rank) tells each rank how many rows
-     every rank sends to each of its experts: the variable split sizes both ways, and the layout
-     of what arrives (source-major, expert-minor). An all-to-all rather than an all-gather of
-     the counts: each rank needs only its own experts' column, E numbers instead of ep * E;
-  3. the token rows go by `all_to_all_grad` (dropless: every row travels, nothing is capped);
-  4. the received rows are grouped by local expert, each expert runs on its rows, the results
-     are put back in arrival order and return by the reverse all-to-all;
-  5. routed: each row's result times its router weight is added to its token, as the eager code
-     does; expert-major: the results are the output, in the rows' order.
-The backward runs the two all-to-alls in reverse, so an expert's gradient sums every rank's
-tokens routed to it; the router weights' and the tokens' gradients stay on the rank that owns them.
-
-A model's code that asks `isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`, which
-fnzero's meta construction calls per module) still finds the experts: the replacement is made as
-an instance of a class that subclasses both `HFExpertGroup` and the source's class (one such
-class per pair, made once; `HFExpertGroup` first, so its forward and attributes win). That also
-gives it the source's `_apply_gate`. No object's class is changed after it is made.
+Code that asks `isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`, which meta
+construction calls per module) still finds the experts: the replacement is made as an instance of
+a class subclassing both `HFExpertGroup` (first, so its forward wins) and the source's class (one
+per pair, made once), which also gives it the source's `_apply_gate`. No object's class changes.
 """
 
 from __future__ import annotations

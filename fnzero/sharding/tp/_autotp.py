@@ -1,15 +1,10 @@
 """AutoTP: split a model's layers over the tensor-parallel ranks (`specs/mesh.md §AutoTP`).
 
-A plan is a list of rules, each a regular expression over module names and how the matching
-module is split: `column` (outputs), `row` (inputs), `vocab` (an embedding's rows) or `head` (the
-LM head: over the vocabulary when the loss can be vocabulary-parallel, else whole or gathered).
-`blocks` > 1 marks a fused projection (q|k|v) whose outputs are split block by block.
-
-Built-in plans cover fnzero's GPT, Hugging Face's GPT-2 and the Llama family (Llama, Mistral,
-Qwen2); the config's `tensor_parallel.partition_config.layer_specs` (DeepSpeed's format: patterns
-over parameter names, `row`/`column`/`skip`, `shape` for fused blocks) come first and cover any
-other model. Attention heads must divide evenly; other widths may not (the first ranks then hold
-one row more).
+A plan is a list of rules (`TPRule`), each a regular expression over module names and how the
+matching module is split: `column` (outputs), `row` (inputs), `vocab` (an embedding's rows) or
+`head` (the LM head); `blocks` > 1 marks a fused projection (q|k|v) split block by block.
+Built-in plans (`PLANS`) cover fnzero's GPT, GPT-2 and the Llama family; the config's
+`tensor_parallel.partition_config.layer_specs` (DeepSpeed's format) come first and cover any other.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """Parameters bound during backward, for recomputation that happens inside it.
 
 [Note: gradient checkpointing inside a model]
-`apply` binds the parameters into the module only while its forward runs; outside it the module
-holds meta placeholders. Activation checkpointing that the *model* does itself (transformers'
-`gradient_checkpointing_enable()`, `torch.utils.checkpoint` in a user's block, torch's
-`checkpoint_wrapper`) runs part of the forward again during backward, reading the module's
-attributes, long after `apply` returned. So from the moment backward reaches an apply's outputs
-until that backward ends, the apply's parameters are bound again, as FSDP2 re-unshards a module
-before its backward:
-
-* the root tensors (every gathered unit's views, frozen parameters, buffers) are swapped back in,
-  the same differentiable views the forward used: with reentrant checkpointing, whose inner
-  backward accumulates into the leaves it reaches, gradients reach the step's aliases as usual;
-* a stage-3 unit's parameters are not gathered up front: the first call of a module that owns
-  some of them gathers the unit (the copy re-gathered for its backward, cached) and binds its
-  views, differentiably with respect to the shard: the unit module's own hooks do so
-  (`_unit_hooks.py`), and a forward pre-hook registered for the binding's time on every other
-  module owning the unit's parameters does so for a recomputation that starts inside the unit
-  (`checkpoint(self.mlp, x)` in a block). Units no recomputation calls cost nothing. The unit's
-  reduce-scatter (`GatherUnit.backward`, of the first forward's gather or, with reentrant
-  checkpointing, of the recomputation's) unbinds it again, so one unit is gathered at a time.
-  Nothing else of the modules changes: their parameter tables stay the dicts they were, only
-  entries are swapped (as `torch.func.functional_call` and FSDP2 swap them).
-
-The binding ends with the backward pass that entered it (autograd's final callback), or when the
-run is released, whichever comes first.
+A model that checkpoints its own layers runs part of its forward again during backward, reading
+its module attributes after `apply` has put the meta placeholders back. So from the moment
+backward reaches an apply's outputs until that backward ends (autograd's final callback), or the
+run is released, the apply's parameters are bound again, as FSDP2 re-unshards a module before its
+backward: the root tensors are swapped back in (the forward's own differentiable views), and a
+stage-3 unit is gathered by the first call of a module owning its parameters and unbound by its
+reduce-scatter (`specs/sharding.md` §Apply, "Recomputation inside the model").
 """
 
 from __future__ import annotations

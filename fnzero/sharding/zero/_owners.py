@@ -1,15 +1,10 @@
 """What of the parameters this rank's optimizer updates: by each unit's placement (`optimizer_view`),
-and, for an optimizer that reads whole tensors, the whole-tensor optimizer partition.
+and, for an optimizer that reads whole tensors, the whole-tensor optimizer partition
+(`specs/optim.md` §Muon): each such parameter owned by one data-parallel rank, and the two
+all-to-alls that move a step's pieces to the owners and their results back.
 
-The whole-tensor optimizer partition (specs/optim.md §Muon): at ZeRO stages 1-3 each parameter
-an optimizer must see whole (Muon's matrices) is owned by one data-parallel rank, which holds its
-optimizer state whole and computes its update; every other parameter stays cut into the ranks'
-flat shards. Pure data, the same on every rank, and the two all-to-alls that move a step's pieces
-to the owners and the owners' results back.
-
-Owners are chosen greedily, largest parameter first (ties in plan order) onto the rank owning the
-fewest elements so far (ties: the lowest rank): deterministic, and within 4/3 of the best
-balance (Graham's bound for this longest-processing-time rule).
+Owners are chosen greedily, largest parameter first onto the rank owning the fewest elements so
+far: deterministic, and within 4/3 of the best balance (Graham's bound for this rule).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Parameter shards kept in a store instead of memory: `offload_param: {device: nvme}` at stage 3
-(`specs/offload.md` §Parameters).
+(`specs/offload.md` §Parameters, which says which store holds which shard).
 
-A sharded unit whose values live in a store has a *placeholder* in the state (`TrainState.params`
-or `.frozen`): a tensor of the shard's shape and dtype over one element of storage (stride 0).
-Its shard is read from the store just before its all-gather, in forward and again for its
-backward; the gradient with respect to a trainable placeholder is the unit's reduced gradient
-shard, as for an in-memory shard. Two stores hold shards:
-
-* trainable units of a training state whose optimizer is on NVMe: the optimizer store's master
-  file, which holds every unit's fp32 shard already (a stage-3 parameter shard is that shard in
-  the compute dtype), so the state keeps no copy and the step writes the new master straight to
-  the file. Reading the fp32 master and rounding it to 16 bits gives the same bits as the
-  kernel's fused copy-out (round to nearest even), so such a run equals the run without, bit for
-  bit (tested);
-* every other shard: the parameter store (`fnzero/offload/_nvme_params.py`), written when the
-  state is made: frozen units, every unit of an inference state, and the trainable units of a
-  training state whose optimizer keeps its master in memory, into which the step writes each new
-  shard (`ShardSource.write`, `fnzero/train/_update.py`).
-
-This layer defines only how a store is *read* (`ShardSource`: an object with `read(unit, kind)`
-and `write(unit, kind, value)`, and the kind to use); the stores themselves are the offload
-layer's, handed in through `Sharding.shard_sources` (`ShardedModule.read_shards_from`), so every
-holder of the state (the runtime, `gather`, checkpoints, memory counts) finds them.
+A sharded unit whose values live in a store has a *placeholder* in the state: the shard's shape
+and dtype over one element of storage (stride 0), read from the store just before each of its
+all-gathers. This layer defines only how a store is read and written (`ShardSource`); the stores
+are the offload layer's, handed in through `Sharding.shard_sources`
+(`ShardedModule.read_shards_from`), so every holder of the state finds them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
 """The names a model's own save gives its tensors, read from the model when it is sharded
 (`make_plan`), so that a state and its checkpoint carry them and every export writes what the
-model's save would (`specs/checkpoint-format.md` §Export), `fnzero export` included, which has
-no model.
-
-* Any module: `state_dict()` holds the parameters and the persistent buffers. A buffer
-  registered with `persistent=False` (rotary `inv_freq`, BERT's `position_ids`) is held, so that
-  `apply` computes with it and a checkpoint restores it, but is in no save, so no export writes
-  it and no pretrained file is expected to hold it.
-* A transformers model (`PreTrainedModel`): `save_pretrained` (transformers 5,
-  `modeling_utils.PreTrainedModel.save_pretrained`) writes its `state_dict()` less
-  1. `_keys_to_ignore_on_save` (exact names; `post_init` gathers the submodules' with their paths);
-  2. tied names: of the names that hold one tensor, those matching a `_tied_weights_keys` pattern
-     of any submodule (prefixed with its path, `re.search`), taken in sorted order, all but the
-     last when every name matches (`remove_tied_weights_from_state_dict`): GPT-2 keeps
-     `transformer.wte.weight` and drops `lm_head.weight`;
-  and renames what remains to the names of the model's original files (`revert_weight_conversion`:
-  its conversion mapping reversed; GPT-NeoX's `lm_head.weight` is `embed_out.weight` there).
-  The same attributes are read here and the same rules applied. A model whose conversions change
-  tensors (Mixtral's experts, fused into one tensor in the model) cannot be written in its
-  files' format tensor by tensor: its export keeps the model's own names throughout, which
-  `from_pretrained` reads as well.
+model's save would, `fnzero export` included, which has no model (`specs/checkpoint-format.md`
+§Export, "Names": non-persistent buffers, and transformers 5's `save_pretrained` rules).
 
 Tied tensors are held once, under their first name (`named_parameters()`' order), the others
 being aliases: the name kept by `save_pretrained` is recorded as the first name's saved name and

@@ -2,18 +2,12 @@
 
 [Note: units by hooks, as FSDP2's]
 `fnzero.shard` registers two hooks on each module whose unit is sharded (stage 3), and changes
-nothing else of it: a forward pre-hook that gathers the unit's parameters and binds their views
-into the module's parameter table (`ApplyRun.enter_unit`), and a forward hook, called even when
-the forward raises, that puts the placeholders back and releases the buffer (`exit_unit`). The
-run they serve is the ambient one (`_ambient.py`: the apply running, or the recomputation
-`fnzero.remat` makes current), else, for a recomputation inside the model during backward, the
-run bound for that backward (the last of `backward_runs`, `_backward.py`). FSDP2 unshards and
-reshards its modules with the same pair of hooks (`_fsdp_state.py`).
-
-`fnzero.jit(scope="units")` runs each unit's forward as its own compiled graph. No hook can make a
-module compute something other than its `forward` (a pre-hook sees the inputs, a hook the
-output), so that scope's first step routes each unit module's `forward` through the unit
-compiler (`route_unit_forward`), which the other scopes and eager steps never do.
+nothing else of it (`specs/sharding.md` §Apply): a forward pre-hook that gathers and binds the
+unit (`ApplyRun.enter_unit`), and a forward hook, called even when the forward raises, that puts
+the placeholders back (`exit_unit`). They serve the ambient run (`_ambient.py`), else the run
+bound for backward (`_backward.py`). No hook can make a module compute something other than its
+`forward`, so `fnzero.jit(scope="units")`, which runs each unit's forward as its own compiled
+graph, routes each unit module's `forward` through the unit compiler (`route_unit_forward`).
 """
 
 from __future__ import annotations

@@ -12,35 +12,16 @@ __all__ = ["default_unit_modules", "no_split_classes", "embedding_units"]
 
 
 def default_unit_modules(model: nn.Module) -> list[str]:
-    """Default wrap policy.
-
-    A model that names its repeated layers (Hugging Face's `_no_split_modules`, declared by the
-    model or any submodule): each module of those classes is a unit, and so are its input
-    embedding and output head when they are not tied (`embedding_units`); the rest of the model
-    is the root unit, as FSDP's transformer wrap policy groups it.
-
-    Otherwise each direct child of the root that holds parameters is a unit, except that
-    containers (ModuleList, ModuleDict, Sequential) are opened so each of their items is one.
-    For a GPT this gives one unit per transformer block plus the embeddings, final norm and head.
-    """
+    """The default wrap policy (the module docstring). The layers are those of the classes in
+    Hugging Face's `_no_split_modules` (declared by the model or any submodule), grouped as FSDP's
+    transformer wrap policy groups them; for a GPT without them, each block, the embeddings, the
+    final norm and the head are units."""
     layer_classes = no_split_classes(model)
     if layer_classes:
         layers = _layer_units(model, layer_classes)
         return _in_model_order(model, layers + embedding_units(model, layers))
-    out: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if not any(True for _ in child.parameters()):
-                continue
-            if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-                visit(path + ".", child)
-            else:
-                out.append(path)
-
-    visit("", model)
-    return out
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    return _walk(model, lambda m: not isinstance(m, containers) if any(True for _ in m.parameters()) else None)
 
 
 def no_split_classes(model: nn.Module) -> set[str]:
@@ -59,15 +40,21 @@ def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
     gathered for the whole forward, as FSDP's transformer wrap policy leaves it: code outside a
     module may read its parameters directly (an encoder reading `embed_positions.weight`), which
     only the root allows."""
+    return _walk(model, lambda m: type(m).__name__ in layer_classes)
+
+
+def _walk(model: nn.Module, is_unit) -> list[str]:
+    """The paths of the modules, outermost first in module order, for which `is_unit` says True;
+    a module it says False of is opened, one it says None of left out."""
     out: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if type(child).__name__ in layer_classes:
-                out.append(path)
-            else:
-                visit(path + ".", child)
+            unit = is_unit(child)
+            if unit:
+                out.append(f"{prefix}{name}")
+            elif unit is not None:
+                visit(f"{prefix}{name}.", child)
 
     visit("", model)
     return out
