@@ -21,7 +21,7 @@ import time
 
 from ._launchers import node_flags
 from ._plan import LaunchPlan
-from ._rank_front_args import rank_log_folder
+from ._rank_front import rank_log_folder
 from ._ssh import check_ssh, forwarded_env, launch_ssh, master_addr, pump
 
 __all__ = ["plan_ssh", "run_over_ssh"]
