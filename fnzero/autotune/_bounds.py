@@ -1,13 +1,6 @@
-"""How far the autotuner's micro-batch grid grows (`specs/autotune.md` §Bounds).
-
-A candidate is judged against what the trials of its layout measured at other micro-batch sizes,
-once two sizes of one (stage, offload) ran, so that the growth per sample is measured, not
-guessed: pruned when the least memory it would need, the planner's model state plus the
-activations the trials measured per sample, exceeds the limit (DeepSpeed's autotuner bounds its
-search by `(memory - instantiation memory) // activation memory at micro-batch 1` the same way),
-and skipped when the step the fitted model predicts makes its trial longer than its share of the
-time budget. Both are extrapolations of measured sizes; neither judges a layout before two of its
-sizes ran.
+"""How far the autotuner's micro-batch grid grows (`specs/autotune.md` §Bounds): a candidate is
+pruned by the memory, or skipped by the time, its layout's trials measured at two other sizes
+extrapolate to; neither judges a layout before two of its sizes ran.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The model_based tuner's step-time model, fitted to the trials run so far
-(`specs/autotune.md` §Calibration).
-
-Measured, not fitted: each collective pass's time (every trial times one pass of each kind over
-its units; the fastest trial's is kept), the link, and the optimizer's seconds per parameter (its `wall_clock_breakdown`
-share, on the device and, from offloaded trials, on the host). Fitted: the compute, `a_s + b·m`
-seconds per micro-step of m samples at stage s, by least squares on what the trials' measured steps
-leave once their collectives and optimizer are taken out (relative errors: each trial weighs the same).
+"""The model_based tuner's step-time model, fitted to the trials run so far: the passes, the link
+and the optimizer's rate measured, the compute per micro-step fitted (`specs/autotune.md` §Calibration).
 """
 
 from __future__ import annotations

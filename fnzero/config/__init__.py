@@ -38,6 +38,7 @@ from ._zero import LeafModuleConfig, OffloadOptimizerConfig, OffloadParamConfig,
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
+from ._noop import no_effect_table, warn_no_effect
 from ._parse import read_source
 from ._problems import Problems, join_path, listed, split_by_hint
 from ._translate import validate_into

@@ -19,7 +19,7 @@ from ._models import Config
 from ._optim_models import ONEBIT_TYPES
 from ._types import describe
 
-__all__ = ["ConfigWarning", "NO_EFFECT", "warn_no_effect"]
+__all__ = ["ConfigWarning", "NO_EFFECT", "no_effect_table", "warn_no_effect"]
 
 
 class ConfigWarning(UserWarning):
@@ -30,12 +30,12 @@ class ConfigWarning(UserWarning):
     """
 
 
-def _changed(path: str, when: Callable[[Config], bool] | None = None) -> Callable[[Config], Any]:
-    """The user's value at dotted `path` when it is not its model's default (DeepSpeed's) and `when(cfg)`
-    holds, else None."""
+def _changed(path: str, when: Callable[[Any], bool] | None = None) -> Callable[[Any], Any]:
+    """The user's value at dotted `path` of a config (training or inference) when it is not its model's
+    default (DeepSpeed's) and `when(cfg)` holds, else None."""
     *parents, leaf = path.split(".")
 
-    def value_of(cfg: Config) -> Any:
+    def value_of(cfg: Any) -> Any:
         if when is not None and not when(cfg):
             return None
         node: Any = cfg
@@ -55,12 +55,13 @@ def _onebit(cfg: Config) -> bool:
     return cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_TYPES
 
 
+NoEffect = tuple[Callable[[Any], Any], str]
 _HOW = "the comms logger records every collective; it cannot restrict itself to prof_ops"
 _NEVER_READ = "DeepSpeed's 1-bit optimizers store it and never read it"
 _ONLY_COUNT = "the step-time model needs only the parameter count"
 # dotted key -> why it has no effect: it warns when set to a value other than its default; or
 # (the user's value when it asks for something fnzero does not do, else None; why).
-_TABLE: dict[str, str | tuple[Callable[[Config], Any], str]] = {
+_TABLE: dict[str, str | NoEffect] = {
     "fp16.auto_cast": "in fp16/bf16 training `ShardedModule.apply` always casts floating-point inputs to the compute "
                       "dtype, whatever auto_cast says",
     "bf16.check_grad_overflow": "fnzero checks every step's gradient norm, and stops with an error naming the step on "
@@ -150,14 +151,21 @@ _TABLE: dict[str, str | tuple[Callable[[Config], Any], str]] = {
     "autotuning.model_info.hidden_size": _ONLY_COUNT,
     "autotuning.model_info.num_layers": _ONLY_COUNT,
 }
-NO_EFFECT: dict[str, tuple[Callable[[Config], Any], str]] = {
-    path: entry if isinstance(entry, tuple) else (_changed(path), entry) for path, entry in _TABLE.items()}
 
 
-def warn_no_effect(cfg: Config, stacklevel: int = 2) -> list[str]:
-    """Warn once per key of NO_EFFECT that `cfg` sets to a non-default value; returns the messages."""
+def no_effect_table(entries: dict[str, str | NoEffect]) -> dict[str, NoEffect]:
+    """`entries` with each bare reason given its test: the key warns when set to a value other than its default."""
+    return {path: entry if isinstance(entry, tuple) else (_changed(path), entry) for path, entry in entries.items()}
+
+
+NO_EFFECT = no_effect_table(_TABLE)
+
+
+def warn_no_effect(cfg: Any, stacklevel: int = 2, table: dict[str, NoEffect] = NO_EFFECT) -> list[str]:
+    """Warn once per key of `table` (by default the training config's) that `cfg` sets to a value that
+    would change something in DeepSpeed; returns the messages."""
     messages: list[str] = []
-    for path, (value_of, why) in NO_EFFECT.items():
+    for path, (value_of, why) in table.items():
         value = value_of(cfg)
         if value is None:
             continue

@@ -1,13 +1,6 @@
 """DeepSpeed-Inference's config: `deepspeed.init_inference(model, config, **kwargs)`'s keys
-(DeepSpeed 0.19.8, `deepspeed/inference/config.py`: `DeepSpeedInferenceConfig`, `DeepSpeedTPConfig`),
-with its defaults, aliases and deprecated keys, validated with fnzero's strict types
-(`specs/inference.md` §Keys).
-
-`config` (None, a dict, a path, JSON text) and the keyword arguments are merged as DeepSpeed
-merges them: a key in both with two different values is DeepSpeed's `Conflicting argument` error.
-Every key DeepSpeed refuses (an unknown one) is refused, naming it; keys that tune DeepSpeed's CUDA
-kernels, which fnzero has none of, are accepted and warn (`ConfigWarning`) when they would change
-something.
+(DeepSpeed 0.19.8, `deepspeed/inference/config.py`), validated with fnzero's strict types and merged
+as DeepSpeed merges them (`specs/inference.md` §Merge of config and kwargs, §Keys).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Pure functions over numbers: no torch, no process group. Model state is Adam's: parameters,
 gradients, optional fp32 master weights and two fp32 moments. The device totals without offload
-are `fnzero.memory.zero_formula`; the breakdown below sums to it exactly.
+are `fnzero.memory.zero_formula`; the breakdown below sums to it exactly. Where each byte lives
+with each offload choice, and what is not counted: `specs/cli.md` §The model.
 
     >>> e = estimate(7_000_000_000, stage=3, world_size=64, precision="bf16")
     >>> round(e.device_bytes / 2**30, 2)                 # 16 bytes/param over 64 ranks
@@ -12,26 +13,6 @@ are `fnzero.memory.zero_formula`; the breakdown below sums to it exactly.
     (True, True)
     >>> parse_count("1.3b"), parse_bytes("80GB"), parse_bytes("80GiB") == 80 * 2**30
     (1300000000, 80000000000, True)
-
-Where the bytes live (Ψ parameters, N ranks, p = 4 bytes fp32 / 2 bytes bf16/fp16):
-
-* no offload: params pΨ (/N at stage 3), grads pΨ (/N at stages 2-3), master 4Ψ (16-bit only,
-  /N at stages 1-3), optimizer 8Ψ (/N at stages 1-3).
-* `offload_optimizer` cpu|nvme (stages 1-3): what the optimizer step reads and writes moves
-  there, for this rank's shard: fp32 master 4Ψ/N (also at fp32: the host updates its own copy),
-  moments 8Ψ/N and the fp32 gradient shard 4Ψ/N, 16Ψ/N in all (DeepSpeed's ZeRO-Offload and its
-  `estimate_zero{2,3}_model_states_mem_needs` count the same). With nvme the master and moments
-  (12Ψ/N) are in files and the gradient shard (4Ψ/N) in host memory. The device keeps the params, and
-  at stage 1 (which does not shard gradients) the full gradient accumulator. `ratio` < 1 (stage 3)
-  offloads that fraction and keeps the rest on the device.
-* `offload_param` cpu|nvme (stage 3): the parameter shard pΨ/N moves there; the device holds
-  only the gathered working set (one unit at a time), which is activation-like and belongs in the
-  reserve, not here. With nvme and the optimizer not offloaded, the device keeps an fp32 master
-  4Ψ/N also at fp32 (the parameters are in files, so the optimizer updates a copy of its own).
-
-Not counted: activations, gathered working sets, communication buckets, allocator slack and
-fnzero's padding of each unit to a multiple of N (at most N-1 elements per unit). DeepSpeed's
-estimators multiply host memory by an `additional_buffer_factor` of 1.5; this does not.
 """
 
 from __future__ import annotations

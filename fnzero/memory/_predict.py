@@ -1,12 +1,6 @@
-"""Step-time model for a ZeRO configuration (`specs/autotune.md` §Step-time model).
-
-Pure numbers, no tensors: one optimizer step of a data-parallel rank is its compute (forward and
-backward, linear in the samples it processes), its collectives (the passes over the model of
-`specs/collectives.md` §Per stage: their bytes over a link of given latency and bandwidth, or each
-pass's time as a trial measured it on the job's own ranks and units), its optimizer update
-(linear in the parameters this rank updates) and, with `offload_optimizer`, the host<->device copies
-of its shard. Nothing overlaps: the sum bounds a step whose communication is not hidden;
-`StepPrediction.overlapped_s` is the other end, every collective hidden behind compute.
+"""Step-time model for a ZeRO configuration (`specs/autotune.md` §Step-time model): pure numbers,
+no tensors. A step is the sum of its compute, collectives, optimizer update and offload copies, a
+bound for a step whose communication is not hidden; `StepPrediction.overlapped_s` is the other end.
 
     >>> link = Link(latency_s=1e-5, bandwidth_Bps=1e10)
     >>> p = predict_step(1_000_000, stage=0, world_size=2, micro=4, gas=1, units=1,

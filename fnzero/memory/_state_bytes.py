@@ -1,14 +1,7 @@
-"""Per-rank model-state memory, counted exactly from a TrainState (`specs/sharding.md` §Memory).
-
-`model_state_bytes(state)` counts what the state holds (parameters, master weights, optimizer
-state, unique storage only) plus the gradient buffer the step holds: the whole padded unit where
-gradients are replicated (stages 0-1), this rank's shard where they are sharded (stages 2-3), in
-the gradient-accumulation dtype. Frozen parameters are counted apart, as held: this rank's shard
-of each frozen unit at stage 3, whole at stages 0-2 (`specs/sharding.md` §Frozen parameters).
-Shards kept in NVMe stores (`offload_param: nvme`, placeholders in the state) hold no memory: they
-count 0 and are reported apart, in `stored` (`specs/offload.md` §Parameters).
-`zero_formula(...)` gives the ZeRO paper's figure for comparison, and `ep_zero_formula(...)` its
-expert-parallel form (`specs/mesh.md §Expert parallelism memory`).
+"""Per-rank model-state memory, counted exactly from a TrainState (`specs/sharding.md` §Memory,
+§Frozen parameters; NVMe-stored shards: `specs/offload.md` §Parameters), and the ZeRO paper's
+figures to compare it with (`zero_formula`; `ep_zero_formula`, `specs/mesh.md` §Expert parallelism
+memory).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ The step stays pure: it returns metrics; the Monitor consumes them after the ste
 
     with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens_per_step=T) as mon:
         for i in range(1, steps + 1):
-            state, metrics = step(state, next(batches))
+            if mon.should_profile(i):                    # every rank: the forward may gather shards
+                mon.profile_flops(loss_fn, state.params, batch)
+            state, metrics = step(state, batch)
             mon.log(i, metrics, state=state)
 """
 

@@ -1,14 +1,6 @@
-"""`Monitor`: logging for the pure step's metrics, outside the step (`specs/monitor.md`).
-
-The step returns metrics as plain values; everything with side effects (printing, files, clocks,
-progress bars, FLOP counting) happens here, after the step, on rank 0.
-
-    with Monitor.from_config(cfg, rank=dist.rank, world_size=dist.world_size, tokens_per_step=T) as mon:
-        for i in range(1, steps + 1):
-            if mon.should_profile(i):                    # every rank: the forward may gather shards
-                mon.profile_flops(loss_fn, state.params, batch)
-            state, metrics = step(state, batch)
-            mon.log(i, metrics, state=state)
+"""`Monitor`: logging for the pure step's metrics, outside the step (`specs/monitor.md`; its use:
+the package's docstring). Everything with side effects (printing, files, clocks, progress bars,
+FLOP counting) happens here, after the step, on rank 0.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Time one pass of each collective over a job's own units (`specs/autotune.md` §Trial report).
 
-The step-time model (`fnzero.memory._predict`) counts a step's collectives as passes over the
-model: stage 0 all-reduces every unit once, stage 3 all-gathers and reduce-scatters every unit per
-micro-batch, and so on. A trial measures what one such pass costs on its own ranks, over the
-collectives its state uses (on gloo: §Interface.gloo's direct exchanges for gathers and
-reduce-scatters, gloo's ring for all-reduce) and at its units' sizes, so one trial's measurement
-predicts every stage: a latency and a bandwidth measured on one buffer size miss the per-collective
-costs (wake-ups, Python, the exchange's set-up) that dominate small units on a busy host.
+Why passes and not a link alone: one trial's measurement then predicts every stage's collectives
+(`fnzero.memory._predict`), and a latency and a bandwidth measured on one buffer size miss the
+per-collective costs (wake-ups, Python, the exchange's set-up) that dominate small units on a busy host.
 """
 
 from __future__ import annotations

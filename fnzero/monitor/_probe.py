@@ -1,12 +1,5 @@
-"""`TrialProbe`: what an autotuner trial measures and reports (`specs/autotune.md` §Trial report).
-
-A trial is an ordinary training run whose config carries `autotuning.enabled: true` and
-`autotuning.metric_path` (the autotuner writes both into the trial's config). Its `Monitor` then
-times the steps after `start_profile_step` up to `end_profile_step`, measures the job's link
-(all-reduce latency and bandwidth over its process group) and one pass of each collective over
-its units (`measure_passes`), writes one JSON report per rank (rank 0
-at `metric_path`, rank r at `metric_path.rank{r}`) and ends the process, as DeepSpeed's engine
-does after its profile steps. Nothing else in the loop changes.
+"""`TrialProbe`: what an autotuner trial measures and reports, inside an ordinary training run's
+`Monitor` (`specs/autotune.md` §Trial report).
 """
 
 from __future__ import annotations

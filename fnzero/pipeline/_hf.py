@@ -1,9 +1,7 @@
 """Hugging Face causal LMs as pipeline layers (`specs/mesh.md` §Pipeline): the embeddings, each
-decoder layer, and the final norm with the LM head, wrapping the model's own modules (so its
-weights, init and pretrained values are used as they are). Each decoder layer rebuilds what the
-model's forward hands every layer (positions, the causal mask, rotary embeddings) from its input:
-a stage boundary carries the hidden states only. A head tied to the input embedding on another
-stage is a tied weight (`TiedWeight`): its copies' gradients are summed over the pipeline.
+decoder layer, and the final norm with the LM head, wrapping the model's own modules. A head tied
+to the input embedding on another stage is a tied weight (`TiedWeight`): its copies' gradients are
+summed over the pipeline.
 
 Known structures: GPT-2 (`transformer.wte/wpe/drop/h/ln_f`), and Llama with the models laid out
 like it (`model.embed_tokens/layers/norm/rotary_emb`: Mistral, Qwen2, Qwen3, ...).

@@ -1,19 +1,6 @@
 """Pipeline schedules: the order in which one stage runs the forward (F) and backward (B) of each
-micro-batch (`specs/mesh.md` §Pipeline). Pure functions of (stages, micro-batches, stage).
-
-* GPipe: every forward, then every backward. Each stage keeps all `m` micro-batches'
-  activations; idle time (the bubble) is (p-1)/(m+p-1) of the step.
-* 1F1B (PipeDream-flush): stage s runs `p-s-1` warm-up forwards, then alternates one forward and
-  one backward, then drains the backwards. The same bubble as GPipe, but at most `p-s`
-  micro-batches' activations are alive on stage s; it needs m >= p.
-* Interleaved 1F1B (Megatron's virtual stages): each rank holds `v` chunks of layers (chunk c of
-  rank s is model chunk c·p + s), and micro-batches go through them in groups of p; the bubble
-  shrinks to (p-1)/(v·m+p-1) for more point-to-point messages (v per micro-batch per boundary).
-  It needs m a multiple of p.
-
-Backwards run in micro-batch order on every stage (by chunk in reverse, for interleaving), so each
-pair of neighbouring stages sends and receives in the same order, and the last micro-batch's
-backward of each chunk is that chunk's last pass (its units' reductions start from it).
+micro-batch. Pure functions of (stages, micro-batches, stage). GPipe, 1F1B and interleaved 1F1B,
+their bubbles, and why backwards run in micro-batch order on every stage: `specs/mesh.md` §Pipeline.
 """
 
 from __future__ import annotations

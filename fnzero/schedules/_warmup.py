@@ -8,6 +8,7 @@ applied-step index onto i.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from ._base import Schedule, engine, integer, last_iteration, number
 from ._base import warmup_type as check_warmup_type
@@ -15,17 +16,32 @@ from ._base import warmup_type as check_warmup_type
 __all__ = ["warmup_lr", "warmup_decay_lr", "warmup_cosine_lr"]
 
 
-def _gamma_warmup(i: int, n: int, kind: str, inverse_log: float) -> float:
-    """The warmup fraction at iteration i < n: log(i+1)/log(n) or i/n."""
-    if kind == "log":
-        return inverse_log * math.log(i + 1)
-    return i / n
-
-
-def _warmup_steps(where: str, warmup_num_steps: int) -> int:
+def _ramp(where: str, warmup_num_steps: int, warmup_type: str) -> tuple[int, Callable[[int], float]]:
+    """(n, the warmup fraction at iteration i < n: log(i+1)/log(n) or i/n)."""
     # DeepSpeed refuses < 1 and then uses max(2, n): with n = 1 the log ramp would divide by
     # log(1) = 0, so a one-step warmup is really two steps there, and here.
-    return max(2, integer(where, "warmup_num_steps", warmup_num_steps, lo=1))
+    n = max(2, integer(where, "warmup_num_steps", warmup_num_steps, lo=1))
+    if check_warmup_type(where, warmup_type) == "log":
+        inverse_log = 1.0 / math.log(n)
+        return n, lambda i: inverse_log * math.log(i + 1)
+    return n, lambda i: i / n
+
+
+def _warmup(where: str, warmup_min_lr: float, warmup_max_lr: float, warmup_num_steps: int, warmup_type: str,
+            last_batch_iteration: int, base_lr: float | None, after: Callable[[int, int], float]) -> Schedule:
+    """WarmupLR's get_lr, min + (max - min) * gamma: the ramp's gamma below n, `after(i, n)` from there."""
+    lo = number(where, "warmup_min_lr", warmup_min_lr)
+    hi = number(where, "warmup_max_lr", warmup_max_lr)
+    n, ramp = _ramp(where, warmup_num_steps, warmup_type)
+    L = last_iteration(where, last_batch_iteration)
+    base = None if base_lr is None else number(where, "base_lr", base_lr)
+    delta = hi - lo
+
+    def get(i: int) -> float:
+        return lo + (delta * (ramp(i) if i < n else after(i, n)))
+
+    # At construction DeepSpeed's get_lr sees last_batch_iteration = -1 and returns min_lr.
+    return Schedule(engine(get, L, lo, base))
 
 
 def warmup_lr(
@@ -47,22 +63,9 @@ def warmup_lr(
     >>> [s(k) for k in range(7)]
     [0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
     """
-    where = "warmup_lr"
-    lo = number(where, "warmup_min_lr", warmup_min_lr)
-    hi = number(where, "warmup_max_lr", warmup_max_lr if warmup_max_lr is not None else (base_lr if base_lr is not None else 0.001))
-    n = _warmup_steps(where, warmup_num_steps)
-    kind = check_warmup_type(where, warmup_type)
-    L = last_iteration(where, last_batch_iteration)
-    base = None if base_lr is None else number(where, "base_lr", base_lr)
-    delta = hi - lo
-    inverse_log = 1.0 / math.log(n)
-
-    def get(i: int) -> float:
-        gamma = _gamma_warmup(i, n, kind, inverse_log) if i < n else 1.0
-        return lo + (delta * gamma)
-
-    # At construction DeepSpeed's get_lr sees last_batch_iteration = -1 and returns min_lr.
-    return Schedule(engine(get, L, lo, base))
+    max_lr = warmup_max_lr if warmup_max_lr is not None else (base_lr if base_lr is not None else 0.001)
+    return _warmup("warmup_lr", warmup_min_lr, max_lr, warmup_num_steps, warmup_type, last_batch_iteration, base_lr,
+                   lambda i, n: 1.0)
 
 
 def warmup_decay_lr(
@@ -81,25 +84,9 @@ def warmup_decay_lr(
     >>> [s(k) for k in range(9)]
     [0.0, 0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
     """
-    where = "warmup_decay_lr"
-    total = integer(where, "total_num_steps", total_num_steps, lo=0)
-    lo = number(where, "warmup_min_lr", warmup_min_lr)
-    hi = number(where, "warmup_max_lr", warmup_max_lr)
-    n = _warmup_steps(where, warmup_num_steps)
-    kind = check_warmup_type(where, warmup_type)
-    L = last_iteration(where, last_batch_iteration)
-    base = None if base_lr is None else number(where, "base_lr", base_lr)
-    delta = hi - lo
-    inverse_log = 1.0 / math.log(n)
-
-    def get(i: int) -> float:
-        if i < n:
-            gamma = _gamma_warmup(i, n, kind, inverse_log)
-        else:
-            gamma = max(0.0, float(total - i) / float(max(1.0, total - n)))
-        return lo + (delta * gamma)
-
-    return Schedule(engine(get, L, lo, base))
+    total = integer("warmup_decay_lr", "total_num_steps", total_num_steps, lo=0)
+    return _warmup("warmup_decay_lr", warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                   last_batch_iteration, base_lr, lambda i, n: max(0.0, float(total - i) / float(max(1.0, total - n))))
 
 
 def warmup_cosine_lr(
@@ -122,17 +109,14 @@ def warmup_cosine_lr(
     where = "warmup_cosine_lr"
     total = integer(where, "total_num_steps", total_num_steps, lo=0)
     wmin = number(where, "warmup_min_ratio", warmup_min_ratio)
-    n = _warmup_steps(where, warmup_num_steps)
     cmin = number(where, "cos_min_ratio", cos_min_ratio)
-    kind = check_warmup_type(where, warmup_type)
+    n, ramp = _ramp(where, warmup_num_steps, warmup_type)
     L = last_iteration(where, last_batch_iteration)
     org = number(where, "base_lr", base_lr)
-    inverse_log = 1.0 / math.log(n)
 
     def ratio(i: int) -> float:
         if i < n:
-            r = _gamma_warmup(i, n, kind, inverse_log)
-            return wmin + r * (1.0 - wmin)
+            return wmin + ramp(i) * (1.0 - wmin)
         progress = min(1.0, (i - n + 1) / max(1, total - n))
         r = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, cmin + (1.0 - cmin) * r)

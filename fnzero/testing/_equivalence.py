@@ -1,15 +1,6 @@
-"""`assert_stage_equivalent`: a ZeRO stage on N ranks equals the unsharded step on one process.
-
-Both sides are fnzero: the sharded side runs `cfg` at its stage on a simulated world of N ranks,
-each stepping on its contiguous slice of the global batch; the reference runs the same config at
-stage 0 on one process (LocalCollectives) stepping on the whole global batch. After every step
-each rank's loss, gradient norm and consolidated parameters (`sm.gather(state)`) must match the
-reference's; the first mismatch is reported by step, then rank, then parameter.
-
-A miss of the stated tolerance is judged once more against the model's own noise floor
-(`_floor.py`): the unsharded step over the sharded run's micro-batches against the whole-batch
-step. A model that computes in float32 inside a float64 model passes then, with a
-`NoiseFloorWarning` naming where it narrows (`_precision.py`); a sharding bug still fails.
+"""`assert_stage_equivalent`: a ZeRO stage on N ranks equals the unsharded step on one process
+(`specs/testing.md` §Assertions; a miss of the tolerance is judged again against the model's own
+noise floor, `_floor.py`, §Noise floor).
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The model's own noise floor: how far the *unsharded* step moves when the same rows are split
-into the sharded run's micro-batches instead of being stepped on as one batch.
-
-A float64 model that computes parts in float32 inside (transformers' RMSNorm, rotary
-embeddings and causal-LM loss upcast to float32) is not reproducible to float64 rounding: a
-different batch split changes float64 rounding, which then crosses a float32 cast and comes out
-~1e-8 relative apart (and Adam turns that into larger steps for near-zero gradients). Such a
-difference says nothing about sharding, yet it exceeds the float64 tolerance.
-
-So when the sharded run misses the stated tolerance, `assert_stage_equivalent` runs the
-unsharded step once more, on one process, with gradient accumulation over exactly the sharded
-run's micro-batches (rank r's micro-batch j is micro-batch r*k + j). The difference between that
-run and the whole-batch reference, leaf by leaf and step by step, is the floor, and each leaf is
-judged within `max(atol, NOISE_FACTOR x its floor) + rtol x |want|`.
+into the sharded run's micro-batches instead of being stepped on as one batch. Why a float64 model
+has one, how it is measured and the rule it sets: `specs/testing.md` §Noise floor.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import torch
 
 from .._errors import DistributedError
 from ..sharding import free_port
+from ._threads import World, wants_comm
 
 __all__ = ["run_world", "free_port", "WorldError", "SpawnedWorld", "spawned_world"]
 
@@ -223,12 +224,11 @@ def _call_in_rank(fn: Callable[..., Any]) -> Any:
     # Runs in the spawned rank: give `fn` the process group's collectives when it takes one
     # argument, exactly as SimulatedWorld.run does with its thread collectives.
     from ..sharding import ProcessGroupCollectives
-    from ._threads import wants_comm
 
     return fn(ProcessGroupCollectives()) if wants_comm(fn) else fn()
 
 
-class SpawnedWorld:
+class SpawnedWorld(World):
     """n real gloo processes on loopback behind the SimulatedWorld interface: `run(fn)` calls
     `fn(comm)` or `fn()` on every rank and returns the results in rank order.
 
@@ -240,22 +240,11 @@ class SpawnedWorld:
     backend = "gloo"
 
     def __init__(self, n: int, timeout: float = 180.0, backend: str = "gloo", env: dict[str, str] | None = None):
-        if n < 1:
-            raise ValueError(f"a world needs at least one rank, got {n}")
-        self.n, self.timeout, self.backend, self.env = n, timeout, backend, env
-
-    @property
-    def world_size(self) -> int:
-        return self.n
+        super().__init__(n, timeout)
+        self.backend, self.env = backend, env
 
     def run(self, fn: Callable[..., Any]) -> list[Any]:
         return run_world(_call_in_rank, self.n, fn, timeout=self.timeout, backend=self.backend, env=self.env)
-
-    def __enter__(self) -> "SpawnedWorld":
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
 
 
 def spawned_world(n: int, timeout: float = 180.0, backend: str = "gloo", env: dict[str, str] | None = None) -> SpawnedWorld:

@@ -22,7 +22,7 @@ from .._errors import DistributedError
 from ..sharding import check_agreement, resolve_splits, CollectivesBase, PendingTensor
 from ._context import RNG_LOCK, rank_context
 
-__all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld"]
+__all__ = ["ThreadCollectives", "simulated_world", "SimulatedWorld", "World", "wants_comm"]
 
 
 def _release_all(lock) -> int:
@@ -183,7 +183,27 @@ def wants_comm(fn: Callable[..., Any]) -> bool:
     )
 
 
-class SimulatedWorld:
+class World:
+    """What the simulated and the spawned world share: n >= 1 ranks, and a context manager whose
+    exit does nothing (each `run` starts and ends its own ranks)."""
+
+    def __init__(self, n: int, timeout: float):
+        if n < 1:
+            raise ValueError(f"a world needs at least one rank, got {n}")
+        self.n, self.timeout = n, timeout
+
+    @property
+    def world_size(self) -> int:
+        return self.n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class SimulatedWorld(World):
     """n ranks as threads. `run(fn)` calls `fn(comm)` (or `fn()` when it takes no argument) on
     every rank with the rank's collectives current, and returns the results in rank order; an
     exception on any rank is re-raised naming the rank.
@@ -198,15 +218,8 @@ class SimulatedWorld:
     backend = "simulated"
 
     def __init__(self, n: int, timeout: float = 120.0, wrap_comm: Callable[[Any], Any] | None = None):
-        if n < 1:
-            raise ValueError(f"a world needs at least one rank, got {n}")
-        self.n = n
-        self.timeout = timeout
+        super().__init__(n, timeout)
         self.wrap_comm = wrap_comm
-
-    @property
-    def world_size(self) -> int:
-        return self.n
 
     def run(self, fn: Callable[..., Any]) -> list[Any]:
         x = _Exchange(self.n, self.timeout)
@@ -251,7 +264,3 @@ def simulated_world(n: int, timeout: float = 120.0, wrap_comm: Callable[[Any], A
     [0, 1]
     """
     return SimulatedWorld(n, timeout, wrap_comm)
-
-
-SimulatedWorld.__enter__ = lambda self: self  # type: ignore[attr-defined]
-SimulatedWorld.__exit__ = lambda self, *exc: False  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from ._hosts import DEFAULT_HOSTFILE, HostfileError, LaunchError, read_hostfile,
 from ._launch import EXECUTORS, launch_main, plan_launch
 from ._node import machine_slots
 from ._plan import LaunchPlan
-from ._rank_front_args import rank_log_folder
+from ._rank_front import rank_log_folder
 from ._ssh import pump, ssh_command
 from ._torchrun import run_torchrun
 

@@ -19,7 +19,7 @@ import shlex
 
 from ._binding import bind_command, rank_program
 from ._hosts import LaunchError
-from ._rank_front_args import front_flags
+from ._rank_front import front_flags
 
 __all__ = ["LAUNCHERS", "LaunchJob", "launcher_command", "launcher_tool", "default_exports", "quote_export",
            "encode_world_info", "decode_world_info", "node_flags", "pdsh_kill_command", "MVAPICH_HOSTFILE",

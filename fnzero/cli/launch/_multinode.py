@@ -1,13 +1,6 @@
-"""`fnzero launch --hostfile`: one `fnzero launch` per host over SSH, DeepSpeed-style
-(`specs/cli.md` §launch --hostfile); a `LaunchPlan` of kind `ssh` and its executor.
-
-Host i runs `fnzero launch --nproc-per-node <its slots> --nnodes <hosts> --node-rank i
---master-addr <first host's address>` in this directory, with this Python, with the variables of
-`.deepspeed_env` and the launcher's own PYTHON*/NCCL*/GLOO*/FNZERO*... variables. Each host's
-output comes back prefixed with its name. The job ends as one: when a host's launcher exits
-non-zero, or this launcher is interrupted, every other host's is ended too. The remote launchers
-watch their standard input (`--exit-with-stdin`): when the SSH channel closes, for whatever
-reason, the remote launcher stops its workers, so no rank outlives the job.
+"""`fnzero launch --hostfile`: one `fnzero launch` per host over SSH, DeepSpeed-style; a `LaunchPlan`
+of kind `ssh` and its executor. What each host runs, with which variables, and how the job ends
+as one: `specs/cli.md` §launch --hostfile.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import time
 
 from ._launchers import node_flags
 from ._plan import LaunchPlan
-from ._rank_front_args import rank_log_folder
+from ._rank_front import rank_log_folder
 from ._ssh import check_ssh, forwarded_env, launch_ssh, master_addr, pump
 
 __all__ = ["plan_ssh", "run_over_ssh"]

@@ -13,7 +13,7 @@ from ._checks import too_few_ranks
 from ._hosts import LaunchError, read_hostfile, select
 from ._launchers import decode_world_info
 from ._plan import LaunchPlan, pid_file
-from ._rank_front_args import front_flags, rank_log_prefix
+from ._rank_front import front_flags, rank_log_prefix
 
 __all__ = ["plan_here", "selected_hosts", "machine_slots", "torchrun_argv", "Share"]
 

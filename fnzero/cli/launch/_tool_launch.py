@@ -17,7 +17,7 @@ from ._hosts import LaunchError
 from ._launchers import (MVAPICH_HOSTFILE, LaunchJob, default_exports, launcher_command, launcher_tool,
                          pdsh_kill_command)
 from ._plan import LaunchPlan, pid_file
-from ._rank_front_args import rank_log_prefix
+from ._rank_front import rank_log_prefix
 from ._ssh import check_ssh, forwarded_env, master_addr
 
 __all__ = ["plan_tool", "run_tool"]
