@@ -1,6 +1,6 @@
 """OneCycle and LRRangeTest (deepspeed/runtime/lr_schedules.py, including the stair counts).
 
-As in _warmup.py, each ``_get`` repeats DeepSpeed's arithmetic at ``last_batch_iteration = i``
+As in _warmup.py, each ``get`` repeats DeepSpeed's arithmetic at ``last_batch_iteration = i``
 operation for operation; `engine` maps applied steps onto i.
 """
 

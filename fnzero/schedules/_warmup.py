@@ -1,6 +1,6 @@
 """WarmupLR, WarmupDecayLR and WarmupCosineLR (deepspeed/runtime/lr_schedules.py).
 
-Each ``_get`` below is DeepSpeed's ``get_lr`` at ``last_batch_iteration = i`` with the same
+Each ``get`` below is DeepSpeed's ``get_lr`` at ``last_batch_iteration = i`` with the same
 floating-point operations in the same order, so lrs agree bit for bit; `engine` maps the
 applied-step index onto i.
 """
