@@ -46,7 +46,7 @@ class StepPolicy:
     # `fnzero.memory.return_freed_memory` tuned the allocator (`fnzero/_ext/_heap.py`).
     trim_heap: bool = True
     # The rows one micro-batch has (train_micro_batch_size_per_gpu) and the world size the
-    # config's batch triad was resolved for; a batch is checked against them (`train/_phases.py`).
+    # config's batch triad was resolved for; a batch is checked against them (`train/_setup.py`).
     micro_batch: int | None = None
     config_world: int | None = None
 
