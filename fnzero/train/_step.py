@@ -5,8 +5,8 @@ module of its own, entered once and in order (`specs/architecture.md` §How a ba
 
     _setup.py           the host's decisions: micro-batches, lr, momentum, loss scale, dtypes
     _tensor_phases.py   the tensor phases, eagerly or traced (`StepContext` says how)
-    _grads.py           each micro-batch's forward and backward, gradients reduced by placement
-    _norm.py            one all-reduce of the global norm and the loss; unscale x clip as one factor
+    _grads.py           each micro-batch's forward and backward, gradients reduced by placement;
+                        one all-reduce of the global norm and the loss; unscale x clip as one factor
     _update.py          the optimizer on this rank's slice; the new parameters published
     _verdict.py         the metrics, the fp16 overflow skip, the next loss scale and state
 

@@ -3,7 +3,7 @@ ways of running it (`specs/architecture.md` §How a batch flows):
 
     gradients           each micro-batch's forward and backward, reduced by placement (`_grads.py`)
     norm_and_loss       one all-reduce of two numbers: the global gradient norm and the loss sum
-    clip_factor         unscaling and `gradient_clipping` as one factor (`_norm.py`)
+    clip_factor         unscaling and `gradient_clipping` as one factor (`_grads.py`)
     optimizer_update    the optimizer on this rank's slice, wherever its state is (`_update.py`)
     publish_params      the new parameters by placement (`_update.py`)
 
@@ -28,8 +28,10 @@ from .._state import StateMesh, TrainState
 from ..pipeline import PipelineLoss, sum_tied_gradients, units_for_norm
 from ..sharding import stepped_in_place
 from ..state import StepPolicy
-from ._grads import GradientCollector, forward_backward, sum_over_replicas, traced_forward_backward
-from ._norm import clip_factor, clip_norm, norm_and_loss, unscale_factor
+from ._grads import (
+    GradientCollector, clip_factor, clip_norm, forward_backward, norm_and_loss, sum_over_replicas,
+    traced_forward_backward, unscale_factor,
+)
 from ._setup import StepSetup
 from ._update import OptimizerScalars, optimizer_update, publish_params
 
