@@ -96,6 +96,23 @@ def test_imports_go_down_the_layers():
     assert not bad, "imports against specs/architecture.md:\n" + "\n".join(bad)
 
 
+def test_no_module_below_the_root_imports_through_the_root_package():
+    """`from fnzero import x` reads a name through `fnzero/__init__.py`, the top of the house (layer
+    11): a module below it names the package or module the name lives in (`from ..optim import
+    implementation`, `import fnzero._cext`), so every reading of the graph sees the real edge."""
+    sources = {m.split(".")[1] for _, m, _ in _modules() if m.count(".") >= 1}
+    bad = []
+    for path, mod, is_pkg in _modules():
+        if _layer(mod) >= ROOT_API or mod == "fnzero":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and _absolute(node, mod, is_pkg) == "fnzero":
+                # `from .. import _ext` names a package of the tree; `from fnzero import shard` (or
+                # the built `_cext`, no source file) takes a name from the root's namespace.
+                bad += [f"{path.relative_to(ROOT)}:{node.lineno} {a.name}" for a in node.names if a.name not in sources]
+    assert not bad, "imports through the root package:\n" + "\n".join(bad)
+
+
 def test_the_exceptions_are_still_needed():
     found = {(mod, t) for path, mod, is_pkg in _modules() for _, t in _imports(path, mod, is_pkg)}
     assert EXCEPTIONS <= found, f"no longer imported, remove from the spec: {sorted(EXCEPTIONS - found)}"

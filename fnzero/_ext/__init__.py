@@ -47,7 +47,7 @@ def build_info(path: str | os.PathLike | None = None) -> dict[str, Any]:
     return {
         "available": _lib.available(),
         "reason": _lib.reason,
-        "module": _module_file(),
+        "module": _lib.module_file,
         "abi_version": _lib.lib.fnz_cpu_abi_version() if _lib.available() else None,
         "simd": simd_level(),
         "simd_supported": supported_levels(),
@@ -62,15 +62,6 @@ def _threads() -> str:
     if _lib.lib.fnz_cpu_thread_pool():
         return "the process's OpenMP pool (torch's), a few large tiles per call"
     return "pthreads (no OpenMP runtime loaded), a few large tiles per call"
-
-
-def _module_file() -> str | None:
-    try:
-        from fnzero import _cext  # type: ignore[attr-defined]
-
-        return _cext.__file__
-    except ImportError:
-        return None
 
 
 def report_lines() -> list[str]:

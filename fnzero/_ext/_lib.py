@@ -14,14 +14,15 @@ LEVELS = ("scalar", "avx2", "avx512")  # index = FNZ_SIMD_* value in cpu_adam.h
 ffi: Any = None
 lib: Any = None
 reason: str | None = None  # why the extension is unavailable; None when it loaded
+module_file: str | None = None  # the built extension's file, where it was found
 
 if os.environ.get("FNZERO_DISABLE_CEXT", "") not in ("", "0"):
     reason = "disabled by FNZERO_DISABLE_CEXT"
 else:
     try:
-        from fnzero import _cext  # type: ignore[attr-defined]
+        import fnzero._cext as _cext  # type: ignore[import-not-found]  (built by cffi at install)
 
-        ffi, lib = _cext.ffi, _cext.lib
+        ffi, lib, module_file = _cext.ffi, _cext.lib, _cext.__file__
     except ImportError as e:  # not built (no compiler at install) or built for another Python
         reason = f"not built ({e}); reinstall with a C compiler to get it"
 

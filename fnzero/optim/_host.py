@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import _ext
+from .._ext import adagrad_step_, adam_step_, lion_step_
 from .._errors import ConfigError
 from ._adagrad import AdagradState
 from ._adam import AdamState
@@ -94,11 +94,11 @@ def host_optimizer(name: str, **params: Any) -> Optimizer:
             if g.device != p.device or g.dtype != torch.float32:
                 g = g.to(device=p.device, dtype=torch.float32)
             if kind == "adam":
-                _ext.adam_step_(p, g, opt_state.exp_avg[unit], opt_state.exp_avg_sq[unit], step=step, **kw)
+                adam_step_(p, g, opt_state.exp_avg[unit], opt_state.exp_avg_sq[unit], step=step, **kw)
             elif kind == "adagrad":
-                _ext.adagrad_step_(p, g, opt_state.sum[unit], step=step, **kw)
+                adagrad_step_(p, g, opt_state.sum[unit], step=step, **kw)
             else:
-                _ext.lion_step_(p, g, opt_state.exp_avg[unit], **kw)
+                lion_step_(p, g, opt_state.exp_avg[unit], **kw)
         opt_state.count.fill_(step)
         return master, opt_state
 

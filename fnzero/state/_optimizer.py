@@ -5,7 +5,7 @@ gradients where it cannot run. `init_state` builds the first optimizer state wit
 
 from __future__ import annotations
 
-from .. import optim as _optim
+from ..optim import ConfigOptimizer, Optimizer, implementation
 from .._errors import ShardingError
 from ..offload import nvme_optimizer, store_options_from_config
 from ..optim import needs_model, not_elementwise
@@ -14,7 +14,7 @@ from ..sharding import offload_device
 __all__ = ["optimizer_or_config", "built_per_model", "exchanging_optimizer_refused"]
 
 
-def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigOptimizer | None" = None) -> "_optim.Optimizer":
+def optimizer_or_config(optimizer, config, rank: int = 0, model: ConfigOptimizer | None = None) -> Optimizer:
     """The optimizer implementation a step or an initial state runs: of a given chain or
     `Optimizer`, else of the config's chain (`ConfigOptimizer.chain`), looked up by
     `fnzero.optim.implementation` from what the chain declares and where its state lives (the
@@ -28,12 +28,12 @@ def optimizer_or_config(optimizer, config, rank: int = 0, model: "_optim.ConfigO
     `config`'s block."""
     where = offload_device(config)
     if optimizer is None:
-        block = model.for_config(config) if model is not None else _optim.ConfigOptimizer(config)
+        block = model.for_config(config) if model is not None else ConfigOptimizer(config)
         optimizer, label = block.chain(), config.optimizer.type.lower()
     else:
         _check_given(optimizer, where)
         label = "optimizer"
-    opt = _optim.implementation(optimizer, on_host=where is not None)
+    opt = implementation(optimizer, on_host=where is not None)
     if where == "nvme":
         return nvme_optimizer(opt, store_options_from_config(config, rank), label)
     return opt

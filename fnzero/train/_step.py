@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import optim as _optim, schedules as _schedules
+from ..optim import GradientTransformation, Optimizer
+from ..schedules import from_config as schedule_from_config
 from .._errors import ShardingError
 from .._state import TrainState
 from ..state import built_per_model, exchanging_optimizer_refused, optimizer_or_config, step_policy
@@ -41,7 +42,7 @@ def train_step(
     *,
     donate: bool = False,
     has_aux: bool = False,
-    optimizer: "_optim.GradientTransformation | _optim.Optimizer | None" = None,
+    optimizer: GradientTransformation | Optimizer | None = None,
 ) -> "TrainStep":
     """Build the pure step `(state, batch) -> (new_state, metrics)` for `loss_fn(params, batch)`.
 
@@ -72,7 +73,7 @@ class TrainStep:
     """
 
     def __init__(self, loss_fn: Callable[..., Any], config: Any, *, donate: bool = False, has_aux: bool = False,
-                 optimizer: "_optim.GradientTransformation | _optim.Optimizer | None" = None):
+                 optimizer: GradientTransformation | Optimizer | None = None):
         self.loss_fn = loss_fn
         self.config = config
         self._given = optimizer
@@ -86,9 +87,9 @@ class TrainStep:
         self._model = _UNSET  # the state's `Sharding.config_optimizer` that `opt` was built with
         # A given optimizer keeps its own learning rate unless the config schedules one.
         own_lr = optimizer is not None and config.scheduler is None
-        self.sched = None if own_lr else _schedules.from_config(config)
+        self.sched = None if own_lr else schedule_from_config(config)
 
-    def optimizer_for(self, state: TrainState) -> "_optim.Optimizer":
+    def optimizer_for(self, state: TrainState) -> Optimizer:
         """The optimizer this step runs on `state`: the given or config's one; a config's that reads
         facts of the model built with the state's `Sharding.config_optimizer` (again for another model's state)."""
         model = state.sharding.config_optimizer
