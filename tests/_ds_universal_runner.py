@@ -1,7 +1,7 @@
 """Run by a DeepSpeed interpreter (not fnzero's): resume a universal checkpoint with DeepSpeed and
-take the given steps. `python _ds_universal_runner.py SPEC.json`; SPEC names the config, the
-checkpoint root, the world size, the batches file (a list of global (x, y)) and where to write
-{"losses": [...], "params": {name: tensor}}. The test imports `build_model` from here too, so both
+take the given steps. `python _ds_universal_runner.py SPEC.json`; SPEC names the checkpoint root,
+the world size, the batches file (a list of global (x, y)) and `runs`, each a config (one engine
+after another in the same process group) and where to write {"losses", "params", "global_steps"}. The test imports `build_model` from here too, so both
 sides train the same module; nothing here imports fnzero or, at import time, DeepSpeed.
 """
 
@@ -34,10 +34,18 @@ def _worker(rank: int, spec: dict, port: int) -> None:
     # a stale build lock); gloo needs none of it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    model = build_model()
-    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=spec["config"])
-    eng.load_checkpoint(spec["load"])
     batches = torch.load(spec["batches"])
+    for run in spec["runs"]:
+        result = _resume_and_step(deepspeed, run["config"], spec["load"], batches, rank, world)
+        if rank == 0:
+            torch.save(result, run["out"])
+
+
+def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, world: int) -> dict:
+    """A fresh engine loads `load` and takes one step per global batch on this rank's rows."""
+    model = build_model()
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    eng.load_checkpoint(load)
     losses = []
     for x, y in batches:
         rows = x.shape[0] // world
@@ -52,8 +60,7 @@ def _worker(rank: int, spec: dict, port: int) -> None:
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
             params[name] = p.detach().clone().float()
-    if rank == 0:
-        torch.save({"losses": losses, "params": params, "global_steps": eng.global_steps}, spec["out"])
+    return {"losses": losses, "params": params, "global_steps": eng.global_steps}
 
 
 def main() -> None:
