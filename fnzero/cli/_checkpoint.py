@@ -104,7 +104,7 @@ def register(sub) -> None:
     ep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ep.set_defaults(func=_cmd_export)
 
-    cp = sub.add_parser("checkpoint", help="inspect checkpoints")
+    cp = sub.add_parser("checkpoint", help="inspect and convert checkpoints")
     csub = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     ip = csub.add_parser("info", help="tags, world size, stage, sizes, config and health")
     ip.add_argument("checkpoint", help="checkpoint root or one checkpoint directory")
