@@ -86,7 +86,8 @@ def _by_name(states, field: str) -> dict[str, torch.Tensor]:
     plan = states[0].sharding.plan
     out = {}
     for u in plan.units:
-        parts = [getattr(s.opt_state, field)[u.name] for s in states]
+        parts = [(getattr(s, field) if field in ("params", "master") else getattr(s.opt_state, field))[u.name]
+                 for s in states]
         flat = parts[0] if parts[0].numel() == u.padded_numel else torch.cat(parts)
         for s in u.slots:
             out[s.name] = flat[s.offset:s.offset + s.numel].reshape(s.shape)
@@ -100,13 +101,20 @@ def _model_with_buffer_and_frozen() -> torch.nn.Module:
     return m
 
 
-@pytest.mark.parametrize("stage,world", [(3, 2), (1, 1)])
-def test_universal_files_hold_the_weights_moments_step_and_schedule(tmp_path, stage, world):
+@pytest.mark.parametrize("stage,world,bf16", [(3, 2, False), (1, 1, False), (2, 2, True)])
+def test_universal_files_hold_the_weights_moments_step_and_schedule(tmp_path, stage, world, bf16):
     """zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt equal the saved state's (consolidated across
-    the saving ranks); the model-states files hold the step counts, the schedule's position, the
-    buffer and placeholders; optimizer_state.pt the next step's lr and the Adam step."""
-    # ~1.5 s for both cases.
-    want, states = _saved(str(tmp_path / "fz"), _model_with_buffer_and_frozen(), stage, world)
+    the saving ranks; a bf16 run's fp32 master, not its rounded params); the model-states files
+    hold the step counts, the schedule's position, the buffer and placeholders;
+    optimizer_state.pt the next step's lr and the Adam step."""
+    # ~0.8 s for the three cases.
+    extra = {"bf16": {"enabled": True}} if bf16 else {}
+    want, states = _saved(str(tmp_path / "fz"), _model_with_buffer_and_frozen(), stage, world, **extra)
+    if bf16:
+        master, rounded = _by_name(states, "master"), _by_name(states, "params")
+        assert all(rounded[n].dtype == torch.bfloat16 for n in rounded)
+        assert any(not torch.equal(master[n], rounded[n].float()) for n in master)  # the master is not the params
+        want = master
     d = to_deepspeed_universal(tmp_path / "fz", tmp_path / "ds")
     assert d == str(tmp_path / "ds" / "global_step3")
     assert (tmp_path / "ds" / "latest_universal").read_text() == "global_step3"
@@ -123,7 +131,7 @@ def test_universal_files_hold_the_weights_moments_step_and_schedule(tmp_path, st
             assert torch.equal(got[f]["param"], moments[f][name]), (name, f)
         assert torch.equal(torch.load(os.path.join(d, "zero", name, "step.pt")), torch.tensor(3.0))
     opt = torch.load(os.path.join(d, "zero", "optimizer_state.pt"))
-    lr3 = fnzero.schedules.from_config(fnzero.load_config(_config(stage, world), world_size=world))(3)
+    lr3 = fnzero.schedules.from_config(fnzero.load_config(_config(stage, world, **extra), world_size=world))(3)
     group = {"lr": lr3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": [0]}
     assert opt["param_groups"] == [group] and opt["optimizer_state_dict"]["param_groups"] == [group]
     assert torch.equal(opt["optimizer_state_dict"]["state"][0]["step"], torch.tensor(3.0))
@@ -135,7 +143,7 @@ def test_universal_files_hold_the_weights_moments_step_and_schedule(tmp_path, st
     assert (ms["dp_world_size"], ms["mp_world_size"], ms["global_samples"]) == (world, 1, 3 * ROWS)
     assert [dict(g) for g in ms["param_shapes"]] == [{n: want[n].shape for n in trainable}]
     assert dict(ms["frozen_param_shapes"]) == {"0.bias": torch.Size([6])}
-    assert ms["buffer_names"] == ["seen"] and torch.equal(ms["module"]["seen"], torch.arange(3.0))
+    assert ms["buffer_names"] == ["seen"] and torch.equal(ms["module"]["seen"].float(), torch.arange(3.0))
     assert all(ms["module"][n].numel() == 0 for n in [*trainable, "0.bias"])
     assert ms["ds_config"]["zero_optimization"]["stage"] == stage and ms["optimizer"] is None
 
