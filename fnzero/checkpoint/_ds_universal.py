@@ -60,6 +60,7 @@ def to_deepspeed_universal(
     schedule's position and the step counts. It never restores buffers or frozen parameters (its
     universal load reads no module state): the model given to `deepspeed.initialize` must hold them.
 
+    Not a collective: call it in one process (one rank of a job, or `fnzero checkpoint convert`).
     `config`: the run's config (a `Config`, dict, JSON text or path) when the checkpoint was saved
     without `save(..., config=)`; the optimizer's hyper-parameters and the schedule come from it.
     Refused (`CheckpointError`, before anything is written): an optimizer other than Adam/AdamW,
