@@ -107,6 +107,7 @@ def test_top_level_help_lists_every_subcommand():
     (["export"], ["checkpoint", "out", "--dtype", "--max-shard-size", "--format", "--hf-config"]),
     (["checkpoint"], ["info"]),
     (["checkpoint", "info"], ["--verify", "--json"]),
+    (["checkpoint", "convert"], ["--to", "deepspeed-universal", "--tag", "--ds-tag", "--config"]),
     (["plan"], ["--params", "--world-size", "--gpus-per-node", "--config", "--memory-per-device", "--reserve",
                 "--precision", "--json"]),
 ])

@@ -26,11 +26,14 @@ export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format, tied, h
 export_live(sm, state, out, *, dtype, ..., hf_config)       the same from a running job's state (collective)
 export_adapters(sm, state, out, *, adapter, dtype)          a PEFT model's adapters as PEFT's own directory (collective)
 info(path, *, verify)                                       tags, world size, stage, sizes, health
+to_deepspeed_universal(path, out, *, tag, ds_tag, config)   a DeepSpeed universal checkpoint (load_universal)
 list_tags(path)
-From the shell: `fnzero export CKPT OUT ...` and `fnzero checkpoint info CKPT`.
+From the shell: `fnzero export CKPT OUT ...`, `fnzero checkpoint info CKPT` and
+`fnzero checkpoint convert CKPT OUT --to deepspeed-universal`.
 """
 
 from ._export import export
+from ._ds_universal import to_deepspeed_universal
 from ._export_live import export_live
 from ._info import info
 from ._load import list_tags, load
@@ -45,4 +48,5 @@ from ._hf_renames import hf_renames
 from ._peft_adapters import load_adapters
 from ._pretrained import load_pretrained
 
-__all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle"]
+__all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle",
+           "to_deepspeed_universal"]

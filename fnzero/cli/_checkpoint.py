@@ -1,4 +1,5 @@
-"""`fnzero export` and `fnzero checkpoint info`: registered into the `fnzero` command by `register`."""
+"""`fnzero export`, `fnzero checkpoint info` and `fnzero checkpoint convert`: registered into the
+`fnzero` command by `register`."""
 
 from __future__ import annotations
 
@@ -65,6 +66,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
+CONVERT_TARGETS = ("deepspeed-universal", "fnzero")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from ..checkpoint import to_deepspeed_universal
+
+    if args.to != "deepspeed-universal":
+        print(f"fnzero checkpoint convert: --to {args.to} is not supported yet; this fnzero converts an fnzero "
+              "checkpoint to a DeepSpeed universal one (--to deepspeed-universal)", file=sys.stderr)
+        return 2
+    try:
+        print(to_deepspeed_universal(args.checkpoint, args.out, tag=args.tag, ds_tag=args.ds_tag, config=args.config))
+    except (CheckpointError, OSError) as e:
+        print(f"fnzero checkpoint convert: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def register(sub) -> None:
     ep = sub.add_parser("export", help="consolidated weights (safetensors or torch) from a checkpoint",
                         description="Write a checkpoint's consolidated weights in model.state_dict() naming.")
@@ -85,7 +104,7 @@ def register(sub) -> None:
     ep.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     ep.set_defaults(func=_cmd_export)
 
-    cp = sub.add_parser("checkpoint", help="inspect checkpoints")
+    cp = sub.add_parser("checkpoint", help="inspect and convert checkpoints")
     csub = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     ip = csub.add_parser("info", help="tags, world size, stage, sizes, config and health")
     ip.add_argument("checkpoint", help="checkpoint root or one checkpoint directory")
@@ -93,3 +112,14 @@ def register(sub) -> None:
     ip.add_argument("--config", action="store_true", help="print each checkpoint's config JSON")
     ip.add_argument("--json", action="store_true", help="machine-readable output")
     ip.set_defaults(func=_cmd_info)
+    cv = csub.add_parser("convert", help="write a checkpoint in another format (a DeepSpeed universal checkpoint)",
+                         description="Write an fnzero checkpoint as a DeepSpeed universal checkpoint, which DeepSpeed "
+                                     'resumes with {"checkpoint": {"load_universal": true}} at ZeRO stage 1-3.')
+    cv.add_argument("checkpoint", help="fnzero checkpoint root (uses 'latest') or one checkpoint directory")
+    cv.add_argument("out", help="DeepSpeed checkpoint root: gets DS_TAG/ and latest_universal")
+    cv.add_argument("--to", required=True, choices=CONVERT_TARGETS, help="the format to write (deepspeed-universal)")
+    cv.add_argument("--tag", default=None, help="fnzero checkpoint tag (default: latest)")
+    cv.add_argument("--ds-tag", default=None, help="the DeepSpeed tag directory to write (default: global_step<N>)")
+    cv.add_argument("--config", default=None, metavar="JSON",
+                    help="the run's config, for a checkpoint saved without one")
+    cv.set_defaults(func=_cmd_convert)

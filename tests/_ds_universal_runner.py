@@ -1,0 +1,82 @@
+"""Run by a DeepSpeed interpreter (not fnzero's): resume a universal checkpoint with DeepSpeed and
+take the given steps. `python _ds_universal_runner.py SPEC.json`; SPEC names the checkpoint root,
+the world size, the batches file (a list of global (x, y)) and `runs`, each a config (one engine
+after another in the same process group) and where to write {"losses", "params", "global_steps"}. The test imports `build_model` from here too, so both
+sides train the same module; nothing here imports fnzero or, at import time, DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import torch
+
+IN, HIDDEN, OUT = 8, 6, 4
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+
+
+def _worker(rank: int, spec: dict, port: int) -> None:
+    world = spec["world"]
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+
+    # On CPU, DeepSpeed's TorchBackend JIT-builds a shared-memory op on init (a minute, or a hang on
+    # a stale build lock); gloo needs none of it.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    batches = torch.load(spec["batches"])
+    for run in spec["runs"]:
+        result = _resume_and_step(deepspeed, run["config"], spec["load"], batches, rank, world)
+        if rank == 0:
+            torch.save(result, run["out"])
+
+
+def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, world: int) -> dict:
+    """A fresh engine loads `load` and takes one step per global batch on this rank's rows."""
+    model = build_model()
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    eng.load_checkpoint(load)
+    losses = []
+    for x, y in batches:
+        rows = x.shape[0] // world
+        xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+        loss = torch.nn.functional.mse_loss(eng(xs), ys)
+        eng.backward(loss)
+        eng.step()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / world)
+    params = {}
+    for name, p in eng.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
+            params[name] = p.detach().clone().float()
+    return {"losses": losses, "params": params, "global_steps": eng.global_steps}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    if spec["world"] == 1:
+        _worker(0, spec, port)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_worker, args=(spec, port), nprocs=spec["world"], join=True)
+
+
+if __name__ == "__main__":
+    main()
