@@ -23,9 +23,8 @@ ALIGN = 4096  # FNZ_AIO_ALIGN: O_DIRECT needs buffer, offset and length aligned 
 
 
 def aligned_empty(shape: int | tuple[int, ...], dtype: torch.dtype = torch.float32, alignment: int = ALIGN) -> torch.Tensor:
-    """An uninitialised tensor whose data_ptr is a multiple of `alignment` (for O_DIRECT).
-
-    torch owns the memory (a view into a slightly larger byte buffer), so it is freed normally."""
+    """An uninitialised tensor whose data_ptr is a multiple of `alignment` (for O_DIRECT): a view
+    into a slightly larger byte buffer torch owns, so it is freed normally."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8)
@@ -83,10 +82,8 @@ def _sync_io(fd: int, write: bool, ptr: int, nbytes: int, offset: int) -> int:
 
 
 class AioEngine:
-    """The I/O workers (thread_count * queue_depth threads, block_size chunks), shareable by files.
-
-    Parameters are DeepSpeed's ``aio`` block; ``from_config`` takes that block (a mapping or an
-    object with those attributes)."""
+    """The I/O workers (thread_count * queue_depth threads, block_size chunks), shareable by files;
+    parameters are DeepSpeed's ``aio`` block, which ``from_config`` takes (mapping or object)."""
 
     def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, thread_count: int = 1, *, use_cext: bool | None = None):
         for name, v in (("block_size", block_size), ("queue_depth", queue_depth), ("thread_count", thread_count)):

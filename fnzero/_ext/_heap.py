@@ -36,17 +36,8 @@ def _glibc():
 
 def return_freed_memory(mmap_threshold: int = 4 << 20) -> bool:
     """Make glibc give large freed blocks back to the OS: allocations of `mmap_threshold` bytes or
-    more are served by mmap and unmapped on free. Returns whether the setting took effect.
-
-    [Note: why] glibc raises its mmap threshold dynamically up to 32 MiB after the first large
-    free, after which freed tensors of a few MiB stay in the heap: a sharded run's resident memory
-    then keeps what the *unsharded* model once used (construction, the first steps) and does not
-    show the savings of the stage. A fixed threshold stops that; smaller blocks (most
-    activations) still come from the heap, so steps do not pay for page faults on every tensor.
-    `fnzero.init_distributed` applies it; pass `malloc_mmap_threshold=None` there to opt out.
-    Mapping fresh pages costs page faults; `fnzero launch` also sets glibc's `malloc.hugetlb`
-    tunable (see `allocator_env`) so those mappings use transparent huge pages, 512x fewer faults.
-    While the setting holds, CPU steps also trim the heap between each forward and its backward.
+    more are served by mmap and unmapped on free. Returns whether the setting took effect. Why, and
+    what it saves: `specs/sharding.md` §Memory, "Host allocator".
     """
     global _TUNED
     libc = _glibc()
@@ -88,15 +79,9 @@ def heap_is_tuned() -> bool:
 
 def trim_between_passes() -> None:
     """Called on CPU by the step between a micro-batch's forward and its backward (when its
-    policy's `trim_heap` holds).
-
-    [Note: why] Forward frees its temporaries (sub-threshold blocks, served from the heap) while
-    the activations around them stay alive, so the heap holds free holes that backward does not
-    fully reuse, and backward's peak sits on top of them. On the 112M GPT at 4 ranks this trim
-    lowered the stage-3 peak by ~15 MiB, at 1-2 ms a call. Trimming after every stage-3 unit's
-    forward as well saved ~5 MiB more there but cost each step page faults to map the returned
-    pages again, so it is not done. Only under the allocator policy of `return_freed_memory`,
-    so an opt-out stays an opt-out."""
+    policy's `trim_heap` holds): return the holes forward's temporaries left in the heap before
+    backward's peak (`specs/sharding.md` §Memory). Only under `return_freed_memory`'s policy, so an
+    opt-out stays an opt-out."""
     if _TUNED:
         trim_freed_memory()
 

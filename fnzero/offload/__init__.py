@@ -12,6 +12,6 @@ from ._nvme_params import NvmeParamStore
 from ._checkpoint import is_nvme, like_in_memory, materialize, restore_into_store
 from ._nvme_optimizer import nvme_optimizer, store_options_from_config
 from ._nvme_params import store_shards
-from ._state import NvmeOptState
+from ._layout import NvmeOptState
 
 __all__ = ["NvmeOptimizerStore", "NvmeParamStore", "NvmeStoreError", "stale_stores"]

@@ -15,7 +15,7 @@ import torch
 
 from ..sharding import optimizer_view, is_placeholder
 from .._state import TrainState
-from ._state import NvmeOptState
+from ._layout import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
 

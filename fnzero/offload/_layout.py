@@ -1,6 +1,6 @@
-"""Where an elementwise optimizer's state lives when it is streamed through an NVMe store: each
-leaf that mirrors a unit's master (a moment, a momentum buffer) is a *kind* of the store, one file
-holding every unit; the other leaves (step counts) stay in memory, `NvmeOptState.resident`.
+"""The optimizer state of a ZeRO-Infinity run (`NvmeOptState`), and where each of its leaves lives:
+each leaf that mirrors a unit's master (a moment, a momentum buffer) is a *kind* of the store, one
+file holding every unit; the other leaves (step counts) stay in memory, `NvmeOptState.resident`.
 
 The split is read from the optimizer itself, by calling its `init` on empty masters, so any
 elementwise `Optimizer` streams: the host kernels' AdamState (kinds `exp_avg`, `exp_avg_sq`) and a
@@ -16,8 +16,9 @@ import optree
 import torch
 
 from .._errors import ShardingError
+from ._nvme import NvmeOptimizerStore
 
-__all__ = ["StoreLayout", "layout_of", "CHUNK"]
+__all__ = ["NvmeOptState", "StoreLayout", "layout_of", "CHUNK"]
 
 CHUNK = "chunk"  # the one unit key of the state a sub-group is updated with
 
@@ -46,12 +47,7 @@ class StoreLayout:
         if len(leaves) != len(self.slots):
             raise ShardingError(f"the optimizer state has {len(leaves)} leaves where the NVMe store's layout has "
                                 f"{len(self.slots)}: a state of another optimizer?")
-        files = {(s[1], s[2]): t for s, t in zip(self.slots, leaves) if s[0] == "file"}
-        resident = [None] * self.num_resident
-        for s, t in zip(self.slots, leaves):
-            if s[0] == "memory":
-                resident[s[1]] = t
-        return files, tuple(resident)
+        return _parts(self.slots, leaves, self.num_resident, lambda s: (s[1], s[2]))
 
     def chunk_state(self, chunks: dict[str, torch.Tensor], resident: tuple) -> Any:
         """The state of one sub-group: its kinds' chunks, and copies of the resident leaves (an
@@ -62,12 +58,37 @@ class StoreLayout:
     def chunk_parts(self, state: Any) -> tuple[dict[str, torch.Tensor], tuple]:
         """({kind: chunk}, resident leaves) of a sub-group's state."""
         leaves = optree.tree_leaves(state, none_is_leaf=True)
-        chunks = {s[1]: t for s, t in zip(self.chunk_slots, leaves) if s[0] == "file"}
-        resident = [None] * self.num_resident
-        for s, t in zip(self.chunk_slots, leaves):
-            if s[0] == "memory":
-                resident[s[1]] = t
-        return chunks, tuple(resident)
+        return _parts(self.chunk_slots, leaves, self.num_resident, lambda s: s[1])
+
+
+@optree.dataclasses.dataclass(frozen=True, eq=False, namespace="")
+class NvmeOptState:
+    """`count`: steps applied through the store (0-dim int64). `store`: the per-rank files holding
+    the fp32 master weights and every per-unit leaf of the optimizer's state (static). `resident`:
+    the state's other leaves (its step counts), in memory. `layout`: its `StoreLayout` (static).
+    `holds_params`: `offload_param: nvme`, stage-3 parameter shards are read from the store's master
+    file and `TrainState.params` holds placeholders for them (static).
+
+    The files are updated in place by each step, so only the newest state is usable: a step given
+    an older one fails with a clear error instead of reading moments from the future.
+    """
+
+    count: torch.Tensor
+    store: NvmeOptimizerStore = optree.dataclasses.field(pytree_node=False)
+    resident: tuple = ()
+    layout: Any = optree.dataclasses.field(pytree_node=False, default=None)
+    holds_params: bool = optree.dataclasses.field(pytree_node=False, default=False)
+
+
+def _parts(slots, leaves: list, num_resident: int, key) -> tuple[dict, tuple]:
+    """({key(slot): leaf} of the file slots, the resident leaves in their order)."""
+    files, resident = {}, [None] * num_resident
+    for s, t in zip(slots, leaves):
+        if s[0] == "file":
+            files[key(s)] = t
+        else:
+            resident[s[1]] = t
+    return files, tuple(resident)
 
 
 def _copy(x):

@@ -1,13 +1,7 @@
-"""ZeRO-Infinity optimizer state in files: the fp32 master shards and the optimizer moments of one
-rank live on an NVMe drive and stream through a few bounded buffers, `sub_group_size` elements at
-a time, with the next chunks' reads and the previous chunks' writes in flight while the C kernel
-updates the current one (`specs/offload.md §NVMe store`).
-
-The files are scratch: every `create` makes a new `fnzero-rank{r}-{uuid}` directory, so a run
-never reads what an earlier (perhaps killed) run left behind. A manifest says whether the files
-are consistent ("clean") or were left part-way through a step or a write; per-file headers tie
-each file to its manifest (their format, the lock and `stale_stores`: `_nvme_files.py`).
-Checkpoints go through `read`/`write`, not through these files.
+"""ZeRO-Infinity optimizer state in files: one rank's fp32 master shards and optimizer moments on an
+NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at a time, reads and
+writes in flight while the kernel updates a chunk (`specs/offload.md` §NVMe store). The files are
+scratch (a new directory per `create`); their format, the lock and `stale_stores`: `_nvme_files.py`.
 """
 
 from __future__ import annotations
@@ -72,12 +66,10 @@ class NvmeOptimizerStore(Updates):
                use_cext: bool | None = None, kernel: Callable[..., None] | None = None,
                kinds: tuple[str, ...] = ()) -> NvmeOptimizerStore:  # fmt: skip
         """New scratch files under `directory`/fnzero-rank{rank}-{uuid}/ holding a copy of `master`
-        (fp32, any shapes, flattened) and zero optimizer state; durable (fsynced) on return, so the
-        caller may drop `master`. `aio`: DeepSpeed's aio block (mapping or object; block_size,
-        queue_depth, thread_count used; single_submit/overlap_events accepted, the thread pool
-        always overlaps). `use_cext`: None = C kernels and I/O when built, False = the fallbacks.
-        `kernel` and `kinds`: a caller's elementwise update and its state kinds, `optimizer` then a
-        label; the kernel is called as the named ones are (in place on each kind's sub-group)."""
+        (fp32, flattened) and zero optimizer state; fsynced on return, so the caller may drop
+        `master`. `aio`: DeepSpeed's aio block (mapping or object). `use_cext`: None = C kernels and
+        I/O when built, False = the fallbacks. `kernel` and `kinds`: a caller's elementwise update and
+        its state kinds, `optimizer` then a label (`specs/offload.md` §NVMe store)."""
         aio, flat = checked_create_args(master, optimizer, sorted(OPTIMIZERS), sub_group_size, buffer_count, rank, aio,
                                         kernel, kinds)
         kinds = tuple(kinds) if kernel is not None else OPTIMIZERS[optimizer][1]
@@ -118,10 +110,9 @@ class NvmeOptimizerStore(Updates):
     @classmethod
     def open(cls, path: str | os.PathLike, *, allow_interrupted: bool = False, aio: Any = None,
              use_cext: bool | None = None) -> NvmeOptimizerStore:  # fmt: skip
-        """A store's directory (one `create` made), read-only, for inspection: `read` works, `step`
-        and `write` do not. Refuses (NvmeStoreError naming the path) files that are missing,
-        truncated, of another store, or left part-way through `create`, a step or a write; with
-        `allow_interrupted` the last two open anyway (their contents mix old and new values)."""
+        """A store's directory, read-only, for inspection (`read` works, `step` and `write` do not).
+        Refuses (NvmeStoreError naming the path) files missing, truncated, of another store, or left
+        part-way through `create`, a step or a write; `allow_interrupted` opens the last two anyway."""
         path = os.fspath(path)
         manifest = read_manifest(path)
         state = manifest["state"]
@@ -162,14 +153,10 @@ class NvmeOptimizerStore(Updates):
     # -- the update ---------------------------------------------------------------------------
     def step(self, grads: dict[str, torch.Tensor], *, step: int, out: dict[str, torch.Tensor] | None = None,
              grad_scale: float = 1.0, num_threads: int | None = None, **hyper: Any) -> None:  # fmt: skip
-        """One optimizer step over every unit, streamed through the files in chunks.
-
-        `grads[unit]`: the unit's gradient (CPU, contiguous, `numel` elements; fp32, or any float
-        dtype, converted a chunk at a time), multiplied by `grad_scale` in the kernel. `step`: this
-        step, counted from 1. `hyper`: the kernel's own keywords (adam: lr, beta1, beta2, eps,
-        weight_decay, adamw, bias_correction; adagrad: lr, lr_decay, eps, weight_decay; lion: lr,
-        beta1, beta2, weight_decay). `out[unit]` (fp32, bf16 or fp16; any subset of the units)
-        receives the new parameters in the same pass. Equals the in-memory kernel on whole shards bit for bit."""
+        """One optimizer step over every unit, streamed through the files in chunks; bit for bit the
+        in-memory kernel on whole shards. `grads[unit]`: the unit's gradient (CPU, contiguous, any
+        float dtype), times `grad_scale`. `step`: counted from 1. `hyper`: the kernel's keywords
+        (`specs/offload.md` §NVMe store). `out[unit]` (any subset) receives the new parameters."""
         self._check_usable("step", write=True)
         grads = self._check_tensors("grads", grads, (torch.float32, torch.bfloat16, torch.float16, torch.float64))
         outs = self._check_tensors("out", out, (torch.float32, torch.bfloat16, torch.float16), subset=True) if out is not None else {}

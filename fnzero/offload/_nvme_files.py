@@ -40,14 +40,10 @@ class NvmeStoreError(OSError, DistributedError):
 
 
 class Updates:
-    """How a store's files change, shared by the optimizer store and the parameter store: inside
-    `updating(what, step)` the manifest's `state` is `what` from before the first byte changes
-    until the last is written, then "clean" again (a kill in between leaves a manifest that `open`
-    refuses). An update that raises part-way leaves the files holding old and new values together,
-    of no one step, so the store refuses every later use (`refuse_if_broken`: one NvmeStoreError
-    naming it and the way back) instead of letting a retried state read them. Updates nest: a
-    store's own `write` inside a caller's update of many units (a step's copy-out, a checkpoint
-    load) is part of it. The store provides `path` and `_manifest`."""
+    """How a store's files change, shared by both stores (`specs/offload.md` §Parameters, "Failing
+    part-way"): inside `updating(what, step)` the manifest's `state` is `what` until the last byte
+    is written; an update that raises part-way makes the store refuse every later use
+    (`refuse_if_broken`). Updates nest. The store provides `path` and `_manifest`."""
 
     path: str
     _manifest: dict

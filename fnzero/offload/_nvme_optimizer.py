@@ -19,10 +19,9 @@ import torch
 from .._errors import ShardingError
 from ..optim import Optimizer
 from ..sharding import is_placeholder
-from ._layout import CHUNK, StoreLayout, layout_of
+from ._layout import CHUNK, NvmeOptState, StoreLayout, layout_of
 from ._nvme import NvmeOptimizerStore
 from ._nvme_files import usable_directory
-from ._state import NvmeOptState
 
 __all__ = ["StoreOptions", "nvme_optimizer", "store_options_from_config"]
 

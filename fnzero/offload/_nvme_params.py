@@ -1,12 +1,6 @@
 """Parameter shards no optimizer file holds, in a file of their own: `offload_param: {device: nvme}`
-(`specs/offload.md` §Parameters says which shards, and how they are written and read).
-
-`NvmeParamStore` is written when the state is made, read a unit at a time just before the unit's
-all-gather (`fnzero/sharding/zero/_param_store.py`), and updated by the step and `checkpoint.load`
-as one update each (`Updates.updating`: a write that fails part-way leaves it refusing every later
-use, never a mix of two steps' shards). Each shard is stored in its own dtype at an aligned
-offset, so a read is one O_DIRECT `pread`; the directory follows the optimizer store's
-conventions (`_nvme.py`, `_nvme_files.py`).
+(`specs/offload.md` §Parameters says which shards, and how they are written and read). Each shard
+is stored in its own dtype at an aligned offset, so a read is one O_DIRECT `pread`.
 """
 
 from __future__ import annotations
@@ -191,14 +185,11 @@ class NvmeParamStore(Updates):
 
 def store_shards(sm, params: dict[str, torch.Tensor] | None = None, *,
                  where: str = "nvme") -> dict[str, torch.Tensor] | None:
-    """`offload_param`: move this rank's shards that no optimizer file holds into a store, `where` is
-    "nvme" (a new `NvmeParamStore` under `offload_param.nvme_path`, its files removed at process
-    exit) or "cpu" (a `HostParamStore`, pinned where the device allows): every stage-3 sharded
-    frozen unit of `sm` (a `ShardedModule`, read by its attributes rather than imported: its
-    `init_state` reaches this function through the state layer) and, given `params` (an inference state's, or a training state's whose
-    master is in memory: unit -> shard), every sharded trainable unit. The model's frozen
-    constants and the returned params hold placeholders for them, and `sm` reads them through the
-    store (`read_shards_from`)."""
+    """`offload_param`: move this rank's shards that no optimizer file holds into a store, `where`
+    "nvme" (a `NvmeParamStore` under `offload_param.nvme_path`, removed at exit) or "cpu" (a
+    `HostParamStore`): every stage-3 sharded frozen unit of `sm` (a `ShardedModule`, duck-typed: the
+    state layer calls this) and, given `params` (unit -> shard), every sharded trainable unit. The
+    frozen constants and returned params hold placeholders, which `sm` reads through the store."""
     plan = sm.plan
     frozen, buffers = sm.constants
 

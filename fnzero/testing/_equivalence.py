@@ -22,14 +22,8 @@ __all__ = ["assert_stage_equivalent", "default_tolerances"]
 
 
 def default_tolerances(precision: str, float64: bool) -> tuple[float, float, bool]:
-    """`(rtol, atol, compare_params)` for a precision and whether the model is float64.
-
-    float64: the sharded and reference steps differ only in reduction order (~1e-16 per
-    operation), so 1e-9 relative is tight for sharding bugs (which are O(1)) yet far above noise.
-    float32 and 16-bit: Adam divides by sqrt(v), which turns reduction-order noise in a gradient
-    that is truly ~0 (e.g. an attention key bias) into an lr-sized step, so parameters are not
-    compared elementwise by default; losses and gradient norms are (rounding-level tolerances).
-    """
+    """`(rtol, atol, compare_params)` for a precision and whether the model is float64; why each:
+    `specs/testing.md` §Tolerances."""
     if precision == "fp32":
         return (1e-9, 1e-9, True) if float64 else (1e-4, 1e-6, False)
     return (5e-3, 1e-4, False) if precision == "fp16" else (3e-2, 1e-3, False)
@@ -76,11 +70,9 @@ def assert_stage_equivalent(
     dtype: "auto" (float64 for fp32 configs, float32 for 16-bit) converts the model and float
         batch leaves; None keeps them. rtol/atol/compare_params default by precision
         (`default_tolerances`). wrap_comm wraps each simulated rank's collectives (fault injection).
-    noise_floor: when the stated tolerance is missed, measure how far the unsharded step itself
-        moves when the rows are split into the sharded run's micro-batches, and judge each leaf
-        within max(atol, 10 x that floor) (specs/testing.md §Noise floor). A pass that needed it
-        warns `NoiseFloorWarning`, naming the modules that compute below the model's dtype.
-        False: the stated tolerance alone.
+    noise_floor: a miss of the stated tolerance is judged again within max(atol, 10 x the
+        unsharded step's own noise floor), warning `NoiseFloorWarning` (specs/testing.md §Noise
+        floor). False: the stated tolerance alone.
     """
     base = fnzero.load_config(cfg) if not isinstance(cfg, fnzero.Config) else cfg
     stage, k, precision = base.zero_optimization.stage, base.gradient_accumulation_steps, precision_of(base)

@@ -120,11 +120,9 @@ def run_world(
     """Run `fn(*args, **kwargs)` on `world_size` spawned ranks with torch.distributed initialised
     (gloo on 127.0.0.1, a free port) and return each rank's result, in rank order.
 
-    `fn` must be importable (a module-level function). If any rank raises or dies, every other rank
-    is stopped and a WorldError shows the failing rank's traceback; if the world does not finish
-    within `timeout` seconds, the ranks are killed and the error names the ones that were late.
-    Ranks are forked from a server that imported torch and fnzero once, unless the world needs
-    another environment (`env=`); `FNZERO_SPAWN_RANKS=1` spawns every rank afresh.
+    `fn` must be importable (a module-level function). A rank that raises or dies, or a world
+    past `timeout` seconds, stops every rank with a WorldError naming the failing or late ranks
+    (`specs/testing.md` §Worlds).
     """
     ctx, env = _rank_context(env)
     q = ctx.Queue()
@@ -232,9 +230,8 @@ class SpawnedWorld(World):
     """n real gloo processes on loopback behind the SimulatedWorld interface: `run(fn)` calls
     `fn(comm)` or `fn()` on every rank and returns the results in rank order.
 
-    `fn` must be importable (a module-level function): ranks are spawned, not forked. Each run
-    starts fresh processes (seconds, not milliseconds): use it for the few tests that must see
-    real torch.distributed, and `simulated_world` for the many.
+    `fn` must be importable (a module-level function). A run costs seconds: use it for the few
+    tests that must see real torch.distributed, and `simulated_world` for the many.
     """
 
     backend = "gloo"

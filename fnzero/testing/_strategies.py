@@ -1,8 +1,6 @@
 """Hypothesis strategies for sharded training code: awkward tensors and pytrees, small models,
-valid configs, world sizes and batches.
-
-Tensor values come from a drawn seed rather than element by element: sharding bugs live in shapes,
-sizes and layouts, not in particular floats, and a seed keeps each example cheap to draw and replay.
+valid configs, world sizes and batches (`specs/testing.md` §Strategies). Tensor values come from
+a drawn seed: sharding bugs live in shapes and layouts, not in particular floats.
 """
 
 from __future__ import annotations

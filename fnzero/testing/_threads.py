@@ -1,10 +1,6 @@
-"""A simulated world: n ranks as threads of one process, connected by in-memory collectives.
-
-No ports, no launcher, ~no startup cost, so hypothesis can draw hundreds of sharded cases. Results
-equal a real gloo world's up to summation order: reductions here add contributions in rank order.
-
-Inside `run(fn)` each thread is its rank: `fnzero.init_distributed()` and `fnzero.shard(model)`
-without `comm=` pick it up (`_context.py`), so code written for `fnzero launch` runs unchanged.
+"""A simulated world: n ranks as threads of one process, connected by in-memory collectives that
+reduce in rank order; inside `run(fn)` each thread is its rank for `fnzero.init_distributed()` and
+`fnzero.shard(model)` (`_context.py`; `specs/testing.md` §Worlds, §Simulated vs real).
 """
 
 from __future__ import annotations
@@ -209,9 +205,8 @@ class SimulatedWorld(World):
     exception on any rank is re-raised naming the rank.
 
     `wrap_comm(comm) -> comm` wraps every rank's collectives (fault injection, recording).
-    `init_lock` is the lock for torch's process-wide RNG (threads share one generator): hold it,
-    or use `fnzero.testing.seeded(seed)`, while building models so every rank draws the same
-    weights.
+    `init_lock` guards torch's process-wide RNG, which the threads share: hold it (or use
+    `fnzero.testing.seeded`) while building models.
     """
 
     init_lock = RNG_LOCK

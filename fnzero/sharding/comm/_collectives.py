@@ -1,8 +1,5 @@
-"""The collectives fnzero uses, behind one small interface.
-
-Every method returns a new tensor and leaves its input alone, so the sharding code reads like
-math and tests can swap in a recording or an in-process implementation (`specs/collectives.md`).
-"""
+"""The collectives fnzero uses, behind one small interface whose methods return new tensors and
+leave their inputs alone, so tests can swap in a recording or in-process one (`specs/collectives.md`)."""
 
 from __future__ import annotations
 
@@ -39,27 +36,15 @@ _MAX = "max"
 
 @runtime_checkable
 class Collectives(Protocol):
-    """What a data-parallel step needs from a communication backend.
+    """What a data-parallel step needs from a communication backend (`specs/collectives.md` §Interface).
 
     `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
     `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
     `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`;
-    `all_to_all(t, input_split_sizes=, output_split_sizes=)` splits dim 0 of `t` into one chunk
-    per rank (equal, or by the sizes), sends chunk j to rank j and concatenates what every rank
-    sent here, in rank order (torch's `all_to_all_single`; `_all_to_all.py`).
-
-    The `_async` forms start the collective and return a `PendingTensor` whose `wait()` gives the
-    result: the step overlaps gradient reductions with backward, and sharded units prefetch the
-    next unit's gather. Options an implementation may use or ignore, never refuse:
-    `all_gather_async(shard, out=)` gathers into `out`; `donate=True` says the caller never reads
-    the input again, so it may be reduced in place; `label=` names what is moved (a unit), for the
-    watchdog's messages and the records of `RecordingCollectives`. `CollectivesBase` derives every
-    optional form from the five blocking calls, for a custom backend.
-
-    Pipeline parallelism also needs point-to-point messages between two ranks of the group (its
-    indices, not global ranks): `send_async(t, dst, tag=0)` starts sending `t` and returns a
-    pending handle, `recv(out, src, tag=0)` fills `out` with the next message from `src` with that
-    tag. Messages between two ranks with one tag arrive in the order they were sent.
+    `all_to_all(t, input_split_sizes=, output_split_sizes=)` as torch's `all_to_all_single`
+    (§All-to-all). The `_async` forms return a `PendingTensor`; their `out=`, `donate=` and `label=`
+    may be used or ignored, never refused. `send_async(t, dst, tag=0)` and `recv(out, src, tag=0)`:
+    point-to-point messages for pipeline parallelism.
     """
 
     rank: int
@@ -80,10 +65,8 @@ class Collectives(Protocol):
 
 
 class CollectivesBase:
-    """The optional forms of `Collectives` from the blocking ones a subclass defines (`all_gather`,
-    `reduce_scatter(full, donate=False)`, `all_reduce`, `broadcast`, `barrier`): async calls
-    complete at once, `out=` is a copy, `donate` is passed on; all-to-all is made of all-gathers
-    (right, at N times the bytes: a backend that can should define its own)."""
+    """The optional forms of `Collectives` from the five blocking ones a subclass defines: async calls
+    complete at once, `out=` is a copy; all-to-all is made of all-gathers (N times the bytes)."""
 
     def all_to_all(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
                    output_split_sizes: Sequence[int] | None = None, label: str = "") -> torch.Tensor:
@@ -226,11 +209,8 @@ class _Watched:
 
 
 class ProcessGroupCollectives:
-    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA).
-
-    Every collective is numbered and watched by the process's watchdog (`_watchdog.py`) when the
-    group is the default one: a rank that does not reach it is named, and a backend error is a
-    `DistributedError` naming the collective and, where it can be known, the rank at fault."""
+    """Collectives over a torch.distributed process group (gloo on CPU, NCCL on CUDA), watched over
+    the default group by the process's watchdog (`specs/collectives.md` §Watchdog, §Faults)."""
 
     # torch's functional collectives can run over this group inside a graph (`fnzero.jit(scope="step")`).
     traceable = True
@@ -359,9 +339,8 @@ def provided_collectives() -> "Collectives | None":
 
 
 def default_collectives() -> Collectives:
-    """The provided collectives (a simulated rank's, `providing_collectives`), else collectives
-    over the default process group, else a world of one. So the same user code runs unchanged in
-    `fnzero.testing.simulated_world(n).run(fn)` and under `fnzero launch`."""
+    """The provided collectives (a simulated rank's, `providing_collectives`), else the default
+    process group's, else a world of one: the same code runs simulated and under `fnzero launch`."""
     comm = _PROVIDED.get()
     if comm is not None:
         return comm

@@ -103,13 +103,11 @@ class Mesh:
 
 
 def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: int = 0, hpz: int = 1) -> Mesh:
-    """The mesh over `comm`'s ranks with `tp` tensor-parallel ranks per group, `pp` pipeline
-    stages, and the rest data parallel, of which each run of `ep` adjacent ranks splits the
-    experts (`specs/mesh.md §Expert parallelism`). `mics` > 0: ZeRO shards over runs of that many
-    adjacent data-parallel ranks and replicates across them (`specs/mesh.md §MiCS`); `hpz` > 1:
-    stage 3 keeps a secondary parameter partition within runs of that many adjacent ranks, which
-    must sit on one node (`specs/mesh.md §hpZ`). A ConfigError names the numbers when `tp * pp`
-    does not divide the world or a division does not divide the data-parallel ranks."""
+    """The mesh over `comm`'s ranks: `tp` tensor-parallel ranks per group, `pp` pipeline stages, the
+    rest data parallel, each run of `ep` adjacent ones splitting the experts; `mics` > 0: ZeRO
+    shards over runs of that many dp ranks; `hpz` > 1: stage 3's secondary partition within runs of
+    that many (`specs/mesh.md` §Mesh, §Expert parallelism, §MiCS, §hpZ). A ConfigError names the
+    numbers when a size does not divide the ranks it splits."""
     n = comm.world_size
     for what, v, low in (("tensor-parallel size", tp, 1), ("pipeline stage count", pp, 1),
                          ("expert-parallel size", ep, 1), ("MiCS shard size", mics, 0), ("hpZ partition size", hpz, 1)):
@@ -190,10 +188,8 @@ def _process_group_of(partition: list[list[int]], rank: int) -> ProcessGroupColl
 
 def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: int = 1,
                      zero_groups: tuple[int, int] = (0, 1)) -> Mesh:
-    """The mesh a config asks for: `tensor_parallel.autotp_size` tensor-parallel ranks,
-    `pipeline.stages` pipeline stages (or `pp`, a pipeline model's own stage count, when the
-    config says "auto"), the rest data parallel, `ep` of them per expert-parallel group, and the
-    (MiCS shard size, hpZ partition size) of `zero_groups` (`zero_groups_of`)."""
+    """The mesh a config asks for: its tp size, its pipeline stages (`pp`, the pipeline model's own,
+    when it says "auto"), `ep` and `zero_groups` (MiCS shard size, hpZ partition size)."""
     tp_cfg = config.tensor_parallel if config is not None else None
     stages = config.pipeline.size if config is not None else None  # None: "auto"
     if stages is not None and pp is not None and stages != pp:

@@ -62,6 +62,18 @@ class _TimedPending:
         return out
 
 
+def _recorded(method: str, count=lambda self, t: t.numel()):
+    """`RecordingCollectives`' `method`: `inner`'s, recorded as `count(self, t)` logical elements and timed."""
+    op = "send" if method == "send_async" else method.removesuffix("_async")
+
+    def call(self, t, *args, **kwargs):
+        timed = self._timed_async if method.endswith("_async") else self._timed
+        return timed(op, t, count(self, t), getattr(self.inner, method), t, *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = method
+    return call
+
+
 class RecordingCollectives:
     """Wraps another `Collectives` and records every call: the comms logger and traffic tests use it.
 
@@ -99,29 +111,14 @@ class RecordingCollectives:
         """A blocking call, recorded and timed from its start until its result is ready."""
         return self._timed_async(op, t, numel, lambda: PendingTensor(call(*args, **kwargs))).wait()
 
-    def all_gather(self, shard):
-        return self._timed("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather, shard)
-
-    def all_gather_async(self, shard, out=None, label: str = ""):
-        return self._timed_async("all_gather", shard, shard.numel() * self.world_size, self.inner.all_gather_async,
-                                 shard, out=out, label=label)
-
-    def reduce_scatter(self, full, donate: bool = False):
-        return self._timed("reduce_scatter", full, full.numel(), self.inner.reduce_scatter, full, donate=donate)
-
-    def reduce_scatter_async(self, full, label: str = ""):
-        return self._timed_async("reduce_scatter", full, full.numel(), self.inner.reduce_scatter_async, full,
-                                 label=label)
-
-    def all_reduce(self, t, op=_SUM):
-        return self._timed("all_reduce", t, t.numel(), self.inner.all_reduce, t, op)
-
-    def all_reduce_async(self, t, donate: bool = False, label: str = ""):
-        return self._timed_async("all_reduce", t, t.numel(), self.inner.all_reduce_async, t, donate=donate,
-                                 label=label)
-
-    def broadcast(self, t, src=0):
-        return self._timed("broadcast", t, t.numel(), self.inner.broadcast, t, src)
+    all_gather = _recorded("all_gather", lambda self, t: t.numel() * self.world_size)
+    all_gather_async = _recorded("all_gather_async", lambda self, t: t.numel() * self.world_size)
+    reduce_scatter = _recorded("reduce_scatter")
+    reduce_scatter_async = _recorded("reduce_scatter_async")
+    all_reduce = _recorded("all_reduce")
+    all_reduce_async = _recorded("all_reduce_async")
+    broadcast = _recorded("broadcast")
+    send_async = _recorded("send_async")
 
     def barrier(self):
         return self.inner.barrier()
@@ -135,9 +132,6 @@ class RecordingCollectives:
         ins, outs = resolve_splits(self, tensor, input_split_sizes, output_split_sizes)
         return self._timed_async("all_to_all", tensor, sent_numel(tensor, ins, self.rank), self.inner.all_to_all_async,
                                  tensor, input_split_sizes=ins, output_split_sizes=outs, label=label)
-
-    def send_async(self, t, dst: int, label: str = "", tag: int = 0):
-        return self._timed_async("send", t, t.numel(), self.inner.send_async, t, dst, label=label, tag=tag)
 
     def recv(self, out, src: int, label: str = "", tag: int = 0):
         return self.inner.recv(out, src, label=label, tag=tag)  # the bytes are counted once, by the sender

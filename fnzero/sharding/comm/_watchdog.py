@@ -1,8 +1,6 @@
 """The collective watchdog: a rank that does not reach a collective is named, and the job ends,
 before the process group's timeout would fail a rank that did nothing wrong (`specs/collectives.md`
-§Watchdog). Each rank's thread publishes a heartbeat (the collectives issued, the one it waits in)
-to the job's TCP store on its own connection, reads the others' and judges; it never issues a
-collective, so its cost is one store round trip per rank per `poll_s`.
+§Watchdog). It never issues a collective: one store round trip per rank per `poll_s`.
 """
 
 from __future__ import annotations
@@ -47,10 +45,8 @@ _MACHINE = _machine()
 
 
 class Watchdog:
-    """The per-process state the collectives update (cheap: attribute writes) and the thread
-    that publishes and judges it. Its users hold it through what they were given (the default
-    group's `ProcessGroupCollectives.watchdog`, a state's `Sharding.watchdog`) and tell it the
-    config's timeout (`set_timeout`) and the step running (`at_step`)."""
+    """The per-process state the collectives update (cheap: attribute writes) and the thread that
+    publishes and judges it; told the config's timeout (`set_timeout`) and the step (`at_step`)."""
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, poll_s: float = 1.0,
                  exit_fn: Callable[[int], Any] = os._exit, limit_s: float = math.inf,
@@ -108,11 +104,10 @@ class Watchdog:
         return self
 
     def finish(self, error: BaseException | None = None) -> None:
-        """At exit: say so (with this rank's own `error`, if one ends it), so the others do not
-        take this rank's end for a death and can name it; then let go of the store here, in the
-        main thread, with the watchdog thread stopped (a store client torn down by interpreter
-        shutdown while that thread is inside a call aborts the process: "terminate called
-        without an active exception")."""
+        """At exit: say so (with this rank's own `error`), so the others do not take this end for a
+        death; then let go of the store in the main thread, the watchdog thread stopped (a store
+        client torn down by interpreter shutdown mid-call aborts: "terminate called without an
+        active exception")."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 10)
@@ -203,10 +198,9 @@ class Watchdog:
             print(f"[rank {self.rank}] fnzero.DistributedError: {verdict[len(_PREFIX):]}", file=sys.stderr, flush=True)
 
     def dead(self, beats: dict[int, dict], stale_after: float | None = None) -> list[int]:
-        """Ranks that are gone: a process on this host that no longer runs, or a heartbeat older
-        than `stale_after` (default three periods: right after a backend error, when a peer has
-        surely closed its connections; the watchdog itself waits the whole timeout, since a main
-        thread holding the GIL in a long C call also silences a live rank's heartbeat)."""
+        """Ranks that are gone: a process on this host that no longer runs, or a heartbeat older than
+        `stale_after` (default three periods, for right after a backend error; the watchdog itself
+        waits the whole timeout: a main thread holding the GIL in C also silences a live rank)."""
         now = time.time()
         stale_after = 3 * self.poll_s + 1.0 if stale_after is None else stale_after
         return sorted(r for r, b in beats.items() if r != self.rank and not b.get("done") and (
@@ -305,13 +299,11 @@ class Watchdog:
         return full, stuck
 
     def _end(self, message: str, stuck: list[int], beats: dict[int, dict]) -> None:
-        """Record the verdict, give the other ranks' watchdogs two heartbeats to print it, then
-        end the stuck: this process if it is one of them (its main thread is blocked in the
-        backend, or stuck, so an exception could not reach it). A rank that judged others, all
-        on this machine and none finished, ends their processes instead, so that the launcher
-        sees them fail first; its own collective then fails with the verdict, and it lingers at
-        exit until the launcher stops it (or ends itself after `LINGER_S` and a margin). Else it
-        ends itself."""
+        """Record the verdict, give the other watchdogs two heartbeats to print it, then end the
+        stuck (`specs/collectives.md` §Watchdog): this process if it is one (an exception could not
+        reach its blocked main thread); else their processes when all run here and none finished,
+        so the launcher sees them fail first, this rank lingering until stopped (or `LINGER_S`);
+        else itself."""
         _, stuck = self._record(message, stuck)
         time.sleep(2 * self.poll_s)
         if self.rank in stuck or not stuck or not all(self._beside(r, beats) and not beats[r].get("done") for r in stuck):
@@ -348,10 +340,9 @@ def process_watchdog() -> Watchdog | None:
 
 
 def start_watchdog(rank: int, world_size: int, timeout_s: float, group_timeout_s: float) -> Watchdog | None:
-    """Start this process's watchdog on its own client connection to the job's store
-    (MASTER_ADDR and MASTER_PORT, as `init_distributed` used); None without one, or with
-    `timeout_s` <= 0 (off). It judges within half the process group's timeout
-    (`group_timeout_s`), whatever `timeout_s` asks. A second call sets the running one's timeout."""
+    """Start this process's watchdog on its own connection to the job's store (MASTER_ADDR and
+    MASTER_PORT); None without one, or with `timeout_s` <= 0 (off). It judges within half of
+    `group_timeout_s` whatever `timeout_s` asks. A second call sets the running one's timeout."""
     import datetime
 
     import torch.distributed as dist

@@ -28,8 +28,7 @@ __all__ = ["shard"]
 
 
 def _job_watchdog(world: Collectives, config):
-    """The job's collective watchdog, which the default group's collectives carry (None in a
-    simulated world): the step tells it the step running, through the state's `Sharding`."""
+    """The job's collective watchdog (None in a simulated world), its timeout set from `config`."""
     watchdog = world.watchdog if isinstance(world, ProcessGroupCollectives) else None
     if watchdog is not None and config is not None:
         watchdog.set_timeout(config.watchdog.timeout_seconds)
@@ -55,35 +54,17 @@ def shard(
     torch.distributed default group, or one process). `stage` overrides the config's
     `zero_optimization.stage`. See `specs/sharding.md`.
 
-    `model` may be built on the meta device (`with torch.device("meta"): model = ...`), or be a
-    zero-argument factory that `shard` calls there: then no rank holds the whole model. Each rank
-    runs the model's own init code (`reset_parameters()`, Hugging Face's `_init_weights`) one region
-    (a unit) at a time, recorded on the meta tensors, and computes only the elements of its shards
-    (init code that cannot be replayed so runs over the region materialised on the host); the
-    values depend only on `init_seed` (default: torch's initial seed on rank 0), never on the world
-    size or the rank (`specs/sharding.md` §Meta construction). `device` defaults to the accelerator
-    if any.
-
-    Tensor parallelism (`specs/mesh.md`): with `tensor_parallel.autotp_size` > 1 in the config (or
-    a `mesh` from `fnzero.make_mesh(comm, tp=...)`), each layer's weights are first split over the
-    tensor-parallel ranks (AutoTP: the model's built-in plan, the config's
-    `partition_config.layer_specs`, or `tp_plan`, a list of `TPRule`), and ZeRO then shards this
-    rank's slices over the data-parallel ranks.
-
-    Pipeline parallelism (`specs/mesh.md` §Pipeline): `model` may be a
-    `fnzero.pipeline.PipelineModule`; its layers are cut into the mesh's `pp` stages (the config's
-    `pipeline.stages`, or the module's `num_stages`) and this rank keeps its stage's layers only;
-    `fnzero.pipeline_loss(sm)` is then the loss function of `fnzero.train_step`.
-
-    With `comms_logger.enabled` in the config, `sm.comm` records every collective (op, dtype, bytes).
-    `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective
-    that every rank is issuing the same one, and names the first divergence.
-
-    ZeRO++ (`specs/collectives.md` §Quantized collectives): the config's `zero_quantized_weights`,
-    `zero_quantized_nontrainable_weights` and `zero_quantized_gradients` quantize what stage 3's
-    gathers and the gradient reduce-scatters carry; `comm_quantization` (a `CommQuantization`)
-    replaces what the config says, with any codec (`IdentityCodec()` computes what unquantized
-    collectives do). `build_state`: what `sm.init_state` runs (`fnzero.shard` gives the state layer's).
+    `model`: a module, one built on the meta device, or a zero-argument factory `shard` calls
+    there; a meta model is initialised shard by shard from `init_seed` (default: torch's initial
+    seed on rank 0), the same values at any world size (`specs/sharding.md` §Meta construction).
+    `device`: where the shards go (default: the accelerator if any). `wrap`: the stage-3 units.
+    `mesh` (`fnzero.make_mesh`) or the config's `tensor_parallel`, `pipeline` and `expert_parallel`
+    add tensor, pipeline and expert parallelism (`specs/mesh.md`); `tp_plan`: `TPRule`s replacing
+    the model's AutoTP plan; `model` may be a `fnzero.pipeline.PipelineModule`.
+    `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective that
+    every rank issues the same one. `comm_quantization`: ZeRO++'s quantized collectives, replacing
+    the config's (`specs/collectives.md` §Quantized collectives). `build_state`: what
+    `sm.init_state` runs (`fnzero.shard` gives the state layer's). Returns a `ShardedModule`.
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}})
@@ -119,9 +100,8 @@ def shard(
 
 
 def _this_ranks_model(model, comm: Collectives, mesh: Mesh | None, config: Any, policy, debug: bool, wrap):
-    """The module this rank shards: a factory's model built on the meta device, a Hugging Face
-    model's experts replaced where AutoEP asks, a pipeline's stage cut out. (the module, the mesh
-    (given, or the config's), the stage's place in the pipeline or None, the unit predicate, the ep size)."""
+    """(module, mesh, pipeline info or None, unit predicate, ep size) of what this rank shards: a
+    factory's model built on meta, AutoEP's experts replaced, a pipeline's stage cut out."""
     pipe = None
     if not isinstance(model, (nn.Module, PipelineModule)):
         if not callable(model):
@@ -138,9 +118,8 @@ def _this_ranks_model(model, comm: Collectives, mesh: Mesh | None, config: Any, 
 
 def _split_for_parallelism(model: nn.Module, comm: Collectives, mesh: Mesh | None, ep: int, config: Any,
                            tp_plan: list[TPRule] | None, debug: bool, pipe: PipelineInfo | None, meta: bool):
-    """This rank's model split over its tensor- and expert-parallel ranks. (a meta model's whole
-    copy, whose regions are initialised whole and then cut (`_initial.py`), or None; the
-    data-parallel collectives; the tp layout or None; the ep layout or None)."""
+    """This rank's model split over its tp and ep ranks: (a meta model's whole copy, initialised
+    whole then cut, or None; the data-parallel collectives; the tp layout; the ep layout)."""
     whole = None
     if meta and (mesh is not None or (config is not None and config.tensor_parallel.size > 1)):
         whole = copy.deepcopy(model)
@@ -169,8 +148,8 @@ def _check_params_on_nvme(policy) -> None:
 def _initial_values(model: nn.Module, whole: nn.Module | None, plan: ShardPlan, comm: Collectives, world: Collectives,
                     device: torch.device, policy, tp_layout: TPLayout | None, ep_layout: EPLayout | None, meta: bool,
                     init_seed: int | None):
-    """This rank's initial values (`InitialValues`, frozen parameters, buffers): computed region by
-    region from a meta model, else taken from the built model's storage, which is released."""
+    """(`InitialValues`, frozen parameters, buffers) of this rank: replayed from a meta model, else
+    taken from the built model's storage, which is released."""
     checksums: dict[str, torch.Tensor] = {}
     if meta:
         # Experts the split names apart (the DeepSpeed layer's) replay on the split model by their
@@ -189,17 +168,15 @@ def _initial_values(model: nn.Module, whole: nn.Module | None, plan: ShardPlan, 
 
 
 def _guard_and_route(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
-    """The user's model once sharded: `load_state_dict` and direct calls refused, naming what to do
-    instead, and its sharded units routed through the apply run."""
+    """Refuse `load_state_dict` and direct calls on the sharded model; route its units to the apply run."""
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
     _hook_sharded_units(model, plan, sm)
 
 
 def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:
-    """AutoEP's replacement of a Hugging Face model's experts where the run asks expert parallelism,
-    then the ep size the model and config ask for, and the mesh (given, or the config's with that ep
-    and its MiCS and hpZ groups; a pipeline makes its own with them)."""
+    """AutoEP's experts replaced where asked; (the mesh: given, or the config's with the ep size and
+    MiCS/hpZ groups, None for a pipeline, which makes its own; the ep size)."""
     zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
     pipeline = isinstance(model, PipelineModule)
     if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
@@ -215,10 +192,8 @@ def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, 
 
 
 def _zero_axes(comm: Collectives, mesh: Mesh | None, policy, config: Any, debug: bool) -> StateMesh:
-    """The state's mesh as far as ZeRO's axes: the collectives ZeRO shards over (the MiCS shard
-    group, else `comm`, the data-parallel ranks), recorded and checked as the config and `debug`
-    ask (`_observed`), and the run's MiCS replica and hpZ groups (`specs/mesh.md §MiCS`,
-    `specs/mesh.md §hpZ`), where it has them."""
+    """The state's mesh of ZeRO's axes: the collectives it shards over (the MiCS shard group, else
+    `comm`), and the MiCS replica and hpZ groups if any (`specs/mesh.md` §MiCS, §hpZ), observed."""
     if mesh is None or (mesh.mics is None and mesh.hpz is None):
         return StateMesh(_observed(comm, config, debug))
     if policy.offload_optimizer is not None or policy.offload_param is not None:
@@ -242,10 +217,8 @@ def _hook_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) ->
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
                   debug: bool, wrap, ep: int = 1) -> tuple[nn.Module, Mesh, PipelineInfo, Callable[[str, nn.Module], bool]]:  # fmt: skip
-    """This rank's stage of a pipeline model: its layers as a module, the mesh (given, or the
-    config's with the module's stage count), the stage's place in the pipeline, and its units
-    (each layer or named module; a weight shared with another stage is a unit of its own, laid out
-    alike on each stage holding it)."""
+    """(this rank's stage as a module, the mesh, the stage's `PipelineInfo`, its unit predicate) of
+    a pipeline model; a weight tied across stages is a unit of its own, laid out alike on each."""
     if mesh is None:
         zero_groups = zero_groups_of(config, policy.placement.optimizer, policy.placement.params)
         mesh = mesh_from_config(comm, config, pp=pipe.num_stages, ep=ep, zero_groups=zero_groups)
@@ -273,8 +246,7 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
 
 
 def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, nn.Module], bool]:
-    """The unit predicate of a pipeline stage: `wrap`'s units (default: the stage's `unit_paths`,
-    each layer or named module) and each tied weight's module."""
+    """A stage's unit predicate: `wrap`'s units (default: its `unit_paths`) and each tied weight's module."""
     chosen = set(stage.unit_paths)
     pred = unit_predicate(wrap) if wrap is not None else (lambda path, m: path in chosen)
     return lambda path, m: pred(path, m) or path in tied
@@ -283,8 +255,7 @@ def _with_tied_units(stage: nn.Module, wrap, tied: set[str]) -> Callable[[str, n
 def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config: Any,
                   tp_plan: list[TPRule] | None, debug: bool,
                   pipe: PipelineInfo | None = None) -> tuple[Collectives, TPLayout | None]:  # fmt: skip
-    """With a mesh (given, or the config's `tensor_parallel.autotp_size`): AutoTP over its
-    tensor-parallel ranks. (the data-parallel collectives ZeRO shards over, the layout or None)."""
+    """AutoTP over the mesh's tp ranks, if any: (the data-parallel collectives, the tp layout or None)."""
     tp_cfg = config.tensor_parallel if config is not None else None
     if mesh is None and tp_cfg is not None and tp_cfg.size > 1:
         mesh = mesh_from_config(comm, config)
@@ -314,8 +285,7 @@ def _split_for_tp(model: nn.Module, comm: Collectives, mesh: Mesh | None, config
 
 def _split_for_ep(model: nn.Module, mesh: Mesh | None, ep: int, config: Any, debug: bool,
                   meta: bool) -> EPLayout | None:
-    """With a mesh whose ep axis splits the experts: each `ExpertGroup` keeps this rank's experts
-    (`specs/mesh.md §Expert parallelism`); the layout, or None without expert parallelism."""
+    """Each `ExpertGroup` keeps this rank's experts over the mesh's ep axis; the layout, or None."""
     mesh_ep = mesh.shape.ep if mesh is not None else 1
     if ep > 1 and mesh_ep != ep:
         raise ConfigError(f"the model's MoE layers ask for expert-parallel size {ep} but the mesh given has ep {mesh_ep}; "
@@ -338,8 +308,7 @@ def _observed(comm: Collectives, config: Any, debug: bool) -> Collectives:
 
 
 def _refuse_load_state_dict(module, *args, **kwargs) -> None:
-    """`load_state_dict` into a sharded model would copy into meta placeholders and keep nothing
-    (torch only warns, once per parameter): say so, and what to do instead."""
+    """Refuse `load_state_dict`: it would copy into meta placeholders and keep nothing (torch only warns)."""
     raise ShardingError(
         "this model was given to fnzero.shard: its parameters are meta placeholders and the values live in "
         "the TrainState, so load_state_dict into it keeps nothing. Load weights with "
@@ -348,11 +317,8 @@ def _refuse_load_state_dict(module, *args, **kwargs) -> None:
 
 
 def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
-    """A forward pre-hook on the sharded root module: called directly (`model(x)`), it would run on
-    meta placeholders and fail deep inside with torch's words (`Tensor.item() cannot be called on
-    meta tensors`); say what to do instead. A call made by `sm.apply` (also when a recomputation
-    in backward calls it again, `remat`) runs inside an apply run of this plan and passes; under
-    torch.compile only fnzero's traces call it (`fnzero.jit`), and the check stays out of the graph."""
+    """A forward pre-hook refusing direct calls (`model(x)` would fail on meta placeholders deep in
+    torch); calls inside an apply run of this plan (`sm.apply`, remat) and compiled traces pass."""
 
     def hook(module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():

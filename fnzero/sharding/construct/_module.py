@@ -38,14 +38,11 @@ def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
 
 
 class ShardedModule:
-    """A model whose trainable parameters are laid out by a ShardPlan.
+    """A model whose trainable parameters are laid out by a ShardPlan (made by `fnzero.shard`, which
+    releases the model's parameter storage: `specs/sharding.md` §Apply).
 
-    `apply(params, *args, **kwargs)` runs the model's forward with the parameters in `params` (the
-    `params` field of a TrainState, or the differentiable aliases `train_step` hands to the loss);
-    `init_state()` builds this rank's initial TrainState; `gather(...)` consolidates full parameters
-    in `model.state_dict()` naming. The model is owned by the ShardedModule after `shard`: its
-    parameter storage is released (replaced by meta placeholders) and stage-3 units gather their
-    parameters from `apply`'s run by forward hooks (`sharding/zero/_unit_hooks.py`).
+    `apply(params, ...)` runs the forward with `params`; `init_state()` builds this rank's initial
+    TrainState; `gather(...)` consolidates full parameters in `model.state_dict()` naming.
     """
 
     def __init__(self, module: nn.Module, plan: ShardPlan, mesh: StateMesh, policy: ShardPolicy, config, device,
@@ -90,11 +87,9 @@ class ShardedModule:
 
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        """Run the model's forward with `params` (one flat buffer or shard per unit). Pure: the
-        module's own attributes are restored on return, and nothing in `params` is modified.
-
-        In 16-bit training, floating-point tensor arguments are cast to the compute dtype (as
-        FSDP's `cast_forward_inputs`), so callers pass the same batch at any precision."""
+        """Run the model's forward with `params` (one flat buffer or shard per unit: a TrainState's
+        `params`, or the aliases `train_step` hands the loss). Pure: nothing in `params` is modified.
+        Floating-point arguments are cast to the compute dtype (as FSDP's `cast_forward_inputs`)."""
         plan = self.plan
         cd = self.policy.compute_dtype
         if cd is not None:
@@ -115,8 +110,7 @@ class ShardedModule:
         return self._apply_gathering(params, args, kwargs)
 
     def _route_units(self) -> None:
-        """Once, at the first `fnzero.jit(scope="units")` step: route every unit module's forward
-        through the unit compiler (`_unit_hooks.py` says why this scope alone needs it)."""
+        """Once, at the first `fnzero.jit(scope="units")` step: route unit forwards to the unit compiler."""
         if self._units_routed:
             return
         units = (*self.plan.units, *self.plan.frozen_units)
@@ -127,9 +121,8 @@ class ShardedModule:
         self._units_routed = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
-        """What the module's forward reads, by state_dict name: the views of each (unit, full
-        buffer[, stage-3 runtime]) in `fulls` (frozen units too), the frozen parameters held
-        whole and the buffers."""
+        """What the forward reads, by state_dict name: the views of each (unit, full[, runtime]) in
+        `fulls`, the frozen parameters held whole and the buffers."""
         tensors: dict[str, torch.Tensor] = {}
         for u, full, *rt in fulls:
             tensors.update(unit_views(u, full, *rt))
@@ -206,32 +199,17 @@ class ShardedModule:
     def init_state(self, pretrained: str | os.PathLike | None = None, *, allow_unexpected: bool = False,
                    optimizer=None, check_ranks_equal: bool = True,
                    adapters: str | os.PathLike | None = None) -> TrainState:
-        """This rank's initial TrainState, built from the model's parameters at `shard` time.
+        """This rank's initial TrainState, built from the model's parameters at `shard` time; the
+        initial buffers are handed over, not copied, so call `fnzero.shard` again for a second one.
 
-        `pretrained`: a safetensors file, or a directory written by transformers' `save_pretrained`
-        (`model.safetensors`, or shards with `model.safetensors.index.json`), or by `fnzero
-        export`. Its tensors replace the initial values, each rank reading only the bytes of the
-        elements it holds, cast to the training dtype (`specs/checkpoint-format.md` §Pretrained).
-        Every name, shape and file is checked before any data is read: a tensor the model lacks
-        is an error listing them all (unless `allow_unexpected`), a shape mismatch names the
-        tensor, and a truncated file names the file. Parameters the files lack keep the model's
-        own initialisation and are listed in a `PretrainedWarning`; `sm.pretrained_report` says
-        what was loaded and how many bytes this rank read.
-
-        `adapters`: a PEFT model's adapter directory (`PeftModel.save_pretrained`,
-        `fnzero.checkpoint.export_adapters`) read over the adapters' initial values, with the base
-        weights from `pretrained` (`specs/peft.md` §Resume); its tensors, shapes and config must
-        be the model's adapter's.
-
-        `optimizer`: an `Optimizer` or a chain of gradient transformations instead of the
-        config's `optimizer` block (give the same one to `fnzero.train_step`).
-
-        `check_ranks_equal`: compare each unit's initial weights across ranks (one small
-        all-gather) and refuse ranks that built different ones, naming them. Pass False when the
-        state is only a template whose values are replaced next (`checkpoint.load(like=...)`).
-
-        The initial buffers are handed over, not copied, so a model's memory is held once; call
-        `fnzero.shard` again for a second independent initial state.
+        `pretrained`: a safetensors file or a `save_pretrained`/`fnzero export` directory whose
+        tensors replace the initial values, every name and shape checked first (a tensor the model
+        lacks is an error unless `allow_unexpected`; `specs/checkpoint-format.md` §Pretrained);
+        `sm.pretrained_report` says what was loaded. `adapters`: a PEFT adapter directory read over
+        the adapters' initial values (`specs/peft.md` §Resume). `optimizer`: an `Optimizer` or chain
+        instead of the config's (give the same one to `fnzero.train_step`). `check_ranks_equal`:
+        refuse ranks whose initial weights differ (False for a template state a load replaces next;
+        `specs/sharding.md` §Step).
         """
         if self._build_state is None:
             raise ShardingError(
@@ -265,9 +243,8 @@ class ShardedModule:
 
     def read_shards_from(self, *, params: ShardSource | None = None, frozen: ShardSource | None = None) -> None:
         """`offload_param: nvme`: the placeholder shards of trainable (`params`) and frozen units are
-        read from these sources when gathered, saved or consolidated (`sharding/zero/_param_store.py`); a source
-        not given is kept. Set while the first state is made, before any state holds a placeholder:
-        every state of this model shares the sharding that carries them."""
+        read from these sources (`sharding/zero/_param_store.py`); a source not given is kept. Set
+        while the first state is made: every state of this model shares the sharding carrying them."""
         old = sources_of(self.sharding)
         self.sharding.shard_sources = ShardSources(params=params or old.params, frozen=frozen or old.frozen)
 
@@ -279,11 +256,9 @@ class ShardedModule:
     # ---------------------------------------------------------------------------------------------
     def gather(self, params: dict[str, torch.Tensor] | TrainState, *, dtype: torch.dtype | None = None,
                rank0_only: bool = False, names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-        """Consolidated trainable parameters, `model.state_dict()` names (tied names included), on
-        every rank (or only rank 0 with `rank0_only`: the others take part in the gathers and get
-        an empty dict). Given a TrainState, its master weights are used when it has them.
-        `names`: only these, gathering only the units that hold them (a PEFT model's adapters
-        without the rest); every rank gives the same."""
+        """Consolidated trainable parameters by `model.state_dict()` name (tied names included), on
+        every rank (`rank0_only`: the others get an empty dict); a TrainState's master weights when
+        it has them. `names`: only these, gathering only the units holding them (same on every rank)."""
         if isinstance(params, TrainState):
             src = params.master if params.master is not None else params.params
         else:
@@ -309,9 +284,8 @@ class ShardedModule:
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100,
                       reduction: str = "mean") -> torch.Tensor:  # fmt: skip
-        """`torch.nn.functional.cross_entropy` of this model's output logits (vocabulary last)
-        against `target`: the vocabulary-parallel one, which never gathers the logits, when tensor
-        parallelism split the LM head over the vocabulary; torch's otherwise."""
+        """`torch.nn.functional.cross_entropy` of the logits (vocabulary last): the vocabulary-parallel
+        one, which never gathers the logits, when tensor parallelism split the LM head."""
         if self.tp is not None and self.tp.vocab_head is not None:
             return vocab_parallel_cross_entropy(logits, target, self.tp.vocab_start(), self.tp.comm, ignore_index,
                                                 reduction)  # fmt: skip
@@ -344,12 +318,10 @@ class ShardedModule:
         return out
 
     def load_into(self, model: nn.Module, state: TrainState, *, strict: bool = True) -> nn.Module:
-        """Write `state`'s consolidated weights into `model`, a real module of the same
-        architecture (a fresh one: `fnzero.shard` replaced the original's parameters with meta
-        placeholders, so `load_state_dict` into it cannot work). Trainable parameters (the fp32
-        master where the state has one), frozen parameters and persistent buffers are copied,
-        cast to `model`'s own dtypes. Collective: every rank calls it. With `strict`, keys missing
-        on either side are one `ShardingError`, and `model` is left as it was. Returns `model`."""
+        """Write `state`'s consolidated weights (the master where it has one), frozen parameters and
+        persistent buffers into `model`, a fresh module of the same architecture, in its dtypes.
+        Collective. `strict`: keys missing on either side are one `ShardingError`, `model` untouched.
+        Returns `model`."""
         if is_released(model):
             raise ShardingError(
                 "load_into: this model was given to fnzero.shard, so its parameters are placeholders; "

@@ -1,16 +1,8 @@
 """Initialising a meta model's tensors slice by slice: its init code runs once over stand-ins for
 the meta tensors while the writes are recorded, and each rank replays the record for the
-elements it keeps (`specs/sharding.md` §Meta construction, step 2).
-
-[Note: recorded initialisation]
-Materialising a region costs every rank the whole region's init work, though at stage 3 a rank
-keeps 1/N of it; but init code is almost always a few in-place writes per tensor (random and
-constant fills, copies, elementwise arithmetic with scalars), each element computable on its own.
-A `_Standin` (storage-less, claiming the host: init code skips meta tensors) records each write;
-anything else makes the region `Unreplayable`, and it is materialised whole (`_materialize.py`).
-`TensorRecord.fill` replays from the last whole overwrite in `CHUNK`-element chunks whose random
-draws are seeded from (seed, tensor name, op index, chunk), so an element's bits never depend on
-the world size or on the part a rank asks for.
+elements it keeps, in `CHUNK`-element chunks seeded apart, so an element's bits never depend on
+the world size (`specs/sharding.md` §Meta construction, step 2); what cannot be recorded makes
+the region `Unreplayable`, materialised whole (`_materialize.py`).
 """
 
 from __future__ import annotations
@@ -172,11 +164,9 @@ class Recording:
 
 
 class _Standin(torch.Tensor):
-    """A region tensor while its init code runs: its shape, strides and dtype on the host device,
-    with no storage. Not a meta tensor, because init code skips those (torch.nn.init's
-    `trunc_normal_`, `orthogonal_`, `sparse_` and `dirac_` return a meta tensor untouched). A
-    write is recorded (`_classify`), a view is a stand-in for the same tensor, and anything else
-    that touches it (a read: `.item()`, a comparison, a clone) cannot be replayed."""
+    """A region tensor while its init code runs: its shape, strides and dtype on the host, no
+    storage (not meta: torch.nn.init's `trunc_normal_` and others skip meta tensors). A write is
+    recorded (`_classify`), a view stands in for the same tensor, anything else is unreplayable."""
 
     elem: torch.Tensor  # a meta tensor with the view's geometry, in the base's storage
     base: torch.Tensor  # the region tensor's meta twin (contiguous)

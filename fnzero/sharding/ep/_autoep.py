@@ -1,9 +1,5 @@
-"""AutoEP: find a Hugging Face MoE model's experts modules and replace each by an `HFExpertGroup`
-(`specs/mesh.md §AutoEP`: the presets, the patterns, finding blocks by their layout, what is
-refused), in DeepSpeed 0.19.8's vocabulary. A preset names, as DeepSpeed's `MoEModelPreset`
-does, the MoE blocks (`moe_layer_pattern`) and two direct children of each: its router and its
-experts. Only the experts module is replaced, so the routing is the model's whatever the
-config's routing keys say (`AUTOEP_KEYS_NO_EFFECT`).
+"""AutoEP: find a Hugging Face MoE model's experts modules and replace each by an `HFExpertGroup`,
+by DeepSpeed 0.19.8's presets and patterns or by layout (`specs/mesh.md` §AutoEP).
 """
 
 from __future__ import annotations

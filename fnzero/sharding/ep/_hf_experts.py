@@ -1,16 +1,7 @@
 """`HFExpertGroup`: a Hugging Face MoE block's experts module as an `ExpertGroup`, so expert
-parallelism can split it over the `ep` ranks (`specs/mesh.md` §AutoEP for the stacked layout and
-the two ways a block calls its experts, §Dropless dispatch for the exchange of rows).
-
-The replacement keeps the parameters (the same objects, names and dtypes) and the block's call;
-router, shared experts and aux loss stay the block's own. Per (token, chosen expert) row it
-computes what transformers' implementations compute, with the module's own `_apply_gate`,
-`act_fn` and `post_expert_norm` (`ExpertsLayout`, `read_experts_layout`).
-
-Code that asks `isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`, which meta
-construction calls per module) still finds the experts: the replacement is made as an instance of
-a class subclassing both `HFExpertGroup` (first, so its forward wins) and the source's class (one
-per pair, made once), which also gives it the source's `_apply_gate`. No object's class changes.
+parallelism can split it over the `ep` ranks, keeping its parameters and the block's call
+(`specs/mesh.md` §AutoEP, §Dropless dispatch). Its class also subclasses the source's, so
+`isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`) still holds.
 """
 
 from __future__ import annotations
@@ -152,10 +143,8 @@ class HFExpertGroup(ExpertGroup):
 
     @classmethod
     def replacing(cls, experts: nn.Module, where: str) -> "HFExpertGroup":
-        """The replacement of `experts` (checked by `read_experts_layout`): its parameters, its
-        parameter-free modules (act_fn, post_expert_norm), its plain attributes (what its own
-        `_apply_gate` reads: gpt-oss's `alpha` and `limit`), its training mode, and a class that
-        is also `type(experts)`: the group is made as one (`_subclass_of`)."""
+        """The replacement of `experts` (checked by `read_experts_layout`): its parameters, modules,
+        plain attributes (gpt-oss's `alpha`, `limit`) and mode, as an instance of `_subclass_of`."""
         layout = read_experts_layout(experts, where)
         kind = _subclass_of(cls, type(experts))
         group = kind(dict(experts.named_parameters(recurse=False)), layout, where=where)
@@ -227,10 +216,8 @@ class HFExpertGroup(ExpertGroup):
         return all_to_all_grad(grouped[back], comm, recv, send, label="expert combine")
 
     def _run_experts(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """Rows grouped by local expert (`sizes[j]` rows for expert j), each through its expert, as
-        transformers' batched computation does: up projection, gate (or activation), down
-        projection, post-expert norm. Every expert runs, an empty one too, so each holds a
-        gradient (zeros) after backward."""
+        """Rows grouped by local expert (`sizes[j]` rows for expert j), each through its expert as
+        transformers computes it; every expert runs, an empty one too, so each holds a gradient."""
         layout = self.layout
         tensors = [getattr(self, n).unbind(0) for n in layout.names]
         outs = []

@@ -20,9 +20,8 @@ __all__ = ["LayerSpec", "PipelineInfo", "PipelineModule", "PipelineStage", "Tied
 
 @dataclasses.dataclass(frozen=True)
 class PipelineInfo:
-    """This rank's place in a pipeline: its stage, the stage count, the collectives of its
-    pipeline (ranks indexed by stage), the loss at the end, its layers' range, and the collectives
-    of the whole job (a checkpoint of a pipeline is written by every rank)."""
+    """This rank's place in a pipeline: its stage, the stage count, its pipeline's collectives (ranks
+    by stage), the loss, its layers' range, and the whole job's collectives (for checkpoints)."""
 
     # Why a step with this axis cannot run as one graph (`fnzero.jit(scope="step")`).
     not_traceable = "a pipeline schedule sends activations between its stages' forwards"
@@ -66,30 +65,16 @@ class LayerSpec:
 
 
 class PipelineModule:
-    """`layers` run in order, each given the previous one's output (a tensor or a tuple of
-    tensors, passed as one argument); `loss_fn(outputs, labels)` turns the last output into the
-    mean loss of a micro-batch.
+    """`layers` (modules, `LayerSpec`s built only on the stage running them, or parameter-free
+    callables) run in order, each given the previous one's output; `loss_fn(outputs, labels)` gives
+    a micro-batch's mean loss. `num_stages` (default: the config's or the mesh's) cut by
+    `partition_method` (`parameters`, `uniform`, `type:<regex>`, or the layers starting stages 1,
+    2, ...); `activation_checkpoint_interval`: remat every run of that many layers; `seed_layers`;
+    `virtual_stages`: chunks per rank for the interleaved schedule; `names_from`: the model the
+    layers were cut from, whose names the parameters keep. `specs/mesh.md` §Pipeline.
 
-    Layers are `nn.Module`s, `LayerSpec`s (built only on the stage that runs them) or
-    parameter-free callables. `num_stages` (default: the config's `pipeline.stages`, or the mesh's)
-    stages each run a contiguous run of layers, cut by `partition_method` (`parameters`,
-    `uniform`, `type:<regex>`, as DeepSpeed, or a list of split points: the indices of the layers
-    that start stages 1, 2, ...). `activation_checkpoint_interval` > 0
-    rematerialises every run of that many layers of a stage in backward. `seed_layers` (or the
-    config's `pipeline.seed_layers`) builds LayerSpec i from torch seed `base_seed + i`, so its
-    initial weights do not depend on which stage builds it (DeepSpeed's option; fnzero leaves
-    the caller's RNG stream as it was).
-
-    `virtual_stages` V > 1 cuts the layers into stages·V chunks, rank s holding chunks s,
-    s+stages, ... for the interleaved schedule (`pipeline_loss(sm, "interleaved")`).
-
-    Parameter names: a layer's modules keep their names in `names_from` (the model the layers
-    were cut from), so a pipeline's checkpoints, exports and pretrained files use the model's own
-    names; modules not found there are named by layer index (`"3.weight"`).
-
-    Give it to `fnzero.shard(pipe, config=cfg, mesh=...)`: each rank keeps its stage's layers and
-    ZeRO (stages 0-1) shards them over the data-parallel ranks; `fnzero.pipeline_loss(sm)` is the loss
-    function of `fnzero.train_step`, and a batch is the pair `(inputs, labels)`.
+    Give it to `fnzero.shard(pipe, config=cfg)`; `fnzero.pipeline_loss(sm)` is then the loss of
+    `fnzero.train_step`, and a batch is the pair `(inputs, labels)`.
     """
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any], *, num_stages: int | None = None,
@@ -156,10 +141,8 @@ class PipelineModule:
 
 @dataclasses.dataclass(frozen=True)
 class TiedWeight:
-    """A parameter shared by layers of different stages (an input embedding and its LM head): its
-    element count, the stages holding it, and this stage's module owning it (None when this stage
-    does not hold it). Each holder keeps a copy as a unit of its own; the step sums their
-    gradients over the pipeline, so the copies stay equal (DeepSpeed's TiedLayerSpec)."""
+    """A parameter shared by layers of different stages (`specs/mesh.md` §Pipeline): its element
+    count, the stages holding it, and this stage's module owning it (None when not held here)."""
 
     numel: int
     stages: tuple[int, ...]
@@ -195,11 +178,9 @@ def find_ties(layers: list, stage_of: dict[int, int], stage_id: int, names: dict
 
 
 class PipelineStage(nn.Module):
-    """A rank's layers of a pipeline: one range `[lo, hi)`, or one per chunk with virtual stages
-    (`chunks`). Parameter names are the same at any stage count: a layer's modules are registered
-    under their names in the model (`names`: module id -> name) where known, else the layer under
-    its index in the whole pipeline (`"3.weight"`). `unit_paths` are the modules `shard` makes
-    units (each layer, or each named module holding parameters)."""
+    """A rank's layers of a pipeline: one range `[lo, hi)`, or one per chunk (`chunks`), registered
+    under their names in the model (`names`: module id -> name) where known, else by layer index.
+    `unit_paths`: the modules `shard` makes units."""
 
     def __init__(self, layers: list, chunks: list[tuple[int, int]], checkpoint_interval: int = 0,
                  base_seed: int | None = None, names: dict | None = None):

@@ -1,10 +1,6 @@
-"""AutoTP: split a model's layers over the tensor-parallel ranks (`specs/mesh.md §AutoTP`).
-
-A plan is a list of rules (`TPRule`), each a regular expression over module names and how the
-matching module is split: `column` (outputs), `row` (inputs), `vocab` (an embedding's rows) or
-`head` (the LM head); `blocks` > 1 marks a fused projection (q|k|v) split block by block.
-Built-in plans (`PLANS`) cover fnzero's GPT, GPT-2 and the Llama family; the config's
-`tensor_parallel.partition_config.layer_specs` (DeepSpeed's format) come first and cover any other.
+"""AutoTP: split a model's layers over the tensor-parallel ranks by a plan, a list of `TPRule`s
+(`specs/mesh.md` §AutoTP): the config's `partition_config.layer_specs` first, then the built-in
+`PLANS` (fnzero's GPT, GPT-2, the Llama family).
 """
 
 from __future__ import annotations
@@ -141,11 +137,8 @@ def parallelize(model: nn.Module, rules: list[TPRule], comm, *, vocab_parallel: 
 
 
 def check_group_agrees(model: nn.Module, comm) -> None:
-    """Every rank of a tensor-parallel group cuts its slices from its own copy of the model:
-    copies built under different seeds would train a patchwork. One small all-gather compares a
-    checksum of every parameter and names the ranks that differ. (A meta model's values come
-    from fnzero's seed, the same everywhere: nothing to compare. torch's RNG states, which
-    dropout in unsplit layers needs equal, are not compared: `specs/mesh.md`.)"""
+    """Refuse, naming them, ranks of a tensor-parallel group whose model copies differ (they would
+    train a patchwork): one small all-gather of every parameter's checksum (`specs/mesh.md` §AutoTP)."""
     params = [p for _, p in model.named_parameters() if not p.is_meta]
     if comm.world_size == 1 or not params:
         return

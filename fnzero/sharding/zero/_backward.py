@@ -1,13 +1,10 @@
 """Parameters bound during backward, for recomputation that happens inside it.
 
 [Note: gradient checkpointing inside a model]
-A model that checkpoints its own layers runs part of its forward again during backward, reading
-its module attributes after `apply` has put the meta placeholders back. So from the moment
-backward reaches an apply's outputs until that backward ends (autograd's final callback), or the
-run is released, the apply's parameters are bound again, as FSDP2 re-unshards a module before its
-backward: the root tensors are swapped back in (the forward's own differentiable views), and a
-stage-3 unit is gathered by the first call of a module owning its parameters and unbound by its
-reduce-scatter (`specs/sharding.md` §Apply, "Recomputation inside the model").
+A model that checkpoints its own layers reads its module attributes again during backward, after
+`apply` put the meta placeholders back; so from backward reaching an apply's outputs until it ends
+(or the run is released), the apply's parameters are bound again, as FSDP2 re-unshards a module
+(`specs/sharding.md` §Apply, "Recomputation inside the model").
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ __all__ = ["UnitBinder", "BackwardBinding", "swap_tensors"]
 
 @contextlib.contextmanager
 def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
-    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit.
-
-    This is what torch.func.functional_call does for the root; a unit's hooks do it for the unit's
-    module, inside the root's call (a functional_call there would call the module, and so its
-    hooks, again).
-    """
+    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit. (A
+    unit's hooks use it inside the root's call, where functional_call would run the hooks again.)"""
     saved = []
     try:
         for name, t in tensors.items():
@@ -48,13 +41,9 @@ def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
 
 class UnitBinder:
     """Binds one stage-3 unit's gathered views into its modules' parameter tables, and unbinds them.
-
-    `units`: the unit's sharded parts (its trainable and its frozen unit, `ShardPlan.frozen_units`).
-    `gather() -> (fulls, views)`: each part's full buffer by whether it is frozen, gathered for
-    backward (the trainable one differentiable with respect to the shard), and their parameter
-    views by state_dict name. While bound, `fulls` is also what a recomputation that calls the
-    unit's module binds (its hooks), so a unit is gathered once per recomputation whichever of its
-    modules the model calls first.
+    `units`: its trainable and frozen parts. `gather() -> (fulls, views)`: each part's full buffer
+    by whether it is frozen (gathered once per recomputation, whichever module runs first) and
+    their parameter views by state_dict name.
     """
 
     def __init__(self, units: list[UnitPlan], root: nn.Module,
@@ -94,12 +83,9 @@ class UnitBinder:
 
 
 class BackwardBinding:
-    """One apply's parameters, bound for the rest of a backward pass (see the Note above).
-
-    Two applies of one model in one loss bind the same tables: the later one wins while both are
-    bound (its parameters are the ones a recomputation sees, the same tensors when both applies
-    were given the same parameters), and bindings always come off in the reverse order they went
-    on, whatever order autograd runs its final callbacks in.
+    """One apply's parameters, bound for the rest of a backward pass (see the Note above). Of two
+    applies of one model in one loss, the later one wins while both are bound; bindings come off
+    in reverse order, whatever order autograd runs its final callbacks in.
     """
 
     def __init__(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], binders: list[UnitBinder],
@@ -136,11 +122,9 @@ class BackwardBinding:
         self._stack = stack
 
     def _bind_before_call(self, binder: UnitBinder, module: nn.Module, args: tuple) -> None:
-        """A forward pre-hook on an owner of `binder`'s unit while this binding is in force: a
-        recomputation is calling it. The binding made last serves (see the class docstring).
-        Inside a torch.compile trace (a unit's compiled forward, recompiled in backward) the unit
-        is bound already by its module's hooks, which run eagerly around that graph: nothing to
-        do, and nothing of this binding for dynamo to guard on."""
+        """A forward pre-hook on an owner of `binder`'s unit while this binding is in force (a
+        recomputation is calling it); the binding made last serves. Inside a compiled trace the
+        unit's eager hooks have bound it already: nothing to do, nothing for dynamo to guard on."""
         if torch.compiler.is_compiling() or binder.bound or not self.bound_runs or self.bound_runs[-1] is not self.run:
             return
         binder.bind()

@@ -42,14 +42,10 @@ class ParamSlot:
 
 @dataclasses.dataclass(frozen=True)
 class UnitPlan:
-    """A group of parameters gathered and reduced together as one flat buffer.
-
-    `numel` counts real elements; the buffer is padded with zeros to `padded_numel`, a multiple of
-    the number of ranks sharing it, and rank r of them owns `[r * shard_numel, (r + 1) * shard_numel)`.
-
-    An expert unit (`ep` > 1: the experts of one MoE layer this rank holds, `specs/mesh.md
-    §Expert parallelism`) is shared by the expert-data-parallel ranks only, the dp ranks holding the
-    same experts: dp rank d is rank d // ep of them. Every method takes the dp rank.
+    """A group of parameters gathered and reduced together as one flat buffer (`specs/sharding.md`
+    §Plan): `numel` real elements padded to `padded_numel`, rank r of the ranks sharing it owning
+    `[r * shard_numel, (r + 1) * shard_numel)`. An expert unit (`ep` > 1) is shared by the
+    expert-data-parallel ranks only (dp rank d is rank d // ep of them); every method takes the dp rank.
     """
 
     name: str
@@ -89,13 +85,9 @@ class UnitPlan:
 
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """The sharding of a model's parameters for one world size and placement.
-
-    Frozen (requires_grad=False) parameters are never in the optimizer. Where the placement shards
-    parameters (stage 3) they are laid out per unit module like the trainable ones, in units of
-    their own (`frozen_units`, named as the trainable unit of the same module), held as this rank's
-    shard and gathered with the module's trainable unit; otherwise they are held whole by name
-    (`frozen`). `specs/sharding.md` §Frozen parameters.
+    """The sharding of a model's parameters for one world size and placement. Frozen parameters are
+    in `frozen_units` where the placement shards parameters, else whole by name in `frozen`
+    (`specs/sharding.md` §Frozen parameters).
     """
 
     @property
@@ -171,9 +163,8 @@ class ShardPlan:
         return unit.shard_numel if self.params_sharded(unit) else unit.padded_numel
 
     def check_params(self, params: dict, what: str) -> None:
-        """`params` (unit name -> flat tensor) is what this plan holds, or one `ShardingError`
-        saying what was expected and what came: a state made by another plan (stage, world size
-        or model) fails here instead of deep inside a split or a collective."""
+        """`params` (unit name -> flat tensor) is what this plan holds, or one `ShardingError` saying
+        what was expected and what came (a state of another plan fails here, not deep in a collective)."""
         if not isinstance(params, dict):
             raise ShardingError(f"{what} must be a dict of unit name -> flat tensor (state.params), "
                                 f"got {type(params).__name__}")
@@ -276,22 +267,14 @@ def make_plan(
     expert_modules: Iterable[str] = (),
     ep: int = 1,
 ) -> ShardPlan:
-    """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`.
+    """Group `model`'s parameters into units and lay each out in a flat buffer padded to `world_size`
+    (`specs/sharding.md` §Plan).
 
-    `placement` says what is sharded (a ZeRO stage number names its preset). With parameters
-    sharded, units under `persistence_threshold` elements keep them gathered.
-
-    `wrap` chooses unit modules: a predicate `(module_path, module) -> bool`, or module classes (like
-    FSDP's ModuleWrapPolicy); default `default_unit_modules` (a model's layers, and its untied
-    input embedding and output head). A parameter belongs to its innermost enclosing unit module;
-    parameters under no unit module, and tied parameters whose names fall in different units, go
-    to the root unit, which stays gathered for the whole forward.
-
-    Frozen parameters: where `placement` shards parameters and `shard_frozen`, grouped into frozen
-    units by the same rules; else held whole by name (`ShardPlan.frozen`).
-
-    `expert_modules` (paths) hold the experts this rank keeps of `ep` expert-parallel ranks: each is
-    a unit of its own, shared by the `world_size / ep` ranks holding the same experts.
+    `placement`: what is sharded (or a ZeRO stage number). `persistence_threshold`: sharded units
+    under it keep their parameters gathered. `wrap`: a predicate `(module_path, module) -> bool` or
+    module classes choosing unit modules (default `default_unit_modules`). `shard_frozen`: frozen
+    parameters in frozen units where parameters are sharded, else whole. `expert_modules`: paths of
+    the experts this rank keeps of `ep` expert-parallel ranks, each a unit of its own.
     """
     if world_size < 1:
         raise ShardingError(f"world_size must be >= 1, got {world_size}")

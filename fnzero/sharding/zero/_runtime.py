@@ -1,14 +1,9 @@
 """Running a sharded module: turning per-unit flat buffers into the parameters a forward sees.
 
 [Note: stage 3 as a differentiable gather]
-A stage-3 unit's forward calls `GatherUnit`, whose forward all-gathers the unit's shard into the
-full flat buffer and whose backward reduce-scatters the buffer's gradient. The gradient of the loss
-with respect to the *shard* is therefore the summed, sharded gradient, and autograd does the
-bookkeeping. Tensors that autograd saves for backward and that are views of a gathered buffer are
-not kept: a saved-tensor pack hook records (unit, offset, size, stride) instead, and the unpack hook
-re-gathers the unit once for its backward (cached until `GatherUnit.backward` runs, which autograd
-schedules after every node that used the unit's parameters). So a unit's full parameters are alive
-only during its forward and its backward, never between them.
+`GatherUnit`'s forward all-gathers a unit's shard and its backward reduce-scatters the buffer's
+gradient, so autograd yields the summed, sharded gradient; saved views of the gathered buffer are
+re-gathered by saved-tensor hooks for backward (`specs/sharding.md` §Apply, "Saved tensors").
 """
 
 from __future__ import annotations
@@ -77,13 +72,9 @@ class ApplyRun:
             context.step_runs.append(self)
 
     def release(self) -> None:
-        """Drop every reference this run holds, once its backward has run.
-
-        A run and its units' runtimes reference each other, so without this a run is freed by
-        the cycle collector, often only after the next step's forward, and keeps the parameters
-        it was given (the previous state's, when the caller did not donate) alive that long:
-        measured on the 27.4M GPT at stage 3, 2 ranks, 631 MiB peak above baseline against 461.
-        """
+        """Drop every reference this run holds, once its backward has run: a run and its units'
+        runtimes form a cycle, which would keep the parameters it was given alive until the cycle
+        collector runs (27.4M GPT, stage 3, 2 ranks: 631 MiB peak above baseline against 461)."""
         if self.backward is not None:
             self.backward.release()
             self.backward = None
@@ -112,8 +103,7 @@ class ApplyRun:
 
     def _unit_comms(self, unit: UnitPlan, frozen: bool):
         """The unit's collectives (`comm_for`) and hpZ's group for backward's re-gathers (or None),
-        gathers and the gradient's reduce-scatter quantized where `quantization` says (ZeRO++,
-        `specs/collectives.md` §Quantized collectives; hpZ's gathers carry the same int8 blocks)."""
+        quantized where `quantization` says (`specs/collectives.md` §Quantized collectives)."""
         comm, q = comm_for(unit, self.comm, self.expert_comm), self.quantization
         if q is None:
             return comm, self.hpz
