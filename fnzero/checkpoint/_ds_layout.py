@@ -39,7 +39,11 @@ class DsCheckpoint:
     expert_files: list[str] = field(default_factory=list)
     bf16_prefix: bool = False
     meta: dict = field(default_factory=dict)  # the first model file, less `module` and `optimizer`
-    stage: int = 0
+    stage: int = 0  # as DeepSpeed's config names it, for reports; the reader goes by `layout`
+    # where the trainable weights are: "whole" (the module, and the optimizer's masters in the model
+    # file: stage 0), "flat" (flat fp32 partitions in the optimizer files: ZeRO-1/2, BF16_Optimizer),
+    # "per_param" (each parameter partitioned, the slices in the optimizer files: ZeRO-3)
+    layout: str = "whole"
     precision: str = "fp32"
     dp: int = 1
     tp: int = 1
@@ -162,7 +166,7 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
     ck.dp = int(ck.meta.get("dp_world_size") or 1)
     zero3 = any(dp > 0 for dp, _ in ck.model_files) or _MODEL.match(first).group(1) is not None
     if zero3:
-        ck.stage = 3
+        ck.stage, ck.layout = 3, "per_param"
     _check_ranks(ck, ck.model_files, "model-states", range(ck.dp if zero3 else 1), range(mp_world))
     if ck.optim_files:
         _check_ranks(ck, ck.optim_files, "optimizer-states", range(ck.dp), range(mp_world))
@@ -175,6 +179,7 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
             ck.meta["bf16_optimizer"] = "zero_stage" not in osd
             zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
             ck.stage = int(osd["zero_stage"]) if "zero_stage" in osd else int(zero.get("stage", 0) or 0)
+            ck.layout = "flat"
     elif zero3:
         raise CheckpointError(f"{ck.dir}: ZeRO-3 model-states files but no optimizer-states files; the weights "
                               "live in the optimizer files")

@@ -249,29 +249,30 @@ def _sources(ck: DsCheckpoint) -> tuple[dict, set, dict, set | None]:
             if not isinstance(state.get("module"), dict):
                 raise CheckpointError(f"{ck.path(ck.model_files[(0, mp)])}: 'module' is not a state dict")
             module.update(state["module"])
-        if ck.stage in (1, 2) or ck.meta.get("bf16_optimizer"):
+        if ck.layout == "flat":
             masters.update(_zero12(ck, mp, meta, module))
         else:
             stage0 += _stage0_list(state.get("optimizer"), ck.path(ck.model_files[(0, mp)]))
         del state
-    if ck.stage == 0 and not ck.meta.get("bf16_optimizer"):
+    if ck.layout == "whole":
         params = [(n, t) for n, t in module.items() if n not in buffers and isinstance(t, torch.Tensor)]
         masters = _stage0_masters(stage0, params, ck.path(ck.model_files[(0, mps[0])]))
-    return module, buffers, masters, (None if ck.stage == 0 and not (stage0 or masters) else set())
+    return module, buffers, masters, (None if ck.layout == "whole" and not stage0 else set())
 
 
 def consolidate(ck: DsCheckpoint) -> DsWeights:
     """The full weights of checkpoint `ck` (`describe`), checked against its `param_shapes`."""
     _refuse_unread(ck)
     w = DsWeights()
-    if ck.stage == 3:
+    if ck.layout == "per_param":
         module = _module_of(ck, 0)[0].get("module") or {}
         buffers, masters = set(ck.meta.get("buffer_names") or ()), _zero3(ck, w)
     else:
         module, buffers, masters, known = _sources(ck)
         w.frozen_known = known is not None
-    shared = dict(ck.meta.get("shared_params") or {}) if ck.stage > 0 else _ties(module, buffers)
-    w.master = bool(masters) and (ck.precision != "fp32" or ck.stage == 3)
+    shared = ck.meta.get("shared_params")  # (ZeRO records ties; elsewhere they share storage)
+    shared = dict(shared) if isinstance(shared, dict) else _ties(module, buffers)
+    w.master = bool(masters) and (ck.precision != "fp32" or ck.layout == "per_param")
     for name, t in module.items():
         if name in buffers:
             w.buffers.add(name)
@@ -280,11 +281,11 @@ def consolidate(ck: DsCheckpoint) -> DsWeights:
             w.aliases.setdefault(shared[name], []).append(name)
         elif name in masters:
             m = masters.pop(name)
-            if ck.stage != 3 and tuple(m.shape) != tuple(t.shape):
+            if ck.layout != "per_param" and tuple(m.shape) != tuple(t.shape):
                 raise CheckpointError(f"{ck.dir}: {name!r} is {tuple(t.shape)} in the module but {tuple(m.shape)} "
                                       "in param_shapes")
             w.tensors[name] = m
-        elif ck.stage == 3:
+        elif ck.layout == "per_param":
             raise CheckpointError(f"{ck.dir}: parameter {name!r} is in no optimizer or frozen fragment file")
         else:
             w.tensors[name] = t
