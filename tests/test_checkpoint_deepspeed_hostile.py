@@ -152,6 +152,9 @@ def test_layouts_not_read_yet_are_refused_by_name(ds, tmp_path):
         torch.save({}, os.path.join(d, f"bf16_zero_pp_rank_{r}_mp_rank_01_optim_states.pt"))
     with pytest.raises(CheckpointError, match=r"tensor-parallel DeepSpeed checkpoint \(tp degree 2\)"):
         export(root, str(tmp_path / "out"), progress=False)
+    os.mkdir(os.path.join(d, "zero"))
+    with pytest.raises(CheckpointError, match=r"global_step5: a DeepSpeed universal checkpoint"):
+        export(root, str(tmp_path / "out"), progress=False)
 
 
 def test_exclude_frozen_is_refused_where_the_files_do_not_say_what_was_frozen(tmp_path):

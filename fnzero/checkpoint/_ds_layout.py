@@ -125,6 +125,8 @@ def _classify(ck: DsCheckpoint, names: list[str]) -> None:
             ck.expert_files.append(n)
     if not ck.model_files:
         raise CheckpointError(f"{ck.dir}: no mp_rank_*_model_states.pt file; not a DeepSpeed checkpoint")
+    if "zero" in names and is_real_dir(ck.path("zero")):
+        raise CheckpointError(f"{ck.dir}: a DeepSpeed universal checkpoint (its zero/ directory) is not read yet")
 
 
 def _check_ranks(ck: DsCheckpoint, files: dict, what: str, dps: range, mps: range) -> None:
@@ -180,7 +182,10 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
             zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
             ck.stage = int(osd["zero_stage"]) if "zero_stage" in osd else int(zero.get("stage", 0) or 0)
             ck.layout = "flat"
-    elif zero3:
+    elif not zero3:  # the optimizer files left out: the module's own weights, at the config's stage
+        zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+        ck.stage = int(zero.get("stage", 0) or 0) if isinstance(zero, dict) else 0
+    else:
         raise CheckpointError(f"{ck.dir}: ZeRO-3 model-states files but no optimizer-states files; the weights "
                               "live in the optimizer files")
     module = state["module"]
