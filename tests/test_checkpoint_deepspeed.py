@@ -1,6 +1,7 @@
 """`fnzero export` / `fnzero checkpoint info` of checkpoints DeepSpeed 0.19.8 itself wrote
 (specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
-weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 (world 2), and for a
+weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
+dynamic loss scaler (world 2), and for a
 two-stage pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read).
 
 DeepSpeed runs in a subprocess (`tests/scripts/deepspeed_checkpoints.py`, once per session, all
@@ -23,8 +24,8 @@ from safetensors.torch import load_file
 from fnzero.checkpoint import export, info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "pipe_fp32",
-         "pipe_bf16"]
+NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
+         "pipe_fp32", "pipe_bf16"]
 
 
 def _deepspeed_python() -> str | None:
@@ -68,16 +69,22 @@ def test_export_equals_what_deepspeeds_engine_holds(ds_checkpoints, name, tmp_pa
         assert set(got) == set(expected)
 
 
-@pytest.mark.parametrize("name", ["s0_bf16", "s3_bf16", "pipe_bf16"])
+@pytest.mark.parametrize("name", ["s0_bf16", "s3_bf16", "pipe_bf16", "s2_fp16"])
 def test_info_describes_the_checkpoint(ds_checkpoints, name):
     rep = info(os.path.join(ds_checkpoints, name), verify=True)
     [c] = rep["checkpoints"]
-    assert (rep["format"], rep["latest"], c["tag"], c["step"], c["param_dtype"], c["master_dtype"]) == (
-        "deepspeed", "global_step2", "global_step2", 2, "bfloat16", "float32")
+    assert (rep["format"], rep["latest"], c["tag"], c["step"], c["master_dtype"]) == (
+        "deepspeed", "global_step2", "global_step2", 2, "float32")
     assert c["health"] == "ok (every tensor read and checked)"
-    assert c["deepspeed"]["lr_scheduler"] == {"last_batch_iteration": 1} and c["deepspeed"]["skipped_steps"] == 0
-    assert (c["stage"], c["world_size"], c["deepspeed"]["pp_degree"]) == {
-        "s0_bf16": (0, 2, 1), "s3_bf16": (3, 2, 1), "pipe_bf16": (0, 1, 2)}[name]
+    assert c["deepspeed"]["lr_scheduler"] == {"last_batch_iteration": 1}
+    assert (c["stage"], c["world_size"], c["deepspeed"]["pp_degree"], c["param_dtype"]) == {
+        "s0_bf16": (0, 2, 1, "bfloat16"), "s3_bf16": (3, 2, 1, "bfloat16"), "pipe_bf16": (0, 1, 2, "bfloat16"),
+        "s2_fp16": (2, 2, 1, "float16")}[name]
+    if name == "s2_fp16":  # DynamicLossScaler read as data: 2**8, halved at each overflow-skipped step
+        skipped = c["deepspeed"]["skipped_steps"]
+        assert c["fp16_loss_scale"] == 2.0 ** (8 - skipped) or skipped == 0 and c["fp16_loss_scale"] >= 2.0**8
+    else:
+        assert c["deepspeed"]["skipped_steps"] == 0
 
 
 def test_the_commands_read_a_tag_directory(ds_checkpoints, tmp_path, capsys):

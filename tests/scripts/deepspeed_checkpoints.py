@@ -4,7 +4,7 @@ Run with an interpreter that has DeepSpeed (CPU is enough; gloo, two processes):
 
     python tests/scripts/deepspeed_checkpoints.py OUT s0_fp32 s2_bf16 pipe_fp32 moe_fp32 ...
 
-Each name `s{stage}_{fp32|bf16}` (or `pipe_*`, `moe_*`) is one small model trained two steps by
+Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*`) is one small model trained two steps by
 one engine, saved to `OUT/NAME/` with DeepSpeed's `save_checkpoint`; every engine runs in the same
 two processes (one `import deepspeed`, one process group). `OUT/NAME/expected.pt` holds the full
 fp32 weights DeepSpeed's engine holds after the save (`safe_get_full_fp32_param` of every trainable
@@ -85,6 +85,8 @@ def _config(stage: int, dtype: str) -> dict:
            "zero_optimization": {"stage": stage}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":  # dynamic loss scaling: the files then hold a DynamicLossScaler
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}
     if stage == 3:  # so that even these tiny parameters are partitioned
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_model_persistence_threshold=0)
     return cfg
@@ -132,7 +134,7 @@ def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
 
         params = split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "params"})
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=_config(stage, prec))
-    dt = torch.bfloat16 if prec == "bf16" else torch.float32
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec, torch.float32)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(2):
         x, y = torch.randn(2, D, generator=g).to(dt), torch.randn(2, D, generator=g).to(dt)
