@@ -1,8 +1,9 @@
 """`fnzero export` / `fnzero checkpoint info` of checkpoints DeepSpeed 0.19.8 itself wrote
 (specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
 weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
-dynamic loss scaler (world 2), and for a
-two-stage pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read).
+dynamic loss scaler (world 2), for a MoE model at ZeRO-2 (4 experts over 2 expert-parallel
+ranks, named by global expert id as DeepSpeed's expert files name them), and for a two-stage
+pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read).
 
 DeepSpeed runs in a subprocess (`tests/scripts/deepspeed_checkpoints.py`, once per session, all
 checkpoints from one pair of processes: ~12 s on two idle cores), with the interpreter named by
@@ -25,7 +26,7 @@ from fnzero.checkpoint import export, info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
-         "pipe_fp32", "pipe_bf16"]
+         "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
 
 
 def _deepspeed_python() -> str | None:
@@ -66,7 +67,7 @@ def test_export_equals_what_deepspeeds_engine_holds(ds_checkpoints, name, tmp_pa
     if name.startswith("s"):  # the tied head is written under its own name too, as state_dict() has it
         assert set(got) == set(expected) | {"head.weight"} and torch.equal(got["head.weight"], got["emb.weight"])
     else:
-        assert set(got) == set(expected)
+        assert set(got) == set(expected), set(got) ^ set(expected)
 
 
 @pytest.mark.parametrize("name", ["s0_bf16", "s3_bf16", "pipe_bf16", "s2_fp16"])

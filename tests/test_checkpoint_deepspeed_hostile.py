@@ -141,12 +141,21 @@ def test_a_missing_rank_file_is_named(ds, tmp_path):
 def test_layouts_not_read_yet_are_refused_by_name(ds, tmp_path):
     root, _ = ds
     d = os.path.join(root, TAG)
-    torch.save({"a": torch.zeros(1)}, os.path.join(d, "layer_0_expert_0_mp_rank_00_model_states.pt"))
+    expert = os.path.join(d, "layer_0_expert_0_mp_rank_00_model_states.pt")
+    torch.save({"a": torch.zeros(1)}, expert)
+    with pytest.raises(CheckpointError, match=r"layer_0_expert_0_mp_rank_00_model_states\.pt: 'a' is not a "
+                                              r"DeepSpeed expert's parameter"):
+        export(root, str(tmp_path / "out"), progress=False)
+    for r in range(2):  # the same files as a ZeRO-3 layout: MoE there is not read yet
+        torch.save(_model_states(), os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+    os.remove(os.path.join(d, "mp_rank_00_model_states.pt"))
     with pytest.raises(CheckpointError, match=r"MoE checkpoint .*layer_0_expert_0_mp_rank_00_model_states\.pt"):
         export(root, str(tmp_path / "out"), progress=False)
-    os.remove(os.path.join(d, "layer_0_expert_0_mp_rank_00_model_states.pt"))
+    os.remove(expert)
+    for r in range(2):
+        os.remove(os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
     tp = _model_states(mp_world_size=2, checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 2})
-    _rewrite(os.path.join(d, "mp_rank_00_model_states.pt"), tp)
+    torch.save(tp, os.path.join(d, "mp_rank_00_model_states.pt"))
     torch.save(tp, os.path.join(d, "mp_rank_01_model_states.pt"))
     for r in range(2):
         torch.save({}, os.path.join(d, f"bf16_zero_pp_rank_{r}_mp_rank_01_optim_states.pt"))

@@ -46,7 +46,9 @@ def _num_params(ck: DsCheckpoint) -> int:
         for (layer, _), name in ck.layer_files.items():
             module.update({f"{layer}.{k}": t for k, t in load_ds_file(ck.dir, name).items()})
     else:
-        module = load_ds_file(ck.dir, ck.model_files[(0, 0)])["module"]
+        module = dict(load_ds_file(ck.dir, ck.model_files[(0, 0)])["module"])
+        for name in (n for n in ck.expert_files if n.endswith("_model_states.pt")):  # MoE experts
+            module.update(load_ds_file(ck.dir, name))
     buffers = set(ck.meta.get("buffer_names") or ())
     seen, n = set(), 0
     for name, t in module.items():

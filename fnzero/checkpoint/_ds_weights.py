@@ -8,6 +8,7 @@ first from `param_shapes`: the peak is the output plus one (mapped) file.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,77 @@ def _fragment_shapes(ck: DsCheckpoint, mp: int, module: dict) -> list[list[tuple
     return [[(n, tuple(module[n].shape)) for n in g] for g in groups]
 
 
+def _replicas(ck: DsCheckpoint, osd: dict, n: int, where: str) -> list[int]:
+    """Per group, how many different flat buffers the ranks hold: 1, or for a MoE expert group
+    (partitioned over the expert-data-parallel ranks only, `partition_count`) the expert-parallel
+    size: rank r holds partition r // ep of expert-parallel rank r % ep's experts."""
+    counts = osd.get("partition_count") or [ck.dp] * n
+    if not isinstance(counts, list) or len(counts) != n or any(type(c) is not int or c < 1 or ck.dp % c
+                                                                 for c in counts):
+        raise CheckpointError(f"{where}: 'partition_count' should be {n} divisors of the world size {ck.dp}")
+    if any(c != ck.dp for c in counts) and (ck.meta.get("ds_config") or {}).get("use_data_before_expert_parallelism"):
+        raise CheckpointError(f"{where}: use_data_before_expert_parallelism lays experts out in a way not read yet")
+    return [ck.dp // c for c in counts]
+
+
+def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """Each group's flat fp32 buffer (one per expert replica), filled from every rank's file in
+    rank order; the alignment paddings after each parameter."""
+    align: list[list[int]] = [[0] * len(g) for g in shapes]
+    flats, filled, reps = [], [], []
+    for r in range(ck.dp):
+        osd, where = _optim(ck, r, mp)
+        parts = _list(osd, "single_partition_of_fp32_groups", len(shapes), where)
+        pads = _list(osd, "group_paddings", len(shapes), where)
+        if r == 0:
+            reps = _replicas(ck, osd, len(shapes), where)
+            align = osd.get("param_alignment_paddings") or align  # (absent before DeepSpeed 0.19)
+            flats = [[torch.empty(sum(math.prod(s) for _, s in g) + sum(a), dtype=torch.float32) for _ in range(e)]
+                     for g, a, e in zip(shapes, _list({"a": align}, "a", len(shapes), where), reps)]
+            filled = [[0] * e for e in reps]
+        for g, (part, pad) in enumerate(zip(parts, pads)):
+            if not isinstance(part, torch.Tensor) or part.dim() != 1:
+                raise CheckpointError(f"{where}: single_partition_of_fp32_groups[{g}] is not a flat tensor")
+            # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
+            content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
+            e = r % reps[g]
+            flat, at = flats[g][e], filled[g][e]
+            if at + content.numel() > flat.numel():
+                raise CheckpointError(
+                    f"{where}: group {g} partition holds {content.numel()} elements past the {flat.numel()} "
+                    "that param_shapes account for (param_shapes disagree with the partition sizes)")
+            flat[at: at + content.numel()] = content
+            filled[g][e] += content.numel()
+        del osd, parts
+    for g, (f, n) in enumerate(zip(flats, filled)):
+        if any(a != b.numel() for a, b in zip(n, f)):
+            raise CheckpointError(f"{ck.dir}: group {g}: the ranks' partitions hold {n} elements, param_shapes account "
+                                  f"for {f[0].numel()} (param_shapes disagree with the partition sizes)")
+    return flats, align
+
+
+_EXPERT_ID = re.compile(r"(deepspeed_experts\.)(\d+)(?=\.)")
+
+
+def _global_names(group: list[tuple[str, tuple]], replica: int) -> list[str]:
+    """A MoE group's local names (`...deepspeed_experts.1.weight` on every rank) renamed to the global
+    expert ids of expert-parallel rank `replica`, as DeepSpeed names them in its expert files."""
+    local: dict[str, set[int]] = {}
+    for name, _ in group:
+        if m := _EXPERT_ID.search(name):
+            local.setdefault(name[: m.start()], set()).add(int(m[2]))
+    if replica == 0 and len(local) == 0:
+        return [n for n, _ in group]
+
+    def rename(name: str) -> str:
+        m = _EXPERT_ID.search(name)
+        if m is None:
+            raise CheckpointError(f"parameter {name!r} of a MoE expert group is not named as a DeepSpeed expert")
+        return f"{name[: m.start()]}{m[1]}{replica * len(local[name[: m.start()]]) + int(m[2])}{name[m.end():]}"
+
+    return [rename(n) for n, _ in group]
+
+
 def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict) -> dict[str, torch.Tensor]:
     """Stages 1-2 (and BF16_Optimizer): each group's flat fp32 buffer, cut into `dp` partitions,
     rank r holding partition r less the tail padding (`group_paddings`). `meta`: model-parallel
@@ -83,40 +155,16 @@ def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict) -> dict[str, to
         shapes = _fragment_shapes(ck, mp, module)
     else:
         shapes = _shapes(meta, ck.path(ck.model_files[(0, mp)]))
-    align: list[list[int]] = [[0] * len(g) for g in shapes]
-    flats = [None] * len(shapes)
-    filled = [0] * len(shapes)
-    for r in range(ck.dp):
-        osd, where = _optim(ck, r, mp)
-        parts = _list(osd, "single_partition_of_fp32_groups", len(shapes), where)
-        pads = _list(osd, "group_paddings", len(shapes), where)
-        if r == 0:
-            align = osd.get("param_alignment_paddings") or align  # (absent before DeepSpeed 0.19)
-            flats = [torch.empty(sum(math.prod(s) for _, s in g) + sum(a), dtype=torch.float32)
-                     for g, a in zip(shapes, _list({"a": align}, "a", len(shapes), where))]
-        for g, (part, pad) in enumerate(zip(parts, pads)):
-            if not isinstance(part, torch.Tensor) or part.dim() != 1:
-                raise CheckpointError(f"{where}: single_partition_of_fp32_groups[{g}] is not a flat tensor")
-            # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
-            content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
-            if filled[g] + content.numel() > flats[g].numel():
-                raise CheckpointError(
-                    f"{where}: group {g} partition holds {content.numel()} elements past the {flats[g].numel()} "
-                    "that param_shapes account for (param_shapes disagree with the partition sizes)")
-            flats[g][filled[g]: filled[g] + content.numel()] = content
-            filled[g] += content.numel()
-        del osd, parts
+    flats, align = _partitions(ck, mp, shapes)
     out = {}
     for g, group in enumerate(shapes):
-        if filled[g] != flats[g].numel():
-            raise CheckpointError(
-                f"{ck.dir}: group {g}: the ranks' partitions hold {filled[g]} elements, param_shapes account for "
-                f"{flats[g].numel()} (param_shapes disagree with the partition sizes)")
-        off = 0
-        for (name, shape), pad in zip(group, align[g]):
-            n = math.prod(shape)
-            out[name] = flats[g][off: off + n].view(shape)
-            off += n + int(pad)
+        for e, flat in enumerate(flats[g]):
+            names = _global_names(group, e) if len(flats[g]) > 1 else [n for n, _ in group]
+            off = 0
+            for name, (_, shape), pad in zip(names, group, align[g]):
+                n = math.prod(shape)
+                out[name] = flat[off: off + n].view(shape)
+                off += n + int(pad)
     return out
 
 
@@ -211,9 +259,25 @@ def _refuse_unread(ck: DsCheckpoint) -> None:
     if ck.tp > 1:
         raise CheckpointError(f"{ck.dir}: a tensor-parallel DeepSpeed checkpoint (tp degree {ck.tp}) is not read "
                               "yet: its model-parallel shards join along dimensions the files do not record")
-    if ck.expert_files:
+    if ck.expert_files and (ck.layout == "per_param" or ck.layer_files or
+                            (ck.layout == "whole" and ck.precision != "fp32")):
         raise CheckpointError(f"{ck.dir}: a DeepSpeed MoE checkpoint (expert files such as "
-                              f"{sorted(ck.expert_files)[0]}) is not read yet")
+                              f"{sorted(ck.expert_files)[0]}) is read at ZeRO-1/2, or at stage 0 in fp32, not this "
+                              "one (ZeRO-3, pipeline, or a stage-0 low-precision optimizer) yet")
+
+
+def _experts(ck: DsCheckpoint) -> dict:
+    """The MoE expert files' tensors (the experts' own weights, under their global ids)."""
+    out = {}
+    for name in sorted(n for n in ck.expert_files if n.endswith("_model_states.pt")):
+        sd = load_ds_file(ck.dir, name)
+        if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+            raise CheckpointError(f"{ck.path(name)}: not an expert state dict (name -> tensor)")
+        for key in sd:
+            if not _EXPERT_ID.search(str(key)):
+                raise CheckpointError(f"{ck.path(name)}: {str(key)[:60]!r} is not a DeepSpeed expert's parameter")
+        out.update(sd)
+    return out
 
 
 def _module_of(ck: DsCheckpoint, mp: int) -> tuple[dict, dict]:
@@ -249,6 +313,8 @@ def _sources(ck: DsCheckpoint) -> tuple[dict, set, dict, set | None]:
             if not isinstance(state.get("module"), dict):
                 raise CheckpointError(f"{ck.path(ck.model_files[(0, mp)])}: 'module' is not a state dict")
             module.update(state["module"])
+            if mp == mps[0]:
+                module.update(_experts(ck))
         if ck.layout == "flat":
             masters.update(_zero12(ck, mp, meta, module))
         else:

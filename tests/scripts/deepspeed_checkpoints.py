@@ -111,8 +111,26 @@ def _full_fp32(deepspeed, torch, eng, p):
     return p.detach().clone().float()
 
 
+def _global_names(eng) -> dict:
+    """A MoE layer's expert parameters under the global expert ids its expert files use (each
+    rank's module numbers its own experts from 0), as DeepSpeed's `_save_moe_checkpoint` renames them."""
+    import re
+
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    names = {}
+    for prefix, module in eng.module.named_modules():
+        if isinstance(module, MoE):
+            first = groups._get_expert_parallel_rank(module.expert_group_name) * module.num_local_experts
+            for n, _ in module.named_parameters(prefix=prefix):
+                names[n] = re.sub(r"(deepspeed_experts\.)(\d+)", lambda m: f"{m[1]}{first + int(m[2])}", n)
+    return names
+
+
 def _expected(deepspeed, torch, eng, dist) -> dict:
-    out = {n: _full_fp32(deepspeed, torch, eng, p) for n, p in eng.module.named_parameters()}
+    renamed = _global_names(eng)
+    out = {renamed.get(n, n): _full_fp32(deepspeed, torch, eng, p) for n, p in eng.module.named_parameters()}
     out.update({n: b.detach().clone() for n, b in eng.module.named_buffers()})
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)  # pipeline stages and expert ranks each hold their own part
