@@ -177,3 +177,34 @@ def test_exclude_frozen_is_refused_where_the_files_do_not_say_what_was_frozen(tm
     assert torch.equal(load_file(out)["w"], torch.ones(2))
     with pytest.raises(CheckpointError, match=r"does not record which parameters were frozen"):
         export(str(d), str(tmp_path / "out2"), exclude_frozen=True, progress=False)
+
+
+MODEL_FIELDS = [("param_shapes", "x"), ("param_shapes", [{"a.weight": "abc"}]), ("param_shapes", [{"a.weight": [-3]}]),
+                ("module", None), ("module", {"a.weight": 3}), ("buffer_names", 5), ("shared_params", {"x": 5}),
+                ("shared_params", {"a.bias": "nope"}), ("dp_world_size", "2"), ("dp_world_size", 0),
+                ("dp_world_size", 3), ("mp_world_size", None), ("checkpoint_parallel_dimensions", "x"),
+                ("checkpoint_parallel_dimensions", {"tp_degree": "a"}), ("frozen_param_shapes", 5),
+                ("ds_config", [1])]
+OPTIM_FIELDS = [("group_paddings", ["x"]), ("group_paddings", [-5]), ("single_partition_of_fp32_groups", [None]),
+                ("single_partition_of_fp32_groups", [torch.zeros(2, 2)]), ("param_alignment_paddings", "abc"),
+                ("param_alignment_paddings", [[1, 1, 1]]), ("partition_count", [0]), ("partition_count", "x"),
+                ("zero_stage", "two")]
+
+
+@pytest.mark.parametrize("field,value", MODEL_FIELDS + OPTIM_FIELDS, ids=lambda v: str(v)[:20])
+def test_fields_of_the_wrong_type_or_range_are_one_error(ds, tmp_path, field, value):
+    root, _ = ds
+    d = os.path.join(root, TAG)
+    if (field, value) in MODEL_FIELDS:
+        _rewrite(os.path.join(d, "mp_rank_00_model_states.pt"), _model_states(**{field: value}))
+    else:
+        victim = os.path.join(d, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        sd = torch.load(victim, weights_only=True)
+        sd["optimizer_state_dict"][field] = value
+        _rewrite(victim, sd)
+    try:
+        export(root, str(tmp_path / "out"), progress=False)
+    except CheckpointError as e:
+        assert TAG in str(e)
+    [c] = info(root, verify=True)["checkpoints"]
+    assert c["health"] == "ok (every tensor read and checked)" or c["health"].startswith("BROKEN")

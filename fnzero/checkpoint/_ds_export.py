@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from ._ds_layout import DsCheckpoint, describe, ds_tags, find_tag_dir
+from ._ds_layout import DsCheckpoint, describe, ds_tags, find_tag_dir, malformed
 from ._ds_pickle import load_ds_file
 from ._ds_weights import DsWeights, consolidate
 from ._load import read_latest
@@ -23,8 +23,9 @@ _PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def ds_weights(path, tag: str | None, exclude_frozen: bool) -> tuple[DsCheckpoint, DsWeights]:
     """The checkpoint and its full weights, frozen ones dropped with `exclude_frozen`."""
-    ck = describe(path, tag)
-    w = consolidate(ck)
+    with malformed(os.fspath(path)):
+        ck = describe(path, tag)
+        w = consolidate(ck)
     if exclude_frozen:
         if not w.frozen_known:
             raise CheckpointError(f"{ck.dir}: exclude_frozen: this stage-0 DeepSpeed checkpoint (an fp32 run, no "
@@ -105,7 +106,8 @@ def ds_info(path, verify: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"path": root, "latest": latest, "format": "deepspeed", "checkpoints": []}
     for tag in tags:
         try:
-            out["checkpoints"].append(_entry(describe(root, tag), verify))
+            with malformed(os.path.join(root, tag)):
+                out["checkpoints"].append(_entry(describe(root, tag), verify))
         except (CheckpointError, OSError) as e:
             out["checkpoints"].append({"tag": tag, "format": "deepspeed", "health": f"BROKEN: {e}"})
     if problem is not None:

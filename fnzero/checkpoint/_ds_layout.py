@@ -7,6 +7,7 @@ file is there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from ._ds_pickle import load_ds_file
 from ._load import read_latest
 from ._safe import entry_kind, is_real_dir
 
-__all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags"]
+__all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags", "check_meta", "malformed"]
 
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
@@ -151,6 +152,49 @@ def _precision(ck: DsCheckpoint, module) -> str:
     return "fp32"
 
 
+@contextlib.contextmanager
+def malformed(where: str):
+    """A field of a shape the checks before did not foresee still ends as one `CheckpointError`
+    naming the checkpoint, never a raw error from deep inside the reader."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: malformed DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _is_shape(s) -> bool:
+    return isinstance(s, (list, tuple)) and all(type(d) is int and d >= 0 for d in s)
+
+
+def _is_str_map(m, value) -> bool:
+    return isinstance(m, dict) and all(isinstance(k, str) and value(v) for k, v in m.items())
+
+
+_META_RULES = {  # key: (check, what it must be); absent and None are accepted where DeepSpeed writes None
+    "module": (lambda m: _is_str_map(m, lambda t: isinstance(t, torch.Tensor)), "a state dict (name -> tensor)"),
+    "buffer_names": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of names"),
+    "param_shapes": (lambda v: isinstance(v, list) and all(_is_str_map(g, _is_shape) for g in v),
+                     "a list of name -> shape maps"),
+    "frozen_param_shapes": (lambda v: _is_str_map(v, _is_shape), "a name -> shape map"),
+    "shared_params": (lambda v: _is_str_map(v, lambda o: isinstance(o, str)), "an alias -> name map"),
+    "dp_world_size": (lambda v: type(v) is int and v >= 1, "a positive int"),
+    "mp_world_size": (lambda v: type(v) is int and v >= 1, "a positive int"),
+    "checkpoint_parallel_dimensions": (lambda v: _is_str_map(v, lambda d: type(d) is int and d >= 1),
+                                       "a map of positive degrees"),
+    "ds_config": (lambda v: isinstance(v, dict), "a dict"),
+    "global_steps": (lambda v: type(v) is int, "an int"),
+    "skipped_steps": (lambda v: type(v) is int, "an int"),
+}
+
+
+def check_meta(state: dict, where: str) -> None:
+    for key, (ok, what) in _META_RULES.items():
+        if state.get(key) is not None and not ok(state[key]):
+            raise CheckpointError(f"{where}: '{key}' should be {what}")
+
+
 def describe(path, tag: str | None = None) -> DsCheckpoint:
     """The DeepSpeed checkpoint `path` (and `tag`) names, with its layout checked."""
     root, tag = find_tag_dir(path, tag)
@@ -160,6 +204,7 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
     state = load_ds_file(ck.dir, first)
     if not isinstance(state, dict) or "module" not in state:
         raise CheckpointError(f"{ck.path(first)}: holds no 'module' entry; not a DeepSpeed model-states file")
+    check_meta(state, ck.path(first))
     ck.meta = {k: v for k, v in state.items() if k not in ("module", "optimizer")}
     dims = ck.meta.get("checkpoint_parallel_dimensions") or {}
     mp_world = int(ck.meta.get("mp_world_size") or 1)
@@ -180,7 +225,10 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
             # BF16_Optimizer (a bf16 run at stage 0 or 1) writes no zero_stage, in ZeRO-1's layout.
             ck.meta["bf16_optimizer"] = "zero_stage" not in osd
             zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
-            ck.stage = int(osd["zero_stage"]) if "zero_stage" in osd else int(zero.get("stage", 0) or 0)
+            stage = osd["zero_stage"] if "zero_stage" in osd else zero.get("stage", 0) or 0
+            if type(stage) is not int or stage not in (0, 1, 2, 3):
+                raise CheckpointError(f"{ck.path(ck.optim_files[(0, 0)])}: 'zero_stage' should be a ZeRO stage")
+            ck.stage = stage
             ck.layout = "flat"
     elif not zero3:  # the optimizer files left out: the module's own weights, at the config's stage
         zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._errors import CheckpointError
-from ._ds_layout import DsCheckpoint
+from ._ds_layout import DsCheckpoint, check_meta
 from ._ds_pickle import load_ds_file
 
 __all__ = ["DsWeights", "consolidate"]
@@ -285,6 +285,7 @@ def _module_of(ck: DsCheckpoint, mp: int) -> tuple[dict, dict]:
     state = load_ds_file(ck.dir, name)
     if not isinstance(state, dict):
         raise CheckpointError(f"{ck.path(name)}: not a DeepSpeed model-states dict")
+    check_meta(state, ck.path(name))
     return state, {k: v for k, v in state.items() if k not in ("module", "optimizer")}
 
 
