@@ -2,8 +2,9 @@
 (specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
 weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
 dynamic loss scaler (world 2), for a MoE model at ZeRO-2 (4 experts over 2 expert-parallel
-ranks, named by global expert id as DeepSpeed's expert files name them), and for a two-stage
-pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read).
+ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
+pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read), and for a tiny
+Hugging Face Llama at ZeRO-3, whose export with its config loads with `from_pretrained`.
 
 DeepSpeed runs in a subprocess (`tests/scripts/deepspeed_checkpoints.py`, once per session, all
 checkpoints from one pair of processes: ~12 s on two idle cores), with the interpreter named by
@@ -26,7 +27,7 @@ from fnzero.checkpoint import export, info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
-         "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
+         "llama_bf16", "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
 
 
 def _deepspeed_python() -> str | None:
@@ -86,6 +87,17 @@ def test_info_describes_the_checkpoint(ds_checkpoints, name):
         assert c["fp16_loss_scale"] == 2.0 ** (8 - skipped) or skipped == 0 and c["fp16_loss_scale"] >= 2.0**8
     else:
         assert c["deepspeed"]["skipped_steps"] == 0
+
+
+def test_a_hugging_face_model_exported_with_its_config_loads_with_from_pretrained(ds_checkpoints, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    root = os.path.join(ds_checkpoints, "llama_bf16")
+    paths = export(root, str(tmp_path), hf_config=os.path.join(root, "hf"), progress=False)
+    assert sorted(os.path.basename(p) for p in paths) == ["config.json", "model.safetensors"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    expected, got = torch.load(os.path.join(root, "expected.pt"), weights_only=True), model.state_dict()
+    assert type(model).__name__ == "LlamaForCausalLM" and set(got) == set(expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
 
 
 def test_the_commands_read_a_tag_directory(ds_checkpoints, tmp_path, capsys):

@@ -4,7 +4,8 @@ Run with an interpreter that has DeepSpeed (CPU is enough; gloo, two processes):
 
     python tests/scripts/deepspeed_checkpoints.py OUT s0_fp32 s2_bf16 pipe_fp32 moe_fp32 ...
 
-Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*`) is one small model trained two steps by
+Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*`, `llama_*`: a tiny Hugging Face Llama at
+ZeRO-3, its `config.json` in `NAME/hf/`) is one small model trained two steps by
 one engine, saved to `OUT/NAME/` with DeepSpeed's `save_checkpoint`; every engine runs in the same
 two processes (one `import deepspeed`, one process group). `OUT/NAME/expected.pt` holds the full
 fp32 weights DeepSpeed's engine holds after the save (`safe_get_full_fp32_param` of every trainable
@@ -77,6 +78,23 @@ def _moe(torch):
     return M()
 
 
+def _llama(torch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+def _persistent_buffers(module) -> dict:
+    out = {}
+    for prefix, m in module.named_modules():
+        for n, b in m._buffers.items():
+            if b is not None and n not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{n}" if prefix else n] = b.detach().clone()
+    return out
+
+
 def _config(stage: int, dtype: str) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
@@ -131,7 +149,7 @@ def _global_names(eng) -> dict:
 def _expected(deepspeed, torch, eng, dist) -> dict:
     renamed = _global_names(eng)
     out = {renamed.get(n, n): _full_fp32(deepspeed, torch, eng, p) for n, p in eng.module.named_parameters()}
-    out.update({n: b.detach().clone() for n, b in eng.module.named_buffers()})
+    out.update(_persistent_buffers(eng.module))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, out)  # pipeline stages and expert ranks each hold their own part
     merged = {}
@@ -143,9 +161,9 @@ def _expected(deepspeed, torch, eng, dist) -> dict:
 
 def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
     kind, prec = name.split("_")
-    stage = int(kind[1:]) if kind.startswith("s") else (2 if kind == "moe" else 0)
+    stage = int(kind[1:]) if kind.startswith("s") else {"moe": 2, "llama": 3}.get(kind, 0)
     torch.manual_seed(0)
-    model = {"pipe": _pipe, "moe": _moe}.get(kind, _mlp)(torch)
+    model = {"pipe": _pipe, "moe": _moe, "llama": _llama}.get(kind, _mlp)(torch)
     params = [p for p in model.parameters()]
     if kind == "moe":
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -158,10 +176,16 @@ def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
         x, y = torch.randn(2, D, generator=g).to(dt), torch.randn(2, D, generator=g).to(dt)
         if kind == "pipe":
             eng.train_batch(data_iter=iter([(x, y)]))
+        elif kind == "llama":
+            ids = torch.randint(0, 64, (2, 8), generator=g)
+            eng.backward(eng(input_ids=ids, labels=ids).loss)
+            eng.step()
         else:
             eng.backward(torch.nn.functional.mse_loss(eng(x), y))
             eng.step()
     eng.save_checkpoint(os.path.join(out, name))
+    if kind == "llama" and rank == 0:  # what the Trainer's save_model writes beside it
+        model.config.save_pretrained(os.path.join(out, name, "hf"))
     expected = _expected(deepspeed, torch, eng, dist)
     if rank == 0:
         torch.save(expected, os.path.join(out, name, "expected.pt"))
