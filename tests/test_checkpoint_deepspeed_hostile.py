@@ -208,3 +208,13 @@ def test_fields_of_the_wrong_type_or_range_are_one_error(ds, tmp_path, field, va
         assert TAG in str(e)
     [c] = info(root, verify=True)["checkpoints"]
     assert c["health"] == "ok (every tensor read and checked)" or c["health"].startswith("BROKEN")
+
+
+def test_a_rank_file_that_is_a_link_is_refused(ds, tmp_path):
+    root, _ = ds
+    victim = os.path.join(root, TAG, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    outside = str(tmp_path / "elsewhere.pt")
+    os.replace(victim, outside)
+    os.symlink(outside, victim)
+    with pytest.raises(CheckpointError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt is a symbolic link"):
+        export(root, str(tmp_path / "out"), progress=False)
