@@ -21,6 +21,8 @@ import torch
 
 from .._errors import CheckpointError
 from ..sharding import default_collectives
+from ._ds_export import ds_weights
+from ._ds_layout import is_deepspeed
 from ._hf_config import hf_source, write_hf_files
 from ._io import fsync_dir, tensor_bytes
 from ._load import Reader, resolve
@@ -302,6 +304,9 @@ def export(
         return rounds.result()
 
     def write() -> list[str]:
+        if is_deepspeed(path):
+            return _write_deepspeed(path, out, want, tag, exclude_frozen, Naming(tied, (), None), format,
+                                    max_shard_size, progress, hf, rounds.beat)
         with Reader(resolve(path, tag)) as rd:
             entries = _stored_entries(rd, want, Naming.of_index(rd.index, tied), exclude_frozen)
             ix = rd.index
@@ -310,6 +315,23 @@ def export(
         return paths + write_hf_files(hf, os.path.dirname(paths[0]), want)
 
     return rounds.write(write)
+
+
+def _write_deepspeed(path, out, want, tag, exclude_frozen, naming: Naming, fmt, max_shard_size, progress, hf,
+                     tick) -> list[str]:
+    """`export` of a DeepSpeed checkpoint directory (`specs/checkpoint-format.md` §DeepSpeed): its
+    full weights (`_ds_weights.py`) through the same writer, every state_dict name (no model says
+    which of a tie `save_pretrained` keeps)."""
+    ck, w = ds_weights(path, tag, exclude_frozen)
+    entries = []
+    for name, t in w.tensors.items():
+        dt = _cast_dtype(t.dtype, want)
+        flat = t.reshape(-1)
+        entries += naming.entries([name, *w.aliases.get(name, [])], t.shape, dt,
+                                  lambda a, b, flat=flat, dt=dt: flat[a:b].to(dt))
+    meta = {"format": "pt", "deepspeed_tag": ck.tag, "deepspeed_global_steps": str(ck.meta.get("global_steps"))}
+    paths = _write_all(entries, out, fmt, max_shard_size, progress, meta, tick=tick)
+    return paths + write_hf_files(hf, os.path.dirname(paths[0]), want)
 
 
 def _stored_entries(rd: Reader, want, naming: Naming, exclude_frozen: bool) -> list[_Entry]:

@@ -9,6 +9,8 @@ import torch
 
 from .._errors import CheckpointError
 from . import _format as F
+from ._ds_export import ds_info
+from ._ds_layout import is_deepspeed
 from ._load import Reader, list_tags, read_latest
 from ._safe import entry_kind
 
@@ -47,6 +49,8 @@ def info(path: str | os.PathLike, *, verify: bool = False) -> dict[str, Any]:
     precision (`param_dtype`: the dtype the parameters are stored in; `master_dtype`: the master
     copy's, None without one), optimizer, bytes on disk, config JSON and `health` ('ok' or the
     error a load would raise). `verify=True` also checks every checksum (reads everything)."""
+    if is_deepspeed(path):  # a DeepSpeed save or tag directory (`specs/checkpoint-format.md` §DeepSpeed)
+        return ds_info(path, verify)
     root = os.path.abspath(os.fspath(path))
     if entry_kind(os.path.join(root, F.INDEX_NAME)) is not None:  # a single checkpoint directory
         root, tags = os.path.dirname(root), [os.path.basename(root)]

@@ -1,0 +1,243 @@
+"""Which DeepSpeed checkpoint a directory holds, and what it is (`specs/checkpoint-format.md`
+§DeepSpeed, "Finding the checkpoint"): the save directory (with `latest`), one `global_stepN` tag
+directory, or a Hugging Face Trainer `checkpoint-N/` holding one. `describe` reads the first
+model-states file (its small fields; tensors stay mapped, unread) and checks that every rank's
+file is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .._errors import CheckpointError
+from ._ds_pickle import load_ds_file
+from ._load import read_latest
+from ._safe import entry_kind, is_real_dir
+
+__all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags", "check_meta", "malformed"]
+
+_MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+_LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+_EXPERT = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_EXPP = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+@dataclass
+class DsCheckpoint:
+    """One DeepSpeed checkpoint (a tag directory) and what its files say."""
+
+    dir: str
+    tag: str
+    model_files: dict[tuple[int, int], str] = field(default_factory=dict)  # (dp, mp) -> name; dp 0 below stage 3
+    optim_files: dict[tuple[int, int], str] = field(default_factory=dict)  # (dp, mp) -> name
+    layer_files: dict[tuple[int, int], str] = field(default_factory=dict)  # (layer, tp) -> name
+    expert_files: list[str] = field(default_factory=list)
+    bf16_prefix: bool = False
+    meta: dict = field(default_factory=dict)  # the first model file, less `module` and `optimizer`
+    stage: int = 0  # as DeepSpeed's config names it, for reports; the reader goes by `layout`
+    # where the trainable weights are: "whole" (the module, and the optimizer's masters in the model
+    # file: stage 0), "flat" (flat fp32 partitions in the optimizer files: ZeRO-1/2, BF16_Optimizer),
+    # "per_param" (each parameter partitioned, the slices in the optimizer files: ZeRO-3)
+    layout: str = "whole"
+    precision: str = "fp32"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+
+def _ds_files(d: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(d) if n.endswith("_model_states.pt") or n.endswith("-model_states.pt")]
+    except OSError:
+        return []
+
+
+def _is_tag_dir(d: str) -> bool:
+    return is_real_dir(d) and bool(_ds_files(d))
+
+
+def ds_tags(root: str) -> list[str]:
+    """The DeepSpeed tag directories under `root`, in name order."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint directory {root!r}: {e.strerror}") from None
+    return [n for n in names if not n.startswith(".") and _is_tag_dir(os.path.join(root, n))]
+
+
+def is_deepspeed(path) -> bool:
+    """Whether `path` is a DeepSpeed checkpoint: a tag directory, or a directory whose `latest`
+    names one or that holds one (fnzero's own checkpoints hold an index instead)."""
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        return False
+    if _ds_files(root):
+        return True
+    try:
+        latest = read_latest(root)
+    except CheckpointError:
+        latest = None
+    if latest is not None:
+        return _is_tag_dir(os.path.join(root, latest))
+    return bool(ds_tags(root))
+
+
+def find_tag_dir(path, tag: str | None = None) -> tuple[str, str]:
+    """(root, tag) of the DeepSpeed checkpoint `path` names: itself when it is a tag directory,
+    else `tag` under it, else the one its `latest` names."""
+    root = os.path.abspath(os.fspath(path))
+    if _ds_files(root):
+        if tag is not None and tag != os.path.basename(root):
+            raise CheckpointError(f"{root!r} is the DeepSpeed checkpoint {os.path.basename(root)!r}; tag={tag!r} "
+                                  "names another (give the directory above it)")
+        return os.path.dirname(root), os.path.basename(root)
+    if tag is None:
+        tag = read_latest(root)
+        if tag is None:
+            raise CheckpointError(f"{root!r} has no 'latest' file; pass tag= (DeepSpeed tags here: {ds_tags(root)})")
+    if "/" in tag or tag in ("", ".", ".."):
+        raise CheckpointError(f"tag {tag[:60]!r} is not a directory name")
+    kind = entry_kind(os.path.join(root, tag))
+    if kind != "a directory" or not _ds_files(os.path.join(root, tag)):
+        what = "nothing" if kind is None else kind if kind != "a directory" else "a directory without DeepSpeed files"
+        raise CheckpointError(f"DeepSpeed checkpoint {tag!r} under {root!r} is {what}")
+    return root, tag
+
+
+def _classify(ck: DsCheckpoint, names: list[str]) -> None:
+    for n in names:
+        if m := _MODEL.match(n):
+            ck.model_files[(int(m.group(1) or 0), int(m.group(2)))] = n
+        elif m := _OPTIM.match(n):
+            ck.optim_files[(int(m.group(2)), int(m.group(3)))] = n
+            ck.bf16_prefix |= bool(m.group(1))
+        elif m := _LAYER.match(n):
+            ck.layer_files[(int(m.group(1)), int(m.group(2) or 0))] = n
+        elif _EXPERT.match(n) or _EXPP.match(n):
+            ck.expert_files.append(n)
+    if not ck.model_files:
+        raise CheckpointError(f"{ck.dir}: no mp_rank_*_model_states.pt file; not a DeepSpeed checkpoint")
+    if "zero" in names and is_real_dir(ck.path("zero")):
+        raise CheckpointError(f"{ck.dir}: a DeepSpeed universal checkpoint (its zero/ directory) is not read yet")
+
+
+def _check_ranks(ck: DsCheckpoint, files: dict, what: str, dps: range, mps: range) -> None:
+    for mp in mps:
+        for dp in dps:
+            if (dp, mp) not in files:
+                raise CheckpointError(f"{ck.dir}: the {what} file of data-parallel rank {dp}, model-parallel rank "
+                                      f"{mp} is missing (the checkpoint was saved by {len(dps)} rank(s))")
+
+
+def _precision(ck: DsCheckpoint, module) -> str:
+    if ck.bf16_prefix:
+        return "bf16"
+    skip = set(ck.meta.get("buffer_names") or ())
+    for name, t in (module or {}).items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and name not in skip:
+            return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(t.dtype, "fp32")
+    cfg = ck.meta.get("ds_config") or {}
+    for key in ("bf16", "fp16"):
+        if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:
+            return key
+    return "fp32"
+
+
+@contextlib.contextmanager
+def malformed(where: str):
+    """A field of a shape the checks before did not foresee still ends as one `CheckpointError`
+    naming the checkpoint, never a raw error from deep inside the reader."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError) as e:
+        raise CheckpointError(f"{where}: malformed DeepSpeed checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _is_shape(s) -> bool:
+    return isinstance(s, (list, tuple)) and all(type(d) is int and d >= 0 for d in s)
+
+
+def _is_str_map(m, value) -> bool:
+    return isinstance(m, dict) and all(isinstance(k, str) and value(v) for k, v in m.items())
+
+
+_META_RULES = {  # key: (check, what it must be); absent and None are accepted where DeepSpeed writes None
+    "module": (lambda m: _is_str_map(m, lambda t: isinstance(t, torch.Tensor)), "a state dict (name -> tensor)"),
+    "buffer_names": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v), "a list of names"),
+    "param_shapes": (lambda v: isinstance(v, list) and all(_is_str_map(g, _is_shape) for g in v),
+                     "a list of name -> shape maps"),
+    "frozen_param_shapes": (lambda v: _is_str_map(v, _is_shape), "a name -> shape map"),
+    "shared_params": (lambda v: _is_str_map(v, lambda o: isinstance(o, str)), "an alias -> name map"),
+    "dp_world_size": (lambda v: type(v) is int and v >= 1, "a positive int"),
+    "mp_world_size": (lambda v: type(v) is int and v >= 1, "a positive int"),
+    "checkpoint_parallel_dimensions": (lambda v: _is_str_map(v, lambda d: type(d) is int and d >= 1),
+                                       "a map of positive degrees"),
+    "ds_config": (lambda v: isinstance(v, dict), "a dict"),
+    "global_steps": (lambda v: type(v) is int, "an int"),
+    "skipped_steps": (lambda v: type(v) is int, "an int"),
+}
+
+
+def check_meta(state: dict, where: str) -> None:
+    for key, (ok, what) in _META_RULES.items():
+        if state.get(key) is not None and not ok(state[key]):
+            raise CheckpointError(f"{where}: '{key}' should be {what}")
+
+
+def describe(path, tag: str | None = None) -> DsCheckpoint:
+    """The DeepSpeed checkpoint `path` (and `tag`) names, with its layout checked."""
+    root, tag = find_tag_dir(path, tag)
+    ck = DsCheckpoint(dir=os.path.join(root, tag), tag=tag)
+    _classify(ck, sorted(os.listdir(ck.dir)))
+    first = ck.model_files[min(ck.model_files)]
+    state = load_ds_file(ck.dir, first)
+    if not isinstance(state, dict) or "module" not in state:
+        raise CheckpointError(f"{ck.path(first)}: holds no 'module' entry; not a DeepSpeed model-states file")
+    check_meta(state, ck.path(first))
+    ck.meta = {k: v for k, v in state.items() if k not in ("module", "optimizer")}
+    dims = ck.meta.get("checkpoint_parallel_dimensions") or {}
+    mp_world = int(ck.meta.get("mp_world_size") or 1)
+    ck.pp = int(dims.get("pp_degree", 1)) if ck.layer_files or dims else 1
+    ck.tp = int(dims.get("tp_degree", mp_world // max(ck.pp, 1)))
+    ck.dp = int(ck.meta.get("dp_world_size") or 1)
+    zero3 = any(dp > 0 for dp, _ in ck.model_files) or _MODEL.match(first).group(1) is not None
+    if zero3:
+        ck.stage, ck.layout = 3, "per_param"
+    _check_ranks(ck, ck.model_files, "model-states", range(ck.dp if zero3 else 1), range(mp_world))
+    if ck.optim_files:
+        _check_ranks(ck, ck.optim_files, "optimizer-states", range(ck.dp), range(mp_world))
+        if not zero3:
+            opt = load_ds_file(ck.dir, ck.optim_files[(0, 0)])
+            osd = opt.get("optimizer_state_dict") if isinstance(opt, dict) else None
+            if not isinstance(osd, dict):
+                raise CheckpointError(f"{ck.path(ck.optim_files[(0, 0)])}: no 'optimizer_state_dict' entry")
+            # BF16_Optimizer (a bf16 run at stage 0 or 1) writes no zero_stage, in ZeRO-1's layout.
+            ck.meta["bf16_optimizer"] = "zero_stage" not in osd
+            zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+            stage = osd["zero_stage"] if "zero_stage" in osd else zero.get("stage", 0) or 0
+            if type(stage) is not int or stage not in (0, 1, 2, 3):
+                raise CheckpointError(f"{ck.path(ck.optim_files[(0, 0)])}: 'zero_stage' should be a ZeRO stage")
+            ck.stage = stage
+            ck.layout = "flat"
+    elif not zero3:  # the optimizer files left out: the module's own weights, at the config's stage
+        zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+        ck.stage = int(zero.get("stage", 0) or 0) if isinstance(zero, dict) else 0
+    else:
+        raise CheckpointError(f"{ck.dir}: ZeRO-3 model-states files but no optimizer-states files; the weights "
+                              "live in the optimizer files")
+    module = state["module"]
+    if module is None and ck.layer_files:
+        module = load_ds_file(ck.dir, ck.layer_files[min(ck.layer_files)])
+    ck.precision = _precision(ck, module)
+    return ck

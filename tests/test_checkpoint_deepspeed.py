@@ -1,0 +1,112 @@
+"""`fnzero export` / `fnzero checkpoint info` of checkpoints DeepSpeed 0.19.8 itself wrote
+(specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
+weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
+dynamic loss scaler (world 2), for a MoE model at ZeRO-2 (4 experts over 2 expert-parallel
+ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
+pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read), and for a tiny
+Hugging Face Llama at ZeRO-3, whose export with its config loads with `from_pretrained`.
+
+DeepSpeed runs in a subprocess (`tests/scripts/deepspeed_checkpoints.py`, once per session, all
+checkpoints from one pair of processes: ~12 s on two idle cores), with the interpreter named by
+`FNZERO_DEEPSPEED_PYTHON`, else this one when it can import deepspeed; otherwise these tests skip,
+saying so. fnzero's side never imports DeepSpeed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fnzero.checkpoint import export, info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
+         "llama_bf16", "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
+
+
+def _deepspeed_python() -> str | None:
+    named = os.environ.get("FNZERO_DEEPSPEED_PYTHON")
+    if named:
+        return named
+    return sys.executable if importlib.util.find_spec("deepspeed") is not None else None
+
+
+@pytest.fixture(scope="session")
+def ds_checkpoints(tmp_path_factory):
+    python = _deepspeed_python()
+    if python is None:
+        pytest.skip("DeepSpeed is not importable here and FNZERO_DEEPSPEED_PYTHON names no interpreter that has it "
+                    "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8 in any venv; CPU is enough)")
+    out = str(tmp_path_factory.mktemp("deepspeed"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    env.pop("PYTHONPATH", None)  # DeepSpeed's interpreter has its own packages
+    t0 = time.monotonic()
+    run = subprocess.run([python, os.path.join(HERE, "scripts", "deepspeed_checkpoints.py"), out, *NAMES],
+                         env=env, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        pytest.fail(f"DeepSpeed could not write the checkpoints ({python}):\n{run.stderr[-4000:]}")
+    print(f"DeepSpeed wrote {len(NAMES)} checkpoints in {time.monotonic() - t0:.1f} s")
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_equals_what_deepspeeds_engine_holds(ds_checkpoints, name, tmp_path):
+    root = os.path.join(ds_checkpoints, name)
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    [out] = export(root, str(tmp_path), progress=False)
+    got = load_file(out)
+    for n, want in expected.items():
+        assert n in got, n
+        assert got[n].dtype == (torch.float32 if want.is_floating_point() else want.dtype), n
+        assert torch.equal(got[n].to(want.dtype), want), n
+    if name.startswith("s"):  # the tied head is written under its own name too, as state_dict() has it
+        assert set(got) == set(expected) | {"head.weight"} and torch.equal(got["head.weight"], got["emb.weight"])
+    else:
+        assert set(got) == set(expected), set(got) ^ set(expected)
+
+
+@pytest.mark.parametrize("name", ["s0_bf16", "s3_bf16", "pipe_bf16", "s2_fp16"])
+def test_info_describes_the_checkpoint(ds_checkpoints, name):
+    rep = info(os.path.join(ds_checkpoints, name), verify=True)
+    [c] = rep["checkpoints"]
+    assert (rep["format"], rep["latest"], c["tag"], c["step"], c["master_dtype"]) == (
+        "deepspeed", "global_step2", "global_step2", 2, "float32")
+    assert c["health"] == "ok (every tensor read and checked)"
+    assert c["deepspeed"]["lr_scheduler"] == {"last_batch_iteration": 1}
+    assert (c["stage"], c["world_size"], c["deepspeed"]["pp_degree"], c["param_dtype"]) == {
+        "s0_bf16": (0, 2, 1, "bfloat16"), "s3_bf16": (3, 2, 1, "bfloat16"), "pipe_bf16": (0, 1, 2, "bfloat16"),
+        "s2_fp16": (2, 2, 1, "float16")}[name]
+    if name == "s2_fp16":  # DynamicLossScaler read as data: 2**8, halved at each overflow-skipped step
+        skipped = c["deepspeed"]["skipped_steps"]
+        assert c["fp16_loss_scale"] == 2.0 ** (8 - skipped) or skipped == 0 and c["fp16_loss_scale"] >= 2.0**8
+    else:
+        assert c["deepspeed"]["skipped_steps"] == 0
+
+
+def test_a_hugging_face_model_exported_with_its_config_loads_with_from_pretrained(ds_checkpoints, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    root = os.path.join(ds_checkpoints, "llama_bf16")
+    paths = export(root, str(tmp_path), hf_config=os.path.join(root, "hf"), progress=False)
+    assert sorted(os.path.basename(p) for p in paths) == ["config.json", "model.safetensors"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    expected, got = torch.load(os.path.join(root, "expected.pt"), weights_only=True), model.state_dict()
+    assert type(model).__name__ == "LlamaForCausalLM" and set(got) == set(expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_the_commands_read_a_tag_directory(ds_checkpoints, tmp_path, capsys):
+    from fnzero.cli import main
+
+    tag_dir = os.path.join(ds_checkpoints, "s2_bf16", "global_step2")
+    assert main(["checkpoint", "info", tag_dir]) == 0
+    said = capsys.readouterr().out
+    assert "ZeRO stage 2" in said and "deepspeed 0.19.8" in said and "bfloat16 params + float32 master" in said
+    assert main(["export", tag_dir, str(tmp_path), "--dtype", "bf16", "--tied", "first", "-q"]) == 0
+    got = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert "head.weight" not in got and got["emb.weight"].dtype == torch.bfloat16
