@@ -111,6 +111,19 @@ def leaves_like(treedef: optree.PyTreeSpec, tree: Params, what: str) -> list[tor
     return leaves
 
 
+def state_leaves(opt_state: OptState, treedef: optree.PyTreeSpec, *fields: str) -> list[list[torch.Tensor]]:
+    """The leaves of each of the state's `fields`, checked against the params' structure."""
+    return [leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in fields]
+
+
+def flat_args(grads: Params, opt_state: OptState, params: Params, *fields: str, cast: bool = True) -> tuple:
+    """An update's operands as leaf lists, each tree checked against the params': (treedef, params,
+    grads, then the leaves of each state field in `fields`); `cast`: the grads in the params' dtypes."""
+    p, treedef = optree.tree_flatten(params)
+    g = leaves_like(treedef, grads, "grads")
+    return (treedef, p, grads_as(g, p) if cast else g, *state_leaves(opt_state, treedef, *fields))
+
+
 def grads_as(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gradients in the params' dtype (e.g. bf16 grads for fp32 master weights); no copy when
     they already match, which is the common case."""

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    compressed_from, empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves,
+    compressed_from, empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs,
     step_start, steps,
 )
 

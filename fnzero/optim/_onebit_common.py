@@ -19,11 +19,11 @@ import torch
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, advance, grads_as, leaves_like
+from ._base import Optimizer, advance, flat_args
 from ._transform import GradientTransformation, Implementations
 
 __all__ = ["exchange_from", "exchange", "steps", "no_effect_kwargs", "empty_error", "first_compressed_count",
-           "StepStart", "step_start", "state_leaves", "compressed_from", "hyper", "chain_form"]
+           "StepStart", "step_start", "compressed_from", "hyper", "chain_form"]
 
 # Keys DeepSpeed's 1-bit optimizers take that change nothing in their arithmetic (bias_correction,
 # eps_inside_sqrt and max_grad_norm are stored and never read there) or choose a transport.
@@ -98,15 +98,9 @@ def step_start(opt: str, grads, opt_state, params, lr, momentum, default_lr: flo
     t = advance(opt_state.count)
     if t == 1:
         return None
-    p, treedef = optree.tree_flatten(params)
+    treedef, p, g = flat_args(grads, opt_state, params)
     return StepStart(t, default_lr if lr is None else float(lr),
-                     beta1 if momentum is None else check.momentum_override(opt, momentum), p, treedef,
-                     grads_as(leaves_like(treedef, grads, "grads"), p))
-
-
-def state_leaves(opt_state, treedef, *fields: str) -> list[list[torch.Tensor]]:
-    """The leaves of each of the state's `fields`, checked against the params' structure."""
-    return [leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in fields]
+                     beta1 if momentum is None else check.momentum_override(opt, momentum), p, treedef, g)
 
 
 def compressed_from(first: int) -> Callable[[Any], bool]:

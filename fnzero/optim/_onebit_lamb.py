@@ -20,9 +20,9 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    compressed_from, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+    compressed_from, exchange_from, first_compressed_count, hyper, no_effect_kwargs, step_start, steps,
 )
 
 __all__ = ["OneBitLambState", "onebit_lamb"]

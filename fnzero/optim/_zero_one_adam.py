@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    empty_error, exchange, exchange_from, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+    empty_error, exchange, exchange_from, hyper, no_effect_kwargs, step_start, steps,
 )
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
