@@ -1,13 +1,7 @@
 """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (`specs/optim.md` §1-bit optimizers): their
-hyper-parameter checks, the compressed exchange they receive from the step, and the step rule
-DeepSpeed's versions share (the first step only initialises).
-
-The optimizers live in layer 2 and the compressed all-reduce in the collectives (layer 3), so the
-exchange arrives as a value: the step passes `compressed_all_reduce=` (the dp collectives' bound
-`fnzero.sharding.compressed_all_reduce`) among the update's extras. Its contract: given flat-able
-tensors and their worker and server errors (0 elements: none yet), it returns `(results,
-worker_errors, server_errors)`, each result flat over the tensor's padded length.
-"""
+hyper-parameter checks, the compressed exchange the step passes them as the extra
+`compressed_all_reduce=` (it returns `(results, worker_errors, server_errors)`, each result flat over
+the tensor's padded length), and their common step start (step 1 only initialises)."""
 
 from __future__ import annotations
 
