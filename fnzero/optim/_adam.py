@@ -15,7 +15,7 @@ import torch
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -97,12 +97,7 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
     check.extra_kwargs(name, ignored)
 
     def init(params: Params) -> AdamState:
-        with torch.no_grad():
-            return AdamState(
-                zeros_count(),
-                optree.tree_map(torch.zeros_like, params),
-                optree.tree_map(torch.zeros_like, params),
-            )
+        return AdamState(zeros_count(), zeros_like(params), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,

@@ -140,6 +140,12 @@ def traced_count(count: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.T
     return new, new.to(device=device, dtype=torch.float64)
 
 
+def zeros_like(params: Params) -> Params:
+    """A tree of zeros shaped and typed like `params`: a moment's initial value."""
+    with torch.no_grad():
+        return optree.tree_map(torch.zeros_like, params)
+
+
 def zeros_count() -> torch.Tensor:
     """The step counter: a 0-dim int64 CPU tensor, so `update_` can advance it in place and
     reading it never waits on an accelerator."""

@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, flat_args, groups, pure, zeros_count
+from ._base import Optimizer, OptState, Params, advance, flat_args, groups, pure, zeros_count, zeros_like
 
 __all__ = ["LambState", "lamb"]
 
@@ -72,12 +71,7 @@ def lamb(
         )
 
     def init(params: Params) -> LambState:
-        with torch.no_grad():
-            return LambState(
-                zeros_count(),
-                optree.tree_map(torch.zeros_like, params),
-                optree.tree_map(torch.zeros_like, params),
-            )
+        return LambState(zeros_count(), zeros_like(params), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,

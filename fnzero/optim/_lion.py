@@ -10,7 +10,7 @@ import torch
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["LionState", "lion"]
@@ -40,8 +40,7 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
     check.extra_kwargs(name, ignored)
 
     def init(params: Params) -> LionState:
-        with torch.no_grad():
-            return LionState(zeros_count(), optree.tree_map(torch.zeros_like, params))
+        return LionState(zeros_count(), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,

@@ -11,7 +11,7 @@ from fnzero._errors import ConfigError
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["SGDState", "sgd"]
@@ -59,9 +59,7 @@ def sgd(
     fields = ("momentum_buffer",) if has_buffer else ()
 
     def init(params: Params) -> SGDState:
-        with torch.no_grad():
-            buf = optree.tree_map(torch.zeros_like, params) if has_buffer else None
-        return SGDState(zeros_count(), buf)
+        return SGDState(zeros_count(), zeros_like(params) if has_buffer else None)
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
