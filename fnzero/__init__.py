@@ -22,47 +22,31 @@ Public API
 load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/config.md`).
 hf_auto_values, AutoValues  fill a Hugging Face-style config's "auto" keys from the Trainer's numbers.
 ConfigWarning               a config key fnzero accepts but does not act on (warned once at load).
-shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state`, `.gather`. The model
-    may be built on the meta device (or be a factory), and `init_state(pretrained=dir)` loads
-    safetensors / save_pretrained weights into the shards (`PretrainedWarning`: tensors missing);
-    a `peft.get_peft_model` model reads its base model's files, and `adapters=dir` a PEFT adapter
-    directory (`specs/peft.md`).
+shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state` (`pretrained=`,
+    `adapters=`: `specs/peft.md`), `.gather`; `PretrainedWarning`: tensors missing.
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
-Placement                   what of a unit is sharded (optimizer state, gradients, parameters); a
-    ZeRO stage names one of four presets, and `shard(..., stage=)` takes either.
+Placement                   what of a unit is sharded; a ZeRO stage names one of four presets.
 train_step, TrainStep       the pure training step.
-jit, JittedStep, JitWarning compile a step with torch.compile: each unit's forward and backward,
-    once per unit structure (default), the loss function as one graph (scope="loss"), or the
-    whole step as one graph at stages 0-2 (scope="step") (`specs/jit.md`).
+jit, JittedStep, JitWarning compile a step with torch.compile, per unit, loss or whole step (`specs/jit.md`).
 TrainState, LossScaleState, Sharding   the state pytree and its static metadata.
 init_distributed            join torchrun's process group (gloo on CPU, NCCL on CUDA).
-make_mesh, Mesh             the ranks as a pipeline x data-parallel x tensor-parallel grid, the dp axis
-    divided into expert-parallel groups with `ep=`, MiCS shard groups with `mics=` and hpZ groups with
-    `hpz=` (`specs/mesh.md`); the config's `tensor_parallel.autotp_size`, `pipeline.stages`,
-    `expert_parallel.autoep_size` (or the MoE layers' `ep_size`), `zero_optimization.mics_shard_size`
-    and `zero_hpz_partition_size` build one inside `shard`.
+make_mesh, Mesh             the ranks as a pipeline x data x tensor-parallel grid, with ep, MiCS and hpZ
+    groups on the dp axis (`specs/mesh.md`); the config's keys build one inside `shard`.
 TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
-pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: a model as layers cut
-    into stages (`shard` keeps this rank's), run by a GPipe or 1F1B schedule inside `train_step`.
-init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inference(model, config, **kwargs)`:
-    its keys and defaults (dtype fp16; int8 = weight-only per-channel int8), tensor_parallel.tp_size as
-    AutoTP, checkpoint= read per rank, max_out_tokens; `engine(...)` and `engine.generate(...)` (`specs/inference.md`).
+pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: layers cut into stages, run by
+    a GPipe or 1F1B schedule inside `train_step`.
+init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inference` (`specs/inference.md`).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
-moe                         Mixture of Experts: `moe.MoE`, DeepSpeed's `deepspeed.moe.layer.MoE` (its arguments,
-    results and state_dict names), its experts split over expert-parallel ranks by `shard` and reached by
-    all-to-all, its randomness from an explicit generator (`specs/moe.md`).
-checkpoint                  save/load at any world size and stage, export to safetensors (`specs/checkpoint-format.md`);
-    `export_adapters` writes a PEFT model's adapters as PEFT's own directory.
+moe                         Mixture of Experts as DeepSpeed's `deepspeed.moe.layer.MoE` (`specs/moe.md`).
+checkpoint                  save/load at any world size and stage, export (`specs/checkpoint-format.md`).
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
 memory                      exact per-rank model-state bytes, the ZeRO formulas and the planner's estimates.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
     CollectivesBase derives the async and option-taking forms for a custom backend.
-CommQuantization, BlockQuantizer, IdentityCodec   ZeRO++ (`zero_quantized_weights`, `zero_quantized_gradients`):
-    what travels quantized and its codec, `shard(..., comm_quantization=)` (`specs/collectives.md`).
+CommQuantization, BlockQuantizer, IdentityCodec   ZeRO++ quantized communication (`specs/collectives.md`).
 remat                       activation checkpointing as a function transform (jax.checkpoint-like).
-generate                    text from a sharded model (any stage, tensor-parallel, offloaded): greedy or
-    sampled as transformers' `generate()`, with a KV cache, the same tokens on every rank (`specs/generation.md`).
+generate                    text from a sharded model, as transformers' `generate()` (`specs/generation.md`).
 tree_clone                  a deep copy of a pytree of tensors (e.g. before a donated step).
 FnzeroError, ConfigError, ShardingError, CheckpointError, DistributedError   error types.
 """
@@ -88,9 +72,8 @@ _LAZY = {
         "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
         "init_distributed", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
-        "BlockQuantizer", "CommQuantization", "IdentityCodec",
+        "BlockQuantizer", "CommQuantization", "IdentityCodec", "hf_auto_values", "load_config",
     ), ".sharding"),
-    **dict.fromkeys(("hf_auto_values", "load_config"), ".sharding"),
     "shard": ".state",
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
     **dict.fromkeys((
@@ -130,9 +113,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
         Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
         init_distributed, make_mesh, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
-        IdentityCodec,
+        IdentityCodec, hf_auto_values, load_config,
     )
-    from .sharding import hf_auto_values, load_config
     from .state import shard
     from .inference import InferenceEngine, generate, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step

@@ -15,24 +15,9 @@ __all__ = ["TrainState", "LossScaleState", "Sharding", "StateMesh"]
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StateMesh:
-    """The axes a state's tensors are laid out over, one value (`specs/mesh.md` §The state's mesh).
-    Each named axis carries its collectives and, where the axis has one, its layout; an axis the
-    run does not use is None, and `axis(name)` asks for one that must be there.
-
-      data      the ranks ZeRO shards over (Collectives): the data-parallel ranks, or with MiCS this
-                rank's shard group
-      replicas  MiCS's replica group (Collectives): the ranks holding the same shard as this one,
-                one in each shard group; each unit's reduced gradient shard is summed over them
-      hpz       hpZ's group (Collectives): the adjacent ranks holding a secondary partition of each
-                stage-3 unit between its forward and its backward, re-gathered there for backward
-      tp        the tensor-parallel layout (`fnzero.sharding.TPLayout`): which parameters are this
-                rank's slices, and the axis' collectives (`tp.comm`)
-      pp        this rank's pipeline stage (`fnzero.pipeline.PipelineInfo`): which layers the plan
-                holds, and the pipeline's collectives (`pp.comm`)
-      ep        the expert-parallel layout (`fnzero.sharding.EPLayout`): the modules holding this
-                rank's experts, the ep group they exchange tokens over (`ep.comm`) and the
-                expert-data-parallel group their units are sharded and reduced over (`ep.expert_dp`)
-    """
+    """The axes a state's tensors are laid out over, one value: `data`, `replicas` (MiCS), `hpz`, `tp`,
+    `pp`, `ep`, each its collectives or layout, None where the run does not use it (`specs/mesh.md`
+    §The state's mesh, which says what each holds)."""
 
     data: Any
     replicas: Any = None
@@ -126,10 +111,7 @@ class Sharding:
         # stage 3's gathers and the gradient reduce-scatters; None: everything in full precision.
         self.quantization = quantization
         # Not part of the mesh: the config's optimizer block with the facts of the model it reads
-        # (`fnzero.optim.ConfigOptimizer`: per_head_muon's head counts), resolved by `shard`, where
-        # the model is known: `init_state` and the step build the config's chain from it (`chain()`,
-        # or `for_config(cfg).chain()` for another config); None without an optimizer block
-        # (`specs/optim.md` §Muon per head).
+        # (`fnzero.optim.ConfigOptimizer`), resolved by `shard`, where the model is known (`specs/mesh.md`).
         self.config_optimizer = config_optimizer
 
     @property

@@ -19,13 +19,10 @@ class InferenceEngine:
     `engine(...)`, `engine.module(...)` there) and `engine.generate(input_ids, ...)` decodes with
     `fnzero.generate`; both without autograd.
 
-    `sharded`: the `ShardedModule`; `state`: this rank's `TrainState`, which holds the parameters
-    (`state.params`, with int8 weights and their scales in `state.frozen` for dtype int8) and no
-    optimizer state, master copy or loss scale (`master` and `opt_state` are None): it is not a
-    state to train. With `zero.offload_param` nvme its stage-3 shards are placeholders over files
-    (`specs/offload.md` §Parameters). `module`: the model (its tensors are fnzero's placeholders: calling it raises;
-    call the engine). `config`: the model's own config (Hugging Face's `model.config`), as
-    DeepSpeed's engine has it; `inference_config`: the resolved `InferenceConfig`."""
+    `sharded`: the `ShardedModule`; `state`: this rank's `TrainState` (its parameters, no optimizer
+    state: not a state to train); `module`: the model (placeholders: call the engine); `config`: the
+    model's own config; `inference_config`: the resolved `InferenceConfig` (`specs/inference.md`
+    §The engine)."""
 
     def __init__(self, sharded: ShardedModule, state: TrainState, inference_config: InferenceConfig):
         self.sharded = sharded

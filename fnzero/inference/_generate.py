@@ -1,11 +1,5 @@
 """`fnzero.generate`: text from a sharded model, every rank running `ShardedModule.apply` once per
-new token (`specs/generation.md`).
-
-At stage 3 each layer is gathered for its forward and released after it, inside `apply`, as in
-training; nothing here holds a gathered parameter between tokens. Rank 0 of the data- and
-tensor-parallel groups chooses each token and the others take its choice, so every rank returns
-the same tokens whatever the bits of their logits.
-"""
+new token; rank 0 chooses each token and the others take its choice (`specs/generation.md`)."""
 
 from __future__ import annotations
 
@@ -34,17 +28,10 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     (`state.params`, or a `TrainState`); returns (batch, prompt + new) token ids, the same on
     every rank. Collective: every rank calls it with the same prompt.
 
-    As transformers' `generate()`: settings not given come from `generation_config`, then the
-    model's own `generation_config`, then transformers' defaults (greedy, 20 new tokens); sampling
-    applies temperature, top-k and top-p in transformers' order and draws with
-    `torch.multinomial` (from `generator`, else torch's global generator, on rank 0 only), so a
-    seeded run draws what transformers draws. Rows that emitted an `eos_token_id` continue with
-    `pad_token_id`; generation stops when every row has. `attention_mask` marks left padding;
-    position ids follow it. A Hugging Face model decodes with a `DynamicCache` (`use_cache=False`,
-    or a model without a cache argument, re-runs the whole sequence per token).
-
-    Runs under `torch.no_grad()` and leaves `params` and the model untouched, so it can be called
-    between training steps.
+    As transformers' `generate()` (`specs/generation.md`): settings not given come from
+    `generation_config`, then the model's, then transformers' defaults; sampling draws on rank 0
+    only (from `generator`, else torch's global one); `attention_mask` marks left padding. Runs under
+    `torch.no_grad()` and leaves `params` and the model untouched.
 
         state = sm.init_state()
         ids = fnzero.generate(sm, state, prompt_ids, attention_mask=mask, max_new_tokens=32)

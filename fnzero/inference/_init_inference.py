@@ -29,25 +29,12 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     out for inference over this world's ranks, its weights read from `checkpoint` when given.
 
     `config`: None, a dict, a path or JSON text of DeepSpeed-Inference keys; `kwargs`: the same
-    keys, merged over it (one key with two different values in both is DeepSpeed's `Conflicting
-    argument` ConfigError). Keys, aliases and defaults are DeepSpeed 0.19.8's (`specs/inference.md`):
-
-    * `dtype` (default torch.float16, as DeepSpeed's): the model is converted to it (torch dtypes or
-      "fp32"/"float32"/"float", "bf16"/"bfloat16", "fp16"/"half", "int8"; fnzero also takes float64).
-      `torch.int8` quantises the weights of the linear layers (except the output head) to int8 with
-      one scale per output channel; the rest keeps the model's dtype (`specs/inference.md` §int8).
-    * `tensor_parallel={"tp_size": N}` (alias `tp`; deprecated `mp_size`): fnzero's AutoTP splits
-      each layer over N ranks (the world must be a multiple of N, and N divide the model's heads);
-      the other ranks of the world hold replicas.
-    * `checkpoint`: a safetensors file or a `save_pretrained` directory (under `base_dir` when given),
-      each rank reading only its own bytes; the model may be built on the meta device.
-    * `max_out_tokens` (alias `max_tokens`, default 1024): `engine.generate` refuses more tokens.
-    * `zero`: a ZeRO section (`{"stage": 3}`: each rank holds 1/dp of the parameters, gathered
-      layer by layer; `offload_param` `{"device": "nvme", "nvme_path": ...}` keeps those shards in
-      files there instead, each read just before its gather; `cpu` on a CPU run).
-
-    Keys for DeepSpeed's CUDA kernels (`replace_with_kernel_inject`, `enable_cuda_graph`, ...) are
-    accepted and warn (`ConfigWarning`) that they have no effect. The model is put in eval mode.
+    keys, merged over it (two different values for one key are DeepSpeed's `Conflicting argument`
+    ConfigError). Keys, aliases and defaults are DeepSpeed 0.19.8's (`specs/inference.md` §Keys):
+    `dtype` (default torch.float16; `torch.int8`: weight-only int8), `tensor_parallel` (AutoTP),
+    `checkpoint` (safetensors or `save_pretrained`, read per rank), `max_out_tokens`, `zero`
+    (ZeRO-Inference). Keys for DeepSpeed's CUDA kernels warn (`ConfigWarning`) that they have no
+    effect. The model is put in eval mode.
 
     >>> import torch, fnzero
     >>> engine = fnzero.init_inference(torch.nn.Linear(3, 2), dtype=torch.float32)

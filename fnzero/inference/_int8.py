@@ -1,15 +1,6 @@
-"""`dtype=torch.int8`: weight-only int8 quantisation of a model's linear layers (`specs/inference.md` §int8).
-
-Each chosen layer computes `(x @ q) * s + b`, the scale applied to the product's columns instead
-of to the weight, so no dequantised weight is ever held beyond the int8-to-float cast of one
-layer's `q`.
-
-The layers are chosen before `fnzero.shard` and their weights marked frozen (`requires_grad=False`):
-frozen parameters are held whole per rank (tensor-parallel slices included), outside the flat units
-ZeRO lays out, so after the weights are loaded each one is replaced by its int8 form in the state's
-`frozen` and the layer by an `Int8Linear` that reads `weight` and `weight_scale` by the same names.
-A row-parallel slice gets its own scales, which the all-reduce of the scaled partial products respects.
-"""
+"""`dtype=torch.int8`: weight-only int8 quantisation of a model's linear layers (`specs/inference.md`
+§int8): each chosen layer computes `(x @ q) * s + b`, holding no dequantised weight; its weight is
+frozen, hence whole per rank, and replaced by its int8 form in the state's `frozen`."""
 
 from __future__ import annotations
 

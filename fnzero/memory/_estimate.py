@@ -26,7 +26,7 @@ from ..sharding import placement_for_stage
 from ._state_bytes import ep_zero_formula
 
 __all__ = [
-    "Breakdown", "Estimate", "OFFLOAD_CHOICES", "bytes_per_param", "estimate", "largest_model", "offload_choices",
+    "Breakdown", "Estimate", "OFFLOAD_CHOICES", "bytes_per_param", "estimate", "largest_model",
     "parse_bytes", "parse_count", "format_bytes", "format_count",
 ]
 
@@ -105,11 +105,6 @@ OFFLOAD_CHOICES: tuple[tuple[int, str, str], ...] = (
     (3, "none", "none"), (3, "cpu", "none"), (3, "nvme", "none"),
     (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme"),
 )
-
-
-def offload_choices() -> tuple[tuple[int, str, str], ...]:
-    """(stage, offload_optimizer, offload_param) rows of the `fnzero plan` table."""
-    return OFFLOAD_CHOICES
 
 
 def _check(num_params, stage, world_size, precision, offload_optimizer, offload_param, ratio) -> None:

@@ -1,12 +1,5 @@
 """Counting a model's expert and dense parameters, for the expert-parallel memory formula and
-`fnzero plan` (`specs/mesh.md §Expert parallelism memory`).
-
-A parameter is an expert parameter when it lives in an `ExpertGroup` (fnzero's `MoE` layer, or a
-Hugging Face block AutoEP replaced), or, in a model not yet split, in a module named `experts`
-(Hugging Face's MoE blocks: Mixtral, Qwen-MoE, OLMoE, DeepSeek's routed experts). Everything else
-is dense: attention, embeddings, routers, and shared experts (`shared_expert`, `shared_experts`),
-which every token meets and every rank holds.
-"""
+`fnzero plan` (`specs/mesh.md §Expert parallelism memory`, which says what counts as an expert)."""
 
 from __future__ import annotations
 

@@ -95,17 +95,11 @@ def predict_step(num_params: float, *, stage: int, world_size: int, micro: int, 
                  offload_optimizer: str = "none", host_link_Bps: float | None = None,
                  host_optimizer_s_per_param: float | None = None, compute_s_per_micro_step: float = 0.0,
                  pass_s: dict[str, float] | None = None) -> StepPrediction:
-    """The step-time model for one configuration of `world_size` data-parallel ranks.
-
-    Compute: `gas` micro-steps of `compute_s_per_micro_step + micro * compute_s_per_sample` (a
-    measured compute rate, or FLOPs per sample / FLOP/s; the per-micro-step term is what a step
-    costs whatever its size: launches, Python, hooks). Collectives: over `link` by the traffic
-    formulas; or, given `pass_s` (seconds of one pass over the model's units per kind of
-    `PASS_KINDS`, and `"scalar"` for the small all-reduce), each pass of `collective_passes` at its
-    measured time. optimizer_s_per_param: the update's seconds per parameter of this rank's shard
-    (all Ψ at stage 0, Ψ/N at 1-3). With offload_optimizer cpu|nvme the update runs at
-    host_optimizer_s_per_param (default: the device's) and the gradient shard goes down and the
-    parameter shard comes up over host_link_Bps (None: no copy, the device is the host)."""
+    """The step-time model for one configuration of `world_size` data-parallel ranks
+    (`specs/autotune.md` §Step-time model, whose terms the arguments are): collectives over `link` by
+    the traffic formulas, or, given `pass_s` (seconds of one pass per kind of `PASS_KINDS`, and
+    `"scalar"`), each pass of `collective_passes` at its measured time; `host_link_Bps` None: no
+    offload copy (the device is the host)."""
     sent, collectives, hops = collective_traffic(num_params, stage=stage, world_size=world_size, gas=gas,
                                                  units=units, comm_bytes=comm_bytes)
     if not sent:

@@ -1,11 +1,7 @@
-"""Top-1 and top-2 routing as functions of the router's logits (`specs/moe.md` §Gating).
-
-Each returns `Routes`: for every token and each of its k routes the expert, the slot inside that
-expert's capacity buffer and the combine weight, with dropped routes marked by expert -1 and weight 0.
-The arithmetic follows DeepSpeed 0.19.8's `top1gating` / `top2gating` step for step (the router runs in
-float32 there, so the same float32 operations in the same order give the same bits), because the layer
-is checked against DeepSpeed's recorded outputs to 1e-12.
-"""
+"""Top-1 and top-2 routing as functions of the router's logits (`specs/moe.md` §Gating): `Routes`
+gives each token's experts, capacity slots and combine weights (a dropped route: expert -1, weight
+0). The float32 arithmetic follows DeepSpeed 0.19.8's `top1gating` / `top2gating` step for step, so
+the same operations in the same order give the same bits (§DeepSpeed as the oracle)."""
 
 from __future__ import annotations
 

@@ -169,11 +169,8 @@ class Monitor:
                       **kwargs) -> FlopsProfile:
         """Count the FLOPs of `fn(*args, **kwargs)` with torch's FlopCounterMode and print the report.
 
-        fn is one micro-batch's forward (e.g. the loss function on the params and a micro-batch),
-        run under no_grad; the step's FLOPs are then estimated as forward x (3 +
-        `flops_profiler.recompute_fwd_factor`) x calls_per_step (default gradient_accumulation_steps),
-        since backward costs about twice the forward. With includes_backward=True fn does its own
-        backward and is counted as is. Later progress lines show the achieved FLOP/s per rank.
+        fn is one micro-batch's forward, run under no_grad; the step's FLOPs are estimated from it
+        (`specs/monitor.md`), or, with includes_backward=True, fn does its own backward and counts as is.
 
         >>> import torch, fnzero
         >>> mon = Monitor.from_config(fnzero.load_config({"train_batch_size": 1}), rank=1, world_size=2)

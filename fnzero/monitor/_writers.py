@@ -20,8 +20,7 @@ class CsvWriter:
     """One CSV file per scalar under `output_path/job_name/`, like DeepSpeed's csvMonitor: the name
     `Train/Samples/train_loss` goes to `Train_Samples_train_loss.csv` with header `step,train_loss`.
 
-    Files are appended to, so a resumed run continues them; the header is written only into a new
-    or empty file (DeepSpeed writes it once per process, which repeats it on resume).
+    Files are appended to (a resumed run continues them; `specs/monitor.md`).
 
     >>> import tempfile, pathlib
     >>> d = tempfile.mkdtemp()

@@ -1,27 +1,13 @@
-"""Functional optimizers: pure ``init``/``update`` pairs over pytrees of tensors, optax style.
+"""Functional optimizers: pure ``init``/``update`` pairs over pytrees of tensors, optax style
+(specs/optim.md).
 
-One protocol: what an optimizer computes is a chain of gradient transformations
-(`GradientTransformation`: `init`/`update`, composed with `chain` from `scale_by_adam`,
-`add_decayed_weights`, `scale_by_learning_rate`, `clip_by_global_norm`, `scale_by_muon`,
-`partition`, ...). Every DeepSpeed optimizer name is a chain (`adamw_chain`, ...,
-`onebit_adam_chain`, `CHAINS`), and the config's is `chain_from_config(cfg)`.
-
-How a chain runs is an *implementation*, the `Optimizer` record, which the step asks only for its
-capabilities (`elementwise`, `traceable`, `exchanges_gradients`). A chain declares its
-implementations as data (`Implementations`): the config's chain declares DeepSpeed's fused
-kernels (torch's on the device, fnzero's C kernels on the host: ZeRO-Offload), a 1-bit chain its
-fused step; a chain that declares none (a user's own, `adamw_chain(...)` called directly) runs its
-own arithmetic (`as_optimizer`). `implementation(optimizer, on_host)` is the one lookup from a
-chain (or an `Optimizer`, run as it is) to what runs it (specs/optim.md §Where an optimizer runs).
-`fnzero.train_step(optimizer=)` and `init_state(optimizer=)` take a chain or an `Optimizer`.
-
-An `Optimizer` holds no state. ``init(params)`` builds the state (a NamedTuple such as
-`AdamState`, whose first field is the applied-step count); ``update(grads, state, params, lr)``
-returns new params and state and leaves its inputs alone; ``update_`` is the same step allowed
-to write into the given params and state buffers (the fast path of a training loop). The
-learning rate is passed at every step, normally from `fnzero.schedules`. The factories `adam`,
-`adamw`, `sgd`, ... build the fused implementations directly. Formulas, state layouts and the
-``elementwise`` property are in specs/optim.md.
+- The protocol, a chain of gradient transformations: `GradientTransformation`, `chain`, `partition`,
+  the `scale_by_*` transforms, ...; every DeepSpeed optimizer name is a chain (`adamw_chain`, ...,
+  `CHAINS`), the config's is `chain_from_config(cfg)`.
+- How a chain runs, an `Optimizer` record: `implementation(optimizer, on_host)` is the one lookup
+  (specs/optim.md §Where an optimizer runs); `as_optimizer` runs a chain's own arithmetic; the
+  factories `adam`, `adamw`, `sgd`, ... and `host_optimizer` build the fused ones.
+- `onebit_adam`, `zero_one_adam`, `onebit_lamb`: DeepSpeed's 1-bit optimizers (§1-bit optimizers).
 
 >>> import torch
 >>> from fnzero import optim
@@ -34,10 +20,6 @@ learning rate is passed at every step, normally from `fnzero.schedules`. The fac
 [0.009999999776482582, 0.009999999776482582, 0.009999999776482582]
 >>> int(state[0].count), params["b"].tolist()  # the inputs are untouched
 (1, [0.0, 0.0, 0.0])
-
-`onebit_adam`, `zero_one_adam` and `onebit_lamb` (DeepSpeed's 1-bit optimizers, and their chains)
-exchange their momentum themselves through the compressed all-reduce; their `local_gradients`
-says when the step hands them each rank's own gradients (specs/optim.md §1-bit optimizers).
 """
 
 from ._adagrad import AdagradState, adagrad

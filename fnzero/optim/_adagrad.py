@@ -9,7 +9,7 @@ import torch
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count,
 )
 
 __all__ = ["AdagradState", "adagrad"]
@@ -56,9 +56,7 @@ def adagrad(
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
         step_lr = default_lr if lr is None else float(lr)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        acc = leaves_like(treedef, opt_state.sum, "opt_state.sum")
+        treedef, p, g, acc = flat_args(grads, opt_state, params, "sum")
         t = advance(opt_state.count)
         clr = step_lr / (1.0 + (t - 1) * lr_decay)
         for gp, gg, ga in groups(p, g, acc):
@@ -75,10 +73,8 @@ def adagrad(
         if momentum is not None:
             raise ValueError("adagrad: has no momentum to override (DeepSpeed also disables cycle_momentum for it)")
         lr = default_lr if lr is None else lr
-        p, treedef = optree.tree_flatten(params)
+        treedef, p, g, acc = flat_args(grads, opt_state, params, "sum", cast=False)
         count, t = traced_count(opt_state.count, p)
-        g = leaves_like(treedef, grads, "grads")
-        acc = leaves_like(treedef, opt_state.sum, "opt_state.sum")
         clr = lr / (1.0 + (t - 1.0) * lr_decay)
         new_p, new_acc = [], []
         for pp, gg, aa in zip(p, g, acc):

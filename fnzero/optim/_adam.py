@@ -15,7 +15,7 @@ import torch
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["AdamState", "adam", "adamw"]
@@ -97,22 +97,14 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
     check.extra_kwargs(name, ignored)
 
     def init(params: Params) -> AdamState:
-        with torch.no_grad():
-            return AdamState(
-                zeros_count(),
-                optree.tree_map(torch.zeros_like, params),
-                optree.tree_map(torch.zeros_like, params),
-            )
+        return AdamState(zeros_count(), zeros_like(params), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
                 **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
-        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        treedef, p, g, m, v = flat_args(grads, opt_state, params, "exp_avg", "exp_avg_sq")
         t = advance(opt_state.count)
         for gp, gg, gm, gv in groups(p, g, m, v):
             if allow_fused and bias_correction and _fusable(gp, gg, gm, gv):
@@ -125,10 +117,7 @@ def _make(name, lr, betas, eps, weight_decay, adam_w_mode, bias_correction, allo
                      momentum: torch.Tensor | None = None, **extras):
         lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
-        p, treedef = optree.tree_flatten(params)
-        g = leaves_like(treedef, grads, "grads")
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
-        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        treedef, p, g, m, v = flat_args(grads, opt_state, params, "exp_avg", "exp_avg_sq", cast=False)
         count, t = traced_count(opt_state.count, p)
         if bias_correction:
             step_size = lr / (1.0 - b1**t)

@@ -1,16 +1,5 @@
-"""`Optimizer`, the record of how an optimizer runs, and the pytree plumbing every update rule shares.
-
-What an optimizer computes is a chain of gradient transformations (`GradientTransformation`,
-`_transform.py`): the one protocol. An `Optimizer` is one *implementation* of such a chain, the
-form the step runs: two pure functions (`init`, `update`, which returns new parameters), one
-explicitly in-place function (`update_`), a traceable `graph_update`, the chain it runs
-(`transform`, where it has one) and its declared capabilities (`elementwise`, `traceable`,
-`exchanges_gradients`), which are all the step asks of it. Implementations: torch's fused
-kernels on the device (`adam`, ...), fnzero's C kernels on the host (`host_optimizer`), a chain's
-own arithmetic (`as_optimizer`), or any of them streamed through NVMe files (`fnzero.offload`);
-a chain declares which of them run it (`Implementations`, read by `implementation`). A user may
-still pass an `Optimizer` itself as `optimizer=`: it runs as it is.
-"""
+"""`Optimizer`, the record of how an optimizer's chain runs (specs/optim.md §The implementation
+record), and the pytree plumbing every update rule shares."""
 
 from __future__ import annotations
 
@@ -29,39 +18,23 @@ UpdateFn = Callable[..., tuple[Params, OptState]]
 
 
 class Optimizer(NamedTuple):
-    """One implementation of an optimizer: how its chain runs (specs/optim.md §Where an optimizer runs).
+    """One implementation of an optimizer: how its chain runs (specs/optim.md §The implementation record).
 
     Attributes:
-      init: ``init(params) -> opt_state``; pure. The state's tensors have the params' dtypes.
-      update: ``update(grads, opt_state, params, lr=None, *, momentum=None, **extras) ->
-        (params, opt_state)``; pure: its inputs are left untouched and the results share no
-        storage with them (the one documented exception: an NVMe state's files, which a step
-        advances, so only the newest state steps; `fnzero.offload`). ``lr=None`` means the
-        factory's ``lr``; ``momentum`` (a OneCycle schedule's value) replaces beta1 (Adam, Lamb,
-        Lion) or SGD's ``momentum`` for this step. ``extras`` are the step's numbers that a
-        shard cannot compute alone (``global_norm``, the norm of the gradients over every rank);
-        every implementation accepts them and reads those it knows (a chain's transforms do).
-      update_: the same signature and arithmetic, but it may write the result into the
-        ``params`` and ``opt_state`` buffers it is given and returns those same objects. This is
-        the one, named, place where buffers are reused; ``grads`` are never written.
-      elementwise: True when each element's update depends on that element alone (Adam, SGD,
-        Adagrad, Lion), so a flattened parameter may be cut into shards and each shard updated
-        on its own. False for Lamb, whose per-tensor trust ratio needs the whole tensor.
-      graph_update: ``update`` again, or None: the same signature and contract (pure, the
-        count advanced), written in plain tensor ops so that ``lr`` and ``momentum`` may be
-        0-dim tensors and the step number is read from the state's count as a tensor. The
-        step's phases call it where they call ``update`` when they run inside the whole-step
-        graph (`fnzero.jit(step, scope="step")`): torch.compile traces it, and a schedule that
-        changes the scalars never recompiles. Same formulas as ``update``, up to floating-point
-        reassociation; a chain's ``update`` is traceable already and is its own ``graph_update``.
-      transform: the chain of gradient transformations this optimizer runs (`as_optimizer`), or
-        None (the fused implementations). A non-elementwise optimizer runs at ZeRO stages 1-3
-        through it: the whole-tensor optimizer partition (`specs/optim.md §Muon`) rewrites it.
-      local_gradients: None (the step all-reduces every gradient first), or, for an optimizer that
-        exchanges what it needs itself (1-bit Adam, 0/1 Adam, 1-bit LAMB), ``local_gradients(opt_state)
-        -> bool``: whether the step about to run from this state hands it this rank's own gradients,
-        un-reduced. Such an optimizer receives the data-parallel exchange among the extras
-        (``compressed_all_reduce=``, `specs/optim.md` §1-bit optimizers).
+      init: ``init(params) -> opt_state``; pure.
+      update: ``update(grads, opt_state, params, lr=None, *, momentum=None, **extras) -> (params,
+        opt_state)``; pure. ``lr=None``: the factory's; ``momentum`` replaces beta1 (or SGD's
+        momentum) for this step; ``extras``: numbers a shard cannot compute alone (``global_norm``).
+      update_: the same step, allowed to write into the ``params`` and ``opt_state`` it is given
+        (the one named buffer reuse); ``grads`` are never written.
+      elementwise: each element's update depends on that element alone, so flat shards may be
+        updated on their own (False for Lamb's per-tensor trust ratio).
+      graph_update: ``update`` in plain tensor ops (``lr``, ``momentum`` may be 0-dim tensors), for
+        the whole-step graph, or None.
+      transform: the chain it runs (`as_optimizer`), or None (the fused implementations).
+      local_gradients: None, or for an optimizer that exchanges what it needs itself (the 1-bit ones)
+        ``local_gradients(opt_state) -> bool``: whether the next step hands it this rank's own
+        gradients (specs/optim.md §1-bit optimizers).
     """
 
     init: Callable[[Params], OptState]
@@ -85,11 +58,8 @@ class Optimizer(NamedTuple):
 
 
 def pure(update_: UpdateFn) -> UpdateFn:
-    """Make the pure `update` from `update_` by running it on private copies.
-
-    One extra pass over params and state, paid for purity: callers (tests, checkpointing, the
-    sharded engine) can keep the old state alive without defensive copies of their own.
-    """
+    """Make the pure `update` from `update_` by running it on private copies (one extra pass, paid
+    for purity: callers keep the old state alive without copies of their own)."""
 
     def update(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *,
                momentum: float | None = None, **extras):
@@ -111,6 +81,19 @@ def leaves_like(treedef: optree.PyTreeSpec, tree: Params, what: str) -> list[tor
     return leaves
 
 
+def state_leaves(opt_state: OptState, treedef: optree.PyTreeSpec, *fields: str) -> list[list[torch.Tensor]]:
+    """The leaves of each of the state's `fields`, checked against the params' structure."""
+    return [leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in fields]
+
+
+def flat_args(grads: Params, opt_state: OptState, params: Params, *fields: str, cast: bool = True) -> tuple:
+    """An update's operands as leaf lists, each tree checked against the params': (treedef, params,
+    grads, then the leaves of each state field in `fields`); `cast`: the grads in the params' dtypes."""
+    p, treedef = optree.tree_flatten(params)
+    g = leaves_like(treedef, grads, "grads")
+    return (treedef, p, grads_as(g, p) if cast else g, *state_leaves(opt_state, treedef, *fields))
+
+
 def grads_as(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gradients in the params' dtype (e.g. bf16 grads for fp32 master weights); no copy when
     they already match, which is the common case."""
@@ -126,11 +109,8 @@ def grads_as(grads: list[torch.Tensor], params: list[torch.Tensor]) -> list[torc
 
 
 def groups(*lists: Sequence[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], ...]]:
-    """Split parallel tensor lists by (device, dtype) of the first list.
-
-    The multi-tensor kernels want one device and dtype per call; the usual model has one group,
-    so this is a single pass that yields the input order unchanged.
-    """
+    """Split parallel tensor lists by (device, dtype) of the first list, as the multi-tensor kernels
+    want; the usual single group is yielded in the input order."""
     first = lists[0]
     if not first:
         return
@@ -158,6 +138,12 @@ def traced_count(count: torch.Tensor, like: list[torch.Tensor]) -> tuple[torch.T
     new = count + 1
     device = like[0].device if like else count.device
     return new, new.to(device=device, dtype=torch.float64)
+
+
+def zeros_like(params: Params) -> Params:
+    """A tree of zeros shaped and typed like `params`: a moment's initial value."""
+    with torch.no_grad():
+        return optree.tree_map(torch.zeros_like, params)
 
 
 def zeros_count() -> torch.Tensor:

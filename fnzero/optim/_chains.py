@@ -1,12 +1,6 @@
-"""Every DeepSpeed optimizer name as a chain of gradient transformations (`_transform.py`).
-
-These are the definitions: `fnzero.optim.adamw(...)` and the others compute the same step with
-fused kernels (torch's, fnzero's C kernels on the host, the NVMe store), and a property test
-checks each against its chain in float64 (`tests/test_optim_chains.py`). Called directly they
-declare no implementation and run their own arithmetic (`as_optimizer`), as a user's own chain;
-`chain_from_config` declares the fused kernels DeepSpeed runs for the name. The 1-bit chains
-are their fused step (`_onebit_common.chain_form`), declared wherever they are built.
-"""
+"""Every DeepSpeed optimizer name as a chain of gradient transformations (`_transform.py`;
+specs/optim.md §Chains). Called directly they declare no implementation and run their own arithmetic;
+`chain_from_config` declares the fused kernels DeepSpeed runs for the name."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Host implementations of the Adam, AdamW, Adagrad and Lion chains: fnzero's C kernels over flat
-fp32 shards in host memory (ZeRO-Offload, `specs/offload.md`).
-
-The config's chain declares them as its host implementations (`chain_from_config`). Each is an
-`Optimizer` with the device ones' calling convention and state layout (AdamState, AdagradState,
-LionState), so the step calls it as it calls any optimizer, and checkpoints and resharding do not
-care where the step ran. The NVMe optimizer (`fnzero.offload`) streams the
-same `update_` through its files, a sub-group at a time. Checked against the chains by
-`tests/test_optim_chains.py`.
-"""
+fp32 shards in host memory (ZeRO-Offload, `specs/offload.md`), with the device ones' calling
+convention and state layout, so checkpoints and resharding do not care where the step ran."""
 
 from __future__ import annotations
 

@@ -1,20 +1,5 @@
-"""Which implementation runs an optimizer: the one lookup (specs/optim.md §Where an optimizer runs).
-
-What an optimizer computes is a chain of gradient transformations; how it runs is an `Optimizer`
-record. The implementation is read from what the chain declares and where its state lives, never
-from a type name:
-
-* a chain that declares `implementations` (the config's chain, `chain_from_config`: DeepSpeed's
-  fused kernels, torch's on the device or fnzero's C kernels on the host; a 1-bit chain: its
-  fused step) runs the one declared for where its state is;
-* a chain that declares none there (a user's own, `adamw_chain(...)` called directly, Muon's
-  chain) runs its own arithmetic (`as_optimizer`): a fused kernel rounds differently from a
-  chain's computed-then-added updates, so a chain is never silently replaced by one;
-* an `Optimizer`: already an implementation, run as it is.
-
-Streaming through NVMe files wraps whichever was chosen (`fnzero.offload.nvme_optimizer`), above
-this package.
-"""
+"""Which implementation runs an optimizer: the one lookup, from what a chain declares and where its
+state lives, never from a type name (specs/optim.md §Where an optimizer runs)."""
 
 from __future__ import annotations
 

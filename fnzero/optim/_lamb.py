@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, zeros_count
+from ._base import Optimizer, OptState, Params, advance, flat_args, groups, pure, zeros_count, zeros_like
 
 __all__ = ["LambState", "lamb"]
 
@@ -72,22 +71,14 @@ def lamb(
         )
 
     def init(params: Params) -> LambState:
-        with torch.no_grad():
-            return LambState(
-                zeros_count(),
-                optree.tree_map(torch.zeros_like, params),
-                optree.tree_map(torch.zeros_like, params),
-            )
+        return LambState(zeros_count(), zeros_like(params), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
                 **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
-        v = leaves_like(treedef, opt_state.exp_avg_sq, "opt_state.exp_avg_sq")
+        treedef, p, g, m, v = flat_args(grads, opt_state, params, "exp_avg", "exp_avg_sq")
         t = advance(opt_state.count)
         step_size = step_lr * math.sqrt(1.0 - beta2**t) / (1.0 - b1**t) if bias_correction else step_lr
         for gp, gg, gm, gv in groups(p, g, m, v):

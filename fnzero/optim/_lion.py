@@ -10,7 +10,7 @@ import torch
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["LionState", "lion"]
@@ -40,17 +40,14 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
     check.extra_kwargs(name, ignored)
 
     def init(params: Params) -> LionState:
-        with torch.no_grad():
-            return LionState(zeros_count(), optree.tree_map(torch.zeros_like, params))
+        return LionState(zeros_count(), zeros_like(params))
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
                 **extras):
         step_lr = default_lr if lr is None else float(lr)
         b1 = beta1 if momentum is None else check.momentum_override(name, momentum)
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
+        treedef, p, g, m = flat_args(grads, opt_state, params, "exp_avg")
         advance(opt_state.count)
         for gp, gg, gm in groups(p, g, m):
             # The same operation order as the reference (mul then add), so the sign of a value
@@ -69,10 +66,8 @@ def lion(lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_deca
                      momentum: torch.Tensor | None = None, **extras):
         lr = default_lr if lr is None else lr
         b1 = beta1 if momentum is None else momentum
-        p, treedef = optree.tree_flatten(params)
+        treedef, p, g, m = flat_args(grads, opt_state, params, "exp_avg", cast=False)
         count, _ = traced_count(opt_state.count, p)
-        g = leaves_like(treedef, grads, "grads")
-        m = leaves_like(treedef, opt_state.exp_avg, "opt_state.exp_avg")
         new_p, new_m = [], []
         for pp, gg, mm in zip(p, g, m):
             gg = gg.to(pp.dtype)

@@ -1,11 +1,6 @@
-"""Muon (MomentUm Orthogonalized by Newton–Schulz) as DeepSpeed 0.19.8's `"type": "Muon"`
-computes it: SGD momentum whose direction is orthogonalised per matrix, for the hidden matrices,
-and AdamW for every other parameter (specs/optim.md §Muon).
-
-`scale_by_muon` is the transform (it reads whole matrices: not elementwise); `partition` applies
-one chain to the parameters a predicate selects and another to the rest; `muon_chain` is the two
-halves as DeepSpeed groups them (`uses_muon`: by the parameter's name and shape), in `_chains.py`.
-"""
+"""Muon as DeepSpeed 0.19.8's `"type": "Muon"` computes it (specs/optim.md §Muon): `scale_by_muon`
+orthogonalises each matrix's momentum (not elementwise); `partition` applies one chain to the
+parameters a predicate selects and another to the rest."""
 
 from __future__ import annotations
 

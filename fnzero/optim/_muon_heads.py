@@ -1,9 +1,6 @@
-"""Which parameters DeepSpeed 0.19.8's `per_head_muon` orthogonalises per attention head, and
-into how many heads (deepspeed/__init__.py `set_optimizer_flags`, `_resolve_attention_head_count`;
-specs/optim.md §Muon). The counts come from the model (its `config` and its parameters' names
-and shapes), which the optimizer never sees: `muon_head_counts(model)` reads them once and the
-chain takes them as data (`muon_chain(per_head_muon=True, head_counts=...)`).
-"""
+"""Which parameters DeepSpeed 0.19.8's `per_head_muon` orthogonalises per attention head, and into
+how many heads (deepspeed/__init__.py `set_optimizer_flags`; specs/optim.md §Muon), read once from
+the model (`muon_head_counts`) and handed to the chain as data."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Newton–Schulz orthogonalisation as DeepSpeed 0.19.8's Muon computes it
-(runtime/zero/muon/original_muon.py): the quintic iteration with the coefficients
-(3.4445, -4.7750, 2.0315), "standard" on the matrix itself or "gram" on its Gram matrix with
-a restart at the third iteration. Both act on the last two dimensions (a leading dimension is
-a batch), on the wide orientation (rows <= columns; a tall matrix is transposed and back).
-
-The compute dtype is fnzero's choice, not DeepSpeed's (which takes bf16 / fp16 where the
-accelerator has them): float64 for float64 input, float32 for everything else, on every device,
-so a run's numbers do not depend on what the accelerator supports (specs/optim.md §Muon).
-"""
+(runtime/zero/muon/original_muon.py), "standard" or "gram", over the last two dimensions; the
+compute dtype is fnzero's (float64 for float64, else float32: specs/optim.md §Muon)."""
 
 from __future__ import annotations
 

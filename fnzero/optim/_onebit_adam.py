@@ -1,12 +1,5 @@
 """1-bit Adam (DeepSpeed's `OnebitAdam`, `deepspeed/runtime/fp16/onebit/adam.py` before 0.19.8
-removed it; `specs/optim.md` §1-bit optimizers).
-
-Step 1 only initialises (DeepSpeed's initialisation step: the count advances, nothing else). Until
-`freeze_step` the gradients arrive averaged and both moments follow them (no bias correction, as
-DeepSpeed). After it the variance is frozen, each rank folds its own gradient into the momentum,
-and the momentum is averaged through the compressed all-reduce with error feedback. The update is
-`m / (sqrt(v) + eps) + weight_decay · p`, times lr.
-"""
+removed it); the algorithm: `specs/optim.md` §1-bit optimizers."""
 
 from __future__ import annotations
 
@@ -15,9 +8,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    compressed_from, empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves,
+    compressed_from, empty_error, exchange, exchange_from, first_compressed_count, hyper, no_effect_kwargs,
     step_start, steps,
 )
 

@@ -1,13 +1,7 @@
 """What 1-bit Adam, 0/1 Adam and 1-bit LAMB share (`specs/optim.md` §1-bit optimizers): their
-hyper-parameter checks, the compressed exchange they receive from the step, and the step rule
-DeepSpeed's versions share (the first step only initialises).
-
-The optimizers live in layer 2 and the compressed all-reduce in the collectives (layer 3), so the
-exchange arrives as a value: the step passes `compressed_all_reduce=` (the dp collectives' bound
-`fnzero.sharding.compressed_all_reduce`) among the update's extras. Its contract: given flat-able
-tensors and their worker and server errors (0 elements: none yet), it returns `(results,
-worker_errors, server_errors)`, each result flat over the tensor's padded length.
-"""
+hyper-parameter checks, the compressed exchange the step passes them as the extra
+`compressed_all_reduce=` (it returns `(results, worker_errors, server_errors)`, each result flat over
+the tensor's padded length), and their common step start (step 1 only initialises)."""
 
 from __future__ import annotations
 
@@ -19,11 +13,11 @@ import torch
 from fnzero._errors import ConfigError
 
 from . import _validate as check
-from ._base import Optimizer, advance, grads_as, leaves_like
+from ._base import Optimizer, advance, flat_args
 from ._transform import GradientTransformation, Implementations
 
 __all__ = ["exchange_from", "exchange", "steps", "no_effect_kwargs", "empty_error", "first_compressed_count",
-           "StepStart", "step_start", "state_leaves", "compressed_from", "hyper", "chain_form"]
+           "StepStart", "step_start", "compressed_from", "hyper", "chain_form"]
 
 # Keys DeepSpeed's 1-bit optimizers take that change nothing in their arithmetic (bias_correction,
 # eps_inside_sqrt and max_grad_norm are stored and never read there) or choose a transport.
@@ -98,15 +92,9 @@ def step_start(opt: str, grads, opt_state, params, lr, momentum, default_lr: flo
     t = advance(opt_state.count)
     if t == 1:
         return None
-    p, treedef = optree.tree_flatten(params)
+    treedef, p, g = flat_args(grads, opt_state, params)
     return StepStart(t, default_lr if lr is None else float(lr),
-                     beta1 if momentum is None else check.momentum_override(opt, momentum), p, treedef,
-                     grads_as(leaves_like(treedef, grads, "grads"), p))
-
-
-def state_leaves(opt_state, treedef, *fields: str) -> list[list[torch.Tensor]]:
-    """The leaves of each of the state's `fields`, checked against the params' structure."""
-    return [leaves_like(treedef, getattr(opt_state, f), f"opt_state.{f}") for f in fields]
+                     beta1 if momentum is None else check.momentum_override(opt, momentum), p, treedef, g)
 
 
 def compressed_from(first: int) -> Callable[[Any], bool]:

@@ -1,15 +1,5 @@
 """1-bit LAMB (DeepSpeed's `OnebitLamb`, `deepspeed/runtime/fp16/onebit/lamb.py` before 0.19.8
-removed it; `specs/optim.md` §1-bit optimizers).
-
-Step 1 only initialises. Until `freeze_step` it is LAMB on averaged gradients (no bias correction;
-the trust ratio ‖p‖/‖update‖ clamped to [min_coeff, max_coeff]), keeping an exponential average
-(`coeff_beta`) of the ratios that differ from 1, and at `freeze_step` a copy of the variance.
-After it, every parameter's momentum is scaled by one factor (the mean momentum scale over the
-scale of its own, fixed at the first compressed step), all momenta are averaged as one flat
-buffer by the compressed all-reduce (its padding tail is carried to the next step, as DeepSpeed's
-buffer does), and the trust ratio is the frozen average times a factor from the variance the
-exchanged momentum implies (`factor_min`..`factor_max`, moving at most `factor_threshold` a step).
-"""
+removed it); the algorithm: `specs/optim.md` §1-bit optimizers."""
 
 from __future__ import annotations
 
@@ -20,9 +10,9 @@ import optree
 import torch
 
 from . import _validate as check
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    compressed_from, exchange_from, first_compressed_count, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+    compressed_from, exchange_from, first_compressed_count, hyper, no_effect_kwargs, step_start, steps,
 )
 
 __all__ = ["OneBitLambState", "onebit_lamb"]

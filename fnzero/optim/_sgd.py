@@ -11,7 +11,7 @@ from fnzero._errors import ConfigError
 
 from . import _validate as check
 from ._base import (
-    Optimizer, OptState, Params, advance, grads_as, groups, leaves_like, pure, scalars_as, traced_count, zeros_count,
+    Optimizer, OptState, Params, advance, flat_args, groups, pure, scalars_as, traced_count, zeros_count, zeros_like,
 )
 
 __all__ = ["SGDState", "sgd"]
@@ -56,11 +56,10 @@ def sgd(
             f"sgd: nesterov=True needs momentum > 0 and dampening=0, got momentum={momentum!r}, dampening={dampening!r}"
         )
     has_buffer = default_mom != 0.0
+    fields = ("momentum_buffer",) if has_buffer else ()
 
     def init(params: Params) -> SGDState:
-        with torch.no_grad():
-            buf = optree.tree_map(torch.zeros_like, params) if has_buffer else None
-        return SGDState(zeros_count(), buf)
+        return SGDState(zeros_count(), zeros_like(params) if has_buffer else None)
 
     @torch.no_grad()
     def update_(grads: Params, opt_state: OptState, params: Params, lr: float | None = None, *, momentum: float | None = None,
@@ -69,9 +68,8 @@ def sgd(
         mom = default_mom if momentum is None else check.momentum_override(name, momentum, hi_open=False)
         if mom != 0.0 and not has_buffer:
             raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
-        p, treedef = optree.tree_flatten(params)
-        g = grads_as(leaves_like(treedef, grads, "grads"), p)
-        buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
+        treedef, p, g, *buf = flat_args(grads, opt_state, params, *fields)
+        buf = buf[0] if has_buffer else g
         t = advance(opt_state.count)
         for gp, gg, gb in groups(p, g, buf):
             _foreach_step_(gp, gg, gb, t, step_lr, mom, dampening, weight_decay, nesterov)
@@ -83,10 +81,9 @@ def sgd(
             raise ValueError("sgd: a momentum override needs an optimizer built with momentum > 0 (its state has no buffer)")
         lr = default_lr if lr is None else lr
         mom = default_mom if momentum is None else momentum
-        p, treedef = optree.tree_flatten(params)
+        treedef, p, g, *buf = flat_args(grads, opt_state, params, *fields, cast=False)
+        buf = buf[0] if has_buffer else g
         count, t = traced_count(opt_state.count, p)
-        g = leaves_like(treedef, grads, "grads")
-        buf = leaves_like(treedef, opt_state.momentum_buffer, "opt_state.momentum_buffer") if has_buffer else g
         new_p, new_buf = [], []
         for pp, gg, bb in zip(p, g, buf):
             pp, bb = _traced_step(pp, gg, bb, t, lr, mom, dampening, weight_decay, nesterov, has_buffer)

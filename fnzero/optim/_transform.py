@@ -1,14 +1,6 @@
-"""Gradient transformations, optax style: small pure `(init, update)` pairs that compose with `chain`.
-
-A `GradientTransformation` turns gradients into updates: `update(updates, state, params, **extra)
--> (updates, state)`, pure. Updates are added to the parameters (`apply_updates`), so the chain
-ends in `scale_by_learning_rate`, which makes them `-lr * direction`. Step-level numbers a shard
-cannot compute alone are passed explicitly as `extra` keywords by whoever runs the chain (the
-training step does): `lr` (the schedule's), `momentum` (OneCycle's), `global_norm` (the gradient
-norm over every rank), `loss_scale`. Each transform reads the keywords it knows and ignores the
-rest. The extras may be numbers or 0-dim tensors, and step numbers are read from the states'
-counts as tensors, never as Python numbers: the same `update` runs eagerly and traced inside the
-whole-step graph (`fnzero.jit(step, scope="step")`), where the extras are graph inputs.
+"""Gradient transformations, optax style: small pure `(init, update)` pairs that compose with `chain`
+(specs/optim.md §Chains). Step numbers are read from the states' counts as tensors, so the same
+`update` runs eagerly and traced.
 
     >>> import torch
     >>> from fnzero import optim
@@ -17,11 +9,6 @@ whole-step graph (`fnzero.jit(step, scope="step")`), where the extras are graph 
     >>> updates, state = tx.update({"w": torch.ones(2)}, tx.init(params), params)
     >>> [round(x, 6) for x in optim.apply_updates(params, updates)["w"].tolist()]
     [0.989, 0.989]
-
-A chain is the one optimizer protocol. How it runs is an `Optimizer` record: its own arithmetic
-(`as_optimizer(tx)`, a user's chain included), or the implementations it declares as data
-(`Implementations`: DeepSpeed's fused kernels for a chain from a config, `_config.py`), which
-`implementation` (`_implement.py`) reads.
 """
 
 from __future__ import annotations
@@ -43,10 +30,8 @@ __all__ = [
 
 
 class Implementations(NamedTuple):
-    """The implementations a chain declares besides its own arithmetic: zero-argument builders of
-    the `Optimizer` that runs it on the device (`device`: torch's fused kernels) and on the host
-    (`host`: fnzero's C kernels, ZeRO-Offload's master), None where it declares none there (then
-    `as_optimizer` runs the chain). `implementation` reads them; nothing asks a chain's type."""
+    """Builders of the `Optimizer` that runs a chain on the `device` (torch's fused kernels) and on the
+    `host` (fnzero's C kernels), None where it declares none (then `as_optimizer` runs it)."""
 
     device: Callable[[], Optimizer] | None = None
     host: Callable[[], Optimizer] | None = None
@@ -55,14 +40,10 @@ class Implementations(NamedTuple):
 class GradientTransformation(NamedTuple):
     """init(params) -> state; update(updates, state, params=None, **extra) -> (updates, state).
 
-    `elementwise`: each element's update depends on that element alone, so a flat shard can be
-    updated on its own (False where a transform reads whole tensors: trust ratios). `name`: how
-    messages name it (the factory and its arguments); `parts`: a chain's transforms, applied in
-    turn to the same leaves, or a `partition`'s two chains; `route`: a `partition`'s
-    `(select, outside_extra)`, which tells those apart (`_whole.py` reads both).
-    `implementations`: how it runs besides its own arithmetic (`Implementations`), or None.
-    `local_gradients`: None, or for a chain that exchanges what it needs itself (the 1-bit
-    optimizers) `local_gradients(state) -> bool`, as `Optimizer.local_gradients`."""
+    `elementwise`: a flat shard can be updated on its own; `name`: how messages name it; `parts`: a
+    chain's transforms, or a `partition`'s two chains; `route`: a `partition`'s `(select,
+    outside_extra)`; `implementations`: `Implementations` or None; `local_gradients`: as
+    `Optimizer.local_gradients` (specs/optim.md §Chains)."""
 
     init: Callable[[Params], Any]
     update: Callable[..., tuple[Params, Any]]

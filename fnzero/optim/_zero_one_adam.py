@@ -1,15 +1,5 @@
 """0/1 Adam (DeepSpeed's `ZeroOneAdam`, `deepspeed/runtime/fp16/onebit/zoadam.py` before 0.19.8
-removed it; `specs/optim.md` §1-bit optimizers).
-
-Step 1 only initialises. Until `var_freeze_step`, the variance is updated on the steps whose
-number divides by `var_interval` (their gradients arrive averaged); the interval doubles every
-`var_update_scaler` such steps; between them each rank's gradient is averaged by the compressed
-all-reduce and only the momentum follows it. After `var_freeze_step` the variance is frozen and
-ranks take local steps, accumulating `-lr · update` in a buffer; every `local_step_interval` steps
-(doubling every `local_step_scaler` steps, at most `local_step_clipper`) the local steps are undone,
-the buffer (times `sqrt(v) + eps`) is averaged by the compressed all-reduce and applied, and the
-momentum is rebuilt from it (`m = -buffer / Σ lr`).
-"""
+removed it); the algorithm: `specs/optim.md` §1-bit optimizers."""
 
 from __future__ import annotations
 
@@ -18,9 +8,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from ._base import Optimizer, OptState, Params, pure, zeros_count
+from ._base import Optimizer, OptState, Params, pure, state_leaves, zeros_count
 from ._onebit_common import (
-    empty_error, exchange, exchange_from, hyper, no_effect_kwargs, state_leaves, step_start, steps,
+    empty_error, exchange, exchange_from, hyper, no_effect_kwargs, step_start, steps,
 )
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]

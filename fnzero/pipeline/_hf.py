@@ -1,11 +1,6 @@
-"""Hugging Face causal LMs as pipeline layers (`specs/mesh.md` §Pipeline): the embeddings, each
-decoder layer, and the final norm with the LM head, wrapping the model's own modules. A head tied
-to the input embedding on another stage is a tied weight (`TiedWeight`): its copies' gradients are
-summed over the pipeline.
-
-Known structures: GPT-2 (`transformer.wte/wpe/drop/h/ln_f`), and Llama with the models laid out
-like it (`model.embed_tokens/layers/norm/rotary_emb`: Mistral, Qwen2, Qwen3, ...).
-"""
+"""Hugging Face causal LMs (GPT-2, and the Llama layout: Mistral, Qwen2, Qwen3, ...) as pipeline
+layers, wrapping the model's own modules (`specs/mesh.md` §Pipeline); a head tied to the input
+embedding on another stage is a `TiedWeight`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""`Schedule` and DeepSpeed's step convention, shared by every schedule.
-
-DeepSpeed's engine builds a scheduler once (its constructor writes an initial lr into the
-optimizer only when ``last_batch_iteration == -1``) and calls ``scheduler.step()`` after every
-*applied* optimizer step (not after an fp16 overflow skip). So, with L = last_batch_iteration,
-the lr used by applied step k (counting from 0) is
-
-    k == 0, L == -1:  the constructor's value,            `initial`
-    k == 0, L >= 0:   the optimizer's own lr (untouched),  `base`
-    k >= 1:           get_lr() with last_batch_iteration = L + k.
-
-specs/schedules.md derives this and spells out each schedule's get_lr.
-"""
+"""`Schedule` and DeepSpeed's step convention, shared by every schedule: which lr the k-th applied
+step uses, given `last_batch_iteration` (specs/schedules.md §Step convention)."""
 
 from __future__ import annotations
 

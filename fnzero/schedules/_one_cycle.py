@@ -34,15 +34,10 @@ def one_cycle(
     base_lr: float | None = None,
     base_momentum: float | None = None,
 ) -> Schedule:
-    """One cycle: lr rises from cycle_min_lr to cycle_max_lr over cycle_first_step_size steps,
-    falls back over cycle_second_step_size, then decays as cycle_min_lr / (1 + rate * j/size).
-    With ``cycle_momentum`` the momentum (beta1) moves the opposite way between cycle_max_mom
-    and cycle_min_mom. A stair count > 0 holds lr and momentum flat on that many stairs.
-
-    As in DeepSpeed, the first step uses cycle_min_lr with momentum cycle_min_mom (the
-    constructor's values), and after the cycle the momentum is cycle_max_mom * (1 + decay).
-    ``base_lr``/``base_momentum`` are the optimizer's own values, used by the first step when
-    resuming with ``last_batch_iteration >= 0``.
+    """One cycle: lr rises from cycle_min_lr to cycle_max_lr over cycle_first_step_size steps, falls
+    back over cycle_second_step_size, then decays; with ``cycle_momentum`` the momentum (beta1) moves
+    the opposite way (specs/schedules.md §OneCycle). ``base_lr``/``base_momentum``: the optimizer's
+    own values, for the first step when resuming with ``last_batch_iteration >= 0``.
 
     >>> s = one_cycle(0.0, 1.0, cycle_first_step_size=2, cycle_min_mom=0.8, cycle_max_mom=0.9)
     >>> [s(k) for k in range(6)]

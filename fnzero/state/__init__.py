@@ -1,24 +1,16 @@
-"""The state layer: what a `TrainState` holds beyond the model's shards, and the first one.
+"""The state layer: what a `TrainState` holds beyond the model's shards, and the first one; above
+sharding, offload and checkpoint, below `train` and `inference` (`specs/architecture.md`).
 
-    shard                          `fnzero.shard`: the model laid out by sharding, whose
-                                   `sm.init_state()` builds its first state here (`_shard.py`)
-    init_state, initial_params     the first TrainState of a `ShardedModule` and the initial
-                                   parameters alone, which an inference state starts from (`_init.py`)
+    shard                          `fnzero.shard`: the model laid out, `sm.init_state()` built here
+    init_state, initial_params     the first TrainState, and the initial parameters alone
     optimizer_or_config, built_per_model
-                                   the optimizer a state runs: a given one or the config's (with the
-                                   model's facts it reads), placed where the config puts its state
-                                   (`_optimizer.py`)
+                                   the optimizer a state runs: a given one or the config's
     owner_layout, owner_tree, owner_update
-                                   a non-elementwise optimizer at ZeRO stages 1-3: the whole-tensor
-                                   partition (`_owner_update.py`; `specs/optim.md` §Muon)
+                                   the whole-tensor partition (`specs/optim.md` §Muon)
     step_policy, StepPolicy, LossScalePolicy
-                                   what a step and its state read from a config, once (`_policy.py`)
+                                   what a step and its state read from a config, once
     init_loss_scale, update_loss_scale
-                                   fp16 dynamic loss scaling as a pure state machine (`_loss_scale.py`;
-                                   `specs/loss-scaling.md`)
-
-It sits above sharding, offload and checkpoint (a state holds their stores and reads pretrained
-files) and below `train` and `inference`, which start from it (`specs/architecture.md`).
+                                   fp16 dynamic loss scaling (`specs/loss-scaling.md`)
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The first TrainState of a sharded model (`ShardedModule.init_state`).
-
-The state is where the layers meet: the sharding layer's parameters (flat buffers or shards), the
-optimizer's state, the fp32 master copy, the loss scale, the offload stores and pretrained weights
-read from files. Building it here, above all of them and below the step and inference that use
-it, keeps the sharding layer free of imports from the optimizer, offload and checkpoint code
-(`specs/architecture.md`). `sm` is always the `ShardedModule`, read by its attributes: this module
-imports nothing of `sharding/construct/_module.py`, whose `init_state` imports it.
-"""
+"""The first TrainState of a sharded model (`ShardedModule.init_state`), built above the sharding,
+optimizer, offload and checkpoint layers it joins, so sharding imports none of them
+(`specs/architecture.md`); `sm` is read by its attributes only."""
 
 from __future__ import annotations
 

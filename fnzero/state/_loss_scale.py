@@ -1,13 +1,5 @@
 """fp16 dynamic loss scaling as a pure state machine, with DeepSpeed's DynamicLossScaler rules
-(`specs/loss-scaling.md`):
-
-* overflow: the step is skipped. If hysteresis is exhausted (or was 1), the scale is divided by 2,
-  never below `min_scale`; otherwise one unit of hysteresis is spent. The clean-step count resets.
-* no overflow: the clean-step count grows; every `window` consecutive clean steps the scale doubles
-  and hysteresis is refilled. With `consecutive_hysteresis`, any clean step refills hysteresis.
-* static scaling (`loss_scale > 0`): the scale never changes; a step with non-finite gradients is
-  still skipped rather than applied, since applying it would write NaN into the weights.
-"""
+(`specs/loss-scaling.md`)."""
 
 from __future__ import annotations
 

@@ -16,16 +16,10 @@ __all__ = ["optimizer_or_config", "built_per_model", "exchanging_optimizer_refus
 
 def optimizer_or_config(optimizer, config, rank: int = 0, model: ConfigOptimizer | None = None) -> Optimizer:
     """The optimizer implementation a step or an initial state runs: of a given chain or
-    `Optimizer`, else of the config's chain (`ConfigOptimizer.chain`), looked up by
-    `fnzero.optim.implementation` from what the chain declares and where its state lives (the
-    config's: torch's fused kernels on the parameters' device or, with `offload_optimizer`,
-    fnzero's C kernels on the host; a chain that declares none: its own arithmetic). Either runs
-    where its state is placed: with `offload_optimizer: cpu` on host tensors, with `nvme` streamed
-    through files (`rank` names this process's), a sub-group at a time. Both cut the state into
-    flat shards, so a given optimizer that is not elementwise is refused there, naming the
-    transform that reads whole tensors. `model`: the facts of the model the config's optimizer
-    reads (`Sharding.config_optimizer`, resolved by `shard`: per_head_muon's heads), carried to
-    `config`'s block."""
+    `Optimizer`, else of the config's chain, looked up by `fnzero.optim.implementation` and placed
+    where the config puts its state (specs/optim.md §Where an optimizer runs; `rank` names this
+    process's NVMe files). A given optimizer that is not elementwise is refused with offload.
+    `model`: the facts of the model the config's optimizer reads (`Sharding.config_optimizer`)."""
     where = offload_device(config)
     if optimizer is None:
         block = model.for_config(config) if model is not None else ConfigOptimizer(config)

@@ -1,14 +1,7 @@
 """A non-elementwise optimizer (Muon, a chain reading whole tensors) at ZeRO stages 1-3: the
-whole-tensor optimizer partition (specs/optim.md §Muon).
-
-The optimizer's tree on a rank holds, by state-dict name, the parameters its chain must see whole
-(`optim/_whole.py`) that this rank owns, whole (`sharding/zero/_owners.py`), and this rank's 1-D
-piece of every other parameter. The gradients still arrive by reduce-scatter as flat shards; one
-all-to-all brings each owned parameter's gradient and value pieces to its owner, the chain runs
-once on the tree, and a second all-to-all returns the owners' new values to the flat shards, where
-everything after the optimizer (the master, publishing, stage 3's shards) proceeds as for any
-optimizer. Init builds the state over the same tree.
-"""
+whole-tensor optimizer partition (specs/optim.md §Muon at ZeRO stages 1-3): each parameter the chain
+must see whole is gathered to its owning rank by one all-to-all, updated there, and returned to the
+flat shards by a second."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The gradients of a step: each micro-batch's forward and backward, the `GradientCollector` that
-reduces each unit's gradient by its placement, then their global norm with the loss over every rank
-(one all-reduce of two numbers) and the one factor that unscales and clips them
-(`specs/sharding.md` §Step, `specs/collectives.md`).
-
-Eagerly (`forward_backward`) each micro-batch's loss is differentiated with respect to fresh
-aliases of `state.params`, and a hook on each alias hands the unit's gradient to the collector
-while backward still runs. Inside the whole-step graph (`traced_forward_backward`) autograd hooks
-cannot be traced, so `torch.func.grad_and_value` gives each micro-batch's gradients and they are
-handed to the same collector, over functional collectives: one reduction rule for both."""
+reduces each unit's gradient by its placement, their global norm with the loss (one all-reduce of
+two numbers) and the one factor that unscales and clips them (`specs/sharding.md` §Step). Eagerly
+autograd hooks hand each unit's gradient to the collector during backward; in the whole-step graph
+`torch.func.grad_and_value` hands it the same gradients (hooks cannot be traced)."""
 
 from __future__ import annotations
 

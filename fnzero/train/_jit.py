@@ -1,22 +1,6 @@
-"""`fnzero.jit`: a train step whose forward and backward run as torch.compile graphs.
-
-What is compiled (`specs/jit.md`) depends on `scope`, how much of the step one graph covers:
-
-* `"units"` (the default): each unit module's forward (a transformer block, an embedding, the
-  head) and through AOTAutograd its backward, as its own graph. Units of one structure share one
-  compiled graph, so a deep model compiles its block once (cold compile 0.75x plain
-  torch.compile of the same model, measured), and every stage is break-free: stage 3's gathers
-  run between units. The rest of the step stays eager on purpose: the collectives are
-  asynchronous gloo/NCCL work started from gradient hooks while backward runs (a graph would
-  serialize them), the loss-scale and clipping decisions are host scalars, and the optimizer
-  already runs torch's fused multi-tensor kernels (or fnzero's C kernel when offloading).
-* `"loss"`: the whole loss function as one graph, the same eager rest. One graph at stages 0-2;
-  at stage 3 every sharded unit's forward starts by gathering its parameter shards, which breaks
-  the graph at each unit, and the breaks are reported by name.
-* `"step"` (`_whole_step.py`): the whole step, collectives and optimizer included, as one graph at
-  stages 0-2; measured on CPU it runs at the same speed and compiles 1.5-1.8x longer than plain
-  torch.compile, and on several ranks it gives up overlapping collectives with backward.
-"""
+"""`fnzero.jit`: a train step whose forward and backward run as torch.compile graphs, per unit (the
+default), the loss function, or the whole step (`_whole_step.py`); what each scope compiles and why
+the rest stays eager: `specs/jit.md`."""
 
 from __future__ import annotations
 
@@ -287,21 +271,12 @@ def jit(step: TrainStep, *, backend: Any = "inductor", mode: str | None = None, 
         dynamic: bool | None = None, options: dict[str, Any] | None = None, scope: str = "units") -> JittedStep:
     """Compile a step's forward and backward with torch.compile (`specs/jit.md`).
 
-    `backend`, `mode`, `fullgraph`, `dynamic` and `options` are passed to `torch.compile`. The
-    compiled step computes what the eager one does (to floating-point reassociation) at every
-    stage, with accumulation, clipping, loss scaling and offload. A graph break is reported once
-    with its reason (`JitWarning`) and kept in `.graph_breaks`; a compiler failure is reported once
-    and the step continues eagerly (not with `fullgraph=True`, where it raises).
-
-    `scope="units"` (the default) compiles each unit module's forward (and backward) as its own
-    graph, shared by units of one structure (a model's repeated blocks compile once), with no
-    break at any stage; a model with no unit module compiles its loss function. The gradient
-    collectives start from backward hooks and overlap it, and the fused optimizer runs eagerly.
-    `scope="loss"` compiles the whole loss function as one graph, with the same eager rest.
-    `scope="step"` compiles the whole step (forward, backward, collectives, clipping, optimizer)
-    as one graph at stages 0-2; where it cannot (stage 3, offload, an optimizer without a
-    traceable update, a simulated world) it says why once and compiles the loss only, or raises
-    with `fullgraph=True`.
+    `backend`, `mode`, `fullgraph`, `dynamic` and `options` are passed to `torch.compile`. `scope`:
+    `"units"` (each unit module's forward and backward, one graph per unit structure), `"loss"` (the
+    loss function as one graph) or `"step"` (the whole step at stages 0-2; elsewhere it says why once
+    and compiles the loss only). A graph break is reported once (`JitWarning`) and kept in
+    `.graph_breaks`; a compiler failure is reported once and the step continues eagerly (with
+    `fullgraph=True` both raise).
 
     >>> import torch, fnzero
     >>> cfg = fnzero.load_config({"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})

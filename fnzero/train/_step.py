@@ -1,19 +1,6 @@
-"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`, and its ladder.
-
-`run_step` is the one ladder, for the eager step and the whole-step graph alike; each rung is a
-module of its own, entered once and in order (`specs/architecture.md` §How a batch flows):
-
-    _setup.py           the host's decisions: micro-batches, lr, momentum, loss scale, dtypes
-    _tensor_phases.py   the tensor phases, eagerly or traced (`StepContext` says how)
-    _grads.py           each micro-batch's forward and backward, gradients reduced by placement;
-                        one all-reduce of the global norm and the loss; unscale x clip as one factor
-    _update.py          the optimizer on this rank's slice; the new parameters published
-    _verdict.py         the metrics, the fp16 overflow skip, the next loss scale and state
-
-One mechanism serves every placement: each unit's `Placement` says what of it is sharded, and the
-step reads nothing else. The loss is differentiated with respect to fresh aliases of
-`state.params`, so the input state is never touched (unless donated).
-"""
+"""`fnzero.train_step`: the pure training step `(state, batch) -> (state, metrics)`, and `run_step`,
+its one ladder for the eager step and the whole-step graph alike: `_setup`, `_tensor_phases`,
+`_grads`, `_update`, `_verdict`, each entered once (`specs/architecture.md` §How a batch flows)."""
 
 from __future__ import annotations
 

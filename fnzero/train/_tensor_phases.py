@@ -1,19 +1,7 @@
-"""The tensor phases of a step, the middle rung of the ladder (`_step.py`), written once for both
-ways of running it (`specs/architecture.md` §How a batch flows):
-
-    gradients           each micro-batch's forward and backward, reduced by placement (`_grads.py`)
-    norm_and_loss       one all-reduce of two numbers: the global gradient norm and the loss sum
-    clip_factor         unscaling and `gradient_clipping` as one factor (`_grads.py`)
-    optimizer_update    the optimizer on this rank's slice, wherever its state is (`_update.py`)
-    publish_params      the new parameters by placement (`_update.py`)
-
-A `StepContext` says how they run: the eager step (`eager_phases`) passes the state's own mesh,
-Python numbers, autograd hooks and the optimizer's `update`; the whole-step graph
-(`_whole_step.py`) passes a mesh of torch's traceable functional collectives, 0-dim tensors,
-`torch.func` and the optimizer's `graph_update`, and traces `tensor_phases` into one graph. The
-one difference of order: eagerly an fp16 overflow skips the optimizer before it runs; in a graph
-the optimizer runs and the verdict (`_verdict.py`) discards its results.
-"""
+"""The tensor phases of a step (gradients, norm and loss, clip factor, optimizer update, publish),
+written once for the eager step (`eager_phases`) and the whole-step graph, which a `StepContext`
+tells apart (`specs/architecture.md` §How a batch flows: in a graph an fp16 overflow is discarded
+after the optimizer ran, not skipped before it)."""
 
 from __future__ import annotations
 

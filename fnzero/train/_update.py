@@ -1,14 +1,7 @@
-"""The update half of a step: the optimizer on this rank's slice, then publishing the new
-parameters by each unit's placement (`specs/sharding.md` §Step, `specs/offload.md`).
-
-One phase for every placement of the optimizer state: on the device, on the host with
-ZeRO-Offload (the master is a host tensor), or streamed through NVMe files with ZeRO-Infinity
-(the store holds the master). Which implementation runs is looked up once from the optimizer
-and where its state lives (`fnzero.optim.implementation`, via `optimizer_or_config`); the phase
-calls its `update` the same way for all of them and asks it only for its capabilities.
-
-`optimizer_update` and `publish_params` take the state's tensors rather than a `TrainState`, so
-the eager step and the whole-step graph (whose inputs are those tensors) run the same phases."""
+"""The update half of a step: the optimizer on this rank's slice, wherever its state is (device,
+host, NVMe), then the new parameters published by placement (`specs/sharding.md` §Step,
+`specs/offload.md`). The phases take the state's tensors, not a `TrainState`, so the whole-step
+graph runs them too."""
 
 from __future__ import annotations
 
@@ -49,16 +42,10 @@ def optimizer_update(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor]
     this rank's slice; returns (new slices in the compute dtype on the parameters' device, new
     master or None, new optimizer state).
 
-    The gradients are multiplied by `scalars.factor` first (in place: they are this step's own)
-    and moved to where the optimizer's target is: the master (on the host with offload), else
-    this rank's view of the parameters (which an NVMe store reads only as where the new ones go).
-    A non-elementwise optimizer at stages 1-3 runs through the whole-tensor partition over `comm`
-    (the dp ranks: `state/_owner_update.py`). A new master becomes the compute parameters by one
-    conversion, written into the input's own buffers when donated and the sizes agree.
-    An optimizer that exchanges its gradients itself gets the compressed all-reduce over `comm` as
-    its `compressed_all_reduce=` extra (`optimizer_exchange`).
-    A placeholder parameter (`offload_param: nvme`) has its new value written into `param_source`,
-    a unit at a time, and stays a placeholder (`_copy_out`)."""
+    The gradients are multiplied by `scalars.factor` first (in place: they are this step's own) and
+    moved to where the optimizer's target is; a non-elementwise optimizer at stages 1-3 runs through
+    the whole-tensor partition over `comm` (`state/_owner_update.py`); a placeholder parameter
+    (`offload_param: nvme`) has its new value written into `param_source` (`_copy_out`)."""
     factor = scalars.factor
     if isinstance(factor, torch.Tensor) or factor != 1.0:
         for g in grads.values():

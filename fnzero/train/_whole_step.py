@@ -1,23 +1,7 @@
-"""The whole train step as one torch.compile graph: `fnzero.jit(step, scope="step")`.
-
-Without sharded parameters (stages 0-2) nothing in a step needs the host between reading the
-batch and returning the new state, so the step's phases from the gradients to the new
-parameters are traced into one graph (`specs/jit.md`). They are the eager step's own phases
-(`_tensor_phases.py`, `_grads.py`, `_update.py`), called with what a graph can carry:
-
-* gradients come from `torch.func.grad_and_value` over the loss function (autograd hooks cannot
-  be traced) and go to the eager step's `GradientCollector`;
-* the collectives are `FunctionalCollectives`, torch's traceable functional collectives over the
-  step's process group, so each placement is reduced by the same rule as eagerly;
-* the scalars (lr, momentum, loss scale, the clip factor) are 0-dim tensors, and the optimizer
-  is its `graph_update` (the same signature as `update`, in tensor ops), so a schedule never
-  recompiles.
-
-The ladder is the eager step's (`_step.py` `run_step`): `step_setup` before the graph, `tensor_phases`
-inside it with what a graph can carry, and after it `step_verdict` on the two numbers the graph
-returns (the squared norm and the loss sum), which skips an fp16 step that overflowed and updates
-the loss scale.
-"""
+"""The whole train step as one torch.compile graph: `fnzero.jit(step, scope="step")` at stages 0-2
+(`specs/jit.md` §Whole step). It traces the eager step's own `tensor_phases` with what a graph can
+carry (`torch.func` gradients, functional collectives, 0-dim scalars, the optimizer's
+`graph_update`); `step_setup` runs before the graph and `step_verdict` after it."""
 
 from __future__ import annotations
 
