@@ -218,3 +218,45 @@ def test_a_rank_file_that_is_a_link_is_refused(ds, tmp_path):
     os.symlink(outside, victim)
     with pytest.raises(CheckpointError, match=r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt is a symbolic link"):
         export(root, str(tmp_path / "out"), progress=False)
+
+
+def test_ranks_that_are_threads_read_deepspeed_classes_at_the_same_time(tmp_path, monkeypatch):
+    """torch's allowlist is one set for the process: one thread's load putting it back must not
+    take DeepSpeed's names away from another thread still reading (simulated worlds)."""
+    import sys
+    import threading
+    import types
+
+    from fnzero.checkpoint._ds_pickle import LossScalerState, load_ds_file
+
+    fake = types.ModuleType("deepspeed.runtime.fp16.loss_scaler")
+
+    class LossScaler:  # pickled by this name, as DeepSpeed's own is
+        pass
+
+    LossScaler.__module__, LossScaler.__qualname__, fake.LossScaler = fake.__name__, "LossScaler", LossScaler
+    parts = fake.__name__.split(".")
+    with monkeypatch.context() as m:  # importable by its name (and its parents') while it is saved
+        for i in range(1, len(parts)):
+            m.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        m.setitem(sys.modules, fake.__name__, fake)
+        scaler = LossScaler()
+        scaler.cur_scale = 2.0**16
+        torch.save({"loss_scaler": scaler, "t": torch.ones(2)}, tmp_path / "f.pt")
+    errors, barrier = [], threading.Barrier(4)
+
+    def read():
+        barrier.wait()
+        try:
+            for _ in range(40):
+                got = load_ds_file(str(tmp_path), "f.pt")["loss_scaler"]
+                assert isinstance(got, LossScalerState) and got.cur_scale == 2.0**16
+        except Exception as e:  # noqa: BLE001  (collected, asserted below on the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]

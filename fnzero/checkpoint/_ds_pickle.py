@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import threading
 import zipfile
 
 import torch
@@ -63,6 +64,10 @@ _DEEPSPEED_GLOBALS = [
     (LossScalerState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
+# torch's allowlist (`safe_globals`) is one set for the process, put back as it was on exit: ranks
+# that are threads of one process (`fnzero.testing.simulated_world`) load one file at a time, or
+# one rank's exit would take the names away while another still reads.
+_ALLOWLIST_LOCK = threading.Lock()
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)|unrecognized function ([^\s]+)|got <class '([\w.]+)'>|whose module ([\w.]+)")
 
 
@@ -109,7 +114,7 @@ def load_ds_file(directory: str, name: str, dir_fd: int | None = None):
         _check_zip(fd, size, where)
         # The descriptor opened without following links is what torch reads, through its /proc name.
         path = f"/proc/self/fd/{fd}" if os.path.exists(f"/proc/self/fd/{fd}") else where
-        with torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
+        with _ALLOWLIST_LOCK, torch.serialization.safe_globals(_DEEPSPEED_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except CheckpointError:
         raise
