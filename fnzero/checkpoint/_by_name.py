@@ -1,11 +1,6 @@
-"""Loading by parameter name (`specs/checkpoint-format.md` §Loading by name).
-
-A checkpoint stores each unit's elements under the unit's name. When the state loading it groups
-its parameters into other units (another wrap policy; a pipeline stage holding some of the
-layers; a model cut into pipeline layers that keep the model's names), each parameter's elements
-are found through its name instead: the checkpoint's unit and offset of that name, the same range
-of every per-unit tensor (parameters, master, moments). Nothing is converted and no collective
-runs; with tensor parallelism each parameter is read whole and cut to this rank's slice.
+"""Loading by parameter name (`specs/checkpoint-format.md` §Loading by name): each parameter's
+elements are found through its name in the checkpoint's units, the same range of every per-unit
+tensor; no collective, and with tensor parallelism each parameter is read whole and cut.
 """
 
 from __future__ import annotations

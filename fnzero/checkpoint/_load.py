@@ -1,9 +1,6 @@
-"""`load`: read a checkpoint saved at any world size and stage into the layout of `like`.
-
-Range math: every unit-indexed tensor of `like` needs elements `[lo, hi)` of its unit's logical
-buffer (the whole padded buffer, this rank's shard, or one parameter's slot). The real part
-`[lo, min(hi, numel))` is read from the on-disk segments that overlap it, whichever ranks wrote
-them; the padding is zero. No conversion step, and each rank reads only what it holds.
+"""`load`: read a checkpoint saved at any world size and stage into the layout of `like`
+(`specs/checkpoint-format.md` §Loading): each rank reads only the elements it holds, from
+whichever ranks' segments overlap them, and zeroes the padding; no conversion step.
 """
 
 from __future__ import annotations
@@ -351,12 +348,10 @@ def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainSt
 def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     """`rebuild_state(like, fill)`, except that frozen parameters and buffers are written into
     `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
-    they were). They are the module's: `ShardedModule.apply` binds the tensors the state was built
-    with (`init_state` hands them over), not a state's; new tensors would be saved and exported
-    while the model kept computing with the old ones. A shard whose values are in a store
-    (`offload_param: nvme`, a placeholder in `like`) is written into the store and stays a placeholder:
-    a new one for a training state's trainable shard, since the store now holds this state's, not
-    `like`'s (`ShardSource.renew`)."""
+    they were): they are the module's (`specs/checkpoint-format.md` §Frozen parameters). A shard
+    whose values are in a store (`offload_param: nvme`, a placeholder in `like`) is written into the
+    store and stays a placeholder: a new one for a training state's trainable shard, since the store
+    now holds this state's, not `like`'s (`ShardSource.renew`)."""
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     stored: list[tuple[ShardSource, str, torch.Tensor]] = []
     sources = sources_of(like.sharding)

@@ -1,13 +1,6 @@
 """A TrainState as named leaves in unit coordinates: the vocabulary shared by save, load and export
-(`specs/checkpoint-format.md` §Coordinates).
-
-Every tensor of a state is a *unit leaf* (elements `[lo, hi)` of a unit's logical flat buffer,
-stored under a key naming the unit as ranges of its real elements, whatever world size or stage
-wrote it), a *replicated leaf* (stored whole under its path) or a *per-rank leaf* (a field in an
-optimizer state's `PER_RANK_FIELDS`, stored whole by each rank under its path and `@rank<r>`).
-A frozen unit's buffer (stage 3) is a unit leaf of unit `frozen/NAME`. Paths join field names,
-NamedTuple field names, dict keys and list indices with '/', which no module path or state_dict
-name contains.
+(`specs/checkpoint-format.md` §Coordinates: unit, replicated and per-rank leaves, keys). A frozen
+unit's buffer (stage 3) is a unit leaf of unit `frozen/NAME`.
 """
 
 from __future__ import annotations
