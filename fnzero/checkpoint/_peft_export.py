@@ -12,6 +12,7 @@ from .._errors import CheckpointError
 from ._export import _cast_dtype, _Entry, _write_all, parse_dtype
 from ._one_writer import Rounds
 from ._peft_adapters import CONFIG, WEIGHTS, adapter_names
+from ._tree import slots_by_name
 
 __all__ = ["export_adapters"]
 
@@ -31,7 +32,7 @@ def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = 
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
         raise CheckpointError("export_adapters of a pipeline-parallel state is not implemented yet")
     names = adapter_names(sm.module, adapter)  # every rank checks the arguments before any collective
-    trainable = {n for u in sm.plan.units for s in u.slots for n in (s.name, *s.aliases)}
+    trainable = slots_by_name(sm.plan)
     frozen = sorted(m for m in names.to_model.values() if m not in trainable)
     if frozen:
         raise CheckpointError(f"adapter tensors that are not trainable in this model, so not in the state's "
