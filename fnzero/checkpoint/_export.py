@@ -1,10 +1,7 @@
 """Consolidated weights in `model.state_dict()` naming, safetensors (streamed) or torch files, from a
 saved checkpoint (`export`; `_export_live.py` reads a running job's state instead); every rank
-calls it and one writes (`_one_writer.py`). Names and files: `specs/checkpoint-format.md` §Export.
-
-Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
-each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
-peak memory is a few chunks whatever the model size.
+calls it and one writes (`_one_writer.py`). Names, files and streaming: `specs/checkpoint-format.md`
+§Export.
 """
 
 from __future__ import annotations
