@@ -80,9 +80,7 @@ def fit(trials: list[Trial], *, world: int, gas: int, link: Link | None = None,
 
 def fit_layouts(trials: list[Trial], *, world: int, **kw) -> dict[tuple[int, int], Calibration]:
     """One model per layout (tensor parallel, pipeline stages) that ran, each `fit` to its own
-    trials over its data-parallel ranks: what tensor parallelism's activation all-reduces and a
-    pipeline's sends and bubble cost is inside that layout's fitted compute, and its passes are
-    those its own trials measured (§Calibration)."""
+    trials over its data-parallel ranks (`specs/autotune.md` §Calibration)."""
     return {lay: fit(group, world=world // (lay[0] * lay[1]), **kw) for lay, group in _by_layout(trials).items()}
 
 
@@ -117,12 +115,8 @@ def _optimizer_rate(c: Candidate, report: dict, world: int) -> float | None:
 def _fit_lines(points: list[tuple[int, int, float, float]]) -> tuple[dict[int, float], float]:
     """Per-stage intercepts a_s and one slope b ≥ 0 of y = a_s + b·m, from points (stage, m, y,
     t): least squares on the step's relative error (weights 1/t², t the measured step per
-    micro-step). Compute per sample is the model's whatever the stage; what a micro-step costs
-    beyond it (hooks, unit gathers into parameters, collectives waiting on a rank still computing)
-    is each stage's own, and may be negative where the measured passes overstate what the step
-    spends on them (one collective's latency hidden behind another's). The slope comes from stages
-    with two or more micro-batch sizes; with none, everything is per sample (a FLOP count's view)
-    for the stages the trials ran, each at its own rate's median."""
+    micro-step). Why per stage, why a_s may be negative, and the fit with one micro-batch size per
+    stage: `specs/autotune.md` §Calibration."""
     by_stage: dict[int, list[tuple[int, float, float]]] = {}
     for stage, m, y, t in points:
         by_stage.setdefault(stage, []).append((m, y, 1 / max(t, 1e-12) ** 2))

@@ -1,11 +1,6 @@
 """fnzero.checkpoint: sharded, atomic, resumable checkpoints of a TrainState (`specs/checkpoint-format.md`).
 
-    import fnzero
-    fnzero.checkpoint.save("ckpt", state, tag="step_1000", client_state={"epoch": 3})   # every rank
-    state, client_state = fnzero.checkpoint.load("ckpt", like=state)                  # tag: latest
-    fnzero.checkpoint.export("ckpt", "out", dtype="bf16", hf_config=model.config)       # every rank; one writes
-
-A runnable round trip in a world of one:
+A round trip in a world of one (every rank calls each function):
 
 >>> import tempfile, torch, fnzero
 >>> cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"}})

@@ -1,11 +1,6 @@
-"""Loading by parameter name (`specs/checkpoint-format.md` §Loading by name).
-
-A checkpoint stores each unit's elements under the unit's name. When the state loading it groups
-its parameters into other units (another wrap policy; a pipeline stage holding some of the
-layers; a model cut into pipeline layers that keep the model's names), each parameter's elements
-are found through its name instead: the checkpoint's unit and offset of that name, the same range
-of every per-unit tensor (parameters, master, moments). Nothing is converted and no collective
-runs; with tensor parallelism each parameter is read whole and cut to this rank's slice.
+"""Loading by parameter name (`specs/checkpoint-format.md` §Loading by name): each parameter's
+elements are found through its name in the checkpoint's units, the same range of every per-unit
+tensor; no collective, and with tensor parallelism each parameter is read whole and cut.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from ._ep import stored_place
 from ._same_model import mismatch
 from ._tree import Leaf
 
-__all__ = ["saved_slots", "same_units", "fill_by_name"]
+__all__ = ["saved_slots", "same_units", "fill_by_name", "stored_key"]
 
 
 def saved_slots(ix: dict) -> dict[str, tuple[str, int, tuple]]:
@@ -40,22 +35,19 @@ def same_units(ix: dict, units: list[dict]) -> bool:
     return key(ix["units"]) == key(units)
 
 
-def _source(reader, top: str, rest: str, unit: str, dtype: torch.dtype) -> str:
-    """The stored tensor for `top/rest` of saved unit `unit` (`rest` is the optimizer field path),
-    with the master/params stand-ins `source_key` allows across precisions."""
-    keys = reader.tensors
-    own = f"{top}/{rest}{unit}"
+def stored_key(keys: dict, key: str, dtype: torch.dtype) -> str:
+    """The stored tensor that fills `key` (a unit's params, master or optimizer field) of a state
+    in `dtype`: master weights and params stand in for each other across precisions
+    (`specs/checkpoint-format.md` §Loading). `key` itself when no stand-in applies, stored or not."""
+    top, _, rest = key.partition("/")
     if top == "params":
-        if own in keys and F.DTYPES[keys[own]["dtype"]] == dtype:
-            return own
-        if f"master/{unit}" in keys:
-            return f"master/{unit}"
-    if top == "master" and own not in keys and f"params/{unit}" in keys:
-        return f"params/{unit}"
-    if own not in keys:
-        raise CheckpointError(f"the checkpoint has no {own!r} (was it saved with another optimizer? checkpoint: "
-                              f"{reader.index.get('optimizer')})")
-    return own
+        if key in keys and F.DTYPES[keys[key]["dtype"]] == dtype:
+            return key
+        if f"master/{rest}" in keys:
+            return f"master/{rest}"
+    if top == "master" and key not in keys and f"params/{rest}" in keys:
+        return f"params/{rest}"
+    return key
 
 
 def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.Tensor, tp=None, fplan=None,
@@ -80,7 +72,10 @@ def fill_by_name(leaf: Leaf, like: TrainState, reader, slots: dict, out: torch.T
             raise mismatch(s.name, whole_shape, None if hit is None else hit[2])
         unit, offset, shape = hit
         offset += rows
-        key = _source(reader, top, field, unit, out.dtype)
+        key = stored_key(reader.tensors, f"{top}/{field}{unit}", out.dtype)
+        if key not in reader.tensors:
+            raise CheckpointError(f"the checkpoint has no {key!r} (was it saved with another optimizer? checkpoint: "
+                                  f"{reader.index.get('optimizer')})")
         split = tp.split_of(s.name, *s.aliases) if tp is not None else None
         if split is None:
             reader.read(key, offset + a - s.offset, offset + b - s.offset, out[a - leaf.lo: b - leaf.lo])

@@ -1,10 +1,7 @@
 """Consolidated weights in `model.state_dict()` naming, safetensors (streamed) or torch files, from a
 saved checkpoint (`export`; `_export_live.py` reads a running job's state instead); every rank
-calls it and one writes (`_one_writer.py`). Names and files: `specs/checkpoint-format.md` §Export.
-
-Streaming: the safetensors header is computed from the index alone (names, shapes, dtypes), then
-each tensor is read in chunks of at most `CHUNK_BYTES` from the rank files, cast and appended, so
-peak memory is a few chunks whatever the model size.
+calls it and one writes (`_one_writer.py`). Names, files and streaming: `specs/checkpoint-format.md`
+§Export.
 """
 
 from __future__ import annotations
@@ -274,25 +271,15 @@ def export(
     """Export from files: write the consolidated weights of the saved checkpoint `path/tag`
     (default latest) to `out` (a file, or a directory that gets `model.safetensors` /
     `pytorch_model.bin`); returns the paths written. Needs no running job and no model (the
-    `fnzero export` command is this function); `export_live` is the form that reads a running
-    job's state instead.
+    `fnzero export` command); `export_live` reads a running job's state instead. What is written,
+    under which names: `specs/checkpoint-format.md` §Export.
 
-    Call it on every rank, as `save`, or in a process with no process group: with
-    torch.distributed initialised one rank (rank 0) writes, the others wait for it and return
-    the same paths; when it fails, every rank raises, the others with a `CheckpointError` naming
-    the writing rank. (So one rank alone must not call it while the others go on.)
-
-    Trainable weights come from the fp32 master copy when the run had one. With
-    `max_shard_size` ('5GB'), files are `model-0000i-of-0000n.safetensors` plus a Hugging Face
-    `model.safetensors.index.json` (`weight_map`). Integer buffers keep their dtype.
-    The names are those the model's own save writes (`tied="auto"`): never a non-persistent
-    buffer; a transformers model's as `save_pretrained` names them (one name per tied tensor);
-    every `state_dict()` name of any other model. `tied="copy"`: every `state_dict()` name, tied
-    ones as copies (a strict `load_state_dict` of any model); `tied="first"`: each tensor once.
-    `hf_config`: a Hugging Face config (`model.config`), the model itself (then its
-    `generation_config` too) or a `save_pretrained` directory: `config.json` (and
-    `generation_config.json`) are written beside the weights, so
-    `AutoModelForCausalLM.from_pretrained(out)` loads them with nothing else.
+    Call it on every rank, as `save`, or with no process group: rank 0 writes, and every rank
+    returns its paths or raises its failure (§Export, "Every rank calls it").
+    `max_shard_size` ('5GB'): Hugging Face's sharded files and `model.safetensors.index.json`.
+    `tied`: "auto" (the names the model's own save writes), "copy" (every `state_dict()` name) or
+    "first" (each tensor once). `hf_config`: a Hugging Face config, a model or a `save_pretrained`
+    directory, whose `config.json` (and `generation_config.json`) go beside the weights.
 
     >>> fnzero.checkpoint.export("ckpt", "hf_out", dtype="bf16", hf_config=model.config)  # doctest: +SKIP
     """

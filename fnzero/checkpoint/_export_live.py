@@ -71,16 +71,11 @@ def export_live(
     progress: bool | None = None,
     hf_config=None,
 ) -> list[str]:
-    """Export from a live state (DeepSpeed's `save_16bit_model`), the collective form: every rank
-    calls it with its state; units are gathered one at a time (master weights when present) and
-    one rank writes (data-parallel rank 0 of tensor-parallel rank 0). Every rank returns the paths
-    written; when writing fails, every rank raises, the others with a `CheckpointError` naming
-    the writing rank. `export` is the form that reads a saved checkpoint instead.
-
-    The arguments are `export`'s. `hf_config` defaults to the sharded model's own when it is a
-    Hugging Face model (`sm.module.config`, and its `generation_config`): `config.json` is written
-    beside the weights so `AutoModelForCausalLM.from_pretrained(out)` works with nothing else;
-    `hf_config=False` writes the weights only."""
+    """Export from a live state (DeepSpeed's `save_16bit_model`), the collective form of `export`:
+    every rank calls it with its state, units are gathered one at a time, one rank writes, and
+    every rank returns its paths or raises its failure (`specs/checkpoint-format.md` §Export).
+    The arguments are `export`'s; `hf_config` defaults to the sharded model's own Hugging Face
+    config (`hf_config=False`: the weights only)."""
     from ._tp import consolidated
 
     want = _check_arguments(dtype, format, tied, max_shard_size)

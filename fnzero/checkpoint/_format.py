@@ -1,9 +1,6 @@
-"""The on-disk index: its schema, (de)serialisation and validation (`specs/checkpoint-format.md`).
-
-Everything read from disk passes through `validate_index` before it is used, so that a hostile or
-damaged checkpoint can only ever produce a `CheckpointError`, never a crash, a huge allocation or a
-read outside the checkpoint directory. File names are never taken from the index: data files are
-named from rank numbers, which is what makes path traversal impossible by construction.
+"""The on-disk index: its schema, (de)serialisation and validation (`specs/checkpoint-format.md`
+§index.msgpack). Everything read from disk passes `validate_index` before it is used (§Reading a
+directory nobody vouches for); data file names come from rank numbers, never from the index.
 """
 
 from __future__ import annotations
@@ -72,9 +69,7 @@ _SEAL = "index_crc32"
 
 def seal(index: dict) -> bytes:
     """The index as written: its msgpack bytes with `index_crc32`, the crc32 of the packed index
-    without that field, so a changed dtype, shape, offset or any other field is detected (the data
-    checksums cover only the data bytes). Against damage and careless edits: like any unkeyed
-    checksum it does not stop a forger who recomputes it."""
+    without that field (`specs/checkpoint-format.md` §index.msgpack, The index's own checksum)."""
     if not isinstance(index, dict):  # (only a test forging a broken index writes one)
         return pack(index)
     body = {k: v for k, v in index.items() if k != _SEAL}

@@ -1,11 +1,5 @@
-"""Frozen parameters in a checkpoint (`specs/checkpoint-format.md` §Frozen parameters).
-
-A state holds its frozen (requires_grad=False) parameters whole by name (stages 0-2, stored as
-`frozen/NAME`) or, at stage 3, in frozen units (stored as unit leaves of unit `frozen/UNIT`, laid
-out by the index's `frozen_units`). Whichever way a checkpoint stores them, a state of either kind
-loads them by parameter name: each name's stored tensor and the offset of its elements there.
-A checkpoint saved with `exclude_frozen_parameters` holds none (`frozen_excluded`): it loads only
-into a state whose frozen parameters come from elsewhere, kept with `load(..., keep_frozen=True)`.
+"""Frozen parameters in a checkpoint (`specs/checkpoint-format.md` §Frozen parameters): stored
+whole by name (stages 0-2) or in stage 3's frozen units, and loaded by parameter name from either.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The Hugging Face files beside an export (`specs/checkpoint-format.md` §Export).
-
-With `config.json` (and `generation_config.json` where the model has one) next to the weights,
-`transformers.AutoModelForCausalLM.from_pretrained(dir)` rebuilds the model with nothing else, as
-it does a `save_pretrained` directory. transformers is never imported here: a config is anything
-with `to_json_string` and `model_type` (transformers' `PretrainedConfig`).
+"""The Hugging Face files beside an export, `config.json` and `generation_config.json`
+(`specs/checkpoint-format.md` §Export, Hugging Face config). transformers is never imported here:
+a config is anything with `to_json_string` and `model_type` (transformers' `PretrainedConfig`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ from ._format import ALIGN
 
 __all__ = [
     "tensor_bytes", "prefer_huge_pages", "PendingCrc", "AlignedWriter", "fsync_dir", "write_atomic", "read_into", "wait_for",
-    "Checksum",
 ]
 
 _ZEROS = bytes(ALIGN)
@@ -31,18 +30,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
-
-
-class Checksum:
-    """crc32, zlib's value: ~6 GB/s per core here with carry-less multiplication
-    (`fnzero._ext.crc32`; zlib's own 2-3 GB/s where the extension is not built), against ~0.5
-    GB/s for blake2b. It guards against accidental damage (truncation, bit rot, torn writes); a
-    cryptographic hash would add nothing against a forger, who could rewrite the unkeyed digest
-    in the index as easily."""
-
-    @staticmethod
-    def of(buf, crc: int = 0) -> int:
-        return crc32(buf, crc)
 
 
 _PIPELINE_CHUNK = 16 << 20  # write-behind and threaded-checksum granularity, both directions
@@ -98,12 +85,7 @@ def _crc_pool():
 
 class AlignedWriter:
     """Appends segments to one data file, each starting at a multiple of ALIGN; fsync on close.
-
-    Write-behind: after each chunk the kernel is asked to start writing it out
-    (`sync_file_range`), and the writer waits for chunks more than two behind. The disk then
-    works while the next chunks are checksummed and copied, instead of all at the final fsync
-    (measured on this VM's disk, 400 MB: 0.45 GB/s against 0.26-0.43 for write-then-fsync), and
-    dirty page cache stays bounded. The final fsync still decides durability.
+    Writes behind, chunk by chunk (`specs/checkpoint-format.md` §Atomicity and durability, Write path).
     """
 
     def __init__(self, path: str):
@@ -137,8 +119,8 @@ class AlignedWriter:
         buf = tensor_bytes(t)
         # The checksum runs on another thread while this one writes (both release the GIL): on
         # this VM that was ~0.2 s per GB off the save with zlib's crc.
-        crc_future = _crc_pool().submit(Checksum.of, buf) if len(buf) >= _PIPELINE_CHUNK else None
-        crc = Checksum.of(buf) if crc_future is None else 0
+        crc_future = _crc_pool().submit(crc32, buf) if len(buf) >= _PIPELINE_CHUNK else None
+        crc = crc32(buf) if crc_future is None else 0
         for i in range(0, len(buf), _PIPELINE_CHUNK):
             piece = buf[i : i + _PIPELINE_CHUNK]
             while piece:

@@ -1,9 +1,6 @@
-"""`load`: read a checkpoint saved at any world size and stage into the layout of `like`.
-
-Range math: every unit-indexed tensor of `like` needs elements `[lo, hi)` of its unit's logical
-buffer (the whole padded buffer, this rank's shard, or one parameter's slot). The real part
-`[lo, min(hi, numel))` is read from the on-disk segments that overlap it, whichever ranks wrote
-them; the padding is zero. No conversion step, and each rank reads only what it holds.
+"""`load`: read a checkpoint saved at any world size and stage into the layout of `like`
+(`specs/checkpoint-format.md` §Loading): each rank reads only the elements it holds, from
+whichever ranks' segments overlap them, and zeroes the padding; no conversion step.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from . import _format as F
 from ._io import prefer_huge_pages, read_into
 from ._safe import entry_kind, is_real_dir, is_real_file, open_dir, open_file, read_small
 from ._tp import fill_tp_leaf, tp_check_view
-from ._by_name import fill_by_name, same_units, saved_slots
+from ._by_name import fill_by_name, same_units, saved_slots, stored_key
 from ._frozen import fill_frozen
 from ._ep import check_ep_supported, ep_check_view, expert_places
 from ._same_model import check_model, mismatch
@@ -230,26 +227,16 @@ def _shape(s) -> tuple:
 
 
 def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
-    """Which stored tensor fills `leaf`. Master weights and params stand in for each other across
-    precisions: fp32 params -> a 16-bit run's master (and, cast, its params); a 16-bit run's fp32
-    master -> an fp32 run's params (the accurate copy, not the rounded 16-bit params)."""
-    keys = reader.tensors
-    top, _, rest = leaf.key.partition("/")
-    if top == "params" and leaf.unit is not None:
-        own = keys.get(leaf.key)
-        if own is not None and F.DTYPES[own["dtype"]] == leaf.tensor.dtype:
-            return leaf.key
-        if f"master/{rest}" in keys:
-            return f"master/{rest}"
-    if top == "master" and leaf.key not in keys and f"params/{rest}" in keys:
-        return f"params/{rest}"
-    if leaf.key not in keys:
+    """Which stored tensor fills `leaf` (`stored_key`: master and params stand in for each other)."""
+    whole = leaf.unit is None and leaf.key.partition("/")[0] == "params"  # no stand-in for replicated params
+    key = leaf.key if whole else stored_key(reader.tensors, leaf.key, leaf.tensor.dtype)
+    if key not in reader.tensors:
         raise CheckpointError(
             f"the checkpoint has no {leaf.key!r}, which the state you are loading into needs for {leaf.path!r}; was "
             f"it saved with another optimizer (the checkpoint's: {reader.index.get('optimizer')}, the state's: "
             f"{type(like.opt_state).__name__})?"
         )
-    return leaf.key
+    return key
 
 
 def _restore_rng(ix: dict, rank: int) -> None:
@@ -361,12 +348,10 @@ def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainSt
 def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     """`rebuild_state(like, fill)`, except that frozen parameters and buffers are written into
     `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
-    they were). They are the module's: `ShardedModule.apply` binds the tensors the state was built
-    with (`init_state` hands them over), not a state's; new tensors would be saved and exported
-    while the model kept computing with the old ones. A shard whose values are in a store
-    (`offload_param: nvme`, a placeholder in `like`) is written into the store and stays a placeholder:
-    a new one for a training state's trainable shard, since the store now holds this state's, not
-    `like`'s (`ShardSource.renew`)."""
+    they were): they are the module's (`specs/checkpoint-format.md` §Frozen parameters). A shard
+    whose values are in a store (`offload_param: nvme`, a placeholder in `like`) is written into the
+    store and stays a placeholder: a new one for a training state's trainable shard, since the store
+    now holds this state's, not `like`'s (`ShardSource.renew`)."""
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     stored: list[tuple[ShardSource, str, torch.Tensor]] = []
     sources = sources_of(like.sharding)

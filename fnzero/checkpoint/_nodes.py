@@ -1,8 +1,6 @@
-"""Which ranks share the checkpoint directory, and saving when they do not
-(`specs/checkpoint-format.md` §Directories that are not shared): the commit protocol assumes one
-directory every rank sees, so each save first finds the groups of ranks that see each other's
-files; several groups are refused, or each commits a whole checkpoint of its own
-(`use_node_local_storage`).
+"""Which ranks share the checkpoint directory, and saving when they do not: several groups of
+ranks that see each other's files are refused, or each commits a whole checkpoint of its own
+(`specs/checkpoint-format.md` §Directories that are not shared).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""One rank writes an export, every rank learns how it went (`specs/checkpoint-format.md` §Export,
-"Every rank calls it"): the writer speaks in small all-reduces ("rounds"), at least every `BEAT_S`
-seconds or before each unit it gathers, so no rank waits in one collective for the whole write.
+"""One rank writes an export, every rank learns how it went, in small all-reduces ("rounds")
+(`specs/checkpoint-format.md` §Export, "Every rank calls it").
 
 [Note: a round is a sum over each of `comms` in turn] (the data-parallel group, then the
 tensor-parallel one): the writer's words reach the whole grid without a group spanning it, and

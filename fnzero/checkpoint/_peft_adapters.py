@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .._errors import CheckpointError
+from ._tree import slots_by_name
 
 __all__ = ["AdapterNames", "adapter_names", "load_adapters"]
 
@@ -52,10 +53,6 @@ def adapter_names(module, adapter: str | None) -> AdapterNames:
     # Embedding layers are saved whole only when the vocabulary changed; fnzero keeps it fixed.
     saved = get_peft_model_state_dict(module, state_dict=tags, adapter_name=adapter, save_embedding_layers=False)
     return AdapterNames(adapter, configs[adapter], {k: by_tag[id(v)] for k, v in saved.items()})
-
-
-def _slots(plan) -> dict[str, tuple]:
-    return {n: (u, s) for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
 
 
 def _read_config(path: str) -> dict:
@@ -111,7 +108,7 @@ def load_adapters(path, module, plan, rank: int, initial: dict[str, torch.Tensor
     if tp is not None:
         raise CheckpointError("adapters into a tensor-parallel model are not supported yet")
     names = adapter_names(module, adapter)
-    slots = _slots(plan)
+    slots = slots_by_name(plan)
     frozen = sorted(m for m in names.to_model.values() if m not in slots)
     if frozen:
         raise CheckpointError(f"adapter tensors that are not trainable in this model: {frozen[:8]}")

@@ -1,9 +1,6 @@
 """`export_adapters`: a running PEFT job's adapters as PEFT's own directory, which
-`PeftModel.from_pretrained(base, dir)` loads (`specs/peft.md` §Export).
-
-Only the units that hold the adapter's tensors are gathered (`ShardedModule.gather(names=...)`),
-never the frozen base: the adapters are a few megabytes whatever the model. Every rank gathers
-them (they are small), then one rank writes and the others learn how it went (`_one_writer.py`).
+`PeftModel.from_pretrained(base, dir)` loads (`specs/peft.md` §Export): only the units that
+hold the adapter's tensors are gathered, then one rank writes (`_one_writer.py`).
 """
 
 from __future__ import annotations
@@ -15,26 +12,19 @@ from .._errors import CheckpointError
 from ._export import _cast_dtype, _Entry, _write_all, parse_dtype
 from ._one_writer import Rounds
 from ._peft_adapters import CONFIG, WEIGHTS, adapter_names
+from ._tree import slots_by_name
 
 __all__ = ["export_adapters"]
 
 
 def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = None, dtype=None) -> list[str]:
     """Write the trained adapter of a PEFT model (`peft.get_peft_model(...)` sharded by
-    `fnzero.shard`) to the directory `out` as PEFT writes it: `adapter_model.safetensors` (PEFT's
-    tensor names, from `peft.get_peft_model_state_dict`) and `adapter_config.json` (the model's
-    `LoraConfig`, `inference_mode` set, and `auto_mapping` without a task type, as
-    `PeftModel.save_pretrained` writes it). Returns the paths written, on every rank.
-
-    Collective, as `export_live`: call it on every rank with its state. Only the adapter's units
-    are gathered (master weights when the state has them), not the frozen base. One rank writes
-    (data-parallel rank 0 of tensor-parallel rank 0); when writing fails, every rank raises, the
-    others with a `CheckpointError` naming the writing rank.
+    `fnzero.shard`) to the directory `out` as `PeftModel.save_pretrained` writes it; returns the
+    paths written, on every rank. Collective, as `export_live` (`specs/peft.md` §Export).
 
     `adapter`: which adapter (None: the model's only one). `dtype`: 'fp32', 'bf16', ... (None:
-    the dtype the state keeps them in). Load it back with
-    `PeftModel.from_pretrained(base_model, out)`, or resume a run with
-    `sm.init_state(pretrained=base_dir, adapters=out)`.
+    the dtype the state keeps them in). Load it back with `PeftModel.from_pretrained(base, out)`,
+    or resume with `sm.init_state(pretrained=base_dir, adapters=out)`.
 
     >>> fnzero.checkpoint.export_adapters(sm, state, "lora_out")  # doctest: +SKIP
     """
@@ -42,7 +32,7 @@ def export_adapters(sm, state, out: str | os.PathLike, *, adapter: str | None = 
     if state.sharding.pp is not None and state.sharding.pp.stages > 1:
         raise CheckpointError("export_adapters of a pipeline-parallel state is not implemented yet")
     names = adapter_names(sm.module, adapter)  # every rank checks the arguments before any collective
-    trainable = {n for u in sm.plan.units for s in u.slots for n in (s.name, *s.aliases)}
+    trainable = slots_by_name(sm.plan)
     frozen = sorted(m for m in names.to_model.values() if m not in trainable)
     if frozen:
         raise CheckpointError(f"adapter tensors that are not trainable in this model, so not in the state's "

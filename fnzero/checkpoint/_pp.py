@@ -1,17 +1,11 @@
-"""Checkpoints of pipeline-parallel states (`specs/checkpoint-format.md` §Pipeline parallelism).
-
-Every rank of the job writes the bytes it owns of its stage's units to its own data file (named
-by its rank in the job), and the job's rank 0 commits one index whose units are the union of the
-stages' units, in layer order. Unit names are the layers' indices in the whole pipeline, so the
-checkpoint is the one a single-stage run of the same PipelineModule would write: it loads at any
-stage count, data-parallel size and ZeRO stage, and exports, with no conversion.
+"""Checkpoints of pipeline-parallel states (`specs/checkpoint-format.md` §Pipeline parallelism):
+every rank writes its stage's units to its own data file and the job's rank 0 commits one index,
+the one a single-stage run of the same PipelineModule would write.
 """
 
 from __future__ import annotations
 
 import os
-
-
 
 from .._errors import CheckpointError
 from .._state import TrainState

@@ -169,14 +169,12 @@ def load_pretrained(path, plan, rank: int, initial: dict[str, torch.Tensor], fro
                     buffers: dict[str, torch.Tensor], persistent: set[str], *,
                     allow_unexpected: bool = False, base_prefix: str = "", tp=None,
                     rename=None, ep=None) -> "PretrainedLoad":
-    """Check `path` against the model (names, shapes, files) without reading tensor data; the
-    returned load's `run()` then overwrites `initial` (unit -> flat buffer or this rank's shard),
-    `frozen` and `buffers` in place and returns the report. `base_prefix`: the model's
-    `base_model_prefix` (transformers), for files of the base model loaded into a model with a
-    head, or the other way round. `tp` (a TPLayout): the model holds tensor-parallel slices; the
-    files' whole tensors are read and cut (`specs/mesh.md`). `ep` (an EPLayout): the model holds this
-    rank's experts; other ranks' experts in the files are expected and not read, and of a tensor
-    stacking a layer's experts only this rank's rows are read (`specs/mesh.md §Expert parallelism`)."""
+    """Check `path` against the model (names, shapes, files) without reading tensor data
+    (`specs/checkpoint-format.md` §Pretrained); the returned load's `run()` then overwrites
+    `initial` (unit -> flat buffer or this rank's shard), `frozen` and `buffers` in place and
+    returns the report. `base_prefix`: the model's `base_model_prefix` (transformers). `tp` (a
+    TPLayout): the files' whole tensors are read and cut to this rank's slices. `ep` (an EPLayout):
+    only this rank's experts are read, a stacked tensor's rows alone (`specs/mesh.md`)."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors data is little-endian; big-endian hosts are not supported")
     entries = index_pretrained(path)

@@ -1,7 +1,6 @@
-"""Opening what a checkpoint directory holds without trusting it (`specs/checkpoint-format.md`
-§Reading a directory nobody vouches for): no symbolic links below the root (`O_NOFOLLOW` relative
-to each directory's descriptor), regular files only (`lstat`, then `fstat` on the descriptor
-read), sizes known before a byte is read, messages that name the file and never its contents.
+"""Opening what a checkpoint directory holds without trusting it: no links below the root, regular
+files only, sizes known before a byte is read (`specs/checkpoint-format.md` §Reading a directory
+nobody vouches for).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Whether a checkpoint holds the model a state is loaded into (`specs/checkpoint-format.md`
-§Loading): the parameter names and shapes compared, every difference told at once, in the user's
-words ("the model you are loading into" and "the checkpoint"), a few names of each kind with
-their counts.
+§Loading): names and shapes compared, every difference told at once, in the user's words.
 """
 
 from __future__ import annotations

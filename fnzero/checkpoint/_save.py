@@ -100,14 +100,10 @@ def _rng_state() -> dict:
 def _pieces(state: TrainState, copy: bool, group: tuple[int, ...] | None = None, exclude_frozen: bool = False,
             places: ExpertPlaces | None = None):
     """What this rank writes: (key, meta, lo, hi, 1-D CPU tensor) in a deterministic order;
-    nothing of the frozen parameters with `exclude_frozen`.
-
-    `group` (a node-local save, `_nodes.py`): the ranks sharing this rank's directory. Each group
-    then writes a whole copy of what is replicated: its first rank the non-unit leaves, its ranks
-    in equal parts the unit leaves every rank holds whole.
-
-    `places` (expert parallelism, `_ep.py`): an expert unit's elements go to their places in the
-    whole layer's unit, one piece per parameter they hold."""
+    nothing of the frozen parameters with `exclude_frozen`. `group` (a node-local save): the ranks
+    sharing this rank's directory, which write a whole copy of what is replicated
+    (`specs/checkpoint-format.md` §Directories that are not shared). `places` (expert
+    parallelism, `_ep.py`): an expert unit's elements go to their places in the whole layer's unit."""
     plan, rank = state.sharding.plan, state.sharding.rank
     units = units_by_key(plan)
     seen: set[tuple[str, int, int]] = set()
@@ -204,20 +200,14 @@ def save(
 ) -> SaveHandle:
     """Write `state` as checkpoint `path/tag` (default tag `step_{state.step}`). Every rank calls it.
 
-    `exclude_frozen_parameters` (DeepSpeed's `save_checkpoint` keyword): leave the frozen
-    (requires_grad=False) parameters out, as a LoRA run's small checkpoint; loading it then needs
-    them from elsewhere (`load(..., keep_frozen=True)` into a state made with
-    `init_state(pretrained=base)`). `specs/checkpoint-format.md` §Frozen parameters.
-
     `client_state`: plain data (msgpack-able) returned by `load`. `config`: a `fnzero.Config`
     stored as JSON. `blocking=False` copies this rank's part of the state to CPU memory, writes it in
     a background thread and returns at once; the handle's `wait()` gives the same result a blocking
     save would. A save waits for this rank's previous async save to the same directory first.
-
-    `path` must be one directory every rank sees; a save finds out first and refuses one that is
-    not, naming the ranks that see each other's files. `node_local` (default: the config's
-    `checkpoint.use_node_local_storage`) saves such a directory anyway: each group of ranks that
-    share it (a node) commits a whole checkpoint there, replicated tensors included (`_nodes.py`).
+    `path` must be one directory every rank sees, unless `node_local` (default: the config's
+    `checkpoint.use_node_local_storage`; `specs/checkpoint-format.md` §Directories that are not
+    shared). `exclude_frozen_parameters` (DeepSpeed's keyword): leave the frozen parameters out,
+    as a LoRA run's small checkpoint (§Frozen parameters).
     """
     if not isinstance(state, TrainState):
         raise CheckpointError(f"save expects a fnzero.TrainState, got {type(state).__name__}")

@@ -1,12 +1,6 @@
 """Checkpoints of tensor-parallel states, in the ordinary format (`specs/checkpoint-format.md`
-§Tensor parallelism, `specs/mesh.md`).
-
-A save consolidates each unit over the tensor-parallel ranks first: the checkpoint is the one the
-same run without tensor parallelism would write at its data-parallel world size, unit by unit in
-the whole model's coordinates. So it loads at any mesh, stage and world size, exports to
-safetensors, and `checkpoint info` reads it, with no conversion step. A load into a
-tensor-parallel state reads, for each of its parameters, the whole parameter from the files and
-keeps this rank's slice: one parameter's full tensor at a time, no collectives.
+§Tensor parallelism, `specs/mesh.md`): a save consolidates each unit over the tensor-parallel
+ranks first; a load reads each parameter whole and keeps this rank's slice, with no collectives.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """A TrainState as named leaves in unit coordinates: the vocabulary shared by save, load and export
-(`specs/checkpoint-format.md` §Coordinates).
-
-Every tensor of a state is a *unit leaf* (elements `[lo, hi)` of a unit's logical flat buffer,
-stored under a key naming the unit as ranges of its real elements, whatever world size or stage
-wrote it), a *replicated leaf* (stored whole under its path) or a *per-rank leaf* (a field in an
-optimizer state's `PER_RANK_FIELDS`, stored whole by each rank under its path and `@rank<r>`).
-A frozen unit's buffer (stage 3) is a unit leaf of unit `frozen/NAME`. Paths join field names,
-NamedTuple field names, dict keys and list indices with '/', which no module path or state_dict
-name contains.
+(`specs/checkpoint-format.md` §Coordinates: unit, replicated and per-rank leaves, keys). A frozen
+unit's buffer (stage 3) is a unit leaf of unit `frozen/NAME`.
 """
 
 from __future__ import annotations
@@ -21,7 +14,8 @@ from .._errors import CheckpointError
 from ..sharding import ShardPlan
 from .._state import TrainState
 
-__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN", "per_rank_key"]
+__all__ = ["Leaf", "state_leaves", "rebuild_state", "unit_meta", "units_by_key", "FROZEN", "per_rank_key",
+           "slots_by_name"]
 
 FROZEN = "frozen/"  # a frozen unit's name on disk and in `Leaf.unit`: FROZEN + its name
 
@@ -127,19 +121,15 @@ def _classify(plan: ShardPlan, rank: int, path: str, t: torch.Tensor, slots, per
     return Leaf(path, path, t)
 
 
-def _slots(plan: ShardPlan):
-    out = {}
-    for u in plan.units:
-        for s in u.slots:
-            for n in (s.name, *s.aliases):
-                out[n] = (u, s)
-    return out
+def slots_by_name(plan: ShardPlan) -> dict[str, tuple]:
+    """Every trainable parameter's name (aliases too) -> (its unit, its slot)."""
+    return {n: (u, s) for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
 
 
 def state_leaves(state: TrainState) -> list[Leaf]:
     """Every tensor of `state` with its path, disk key and unit coordinates."""
     plan, rank = state.sharding.plan, state.sharding.rank
-    slots = _slots(plan)
+    slots = slots_by_name(plan)
     out = []
     for f in _FIELDS:
         for path, t, per_rank in _walk(getattr(state, f), f):
@@ -150,7 +140,7 @@ def state_leaves(state: TrainState) -> list[Leaf]:
 def rebuild_state(like: TrainState, fn: Callable[[Leaf], torch.Tensor], **changes) -> TrainState:
     """`like` with every tensor replaced by `fn(leaf)` (same structure, same sharding)."""
     plan, rank = like.sharding.plan, like.sharding.rank
-    slots = _slots(plan)
+    slots = slots_by_name(plan)
     new = {f: _rebuild(getattr(like, f), f, lambda p, t, per: fn(_classify(plan, rank, p, t, slots, per)))
            for f in _FIELDS}
     return like.replace(**new, **changes)

@@ -16,14 +16,9 @@ __all__ = ["FlopsProfile", "count_flops", "format_flops"]
 
 @dataclasses.dataclass(frozen=True)
 class FlopsProfile:
-    """What one profiled call cost.
-
-    total: FLOPs of the call (a multiply-add counts 2). by_module: FLOPs per module path
-    (`GPT.blocks.0.fc`), every depth. top: per depth, the `top_modules` largest, as
-    `{depth: [(name, flops), ...]}` limited to `module_depth` (-1: all depths).
-    step_flops: the estimated FLOPs of one training step on this rank (see `Monitor.profile_flops`).
-    output: what the call returned.
-    """
+    """What one profiled call cost (`specs/monitor.md` §Sections, flops_profiler). total: FLOPs of
+    the call (a multiply-add counts 2). top: `{depth: [(name, flops), ...]}`. step_flops: the
+    estimated FLOPs of one training step on this rank. output: what the call returned."""
 
     total: int
     by_module: dict[str, int]

@@ -99,12 +99,8 @@ class Monitor:
     def from_config(cls, cfg, *, rank: int, world_size: int, tokens_per_step: int | None = None,
                     samples_per_step: int | None = None, stream=None, total_steps: int | None = None,
                     progress: bool | None = None, clock: Callable[[], float] = time.perf_counter) -> "Monitor":
-        """A Monitor for `cfg` (a `Config`, or anything `fnzero.load_config` reads).
-
-        samples_per_step defaults to `cfg.train_batch_size` (all ranks); tokens_per_step (all
-        ranks) adds tokens/s. total_steps, when known, sizes the progress bar and prints the last
-        step. progress: None shows a bar only when `stream.isatty()` and tqdm is installed.
-        stream defaults to sys.stdout at construction. clock: seconds, for tests.
+        """A Monitor for `cfg` (a `Config`, or anything `fnzero.load_config` reads); the arguments are
+        `specs/monitor.md` §Construction's. `clock`: seconds, for tests.
 
         >>> import io, fnzero
         >>> cfg = fnzero.load_config({"train_batch_size": 4, "steps_per_print": 2})
@@ -128,13 +124,9 @@ class Monitor:
     # -- the loop's calls -----------------------------------------------------------------------------------
 
     def log(self, step: int, metrics: dict, timings: dict | None = None, *, state=None) -> None:
-        """Record optimizer step `step` (1 after the first step) and its metrics.
-
-        Call once per step, right after it: the time since the previous call (or construction) is
-        this step's time. `timings` (else `metrics["timings"]`): seconds by TIMING_KEYS. `state`:
-        the new TrainState, for `memory_breakdown`. Prints every `steps_per_print` steps and at
-        `total_steps`; writes the csv/tensorboard scalars every step.
-        """
+        """Record optimizer step `step` (1 after the first step) and its metrics; call it once per
+        step, right after it (`specs/monitor.md` §`log`). `timings` (else `metrics["timings"]`):
+        seconds by TIMING_KEYS. `state`: the new TrainState, for `memory_breakdown`."""
         now = self._clock()
         dt, self._t_last = now - self._t_last, now
         self._last_dt = dt

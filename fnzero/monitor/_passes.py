@@ -1,8 +1,5 @@
-"""Time one pass of each collective over a job's own units (`specs/autotune.md` §Trial report).
-
-Why passes and not a link alone: one trial's measurement then predicts every stage's collectives
-(`fnzero.memory._predict`), and a latency and a bandwidth measured on one buffer size miss the
-per-collective costs (wake-ups, Python, the exchange's set-up) that dominate small units on a busy host.
+"""Time one pass of each collective over a job's own units (`specs/autotune.md` §Trial report, which
+says why passes and not a link alone).
 """
 
 from __future__ import annotations

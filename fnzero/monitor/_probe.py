@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 from ._passes import measure_passes
@@ -100,11 +101,11 @@ class TrialProbe:
 
         n = len(self.times)
         # The median step: robust to the odd step a busy machine slows (a collective waiting on a descheduled rank).
-        step_time = sorted(self.times)[n // 2] if n % 2 else sum(sorted(self.times)[n // 2 - 1:n // 2 + 1]) / 2 if n \
-            else float("nan")
+        step_time = statistics.median(self.times) if n else float("nan")
         report = {
             "rank": self.rank, "world_size": self.world_size, "measured_steps": n, "step_time_s": step_time,
-            "mean_step_time_s": sum(self.times) / n if n else None, "step_times_s": self.times, "micro_batch": self.micro, "gradient_accumulation_steps": self.gas,
+            "mean_step_time_s": sum(self.times) / n if n else None, "step_times_s": self.times,
+            "micro_batch": self.micro, "gradient_accumulation_steps": self.gas,
             "samples_per_s": self.samples_per_step / step_time if n else None,
             "tokens_per_s": self.tokens_per_step / step_time if n and self.tokens_per_step else None,
             "flops_per_s_per_rank": step_flops / step_time if n and step_flops else None,
