@@ -1,8 +1,7 @@
 """`load_config`: source -> parsed dict -> aliases/auto/unknown keys -> models -> cross-field rules.
 
-Every stage adds to one `Problems` list instead of raising, so a file with five mistakes gets
-one ConfigError listing all five. Cross-field rules read validated values: with a field in error
-they still run over the rest (`_cross_checks_of_the_rest`).
+Every stage adds to one `Problems` list instead of raising, so one ConfigError lists every
+mistake (specs/config.md §Errors).
 """
 
 from __future__ import annotations
@@ -37,15 +36,12 @@ TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumul
 def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any] | None = None) -> Config:
     """Load, validate and resolve a DeepSpeed config.
 
-    `src` is a path (str or os.PathLike), a dict, JSON text (with `//`/`/* */` comments and
-    trailing commas allowed) or base64-encoded JSON text. `world_size` is the data-parallel
-    size used for the batch triad (default 1: this layer never asks torch.distributed;
-    `fnzero.load_config` passes the running world's size). `auto` maps dotted
-    DeepSpeed paths to values that fill `"auto"` placeholders: a plain dict also sets keys the
-    config lacks and must agree with explicit ones; an `AutoValues` (e.g. from
-    `hf_auto_values(...)`) fills only `"auto"` keys. Raises one `ConfigError` listing every
-    problem found. Keys fnzero accepts but does not act on warn once each (`ConfigWarning`)
-    when set to a non-default value.
+    `src` is a path, a dict, JSON text (comments and trailing commas allowed) or base64 text
+    (specs/config.md §Sources). `world_size` sizes the batch triad (default 1: this layer never
+    asks torch.distributed; `fnzero.load_config` passes the running world's size). `auto` maps
+    dotted DeepSpeed paths to the values of `"auto"` placeholders (a dict or an `AutoValues`,
+    specs/config.md §"auto"). Raises one `ConfigError` listing every problem; keys without effect
+    warn once each (`ConfigWarning`).
 
     >>> from fnzero.config import load_config
     >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, world_size=2)

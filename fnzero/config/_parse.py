@@ -1,10 +1,7 @@
-"""Turning a user's config source (path, dict, JSON text, base64 text) into a plain dict.
+"""Turning a user's config source into a plain dict (specs/config.md §Sources, §Syntax).
 
-DeepSpeed reads config files with hjson, so real-world files carry `//` and `/* */` comments
-and trailing commas. We accept exactly those two extensions (blanked out in place so that
-line/column numbers in errors still point into the user's file) and nothing else of hjson.
-Everything that comes out of here is a tree of dict/list/str/int/float/bool/None with string
-keys, at most MAX_DEPTH deep, so later stages never recurse without bound or meet odd types.
+What comes out is a tree of dict/list/str/int/float/bool/None with string keys, at most MAX_DEPTH
+deep, so later stages never recurse without bound or meet odd types.
 """
 
 from __future__ import annotations

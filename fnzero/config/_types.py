@@ -1,9 +1,7 @@
-"""Scalar field types shared by every config model, and the strict frozen base model.
+"""Scalar field types shared by every config model, and the strict frozen base model (specs/config.md §Types).
 
-JSON has one number type, so DeepSpeed users write sizes as `5e8`; those arrive as floats.
-The `Int` type accepts a float only when it is integral, and every type refuses the silent
-coercions pydantic would otherwise do (`true` -> 1, `"3"` -> 3) because such a value in a
-config file is almost always a mistake the user wants to hear about.
+Every type refuses the coercions pydantic would otherwise do (`true` -> 1, `"3"` -> 3): in a config
+file such a value is almost always a mistake the user wants to hear about.
 """
 
 from __future__ import annotations
