@@ -6,8 +6,6 @@ largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; t
     fnzero plan --params 70B --world-size 64 --tp 1,2,4,8 --memory-per-device 80GB   # dp x tp meshes
     fnzero plan --model ./mixtral_config_dir --world-size 64 --ep 1,8                 # experts over ep ranks
     fnzero plan --params 7B --world-size 64 --mics 8                                  # MiCS: shard groups of 8
-
-Exit codes: 0 printed; 2 bad arguments or an invalid --config file (message on stderr).
 """
 
 from __future__ import annotations

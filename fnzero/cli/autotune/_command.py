@@ -3,9 +3,6 @@ jobs and keep the fastest that fits (`specs/autotune.md`).
 
     fnzero autotune --world 2 --time-budget 600 train.py --deepspeed_config ds.json
     fnzero launch --nproc-per-node 2 --autotuning run train.py --deepspeed_config ds.json
-
-Exit codes: 0 tuned (and, with --run, trained); 1 no trial succeeded (or the training run failed);
-2 bad arguments or config (one line each on stderr).
 """
 
 from __future__ import annotations
