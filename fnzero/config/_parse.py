@@ -136,13 +136,8 @@ _JSON_MARKS = frozenset('{}[]":')
 
 
 def _try_base64(text: str) -> str | None:
-    """The decoded text when `text` is base64 of UTF-8 text that is meant as JSON, else None.
-
-    Strict alphabet (a path with `.` in it is never taken for base64). Decoded text counts as
-    JSON when it looks like JSON, or when it is printable text holding JSON punctuation: then
-    a syntax error in it is reported with its line and column, as for a file, rather than
-    the source being taken for a missing path.
-    """
+    """The decoded text when `text` is base64 of UTF-8 text that is meant as JSON (specs/config.md
+    §Sources), else None."""
     compact = "".join(text.split())
     if not compact or len(compact) % 4 == 1:
         return None
