@@ -27,7 +27,6 @@ from ._zero import ZeroConfig
 __all__ = ["Config"]
 
 
-
 class Config(Model):
     """A validated, resolved DeepSpeed config. Build it with `load_config`; it is immutable."""
 
