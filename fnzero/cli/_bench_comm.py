@@ -159,16 +159,10 @@ def _torchrun(world: int) -> int:
     from ..sharding import free_port
     from .launch import run_torchrun
 
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if a == "--world":
-            skip = True
-            continue
-        if not a.startswith("--world="):
-            argv.append(a)
+    given = sys.argv[1:]
+    world_at = {i for i, a in enumerate(given) if a == "--world"}  # argparse took the word after as its value
+    argv = [a for i, a in enumerate(given)
+            if i not in world_at and i - 1 not in world_at and not a.startswith("--world=")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_torchrun(["--nproc-per-node", str(world), "--nnodes", "1", "--master-addr", "127.0.0.1",
                           "--master-port", str(free_port()), "--monitor-interval", "1", "-m", "fnzero.cli", *argv])

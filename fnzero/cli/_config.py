@@ -1,10 +1,7 @@
 """`fnzero config {validate,show} FILE [--world-size N] [--auto NAME=VALUE,...]` (specs/cli.md).
 
-`--auto` fills a Hugging Face-style config's `"auto"` keys as `load_config(..., auto=hf_auto_values(...))`
-does in Python, with the same argument names, so such a config can be checked before a run. The
-keys a config sets that fnzero accepts without acting on (`ConfigWarning`s, and DeepSpeed's
-deprecated spellings) are listed as warnings: a config is "valid" with them, but the user should
-know. Nothing here imports torch.
+`--auto` takes `hf_auto_values`'s arguments, so a Hugging Face-style config can be checked before a
+run. Nothing here imports torch.
 """
 
 from __future__ import annotations

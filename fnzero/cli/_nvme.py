@@ -1,10 +1,7 @@
 """`fnzero bench io` and `fnzero nvme-tune`: the AIO micro-benchmark over fnzero's I/O engine
 (`fnzero/_ext/_aio.py`, what NVMe offload uses) and a sweep of the `aio` block that keeps the
-fastest values, as DeepSpeed's `ds_io` and `ds_nvme_tune` (`specs/cli.md` §fnzero bench io).
-
-A write is timed from submission through `fdatasync`; a read from submission until the data is
-in memory. O_DIRECT is used where the file system allows it (else the rows say `buffered`, and
-reads may come from the page cache)."""
+fastest values, as DeepSpeed's `ds_io` and `ds_nvme_tune` (`specs/cli.md` §fnzero bench io, which
+says what is timed)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,6 @@ largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; t
     fnzero plan --params 70B --world-size 64 --tp 1,2,4,8 --memory-per-device 80GB   # dp x tp meshes
     fnzero plan --model ./mixtral_config_dir --world-size 64 --ep 1,8                 # experts over ep ranks
     fnzero plan --params 7B --world-size 64 --mics 8                                  # MiCS: shard groups of 8
-
-Exit codes: 0 printed; 2 bad arguments or an invalid --config file (message on stderr).
 """
 
 from __future__ import annotations
@@ -258,6 +256,8 @@ def _plan_experts():
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.gpus_per_node is None:
+        args.gpus_per_node = min(8, args.world_size)
     args._config_choice, args._config_tp, args._config_pp, args._config_ep = None, 1, 1, 1
     problem = _count_model(args)
     if problem is not None:
@@ -281,12 +281,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         args._config_ep = _config_ep(cfg)
         if args.mics is None and z.mics_shard_size > 0:
             args.mics = z.mics_shard_size
-        if args.tp is None:
-            args.tp = [args._config_tp]
-        if args.pp is None:
-            args.pp = [args._config_pp]
-        if args.ep is None:
-            args.ep = [args._config_ep]
+        for axis in ("tp", "pp", "ep"):  # not given: the config's
+            if getattr(args, axis) is None:
+                setattr(args, axis, [getattr(args, f"_config_{axis}")])
     args.tp, args.pp, args.ep = args.tp or [1], args.pp or [1], args.ep or [1]
     bad = [(t, p) for p in args.pp for t in args.tp if args.world_size % (t * p)]
     if bad:
@@ -354,10 +351,4 @@ def register(sub) -> None:
                    "the config's zero_optimization.mics_shard_size when on); must divide the world size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
     add_predict_options(p)
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.gpus_per_node is None:
-        args.gpus_per_node = min(8, args.world_size)
-    return _cmd_plan(args)
+    p.set_defaults(func=_cmd_plan)

@@ -1,15 +1,7 @@
-"""DeepSpeed-compatible configuration for fnzero.
+"""DeepSpeed-compatible configuration for fnzero: `load_config` and `hf_auto_values` (specs/config.md).
 
-`load_config(src, world_size=None, auto=None)` reads a DeepSpeed JSON config (path, dict, JSON
-text with comments/trailing commas, or base64 text), validates every key strictly, fills
-`"auto"` placeholders from `auto=`, derives the batch triad, and returns a frozen, fully
-resolved `Config` whose defaults are DeepSpeed 0.19.8's. Every problem is reported at once in
-one `ConfigError` (`err.errors` lists them); keys fnzero accepts but does not act on warn once
-(`ConfigWarning`). `hf_auto_values(...)` gives the values HuggingFace's Trainer would put where
-a config says `"auto"` (an `AutoValues`, which fills only those keys). Keys, defaults and
-rules: specs/config.md. This layer never asks torch.distributed: without `world_size` the triad
-is resolved for a world of 1; `fnzero.load_config` and `fnzero.hf_auto_values` pass the running
-world's size.
+This layer never asks torch.distributed: without `world_size` the batch triad is resolved for a
+world of 1; `fnzero.load_config` and `fnzero.hf_auto_values` pass the running world's size.
 """
 
 from __future__ import annotations

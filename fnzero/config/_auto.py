@@ -1,15 +1,6 @@
-"""Filling DeepSpeed's `"auto"` placeholders from the caller's `auto=` mapping.
+"""Filling DeepSpeed's `"auto"` placeholders from the caller's `auto=` mapping (specs/config.md §"auto").
 
-HuggingFace's Trainer writes `"auto"` into DeepSpeed configs and replaces it with values it
-knows (batch size, lr, ...) before DeepSpeed reads the file. fnzero has no trainer doing that,
-so the caller passes the values explicitly, keyed by dotted DeepSpeed path; anything left as
-`"auto"` is an error rather than a silently dropped key (which is what DeepSpeed does).
-
-Two kinds of mapping (specs/config.md §"auto"):
-- a plain dict is strict: it fills `"auto"`, sets keys the config lacks, and is an error where
-  the config holds a different explicit value;
-- an `AutoValues` (what `hf_auto_values` returns) only fills `"auto"` and leaves every other
-  key alone, so one set of trainer numbers fits any config, as transformers' Trainer does.
+fnzero has no trainer to fill them, so an `"auto"` left unfilled is an error, not a dropped key.
 """
 
 from __future__ import annotations
@@ -67,10 +58,9 @@ _EXAMPLE_ARGS = {
 class AutoValues(Mapping[str, Any]):
     """Values for `load_config(..., auto=...)` that fill only the keys a config sets to `"auto"`.
 
-    Keys the config sets explicitly, or does not have, are left as they are, so the same values
-    can be passed with any config (a plain dict is stricter: see specs/config.md §"auto").
-    `hf_auto_values` returns one; build your own from any mapping of dotted DeepSpeed paths, and
-    combine them with `|` (the right side wins).
+    Other keys are left as they are, so the same values fit any config (a plain dict is stricter:
+    specs/config.md §"auto"). Built from any mapping of dotted DeepSpeed paths; `|` merges (the
+    right side wins).
 
     >>> from fnzero.config import AutoValues, load_config
     >>> auto = AutoValues({"optimizer.params.lr": 3e-4, "scheduler.params.total_num_steps": 100})
@@ -146,15 +136,9 @@ def hf_auto_values(
     """The values HuggingFace's Trainer would put where a DeepSpeed config says `"auto"`.
 
     Pass the result as `load_config(path, auto=...)`. Arguments are named after (and default like)
-    transformers' `TrainingArguments`: `lr` is learning_rate, `betas` (adam_beta1, adam_beta2),
-    `eps` adam_epsilon, `micro_batch_size` per_device_train_batch_size, `total_steps` the number of
-    optimizer steps (Trainer's num_training_steps), `warmup_steps` a step count, or below 1 a
-    ratio of total_steps (rounded up), `hidden_size` the model's hidden size (bucket sizes are
-    derived from it exactly as transformers does). `world_size` defaults to 1 here
-    (`fnzero.hf_auto_values` defaults it to the running world's size). Keys whose source is None (total_steps,
-    hidden_size) are left out, so an `"auto"` that needs them stays an error naming it. The
-    result fills only `"auto"` keys (see `AutoValues`); the DeepSpeed key for each argument is
-    the table in specs/config.md §"auto".
+    transformers' `TrainingArguments`; the table in specs/config.md §"auto" gives each one's Trainer
+    argument and DeepSpeed key. `warmup_steps` below 1 is a ratio of `total_steps`; `world_size`
+    defaults to 1 here (`fnzero.hf_auto_values`: the running world's size).
 
     >>> from fnzero.config import hf_auto_values, load_config
     >>> cfg = load_config(

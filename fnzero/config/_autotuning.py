@@ -14,7 +14,6 @@ from ._types import Bool, Model, PosInt, Str
 __all__ = ["AutotuningConfig", "ModelInfoConfig", "autotuning_rules"]
 
 
-
 class ModelInfoConfig(Model):
     """`autotuning.model_info`: what DeepSpeed's model-info profile run measures; `num_params`, when
     given, lets the planner prune before any job runs."""

@@ -1,11 +1,8 @@
-"""`expert_parallel`: DeepSpeed 0.19.8's AutoEP block, with its keys, defaults and checks
-(module_inject/auto_ep_config.py `parse_autoep_config`, `validate_autoep_config`;
-module_inject/auto_ep_presets/base.py `AutoEPConfig`; module_inject/auto_ep_folding.py).
+"""`expert_parallel`: DeepSpeed 0.19.8's AutoEP block, with its keys, defaults and checks (specs/config.md
+§Expert parallel).
 
-fnzero reads `enabled`, `autoep_size` (the mesh's expert-parallel size), `preset_model` and the
-keys that say where a model's experts are (`STRUCTURE_KEYS`). It keeps the model's own router
-and expert code, so the routing, kernel and communication keys have no effect and warn when set
-(`NO_EFFECT_KEYS`, through `_noop.py`). specs/config.md §Expert parallel.
+fnzero reads `enabled`, `autoep_size`, `preset_model` and where a model's experts are
+(`STRUCTURE_KEYS`); the other keys warn when set (`NO_EFFECT_KEYS`, through `_noop.py`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """DeepSpeed keys that are aliases, that DeepSpeed removed, or that name features fnzero lacks.
 
-Runs on the raw dict before validation. Aliases are rewritten to the current spelling;
-removed keys and enabled unsupported features become problems (and are dropped so that the
-later checks do not report them a second time); disabled unsupported blocks are dropped.
+Runs on the raw dict before validation (specs/config.md §Unsupported features, §Removed or
+deprecated by DeepSpeed); a key reported here is dropped so that no later check reports it again.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`load_config`: source -> parsed dict -> aliases/auto/unknown keys -> models -> cross-field rules.
 
-Every stage adds to one `Problems` list instead of raising, so a file with five mistakes gets
-one ConfigError listing all five. Cross-field rules read validated values: with a field in error
-they still run over the rest (`_cross_checks_of_the_rest`).
+Every stage adds to one `Problems` list instead of raising, so one ConfigError lists every
+mistake (specs/config.md §Errors).
 """
 
 from __future__ import annotations
@@ -37,15 +36,12 @@ TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumul
 def load_config(src: Any, world_size: int | None = None, auto: Mapping[str, Any] | None = None) -> Config:
     """Load, validate and resolve a DeepSpeed config.
 
-    `src` is a path (str or os.PathLike), a dict, JSON text (with `//`/`/* */` comments and
-    trailing commas allowed) or base64-encoded JSON text. `world_size` is the data-parallel
-    size used for the batch triad (default 1: this layer never asks torch.distributed;
-    `fnzero.load_config` passes the running world's size). `auto` maps dotted
-    DeepSpeed paths to values that fill `"auto"` placeholders: a plain dict also sets keys the
-    config lacks and must agree with explicit ones; an `AutoValues` (e.g. from
-    `hf_auto_values(...)`) fills only `"auto"` keys. Raises one `ConfigError` listing every
-    problem found. Keys fnzero accepts but does not act on warn once each (`ConfigWarning`)
-    when set to a non-default value.
+    `src` is a path, a dict, JSON text (comments and trailing commas allowed) or base64 text
+    (specs/config.md §Sources). `world_size` sizes the batch triad (default 1: this layer never
+    asks torch.distributed; `fnzero.load_config` passes the running world's size). `auto` maps
+    dotted DeepSpeed paths to the values of `"auto"` placeholders (a dict or an `AutoValues`,
+    specs/config.md §"auto"). Raises one `ConfigError` listing every problem; keys without effect
+    warn once each (`ConfigWarning`).
 
     >>> from fnzero.config import load_config
     >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, world_size=2)
@@ -95,10 +91,7 @@ def read_config(src: Any, world_size: int | None, auto: Mapping[str, Any] | None
 
 def _cross_checks_of_the_rest(raw: dict[str, Any], found: list[str]) -> list[str]:
     """The cross-field problems among the keys that did validate, so one run reports every error
-    (`fp16` + `bf16` both on is found beside a bad `zero_optimization.stage`, and an impossible
-    `autotuning` range beside a bad value in the same block, not after it is fixed). First without
-    just the keys in error, else without their whole sections; a rule that names a key left out is
-    dropped: it would judge a default."""
+    (specs/config.md §Errors says which rules run)."""
     bad = {m.group(1) for m in (re.match(r"`([A-Za-z0-9_.]+)", line) for line in found) if m}
     for left_out in (bad, {path.split(".")[0] for path in bad}):
         cfg = validate_into(Config, _without_keys(raw, left_out), (), Problems())
@@ -129,10 +122,8 @@ def _without_keys(raw: dict[str, Any], paths: set[str]) -> dict[str, Any]:
 
 
 def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems: Problems) -> tuple[int, int]:
-    """(the job's ranks, the data-parallel ranks among them): the batch triad counts the latter
-    only, since the ranks of one tensor-parallel group (`tensor_parallel.autotp_size`) see the same
-    samples and the stages of one pipeline (`pipeline.stages`) pass one batch along. No world size
-    given: one tensor-parallel group times one pipeline."""
+    """(the job's ranks, the data-parallel ranks among them, which the batch triad counts: specs/config.md
+    §Batch triad). No world size given: one tensor-parallel group times one pipeline."""
     tp = _size_key(raw, "tensor_parallel", "autotp_size")
     pp = _size_key(raw, "pipeline", "stages")
     model_parallel = tp * pp
@@ -255,8 +246,8 @@ def _all_ranks_hint(tbs: int, per_rank: int, world: int, ranks: int) -> str:
 
 
 def _batch_triad(raw: dict[str, Any], world: int, problems: Problems, ranks: int) -> dict[str, int]:
-    """Derive the missing members of train_batch_size = micro x gas x world, as DeepSpeed does, but exactly.
-    `world` is the data-parallel ranks among the job's `ranks` (see _data_parallel_world)."""
+    """Derive the missing members of train_batch_size = micro x gas x world, as DeepSpeed does, but exactly
+    (specs/config.md §Batch triad); `world` is the data-parallel ranks among the job's `ranks`."""
     tbs, micro, gas = (_positive(raw, key, problems) for key in TRIAD)
     placeholder = dict.fromkeys(TRIAD, 1)  # keeps validating the rest after a triad problem
     if 0 in (tbs, micro, gas):

@@ -1,8 +1,7 @@
 """`Config`: the top-level, fully resolved fnzero/DeepSpeed configuration.
 
-A `Config` is only ever produced by `load_config`, which fills every default, derives the
-batch triad and resolves dynamic defaults, so every field holds a concrete value and
-`to_json()` prints the whole effective configuration.
+Only `load_config` makes one, so every field holds a concrete value and `to_json()` prints the
+whole effective configuration (specs/config.md §Round trip).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from ._types import Bool, Float, Model, PosInt
 from ._zero import ZeroConfig
 
 __all__ = ["Config"]
-
 
 
 class Config(Model):

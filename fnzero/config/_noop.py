@@ -1,11 +1,8 @@
-"""Keys fnzero accepts but does not act on: one `ConfigWarning` each when a user sets one.
+"""Keys fnzero accepts but does not act on: one `ConfigWarning` each when a user sets one (specs/config.md
+§Keys, legend **W**).
 
-DeepSpeed reads these keys and changes what it does (prints, raises, logs, loads another format);
-fnzero's runtime never reads them. Silently accepting a value that asks for behaviour fnzero
-lacks would be the "silent acceptance" STYLE.md tells us to avoid, and refusing it would break
-configs that work with DeepSpeed; so `load_config` accepts the value and warns once, naming the
-key, its value and what fnzero does instead. Default values never warn. specs/config.md marks
-these keys **W**.
+Silently accepting a value that asks for behaviour fnzero lacks would be the "silent acceptance"
+STYLE.md warns of, and refusing it would break configs that work with DeepSpeed.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`optimizer`: the optimizer type and its per-type `params`.
 
-DeepSpeed passes `params` straight to the optimizer constructor, so a misspelt or wrong-type
-parameter surfaces (if at all) as a TypeError deep inside initialisation. Here each type has
-its own model with DeepSpeed's/torch's parameter names and defaults, so the optimizer module
-can call `cfg.optimizer.params.model_dump()` and get exactly its keyword arguments.
+Each type has its own model with DeepSpeed's/torch's parameter names and defaults, so a misspelt
+parameter is refused by name (DeepSpeed passes it to the constructor) and the optimizer module's
+`cfg.optimizer.params.model_dump()` is exactly its keyword arguments.
 """
 
 from __future__ import annotations

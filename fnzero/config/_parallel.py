@@ -1,10 +1,6 @@
-"""`tensor_parallel`: DeepSpeed 0.19.8's AutoTP training block (runtime/tensor_parallel/config.py,
-`TPTrainingConfig`), with its defaults. fnzero reads `autotp_size`, `vocab_parallel_lm_head`,
-`partition_config` and `preset_model`; the rest is accepted and warns when it would change
-something (`_noop.py`).
-
-`pipeline`: DeepSpeed 0.19.8's pipeline block (runtime/config.py `get_pipeline_config`, read by
-its PipelineEngine), with its defaults. fnzero reads `stages` and `activation_checkpoint_interval`."""
+"""`tensor_parallel` and `pipeline`: DeepSpeed 0.19.8's AutoTP training and pipeline blocks, with their
+defaults (specs/config.md §tensor_parallel, §pipeline say which keys fnzero reads; of the rest, those
+marked W warn through `_noop.py`)."""
 
 from __future__ import annotations
 

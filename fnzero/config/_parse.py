@@ -1,10 +1,7 @@
-"""Turning a user's config source (path, dict, JSON text, base64 text) into a plain dict.
+"""Turning a user's config source into a plain dict (specs/config.md §Sources, §Syntax).
 
-DeepSpeed reads config files with hjson, so real-world files carry `//` and `/* */` comments
-and trailing commas. We accept exactly those two extensions (blanked out in place so that
-line/column numbers in errors still point into the user's file) and nothing else of hjson.
-Everything that comes out of here is a tree of dict/list/str/int/float/bool/None with string
-keys, at most MAX_DEPTH deep, so later stages never recurse without bound or meet odd types.
+What comes out is a tree of dict/list/str/int/float/bool/None with string keys, at most MAX_DEPTH
+deep, so later stages never recurse without bound or meet odd types.
 """
 
 from __future__ import annotations
@@ -139,13 +136,8 @@ _JSON_MARKS = frozenset('{}[]":')
 
 
 def _try_base64(text: str) -> str | None:
-    """The decoded text when `text` is base64 of UTF-8 text that is meant as JSON, else None.
-
-    Strict alphabet (a path with `.` in it is never taken for base64). Decoded text counts as
-    JSON when it looks like JSON, or when it is printable text holding JSON punctuation: then
-    a syntax error in it is reported with its line and column, as for a file, rather than
-    the source being taken for a missing path.
-    """
+    """The decoded text when `text` is base64 of UTF-8 text that is meant as JSON (specs/config.md
+    §Sources), else None."""
     compact = "".join(text.split())
     if not compact or len(compact) % 4 == 1:
         return None

@@ -1,8 +1,7 @@
 """Dynamic-default resolution and the cross-field rules DeepSpeed ignores silently.
 
-Each rule returns one message naming the keys involved and how to fix them. DeepSpeed
-either asserts these at runtime, or worse, quietly ignores the setting (offload_param below
-stage 3, nvme without a path); fnzero refuses them at load time.
+Each rule returns one message naming the keys involved and the fix (specs/config.md §Cross-field
+rules); DeepSpeed asserts some at runtime and quietly ignores others.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The key tree of the config models: valid dotted paths, and the unknown-key check.
 
-Unknown keys are found here, on the raw dict, rather than from pydantic's `extra_forbidden`
-errors, because here we know the full dotted path and the sibling keys to suggest from,
-including inside `optimizer.params`, whose model depends on `optimizer.type`.
+Unknown keys are found on the raw dict, not from pydantic's `extra_forbidden` errors: here the full
+dotted path and the sibling keys to suggest from are known, also inside `optimizer.params`.
 """
 
 from __future__ import annotations
@@ -20,17 +19,15 @@ from ._sched_models import SCHEDULER_PARAMS
 
 __all__ = ["check_unknown", "all_paths", "canonical_type"]
 
-# The objects in which DeepSpeed 0.19.8 accepts a key it does not know and ignores it: the top level
-# ("") and the sections it reads key by key with dict.get. Its other sections are pydantic models that
-# refuse one, and optimizer/scheduler `params` go to a constructor, which does too (the test table
-# records DeepSpeed's own behaviour, tests/test_config_deepspeed_keys.py holds this set to it).
+# The objects in which DeepSpeed 0.19.8 ignores a key it does not know (specs/config.md §Unknown keys):
+# the top level ("") and the sections it reads key by key. tests/test_config_deepspeed_keys.py holds
+# this set to DeepSpeed's own behaviour.
 IGNORED_BY_DEEPSPEED = frozenset({
     "", "optimizer", "scheduler", "aio", "activation_checkpointing", "checkpoint", "checkpoint.parallel_write",
     "data_types", "torch_autocast", "flops_profiler", "timers", "pipeline", "expert_parallel",
 })
-# Where DeepSpeed ignores unknown keys a config may hold notes in keys such as "_comment" (JSON has no
-# comments). No DeepSpeed key starts with "_", so such a key is never a misspelt one: fnzero drops it
-# too. Any other unknown key there is refused, saying why.
+# There, a note such as "_comment" is dropped (no DeepSpeed key starts with "_", so it is never a
+# misspelt one); any other unknown key is refused, saying why.
 COMMENT_PREFIX = "_"
 
 

@@ -35,8 +35,6 @@ def canonical_dtype(value: object) -> object:
     return value
 
 
-
-
 class FP16Config(Model):
     """`fp16`: fp16 mixed precision with (dynamic) loss scaling."""
 

@@ -1,9 +1,7 @@
-"""Scalar field types shared by every config model, and the strict frozen base model.
+"""Scalar field types shared by every config model, and the strict frozen base model (specs/config.md §Types).
 
-JSON has one number type, so DeepSpeed users write sizes as `5e8`; those arrive as floats.
-The `Int` type accepts a float only when it is integral, and every type refuses the silent
-coercions pydantic would otherwise do (`true` -> 1, `"3"` -> 3) because such a value in a
-config file is almost always a mistake the user wants to hear about.
+Every type refuses the coercions pydantic would otherwise do (`true` -> 1, `"3"` -> 3): in a config
+file such a value is almost always a mistake the user wants to hear about.
 """
 
 from __future__ import annotations
@@ -61,6 +59,16 @@ def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _wrong_kind(code: str, want: str, value: Any, hint: str) -> PydanticCustomError:
+    """The one message for a value of the wrong JSON kind: `must be <want>, got <value> (<kind>); <hint>`."""
+    return PydanticCustomError(code, f"must be {want}, got {{got}} ({{kind}}); {{hint}}",
+                               {"got": describe(value), "kind": _kind(value), "hint": hint})
+
+
+def _number_hint(value: Any) -> str:
+    return "write it without quotes" if isinstance(value, str) and _looks_numeric(value) else "write a JSON number"
+
+
 def _as_int(value: Any) -> int:
     if isinstance(value, bool):
         raise PydanticCustomError(
@@ -80,18 +88,12 @@ def _as_int(value: Any) -> int:
                 {"got": describe(value)},
             )
         return value
-    hint = "write it without quotes" if isinstance(value, str) and _looks_numeric(value) else "write a JSON number"
-    raise PydanticCustomError(
-        "fnz_int", "must be an integer, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
-    )
+    raise _wrong_kind("fnz_int", "an integer", value, _number_hint(value))
 
 
 def _as_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        hint = "write it without quotes" if isinstance(value, str) and _looks_numeric(value) else "write a JSON number"
-        raise PydanticCustomError(
-            "fnz_float", "must be a number, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
-        )
+        raise _wrong_kind("fnz_float", "a number", value, _number_hint(value))
     try:
         result = float(value)
     except OverflowError:
@@ -106,19 +108,14 @@ def _as_float(value: Any) -> float:
 def _as_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
-    hint = "write it without quotes" if isinstance(value, str) and value.lower() in ("true", "false") else "use true or false"
-    raise PydanticCustomError(
-        "fnz_bool", "must be true or false, got {got} ({kind}); {hint}", {"got": describe(value), "kind": _kind(value), "hint": hint}
-    )
+    quoted = isinstance(value, str) and value.lower() in ("true", "false")
+    raise _wrong_kind("fnz_bool", "true or false", value, "write it without quotes" if quoted else "use true or false")
 
 
 def _as_str(value: Any) -> str:
     if isinstance(value, str):
         return value
-    raise PydanticCustomError(
-        "fnz_str", "must be a string, got {got} ({kind}); put the value in double quotes",
-        {"got": describe(value), "kind": _kind(value)},
-    )
+    raise _wrong_kind("fnz_str", "a string", value, "put the value in double quotes")
 
 
 def _as_pair(value: Any) -> tuple[Any, ...]:

@@ -3,9 +3,6 @@ jobs and keep the fastest that fits (`specs/autotune.md`).
 
     fnzero autotune --world 2 --time-budget 600 train.py --deepspeed_config ds.json
     fnzero launch --nproc-per-node 2 --autotuning run train.py --deepspeed_config ds.json
-
-Exit codes: 0 tuned (and, with --run, trained); 1 no trial succeeded (or the training run failed);
-2 bad arguments or config (one line each on stderr).
 """
 
 from __future__ import annotations
@@ -181,9 +178,7 @@ def autotune_main(args) -> int:
 
 def autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
     """DeepSpeed's `deepspeed --autotuning tune|run --num_gpus N script ...`: `fnzero autotune` with
-    this node's N ranks (--num_gpus, else --nproc-per-node) and the per-rank flags every trial
-    takes (`_jobs.launch_flags`). Each trial is its own job on this node on a free port, so
-    flags that choose or start other hosts are refused, and the port and restart flags warned of."""
+    this node's N ranks and the per-rank flags every trial takes (specs/autotune.md §Command)."""
     refused = [flag for flag, given in (
         ("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude),
         ("--num_nodes", (args.num_nodes or 1) > 1), ("--nnodes", (args.nnodes or 1) > 1),

@@ -145,9 +145,7 @@ class Tuning:
         return None
 
     def _round(self, r: int, planned: int) -> bool:
-        """Round r of --rounds: every candidate that succeeded runs again as a new job, in the order
-        they first ran (so a slow spell of a shared machine falls on different candidates in
-        different rounds), and keeps its fastest job. False when the time budget ran out."""
+        """Round r of --rounds (specs/autotune.md §Rounds); False when the time budget ran out."""
         for c in [c for c, _ in self.fitted]:
             if self._left() <= 0:
                 self._say(f"round {r} stopped: time budget ({self.budget:.0f} s) spent")
@@ -156,14 +154,8 @@ class Tuning:
         return True
 
     def _confirm(self, planned: int) -> None:
-        """--confirm: a candidate whose fastest job is more than CONFIRM_SLOWER slower than the model
-        fitted to every other candidate predicts (out of sample) runs one more job, at most twice
-        each and --confirm jobs in all: those with fewer such jobs first, then the most suspect.
-        Interference only adds time, so a measurement far above what the rest of the space says is
-        the likeliest to have met a slow spell; the candidate keeps its fastest job, as with
-        --rounds. A prediction of no time or less is the fit extrapolated past its points (a
-        faster step at a larger size tilts the line below zero), not a scale for a measurement:
-        that candidate is not judged."""
+        """--confirm: one more job for each candidate measured more than CONFIRM_SLOWER slower than the
+        others predict (specs/autotune.md §Confirm, which says the order, the caps and why)."""
         extra, cap = 0, self.args.confirm
         if cap is None:
             cap = -(-len(self.fitted) // 5)  # a fifth of the candidates that ran successfully

@@ -52,11 +52,8 @@ def row_for(c, *, world: int, gas: int, status: str, reason: str = "", result=No
 
 def ignored_dir(path: str) -> None:
     """Make `path` a directory that version control leaves alone: a `.gitignore` of `*` in it, as
-    pytest's and ruff's caches have. For DeepSpeed's default `autotuning_results` and
-    `autotuning_exps`, which land in the working directory, often a repository's root; a directory
-    the config names is the user's, and left as it is. Only a directory made here gets the marker:
-    one that exists already (a user's, perhaps tracked) is left as it is, and so is a marker the user
-    deleted."""
+    pytest's and ruff's caches have (specs/autotune.md §Outputs). Only a directory made here gets the
+    marker: one that exists already (a user's, perhaps tracked) is left as it is."""
     if os.path.isdir(path):
         return
     os.makedirs(path)

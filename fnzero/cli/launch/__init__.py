@@ -1,11 +1,5 @@
-"""`fnzero launch`: DeepSpeed's runner on torchrun (`specs/cli.md` §fnzero launch).
-
-Parse (`_flags.py`, `_checks.py`) → a frozen `LaunchPlan` (`_launch.plan_launch`; this node's
-share `_node.py`, the hosts over ssh `_multinode.py`, a launcher tool `_tool_launch.py` with its
-commands in `_launchers.py`) → run by the executor of the plan's kind (`_launch.EXECUTORS`). The
-hostfile and its filters are `_hosts.py`, ssh `_ssh.py`, core binding `_binding.py`, and the rank
-front each rank may start behind `_rank_front.py`.
-"""
+"""`fnzero launch`: DeepSpeed's runner on torchrun (`specs/cli.md` §fnzero launch; its modules:
+§How a launch runs)."""
 
 from ._binding import rank_program
 from ._checks import launch_options, scan_launch_args, too_few_ranks

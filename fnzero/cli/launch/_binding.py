@@ -1,10 +1,6 @@
-"""`fnzero launch --bind_cores_to_rank [--bind_core_list L]`: each local rank gets its own cores,
-as DeepSpeed's launch.py does (`specs/cli.md` §Launcher flags): the cores (L, or every physical
-core) are cut into equal runs, local rank r takes the r-th, OMP_NUM_THREADS is that run's length,
-and the rank runs under `numactl -C <run>` (with `-m <node>` when the run lies in one NUMA node),
-or `taskset -c <run>` where numactl is not installed.
-
-`fnzero.cli._rank_front` applies it in front of each rank.
+"""`fnzero launch --bind_cores_to_rank [--bind_core_list L]`: each local rank gets its own run of
+cores, as DeepSpeed's launch.py does (`specs/cli.md` §Launcher flags); `fnzero.cli._rank_front`
+applies it in front of each rank.
 """
 
 from __future__ import annotations

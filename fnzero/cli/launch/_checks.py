@@ -49,10 +49,8 @@ def scan_launch_args(argv: list[str], options: dict[str, bool]) -> tuple[list[st
 
 
 def launch_hostfile(args: argparse.Namespace, default: str) -> str | None:
-    """The hostfile a launch reads: --hostfile, else DeepSpeed's runner's `/job/hostfile`
-    (`default`) where it exists. Not for a node's own launch (--nnodes, --node_rank, pdsh's
-    --world_info: the per-host `fnzero launch` a multi-node job starts, which would start the hosts
-    again), nor beside --nproc-per-node (a one-node launch asked for)."""
+    """The hostfile a launch reads: --hostfile, else DeepSpeed's runner's `/job/hostfile` (`default`)
+    where it exists and the launch is no node's own (specs/cli.md §`fnzero launch --hostfile FILE`)."""
     if (args.hostfile is None and args.nnodes is None and args.node_rank is None and args.world_info is None
             and args.nproc_per_node is None and os.path.isfile(default)):
         return default

@@ -1,10 +1,6 @@
 """DeepSpeed's hostfile, its filters and its `.deepspeed_env`, as `fnzero launch --hostfile` reads
-them (`specs/cli.md` §launch --hostfile). Pure parsing: no ssh, no torch.
-
-Hostfile: one `HOST slots=N` line per host (`#` comments and blank lines skipped), in rank order.
-Filters: `--include`/`--exclude` take `NODE_SPEC[@NODE_SPEC...]` with `NODE_SPEC = HOST[:SLOT[,SLOT...]]`
-(a bare host means all its slots); `--num_nodes N` keeps the first N hosts, `--num_gpus N` the
-first N slots of each; include/exclude and num_nodes/num_gpus do not mix (as in DeepSpeed).
+them (`specs/cli.md` §`fnzero launch --hostfile FILE [filters] SCRIPT [ARGS...]`). Pure parsing: no
+ssh, no torch.
 """
 
 from __future__ import annotations

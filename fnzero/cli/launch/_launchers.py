@@ -2,10 +2,8 @@
 tool gets (`specs/cli.md` §Launchers), DeepSpeed's `multinode_runner.py` meaning. Pure: builds the
 command, runs nothing.
 
-With an MPI launcher or srun each process the tool starts is one rank: it runs the script directly,
-and `fnzero.init_distributed` reads its rank from the tool's variables; MASTER_ADDR/MASTER_PORT
-(the rendezvous the tool knows nothing of) are exported to every rank. With pdsh each host runs
-one `fnzero launch --world_info ... --node_rank %n` (pdsh puts the host's rank for `%n`).
+With an MPI launcher or srun each process the tool starts is one rank, which runs the script and
+reads its rank from the tool's variables; with pdsh each host runs one `fnzero launch`.
 """
 
 from __future__ import annotations

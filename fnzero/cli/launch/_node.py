@@ -99,9 +99,7 @@ def _this_node(args, hostfile: str | None) -> Share:
 
 def _this_machine(args) -> Share:
     """No hostfile: --include/--exclude choose among this machine's slots, DeepSpeed's pool of
-    `localhost` with one slot per device (CUDA devices; without them, as DeepSpeed's CPU
-    accelerator, one per NUMA node with cores), e.g. `--include localhost:1,2` runs two ranks on
-    GPUs 1 and 2."""
+    `localhost` (specs/cli.md §fnzero launch)."""
     import torch
 
     slots = select({"localhost": machine_slots()}, args.include or "", args.exclude or "", -1,

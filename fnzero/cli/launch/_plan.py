@@ -1,10 +1,5 @@
-"""`LaunchPlan`: exactly what `fnzero launch` will run, decided before anything starts.
-
-`plan_launch` (`_launch.py`) builds one from the parsed flags, which it leaves as they are; the
-executor of the plan's kind runs it (`_launch.EXECUTORS`): `torchrun`, this node's ranks under
-torchrun's agent in this process (`_torchrun.run_here`); `ssh`, one `fnzero launch` per host over
-ssh (`_multinode.run_over_ssh`); `tool`, pdsh, mpirun or srun run here (`_tool_launch.run_tool`).
-"""
+"""`LaunchPlan`: exactly what `fnzero launch` will run, decided before anything starts
+(`specs/cli.md` §How a launch runs)."""
 
 from __future__ import annotations
 

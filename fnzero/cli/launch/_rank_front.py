@@ -1,12 +1,8 @@
 """`python -m fnzero.cli._rank_front [--bind_cores_to_rank [--bind_core_list=L]] [--rank_log=PREFIX]
-[--module | --no_python] SCRIPT ARGS`: what `fnzero launch` runs in front of each rank when it
-binds cores (`--bind_cores_to_rank`, `_binding.py`) or gives each rank its own log file
-(`--enable_each_rank_log`). It reads the rank, local rank and local size from the launcher's
-environment (torchrun's, an MPI's, SLURM's); with a log, points its stdout and stderr at
-`PREFIX_rank<RANK>.log` (DeepSpeed's launch.py's name); with binding, sets OMP_NUM_THREADS to its
-share of cores; then replaces itself with the rank's program.
-(Each rank runs it fresh as `python -m fnzero.cli._rank_front`, a module nothing imports.) The
-launcher's side, the flags for a launch's options and the log files' prefix, is here too."""
+[--module | --no_python] SCRIPT ARGS`: what `fnzero launch` runs in front of each rank to bind its
+cores or give it its own log file (`specs/cli.md` §Launcher flags). It reads the rank from the
+launcher's environment (torchrun's, an MPI's, SLURM's), then replaces itself with the rank's
+program. The launcher's side, the flags for a launch's options and the log files' prefix, is here too."""
 
 from __future__ import annotations
 

@@ -59,10 +59,8 @@ def forwarded_env(environ=None) -> dict[str, str]:
 
 
 def check_ssh(args, hosts: list[str]) -> None:
-    """DeepSpeed's runner's check before a multi-node launch: each host answers over passwordless
-    ssh (DeepSpeed tries the first host; here every selected one, at once), so an unreachable host
-    is one line before anything starts rather than a launcher's failure on that host. Skipped with
-    --no_ssh_check, and for slurm, whose srun reaches the hosts without ssh."""
+    """DeepSpeed's runner's check before a multi-node launch that each host answers over passwordless
+    ssh (specs/cli.md §`fnzero launch --hostfile FILE`, ssh check)."""
     if args.no_ssh_check or args.launcher == "slurm":
         return
     ssh = launch_ssh(args) + ["-o", "ConnectTimeout=10"]
