@@ -33,9 +33,7 @@ SPLIT_CEILING = 1e-3
 
 
 class NoiseFloorWarning(UserWarning):
-    """`assert_stage_equivalent` passed only against the model's own noise floor (the model does
-    not reproduce to the stated tolerance when the batch is split differently, e.g. because it
-    computes in float32 inside a float64 model)."""
+    """`assert_stage_equivalent` passed only against the model's own noise floor (§Noise floor)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,12 +227,8 @@ def _call_in_rank(fn: Callable[..., Any]) -> Any:
 
 
 class SpawnedWorld(World):
-    """n real gloo processes on loopback behind the SimulatedWorld interface: `run(fn)` calls
-    `fn(comm)` or `fn()` on every rank and returns the results in rank order.
-
-    `fn` must be importable (a module-level function). A run costs seconds: use it for the few
-    tests that must see real torch.distributed, and `simulated_world` for the many.
-    """
+    """n real gloo processes on loopback behind the SimulatedWorld interface (`specs/testing.md`
+    §Worlds); `fn` must be importable. A run costs seconds: `simulated_world` suits most tests."""
 
     backend = "gloo"
 
