@@ -1,7 +1,5 @@
-"""A pipeline model: a list of layers, the loss at its end, and how it is cut into stages
-(`specs/mesh.md` §Pipeline). DeepSpeed's `PipelineModule` in fnzero's shape: a description that
-builds only the stage a rank runs, so no rank ever holds the whole model.
-"""
+"""A pipeline model: a list of layers, the loss at its end, and how it is cut into stages; it builds
+only the stage a rank runs, so no rank holds the whole model (`specs/mesh.md` §Pipeline)."""
 
 from __future__ import annotations
 
