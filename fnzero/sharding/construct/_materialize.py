@@ -20,10 +20,8 @@ from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fi
 __all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "Recorded", "GLOBAL_RNG_LOCK"]
 
 
-# Init code draws from torch's global RNG, which is process-wide: the reseeding and the draws of
-# one region must not interleave with another thread's (ranks of a thread-simulated world, which
-# build their models under the same lock: `fnzero.testing.seeded`). Re-entrant, so a model
-# factory run inside `seeded` can be sharded there.
+# A region's reseeding and draws from torch's process-wide RNG must not interleave with another
+# thread's (simulated ranks; `fnzero.testing.seeded` shares it). Re-entrant: shard inside `seeded`.
 GLOBAL_RNG_LOCK = threading.RLock()
 
 

@@ -24,9 +24,7 @@ class ShardPolicy:
     persistence_threshold: int = 0
     prefetch_numel: int = 0
     max_live_numel: int = 10**18
-    # stage3_max_reuse_distance (DeepSpeed's default): a unit whose parameters are used again within
-    # this many elements (its backward, after the units gathered after it) keeps them gathered.
-    max_reuse_distance: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance, DeepSpeed's default
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
     offload_param: str | None = None  # None | "cpu" | "nvme"
     # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
