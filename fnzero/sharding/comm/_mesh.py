@@ -1,8 +1,5 @@
-"""The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp` (rank
-r = (pp · DP + dp) · TP + tp), each with its own collectives (`specs/mesh.md` §Mesh); the dp axis
-divides into adjacent sub-axes and their strided complements for expert parallelism (`ep`/`edp`),
-MiCS (`mics`/`mics_replica`) and hpZ (`hpz`), as §Expert parallelism, §MiCS and §hpZ say.
-"""
+"""The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp`, each with its own
+collectives, the dp axis divided for `ep`/`edp`, MiCS and hpZ (`specs/mesh.md` §Mesh, §MiCS, §hpZ)."""
 
 from __future__ import annotations
 
