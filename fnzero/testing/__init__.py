@@ -15,35 +15,27 @@ A loss is `my_loss(apply, batch) -> scalar` where `apply(*args)` runs the model:
 works on a plain module (`my_loss(model, batch)`) and, through `ft.step_loss(sm, my_loss)`, as the
 `loss_fn(params, batch)` that `fnzero.train_step` takes. See `specs/testing.md`.
 
-Worlds
+Worlds (§Worlds)
 ------
-simulated_world(n, wrap_comm=None)  n ranks as threads with in-memory collectives; inside
-                                    `world.run(fn)`, `fnzero.init_distributed()` and
-                                    `fnzero.shard(model)` (no `comm=`) see the thread's rank.
-spawned_world(n)                    the same `.run(fn)` on n real gloo processes (fn importable).
-seeded(seed)                        build models under torch's RNG, seeded and alone (ranks are
-                                    threads sharing one generator); `world.init_lock` is its lock.
-run_world(fn, n, ...), free_port(), WorldError   the loopback multi-process harness.
+simulated_world(n, wrap_comm=None)  n ranks as threads with in-memory collectives (`world.run(fn)`)
+spawned_world(n)                    the same `.run(fn)` on n real gloo processes (fn importable)
+seeded(seed)                        build models under torch's RNG, seeded and alone (§RNG)
+run_world(fn, n, ...), free_port(), WorldError   the loopback multi-process harness
 
-Strategies (hypothesis; imported on first use)
-----------
-tensors, pytrees, models, configs, world_sizes, batches
+Strategies (hypothesis; imported on first use): tensors, pytrees, models, configs, world_sizes, batches
 
-Assertions
+Assertions (§Assertions)
 ----------
-assert_trees_close(a, b, rtol, atol), assert_trees_equal(a, b)
-assert_stage_equivalent(model_factory, loss_fn, cfg, batch, world_size, steps)
-                                    judged against the model's own noise floor when the stated
-                                    tolerance is missed (NoiseFloorWarning, NOISE_FACTOR)
-assert_pure(step, state, batch)
+assert_trees_close(a, b, rtol, atol), assert_trees_equal(a, b), assert_pure(step, state, batch)
+assert_stage_equivalent(model_factory, loss_fn, cfg, batch, world_size, steps)   (§Noise floor:
+                                    NoiseFloorWarning, NOISE_FACTOR)
 assert_reshard_roundtrip(model_factory, cfg, save_world, load_world, ...)
 count_collectives(sm) -> CollectiveCounter (`.calls(op)`, `.bytes(op)`, `.ring_bytes()`)
 
 Building blocks
 ---------------
 ModelFactory, step_loss, consolidate, tree_snapshot, default_tolerances
-GPT, GPTConfig, MLP, text_corpus(), token_batches(...)
-GPT(..., num_experts=E, moe={...})  every block's MLP an fnzero.moe.MoE of E experts (moe: its arguments)
+GPT, GPTConfig, MLP, text_corpus(), token_batches(...); GPT(..., num_experts=E, moe={...}) is a MoE GPT
 gpt_layers, GPTEmbedding, GPTHead   the GPT as pipeline layers (embeddings, blocks, norm + head)
 ThreadCollectives, SimulatedWorld, SpawnedWorld
 """

@@ -1,10 +1,5 @@
-"""Which simulated rank the calling thread is, and a lock for torch's process-wide RNG.
-
-Each rank's thread runs inside `providing_collectives(comm)` (`fnzero/sharding/comm/_collectives.py`),
-so user code that calls `fnzero.shard`, `fnzero.init_distributed()` or `fnzero.load_config`
-without naming a world gets its thread's rank inside `simulated_world(n).run(fn)` and the real
-process group under `fnzero launch`.
-"""
+"""Which simulated rank the calling thread is (`providing_collectives`), and a lock for torch's
+process-wide RNG (`specs/testing.md` §Worlds, §RNG)."""
 
 from __future__ import annotations
 
@@ -40,14 +35,8 @@ def seeded(seed: int) -> Iterator[None]:
     """Run the block with torch's CPU RNG seeded to `seed`, alone, then restore the RNG.
 
     Build models inside it (`with ft.seeded(0): model = MyModel()`) so every rank gets identical
-    weights: in a simulated world the ranks are threads sharing one generator, and this holds
-    `RNG_LOCK` so their draws cannot interleave; in a real process it is just a seeded fork of
-    the RNG. Restoring the previous state keeps the block free of side effects on later draws.
-    A collective inside the block lets the lock go while it waits (no deadlock), so draws after a
-    collective inside `seeded` are not reproducible: build first, shard and init after. Draws
-    outside it take no lock, so in a simulated world a rank's `torch.randint(...)` may land between
-    another rank's draws inside `seeded`: give such data a generator of its own
-    (`torch.Generator().manual_seed(k)`).
+    weights (`specs/testing.md` §RNG). A collective inside the block lets the lock go while it
+    waits (no deadlock), so draws after it are not reproducible: build first, shard and init after.
     """
     with RNG_LOCK:
         state = torch.random.get_rng_state()

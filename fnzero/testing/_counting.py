@@ -3,11 +3,6 @@
     with ft.count_collectives(sm) as c:
         state, _ = step(state, batch)
     c.calls("all_gather"), c.bytes("reduce_scatter"), c.ring_bytes()
-
-For a ShardedModule (or a TrainState / Sharding) the recording wrapper is swapped in for the block
-and the original collectives put back afterwards: every state built by that module shares its
-Sharding, so steps, `sm.apply` and `sm.gather` inside the block are all counted. For a bare
-Collectives object, pass `c.comm` on to whatever you construct inside the block.
 """
 
 from __future__ import annotations
@@ -25,9 +20,7 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all",
 
 
 class CollectiveCounter:
-    """Collectives recorded on this rank. Bytes are logical (`specs/collectives.md` §Traffic):
-    all_gather counts the gathered output, reduce_scatter and all_reduce the full input,
-    all_to_all what leaves this rank (every chunk but the one it keeps)."""
+    """Collectives recorded on this rank, in logical bytes (`specs/collectives.md` §Traffic)."""
 
     def __init__(self, comm: RecordingCollectives):
         self.comm = comm
@@ -85,9 +78,9 @@ def _sharding_of(target: Any) -> Sharding | None:
 def count_collectives(target: Any) -> Iterator[CollectiveCounter]:
     """Count the collectives issued inside the block.
 
-    target: a ShardedModule, a TrainState or a Sharding (its collectives are replaced by a
-    recording wrapper for the block), or any Collectives (then use `counter.comm` yourself).
-    In a simulated world each rank counts its own calls.
+    target: a ShardedModule, a TrainState or a Sharding (its collectives, shared by every state the
+    module built, are replaced by a recording wrapper for the block and put back after), or any
+    Collectives (then use `counter.comm` yourself). In a simulated world each rank counts its own calls.
     """
     sharding = _sharding_of(target)
     if sharding is None:

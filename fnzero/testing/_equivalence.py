@@ -1,7 +1,5 @@
 """`assert_stage_equivalent`: a ZeRO stage on N ranks equals the unsharded step on one process
-(`specs/testing.md` §Assertions; a miss of the tolerance is judged again against the model's own
-noise floor, `_floor.py`, §Noise floor).
-"""
+(`specs/testing.md` §Assertions, §Noise floor)."""
 
 from __future__ import annotations
 
@@ -120,9 +118,8 @@ def assert_stage_equivalent(
 
 
 def _compare(traces, reference, parts, rtol, atol, measure, what) -> tuple[Floor | None, tuple[str, float]]:
-    """Each step, then rank, against the reference: the first miss raises. A miss of the stated
-    tolerance measures the noise floor (once) and is judged again against it. Returns the floor
-    when some leaf needed it (else None) and the leaf that came closest to it."""
+    """Each step, then rank, against the reference, the first miss raising (after being judged again
+    against the noise floor); returns (the floor if some leaf needed it else None, the closest leaf)."""
     floor, needed, worst = None, False, ("", 0.0)
     for s in range(len(reference)):
         for r, trace in enumerate(traces):

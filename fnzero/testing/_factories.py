@@ -1,9 +1,5 @@
-"""Model factories: a zero-argument callable that builds the same model every time it is called.
-
-Sharded tests build one copy of the model per rank (and one for the reference), so what a test
-passes around is a recipe, not a module. A `ModelFactory` also knows a loss and a batch that fit
-its model, so drawn models plug straight into `assert_stage_equivalent`.
-"""
+"""Model factories: a zero-argument callable that builds the same model every time it is called
+(sharded tests build one copy per rank), with a loss and a batch that fit it."""
 
 from __future__ import annotations
 

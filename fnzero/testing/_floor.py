@@ -1,7 +1,5 @@
-"""The model's own noise floor: how far the *unsharded* step moves when the same rows are split
-into the sharded run's micro-batches instead of being stepped on as one batch. Why a float64 model
-has one, how it is measured and the rule it sets: `specs/testing.md` §Noise floor.
-"""
+"""The model's own noise floor: how far the *unsharded* step moves when the same rows are split into
+the sharded run's micro-batches (`specs/testing.md` §Noise floor: why, how measured, the rule)."""
 
 from __future__ import annotations
 
@@ -15,27 +13,17 @@ from ._trees import assert_trees_close, leaf_paths
 
 __all__ = ["NOISE_FACTOR", "SPLIT_CEILING", "NoiseFloorWarning", "Floor", "measure_floor", "judge"]
 
-# The floor run and the sharded run step on the same micro-batches, so their forward and backward
-# are the same arithmetic; they differ only in how the per-micro-batch gradients are summed
-# (across ranks vs. one accumulator), ~1e-16 relative in float64. The sharded run's distance from
-# the whole-batch reference is therefore the floor itself plus that: measured on Llama and GPT-2,
-# the ratio is 1.0 in every leaf. 10 leaves an order of magnitude for the rare float64 difference
-# that flips a float32 rounding, while a sharding bug (a dropped or mis-scaled gradient: O(1)
-# relative in the gradient norm, O(lr) in parameters) stays orders of magnitude above 10 x a
-# float32 floor (~1e-8 relative in the loss and gradient norm).
+# The sharded run's distance from the reference is the floor itself (ratio 1.0 measured); 10 leaves
+# an order of magnitude, far below a sharding bug's (§Noise floor, the rule).
 NOISE_FACTOR = 10.0
 
-# At step 0 both runs start from the same weights, so the floor of the loss and the gradient norm
-# is pure rounding: ~1e-8 relative for float32 inside a float64 model. A model whose result truly
-# depends on the split (statistics over the micro-batch like BatchNorm's, a loss that is not a
-# mean over rows) moves by percents; its floor is not noise, and using it would excuse any bug.
+# Above this relative step-0 floor the result depends on the split itself (BatchNorm, a loss not a
+# mean over rows): not noise, so never an excuse (§Noise floor).
 SPLIT_CEILING = 1e-3
 
 
 class NoiseFloorWarning(UserWarning):
-    """`assert_stage_equivalent` passed only against the model's own noise floor (the model does
-    not reproduce to the stated tolerance when the batch is split differently, e.g. because it
-    computes in float32 inside a float64 model)."""
+    """`assert_stage_equivalent` passed only against the model's own noise floor (§Noise floor)."""
 
 
 @dataclasses.dataclass(frozen=True)

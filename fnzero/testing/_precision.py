@@ -1,9 +1,5 @@
-"""Where a model computes below its own dtype: the modules whose operations return floating
-tensors of lower precision (a float64 model whose RMSNorm, softmax or loss runs in float32).
-
-`assert_stage_equivalent` asks this when the model's own noise floor is above the tolerance it
-was given, so its warning can say *why* the model does not reproduce to float64 rounding.
-"""
+"""Where a model computes below its own dtype (a float64 model whose RMSNorm, softmax or loss runs in
+float32): what `NoiseFloorWarning` names as *why* the model does not reproduce to its rounding."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""`assert_reshard_roundtrip`: a checkpoint saved by N ranks loads on M ranks to the same state.
-
-Both sides are consolidated independently of the checkpoint code (`consolidate`): each unit's
-flat tensors (parameters, master weights, optimizer moments) are the replicated buffer or the
-ranks' shards concatenated in rank order, cut to the unit's real elements; everything else is
-taken from rank 0. Then the two must be equal bit for bit.
-"""
+"""`assert_reshard_roundtrip`: a checkpoint saved by N ranks loads on M ranks to the same state, both
+sides consolidated independently of the checkpoint code (`consolidate`) (`specs/testing.md` §Assertions)."""
 
 from __future__ import annotations
 
@@ -42,8 +37,8 @@ def _frozen_by_name(states: Sequence[fnzero.TrainState]) -> dict[str, torch.Tens
 
 def consolidate(states: Sequence[fnzero.TrainState]) -> dict[str, Any]:
     """The logical content of one TrainState per rank (rank order) as one world-size-independent
-    pytree: `params`, `master`, `opt_state` (unit-indexed leaves consolidated), `frozen`,
-    `buffers`, `step`, `loss_scale`."""
+    pytree: unit-indexed leaves are the replicated buffer or the shards in rank order, cut to the
+    unit's real elements; everything else rank 0's."""
     plan = states[0].sharding.plan
     units = {u.name: u for u in plan.units}
 

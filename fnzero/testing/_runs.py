@@ -1,10 +1,6 @@
-"""Running a user's model through fnzero the way the assertions need: the loss convention, configs
-re-derived for a world size, global batches split into per-rank slices, one sharded run.
-
-The loss convention: a user loss is `loss(apply, batch) -> scalar`, where `apply(*args)` runs the
-model. The same function then works on a plain `nn.Module` (`loss(model, batch)`) and on a
-ShardedModule's parameters (`step_loss(sm, loss)` is what `fnzero.train_step` takes).
-"""
+"""Running a user's model through fnzero the way the assertions need: the loss convention
+(`specs/testing.md` §Loss), configs re-derived for a world size, global batches split into
+per-rank slices, one sharded run."""
 
 from __future__ import annotations
 

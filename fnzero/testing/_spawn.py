@@ -79,12 +79,8 @@ def _child(fn, rank, world_size, port, backend, timeout_s, env, q, args, kwargs)
         os._exit(1)
 
 
-# [Note: a fork server for ranks] A spawned rank spends seconds importing torch and fnzero
-# (torch._dynamo included) before it runs a line of the test. A fork server that imported them
-# once forks each rank ready in a fraction of a second. The server's environment is the one it
-# started with, so a world that needs another one (its own `env=`, or a parent environment that
-# changed since, both of which may be read at import time) is spawned as before. This module keeps
-# the server's environment because the server is process-wide state of multiprocessing's own.
+# Ranks fork from a server that imported torch and fnzero once (`specs/testing.md` §Worlds); a
+# world needing another environment than the server's, kept here, is spawned fresh.
 _PRELOAD = ["torch", "torch.distributed", "fnzero", "fnzero.testing", "pytest"]
 _SERVER_ENV: dict[str, str] | None = None
 # Set per test by pytest and read by nothing at import: a change of it keeps the fork server.
@@ -117,13 +113,9 @@ def run_world(
     env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` spawned ranks with torch.distributed initialised
-    (gloo on 127.0.0.1, a free port) and return each rank's result, in rank order.
-
-    `fn` must be importable (a module-level function). A rank that raises or dies, or a world
-    past `timeout` seconds, stops every rank with a WorldError naming the failing or late ranks
-    (`specs/testing.md` §Worlds).
-    """
+    """Run `fn(*args, **kwargs)` (importable) on `world_size` spawned ranks with torch.distributed
+    initialised (gloo on 127.0.0.1) and return each rank's result, in rank order. A rank that raises
+    or dies, or a world past `timeout` seconds, stops every rank with a WorldError naming them."""
     ctx, env = _rank_context(env)
     q = ctx.Queue()
     port = free_port()
@@ -227,12 +219,8 @@ def _call_in_rank(fn: Callable[..., Any]) -> Any:
 
 
 class SpawnedWorld(World):
-    """n real gloo processes on loopback behind the SimulatedWorld interface: `run(fn)` calls
-    `fn(comm)` or `fn()` on every rank and returns the results in rank order.
-
-    `fn` must be importable (a module-level function). A run costs seconds: use it for the few
-    tests that must see real torch.distributed, and `simulated_world` for the many.
-    """
+    """n real gloo processes on loopback behind the SimulatedWorld interface (`specs/testing.md`
+    §Worlds); `fn` must be importable. A run costs seconds: `simulated_world` suits most tests."""
 
     backend = "gloo"
 

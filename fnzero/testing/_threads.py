@@ -200,14 +200,9 @@ class World:
 
 
 class SimulatedWorld(World):
-    """n ranks as threads. `run(fn)` calls `fn(comm)` (or `fn()` when it takes no argument) on
-    every rank with the rank's collectives current, and returns the results in rank order; an
-    exception on any rank is re-raised naming the rank.
-
-    `wrap_comm(comm) -> comm` wraps every rank's collectives (fault injection, recording).
-    `init_lock` guards torch's process-wide RNG, which the threads share: hold it (or use
-    `fnzero.testing.seeded`) while building models.
-    """
+    """n ranks as threads (`specs/testing.md` §Worlds): `run(fn)` calls `fn(comm)` (or `fn()`) on every
+    rank and returns the results in rank order. `wrap_comm(comm) -> comm` wraps every rank's
+    collectives; `init_lock` guards torch's RNG, which the threads share (`seeded` holds it)."""
 
     init_lock = RNG_LOCK
     backend = "simulated"

@@ -1,9 +1,5 @@
-"""Comparing and snapshotting pytrees of tensors, with messages that name the leaf.
-
-`assert_trees_close` is the primitive every other assertion reports through: it names the pytree
-path (`state.params['<root>']`), how many elements differ, the largest absolute and relative
-difference and where, and whatever context the caller adds (rank, step).
-"""
+"""Comparing and snapshotting pytrees of tensors, with messages that name the leaf:
+`assert_trees_close` is the primitive every other assertion reports through."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""All-to-all's split sizes: checked on this rank, resolved to explicit lists, agreed across ranks
-(`specs/collectives.md` §All-to-all). Every `Collectives` implementation calls these, so a bad call
-is the same clear error everywhere, and a mismatch between ranks is named instead of hanging.
-
-The semantics are torch.distributed's `all_to_all_single`: dim 0 of each rank's input is split
-into `world_size` chunks (equal, or `input_split_sizes`), chunk j goes to rank j, and the output
-concatenates, in rank order, the chunks every rank sent to this one (`output_split_sizes`).
-"""
+"""All-to-all's split sizes (torch.distributed's `all_to_all_single` semantics): checked on this rank,
+resolved to explicit lists, agreed across ranks (`specs/collectives.md` §All-to-all). Every
+`Collectives` calls these, so a bad call is the same clear error everywhere, never a hang."""
 
 from __future__ import annotations
 
@@ -39,12 +34,8 @@ def _equal(dim0: int, world: int, rank: int, what: str) -> list[int]:
 
 def resolve_splits(comm: Any, tensor: torch.Tensor, input_split_sizes: Sequence[int] | None,
                    output_split_sizes: Sequence[int] | None) -> tuple[list[int], list[int]]:
-    """(input sizes, output sizes) as explicit lists, after checking this rank's call.
-
-    Neither given: equal splits of dim 0 both ways. Only `input_split_sizes`: the output sizes
-    are what the other ranks send here, learnt by one all-to-all of the sizes through `comm`
-    (a collective every rank makes, so every rank must give its input sizes alone, or none
-    must). Only `output_split_sizes`: the input is split equally."""
+    """(input sizes, output sizes) as explicit lists, after checking this rank's call; output sizes
+    not given but input sizes given are learnt by one all-to-all through `comm` (§All-to-all)."""
     n, rank = comm.world_size, comm.rank
     if tensor.dim() == 0:
         raise DistributedError(f"rank {rank}: all_to_all needs a tensor with a dim 0, got a scalar", ranks=(rank,))

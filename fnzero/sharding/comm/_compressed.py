@@ -1,12 +1,5 @@
-"""The compressed all-reduce of 1-bit Adam, 0/1 Adam and 1-bit LAMB (`specs/collectives.md`
-§Compressed all-reduce): each tensor's signs travel as bits, 8 to a byte, with one scale per
-tensor and rank, and the compression error is fed back on both sides.
-
-A pure function over any `Collectives`: it returns the averaged result and the new worker and
-server errors, and never writes its inputs. The algorithm is DeepSpeed's `compressed_allreduce`
-(`deepspeed/runtime/comm/nccl.py` and `compressed.py` before 0.19.8 removed them); the exchange is
-batched: the tensors of one call share its four collectives, each tensor keeping its own scales.
-"""
+"""The compressed all-reduce of 1-bit Adam, 0/1 Adam and 1-bit LAMB, DeepSpeed's `compressed_allreduce`
+with the tensors of one call sharing its four collectives (`specs/collectives.md` §Compressed all-reduce)."""
 
 from __future__ import annotations
 
@@ -41,8 +34,7 @@ def compressed_padded_numel(numel: int, world_size: int) -> int:
 
 def compressed_bytes(numels: Sequence[int], world_size: int, scale_itemsize: int = 4) -> float:
     """Ring-equivalent bytes one rank sends in one call over tensors of `numels` elements
-    (`RecordingCollectives.ring_bytes_sent`): the signs twice (all-to-all, then all-gather),
-    `(N−1)/N · Σ M_i/8` each, and the scales twice (two all-gathers), `(N−1) · T · s` each."""
+    (`RecordingCollectives.ring_bytes_sent`; `specs/collectives.md` §Compressed all-reduce)."""
     n = world_size
     if n == 1:
         return 0.0
@@ -87,19 +79,10 @@ def _check(tensors, worker_errors, server_errors, n: int) -> None:
 
 def compressed_all_reduce(comm: Collectives, tensors: Sequence[torch.Tensor], worker_errors: Sequence[torch.Tensor],
                           server_errors: Sequence[torch.Tensor]) -> CompressedAllReduce:
-    """The mean of `tensors` over the ranks of `comm`, each sent as signs and a scale.
-
-    Per tensor x (flattened, zero-padded to M = `compressed_padded_numel(numel, N)`):
-    worker: y = x + e_w, s = ‖y‖/√M, e_w' = y − s·sign(y); its M signs are cut into N chunks and
-    chunk j goes to rank j (one all-to-all of bits), the scales to everyone (one all-gather).
-    Server (each rank for its chunk c): z = Σ_j s_j/N · sign_j(c) + e_s, s' = ‖z‖/√(M/N),
-    e_s' = z − s'·sign(z); the chunks' signs and scales are all-gathered, and the result is
-    s'_r · sign_r on rank r's chunk. A zero counts as +1. Errors of 0 elements stand for zeros
-    (none yet). One rank: the identity (flat copies, errors unchanged), as DeepSpeed skips it.
-
-    Returns `CompressedAllReduce(results, worker_errors, server_errors)`: results are flat,
-    of the padded length M (the caller cuts `[:numel]`).
-    """
+    """The mean of `tensors` over the ranks of `comm`, each sent as signs and a scale, the errors
+    fed back (`specs/collectives.md` §Compressed all-reduce, steps 1-5); inputs are never written.
+    Errors of 0 elements stand for zeros. Returns `CompressedAllReduce`: results flat, of the padded
+    length M (the caller cuts `[:numel]`)."""
     n = comm.world_size
     _check(tensors, worker_errors, server_errors, n)
     if n == 1:

@@ -1,8 +1,5 @@
-"""All-gather and reduce-scatter as direct point-to-point exchanges, used on gloo, where torch's
-own are several times slower than an exchange of the same bytes (`specs/collectives.md`
-§Interface.gloo, with the measurements): each rank sends its pieces straight to every other
-rank, with tags from a per-group sequence, and reduce-scatter sums the pieces in rank order.
-"""
+"""All-gather and reduce-scatter as direct point-to-point exchanges, used on gloo, where torch's own
+are several times slower (`specs/collectives.md` §Interface.gloo); reduce-scatter sums in rank order."""
 
 from __future__ import annotations
 
@@ -109,14 +106,10 @@ def start_direct_all_gather(shard: torch.Tensor, out: torch.Tensor, rank: int, w
 
 
 def start_direct_reduce_scatter(full: torch.Tensor, rank: int, world: int, group, donate: bool = False) -> _PendingReduce:
-    """Sum `full` across ranks and keep this rank's piece [rank*c, (rank+1)*c), started
-    asynchronously.
-
-    With `donate` (the caller never reads `full` again) only the first received piece takes new
-    memory: the piece from rank - k lands in the region just sent to rank + k - 1, once that send
-    is done. That saves (N-2)/N of `full` at N >= 3, at the price of posting those receives in
-    `wait()`, so use it where the result is waited for at once.
-    """
+    """Sum `full` across ranks and keep this rank's piece [rank*c, (rank+1)*c), started asynchronously.
+    With `donate` (the caller never reads `full` again) the piece from rank - k lands in the region
+    just sent to rank + k - 1: (N-2)/N of `full` saved at N >= 3, but those receives are posted in
+    `wait()`, so use it where the result is waited for at once."""
     c = full.numel() // world
     tag = _next_tag(group)
     region = [full[r * c:(r + 1) * c] for r in range(world)]

@@ -35,19 +35,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
                      malloc_mmap_threshold: int | None = 4 << 20, watchdog_s: float = 300.0) -> DistInfo:
     """Join the process group described by the environment, or run as a world of one.
 
-    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK, or an MPI's (Open MPI's OMPI_COMM_WORLD_*,
-    MVAPICH2's MV2_COMM_WORLD_*, MPICH/Intel MPI's PMI_RANK/PMI_SIZE/MPI_LOCALRANKID) or
-    SLURM's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID) when torchrun's are absent
-    (`launcher_ranks`), and MASTER_ADDR/MASTER_PORT, which `fnzero launch --launcher ...` exports to
-    every rank. The backend defaults to NCCL when CUDA is available and gloo otherwise; on CUDA
-    each process takes device `LOCAL_RANK`. `timeout_s` bounds every collective, so a rank that
-    dies makes the others fail instead of hang.
-    `watchdog_s` starts the collective watchdog: a rank missing from a collective that long ends
-    the job, named (`specs/collectives.md` §Watchdog; 0 = off; a config's
-    `watchdog.timeout_seconds` given to `shard` replaces it). It never waits more than half of
-    `timeout_s`, so that it names the stuck rank before the backend's timeout fails another.
-    `malloc_mmap_threshold` sets this process's allocator policy (`fnzero.memory.return_freed_memory`);
-    None or 0 leaves glibc's defaults.
+    Reads the ranks torchrun, an MPI or SLURM sets, and MASTER_ADDR/MASTER_PORT (`specs/cli.md` §What
+    each MPI's variables mean). `backend`: default NCCL when CUDA is available (each process then
+    takes device `LOCAL_RANK`), else gloo. `timeout_s` bounds every collective (`specs/collectives.md`
+    §Faults). `watchdog_s`: a rank missing from a collective that long ends the job, named (at most
+    half of `timeout_s`; 0 = off; `specs/collectives.md` §Watchdog). `malloc_mmap_threshold`: this
+    process's allocator policy (`fnzero.memory.return_freed_memory`); None or 0 leaves glibc's.
 
     Inside `fnzero.testing.simulated_world(n).run(fn)` it returns the calling thread's rank
     (backend "simulated", CPU) and touches neither torch.distributed nor the environment.
@@ -86,13 +79,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0,
 
 
 def _destroy_at_exit() -> None:
-    """Destroy the process group this module created, at a normal exit (a `SystemExit` included:
-    an autotuner trial ends so), while the interpreter is still whole. Left to interpreter
-    teardown, gloo's worker threads may still hold finished work whose tensors need the GIL, and
-    the rank then ends by SIGABRT ("terminate called without an active exception") after its job
-    is done: one autotuner trial in about 140 was recorded as failed so. A rank that an error ends
-    keeps the group: NCCL's destroy may block on a broken communicator, and the watchdog's records
-    (`_failure.py`) already name the rank at fault."""
+    """Destroy the process group this module created, at a normal exit, while the interpreter is whole
+    (`specs/collectives.md` §Faults). A rank that an error ends keeps it: NCCL's destroy may block on
+    a broken communicator."""
     if uncaught() is not None or not dist.is_initialized():
         return
     try:

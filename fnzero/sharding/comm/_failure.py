@@ -1,9 +1,6 @@
 """What a failing rank leaves behind, so that the launcher blames the rank at fault
-(`specs/collectives.md` §Blame): torchrun names the failure with the earliest timestamp, so a rank
-that fails on its own writes its error file at once, and one that fails because of peers writes
-none and lingers at exit until the launcher stops it; both leave a record for `fnzero launch`.
-`explain_failure` turns a collective's backend error into a `DistributedError`'s message and ranks.
-"""
+(`specs/collectives.md` §Blame), and `explain_failure`: a collective's backend error as a
+`DistributedError`'s message and ranks."""
 
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ def uncaught() -> BaseException | None:
 
 
 def peers_at_fault(exc: BaseException | None, rank: int) -> tuple[int, ...]:
-    """The other ranks `exc` names as the cause of this rank's failure; () when it is this
-    rank's own (or unknown)."""
+    """The other ranks `exc` names as the cause of this rank's failure; () when its own (or unknown)."""
     if isinstance(exc, DistributedError) and exc.ranks and rank not in exc.ranks:
         return exc.ranks
     return ()
@@ -80,8 +76,7 @@ def write_error_file(message: str, stack: str) -> None:
 
 
 def record_exception(rank: int, exc: BaseException, peers: tuple[int, ...]) -> None:
-    """The records of a rank that an uncaught `exc` ends: its own error, or a consequence of
-    `peers`."""
+    """The records of a rank that an uncaught `exc` ends: its own error, or a consequence of `peers`."""
     if peers:
         leave_record(rank, peers, str(exc), "consequence")
     else:
@@ -117,10 +112,9 @@ def linger(seconds: float = LINGER_S) -> None:
 
 
 def root_cause(folder: str) -> tuple[list[int], str, int | None] | None:
-    """(the ranks at fault, what happened, the rank that saw it or None when a rank at fault
-    said it itself), from the records the ranks left in `folder`: the first own error or
-    watchdog verdict written, else what a rank that failed because of others said (a killed
-    rank leaves nothing of its own); None without records."""
+    """(the ranks at fault, what happened, the rank that saw it or None when a rank at fault said it)
+    from the records in `folder`: the first own error or verdict, else the first consequence; None
+    without records."""
     records = []
     for name in os.listdir(folder):
         if not name.endswith(".json"):
@@ -148,10 +142,8 @@ def _backend_words(error: BaseException) -> str:
 
 def explain_failure(wd, seq: int, kind: str, error: BaseException,
                     label: str = "") -> tuple[str, list[int]]:
-    """Why collective #seq failed with a backend error, for a `DistributedError`: (the message,
-    the ranks at fault): the verdict of a stuck rank, else the ranks that are gone or raised,
-    else the backend's words and no rank. Quick: torchrun stops the other ranks a moment after
-    one fails."""
+    """(message, ranks at fault) of collective #seq's backend error: a stuck rank's verdict, else the
+    ranks gone or raised, else the backend's words and no rank; quick, as torchrun stops the rest soon."""
     what = wd.describe(seq, kind, label) if wd is not None else f"a {kind}"
     raw = f"{type(error).__name__}: {_backend_words(error)}"
     unknown = f"{what} failed ({raw}); a peer rank probably died: see its own error above"

@@ -1,8 +1,5 @@
-"""The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp` (rank
-r = (pp · DP + dp) · TP + tp), each with its own collectives (`specs/mesh.md` §Mesh); the dp axis
-divides into adjacent sub-axes and their strided complements for expert parallelism (`ep`/`edp`),
-MiCS (`mics`/`mics_replica`) and hpZ (`hpz`), as §Expert parallelism, §MiCS and §hpZ say.
-"""
+"""The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp`, each with its own
+collectives, the dp axis divided for `ep`/`edp`, MiCS and hpZ (`specs/mesh.md` §Mesh, §MiCS, §hpZ)."""
 
 from __future__ import annotations
 
@@ -104,10 +101,8 @@ class Mesh:
 
 def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: int = 0, hpz: int = 1) -> Mesh:
     """The mesh over `comm`'s ranks: `tp` tensor-parallel ranks per group, `pp` pipeline stages, the
-    rest data parallel, each run of `ep` adjacent ones splitting the experts; `mics` > 0: ZeRO
-    shards over runs of that many dp ranks; `hpz` > 1: stage 3's secondary partition within runs of
-    that many (`specs/mesh.md` §Mesh, §Expert parallelism, §MiCS, §hpZ). A ConfigError names the
-    numbers when a size does not divide the ranks it splits."""
+    rest data parallel, split by `ep`, `mics` (0: off) and `hpz` (1: off) (`specs/mesh.md` §Mesh,
+    §Expert parallelism, §MiCS, §hpZ). A ConfigError names a size that does not divide its ranks."""
     n = comm.world_size
     for what, v, low in (("tensor-parallel size", tp, 1), ("pipeline stage count", pp, 1),
                          ("expert-parallel size", ep, 1), ("MiCS shard size", mics, 0), ("hpZ partition size", hpz, 1)):
@@ -176,8 +171,8 @@ def _check_zero_groups(dp: int, tp: int, pp: int, ep: int, mics: int, hpz: int) 
 
 
 def _process_group_of(partition: list[list[int]], rank: int) -> ProcessGroupCollectives:
-    """This rank's group of `partition` as a process group. Every rank creates every group, in
-    one order: torch.distributed's `new_group` is collective over the whole world."""
+    """This rank's group of `partition` as a process group (every rank creates every group, in one
+    order: `new_group` is collective over the whole world)."""
     mine = None
     for ranks in partition:
         group = dist.new_group(ranks)
@@ -198,9 +193,8 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: 
 
 
 def zero_groups_of(config: Any, optimizer_sharded: bool, params_sharded: bool) -> tuple[int, int]:
-    """(MiCS shard size, 0 when off; hpZ partition size, 1 when off) a config asks of a run whose
-    placement shards the optimizer state / the parameters: MiCS needs something sharded, hpZ
-    sharded parameters (otherwise the config's key has no effect, and warned so when loaded)."""
+    """(MiCS shard size, 0 when off; hpZ partition size, 1 when off) a config asks: MiCS needs a sharded
+    optimizer state, hpZ sharded parameters (otherwise the key has no effect, warned when loaded)."""
     if config is None:
         return 0, 1
     z = config.zero_optimization

@@ -1,10 +1,5 @@
-"""Block-wise symmetric quantisation of what collectives carry (ZeRO++'s qwZ and qgZ), in plain
-tensor ops on any device (`specs/collectives.md` §Quantized collectives).
-
-A codec turns a flat tensor into bytes and back; the quantized collectives (`_quantized.py`) move
-those bytes and never look inside them, so a test can swap the real codec (`BlockQuantizer`) for
-the identity (`IdentityCodec`) and get the unquantized numbers back exactly.
-"""
+"""Codecs for what collectives carry (ZeRO++'s qwZ and qgZ): block-wise symmetric quantisation in
+plain tensor ops, and the identity (`specs/collectives.md` §Quantized collectives.Codec)."""
 
 from __future__ import annotations
 
@@ -35,11 +30,8 @@ def _checked(block: int, bits: int) -> tuple[int, int]:
 
 
 def quantize(t: torch.Tensor, block: int = DEFAULT_BLOCK, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 scales) of `t` flattened, cut into blocks of `block` elements (the
-    last one zero-padded): per block `s = absmax / qmax` (qmax = 127 for 8 bits, 7 for 4) and
-    `q = round(x / s)` in [-qmax, qmax], one int8 per element (`pack_int4` packs 4-bit values).
-    A block of zeros has scale 0; a block with a non-finite element a non-finite scale, so it
-    decodes to non-finite values (fp16 overflow detection still sees it)."""
+    """(int8 values, float32 scales) of `t` flattened, in blocks of `block` elements, one int8 per
+    element (`pack_int4` packs 4-bit ones) (`specs/collectives.md` §Quantized collectives.Codec)."""
     block, qmax = _checked(block, bits)
     x = t.reshape(-1)
     work = torch.promote_types(x.dtype, torch.float32)
@@ -139,12 +131,9 @@ class IdentityCodec(PayloadCodec):
 
 @dataclasses.dataclass(frozen=True)
 class CommQuantization:
-    """What travels quantized (ZeRO++), as data: a codec per kind of payload, None for full precision.
-
-    `weights`: stage 3's all-gathers of trainable units (`zero_quantized_weights`, qwZ);
-    `frozen_weights`: of frozen units (`zero_quantized_nontrainable_weights`); `gradients`: the
-    gradient reduce-scatters at stages 2 and 3 (`zero_quantized_gradients`, qgZ). The shards, the
-    master weights and the optimizer state stay in full precision."""
+    """What travels quantized (ZeRO++), as data: a codec per kind of payload, None for full precision:
+    `weights` (qwZ) and `frozen_weights`, stage 3's all-gathers of trainable and frozen units;
+    `gradients` (qgZ), the gradient reduce-scatters at stages 2 and 3."""
 
     @property
     def not_traceable(self) -> str | None:

@@ -1,10 +1,7 @@
-"""Quantized all-gather and reduce-scatter over any `Collectives` (ZeRO++'s qwZ and qgZ), and
-`QuantizedCollectives`, the wrapper that routes a caller's gathers and reduce-scatters through
-them (`specs/collectives.md` §Quantized collectives).
-
-Both move the bytes a codec (`_quantize.py`) makes, through the wrapped collectives' own
-all-gather and all-to-all, so recording, checking and the watchdog see what really travels.
-"""
+"""Quantized all-gather and reduce-scatter over any `Collectives` (ZeRO++'s qwZ and qgZ), and the
+wrapper that routes a caller's gathers and reduce-scatters through them (`specs/collectives.md`
+§Quantized collectives); they move a codec's bytes through the wrapped collectives' own ops, so
+recording, checking and the watchdog see what really travels."""
 
 from __future__ import annotations
 
@@ -35,8 +32,8 @@ class _Decoding:
 
 def quantized_all_gather_async(comm, shard: torch.Tensor, codec: PayloadCodec, out: torch.Tensor | None = None,
                                label: str = "") -> _Decoding:
-    """Each rank encodes its shard, the encodings are all-gathered, every rank decodes all of
-    them (its own too, so every rank holds the same full buffer) into the rank-ordered result."""
+    """qwZ: every rank decodes every rank's all-gathered encoding, its own too, so all hold the same
+    full buffer (`specs/collectives.md` §Quantized collectives.All-gather (qwZ))."""
     flat = shard.reshape(-1)
     n, dtype, world = flat.numel(), flat.dtype, comm.world_size
     nbytes = codec.nbytes(n, dtype)
@@ -53,9 +50,8 @@ def quantized_all_gather_async(comm, shard: torch.Tensor, codec: PayloadCodec, o
 
 
 def quantized_reduce_scatter_async(comm, full: torch.Tensor, codec: PayloadCodec, label: str = "") -> _Decoding:
-    """qgZ in one hop: each rank encodes the chunk of `full` every rank j owns (its own too), one
-    all-to-all delivers chunk j's encodings to rank j, which decodes the N of them and sums them,
-    in rank order, in float32 (float64 for float64 gradients), then returns the sum in `full`'s dtype."""
+    """qgZ in one hop: one all-to-all of every chunk's encoding to its owner, which sums the decoded N
+    in rank order (`specs/collectives.md` §Quantized collectives.Reduce-scatter (qgZ))."""
     world = comm.world_size
     flat = full.reshape(-1)
     if flat.numel() % world:
@@ -78,8 +74,7 @@ def quantized_reduce_scatter_async(comm, full: torch.Tensor, codec: PayloadCodec
 
 class QuantizedCollectives:
     """`inner` with its all-gathers encoded by `gather` and its reduce-scatters made quantized
-    all-to-alls with `reduce` (either None: that collective as `inner` does it); every other call
-    is `inner`'s. Made per unit by the stage-3 runtime and the gradient collector (`quantizing`)."""
+    all-to-alls with `reduce` (either None: as `inner` does it); every other call is `inner`'s."""
 
     def __init__(self, inner, gather: PayloadCodec | None = None, reduce: PayloadCodec | None = None):
         self.inner = inner

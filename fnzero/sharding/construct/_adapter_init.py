@@ -1,16 +1,6 @@
 """Adapters injected into a built model (PEFT's LoRA layers), initialised on the meta device as
-PEFT initialises them (`specs/peft.md` §Initialisation).
-
-[Note: adapters are not the model's init pass]
-`peft.get_peft_model` adds its layers to a model whose own init pass (transformers' `post_init`,
-which runs `_init_weights` over every module) has already run; each LoRA layer then initialises
-its adapters itself (`reset_lora_parameters`: lora_A as `nn.Linear` does, lora_B zeros). Replaying
-a meta model region by region (`_materialize.py`) must do the same: the model's `_init_weights`
-never touches the modules inside a LoRA layer's adapter dicts, and after it each LoRA layer runs
-its own reset with the init its config names. Recognised by what PEFT's layers are (a module with
-`reset_lora_parameters` and `lora_A`), without importing peft: the sharding layer knows no
-library, and a model without adapters is unchanged.
-"""
+PEFT initialises them: not by the model's init pass, but each layer's own reset after it
+(`specs/peft.md` §Initialisation). Recognised by what PEFT's layers are, without importing peft."""
 
 from __future__ import annotations
 
@@ -31,8 +21,7 @@ def _is_lora_layer(m: nn.Module) -> bool:
 
 
 def _peft_configs(model: nn.Module) -> dict:
-    """The adapters' configs by adapter name (`peft_config` of a PeftModel, its tuner, or a
-    transformers model with adapters added); {} for a model without."""
+    """The adapters' configs by adapter name (the first module's `peft_config`); {} for a model without."""
     for m in model.modules():
         configs = m.__dict__.get("peft_config")
         if isinstance(configs, dict):

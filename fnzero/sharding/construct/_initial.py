@@ -23,9 +23,8 @@ Initial = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torc
 
 @dataclasses.dataclass
 class InitialValues:
-    """What the first TrainState's parameters are built from: each unit's flat buffer or this
-    rank's shard, and the names a meta model's init code left unset (pretrained weights must
-    supply them). Held by the ShardedModule until `init_state` takes it."""
+    """What the first TrainState's parameters are built from (held by the ShardedModule until
+    `init_state`): each unit's flat buffer or shard, and the names a meta model's init left unset."""
 
     params: dict[str, torch.Tensor]
     uninitialised: list[str]
@@ -39,8 +38,7 @@ class PretrainedWarning(UserWarning):
 
 
 def placeholder_param(p: torch.Tensor) -> nn.Parameter:
-    """What a sharded model holds in place of a parameter: shape and dtype stay visible (repr,
-    shape checks), the storage is gone, and it is marked as released by fnzero."""
+    """What a sharded model holds in place of a parameter: a meta tensor marked as released."""
     ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     ph._fnzero_released = True  # type: ignore[attr-defined]
     return ph
@@ -53,10 +51,8 @@ def is_released(model: nn.Module) -> bool:
 
 def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device,
           checksums: dict[str, torch.Tensor] | None = None, key: str | None = None) -> torch.Tensor:
-    """This rank's part of `unit`'s flat buffer (its shard where parameters are sharded, else the
-    whole buffer); `fill(name, lo, hi, out)` writes elements [lo, hi) of parameter `name`'s flat
-    value into `out`. Only the part kept is filled, unless the whole buffer's checksum is asked
-    (stored under `key`, default the unit's name)."""
+    """This rank's part of `unit`'s flat buffer, filled by `fill(name, lo, hi, out)` (elements [lo, hi)
+    of `name`); the whole buffer is filled only when its checksum is asked (under `key` or the unit's name)."""
     lo, hi = (0, unit.padded_numel) if checksums is not None or not plan.params_sharded(unit) else unit.shard_range(rank)
     flat = torch.empty(hi - lo, dtype=plan.param_dtype, device=device)
     flat[max(0, unit.numel - lo) :].zero_()  # the padding: the slots lie back to back from 0 to numel
@@ -74,8 +70,7 @@ def _flat(unit: UnitPlan, plan: ShardPlan, rank: int, fill, device: torch.device
 
 class Cuts:
     """How a model's whole tensors are cut to what this rank holds: tensor-parallel slices (`tp`,
-    a TPLayout) and rows of stacked experts (`ep`, an EPLayout); either may be None. Meta
-    construction and pretrained loading read whole tensors through it."""
+    a TPLayout) and rows of stacked experts (`ep`, an EPLayout); either may be None."""
 
     def __init__(self, tp=None, ep=None):
         self.tp, self.ep = tp, ep
@@ -123,9 +118,8 @@ def _frozen_dtype(plan: ShardPlan, compute_dtype: torch.dtype | None) -> torch.d
 
 def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
                        compute_dtype: torch.dtype | None, checksums: dict[str, torch.Tensor] | None) -> Initial:
-    """From a model built on a real device; its parameter storage is released unit by unit, so
-    sharding a model never holds it twice. Each unit's checksum goes into `checksums`: every
-    rank built its own copy, and `init_state` checks that they agree."""
+    """From a model built on a real device, its storage released unit by unit (never held twice); each
+    unit's checksum goes into `checksums`, which `init_state` compares across ranks."""
     named = dict(model.named_parameters(remove_duplicate=False))
     # Frozen parameters take part in the 16-bit forward like the trainable ones.
     frozen = {n: named[n].detach().to(device=device, dtype=compute_dtype or named[n].dtype) for n in plan.frozen}
@@ -155,9 +149,8 @@ def initial_from_model(model: nn.Module, plan: ShardPlan, rank: int, device: tor
 
 
 def _filler(values, named: dict[str, torch.Tensor], cuts: Cuts | None):
-    """`_flat`'s fill for a meta model's region: from the region's values, each tensor computed
-    for the part asked only; a tensor `cuts` splits (tensor parallelism, stacked experts): whole,
-    then cut to this rank's part."""
+    """`_flat`'s fill for a meta model's region: the part asked of each tensor, or for a tensor `cuts`
+    splits, the whole one cut to this rank's part."""
     def fill(n: str, lo: int, hi: int, out: torch.Tensor) -> None:
         key = id(named[n])
         if key not in values:  # a real tensor of a partly-meta model, outside the region
@@ -173,13 +166,9 @@ def _filler(values, named: dict[str, torch.Tensor], cuts: Cuts | None):
 def initial_from_meta(model: nn.Module, plan: ShardPlan, rank: int, device: torch.device,
                       compute_dtype: torch.dtype | None, seed: int, cuts: Cuts | None = None,
                       split_model: nn.Module | None = None) -> Initial:
-    """From a model built on the meta device: region by region, the model's own init code is
-    recorded and replayed for the elements this rank keeps only, or, where it cannot be replayed
-    so, run over the region materialised on the host (`_materialize.py`); this rank keeps its shards.
-
-    With tensor parallelism or stacked experts, `model` is the whole model (a meta copy taken before
-    the split) and `split_model` the split one `plan` describes: each tensor is initialised whole,
-    as without either, and cut to this rank's part (`cuts`), so the values never depend on the mesh."""
+    """From a model built on the meta device, region by region (`specs/sharding.md` §Meta construction).
+    With tensor parallelism or stacked experts, `model` is the whole meta model and `split_model` the
+    split one `plan` describes: each tensor is initialised whole and cut (`cuts`), whatever the mesh."""
     init = MetaInitializer(model, plan, seed)
     named = dict(model.named_parameters(remove_duplicate=False))
     names = init.names

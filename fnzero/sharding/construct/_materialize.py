@@ -1,16 +1,7 @@
 """Building a sharded model from one constructed on the meta device, one region (a unit module's
-subtree without the units nested in it; the root's: the rest) at a time (`specs/sharding.md`
-§Meta construction).
-
-[Note: meta construction]
-Every rank runs the model's own init code over the region's meta tensors (each module's
-`reset_parameters()`, then the nearest `_init_weights`, children first, torch's CPU generator
-seeded from (seed, region name)) while the writes are recorded; where the record replays element
-by element it computes only what it keeps (`Recorded`, [Note: recorded initialisation]),
-otherwise it materialises the region on the host over a sentinel, runs the init code again and
-keeps its slice (`Region`). The values depend on the seed and the names only, never on the world
-size or the rank.
-"""
+subtree without the units nested in it; the root's: the rest) at a time, its init code recorded
+and replayed (`Recorded`) or run over the region materialised (`Region`) (`specs/sharding.md`
+§Meta construction)."""
 
 from __future__ import annotations
 
@@ -29,10 +20,8 @@ from ._replay import Recording, TensorRecord, Unreplayable, seed_of, sentinel_fi
 __all__ = ["build_on_meta", "is_meta_model", "MetaInitializer", "Region", "Recorded", "GLOBAL_RNG_LOCK"]
 
 
-# Init code draws from torch's global RNG, which is process-wide: the reseeding and the draws of
-# one region must not interleave with another thread's (ranks of a thread-simulated world, which
-# build their models under the same lock: `fnzero.testing.seeded`). Re-entrant, so a model
-# factory run inside `seeded` can be sharded there.
+# A region's reseeding and draws from torch's process-wide RNG must not interleave with another
+# thread's (simulated ranks; `fnzero.testing.seeded` shares it). Re-entrant: shard inside `seeded`.
 GLOBAL_RNG_LOCK = threading.RLock()
 
 
@@ -60,7 +49,7 @@ def _untouched(t: torch.Tensor) -> bool:
 
 
 class MetaInitializer:
-    """Materialises and initialises a meta model region by region (see the Note above)."""
+    """Materialises and initialises a meta model region by region."""
 
     def __init__(self, model: nn.Module, plan: ShardPlan, seed: int):
         self.model = model
@@ -126,9 +115,8 @@ class MetaInitializer:
         return [m for m in self.post_order if self.region[id(m)] == region or any(m is e for e in extra)]
 
     def _run_init(self, modules: list[nn.Module], region: str) -> None:
-        """The model's init code over `modules`, as eager construction runs it: every module's
-        constructor-time reset, then the model's init pass, each children before parents, then
-        PEFT's adapter init (`_adapter_init.py`); torch's CPU generator seeded from (seed, region)."""
+        """The model's init code over `modules` as eager construction runs it (§Meta construction, step
+        1), then PEFT's adapter init (`_adapter_init.py`)."""
         with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]), torch.no_grad():
             # The CPU generator only: torch.manual_seed would also reseed (and leave reseeded)
             # every accelerator's generator.
@@ -143,8 +131,7 @@ class MetaInitializer:
 
     @contextlib.contextmanager
     def initialised(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region | Recorded"]:
-        """`region`'s initial values (and `extra`'s): recorded and replayed over the parts a rank
-        asks for (`_replay.py`), or, where the init code cannot be replayed so, materialised."""
+        """`region`'s initial values (and `extra`'s): recorded and replayed, else materialised."""
         modules = self._modules(region, extra)
         recorded = self._recorded(modules, region)
         if recorded is not None:
@@ -190,7 +177,7 @@ class MetaInitializer:
     @contextlib.contextmanager
     def materialized(self, region: str, extra: tuple[nn.Module, ...] = ()) -> Iterator["Region"]:
         """Give `region`'s modules (and `extra`) real host storage and run their init; yields the
-        values by id of the meta tensor. The meta tensors are put back on exit."""
+        values by id of the meta tensor, put back on exit."""
         modules = self._modules(region, extra)
         out = Region()
         swapped: list[tuple[dict, str, Any]] = []
@@ -259,8 +246,7 @@ class Region:
 
 
 class Recorded:
-    """A region's init code recorded (`_replay.py`): id(meta tensor) -> its record, computed
-    for the parts asked for only, the same bits whichever parts are asked."""
+    """A region's init code recorded (`_replay.py`): id(meta tensor) -> its record."""
 
     def __init__(self, records: dict[int, TensorRecord]):
         self.records = records

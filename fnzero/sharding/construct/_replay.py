@@ -1,9 +1,6 @@
-"""Initialising a meta model's tensors slice by slice: its init code runs once over stand-ins for
-the meta tensors while the writes are recorded, and each rank replays the record for the
-elements it keeps, in `CHUNK`-element chunks seeded apart, so an element's bits never depend on
-the world size (`specs/sharding.md` §Meta construction, step 2); what cannot be recorded makes
-the region `Unreplayable`, materialised whole (`_materialize.py`).
-"""
+"""Initialising a meta model's tensors slice by slice: the init code's writes to stand-ins recorded,
+then replayed in `CHUNK`-element chunks for what a rank keeps (`specs/sharding.md` §Meta
+construction, step 2); what cannot be recorded is `Unreplayable` (materialised: `_materialize.py`)."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ class _Op:
 
 
 def seed_of(*parts: Any) -> int:
-    """A generator seed from names and numbers (sha256 of them joined by ':'), the same on every
-    rank and process."""
+    """A generator seed from names and numbers (sha256 of them joined by ':'), the same everywhere."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -90,8 +86,8 @@ class TensorRecord:
         return out
 
     def fill(self, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements [lo, hi) of the flat initial value into `out` (1-D, hi - lo elements, any
-        dtype or device): the chunks they lie in are computed whole, each on its own."""
+        """Elements [lo, hi) of the flat initial value into `out` (1-D, any dtype or device), from the
+        whole chunks they lie in."""
         for c in range(lo // CHUNK, (hi - 1) // CHUNK + 1) if hi > lo else ():
             c0, c1 = c * CHUNK, min((c + 1) * CHUNK, self.numel)
             a, b = max(lo, c0), min(hi, c1)
@@ -140,9 +136,8 @@ def sentinel_fill(t: torch.Tensor) -> None:
 
 
 class Recording:
-    """Stand-ins for a region's meta tensors, to be put in their modules while the init code runs,
-    and the records of what it wrote. `result()` raises Unreplayable if any op could not be
-    recorded (the op also raised, which the caller catches, unless the init code swallowed it)."""
+    """Stand-ins for a region's meta tensors while the init code runs, and the records of its writes.
+    `result()` raises Unreplayable if any op could not be recorded (even one the init code caught)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], seed: int):
         storages: set[int] = set()
@@ -287,9 +282,8 @@ def _positions(view: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 def record(run: Callable[[dict[str, torch.Tensor]], None], tensors: dict[str, torch.Tensor],
            seed: int) -> dict[str, TensorRecord]:
-    """Run `run(standins)` (init code over stand-ins for `tensors`: name -> contiguous meta
-    tensor, each with a storage of its own) and return what it wrote: name -> its TensorRecord,
-    whose random draws are seeded from `seed`. Raises Unreplayable."""
+    """name -> TensorRecord of what `run(standins)` wrote to stand-ins for `tensors` (name -> meta
+    tensor, contiguous, a storage of its own), draws seeded from `seed`. Raises Unreplayable."""
     recording = Recording(tensors, seed)
     run(dict(recording.standins))
     return recording.result()

@@ -1,14 +1,10 @@
 """Expert parallelism: a model's experts split over the mesh's `ep` ranks, tokens sent to their
-experts and back by all-to-all (`specs/mesh.md §Expert parallelism`).
-
-Layer 3 of `specs/architecture.md`; the order of the sub-packages is written there.
+experts and back by all-to-all (`specs/mesh.md §Expert parallelism`; layer 3 of `specs/architecture.md`).
 
     ExpertGroup, expert_range     the modules holding a layer's experts, and which ones a rank keeps
     all_to_all_grad               the differentiable all-to-all the dispatch uses
     HFExpertGroup                 a Hugging Face (transformers 5) MoE block's experts as an ExpertGroup
-    autoep_replace, AUTOEP_PRESETS, AutoEPPreset
-                                  AutoEP: find a model's experts modules (by preset, pattern or layout) and
-                                  replace them
+    autoep_replace, AUTOEP_PRESETS, AutoEPPreset   AutoEP: find a model's experts modules and replace them
 """
 
 from ._autoep import (AUTOEP_KEYS_NO_EFFECT, AUTOEP_KEYS_READ, AUTOEP_PRESETS, AutoEPPreset, autoep_replace,

@@ -210,11 +210,8 @@ def autoep_replace(model: nn.Module, preset_model: str | None = None, moe_layer_
                    expert_pattern: str | None = None, router_pattern: str | None = None) -> list[str]:
     """Replace, in place, every experts module AutoEP finds (by preset or pattern, else by layout:
     `resolve_autoep_preset`, `find_moe_blocks`) by an `HFExpertGroup` holding the same
-    parameters; returns their paths (e.g. `model.layers.0.mlp.experts`).
-
-    ConfigError when no MoE block is found, when an experts module is not of a layout
-    `HFExpertGroup` splits and computes (`read_experts_layout`), when a router named by a preset
-    scores another number of experts, or when an experts module is replaced already.
+    parameters; returns their paths. ConfigError when no MoE block is found, or an experts module
+    cannot be split (`read_experts_layout`), disagrees with its router or is replaced already.
 
     >>> from transformers import MixtralConfig, MixtralForCausalLM
     >>> cfg = MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,

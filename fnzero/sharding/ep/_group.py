@@ -1,10 +1,5 @@
-"""`ExpertGroup`: a module holding a layer's experts, which expert parallelism splits over the
-`ep` ranks (`specs/mesh.md §Expert parallelism`): `split_experts(comm)` keeps this rank's experts
-(`expert_range`) under their global names and sends tokens to the others' through `comm`. An
-`ExpertGroup` is always a ZeRO unit of its own, sharded and reduced over the expert-data-parallel
-ranks. Until split it holds and runs every expert: the same model object unsharded is the
-reference for the sharded run.
-"""
+"""`ExpertGroup`: a module holding a layer's experts, which expert parallelism splits over the `ep`
+ranks, a ZeRO unit of its own (`specs/mesh.md §Expert parallelism`); until split it runs every expert."""
 
 from __future__ import annotations
 
@@ -31,11 +26,8 @@ def check_expert_split(num_experts: int, ep_size: int, where: str) -> None:
 
 class ExpertGroup(nn.Module):
     """Base of the modules that hold a layer's experts and can be split over expert-parallel ranks.
-
-    Subclasses define `num_experts` (the layer's global expert count) and `_keep_experts(lo, hi)`
-    (drop every expert outside `[lo, hi)`, keeping the parameter names the whole layer has, so
-    checkpoints and pretrained files read the same at any ep size), and run their forward through
-    `self.ep_comm` when it is set (None: every expert is here)."""
+    Subclasses define `num_experts` (global) and `_keep_experts(lo, hi)` (drop the others, keeping the
+    whole layer's parameter names), and run their forward through `self.ep_comm` when set."""
 
     num_experts: int
 
@@ -70,8 +62,6 @@ class ExpertGroup(nn.Module):
         raise NotImplementedError
 
     def name_on(self, name: str, ep_rank: int) -> tuple[str, bool]:
-        """What this rank's parameter `name` (relative to this module) is on ep rank `ep_rank`:
-        (its name there, whether the whole layer's tensor is the ep ranks' pieces concatenated
-        along dim 0). The default: the same name, one piece per rank (experts stacked in one
-        tensor, as Hugging Face's). Modules naming each expert apart override it."""
+        """(name on ep rank `ep_rank` of this rank's parameter `name`, whether the whole layer's tensor
+        is the ep ranks' pieces concatenated along dim 0); by default stacked experts, as Hugging Face's."""
         return name, True

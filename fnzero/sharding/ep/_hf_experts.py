@@ -1,8 +1,6 @@
-"""`HFExpertGroup`: a Hugging Face MoE block's experts module as an `ExpertGroup`, so expert
-parallelism can split it over the `ep` ranks, keeping its parameters and the block's call
-(`specs/mesh.md` §AutoEP, §Dropless dispatch). Its class also subclasses the source's, so
-`isinstance(m, MixtralExperts)` (Hugging Face's `_init_weights`) still holds.
-"""
+"""`HFExpertGroup`: a Hugging Face MoE block's experts module as an `ExpertGroup`, keeping its
+parameters and the block's call (`specs/mesh.md` §AutoEP, §Dropless dispatch). Its class also
+subclasses the source's, so Hugging Face's `_init_weights` still recognises it."""
 
 from __future__ import annotations
 
@@ -127,11 +125,8 @@ def _check_parts(experts: nn.Module, layout: ExpertsLayout, where: str) -> None:
 
 
 class HFExpertGroup(ExpertGroup):
-    """A transformers-5 experts module's parameters and forward, splittable over ep ranks.
-
-    `HFExpertGroup.replacing(experts, where)` builds it from the model's experts module (the
-    same parameter objects). Unsplit it equals the eager experts; split (`split_experts(comm)`)
-    it holds rows `[lo:hi]` of every stacked tensor and sends each row to its expert."""
+    """A transformers-5 experts module's parameters and forward, splittable over ep ranks; built by
+    `HFExpertGroup.replacing(experts, where)` (the same parameter objects)."""
 
     def __init__(self, weights: dict[str, nn.Parameter], layout: ExpertsLayout, where: str = ""):
         super().__init__()

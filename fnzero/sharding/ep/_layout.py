@@ -11,9 +11,8 @@ __all__ = ["EPLayout", "StackedSplit"]
 
 @dataclasses.dataclass(frozen=True)
 class StackedSplit:
-    """A tensor stacking a layer's experts along dim 0, cut into `size` equal runs of rows: the
-    interface of tensor parallelism's `ParamSplit` that readers of whole tensors use (`full_shape`,
-    `dim`, `blocks`, `start`, `local`)."""
+    """A tensor stacking a layer's experts along dim 0, cut into `size` equal runs of rows, with the
+    part of `ParamSplit`'s interface that readers of whole tensors use."""
 
     full_shape: tuple[int, ...]
     size: int
@@ -31,12 +30,9 @@ class StackedSplit:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EPLayout:
-    """This rank's place among the expert-parallel ranks, and the modules holding its experts.
-
-    `comm`: the ep group (tokens travel there by all-to-all); `expert_dp`: the expert-data-parallel
-    group (ZeRO shards and reduces expert units there); `modules`: the `ExpertGroup` paths, each a
-    unit of the plan with `ep` = `size`; `num_experts`: path -> the layer's global expert count;
-    `renames`: path -> the module's `ExpertGroup.name_on`."""
+    """This rank's place among the expert-parallel ranks (`comm`; `expert_dp`, where ZeRO shards expert
+    units), and the `ExpertGroup` paths (`modules`, each a unit), with their global expert counts and
+    `ExpertGroup.name_on` (`renames`)."""
 
     # Why a step with this axis cannot run as one graph (`fnzero.jit(scope="step")`).
     not_traceable = "expert parallelism's all-to-all runs inside the model's MoE layers"
@@ -66,9 +62,8 @@ class EPLayout:
         return self.comm.rank
 
     def consolidate(self, module: str, views: list[dict[str, Any]]) -> dict[str, Any]:
-        """The whole layer's parameters (full names) from every ep rank's `views` of the expert unit
-        of `module` (rank order; each names tensors as this rank does): renamed to the names they
-        have there, and pieces of one stacked tensor concatenated along dim 0."""
+        """The whole layer's parameters (full names) from every ep rank's `views` of the expert unit of
+        `module` (rank order, named as on this rank), stacked pieces concatenated along dim 0."""
         import torch
 
         rename, prefix = self.renames[module], module + "."
@@ -93,9 +88,8 @@ class EPLayout:
         return self.consolidate(unit.module, [unit_views(unit, every[j]) for j in range(self.size)])
 
     def whole_from_every_rank(self, whole: dict[str, Any]) -> dict[str, Any]:
-        """The expert parameters among `whole` (name -> tensor held whole: frozen ones at stages
-        0-2) from every ep rank, by the whole layer's names, removed from `whole`: one all-gather per
-        tensor over the ep ranks (each holds the same tensors, in one order)."""
+        """The expert parameters among `whole` (frozen ones at stages 0-2), removed from it, from every ep
+        rank by the whole layer's names: one all-gather per tensor over the ep ranks."""
         out: dict[str, Any] = {}
         for module in self.modules:
             mine = {n: t for n, t in whole.items() if n.startswith(module + ".")}

@@ -1,10 +1,5 @@
-"""Expert parallelism's differentiable collective: all-to-all over the expert-parallel ranks.
-
-The backward of an all-to-all is the all-to-all with the split sizes swapped: the gradient of
-the rows rank i sent to rank j comes back from rank j to rank i. Every rank of the group issues
-the same collectives in forward and backward, in the same order (each MoE layer's dispatch and
-combine), so they compose with any model code that runs the same layers on every rank.
-"""
+"""Expert parallelism's differentiable collective: all-to-all over the expert-parallel ranks, whose
+backward is the all-to-all with the split sizes swapped; every rank issues the same ones, in one order."""
 
 from __future__ import annotations
 

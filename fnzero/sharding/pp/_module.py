@@ -1,7 +1,5 @@
-"""A pipeline model: a list of layers, the loss at its end, and how it is cut into stages
-(`specs/mesh.md` §Pipeline). DeepSpeed's `PipelineModule` in fnzero's shape: a description that
-builds only the stage a rank runs, so no rank ever holds the whole model.
-"""
+"""A pipeline model: a list of layers, the loss at its end, and how it is cut into stages; it builds
+only the stage a rank runs, so no rank holds the whole model (`specs/mesh.md` §Pipeline)."""
 
 from __future__ import annotations
 
@@ -119,9 +117,8 @@ class PipelineModule:
 
     def stage(self, stage_id: int, num_stages: int, checkpoint_interval: int | None = None,
               seed_layers: bool = False) -> "PipelineStage":
-        """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built); `.ties` lists the
-        weights it shares with other stages (`TiedWeight`). `seed_layers` turns seeding on as the
-        module's own flag does."""
+        """Stage `stage_id` of `num_stages` as a module (its LayerSpecs built, `.ties` the weights it
+        shares with other stages); `seed_layers` turns seeding on as the module's own flag does."""
         v = self.virtual_stages
         b = self.bounds(num_stages * v)  # with virtual stages, chunk c·p + s is rank s's chunk c
         chunks = [(b[c * num_stages + stage_id], b[c * num_stages + stage_id + 1]) for c in range(v)]
@@ -150,9 +147,8 @@ class TiedWeight:
 
 
 def find_ties(layers: list, stage_of: dict[int, int], stage_id: int, names: dict | None = None) -> tuple[TiedWeight, ...]:
-    """The parameters held by layers of more than one stage (`stage_of`: layer -> the stage running
-    it), in the order of first use (`names`: module id -> its name in the model, as
-    `PipelineStage` registers it)."""
+    """The parameters held by layers of more than one stage (`stage_of`: layer -> its stage), in the
+    order of first use (`names`: module id -> its name in the model)."""
     names = names or {}
     uses: dict[int, list[tuple[int, str, nn.Module, torch.Tensor]]] = {}
     for i, layer in enumerate(layers):

@@ -1,11 +1,6 @@
-"""How a pipeline's layers are cut into stages (`specs/mesh.md` §Pipeline).
-
-The three methods of DeepSpeed's `PipelineModule(partition_method=...)`, with its results (they
-are checked against DeepSpeed 0.19.8's `partition_uniform` / `partition_balanced` in the suite's
-property tests): `uniform` balances the number of layers, `parameters` the trainable parameters,
-`type:<regex>` the number of layers whose class name matches the regex (case-insensitive).
-Boundaries are a list of `stages + 1` layer indices, stage s holding `[bounds[s], bounds[s+1])`.
-"""
+"""How a pipeline's layers are cut into stages: DeepSpeed's `partition_method`s with its results
+(`specs/mesh.md` §Pipeline). Boundaries: `stages + 1` layer indices, stage s holding
+`[bounds[s], bounds[s+1])`."""
 
 from __future__ import annotations
 
@@ -28,10 +23,8 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Boundaries of `num_parts` contiguous parts whose sums are as even as possible: the split
-    that minimises (largest part's sum - smallest part's sum), by dynamic programming over
-    (items, parts). Among equally even splits the one whose last cut comes latest wins, at each
-    level of the recursion (DeepSpeed's tie rule, so both cut a model the same way)."""
+    """Boundaries of `num_parts` contiguous parts minimising (largest sum - smallest sum), by dynamic
+    programming; ties go to the latest last cut at each level (DeepSpeed's rule: the same cuts)."""
     n, m = len(weights), num_parts
     if n <= m:
         return partition_uniform(n, m)
@@ -72,10 +65,8 @@ def layer_type_name(layer) -> str | None:
 
 def stage_bounds(method: "str | Sequence[int]", layers: Sequence, num_stages: int,
                  param_counts: Sequence[int]) -> list[int]:
-    """The boundaries of `num_stages` stages over `layers` by `method` (or split points: the
-    indices of the layers that start stages 1, 2, ...); a ConfigError names the numbers when there
-    are more stages than layers, the split points do not cut that many non-empty stages, or the
-    method is unknown or finds nothing."""
+    """The boundaries of `num_stages` stages over `layers` by `method` (or split points: the indices of
+    the layers that start stages 1, 2, ...); a ConfigError names the numbers where they cannot."""
     n = len(layers)
     if num_stages > n:
         raise ConfigError(f"a pipeline of {num_stages} stages needs at least {num_stages} layers; this model has {n}")

@@ -1,7 +1,5 @@
 """Tensor parallelism: which layers are split and how (AutoTP plans, the layout), the split
-layers, and the differentiable collectives they use (`specs/mesh.md`).
-
-Layer 3 of `specs/architecture.md`; the order of the sub-packages is written there."""
+layers, and the differentiable collectives they use (`specs/mesh.md`; `specs/architecture.md`)."""
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).

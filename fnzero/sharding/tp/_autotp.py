@@ -1,7 +1,5 @@
-"""AutoTP: split a model's layers over the tensor-parallel ranks by a plan, a list of `TPRule`s
-(`specs/mesh.md` §AutoTP): the config's `partition_config.layer_specs` first, then the built-in
-`PLANS` (fnzero's GPT, GPT-2, the Llama family).
-"""
+"""AutoTP: split a model's layers over the tensor-parallel ranks by a plan, a list of `TPRule`s: the
+config's `partition_config.layer_specs` first, then the built-in `PLANS` (`specs/mesh.md` §AutoTP)."""
 
 from __future__ import annotations
 
@@ -66,9 +64,8 @@ def builtin_plan(model: nn.Module, preset: str | None = None) -> list[TPRule]:
 
 
 def rules_from_config(tp_cfg: Any, model: nn.Module) -> list[TPRule]:
-    """The rules a `tensor_parallel` block gives for `model`: its `partition_config.layer_specs`
-    (patterns over parameter names, tried first), then the built-in plan unless
-    `use_default_specs` is false."""
+    """The rules a `tensor_parallel` block gives for `model`: its `partition_config.layer_specs` first,
+    then the built-in plan unless `use_default_specs` is false."""
     rules: list[TPRule] = []
     pc = getattr(tp_cfg, "partition_config", None)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -109,9 +106,8 @@ def check_heads(model: nn.Module, tp: int, key_name: str = "tensor_parallel.auto
 
 
 def parallelize(model: nn.Module, rules: list[TPRule], comm, *, vocab_parallel: bool | None = None) -> TPLayout:
-    """Replace each module a rule matches with its tensor-parallel form holding this rank's
-    slices, in place; the layout of every split parameter. Parameters tied across modules stay
-    tied (one slice). Returns the layout; `model` then runs only with the group's collectives."""
+    """Replace, in place, each module a rule matches with its tensor-parallel form holding this rank's
+    slices (tied parameters stay tied); returns the layout of every split parameter."""
     tp, rank = comm.world_size, comm.rank
     check_heads(model, tp)
     check_group_agrees(model, comm)
@@ -246,9 +242,8 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _use_parallel_loss(model: nn.Module, layout: TPLayout) -> None:
-    """A Hugging Face causal LM computes its loss from the logits it made; with the head split
-    over the vocabulary, that loss is the vocabulary-parallel one (its documented extension point,
-    `model.loss_function`)."""
+    """A Hugging Face causal LM's loss (`model.loss_function`, its extension point) made the
+    vocabulary-parallel one, for a head split over the vocabulary."""
     if not hasattr(model, "loss_function"):
         return
     from ._ops import vocab_parallel_cross_entropy

@@ -1,12 +1,5 @@
 """Which parameters are split along the tensor-parallel axis, and how: pure data, the same on every
-rank (`specs/mesh.md §Layout`).
-
-A split parameter's full tensor is cut along `dim`; with `blocks` > 1 that dimension is first viewed
-as `blocks` equal blocks (a fused q|k|v projection), each cut alike, and a rank's slice is its
-piece of every block, concatenated. Pieces follow `split_sizes`: sizes that do not divide leave
-the first ranks one element more (a vocabulary of 50257 over 2 ranks: 25129 + 25128 rows).
-Parameters not named are replicated: equal on every rank of the group, with equal gradients.
-"""
+rank (`specs/mesh.md §Layout`, which says how `dim`, `blocks` and uneven sizes cut a tensor)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The layers a tensor-parallel model is made of: a linear layer split by its outputs (column) or
-its inputs (row), and an embedding split by its vocabulary (`specs/mesh.md §Tensor parallelism`).
-
-Each keeps the parameter names of the layer it replaces (`weight`, `bias`), so state-dict names,
-ZeRO units and checkpoints read the same as the model's own; only the shapes are this rank's
-slices. `weight_layout` is "out_in" for torch's Linear and "in_out" for Hugging Face's Conv1D
-(GPT-2), whose weight is stored transposed.
-"""
+"""The layers a tensor-parallel model is made of, each keeping the replaced layer's parameter names
+(`specs/mesh.md §Tensor parallelism`). `weight_layout`: "out_in" for torch's Linear, "in_out" for
+Hugging Face's Conv1D (GPT-2), whose weight is stored transposed."""
 
 from __future__ import annotations
 

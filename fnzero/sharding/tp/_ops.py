@@ -1,10 +1,6 @@
 """Tensor parallelism's differentiable collectives, Megatron's f and g, and the vocabulary-parallel
-lookup and cross-entropy (`specs/mesh.md §Tensor parallelism`).
-
-Each takes the tensor-parallel `Collectives` explicitly. Forward and backward issue the same
-collectives on every rank of the group, in the same order, so they compose with any model code
-that runs the same layers on every rank.
-"""
+lookup and cross-entropy (`specs/mesh.md §Tensor parallelism`), each over the tp `Collectives` given.
+Every rank issues the same collectives in forward and backward, in one order."""
 
 from __future__ import annotations
 
@@ -103,8 +99,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int
 
 class _VocabParallelCE(torch.autograd.Function):
     """Per-token cross-entropy of logits split over the vocabulary (this rank: columns
-    `[start, start + V_local)`): three all-reduces of per-token numbers (max, sum of exponentials,
-    the target's logit), never the logits themselves."""
+    `[start, start + V_local)`), never all-reducing the logits themselves."""
 
     @staticmethod
     def forward(ctx, logits, target, start, comm, ignore_index):

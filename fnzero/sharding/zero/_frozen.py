@@ -1,13 +1,6 @@
-"""Frozen units at stage 3: the end of a unit's backward, seen from its inputs.
-
-A frozen unit's buffer (`ShardPlan.frozen_units`) is gathered with the module's trainable unit
-and, where autograd saved views of it, re-gathered for the module's backward (`_runtime.py`). No
-gradient is computed for it, so no `GatherUnit.backward` says when that backward is done. The
-inputs of the unit's forward say it instead, as FSDP2's post-backward does: they pass through an
-identity whose backward runs once every operation of the unit that consumed them has run its own,
-and frees the re-gathered copy. A unit whose inputs need no gradient has nothing upstream to
-propagate to; its copy is freed when the backward pass ends (`ApplyRun.drop_regathered`).
-"""
+"""Frozen units at stage 3: the end of a unit's backward, seen from its inputs. No `GatherUnit.backward`
+says when a frozen unit's backward is done, so its forward's inputs pass through an identity whose
+backward frees the re-gathered copy (`specs/sharding.md` §Frozen parameters; FSDP2's post-backward)."""
 
 from __future__ import annotations
 

@@ -30,13 +30,9 @@ class RunOfUnits(Protocol):
 
 
 def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "UnitRuntime | None" = None) -> dict[str, torch.Tensor]:
-    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer.
-
-    With `rt` (a stage-3 unit gathered in a forward), the re-gathered copy is dropped as soon as
-    autograd starts assembling the unit's flat gradient: every user of its parameters has run by
-    then, and the copy would otherwise sit beside the parameter gradients and their concatenation,
-    the peak of a unit's backward.
-    """
+    """Parameter views (state_dict names, aliases included) into a unit's full flat buffer. With `rt`
+    (stage 3, in a forward) the re-gathered copy is dropped once autograd assembles the unit's flat
+    gradient (`specs/sharding.md` §Apply, saved tensors)."""
     pieces = torch.split(full, unit.split_sizes)
     if rt is not None and pieces and pieces[0].grad_fn is not None:
         pieces[0].grad_fn.register_prehook(rt.release_regathered)
@@ -50,12 +46,9 @@ def unit_views(unit: UnitPlan, full: torch.Tensor, rt: "UnitRuntime | None" = No
 
 
 class UnitRuntime:
-    """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the
-    buffer re-gathered for backward.
-
-    With hpZ (`hpz`, the group of adjacent ranks; `specs/mesh.md §hpZ`) the forward's gather also
-    keeps this rank's part of the buffer as the hpz group divides it (its secondary shard), and
-    backward re-gathers from those over the hpz group instead of from the shards over `comm`."""
+    """Per-apply, per-unit bookkeeping for stage 3: the shard, a prefetched gather, and the buffer
+    re-gathered for backward; with hpZ (`hpz`, `specs/mesh.md §hpZ`) from the secondary shard the
+    forward's gather kept."""
 
     __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder",
                  "hpz", "secondary")
@@ -90,8 +83,7 @@ class UnitRuntime:
         return full
 
     def start_backward_gather(self):
-        """The re-gather for backward, started: from the hpZ secondary shards when the forward kept
-        one, else from the shards."""
+        """The re-gather for backward, started: from the hpZ secondary shards if kept, else the shards."""
         if self.secondary is not None:
             return self.hpz.all_gather_async(self.secondary, label=self.unit.name)
         return self.comm.all_gather_async(self.shard_values(), label=self.unit.name)
@@ -118,11 +110,8 @@ class UnitRuntime:
 
 
 class GatherSchedule:
-    """The order stage-3 units were gathered in the last forward, to prefetch the next unit.
-
-    A performance cache only: a wrong guess costs one extra gather, never a wrong result, and every
-    rank learns the same order from the same program, so prefetches are issued identically.
-    """
+    """The order stage-3 units were gathered in the last forward, to prefetch the next unit. A cache
+    only: a wrong guess costs one extra gather, and every rank learns the same order."""
 
     def __init__(self, prefetch_numel: int = 10**18, max_live_numel: int = 10**18, max_reuse_distance: int = 0):
         self.forward_order: list[str] = []
@@ -140,12 +129,8 @@ class GatherSchedule:
         return self._next.get(name)
 
     def kept_units(self, numel_of) -> frozenset[str]:
-        """The units whose gathered parameters stay from their forward to their backward instead of
-        being re-gathered there (DeepSpeed's stage3_max_reuse_distance): a unit's parameters are
-        used again once every unit gathered after it has run forward and backward, so its reuse
-        distance is twice their elements. Kept from the last unit back while that distance is
-        within `max_reuse_distance` and the kept elements within `max_live_numel`; the last unit
-        always (its backward comes first, distance 0). `numel_of(name)`: a unit's elements."""
+        """The units kept gathered from forward to backward (`specs/sharding.md` §Apply, kept for
+        backward). `numel_of(name)`: a unit's elements."""
         kept: set[str] = set()
         live = after = 0
         for name in reversed(dict.fromkeys(self.forward_order)):  # each unit once, at its first use

@@ -1,11 +1,6 @@
 """What of the parameters this rank's optimizer updates: by each unit's placement (`optimizer_view`),
-and, for an optimizer that reads whole tensors, the whole-tensor optimizer partition
-(`specs/optim.md` §Muon): each such parameter owned by one data-parallel rank, and the two
-all-to-alls that move a step's pieces to the owners and their results back.
-
-Owners are chosen greedily, largest parameter first onto the rank owning the fewest elements so
-far: deterministic, and within 4/3 of the best balance (Graham's bound for this rule).
-"""
+and for an optimizer that reads whole tensors, the whole-tensor partition (`specs/optim.md` §Muon):
+each such parameter's owning dp rank, and the two all-to-alls to the owners and back."""
 
 from __future__ import annotations
 
@@ -22,13 +17,9 @@ __all__ = ["optimizer_view", "WholeTensorPartition", "whole_tensor_partition", "
 
 
 def optimizer_view(plan: ShardPlan, rank: int, params: dict[str, torch.Tensor], elementwise: bool = True):
-    """What the optimizer updates when params are the master copy (fp32 training), by each unit's
-    placement: the whole unit where the optimizer state is replicated, the shard itself where
-    parameters are sharded, else this rank's slice of the replicated buffer. Slices are views.
-
-    Non-elementwise optimizers (Lamb) need whole tensors; they get per-parameter views where the
-    optimizer state is replicated.
-    """
+    """What the optimizer updates when params are the master copy, by each unit's placement: the
+    whole unit where the optimizer state is replicated (per-parameter views unless `elementwise`:
+    Lamb reads whole tensors), the shard where parameters are sharded, else this rank's slice."""
     out = {}
     for u in plan.units:
         t = params[u.name]
@@ -69,23 +60,17 @@ class WholeTensorPartition:
         return sum(self._slots[n][1].numel for n in self.owned(rank))
 
     def piece(self, name: str, rank: int) -> tuple[int, int]:
-        """Where rank's shard cuts parameter `name`: offsets `[lo, hi)` into the parameter (empty when
-        the shard holds none of it)."""
+        """Offsets `[lo, hi)` into parameter `name` of rank's shard's piece ((0, 0) when none)."""
         u, s = self._slots[name]
         lo, hi = u.real_range(rank)
         a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
         return (a - s.offset, b - s.offset) if a < b else (0, 0)
 
     def exchange_numel(self, rank: int) -> int:
-        """Elements `rank` sends in one step's two all-to-alls (`state/_owner_update.py`): the
-        gradient and value of its piece of every matrix another rank owns, then the rest of each
-        matrix it owns back to the ranks whose pieces they are."""
-        def size(n: str, r: int) -> int:
-            lo, hi = self.piece(n, r)
-            return hi - lo
-
-        return sum(2 * size(n, rank) if owner != rank else self._slots[n][1].numel - size(n, rank)
-                   for n, owner in self.owners)
+        """Elements `rank` sends in one step's two all-to-alls (`state/_owner_update.py`): gradient and
+        value of its pieces of others' matrices, then its own matrices' other pieces back."""
+        return sum(2 * _size(self.piece(n, rank)) if owner != rank
+                   else self._slots[n][1].numel - _size(self.piece(n, rank)) for n, owner in self.owners)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._slots[name][1].shape
@@ -93,7 +78,8 @@ class WholeTensorPartition:
 
 @functools.lru_cache(maxsize=16)
 def whole_tensor_partition(plan: ShardPlan, names: frozenset[str]) -> WholeTensorPartition:
-    """Owners for `names` (trainable parameters of `plan`) over the plan's data-parallel ranks."""
+    """Owners for `names` (trainable parameters of `plan`) over the plan's data-parallel ranks: largest
+    first onto the least-loaded rank (deterministic, within Graham's 4/3 of the best balance)."""
     order = [(u, s) for u in plan.units for s in u.slots if s.name in names]
     experts = [s.name for u, s in order if u.is_expert]
     if experts:
@@ -125,9 +111,8 @@ def param_pieces(plan: ShardPlan, rank: int, by_unit: dict[str, torch.Tensor]) -
 
 def to_owners(comm, part: WholeTensorPartition, channels: list[dict[str, torch.Tensor]],
               like: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """Each rank's pieces of the whole-tensor parameters (`channels`: several trees of 1-D pieces,
-    in `like`'s dtype and device) to their owners, in one all-to-all: for each channel, owned
-    name -> the whole tensor (its true shape) on this rank."""
+    """Each rank's pieces (`channels`: trees of 1-D pieces in `like`'s dtype and device) to their owners
+    in one all-to-all: for each channel, owned name -> the whole tensor on this rank."""
     rank, world = comm.rank, comm.world_size
     send, ins = [], []
     for dest in range(world):
@@ -149,9 +134,8 @@ def to_owners(comm, part: WholeTensorPartition, channels: list[dict[str, torch.T
 
 
 def from_owners(comm, part: WholeTensorPartition, whole: dict[str, torch.Tensor], like: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The inverse of `to_owners` for one channel: the owners' whole tensors (`whole`: owned name ->
-    tensor) cut back into every rank's pieces; name -> this rank's 1-D piece, for every
-    whole-tensor parameter. `like`: a tensor of the dtype and device the pieces travel in."""
+    """The inverse of `to_owners` for one channel (`whole`: owned name -> tensor): name -> this rank's
+    1-D piece of every whole-tensor parameter. `like`: of the dtype and device the pieces travel in."""
     rank, world = comm.rank, comm.world_size
     mine = part.owned(rank)
     send, ins = [], []

@@ -1,12 +1,6 @@
-"""Parameter shards kept in a store instead of memory: `offload_param: {device: nvme}` at stage 3
-(`specs/offload.md` §Parameters, which says which store holds which shard).
-
-A sharded unit whose values live in a store has a *placeholder* in the state: the shard's shape
-and dtype over one element of storage (stride 0), read from the store just before each of its
-all-gathers. This layer defines only how a store is read and written (`ShardSource`); the stores
-are the offload layer's, handed in through `Sharding.shard_sources`
-(`ShardedModule.read_shards_from`), so every holder of the state finds them.
-"""
+"""Parameter shards kept in a store instead of memory, as placeholders: `offload_param: {device: nvme}`
+at stage 3 (`specs/offload.md` §Parameters). This layer only reads and writes a store (`ShardSource`);
+the stores are the offload layer's, handed in through `Sharding.shard_sources`."""
 
 from __future__ import annotations
 
@@ -34,14 +28,9 @@ def is_placeholder(t: torch.Tensor) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ShardSource:
     """Where one kind of placeholder shard is read from: `store.read(unit, kind)` (a CPU tensor of
-    any float dtype) and, for `checkpoint.load`, `store.write(unit, kind, value)`.
-
-    A store written in place (the step's copy-out, a checkpoint load) holds the newest state's
-    shards only, so each such write gives that state new placeholders (`renew`) and `read` refuses
-    any other: an older state's forward, generation or save would otherwise compute with a later
-    step's parameters, silently (`specs/offload.md` §Parameters). `current` is unit -> the address
-    of the newest placeholder (a stride-0 tensor over one element of its own); a unit never
-    renewed (frozen ones, an inference engine's, loaded in place) is read by any state."""
+    any float dtype) and, for `checkpoint.load`, `store.write(unit, kind, value)`. `current`: unit ->
+    the address of its newest placeholder (`renew`), the only one `read` accepts (`specs/offload.md`
+    §Parameters); a unit never renewed is read by any state."""
 
     store: Any
     kind: str
@@ -97,11 +86,9 @@ def held(t: torch.Tensor, source: ShardSource | None, unit: str) -> torch.Tensor
 
 
 def stepped_in_place(state: TrainState) -> ShardSource | None:
-    """The parameter store each step writes its new trainable shards into, in place (`offload_param:
-    nvme` with the optimizer's master in memory), checked to hold this state's step; None where no
-    step writes a store. Only the newest state can step, be saved or read from such a store: an
-    older one would pair its own master and moments with a later step's parameters
-    (`specs/offload.md` §Parameters). A store an update left part-way raises its NvmeStoreError."""
+    """The parameter store each step writes its new trainable shards into, in place, checked to hold
+    this state's step (`specs/offload.md` §Parameters); None where no step writes a store. A store an
+    update left part-way raises its NvmeStoreError."""
     source = sources_of(state.sharding).params
     if source is None or state.master is None or not any(is_placeholder(p) for p in state.params.values()):
         return None
@@ -116,9 +103,8 @@ def stepped_in_place(state: TrainState) -> ShardSource | None:
 
 
 def read_placeholders(state: TrainState, *, frozen: bool = True) -> TrainState:
-    """`state` with every placeholder in `params` (and `frozen`, unless `frozen=False`) replaced by
-    its shard read from its store: what saving whole tensors needs. The state itself is unchanged.
-    A state older than its parameter store's shards is refused (`stepped_in_place`)."""
+    """A copy of `state` with every placeholder in `params` (and `frozen`, unless `frozen=False`)
+    read from its store; a state older than its store's shards is refused (`stepped_in_place`)."""
     sources = sources_of(state.sharding)
     if sources is NO_SOURCES:
         return state

@@ -1,18 +1,5 @@
-"""Placements: what a unit holds as this rank's shard instead of a replica.
-
-ZeRO is one sharding transform applied to more and more of the training state. A `Placement`
-says which parts are sharded; a ZeRO stage is only a name for one of four presets:
-
-    stage 0   nothing sharded                          (DDP)
-    stage 1   + optimizer state (master, moments)
-    stage 2   + gradients (reduce-scattered per micro-batch)
-    stage 3   + parameters (gathered around each unit's forward and backward)
-
-Each preset adds one kind to the one before, so a placement never shards parameters without
-gradients, or gradients without optimizer state: the shard a rank updates is the shard whose
-gradient it owns. Stage numbers are read and written only at the edges (config, CLI, reports,
-checkpoint index) through `placement_for_stage` / `Placement.stage`; the runtime reads the flags.
-"""
+"""Placements: what a unit holds as this rank's shard instead of a replica; a ZeRO stage names one of
+four presets (`specs/sharding.md` §Placements)."""
 
 from __future__ import annotations
 

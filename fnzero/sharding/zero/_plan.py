@@ -35,18 +35,11 @@ class ParamSlot:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def local_name(self) -> str:
-        return self.name
-
 
 @dataclasses.dataclass(frozen=True)
 class UnitPlan:
-    """A group of parameters gathered and reduced together as one flat buffer (`specs/sharding.md`
-    §Plan): `numel` real elements padded to `padded_numel`, rank r of the ranks sharing it owning
-    `[r * shard_numel, (r + 1) * shard_numel)`. An expert unit (`ep` > 1) is shared by the
-    expert-data-parallel ranks only (dp rank d is rank d // ep of them); every method takes the dp rank.
-    """
+    """Parameters gathered and reduced together as one flat buffer (`specs/sharding.md` §Plan). An
+    expert unit (`ep` > 1) is shared by the expert-data-parallel ranks only; every method takes the dp rank."""
 
     name: str
     module: str  # module path ('' for the root)
@@ -127,11 +120,6 @@ class ShardPlan:
         return self._units_by_name.get(name)
 
     @property
-    def frozen_names(self) -> tuple[str, ...]:
-        """Every frozen parameter's state_dict name (the first, for tied ones), whole or in a unit."""
-        return self.frozen + tuple(s.name for u in self.frozen_units for s in u.slots)
-
-    @property
     def num_frozen(self) -> int:
         """Elements of the frozen parameters laid out in units (tied ones once, padding excluded)."""
         return sum(u.numel for u in self.frozen_units)
@@ -158,13 +146,12 @@ class ShardPlan:
         return any(self.params_sharded(u) for u in (*self.units, *self.frozen_units))
 
     def held_numel(self, unit: UnitPlan) -> int:
-        """Elements of the unit's entry in `TrainState.params`: its shard when its parameters are
-        sharded, else its whole padded buffer."""
+        """Elements of the unit's entry in `TrainState.params`: its shard, or its padded buffer if unsharded."""
         return unit.shard_numel if self.params_sharded(unit) else unit.padded_numel
 
     def check_params(self, params: dict, what: str) -> None:
-        """`params` (unit name -> flat tensor) is what this plan holds, or one `ShardingError` saying
-        what was expected and what came (a state of another plan fails here, not deep in a collective)."""
+        """Raise one `ShardingError` unless `params` (unit name -> flat tensor) is what this plan holds:
+        a state of another plan fails here, not deep in a collective."""
         if not isinstance(params, dict):
             raise ShardingError(f"{what} must be a dict of unit name -> flat tensor (state.params), "
                                 f"got {type(params).__name__}")
@@ -200,8 +187,7 @@ class ShardPlan:
 
 
 def comm_for(unit: UnitPlan, comm, expert_comm):
-    """The collectives a unit is sharded and reduced over: the data-parallel ranks' (`comm`), or for
-    an expert unit the expert-data-parallel ranks' (`expert_comm`)."""
+    """The collectives a unit is sharded over: `comm`, or `expert_comm` for an expert unit."""
     return expert_comm if unit.ep > 1 else comm
 
 
@@ -224,8 +210,7 @@ def unit_predicate(wrap: Callable[[str, nn.Module], bool] | Iterable[type]) -> C
 
 
 def padded_size(numel: int, world_size: int) -> int:
-    """A unit buffer's length: `numel` rounded up to a multiple of the world size (at least one
-    element per rank)."""
+    """`numel` rounded up to a multiple of the world size, at least one element per rank."""
     return max(world_size, -(-numel // world_size) * world_size)
 
 

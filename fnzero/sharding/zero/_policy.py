@@ -1,7 +1,5 @@
-"""The sharding policy: what `fnzero.shard` reads from a Config, once, at the edge. Core code
-receives these frozen policies, never the raw config, so it can be driven and tested without a
-config file. The readers of the config's precision and offload blocks are shared with the step's
-policy (`fnzero/state/_policy.py`)."""
+"""The sharding policy: what `fnzero.shard` reads from a Config, once, at the edge, so core code never
+sees the raw config. The precision and offload readers serve the step's policy too (`state/_policy.py`)."""
 
 from __future__ import annotations
 
@@ -26,9 +24,7 @@ class ShardPolicy:
     persistence_threshold: int = 0
     prefetch_numel: int = 0
     max_live_numel: int = 10**18
-    # stage3_max_reuse_distance (DeepSpeed's default): a unit whose parameters are used again within
-    # this many elements (its backward, after the units gathered after it) keeps them gathered.
-    max_reuse_distance: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000  # stage3_max_reuse_distance, DeepSpeed's default
     offload_optimizer: str | None = None  # None | "cpu" | "nvme"
     offload_param: str | None = None  # None | "cpu" | "nvme"
     # `torch_autocast`: forward runs under torch.autocast with this dtype ("default": the
@@ -76,9 +72,8 @@ def shard_policy(cfg, stage: "int | Placement | None" = None) -> ShardPolicy:
 
 
 def comm_quantization(cfg) -> CommQuantization | None:
-    """The config's ZeRO++ switches as codecs: int8 blocks of 4096 (`BlockQuantizer()`) for each of
-    `zero_quantized_weights`, `zero_quantized_nontrainable_weights`, `zero_quantized_gradients`
-    that is true; None when none is (`specs/collectives.md` §Quantized collectives)."""
+    """The config's `zero_quantized_*` switches as `BlockQuantizer()` codecs, None when none is on
+    (`specs/collectives.md` §Quantized collectives)."""
     if cfg is None:
         return None
     z = cfg.zero_optimization
@@ -98,8 +93,7 @@ def _autocast_dtype(cfg) -> torch.dtype | str | None:
 
 def checked_quantization(policy: ShardPolicy, given: CommQuantization | None) -> CommQuantization | None:
     """`given`, else the config's (`policy.quantization`), refused where it would quantize nothing:
-    weights need sharded parameters (stage 3), gradients sharded gradients (stage 2 or 3), as in
-    DeepSpeed (`zero_quantized_weights` acts in its stage-3 partitioning only)."""
+    weights need stage 3, gradients stage 2 or 3, as in DeepSpeed."""
     q = given if given is not None else policy.quantization
     if q is None or not q.active:
         return None

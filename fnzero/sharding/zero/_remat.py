@@ -1,11 +1,5 @@
-"""`fnzero.remat`: activation checkpointing as a function transform (like `jax.checkpoint`).
-
-The wrapped function's intermediate activations are not kept for backward; they are recomputed
-from its inputs when backward needs them (torch.utils.checkpoint, non-reentrant). With
-`cpu_offload=True` (the config's `activation_checkpointing.cpu_checkpointing`) the inputs kept for
-recomputation live in host memory. Under stage 3 the recomputation re-gathers the unit's
-parameters like the first forward did.
-"""
+"""`fnzero.remat`: activation checkpointing as a function transform (like `jax.checkpoint`), on
+torch.utils.checkpoint (non-reentrant); under stage 3 the recomputation re-gathers the parameters."""
 
 from __future__ import annotations
 
@@ -25,7 +19,8 @@ def remat(fn: Callable[..., Any] | None = None, *, cpu_offload: bool = False, pr
           config: Any = None):
     """Return `fn` with activation checkpointing. Usable as `remat(fn)` or `@remat(cpu_offload=True)`.
 
-    `config`: a fnzero Config; its `activation_checkpointing.cpu_checkpointing` sets `cpu_offload`.
+    `cpu_offload`: the inputs kept for recomputation live in host memory. `config`: a fnzero Config;
+    its `activation_checkpointing.cpu_checkpointing` sets `cpu_offload`.
 
     >>> import torch, fnzero
     >>> layer = torch.nn.Linear(4, 4)

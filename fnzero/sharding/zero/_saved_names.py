@@ -1,13 +1,6 @@
-"""The names a model's own save gives its tensors, read from the model when it is sharded
-(`make_plan`), so that a state and its checkpoint carry them and every export writes what the
-model's save would, `fnzero export` included, which has no model (`specs/checkpoint-format.md`
-§Export, "Names": non-persistent buffers, and transformers 5's `save_pretrained` rules).
-
-Tied tensors are held once, under their first name (`named_parameters()`' order), the others
-being aliases: the name kept by `save_pretrained` is recorded as the first name's saved name and
-every other name as not saved, so an export that knows only the first name (a whole frozen
-tensor of a checkpoint) still writes it under the kept name.
-"""
+"""The names a model's own save gives its tensors, read when it is sharded (`make_plan`), so that a
+state and its checkpoint carry them and every export, `fnzero export` included, writes what the
+model's save would (`specs/checkpoint-format.md` §Export, "Names"; `specs/sharding.md` §Plan)."""
 
 from __future__ import annotations
 
@@ -31,15 +24,14 @@ class SavedNames:
 
 
 def non_persistent_buffers(model: nn.Module) -> set[str]:
-    """The names of `model`'s buffers that are not in its `state_dict()` (registered with
-    `persistent=False`), as torch's `_non_persistent_buffers_set` of each submodule says."""
+    """The names of `model`'s buffers registered with `persistent=False` (not in its `state_dict()`)."""
     return {f"{path}.{leaf}" if path else leaf
             for path, m in model.named_modules(remove_duplicate=False)
             for leaf in getattr(m, "_non_persistent_buffers_set", ())}
 
 
 def saved_names(model: nn.Module) -> SavedNames:
-    """The names `model`'s own save gives its tensors (the module docstring)."""
+    """The names `model`'s own save gives its tensors, where they differ from those fnzero holds."""
     transient = non_persistent_buffers(model)
     held = [n for n, _ in model.named_buffers(remove_duplicate=False)]
     non_persistent = tuple(n for n in held if n in transient)
@@ -70,7 +62,8 @@ def _pretrained_names(model: nn.Module, transient: set[str]) -> dict[str, str | 
     for names in groups.values():
         kept = [renames.get(n, n) for n in kept_of[names[0]]]
         # The kept names go to the group's names in order (one tensor: which carries which is
-        # immaterial), so the first name, the one always known, carries the first kept name.
+        # immaterial), so the first name, the one always known (a whole frozen tensor of a
+        # checkpoint knows only it), carries the first kept name.
         for i, name in enumerate(names):
             saved = kept[i] if i < len(kept) else None
             if saved != name:

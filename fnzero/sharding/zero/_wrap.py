@@ -1,8 +1,4 @@
-"""The default wrap policy: which modules of a model are units (`specs/sharding.md` §Plan).
-
-A model that names its layers gets one unit per layer, and its untied input embedding and output
-head one each; the rest (final norm, positions, anything read outside a module) is the root
-unit. Any other model: one unit per direct child, containers opened."""
+"""The default wrap policy: which modules of a model are units (`specs/sharding.md` §Plan, Units)."""
 
 from __future__ import annotations
 
@@ -12,10 +8,8 @@ __all__ = ["default_unit_modules", "no_split_classes", "embedding_units"]
 
 
 def default_unit_modules(model: nn.Module) -> list[str]:
-    """The default wrap policy (the module docstring). The layers are those of the classes in
-    Hugging Face's `_no_split_modules` (declared by the model or any submodule), grouped as FSDP's
-    transformer wrap policy groups them; for a GPT without them, each block, the embeddings, the
-    final norm and the head are units."""
+    """The default unit modules' paths: each layer (`_no_split_modules`) and the untied embedding and
+    head, else each direct child holding parameters, containers opened (`specs/sharding.md` §Plan)."""
     layer_classes = no_split_classes(model)
     if layer_classes:
         layers = _layer_units(model, layer_classes)
@@ -36,10 +30,8 @@ def no_split_classes(model: nn.Module) -> set[str]:
 
 
 def _layer_units(model: nn.Module, layer_classes: set[str]) -> list[str]:
-    """Each layer (outermost, in module order). What lies outside them stays in the root unit,
-    gathered for the whole forward, as FSDP's transformer wrap policy leaves it: code outside a
-    module may read its parameters directly (an encoder reading `embed_positions.weight`), which
-    only the root allows."""
+    """Each layer (outermost, in module order); the rest stays in the root, as FSDP's transformer
+    wrap policy leaves it: code outside a module may read its parameters, which only the root allows."""
     return _walk(model, lambda m: type(m).__name__ in layer_classes)
 
 
@@ -61,13 +53,9 @@ def _walk(model: nn.Module, is_unit) -> list[str]:
 
 
 def embedding_units(model: nn.Module, layers: list[str]) -> list[str]:
-    """The paths of the model's input embedding and output head (transformers'
-    `get_input_embeddings()` / `get_output_embeddings()`, through a PEFT wrapper too), as units of
-    their own: a language model's largest tensors (vocabulary x hidden each), which in the root
-    unit a stage-3 rank would hold whole for the whole forward. Both or neither, and neither when
-    they share a parameter (tied weights: one tensor serves both, so it stays in the root) or when
-    either lies inside a layer unit or encloses one. A module the model reads the weight of outside
-    its forward would need the root: `shard(wrap=...)` keeps it there."""
+    """The paths of the model's input embedding and output head as units of their own, both or
+    neither: neither when tied or when either lies inside a layer or encloses one (`specs/sharding.md`
+    §Plan, Units)."""
     pair = _embedding_pair(model)
     if pair is None:
         return []
