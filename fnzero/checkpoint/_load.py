@@ -26,7 +26,7 @@ from ._same_model import check_model, mismatch
 from ._per_rank import read_per_rank_leaf
 from ._tree import Leaf, rebuild_state, unit_meta
 
-__all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
+__all__ = ["load", "Reader", "resolve", "list_tags", "read_latest", "rebuild_into_constants"]
 
 
 def list_tags(root: str) -> list[str]:
@@ -268,9 +268,19 @@ def load(
     it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
     `like`'s frozen parameters instead of reading them (a checkpoint saved with
-    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's)."""
+    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
+
+    A DeepSpeed checkpoint directory (`global_stepN/` or the directory whose `latest` names it) of
+    an Adam/AdamW run at ZeRO stage 1-3 in fp32 or bf16 is read too, as DeepSpeed would resume it
+    (`specs/checkpoint-format.md` §DeepSpeed, "Resuming in fnzero"): `client_state` is what its
+    `save_checkpoint` was given; it holds no checksums (`verify`) and no RNG state (`restore_rng`)."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
+    from ._ds_layout import is_deepspeed  # (they read `latest` with this module's helpers)
+    from ._ds_resume import load_deepspeed
+
+    if is_deepspeed(path):
+        return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen)
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
     from ..offload import is_nvme, like_in_memory, restore_into_store
 
@@ -315,7 +325,7 @@ def load(
                 out[n_real:].zero_()  # padding
             return out.reshape(t.shape).to(t.device)
 
-        state = _rebuild_into_constants(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
+        state = rebuild_into_constants(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
         ls = ix.get("loss_scale")
         if like.loss_scale is not None and ls is not None:
             L = like.loss_scale
@@ -345,7 +355,7 @@ def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainSt
     return view, saved_slots(ix) if by_name else None
 
 
-def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
+def rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     """`rebuild_state(like, fill)`, except that frozen parameters and buffers are written into
     `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
     they were): they are the module's (`specs/checkpoint-format.md` §Frozen parameters). A shard
