@@ -82,15 +82,15 @@ def _check_checkpoint(ck) -> None:
     if kind is not None and kind.lower() not in _ADAM_TYPES:
         raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
                               "(exp_avg, exp_avg_sq and step per parameter)")
+    if ck.layer_files or ck.expert_files or ck.tp > 1:
+        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
+                              "not implemented yet; its weights export with `fnzero export`")
     if ck.layout == "whole":
         raise CheckpointError(f"{ck.dir}: resuming from a ZeRO stage-0 checkpoint (the optimizer state in the "
                               "model file) is not implemented yet; its weights export with `fnzero export`")
     if ck.precision == "fp16":
         raise CheckpointError(f"{ck.dir}: resuming from an fp16 checkpoint (its DeepSpeed loss scaler) is not "
                               "implemented yet; its weights export with `fnzero export`")
-    if ck.layer_files or ck.expert_files or ck.tp > 1:
-        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
-                              "not implemented yet; its weights export with `fnzero export`")
 
 
 def _step(ck) -> int:
