@@ -9,6 +9,7 @@ otherwise."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -69,10 +70,11 @@ def _fnzero_continues(root: str, stage: int, world: int):
     rows of the same global batches: (losses, {name: param}, step, {name: param as loaded})."""
     cfg_dict = _config(stage, world)
     more = _batches(SAVED_STEPS + MORE_STEPS)[SAVED_STEPS:]
+    base = build_model()  # once: the simulated ranks are threads sharing one RNG
 
     def fn(comm):
         cfg = fnzero.load_config(cfg_dict, world_size=world)
-        sm = fnzero.shard(build_model(), config=cfg, comm=comm)
+        sm = fnzero.shard(copy.deepcopy(base), config=cfg, comm=comm)
         state, _ = load(root, like=sm.init_state())
         before = sm.state_dict(state)
         step = fnzero.train_step(lambda p, b: torch.nn.functional.mse_loss(sm.apply(p, b[0]), b[1]), cfg)

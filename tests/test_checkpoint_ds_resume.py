@@ -25,10 +25,12 @@ FIELDS = ("fp32", "exp_avg", "exp_avg_sq")
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)  # the same initial weights on every simulated rank
         self.a = torch.nn.Linear(5, 3)
         self.b = torch.nn.Linear(4, 2, bias=False)
         self.register_buffer("buf", torch.zeros(3))
+        with torch.no_grad():  # the same initial weights on every simulated rank (threads share one RNG)
+            for i, p in enumerate(self.parameters()):
+                p.copy_(torch.linspace(-1, 1, p.numel()).view(p.shape) * (i + 1))
 
 
 def _cfg(world: int = 1) -> fnzero.Config:

@@ -31,7 +31,8 @@ from ._export import export
 from ._ds_universal import to_deepspeed_universal
 from ._export_live import export_live
 from ._info import info
-from ._load import list_tags, load
+from ._load import list_tags
+from ._resume import load
 from ._peft_export import export_adapters
 from ._handle import SaveHandle
 from ._save import save

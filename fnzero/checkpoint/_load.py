@@ -269,18 +269,9 @@ def load(
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
     `like`'s frozen parameters instead of reading them (a checkpoint saved with
     `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
-
-    A DeepSpeed checkpoint directory (`global_stepN/` or the directory whose `latest` names it) of
-    an Adam/AdamW run at ZeRO stage 1-3 in fp32 or bf16 is read too, as DeepSpeed would resume it
-    (`specs/checkpoint-format.md` §DeepSpeed, "Resuming in fnzero"): `client_state` is what its
-    `save_checkpoint` was given; it holds no checksums (`verify`) and no RNG state (`restore_rng`)."""
+    fnzero's own checkpoints; `fnzero.checkpoint.load` (`_resume.py`) takes DeepSpeed's too."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
-    from ._ds_layout import is_deepspeed  # (they read `latest` with this module's helpers)
-    from ._ds_resume import load_deepspeed
-
-    if is_deepspeed(path):
-        return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen)
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
     from ..offload import is_nvme, like_in_memory, restore_into_store
 
