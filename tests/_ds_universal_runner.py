@@ -1,7 +1,10 @@
-"""Run by a DeepSpeed interpreter (not fnzero's): resume a universal checkpoint with DeepSpeed and
-take the given steps. `python _ds_universal_runner.py SPEC.json`; SPEC names the checkpoint root,
-the world size, the batches file (a list of global (x, y)) and `runs`, each a config (one engine
-after another in the same process group) and where to write {"losses", "params", "global_steps"}. The test imports `build_model` from here too, so both
+"""Run by a DeepSpeed interpreter (not fnzero's): resume a checkpoint (universal, or DeepSpeed's own)
+with DeepSpeed and take the given steps. `python _ds_universal_runner.py SPEC.json`; SPEC names the
+checkpoint root, the world size, the batches file (a list of global (x, y)) and `runs`, each a
+config (one engine after another in the same process group) and where to write {"losses",
+"params", "global_steps"}. An optional `train` ({"config", "batches", "save"}) first trains a fresh
+engine on its batches and saves it with `save_checkpoint` (the checkpoint the runs then resume).
+Each global step is `gradient_accumulation_steps` micro-batches of this rank's rows. The test imports `build_model` from here too, so both
 sides train the same module; nothing here imports fnzero or, at import time, DeepSpeed.
 """
 
@@ -34,6 +37,13 @@ def _worker(rank: int, spec: dict, port: int) -> None:
     # a stale build lock); gloo needs none of it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if "train" in spec:
+        t = spec["train"]
+        model = build_model()
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=t["config"])
+        for x, y in torch.load(t["batches"]):
+            _global_step(eng, x, y, rank, world)
+        eng.save_checkpoint(t["save"])
     batches = torch.load(spec["batches"])
     for run in spec["runs"]:
         result = _resume_and_step(deepspeed, run["config"], spec["load"], batches, rank, world)
@@ -46,21 +56,28 @@ def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, wor
     model = build_model()
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     eng.load_checkpoint(load)
-    losses = []
-    for x, y in batches:
-        rows = x.shape[0] // world
-        xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        loss = torch.nn.functional.mse_loss(eng(xs), ys)
-        eng.backward(loss)
-        eng.step()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(float(mean) / world)
+    losses = [_global_step(eng, x, y, rank, world) for x, y in batches]
     params = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
             params[name] = p.detach().clone().float()
     return {"losses": losses, "params": params, "global_steps": eng.global_steps}
+
+
+def _global_step(eng, x, y, rank: int, world: int) -> float:
+    """One optimizer step on this rank's rows of global batch (x, y), in micro-batches; the loss
+    averaged over them and the ranks."""
+    rows = x.shape[0] // world
+    xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+    gas = eng.gradient_accumulation_steps()
+    micro, total = rows // gas, torch.zeros(())
+    for k in range(gas):
+        loss = torch.nn.functional.mse_loss(eng(xs[k * micro:(k + 1) * micro]), ys[k * micro:(k + 1) * micro])
+        eng.backward(loss)
+        eng.step()
+        total += loss.detach() / gas
+    torch.distributed.all_reduce(total)
+    return float(total) / world
 
 
 def main() -> None:

@@ -110,3 +110,59 @@ def test_the_commands_read_a_tag_directory(ds_checkpoints, tmp_path, capsys):
     assert main(["export", tag_dir, str(tmp_path), "--dtype", "bf16", "--tied", "first", "-q"]) == 0
     got = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert "head.weight" not in got and got["emb.weight"].dtype == torch.bfloat16
+
+
+def _fixture_model():
+    """The model `scripts/deepspeed_checkpoints.py` trains (a tied head, a frozen layer, two buffers)."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("_ds_fixture_script", os.path.join(HERE, "scripts", "deepspeed_checkpoints.py"))
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(1)
+    return script._mlp(torch)
+
+
+@pytest.mark.parametrize("name,stage", [("s1_fp32", 3), ("s2_bf16", 1), ("s3_bf16", 2), ("s3_fp32", 0),
+                                        ("s1_bf16", 3)])
+def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, stage):
+    """`fnzero.checkpoint.load` reads DeepSpeed's files into a state of another stage and world
+    size (1): the fp32 weights DeepSpeed's engine holds (the master of a bf16 run, its params
+    rounded from it), the tied head, the frozen layer, the buffers, Adam's step and fnzero's."""
+    from fnzero.checkpoint import load
+    import fnzero
+
+    root = os.path.join(ds_checkpoints, name)
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}}
+    if name.endswith("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    sm = fnzero.shard(_fixture_model(), config=fnzero.load_config(cfg))
+    state, client = load(root, like=sm.init_state())
+    assert (int(state.step), int(state.opt_state.count), client) == (2, 2, {})
+    got = sm.state_dict(state)
+    for n, want in expected.items():
+        if n.startswith(("frozen.", "step_buf", "count")):
+            assert torch.equal(got[n], want.to(got[n].dtype)), n
+    masters = {n: state.master[u.name][s.offset:s.offset + s.numel].view(s.shape)
+               for u in sm.plan.units for s in u.slots for n in (s.name, *s.aliases)} if state.master is not None else None
+    for n in ("emb.weight", "l1.weight", "l1.bias", "l2.weight", "l2.bias"):
+        assert torch.equal(got[n], expected[n].to(got[n].dtype)), n  # (bf16: rounded from the master)
+        if masters is not None:
+            assert torch.equal(masters[n], expected[n]), n
+    assert torch.equal(got["head.weight"], got["emb.weight"])
+    assert all(float(t.abs().sum()) > 0 for t in state.opt_state.exp_avg_sq.values())
+
+
+@pytest.mark.parametrize("name,match", [("s0_fp32", "ZeRO stage-0 checkpoint"), ("s2_fp16", "fp16 checkpoint"),
+                                        ("pipe_fp32", "pipeline, tensor-parallel or MoE"),
+                                        ("moe_fp32", "pipeline, tensor-parallel or MoE")])
+def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):
+    from fnzero import CheckpointError
+    from fnzero.checkpoint import load
+    import fnzero
+
+    sm = fnzero.shard(_fixture_model(), config=fnzero.load_config({"train_micro_batch_size_per_gpu": 2,
+                                                                   "optimizer": {"type": "AdamW"}}))
+    with pytest.raises(CheckpointError, match=match):
+        load(os.path.join(ds_checkpoints, name), like=sm.init_state())

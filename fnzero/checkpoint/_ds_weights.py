@@ -15,9 +15,10 @@ import torch
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint, check_meta
+from ._ds_optim import FP32, flat_moment, zero3_moments
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate"]
+__all__ = ["DsWeights", "consolidate", "moments"]
 
 
 @dataclass
@@ -89,9 +90,11 @@ def _replicas(ck: DsCheckpoint, osd: dict, n: int, where: str) -> list[int]:
     return [ck.dp // c for c in counts]
 
 
-def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+def _partitions(ck: DsCheckpoint, mp: int, shapes: list, tensor: str = FP32
+                ) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
     """Each group's flat fp32 buffer (one per expert replica), filled from every rank's file in
-    rank order; the alignment paddings after each parameter."""
+    rank order; the alignment paddings after each parameter. `tensor`: which one (`FP32`, the
+    weights, or an Adam moment, laid out as they are)."""
     align: list[list[int]] = [[0] * len(g) for g in shapes]
     flats, filled, reps = [], [], []
     for r in range(ck.dp):
@@ -109,6 +112,8 @@ def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torc
                 raise CheckpointError(f"{where}: single_partition_of_fp32_groups[{g}] is not a flat tensor")
             # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
             content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
+            if tensor != FP32:
+                content = flat_moment(osd, g, len(shapes), tensor, content, int(pad), where)
             e = r % reps[g]
             flat, at = flats[g][e], filled[g][e]
             if at + content.numel() > flat.numel():
@@ -147,7 +152,7 @@ def _global_names(group: list[tuple[str, tuple]], replica: int) -> list[str]:
     return [rename(n) for n, _ in group]
 
 
-def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict) -> dict[str, torch.Tensor]:
+def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, tensor: str = FP32) -> dict[str, torch.Tensor]:
     """Stages 1-2 (and BF16_Optimizer): each group's flat fp32 buffer, cut into `dp` partitions,
     rank r holding partition r less the tail padding (`group_paddings`). `meta`: model-parallel
     rank `mp`'s model-states file."""
@@ -155,7 +160,7 @@ def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict) -> dict[str, to
         shapes = _fragment_shapes(ck, mp, module)
     else:
         shapes = _shapes(meta, ck.path(ck.model_files[(0, mp)]))
-    flats, align = _partitions(ck, mp, shapes)
+    flats, align = _partitions(ck, mp, shapes, tensor)
     out = {}
     for g, group in enumerate(shapes):
         for e, flat in enumerate(flats[g]):
@@ -185,17 +190,19 @@ def _zero3_fill(out: dict, shapes_of: list[list[tuple[str, tuple]]], flats: list
                                   f"{off} (param_shapes disagree with the partition sizes)")
 
 
-def _zero3(ck: DsCheckpoint, w: DsWeights) -> dict[str, torch.Tensor]:
+def _zero3(ck: DsCheckpoint, w: DsWeights, tensor: str = FP32) -> dict[str, torch.Tensor]:
     """Stage 3: each parameter padded to a multiple of `dp`, rank r holding its r-th slice, the
-    slices of one sub-group concatenated (`fp32_flat_groups`); frozen ones alike, per model file."""
+    slices of one sub-group concatenated (`fp32_flat_groups`, and each Adam moment alike, which
+    `tensor` picks); frozen ones alike, per model file (the weights only: they have no moments)."""
     shapes = _shapes(ck.meta, ck.path(ck.model_files[(0, 0)]))
     out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) for g in shapes for n, s in g}
-    frozen_shapes = ck.meta.get("frozen_param_shapes") or {}
+    frozen_shapes = (ck.meta.get("frozen_param_shapes") or {}) if tensor == FP32 else {}
     frozen = [[(str(n), tuple(int(d) for d in s)) for n, s in frozen_shapes.items()]]
     for r in range(ck.dp):
         osd, where = _optim(ck, r, 0)
-        _zero3_fill(out, shapes, _list(osd, "fp32_flat_groups", len(shapes), where), r, ck.dp, where,
-                    "fp32_flat_groups")
+        flats = (_list(osd, "fp32_flat_groups", len(shapes), where) if tensor == FP32
+                 else zero3_moments(osd, len(shapes), tensor, where))
+        _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups" if tensor == FP32 else tensor)
         del osd
         if frozen[0]:
             name = ck.model_files[(r, 0)]
@@ -364,3 +371,22 @@ def consolidate(ck: DsCheckpoint) -> DsWeights:
     if missing:
         raise CheckpointError(f"{ck.dir}: shared_params tie names to {missing[:5]}, which hold no tensor")
     return w
+
+
+def moments(ck: DsCheckpoint, tensor: str) -> dict[str, torch.Tensor]:
+    """Adam moment `tensor` ("exp_avg", "exp_avg_sq") of every trainable parameter by its first
+    name, whole, walked as `consolidate` walks the fp32 weights (the same partitions, paddings and
+    names). ZeRO-1/2 (and BF16_Optimizer) and ZeRO-3 layouts; `_refuse_unread` already ran."""
+    if ck.layout == "per_param":
+        return _zero3(ck, DsWeights(), tensor)
+    if ck.layout != "flat":
+        raise CheckpointError(f"{ck.dir}: the optimizer moments of a stage-0 checkpoint are not read yet")
+    out: dict[str, torch.Tensor] = {}
+    module = _pipeline_module(ck) if ck.layer_files else {}
+    for mp in sorted({mp for _, mp in ck.model_files}):
+        state, meta = _module_of(ck, mp)
+        if not ck.layer_files:
+            module.update(state.get("module") or {})
+        out.update(_zero12(ck, mp, meta, module, tensor))
+        del state
+    return out

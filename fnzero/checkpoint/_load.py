@@ -26,7 +26,7 @@ from ._same_model import check_model, mismatch
 from ._per_rank import read_per_rank_leaf
 from ._tree import Leaf, rebuild_state, unit_meta
 
-__all__ = ["load", "Reader", "resolve", "list_tags", "read_latest"]
+__all__ = ["load", "Reader", "resolve", "list_tags", "read_latest", "rebuild_into_constants"]
 
 
 def list_tags(root: str) -> list[str]:
@@ -268,7 +268,8 @@ def load(
     it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
     (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
     `like`'s frozen parameters instead of reading them (a checkpoint saved with
-    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's)."""
+    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
+    fnzero's own checkpoints; `fnzero.checkpoint.load` (`_resume.py`) takes DeepSpeed's too."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
@@ -315,7 +316,7 @@ def load(
                 out[n_real:].zero_()  # padding
             return out.reshape(t.shape).to(t.device)
 
-        state = _rebuild_into_constants(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
+        state = rebuild_into_constants(like, fill, step=torch.tensor(ix["step"], dtype=torch.int64))
         ls = ix.get("loss_scale")
         if like.loss_scale is not None and ls is not None:
             L = like.loss_scale
@@ -345,7 +346,7 @@ def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainSt
     return view, saved_slots(ix) if by_name else None
 
 
-def _rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
+def rebuild_into_constants(like: TrainState, fill, **changes) -> TrainState:
     """`rebuild_state(like, fill)`, except that frozen parameters and buffers are written into
     `like`'s own tensors, in place, once every leaf has been read (a load that fails leaves them as
     they were): they are the module's (`specs/checkpoint-format.md` §Frozen parameters). A shard

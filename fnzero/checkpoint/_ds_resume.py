@@ -1,0 +1,165 @@
+"""`load` of a DeepSpeed checkpoint into an fnzero `TrainState` (`specs/checkpoint-format.md`
+§DeepSpeed, "Resuming in fnzero"): the fp32 weights, Adam's moments and step, the step counts and
+the schedule's position, at any world size and stage of `like`.
+
+The checkpoint is consolidated by name first (`_ds_weights`: one walk of the partitions, for the
+weights and for each moment), then every leaf of `like` is cut from the whole tensors by its
+unit's slots. Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a
+model whose parameter names or shapes differ, stage-0 and fp16 checkpoints, step counts that
+disagree, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import CheckpointError
+from .._state import TrainState
+from ._ds_layout import describe
+from ._ds_optim import MOMENTS, adam_step
+from ._ds_pickle import load_ds_file
+from ._ds_weights import DsWeights, consolidate, moments
+from ._load import rebuild_into_constants
+from ._same_model import describe as describe_mismatch
+from ._tree import Leaf, units_by_key
+
+__all__ = ["load_deepspeed"]
+
+# The model-states keys DeepSpeed writes itself (engine.py `_common_checkpoint_state`, `_save_checkpoint`);
+# `save_checkpoint(client_state=...)` adds the caller's own beside them.
+_DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+            "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+            "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer"}
+_ADAM_TYPES = ("adam", "adamw")
+
+
+def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
+                   keep_frozen: bool = False) -> tuple[TrainState, dict]:
+    """(state laid out as `like`, the client state `save_checkpoint` was given) from DeepSpeed
+    checkpoint `path` (its save directory, `latest` naming the tag, or a tag directory)."""
+    _check_like(like)
+    ck = describe(path, tag)
+    _check_checkpoint(ck)
+    step = _step(ck)
+    w = consolidate(ck)
+    _check_model(w, like, keep_frozen)
+    sources = {"weights": w.tensors, **{m: moments(ck, m) for m in MOMENTS}}
+    names = {a: first for first, aliases in w.aliases.items() for a in aliases}
+    units = units_by_key(like.sharding.plan)
+
+    def whole(field: str, name: str) -> torch.Tensor:
+        return sources[field][names.get(name, name)]
+
+    def fill(leaf: Leaf) -> torch.Tensor:
+        return _leaf(leaf, like, units, whole, step, keep_frozen)
+
+    state = rebuild_into_constants(like, fill, step=torch.tensor(step, dtype=torch.int64))
+    return state, {k: v for k, v in ck.meta.items() if k not in _DS_KEYS}
+
+
+def _check_like(like: TrainState) -> None:
+    from ..offload import is_nvme
+
+    sh = like.sharding
+    what = ("tensor" if sh.tp is not None and sh.tp.size > 1 else
+            "pipeline" if sh.pp is not None and sh.pp.stages > 1 else
+            "expert" if sh.ep is not None else None)
+    if what is not None:
+        raise CheckpointError(f"loading a DeepSpeed checkpoint into a state with {what} parallelism is not "
+                              "implemented yet (data-parallel states at any ZeRO stage are)")
+    if is_nvme(like):
+        raise CheckpointError("loading a DeepSpeed checkpoint into a state with its optimizer on NVMe is not "
+                              "implemented yet")
+    if type(like.opt_state).__name__ != "AdamState":
+        raise CheckpointError(f"a DeepSpeed checkpoint is read into an Adam or AdamW state only; the state you are "
+                              f"loading into holds {type(like.opt_state).__name__}")
+
+
+def _check_checkpoint(ck) -> None:
+    opt = (ck.meta.get("ds_config") or {}).get("optimizer")
+    kind = str(opt.get("type", "")) if isinstance(opt, dict) else None
+    if kind is not None and kind.lower() not in _ADAM_TYPES:
+        raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
+                              "(exp_avg, exp_avg_sq and step per parameter)")
+    if ck.layer_files or ck.expert_files or ck.tp > 1:
+        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
+                              "not implemented yet; its weights export with `fnzero export`")
+    if ck.layout == "whole":
+        raise CheckpointError(f"{ck.dir}: resuming from a ZeRO stage-0 checkpoint (the optimizer state in the "
+                              "model file) is not implemented yet; its weights export with `fnzero export`")
+    if ck.precision == "fp16":
+        raise CheckpointError(f"{ck.dir}: resuming from an fp16 checkpoint (its DeepSpeed loss scaler) is not "
+                              "implemented yet; its weights export with `fnzero export`")
+
+
+def _step(ck) -> int:
+    """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
+    global_steps less skipped_steps, and against its schedule's position (last_batch_iteration,
+    one less: DeepSpeed's schedulers step with the optimizer, skipped steps excepted)."""
+    name = ck.optim_files[(0, 0)]
+    where = ck.path(name)
+    sd = load_ds_file(ck.dir, name)
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    groups = len(ck.meta.get("param_shapes") or []) or 1
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{where}: no 'optimizer_state_dict' entry")
+    adam = adam_step(osd, groups, ck.layout == "per_param", where)
+    global_steps, skipped = ck.meta.get("global_steps"), ck.meta.get("skipped_steps") or 0
+    if type(global_steps) is not int or global_steps - skipped != adam:
+        raise CheckpointError(f"{ck.dir}: the optimizer's step {adam} is not global_steps {global_steps} less "
+                              f"skipped_steps {skipped}; the files disagree on how far the run got")
+    sched = ck.meta.get("lr_scheduler")
+    pos = sched.get("last_batch_iteration", sched.get("last_epoch")) if isinstance(sched, dict) else None
+    if pos is not None and pos != adam - 1:
+        raise CheckpointError(f"{ck.dir}: the schedule's last_batch_iteration {pos} is not the optimizer's step "
+                              f"{adam} less one (global_steps {global_steps}); fnzero's schedule is a function of "
+                              "the step and cannot resume it")
+    return adam
+
+
+def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
+    """The checkpoint's trainable, frozen and buffer names and shapes are `like`'s, else one
+    message naming every difference."""
+    plan = like.sharding.plan
+    saved = {n: tuple(t.shape) for n, t in w.tensors.items() if n not in w.buffers}
+    saved.update({a: saved[first] for first, aliases in w.aliases.items() for a in aliases})
+    mine = {n: tuple(s.shape) for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
+    if not keep_frozen:
+        mine.update({s.name: tuple(s.shape) for u in plan.frozen_units for s in u.slots})
+        mine.update({n: tuple(t.shape) for n, t in like.frozen.items() if plan.frozen_unit(n) is None})
+    else:
+        saved = {n: s for n, s in saved.items() if n not in w.frozen}
+    mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in like.buffers.items()})
+    saved.update({f"{n} (buffer)": tuple(w.tensors[n].shape) for n in w.buffers})
+    only_mine = [n for n in mine if n not in saved]
+    only_saved = [n for n in saved if n not in mine]
+    reshaped = [(n, mine[n], saved[n]) for n in mine if n in saved and saved[n] != mine[n]]
+    if only_mine or only_saved or reshaped:
+        raise CheckpointError("the DeepSpeed checkpoint does not hold the model you are loading into: "
+                              + describe_mismatch(only_mine, only_saved, reshaped))
+
+
+def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, step: int, keep_frozen: bool) -> torch.Tensor:
+    """One leaf of `like`, from the whole tensors by name (`whole(field, name)`)."""
+    t = leaf.tensor
+    top, _, rest = leaf.path.partition("/")
+    if leaf.per_rank:
+        raise CheckpointError(f"{leaf.path!r} is per-rank state, which a DeepSpeed checkpoint does not hold")
+    if leaf.path == "opt_state/count":
+        return torch.tensor(step, dtype=t.dtype, device=t.device)
+    if top == "frozen" and keep_frozen:
+        return t
+    if leaf.unit is None:  # a replicated tensor by its name: a buffer or a frozen parameter
+        if top not in ("frozen", "buffers"):
+            raise CheckpointError(f"{leaf.path!r} of the state has no counterpart in a DeepSpeed checkpoint")
+        return whole("weights", rest).to(t.dtype).reshape(t.shape).to(t.device)
+    field = "weights" if top in ("params", "master", "frozen") else rest.partition("/")[0]
+    if field not in ("weights", *MOMENTS):
+        raise CheckpointError(f"{leaf.path!r} of the state has no counterpart in a DeepSpeed checkpoint")
+    out = torch.zeros(t.numel(), dtype=t.dtype)  # the unit's padding stays zero
+    for s in units[leaf.unit].slots:
+        a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
+        if a < b:
+            out[a - leaf.lo: b - leaf.lo] = whole(field, s.name).reshape(-1)[a - s.offset: b - s.offset]
+    return out.reshape(t.shape).to(t.device)

@@ -1,0 +1,41 @@
+"""`fnzero.checkpoint.load`: one call resumes fnzero's own checkpoints (`_load.py`) and DeepSpeed's
+(`_ds_resume.py`), told apart by their files (`specs/checkpoint-format.md` §Loading, §DeepSpeed
+"Resuming in fnzero"). Its own module so that neither reader imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._state import TrainState
+from ._ds_layout import is_deepspeed
+from ._ds_resume import load_deepspeed
+from ._load import load as load_fnzero
+
+__all__ = ["load"]
+
+
+def load(
+    path: str | os.PathLike,
+    like: TrainState,
+    *,
+    tag: str | None = None,
+    verify: bool = True,
+    restore_rng: bool = True,
+    keep_frozen: bool = False,
+) -> tuple[TrainState, Any]:
+    """Read checkpoint `path/tag` (default: `latest`) into a state laid out like `like`; returns
+    `(state, client_state)`. Any world size, stage and precision of the same model; every rank calls
+    it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
+    (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
+    `like`'s frozen parameters instead of reading them (a checkpoint saved with
+    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
+
+    A DeepSpeed checkpoint directory (`global_stepN/`, or the directory whose `latest` names it) of
+    an Adam/AdamW run at ZeRO stage 1-3 in fp32 or bf16 is read too, as DeepSpeed would resume it:
+    `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
+    and no RNG state (`restore_rng`)."""
+    if isinstance(like, TrainState) and is_deepspeed(path):
+        return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen)
+    return load_fnzero(path, like, tag=tag, verify=verify, restore_rng=restore_rng, keep_frozen=keep_frozen)
