@@ -40,12 +40,8 @@ class Collectives(Protocol):
 
     `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
     `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
-    `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`;
-    `all_to_all(t, input_split_sizes=, output_split_sizes=)` as torch's `all_to_all_single`
-    (§All-to-all). The `_async` forms return a `PendingTensor`; their `out=`, `donate=` and `label=`
-    may be used or ignored, never refused. `send_async(t, dst, tag=0)` and `recv(out, src, tag=0)`:
-    point-to-point messages for pipeline parallelism.
-    """
+    `all_reduce(t, op)` with op in {"sum", "max"}; `all_to_all` as torch's `all_to_all_single`. The
+    `_async` forms return a `PendingTensor`; `send_async`/`recv`: point-to-point, for pipelines."""
 
     rank: int
     world_size: int
@@ -313,11 +309,9 @@ class ProcessGroupCollectives:
                                                                            tag=tag)), label).wait()
 
 
-# [Note: why a context variable] `fnzero.testing`'s simulated worlds run the same user code as
-# `fnzero launch`, one thread per rank. Code that calls `fnzero.shard(model)`, `init_distributed()`
-# or `fnzero.load_config(path)` without naming a world has no parameter through which the thread's
-# rank could arrive, so the collectives a block of code runs over are provided here, explicitly,
-# by whoever starts it (`providing_collectives`), and read by `default_collectives`.
+# [Note: why a context variable] `fnzero.testing`'s simulated worlds run user code, one thread per
+# rank, that calls `fnzero.shard(model)` or `init_distributed()` with no parameter for the rank: whoever
+# starts a block provides its collectives (`providing_collectives`); `default_collectives` reads them.
 _PROVIDED: contextvars.ContextVar["Collectives | None"] = contextvars.ContextVar("fnzero_provided_collectives",
                                                                               default=None)
 
