@@ -152,15 +152,6 @@ class LocalCollectives(CollectivesBase):
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
 
 
-def _all_gather_fn():
-    # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_fn():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 _BACKEND_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "c10d")
 
 
@@ -247,7 +238,7 @@ class ProcessGroupCollectives:
             return self._start("all_gather", lambda: start_direct_all_gather(
                 shard.reshape(-1), out, self.rank, self.world_size, self.group), label)
         return self._start("all_gather", lambda: PendingTensor(
-            out, _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)), label)
+            out, dist.all_gather_single(out, shard.reshape(-1), group=self.group, async_op=True)), label)
 
     def reduce_scatter(self, full, donate: bool = False):
         if donate and self._use_direct(full) and full.is_contiguous():
@@ -266,7 +257,7 @@ class ProcessGroupCollectives:
         out = full.new_empty(full.numel() // self.world_size)
         # `full` must outlive the collective: the handle keeps it.
         return self._start("reduce_scatter", lambda: PendingTensor(out, _KeepAlive(
-            _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
+            dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
 
     def all_reduce(self, t, op=_SUM):
         out = t.clone()
