@@ -1,10 +1,6 @@
 """Checkpoints of ZeRO-Infinity runs: the optimizer state in the NVMe store, seen as the state the
-same run would hold with `offload_optimizer.device: cpu` (`specs/offload.md` §Checkpoints).
-
-Saving reads the store's master weights and moments into memory in that layout, so the checkpoint
-is an ordinary one: it loads into a CPU-offload or plain run at any world size and stage, and an
-ordinary checkpoint loads into an NVMe run, whose store is then overwritten with the loaded values.
-"""
+same run would hold with `offload_optimizer.device: cpu`, so a checkpoint is an ordinary one
+(`specs/offload.md` §Checkpoints)."""
 
 from __future__ import annotations
 
