@@ -1,8 +1,6 @@
 """ZeRO-Infinity optimizer state in files: one rank's fp32 master shards and optimizer moments on an
-NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at a time, reads and
-writes in flight while the kernel updates a chunk (`specs/offload.md` §NVMe store). The files are
-scratch (a new directory per `create`); their format, the lock and `stale_stores`: `_nvme_files.py`.
-"""
+NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at a time (`specs/offload.md`
+§NVMe store). The files are scratch; their format, the lock and `stale_stores`: `_nvme_files.py`."""
 
 from __future__ import annotations
 
@@ -35,10 +33,8 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
 
 class NvmeOptimizerStore(Updates):
-    """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit).
-
-    Make one with `create` (new scratch files) or, to inspect files left behind, `open`
-    (read-only). Not thread-safe; one store per process and directory."""
+    """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit): `create` makes new
+    scratch files, `open` inspects files left behind (read-only). Not thread-safe; one per directory."""
 
     # -- construction -------------------------------------------------------------------------
     def __init__(self, path: str, manifest: dict, *, writable: bool, buffer_count: int = 4, aio: Any = None,

@@ -1,7 +1,6 @@
 """The collective watchdog: a rank that does not reach a collective is named, and the job ends,
 before the process group's timeout would fail a rank that did nothing wrong (`specs/collectives.md`
-§Watchdog). It never issues a collective: one store round trip per rank per `poll_s`.
-"""
+§Watchdog). It never issues a collective: one store round trip per rank per `poll_s`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Running a sharded module: turning per-unit flat buffers into the parameters a forward sees.
 
 [Note: stage 3 as a differentiable gather]
-`GatherUnit`'s forward all-gathers a unit's shard and its backward reduce-scatters the buffer's
-gradient, so autograd yields the summed, sharded gradient; saved views of the gathered buffer are
-re-gathered by saved-tensor hooks for backward (`specs/sharding.md` §Apply, "Saved tensors").
-"""
+`GatherUnit` all-gathers a unit's shard in forward and reduce-scatters its gradient in backward; saved
+views of the gathered buffer are re-gathered for backward (`specs/sharding.md` §Apply, "Saved tensors")."""
 
 from __future__ import annotations
 
