@@ -23,9 +23,8 @@ class Ambient:
     # The apply run whose units gather right now (`ShardedModule.apply`, and `fnzero.remat`'s
     # recomputation in backward): the unit hooks and the root's direct-call check find it here.
     run: Any = None
-    # Inside the step (or a pipeline schedule, or generation): the list every apply run made by
-    # the loss function is added to, so that the caller releases them once their backward is
-    # done (`ApplyRun.release`).
+    # Inside the step (or a pipeline schedule, or generation): where every apply run the loss makes
+    # is added, so that the caller releases them once their backward is done (`ApplyRun.release`).
     step_runs: list | None = None
     # While `fnzero.jit(scope="units")` runs a step: `(module, forward) -> forward`, the compiled
     # forward a unit module runs instead of its own (`specs/jit.md`).
