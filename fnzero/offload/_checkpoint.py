@@ -15,6 +15,7 @@ from ._layout import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
 
+
 def is_nvme(state: TrainState) -> bool:
     return isinstance(state.opt_state, NvmeOptState)
 
@@ -55,10 +56,7 @@ def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
     """Write a loaded in-memory state's master and moments into `like`'s store; the NVMe state."""
     store = like.opt_state.store
     plan, rank = like.sharding.plan, like.sharding.rank
-    if loaded.master is not None:
-        master = loaded.master
-    else:
-        master = optimizer_view(plan, rank, loaded.params, True)
+    master = loaded.master if loaded.master is not None else optimizer_view(plan, rank, loaded.params, True)
     files, resident = like.opt_state.layout.split(loaded.opt_state)
     count = int(loaded.step)  # the optimizer steps applied, as the store counts them
     with store.updating("checkpoint load", count):  # every unit, or a store that refuses all later use
