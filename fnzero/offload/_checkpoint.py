@@ -1,10 +1,6 @@
 """Checkpoints of ZeRO-Infinity runs: the optimizer state in the NVMe store, seen as the state the
-same run would hold with `offload_optimizer.device: cpu` (`specs/offload.md` §Checkpoints).
-
-Saving reads the store's master weights and moments into memory in that layout, so the checkpoint
-is an ordinary one: it loads into a CPU-offload or plain run at any world size and stage, and an
-ordinary checkpoint loads into an NVMe run, whose store is then overwritten with the loaded values.
-"""
+same run would hold with `offload_optimizer.device: cpu`, so a checkpoint is an ordinary one
+(`specs/offload.md` §Checkpoints)."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ from .._state import TrainState
 from ._layout import NvmeOptState
 
 __all__ = ["is_nvme", "materialize", "like_in_memory", "restore_into_store"]
+
 
 def is_nvme(state: TrainState) -> bool:
     return isinstance(state.opt_state, NvmeOptState)
@@ -59,10 +56,7 @@ def restore_into_store(loaded: TrainState, like: TrainState) -> TrainState:
     """Write a loaded in-memory state's master and moments into `like`'s store; the NVMe state."""
     store = like.opt_state.store
     plan, rank = like.sharding.plan, like.sharding.rank
-    if loaded.master is not None:
-        master = loaded.master
-    else:
-        master = optimizer_view(plan, rank, loaded.params, True)
+    master = loaded.master if loaded.master is not None else optimizer_view(plan, rank, loaded.params, True)
     files, resident = like.opt_state.layout.split(loaded.opt_state)
     count = int(loaded.step)  # the optimizer steps applied, as the store counts them
     with store.updating("checkpoint load", count):  # every unit, or a store that refuses all later use

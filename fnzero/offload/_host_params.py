@@ -1,12 +1,7 @@
 """Parameter shards no optimizer holds, in host memory: `offload_param: {device: cpu}` when the
 model computes on an accelerator, for stage 3's frozen units (a LoRA model's base) and every
-sharded unit of an inference state (ZeRO-Inference) (`specs/offload.md` §Parameters).
-
-The state holds placeholders on the accelerator; each shard is copied from the host just before
-its unit's all-gather, through the same `ShardSource` the NVMe parameter store serves
-(`fnzero/sharding/zero/_param_store.py`). Host copies are pinned where the accelerator allows it,
-so that copy is a DMA. On a CPU run the parameters are host memory already, and no store is made.
-"""
+sharded unit of an inference state (ZeRO-Inference); each is copied to the device before its unit's
+all-gather, through a `ShardSource` as the NVMe store's (`specs/offload.md` §Step (NVMe), `offload_param: cpu`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The optimizer state of a ZeRO-Infinity run (`NvmeOptState`), and where each of its leaves lives:
-each leaf that mirrors a unit's master (a moment, a momentum buffer) is a *kind* of the store, one
-file holding every unit; the other leaves (step counts) stay in memory, `NvmeOptState.resident`.
-
-The split is read from the optimizer itself, by calling its `init` on empty masters, so any
-elementwise `Optimizer` streams: the host kernels' AdamState (kinds `exp_avg`, `exp_avg_sq`) and a
-user's chain (kinds such as `0.mu`, `0.nu`, `1.trace`: the path of the leaf in its state) alike.
-"""
+each leaf that mirrors a unit's master is a *kind* of the store, one file holding every unit; the
+others (step counts) stay in memory, `NvmeOptState.resident`. The split is read from the optimizer's
+own `init`, so any elementwise `Optimizer` streams (`specs/offload.md` §Step (NVMe))."""
 
 from __future__ import annotations
 
@@ -67,11 +63,8 @@ class NvmeOptState:
     the fp32 master weights and every per-unit leaf of the optimizer's state (static). `resident`:
     the state's other leaves (its step counts), in memory. `layout`: its `StoreLayout` (static).
     `holds_params`: `offload_param: nvme`, stage-3 parameter shards are read from the store's master
-    file and `TrainState.params` holds placeholders for them (static).
-
-    The files are updated in place by each step, so only the newest state is usable: a step given
-    an older one fails with a clear error instead of reading moments from the future.
-    """
+    file and `TrainState.params` holds placeholders for them (static). The files are updated in
+    place, so only the newest state can take a step (`specs/offload.md` §Step (NVMe), "Purity")."""
 
     count: torch.Tensor
     store: NvmeOptimizerStore = optree.dataclasses.field(pytree_node=False)

@@ -1,8 +1,6 @@
 """ZeRO-Infinity optimizer state in files: one rank's fp32 master shards and optimizer moments on an
-NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at a time, reads and
-writes in flight while the kernel updates a chunk (`specs/offload.md` §NVMe store). The files are
-scratch (a new directory per `create`); their format, the lock and `stale_stores`: `_nvme_files.py`.
-"""
+NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at a time (`specs/offload.md`
+§NVMe store). The files are scratch; their format, the lock and `stale_stores`: `_nvme_files.py`."""
 
 from __future__ import annotations
 
@@ -35,10 +33,8 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
 
 class NvmeOptimizerStore(Updates):
-    """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit).
-
-    Make one with `create` (new scratch files) or, to inspect files left behind, `open`
-    (read-only). Not thread-safe; one store per process and directory."""
+    """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit): `create` makes new
+    scratch files, `open` inspects files left behind (read-only). Not thread-safe; one per directory."""
 
     # -- construction -------------------------------------------------------------------------
     def __init__(self, path: str, manifest: dict, *, writable: bool, buffer_count: int = 4, aio: Any = None,
@@ -86,7 +82,7 @@ class NvmeOptimizerStore(Updates):
                     "state": "creating", "step": None, "pid": os.getpid(), "host": socket.gethostname()}  # fmt: skip
         self = cls(path, manifest, writable=True, buffer_count=buffer_count, aio=aio, use_cext=use_cext, kernel=kernel)
         try:
-            self._lock()
+            self._lock_fd = take_lock(self.path)
             self._save_manifest(fsync=False)
             header = _ext.aligned_empty(HEADER, torch.uint8)
             for kind in self.kinds:
@@ -124,7 +120,7 @@ class NvmeOptimizerStore(Updates):
         self = cls(path, manifest, writable=False, aio=aio, use_cext=use_cext)
         try:
             for kind in self.kinds:
-                self._validate_header(kind, self._open_file(kind, "r"))
+                check_header(self._open_file(kind, "r"), self._file(kind), manifest["file_bytes"], self._header(kind))
         except BaseException:
             self.close(delete=False)
             raise
@@ -288,9 +284,6 @@ class NvmeOptimizerStore(Updates):
     def _header(self, kind: str) -> bytes:
         return pack_header(self._manifest, sum(numel for numel, _ in self._units.values()), kind)
 
-    def _validate_header(self, kind: str, h: _ext.AioHandle) -> None:
-        check_header(h, self._file(kind), self._manifest["file_bytes"], self._header(kind))
-
     def _where(self, unit: str, which: str) -> tuple[int, int]:
         if which not in self.kinds:
             raise ValueError(f"NvmeOptimizerStore: {self.optimizer} keeps {list(self.kinds)}, not {which!r}")
@@ -315,9 +308,6 @@ class NvmeOptimizerStore(Updates):
         st = os.stat(p)
         self._ino[kind] = (st.st_dev, st.st_ino)
         return h
-
-    def _lock(self) -> None:
-        self._lock_fd = take_lock(self.path)
 
     def _drain(self) -> None:
         _ext.wait_every([h.wait_all for h in self._handles.values()])

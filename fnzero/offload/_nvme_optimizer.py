@@ -1,12 +1,6 @@
 """ZeRO-Infinity: any elementwise `Optimizer` with its state streamed through an
-`NvmeOptimizerStore`'s files, sub-group by sub-group (`specs/offload.md §NVMe store`).
-
-The store calls the optimizer's own `update_` on each sub-group (the config's host kernels,
-`fnzero.optim.host_optimizer`, or a user's chain, `as_optimizer(chain)`), with the per-unit
-leaves of its state read from and written back to the files and its other leaves held in memory
-(`_layout.py`). The master lives in the files, which change in place: that is the one exception
-to `Optimizer`'s purity, and only the newest state can take a step; an older one is refused.
-"""
+`NvmeOptimizerStore`'s files, its own `update_` on each sub-group (`specs/offload.md` §Step (NVMe)).
+The files change in place, the one exception to `Optimizer`'s purity: only the newest state steps."""
 
 from __future__ import annotations
 

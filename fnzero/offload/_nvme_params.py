@@ -1,7 +1,6 @@
 """Parameter shards no optimizer file holds, in a file of their own: `offload_param: {device: nvme}`
 (`specs/offload.md` §Parameters says which shards, and how they are written and read). Each shard
-is stored in its own dtype at an aligned offset, so a read is one O_DIRECT `pread`.
-"""
+is stored in its own dtype at an aligned offset, so a read is one O_DIRECT `pread`."""
 
 from __future__ import annotations
 

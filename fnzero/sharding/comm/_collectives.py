@@ -40,12 +40,8 @@ class Collectives(Protocol):
 
     `all_gather(shard)` concatenates every rank's shard (same numel on each rank) in rank order;
     `reduce_scatter(full)` sums `full` across ranks and returns this rank's `1/world_size` slice;
-    `all_reduce(t, op)` with op in {"sum", "max"}; `broadcast(t, src)`; `barrier()`;
-    `all_to_all(t, input_split_sizes=, output_split_sizes=)` as torch's `all_to_all_single`
-    (§All-to-all). The `_async` forms return a `PendingTensor`; their `out=`, `donate=` and `label=`
-    may be used or ignored, never refused. `send_async(t, dst, tag=0)` and `recv(out, src, tag=0)`:
-    point-to-point messages for pipeline parallelism.
-    """
+    `all_reduce(t, op)` with op in {"sum", "max"}; `all_to_all` as torch's `all_to_all_single`. The
+    `_async` forms return a `PendingTensor`; `send_async`/`recv`: point-to-point, for pipelines."""
 
     rank: int
     world_size: int
@@ -156,15 +152,6 @@ class LocalCollectives(CollectivesBase):
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX}
 
 
-def _all_gather_fn():
-    # torch >= 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_fn():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 _BACKEND_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "c10d")
 
 
@@ -251,7 +238,7 @@ class ProcessGroupCollectives:
             return self._start("all_gather", lambda: start_direct_all_gather(
                 shard.reshape(-1), out, self.rank, self.world_size, self.group), label)
         return self._start("all_gather", lambda: PendingTensor(
-            out, _all_gather_fn()(out, shard.reshape(-1), group=self.group, async_op=True)), label)
+            out, dist.all_gather_single(out, shard.reshape(-1), group=self.group, async_op=True)), label)
 
     def reduce_scatter(self, full, donate: bool = False):
         if donate and self._use_direct(full) and full.is_contiguous():
@@ -270,7 +257,7 @@ class ProcessGroupCollectives:
         out = full.new_empty(full.numel() // self.world_size)
         # `full` must outlive the collective: the handle keeps it.
         return self._start("reduce_scatter", lambda: PendingTensor(out, _KeepAlive(
-            _reduce_scatter_fn()(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
+            dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
 
     def all_reduce(self, t, op=_SUM):
         out = t.clone()
@@ -313,11 +300,9 @@ class ProcessGroupCollectives:
                                                                            tag=tag)), label).wait()
 
 
-# [Note: why a context variable] `fnzero.testing`'s simulated worlds run the same user code as
-# `fnzero launch`, one thread per rank. Code that calls `fnzero.shard(model)`, `init_distributed()`
-# or `fnzero.load_config(path)` without naming a world has no parameter through which the thread's
-# rank could arrive, so the collectives a block of code runs over are provided here, explicitly,
-# by whoever starts it (`providing_collectives`), and read by `default_collectives`.
+# [Note: why a context variable] `fnzero.testing`'s simulated worlds run user code, one thread per
+# rank, that calls `fnzero.shard(model)` or `init_distributed()` with no parameter for the rank: whoever
+# starts a block provides its collectives (`providing_collectives`); `default_collectives` reads them.
 _PROVIDED: contextvars.ContextVar["Collectives | None"] = contextvars.ContextVar("fnzero_provided_collectives",
                                                                               default=None)
 

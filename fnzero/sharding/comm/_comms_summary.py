@@ -13,9 +13,7 @@ __all__ = ["CommsRow", "bus_factor", "comms_summary", "format_comms_summary", "h
 
 def bus_factor(op: str, world_size: int) -> float:
     """Ring-equivalent bytes each rank sends per logical byte of `op` (nccl-tests' and DeepSpeed's
-    bus-bandwidth factors): all-reduce 2(n−1)/n, all-gather and reduce-scatter (n−1)/n, broadcast
-    and send 1, all-to-all 1 (its logical bytes are already what leaves the rank: (n−1)/n of the
-    buffer for even splits). Nothing moves in a world of one."""
+    bus-bandwidth factors, `specs/collectives.md` §Comms logger timings); 0 in a world of one."""
     n = world_size
     if n <= 1:
         return 0.0
@@ -30,10 +28,8 @@ def bus_factor(op: str, world_size: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CommsRow:
-    """One line of the summary. `bytes`: the logical message size (`specs/collectives.md`
-    §Traffic); `timed`: how many of the `count` calls had completed (async ones: `wait()` returned);
-    times in seconds over those; bandwidths in bytes/s, None when nothing was timed:
-    `algbw = bytes x timed / total_s`, `busbw = algbw x bus_factor`."""
+    """One line of the summary (`specs/collectives.md` §Comms logger timings): `timed` of the `count`
+    calls had completed; times in seconds over those; bandwidths in bytes/s, None when none was timed."""
 
     op: str
     bytes: int

@@ -75,13 +75,8 @@ def _recorded(method: str, count=lambda self, t: t.numel()):
 
 
 class RecordingCollectives:
-    """Wraps another `Collectives` and records every call: the comms logger and traffic tests use it.
-
-    Logical bytes follow `specs/collectives.md`: all_gather counts the gathered output,
-    reduce_scatter and all_reduce count the full input, so that ring-equivalent bytes sent per rank
-    are `all_reduce * 2(N-1)/N` and `all_gather/reduce_scatter * (N-1)/N`; all_to_all counts
-    what leaves this rank (every chunk but its own), sent as it is.
-    """
+    """Wraps another `Collectives` and records every call's logical bytes (`specs/collectives.md`
+    §Traffic): the comms logger and traffic tests use it."""
 
     def __init__(self, inner: Collectives):
         self.inner = inner
@@ -173,9 +168,7 @@ class CheckedCollectives:
     """Debug wrapper: before each collective, every rank shares a fingerprint of the call it is
     about to make (op, dtype, element count, call index); a mismatch raises on every rank, naming
     the first divergent call and what each rank issued, instead of a hang or silent garbage.
-
-    Costs one small all-gather per collective: for debugging, not for production runs.
-    """
+    Costs one small all-gather per collective: for debugging, not for production runs."""
 
     _OPS = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "barrier": 5, "all_to_all": 6}
     # Point-to-point messages are checked pairwise: each carries a fingerprint (the pair's message

@@ -1,7 +1,6 @@
 """The collective watchdog: a rank that does not reach a collective is named, and the job ends,
 before the process group's timeout would fail a rank that did nothing wrong (`specs/collectives.md`
-§Watchdog). It never issues a collective: one store round trip per rank per `poll_s`.
-"""
+§Watchdog). It never issues a collective: one store round trip per rank per `poll_s`."""
 
 from __future__ import annotations
 
@@ -105,9 +104,8 @@ class Watchdog:
 
     def finish(self, error: BaseException | None = None) -> None:
         """At exit: say so (with this rank's own `error`), so the others do not take this end for a
-        death; then let go of the store in the main thread, the watchdog thread stopped (a store
-        client torn down by interpreter shutdown mid-call aborts: "terminate called without an
-        active exception")."""
+        death; then let go of the store in the main thread, the thread stopped (a store client torn
+        down by interpreter shutdown mid-call aborts: "terminate called without an active exception")."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 10)
@@ -300,10 +298,8 @@ class Watchdog:
 
     def _end(self, message: str, stuck: list[int], beats: dict[int, dict]) -> None:
         """Record the verdict, give the other watchdogs two heartbeats to print it, then end the
-        stuck (`specs/collectives.md` §Watchdog): this process if it is one (an exception could not
-        reach its blocked main thread); else their processes when all run here and none finished,
-        so the launcher sees them fail first, this rank lingering until stopped (or `LINGER_S`);
-        else itself."""
+        stuck: this process if it is one, else theirs when all run here and none finished, this rank
+        lingering until stopped, else itself (`specs/collectives.md` §Watchdog)."""
         _, stuck = self._record(message, stuck)
         time.sleep(2 * self.poll_s)
         if self.rank in stuck or not stuck or not all(self._beside(r, beats) and not beats[r].get("done") for r in stuck):
@@ -329,9 +325,7 @@ class _Waiting:
         self.wd.blocked = None
 
 
-# The watchdog of this process's default group: process state as torch's default group is,
-# written only by `start_watchdog` (`init_distributed` calls it) and read by the default group's
-# `ProcessGroupCollectives`, through which `shard` and the step reach it.
+# The watchdog of this process's default group, written only by `start_watchdog` (`specs/architecture.md`).
 _PROCESS: list[Watchdog] = []
 
 

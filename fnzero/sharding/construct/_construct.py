@@ -171,7 +171,11 @@ def _guard_and_route(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> No
     """Refuse `load_state_dict` and direct calls on the sharded model; route its units to the apply run."""
     model.register_load_state_dict_pre_hook(_refuse_load_state_dict)
     model.register_forward_pre_hook(_refuse_direct_calls(plan))
-    _hook_sharded_units(model, plan, sm)
+    hooked = set()  # each module whose trainable or frozen unit is sharded, once
+    for u in (*plan.units, *plan.frozen_units):
+        if u.placement.params and u.module != "" and u.module not in hooked:
+            hooked.add(u.module)
+            hook_unit(model.get_submodule(u.module), u, sm._backward_runs)
 
 
 def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, policy) -> tuple[Mesh | None, int]:
@@ -204,15 +208,6 @@ def _zero_axes(comm: Collectives, mesh: Mesh | None, policy, config: Any, debug:
     replicas = _observed(mesh.mics_replicas, config, debug) if mesh.mics is not None else None
     hpz = _observed(mesh.hpz, config, debug) if mesh.hpz is not None else None
     return StateMesh(_observed(mesh.mics if mesh.mics is not None else comm, config, debug), replicas, hpz)
-
-
-def _hook_sharded_units(model: nn.Module, plan: ShardPlan, sm: ShardedModule) -> None:
-    """Hook each module whose trainable or frozen unit is sharded to the apply run, once."""
-    hooked = set()
-    for u in (*plan.units, *plan.frozen_units):
-        if u.placement.params and u.module != "" and u.module not in hooked:
-            hooked.add(u.module)
-            hook_unit(model.get_submodule(u.module), u, sm._backward_runs)
 
 
 def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, config: Any, policy,
@@ -338,7 +333,7 @@ def _refuse_direct_calls(plan: ShardPlan) -> Callable[..., None]:
 
 def default_device() -> torch.device:
     """Where a meta model's shards go when `shard` is not told: the current accelerator, else the host."""
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    acc = torch.accelerator.current_accelerator()
     if acc is not None and torch.accelerator.is_available():
         return torch.device(acc.type, torch.accelerator.current_device_index())
     return torch.device("cpu")

@@ -39,11 +39,8 @@ def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
 
 class ShardedModule:
     """A model whose trainable parameters are laid out by a ShardPlan (made by `fnzero.shard`, which
-    releases the model's parameter storage: `specs/sharding.md` §Apply).
-
-    `apply(params, ...)` runs the forward with `params`; `init_state()` builds this rank's initial
-    TrainState; `gather(...)` consolidates full parameters in `model.state_dict()` naming.
-    """
+    releases the model's parameter storage: `specs/sharding.md` §Apply): `apply` runs the forward with
+    `params`, `init_state` builds this rank's initial TrainState, `gather` consolidates parameters."""
 
     def __init__(self, module: nn.Module, plan: ShardPlan, mesh: StateMesh, policy: ShardPolicy, config, device,
                  initial: InitialValues | None = None, frozen: dict[str, torch.Tensor] | None = None,
@@ -67,8 +64,7 @@ class ShardedModule:
         self._backward_runs: list[ApplyRun] = []
 
     # The mesh's axes, read from the state's sharding (its only source): `comm` the ranks ZeRO shards
-    # over; `tp`, `pp`, `ep` the tensor-parallel layout, the pipeline stage, the expert-parallel
-    # layout, or None.
+    # over; `tp`, `pp`, `ep` the tensor-parallel layout, pipeline stage, expert-parallel layout, or None.
     @property
     def comm(self) -> Collectives:
         return self.sharding.mesh.data

@@ -1,13 +1,9 @@
 """The step's ambient context: what fnzero's code needs inside code it does not call.
 
 [Note: why a context variable]
-A model's own forward (called by `torch.func.functional_call`), its unit modules' hooks, torch's
-saved-tensor hooks and the user's loss function (called by the step, calling `sm.apply` itself)
-have no parameter fnzero could pass a value through. A module attribute would leak across
-threads (simulated ranks) and nested applies; a context variable is scoped to the call. So the
-three values below live in one `Ambient` record in one context variable, and `within` is the only
-place that sets it: every scope that changes one of them is a `with within(...)` block, undone on
-exit whatever happens inside.
+A model's own forward, its modules' hooks, torch's saved-tensor hooks and the user's loss function have
+no parameter fnzero could pass a value through, and a module attribute would leak across threads
+(simulated ranks) and nested applies (`specs/architecture.md`). `within` is the only place that sets it.
 """
 
 from __future__ import annotations
@@ -27,9 +23,8 @@ class Ambient:
     # The apply run whose units gather right now (`ShardedModule.apply`, and `fnzero.remat`'s
     # recomputation in backward): the unit hooks and the root's direct-call check find it here.
     run: Any = None
-    # Inside the step (or a pipeline schedule, or generation): the list every apply run made by
-    # the loss function is added to, so that the caller releases them once their backward is
-    # done (`ApplyRun.release`).
+    # Inside the step (or a pipeline schedule, or generation): where every apply run the loss makes
+    # is added, so that the caller releases them once their backward is done (`ApplyRun.release`).
     step_runs: list | None = None
     # While `fnzero.jit(scope="units")` runs a step: `(module, forward) -> forward`, the compiled
     # forward a unit module runs instead of its own (`specs/jit.md`).

@@ -1,10 +1,8 @@
 """Parameters bound during backward, for recomputation that happens inside it.
 
 [Note: gradient checkpointing inside a model]
-A model that checkpoints its own layers reads its module attributes again during backward, after
-`apply` put the meta placeholders back; so from backward reaching an apply's outputs until it ends
-(or the run is released), the apply's parameters are bound again, as FSDP2 re-unshards a module
-(`specs/sharding.md` §Apply, "Recomputation inside the model").
+From backward reaching an apply's outputs until it ends (or the run is released), the apply's parameters
+are bound again (`specs/sharding.md` §Apply, "Recomputation inside the model").
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ class UnitBinder:
     """Binds one stage-3 unit's gathered views into its modules' parameter tables, and unbinds them.
     `units`: its trainable and frozen parts. `gather() -> (fulls, views)`: each part's full buffer
     by whether it is frozen (gathered once per recomputation, whichever module runs first) and
-    their parameter views by state_dict name.
-    """
+    their parameter views by state_dict name."""
 
     def __init__(self, units: list[UnitPlan], root: nn.Module,
                  gather: Callable[[], tuple[dict[bool, torch.Tensor], dict[str, torch.Tensor]]]):
@@ -85,8 +82,7 @@ class UnitBinder:
 class BackwardBinding:
     """One apply's parameters, bound for the rest of a backward pass (see the Note above). Of two
     applies of one model in one loss, the later one wins while both are bound; bindings come off
-    in reverse order, whatever order autograd runs its final callbacks in.
-    """
+    in reverse order, whatever order autograd runs its final callbacks in."""
 
     def __init__(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], binders: list[UnitBinder],
                  run: Any, bound_runs: list):

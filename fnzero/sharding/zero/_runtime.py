@@ -1,10 +1,8 @@
 """Running a sharded module: turning per-unit flat buffers into the parameters a forward sees.
 
 [Note: stage 3 as a differentiable gather]
-`GatherUnit`'s forward all-gathers a unit's shard and its backward reduce-scatters the buffer's
-gradient, so autograd yields the summed, sharded gradient; saved views of the gathered buffer are
-re-gathered by saved-tensor hooks for backward (`specs/sharding.md` §Apply, "Saved tensors").
-"""
+`GatherUnit` all-gathers a unit's shard in forward and reduce-scatters its gradient in backward; saved
+views of the gathered buffer are re-gathered for backward (`specs/sharding.md` §Apply, "Saved tensors")."""
 
 from __future__ import annotations
 
@@ -49,23 +47,19 @@ class ApplyRun:
         self.order: list[str] = []  # stage-3 units (by name) in the order this forward gathered them
         self._bwd_prev: dict[str, str] | None = None
         self.deferred_regather: str | None = None  # see `finish_forward`
-        # Units whose saved views are kept rather than re-gathered in backward, by the previous
-        # forward's order (`GatherSchedule.kept_units`): the unit gathered last, needed again first
-        # (FSDP2 likewise leaves the root gathered), and those within stage3_max_reuse_distance.
-        # A performance cache: a wrong guess only costs a gather or a buffer kept.
+        # Units whose saved views are kept rather than re-gathered in backward (`specs/sharding.md`
+        # §Apply, "Kept for backward"); a performance cache: a wrong guess costs a gather or a buffer.
         self.keep: frozenset[str] = schedule.kept_units(self._numel) if schedule is not None else frozenset()
         # Parameter bindings in force right now, outermost first: ("tensors", module, {name: t})
         # for the root, ("unit", name, module) for a gathered stage-3 unit. `fnzero.remat`
         # snapshots them so recomputation in backward sees the same parameters.
         self.bindings: list[tuple] = []
         self._units_entered: list[contextlib.ExitStack] = []  # what `exit_unit` undoes, innermost last
-        # Bound again while backward runs, for recomputation inside the model (`_backward.py`);
-        # made by `bind_in_backward`. `backward_runs`: the runs bound right now, shared with the
-        # stage-3 units' hooks, which find their run there when a recomputation calls them.
+        # Bound again while backward runs (`bind_in_backward`); `backward_runs`: the runs bound right
+        # now, shared with the stage-3 units' hooks, which find their run there in a recomputation.
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
-        # `fnzero.jit(scope="units")`'s unit compiler in force when this run was made, for
-        # recomputations on a thread where the ambient context is unset (`_forward_to_run`).
+        # For recomputations on a thread where the ambient context is unset (`_forward_to_run`).
         context = ambient()
         self.unit_compiler = context.unit_compiler
         if context.step_runs is not None:
@@ -156,7 +150,7 @@ class ApplyRun:
     def bind_in_backward(self, module: nn.Module, root_tensors: dict[str, torch.Tensor], out: Any) -> None:
         """Bind this run's parameters again once backward reaches `out` (the apply's result), until
         that backward ends: recomputation inside the model reads them (`_backward.py`)."""
-        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = _grad_outputs(out)
         if not outputs:
             return
         binders = []
@@ -185,22 +179,30 @@ class ApplyRun:
             views.update(unit_views(unit, full, rt))
         return fulls, views
 
+    @property
+    def _in_backward(self) -> bool:
+        """Whether this run is bound for a backward pass right now (a recomputation is calling it)."""
+        return self.backward is not None and self.backward.active
+
+    def _full_in_backward(self, rt: UnitRuntime, frozen: bool) -> torch.Tensor:
+        """A recomputation in backward calls the unit again: the buffer bound for backward serves."""
+        if rt.binder is None:
+            return rt.regather() if frozen else self._gather_for_backward(rt.unit)
+        if not rt.binder.bound:
+            rt.binder.bind()
+        return rt.binder.fulls[frozen]
+
     @torch.compiler.disable
     def finish_forward(self, out: Any) -> None:
         if self.schedule is not None and self.order:
             self.schedule.record_forward(self.order)
-            # The kept unit's backward re-gathers nothing, so the first re-gather (the last unit
-            # autograd kept views of) starts when the gradient of the output arrives, as the kept
-            # unit's own re-gather would have: still ahead of the kept unit's backward, but not
-            # during the loss computation that follows forward, which holds the forward's peak
-            # (logits and their log-softmax on top of every activation).
+            # The first re-gather starts with the output's gradient, not during the loss (the
+            # forward's peak): `specs/sharding.md` §Apply, "The forward→backward turn".
             if self.order[-1] in self.keep and not self._packed(self.order[-1]):
                 packed = [n for n in self.order if self._packed(n)]
                 if not packed:
                     return
-                # torch's pytree also opens containers models register there (HF's ModelOutput).
-                outputs = [t for t in torch.utils._pytree.tree_leaves(out)
-                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                outputs = _grad_outputs(out)
                 if not outputs:  # no tensor to hook: start it now, as before the turn was deferred
                     self._start_regather(packed[-1])
                     return
@@ -262,15 +264,9 @@ class ApplyRun:
                 f"unit {unit.name!r}: expected a shard of {unit.shard_numel} elements at stage 3, got "
                 f"{p.numel()}; was this state made by another plan or world size?"
             )
-        if self.backward is not None and self.backward.active:
-            # A recomputation in backward calls the unit again: the buffer bound for backward serves.
-            rt = self._runtime(unit)
-            if rt.binder is None:
-                return self._gather_for_backward(unit), rt
-            if not rt.binder.bound:
-                rt.binder.bind()
-            return rt.binder.fulls[False], rt
         rt = self._runtime(unit)
+        if self._in_backward:
+            return self._full_in_backward(rt, False), rt
         if prefetch:
             self.order.append(unit.name)
         full = GatherUnit.apply(p, rt)
@@ -284,13 +280,7 @@ class ApplyRun:
         if not self.plan.params_sharded(unit):
             return p, None
         rt = self._runtime(unit, frozen=True)
-        if self.backward is not None and self.backward.active:
-            if rt.binder is None:
-                return rt.regather(), rt
-            if not rt.binder.bound:
-                rt.binder.bind()
-            return rt.binder.fulls[True], rt
-        return rt.gather(), rt
+        return (self._full_in_backward(rt, True) if self._in_backward else rt.gather()), rt
 
     def gather_parts(self, name: str, prefetch: bool = True) -> list[tuple[UnitPlan, torch.Tensor, UnitRuntime]]:
         """Unit `name`'s sharded parts gathered: (unit, full buffer, runtime) each. With `prefetch`
@@ -301,7 +291,7 @@ class ApplyRun:
                 out.append((unit, *self.gather_frozen(unit)))
             else:
                 out.append((unit, *self.gather_unit(unit, prefetch=False)))
-        if prefetch and not (self.backward is not None and self.backward.active):
+        if prefetch and not self._in_backward:
             self.order.append(name)
             self.prefetch_forward(name)
         return out
@@ -364,3 +354,8 @@ class ApplyRun:
         """Exit every unit still entered (a forward interrupted past its hooks' reach), last first."""
         while self._units_entered:
             self.exit_unit()
+
+
+def _grad_outputs(out: Any) -> list[torch.Tensor]:
+    """The tensors of `out` that require grad (torch's pytree also opens HF's ModelOutput)."""
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]

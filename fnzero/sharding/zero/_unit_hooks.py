@@ -1,13 +1,10 @@
 """A unit module's calls routed through the apply run by hooks registered on the module.
 
 [Note: units by hooks, as FSDP2's]
-`fnzero.shard` registers two hooks on each module whose unit is sharded (stage 3), and changes
-nothing else of it (`specs/sharding.md` §Apply): a forward pre-hook that gathers and binds the
-unit (`ApplyRun.enter_unit`), and a forward hook, called even when the forward raises, that puts
-the placeholders back (`exit_unit`). They serve the ambient run (`_ambient.py`), else the run
-bound for backward (`_backward.py`). No hook can make a module compute something other than its
-`forward`, so `fnzero.jit(scope="units")`, which runs each unit's forward as its own compiled
-graph, routes each unit module's `forward` through the unit compiler (`route_unit_forward`).
+A stage-3 unit's module gets a forward pre-hook that gathers and binds it (`ApplyRun.enter_unit`) and a
+forward hook, always called, that puts the placeholders back (`exit_unit`) (`specs/sharding.md` §Apply);
+they serve the ambient run, else the run bound for backward. No hook can change what a module computes,
+so `fnzero.jit(scope="units")` routes the unit's `forward` through its compiler (`route_unit_forward`).
 """
 
 from __future__ import annotations
@@ -68,10 +65,8 @@ def _run_for(backward_runs: "list[ApplyRun] | None") -> "ApplyRun | None":
 
 def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
     """The unit's own forward, or the compiled one while `fnzero.jit(scope="units")` runs a step.
-
-    A recomputation in backward may run on autograd's device thread, where the step's ambient
-    context is not set: it then takes the compiler its run was made under, so the recomputed
-    forward is the same graph as the first one (inductor's dropout draws differ from eager's)."""
+    A recomputation on autograd's device thread (no ambient context) takes its run's compiler, so it
+    recomputes the same graph (inductor's dropout draws differ from eager's)."""
     compiler = ambient().unit_compiler
     if compiler is None and run is not None:
         compiler = run.unit_compiler
@@ -80,11 +75,9 @@ def _forward_to_run(module: nn.Module, inner, run: "ApplyRun | None" = None):
 
 def route_unit_forward(module: nn.Module, backward_runs: "list[ApplyRun] | None" = None,
                        sharded: str | None = None) -> None:
-    """Let `fnzero.jit(scope="units")` run a unit's forward as its own compiled graph (a stage-3
-    unit's hooks gather around it as around its own); otherwise, and inside any torch.compile
-    trace, the forward is unchanged. `sharded`: the name of a stage-3 unit, which a whole-loss
-    trace breaks at anyway (its gathering hook): the route stays out of that trace and the unit's
-    own forward is compiled as a frame of its own, as without the route."""
+    """Let `fnzero.jit(scope="units")` run a unit's forward as its own compiled graph; otherwise, and
+    inside any torch.compile trace, the forward is unchanged. `sharded`: a stage-3 unit's name, where a
+    whole-loss trace breaks anyway (its gathering hook): the route stays out of that trace."""
     inner = module.forward
 
     def forward(*args, **kwargs):
