@@ -137,8 +137,8 @@ def _live_entries(state, units: _Gathered, frozen: _Gathered, want, naming: Nami
     for kind, named in (("frozen", whole), ("buffers", state.buffers)):
         if kind == "frozen" and exclude_frozen:
             continue
-        for held, t in named.items():
+        for name, t in named.items():
             dt = _cast_dtype(t.dtype, want)
-            entries += naming.entries([held], t.shape, dt,
+            entries += naming.entries([name], t.shape, dt,
                                       lambda a, b, t=t, dt=dt: t.detach().reshape(-1)[a:b].cpu().to(dt))
     return entries

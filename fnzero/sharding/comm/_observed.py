@@ -14,7 +14,7 @@ import torch
 
 from ..._errors import DistributedError
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
-from ._collectives import _SUM, Collectives, PendingTensor
+from ._collectives import Collectives, PendingTensor
 from ._comms_summary import bus_factor, comms_summary, format_comms_summary
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
