@@ -1,5 +1,5 @@
 """fp16 dynamic loss scaling transitions (specs/loss-scaling.md), against a transcription of
-DeepSpeed's DynamicLossScaler.update_scale state machine."""
+DeepSpeed 0.19.8's DynamicLossScaler.update_scale state machine (runtime/fp16/loss_scaler.py)."""
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -8,7 +8,9 @@ from fnzero.state import LossScalePolicy, init_loss_scale, update_loss_scale
 
 
 class DeepSpeedScaler:
-    """cur_iter/last_overflow_iter bookkeeping as in DeepSpeed's loss_scaler.py."""
+    """cur_iter/last_overflow_iter bookkeeping as in DeepSpeed 0.19.8's loss_scaler.py: a clean
+    step raises the scale when the clean steps before it since the last overflow (or the start),
+    `stable_interval`, are a positive multiple of the window."""
 
     def __init__(self, p: LossScalePolicy):
         self.cur_scale = 2.0 ** p.initial_scale_power
@@ -27,7 +29,8 @@ class DeepSpeedScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= 2.0
@@ -67,8 +70,13 @@ def test_named_transitions():
     s = update_loss_scale(s, True, p)  # floor at min_scale
     assert float(s.scale) == 4
     s = update_loss_scale(s, False, p)
-    s = update_loss_scale(s, False, p)  # window clean steps double it
+    s = update_loss_scale(s, False, p)
+    assert float(s.scale) == 4  # DeepSpeed 0.19.8 waits for `window` clean steps after the first
+    s = update_loss_scale(s, False, p)  # the window's worth of clean steps before this one doubles it
     assert float(s.scale) == 8
+    s = update_loss_scale(s, False, p)
+    s = update_loss_scale(s, False, p)  # then every window
+    assert float(s.scale) == 16
 
 
 def test_static_scale_never_moves():

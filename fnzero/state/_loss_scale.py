@@ -42,11 +42,13 @@ def update_loss_scale(state: LossScaleState, overflow: bool, policy: LossScalePo
     else:
         if policy.consecutive_hysteresis:
             hyst = policy.hysteresis
-        good += 1
-        if good % policy.window == 0:
+        # DeepSpeed 0.19.8's `stable_interval`: the clean steps before this one since the last
+        # overflow (or the start); a positive multiple of the window raises the scale.
+        if good > 0 and good % policy.window == 0:
             if not policy.consecutive_hysteresis:
                 hyst = policy.hysteresis
             scale *= 2.0
+        good += 1
     return LossScaleState(
         scale=_scalar(scale, torch.float64), good_steps=_scalar(good, torch.int64), hysteresis=_scalar(hyst, torch.int64)
     )
