@@ -56,12 +56,17 @@ def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, wor
     model = build_model()
     eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     eng.load_checkpoint(load)
-    losses = [_global_step(eng, x, y, rank, world) for x, y in batches]
-    params = {}
+    losses, lrs = [], []
+    for x, y in batches:
+        lrs.append(eng.get_lr()[0])  # the lr the step applies
+        losses.append(_global_step(eng, x, y, rank, world))
+    params, masters = {}, {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
             params[name] = p.detach().clone().float()
-    return {"losses": losses, "params": params, "global_steps": eng.global_steps}
+        masters[name] = deepspeed.utils.safe_get_full_fp32_param(p).detach().clone()  # collective
+    return {"losses": losses, "params": params, "global_steps": eng.global_steps, "skipped_steps": eng.skipped_steps, "lrs": lrs, "masters": masters,
+            "loss_scale": float(getattr(eng.optimizer, "loss_scale", 1.0))}
 
 
 def _global_step(eng, x, y, rank: int, world: int) -> float:
@@ -71,8 +76,10 @@ def _global_step(eng, x, y, rank: int, world: int) -> float:
     xs, ys = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
     gas = eng.gradient_accumulation_steps()
     micro, total = rows // gas, torch.zeros(())
+    xs = xs.to(next(eng.module.parameters()).dtype)  # an fp16 engine's module is half; the loss stays float32
     for k in range(gas):
-        loss = torch.nn.functional.mse_loss(eng(xs[k * micro:(k + 1) * micro]), ys[k * micro:(k + 1) * micro])
+        out = eng(xs[k * micro:(k + 1) * micro]).float()
+        loss = torch.nn.functional.mse_loss(out, ys[k * micro:(k + 1) * micro])
         eng.backward(loss)
         eng.step()
         total += loss.detach() / gas

@@ -154,7 +154,29 @@ def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, st
     assert all(float(t.abs().sum()) > 0 for t in state.opt_state.exp_avg_sq.values())
 
 
-@pytest.mark.parametrize("name,match", [("s0_fp32", "ZeRO stage-0 checkpoint"), ("s2_fp16", "fp16 checkpoint"),
+def test_load_resumes_the_fp16_loss_scaler(ds_checkpoints):
+    """DeepSpeed's DynamicLossScaler (2**8, window 2, hysteresis 2 by default) becomes the state's
+    loss scale; a config with another hysteresis is refused, naming it."""
+    from fnzero import CheckpointError
+    from fnzero.checkpoint import load
+    import fnzero
+
+    root = os.path.join(ds_checkpoints, "s2_fp16")
+    [c] = info(root)["checkpoints"]
+    for hysteresis in (2, 3):
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+                                  "fp16": {"enabled": True, "loss_scale_window": 2, "hysteresis": hysteresis}})
+        like = fnzero.shard(_fixture_model(), config=cfg).init_state()
+        if hysteresis == 3:
+            with pytest.raises(CheckpointError, match="delayed_shift 2, the config's fp16.hysteresis is 3"):
+                load(root, like=like, config=cfg)
+            continue
+        state, _ = load(root, like=like, config=cfg)
+        assert float(state.loss_scale.scale) == c["fp16_loss_scale"]
+        assert int(state.step) == 2 - c["deepspeed"]["skipped_steps"]
+
+
+@pytest.mark.parametrize("name,match", [("s0_fp32", "ZeRO stage-0 checkpoint"),
                                         ("pipe_fp32", "pipeline, tensor-parallel or MoE"),
                                         ("moe_fp32", "pipeline, tensor-parallel or MoE")])
 def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):

@@ -4,9 +4,11 @@ the schedule's position, at any world size and stage of `like`.
 
 The checkpoint is consolidated by name first (`_ds_weights`: one walk of the partitions, for the
 weights and for each moment), then every leaf of `like` is cut from the whole tensors by its
-unit's slots. Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a
-model whose parameter names or shapes differ, stage-0 and fp16 checkpoints, step counts that
-disagree, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
+unit's slots; an fp16 checkpoint's loss scaler becomes the state's loss scale (`_ds_loss_scale`).
+Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a model whose
+parameter names or shapes differ, stage-0 checkpoints, step counts that disagree, a loss scaler
+whose policy is not the given config's, a `like` with tensor, pipeline or expert parallelism or its
+optimizer on NVMe.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import describe
+from ._ds_loss_scale import ds_loss_scale
 from ._ds_optim import MOMENTS, adam_step
 from ._ds_pickle import load_ds_file
 from ._ds_weights import DsWeights, consolidate, moments
@@ -34,14 +37,17 @@ _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param
 _ADAM_TYPES = ("adam", "adamw")
 
 
-def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
-                   keep_frozen: bool = False) -> tuple[TrainState, dict]:
+def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_frozen: bool = False,
+                   config=None) -> tuple[TrainState, dict]:
     """(state laid out as `like`, the client state `save_checkpoint` was given) from DeepSpeed
-    checkpoint `path` (its save directory, `latest` naming the tag, or a tag directory)."""
+    checkpoint `path` (its save directory, `latest` naming the tag, or a tag directory). `config`
+    (optional): the step's, whose fp16 block is checked against an fp16 checkpoint's loss scaler."""
     _check_like(like)
     ck = describe(path, tag)
     _check_checkpoint(ck)
-    step = _step(ck)
+    where, osd = _optimizer_dict(ck)
+    step = _step(ck, where, osd)
+    loss_scale = ds_loss_scale(where, osd, like, config) if ck.precision == "fp16" else None
     w = consolidate(ck)
     _check_model(w, like, keep_frozen)
     sources = {"weights": w.tensors, **{m: moments(ck, m) for m in MOMENTS}}
@@ -55,6 +61,8 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
         return _leaf(leaf, like, units, whole, step, keep_frozen)
 
     state = rebuild_into_constants(like, fill, step=torch.tensor(step, dtype=torch.int64))
+    if loss_scale is not None:
+        state = state.replace(loss_scale=loss_scale)
     return state, {k: v for k, v in ck.meta.items() if k not in _DS_KEYS}
 
 
@@ -88,22 +96,23 @@ def _check_checkpoint(ck) -> None:
     if ck.layout == "whole":
         raise CheckpointError(f"{ck.dir}: resuming from a ZeRO stage-0 checkpoint (the optimizer state in the "
                               "model file) is not implemented yet; its weights export with `fnzero export`")
-    if ck.precision == "fp16":
-        raise CheckpointError(f"{ck.dir}: resuming from an fp16 checkpoint (its DeepSpeed loss scaler) is not "
-                              "implemented yet; its weights export with `fnzero export`")
 
 
-def _step(ck) -> int:
+def _optimizer_dict(ck) -> tuple[str, dict]:
+    """(its path, the optimizer state dict) of data-parallel rank 0's optimizer-states file."""
+    name = ck.optim_files[(0, 0)]
+    sd = load_ds_file(ck.dir, name)
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
+    return ck.path(name), osd
+
+
+def _step(ck, where: str, osd: dict) -> int:
     """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
     global_steps less skipped_steps, and against its schedule's position (last_batch_iteration,
     one less: DeepSpeed's schedulers step with the optimizer, skipped steps excepted)."""
-    name = ck.optim_files[(0, 0)]
-    where = ck.path(name)
-    sd = load_ds_file(ck.dir, name)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
     groups = len(ck.meta.get("param_shapes") or []) or 1
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{where}: no 'optimizer_state_dict' entry")
     adam = adam_step(osd, groups, ck.layout == "per_param", where)
     global_steps, skipped = ck.meta.get("global_steps"), ck.meta.get("skipped_steps") or 0
     if type(global_steps) is not int or global_steps - skipped != adam:

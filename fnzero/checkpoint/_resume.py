@@ -24,6 +24,7 @@ def load(
     verify: bool = True,
     restore_rng: bool = True,
     keep_frozen: bool = False,
+    config=None,
 ) -> tuple[TrainState, Any]:
     """Read checkpoint `path/tag` (default: `latest`) into a state laid out like `like`; returns
     `(state, client_state)`. Any world size, stage and precision of the same model; every rank calls
@@ -33,9 +34,11 @@ def load(
     `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
 
     A DeepSpeed checkpoint directory (`global_stepN/`, or the directory whose `latest` names it) of
-    an Adam/AdamW run at ZeRO stage 1-3 in fp32 or bf16 is read too, as DeepSpeed would resume it:
-    `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
-    and no RNG state (`restore_rng`)."""
+    an Adam/AdamW run at ZeRO stage 1-3 in fp32, bf16 or fp16 is read too, as DeepSpeed would resume
+    it: `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
+    and no RNG state (`restore_rng`). An fp16 run's loss scaler becomes the state's loss scale;
+    `config`, the one the step will run (optional, DeepSpeed checkpoints only), has its fp16 block
+    checked against the scaler's policy, which DeepSpeed would resume."""
     if isinstance(like, TrainState) and is_deepspeed(path):
-        return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen)
+        return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen, config=config)
     return load_fnzero(path, like, tag=tag, verify=verify, restore_rng=restore_rng, keep_frozen=keep_frozen)
