@@ -13,6 +13,8 @@ optimizer on NVMe.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .._errors import CheckpointError
@@ -21,6 +23,7 @@ from ._ds_layout import describe
 from ._ds_loss_scale import ds_loss_scale
 from ._ds_optim import MOMENTS, adam_step
 from ._ds_pickle import load_ds_file
+from ._ds_trainer import check_trainer_dir
 from ._ds_weights import DsWeights, consolidate, moments
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
@@ -110,8 +113,10 @@ def _optimizer_dict(ck) -> tuple[str, dict]:
 
 def _step(ck, where: str, osd: dict) -> int:
     """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
-    global_steps less skipped_steps, and against its schedule's position (last_batch_iteration,
-    one less: DeepSpeed's schedulers step with the optimizer, skipped steps excepted)."""
+    global_steps less skipped_steps, and against its schedule's position: both kinds step with the
+    optimizer, skipped steps excepted, from -1 for DeepSpeed's own (`last_batch_iteration`: one
+    less) and from 0 for a torch scheduler the client passed (`last_epoch`: equal, as a Hugging Face
+    Trainer's `LambdaLR`)."""
     groups = len(ck.meta.get("param_shapes") or []) or 1
     adam = adam_step(osd, groups, ck.layout == "per_param", where)
     global_steps, skipped = ck.meta.get("global_steps"), ck.meta.get("skipped_steps") or 0
@@ -119,11 +124,13 @@ def _step(ck, where: str, osd: dict) -> int:
         raise CheckpointError(f"{ck.dir}: the optimizer's step {adam} is not global_steps {global_steps} less "
                               f"skipped_steps {skipped}; the files disagree on how far the run got")
     sched = ck.meta.get("lr_scheduler")
-    pos = sched.get("last_batch_iteration", sched.get("last_epoch")) if isinstance(sched, dict) else None
-    if pos is not None and pos != adam - 1:
-        raise CheckpointError(f"{ck.dir}: the schedule's last_batch_iteration {pos} is not the optimizer's step "
-                              f"{adam} less one (global_steps {global_steps}); fnzero's schedule is a function of "
-                              "the step and cannot resume it")
+    key = next((k for k in ("last_batch_iteration", "last_epoch") if isinstance(sched, dict) and k in sched), None)
+    want = adam - 1 if key == "last_batch_iteration" else adam
+    if key is not None and sched[key] != want:
+        raise CheckpointError(f"{ck.dir}: the schedule's {key} {sched[key]} is not the optimizer's step {adam}"
+                              f"{' less one' if want != adam else ''} (global_steps {global_steps}); fnzero's "
+                              "schedule is a function of the step and cannot resume it")
+    check_trainer_dir(os.path.dirname(ck.dir), global_steps, adam)
     return adam
 
 
