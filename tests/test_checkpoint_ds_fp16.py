@@ -1,8 +1,8 @@
 """fnzero resumes an fp16 checkpoint DeepSpeed 0.19.8 wrote, loss scaler included, and takes the
 steps DeepSpeed takes from it (specs/checkpoint-format.md §DeepSpeed, "Resuming in fnzero";
 specs/loss-scaling.md): AdamW with WarmupLR, gradient accumulation 2 and clipping, ZeRO-2 on 2 gloo
-ranks, fp16 with a dynamic scale of 2**8, window 3, hysteresis 2. The targets of batches 0 and 4 are
-scaled so that their gradients overflow fp16. Batch 0 spends one unit of hysteresis (scale kept,
+ranks (and ZeRO-3, continued at ZeRO-3), fp16 with a dynamic scale of 2**8, window 3, hysteresis 2.
+The targets of batches 0 and 4 are scaled so that their gradients overflow fp16. Batch 0 spends one unit of hysteresis (scale kept,
 step skipped); batches 1 and 2 are clean; saved there (DeepSpeed's scaler: cur_iter 3,
 last_overflow_iter 0, cur_hysteresis 1). DeepSpeed continues at ZeRO-2 and ZeRO-1 (its own spread):
 batch 3 is clean and does not raise the scale (2 clean steps before it, window 3), batch 4
@@ -56,22 +56,26 @@ def _batches(n: int, seed: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def deepspeed_run(tmp_path_factory, deepspeed_python):  # noqa: F811
-    """(checkpoint root, {stage: losses, params, masters, global_steps, skipped_steps, loss_scale})."""
-    tmp = tmp_path_factory.mktemp("ds_fp16")
+@pytest.fixture(scope="module", params=[2, 3], ids=["saved_at_zero2", "saved_at_zero3"])
+def deepspeed_run(request, tmp_path_factory, deepspeed_python):  # noqa: F811
+    """DeepSpeed trains at ZeRO-2 (continued at 2 and 1) or ZeRO-3 (continued at 3, the only stage
+    that reads its files): (checkpoint root, saved stage, {stage: losses, params, masters,
+    global_steps, skipped_steps, loss_scale})."""
+    saved = request.param
+    tmp = tmp_path_factory.mktemp(f"ds_fp16_zero{saved}")
     batches = _batches(SAVED_STEPS + MORE_STEPS)
     torch.save(batches[:SAVED_STEPS], tmp / "first.pt")
     torch.save(batches[SAVED_STEPS:], tmp / "more.pt")
-    runs = [{"config": _config(s, 2), "out": str(tmp / f"ds{s}.pt")} for s in (2, 1)]
+    stages = (2, 1) if saved == 2 else (3,)
+    runs = [{"config": _config(s, 2), "out": str(tmp / f"ds{s}.pt")} for s in stages]
     spec = {"world": 2, "load": str(tmp / "ds"), "batches": str(tmp / "more.pt"), "runs": runs,
-            "train": {"config": _config(2, 2), "batches": str(tmp / "first.pt"), "save": str(tmp / "ds")}}
+            "train": {"config": _config(saved, 2), "batches": str(tmp / "first.pt"), "save": str(tmp / "ds")}}
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([deepspeed_python, os.path.join(HERE, "_ds_universal_runner.py"), str(tmp / "spec.json")],
                        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    return str(tmp / "ds"), {s: torch.load(run["out"]) for s, run in zip((2, 1), runs)}
+    return str(tmp / "ds"), saved, {s: torch.load(run["out"]) for s, run in zip(stages, runs)}
 
 
 def _fnzero_continues(root: str, stage: int, world: int):
@@ -107,16 +111,16 @@ def _spread(a: dict, b: dict) -> tuple[float, float]:
 def test_fnzero_takes_deepspeeds_fp16_steps_and_loss_scale(deepspeed_run, stage, world):
     """Tolerance: DeepSpeed's own ZeRO-1 against ZeRO-2 spread, at least 1e-5 (fp32 masters of size
     ~0.4 moved by one fp16 gradient: its accumulation order). The loss scale is DeepSpeed's exactly."""
-    root, ds = deepspeed_run
-    want = ds[2]
-    ds_loss_spread, ds_param_spread = _spread(ds[1], want)
+    root, saved, ds = deepspeed_run
+    want = ds[saved]
+    ds_loss_spread, ds_param_spread = _spread(ds[1], want) if 1 in ds else (0.0, 0.0)
     assert want["global_steps"] == SAVED_STEPS + MORE_STEPS and want["skipped_steps"] == 2
-    assert want["loss_scale"] == ds[1]["loss_scale"] == 128.0  # 256 kept on batch 0, halved on batch 4
+    assert all(r["loss_scale"] == 128.0 for r in ds.values())  # 256 kept on batch 0, halved on batch 4
     losses, masters, step, loaded, scale = _fnzero_continues(root, stage, world)
     assert loaded == (256.0, 2, 1)  # DeepSpeed's scaler: cur_iter 3, last_overflow_iter 0, cur_hysteresis 1
     assert step == SAVED_STEPS + MORE_STEPS - 2  # applied steps: DeepSpeed's global_steps less skipped_steps
     assert scale == want["loss_scale"]
     loss_err, param_err = _spread({"losses": losses, "masters": masters}, want)
-    print(f"stage {stage} world {world}: fnzero vs DeepSpeed losses {loss_err:.1e} masters {param_err:.1e}; "
+    print(f"saved at {saved}, stage {stage} world {world}: fnzero vs DeepSpeed losses {loss_err:.1e} masters {param_err:.1e}; "
           f"DeepSpeed ZeRO-1 vs ZeRO-2 {ds_loss_spread:.1e} {ds_param_spread:.1e}")
     assert loss_err <= max(ds_loss_spread, 1e-6) and param_err <= max(ds_param_spread, 1e-5)
