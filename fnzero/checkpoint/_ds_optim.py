@@ -14,9 +14,8 @@ import torch
 
 from .._errors import CheckpointError
 
-__all__ = ["FP32", "MOMENTS", "flat_moment", "zero3_moments", "adam_step"]
+__all__ = ["MOMENTS", "flat_moment", "zero3_moments", "adam_step"]
 
-FP32 = "fp32"  # the weights; any other name is an Adam moment
 MOMENTS = ("exp_avg", "exp_avg_sq")  # what Adam and AdamW keep per parameter (torch's names)
 
 

@@ -2,9 +2,10 @@
 §DeepSpeed, "Resuming in fnzero"): the fp32 weights, Adam's moments and step, the step counts and
 the schedule's position, at any world size and stage of `like`.
 
-The checkpoint is consolidated by name first (`_ds_weights`: one walk of the partitions, for the
-weights and for each moment), then every leaf of `like` is cut from the whole tensors by its
-unit's slots. Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a
+Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
+hold, from the optimizer files that overlap them; frozen parameters and buffers are read whole by
+name (`_ds_weights.consolidate`, the trainable ones left unread); every leaf of `like` is then
+filled by its unit's slots. Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a
 model whose parameter names or shapes differ, stage-0 and fp16 checkpoints, step counts that
 disagree, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
 """
@@ -18,7 +19,8 @@ from .._state import TrainState
 from ._ds_layout import describe
 from ._ds_optim import MOMENTS, adam_step
 from ._ds_pickle import load_ds_file
-from ._ds_weights import DsWeights, consolidate, moments
+from ._ds_shard import ShardRead
+from ._ds_weights import DsWeights, consolidate
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
 from ._tree import Leaf, units_by_key
@@ -41,15 +43,19 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
     _check_like(like)
     ck = describe(path, tag)
     _check_checkpoint(ck)
-    step = _step(ck)
-    w = consolidate(ck)
+    shard = ShardRead(ck, like)  # (which files this rank's shard overlaps: none read yet)
+    step = _step(ck, shard.ranks[0] if shard.ranks else 0)
+    w = consolidate(ck, trainable=False)
     _check_model(w, like, keep_frozen)
-    sources = {"weights": w.tensors, **{m: moments(ck, m) for m in MOMENTS}}
+    shard.read()
     names = {a: first for first, aliases in w.aliases.items() for a in aliases}
     units = units_by_key(like.sharding.plan)
 
-    def whole(field: str, name: str) -> torch.Tensor:
-        return sources[field][names.get(name, name)]
+    def whole(field: str, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+        if a is not None and (got := shard.piece(field, name, a, b)) is not None:
+            return got
+        t = w.tensors[names.get(name, name)]
+        return t if a is None else t.reshape(-1)[a:b]
 
     def fill(leaf: Leaf) -> torch.Tensor:
         return _leaf(leaf, like, units, whole, step, keep_frozen)
@@ -93,11 +99,11 @@ def _check_checkpoint(ck) -> None:
                               "implemented yet; its weights export with `fnzero export`")
 
 
-def _step(ck) -> int:
+def _step(ck, dp: int = 0) -> int:
     """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
     global_steps less skipped_steps, and against its schedule's position (last_batch_iteration,
     one less: DeepSpeed's schedulers step with the optimizer, skipped steps excepted)."""
-    name = ck.optim_files[(0, 0)]
+    name = ck.optim_files[(dp, 0)]  # (the first file this rank's shard reads: each one read is checked alike)
     where = ck.path(name)
     sd = load_ds_file(ck.dir, name)
     osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
@@ -161,5 +167,5 @@ def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, step: int, keep_froz
     for s in units[leaf.unit].slots:
         a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
         if a < b:
-            out[a - leaf.lo: b - leaf.lo] = whole(field, s.name).reshape(-1)[a - s.offset: b - s.offset]
+            out[a - leaf.lo: b - leaf.lo] = whole(field, s.name, a - s.offset, b - s.offset)
     return out.reshape(t.shape).to(t.device)
