@@ -12,9 +12,11 @@ import math
 import threading
 
 import pytest
+import torch
 from test_checkpoint_ds_resume import FIELDS, SHAPES, Net, _by_name, _zero2
 
 import fnzero
+from fnzero import CheckpointError
 from fnzero.checkpoint import _ds_pickle, _ds_shard, load
 from fnzero.testing._threads import simulated_world
 
@@ -89,3 +91,26 @@ def test_a_rank_opens_only_the_optimizer_files_its_shard_overlaps(tmp_path, monk
         assert copied[ident] == sum(b - a for a, b in weights.values()) + 2 * share, rank
         missed[rank] = 4 - len(want | {0})
     assert (missed[0] > 0) == (stage == 3)  # (at stage 3 rank 0 skips rank 3's file: the count says something)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("short", r"zero_pp_rank_1_mp_rank_00_optim_states.pt: group 0's weights holds 5 elements where param_shapes "
+              r"and the world size 4 put 8"),
+    ("step", r"the ranks' optimizer files are at different steps \(5 in .*zero_pp_rank_0.*, 6 in .*zero_pp_rank_1"),
+])
+def test_an_opened_file_that_disagrees_with_the_layout_is_refused_and_named(tmp_path, case, match):
+    root = str(tmp_path / "ds")
+    _zero2(root, world=4, dp_world_size=4)
+    p = str(tmp_path / "ds" / "global_step5" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    sd = torch.load(p, weights_only=True)
+    osd = sd["optimizer_state_dict"]
+    if case == "short":
+        osd["single_partition_of_fp32_groups"][0] = osd["single_partition_of_fp32_groups"][0][:5].clone()
+    else:
+        osd["base_optimizer_state"]["state"][0]["step"] = torch.tensor(6.0)
+    torch.save(sd, p)
+    like = fnzero.shard(Net(), config=fnzero.load_config({"train_micro_batch_size_per_gpu": 1,
+                                                          "optimizer": {"type": "AdamW"},
+                                                          "zero_optimization": {"stage": 2}})).init_state()
+    with pytest.raises(CheckpointError, match=match):
+        load(root, like=like)
