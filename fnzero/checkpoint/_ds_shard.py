@@ -83,7 +83,8 @@ class ShardRead:
         steps: dict[int, str] = {}
         for r in self.ranks:
             osd, where = optim_of(self.ck, r, 0)
-            flats = {f: self._flats(osd, f, r, where) for f in {f for f, *_ in self.by_rank[r]}}
+            wanted = {f for f, *_ in self.by_rank[r]}  # (in the fields' order: the weights' lengths checked first)
+            flats = {f: self._flats(osd, f, r, where) for f in self.needs if f in wanted}
             for field, name, run, lo, hi in self.by_rank[r]:
                 a, buf = self.pieces[field][name]
                 p = run.pos + lo - run.lo
