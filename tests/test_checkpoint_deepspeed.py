@@ -124,7 +124,7 @@ def _fixture_model():
 
 
 @pytest.mark.parametrize("name,stage", [("s1_fp32", 3), ("s2_bf16", 1), ("s3_bf16", 2), ("s3_fp32", 0),
-                                        ("s1_bf16", 3)])
+                                        ("s1_bf16", 3), ("s0_fp32", 2), ("s0_bf16", 3)])
 def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, stage):
     """`fnzero.checkpoint.load` reads DeepSpeed's files into a state of another stage and world
     size (1): the fp32 weights DeepSpeed's engine holds (the master of a bf16 run, its params
@@ -139,7 +139,8 @@ def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, st
         cfg["bf16"] = {"enabled": True}
     sm = fnzero.shard(_fixture_model(), config=fnzero.load_config(cfg))
     state, client = load(root, like=sm.init_state())
-    assert (int(state.step), int(state.opt_state.count), client) == (2, 2, {})
+    # (DeepSpeed's stage-0 bf16 wrapper steps Adam once with zero gradients when built: its count is 3)
+    assert (int(state.step), int(state.opt_state.count), client) == (2, 3 if name == "s0_bf16" else 2, {})
     got = sm.state_dict(state)
     for n, want in expected.items():
         if n.startswith(("frozen.", "step_buf", "count")):
@@ -154,7 +155,7 @@ def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, st
     assert all(float(t.abs().sum()) > 0 for t in state.opt_state.exp_avg_sq.values())
 
 
-@pytest.mark.parametrize("name,match", [("s0_fp32", "ZeRO stage-0 checkpoint"), ("s2_fp16", "fp16 checkpoint"),
+@pytest.mark.parametrize("name,match", [("s2_fp16", "fp16 checkpoint"),
                                         ("pipe_fp32", "pipeline, tensor-parallel or MoE"),
                                         ("moe_fp32", "pipeline, tensor-parallel or MoE")])
 def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):

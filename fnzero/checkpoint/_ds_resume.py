@@ -3,11 +3,12 @@
 the schedule's position, at any world size and stage of `like`.
 
 Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
-hold, from the optimizer files that overlap them; frozen parameters and buffers are read whole by
-name (`_ds_weights.consolidate`, the trainable ones left unread); every leaf of `like` is then
-filled by its unit's slots. Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a
-model whose parameter names or shapes differ, stage-0 and fp16 checkpoints, step counts that
-disagree, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
+hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`);
+frozen parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable
+ones left unread); every leaf of `like` is then filled by its unit's slots. Refused, one
+`CheckpointError` naming what: optimizers other than Adam/AdamW, a model whose parameter names or
+shapes differ, fp16 checkpoints, step counts that disagree, a `like` with tensor, pipeline or
+expert parallelism or its optimizer on NVMe.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import describe
-from ._ds_optim import MOMENTS, adam_step
-from ._ds_pickle import load_ds_file
+from ._ds_optim import MOMENTS
 from ._ds_shard import ShardRead
+from ._ds_stage0 import Stage0Read
 from ._ds_weights import DsWeights, consolidate
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
@@ -43,8 +44,8 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
     _check_like(like)
     ck = describe(path, tag)
     _check_checkpoint(ck)
-    shard = ShardRead(ck, like)  # (which files this rank's shard overlaps: none read yet)
-    step = _step(ck, shard.ranks[0] if shard.ranks else 0)
+    shard = (Stage0Read if ck.layout == "whole" else ShardRead)(ck, like)  # (what this rank needs: nothing read yet)
+    step = _step(ck, shard)
     w = consolidate(ck, trainable=False)
     _check_model(w, like, keep_frozen)
     shard.read()
@@ -58,7 +59,7 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None,
         return t if a is None else t.reshape(-1)[a:b]
 
     def fill(leaf: Leaf) -> torch.Tensor:
-        return _leaf(leaf, like, units, whole, step, keep_frozen)
+        return _leaf(leaf, like, units, whole, step + shard.extra_steps, keep_frozen)
 
     state = rebuild_into_constants(like, fill, step=torch.tensor(step, dtype=torch.int64))
     return state, {k: v for k, v in ck.meta.items() if k not in _DS_KEYS}
@@ -91,26 +92,16 @@ def _check_checkpoint(ck) -> None:
     if ck.layer_files or ck.expert_files or ck.tp > 1:
         raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
                               "not implemented yet; its weights export with `fnzero export`")
-    if ck.layout == "whole":
-        raise CheckpointError(f"{ck.dir}: resuming from a ZeRO stage-0 checkpoint (the optimizer state in the "
-                              "model file) is not implemented yet; its weights export with `fnzero export`")
     if ck.precision == "fp16":
         raise CheckpointError(f"{ck.dir}: resuming from an fp16 checkpoint (its DeepSpeed loss scaler) is not "
                               "implemented yet; its weights export with `fnzero export`")
 
 
-def _step(ck, dp: int = 0) -> int:
+def _step(ck, shard) -> int:
     """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
     global_steps less skipped_steps, and against its schedule's position (last_batch_iteration,
     one less: DeepSpeed's schedulers step with the optimizer, skipped steps excepted)."""
-    name = ck.optim_files[(dp, 0)]  # (the first file this rank's shard reads: each one read is checked alike)
-    where = ck.path(name)
-    sd = load_ds_file(ck.dir, name)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-    groups = len(ck.meta.get("param_shapes") or []) or 1
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{where}: no 'optimizer_state_dict' entry")
-    adam = adam_step(osd, groups, ck.layout == "per_param", where)
+    adam = shard.adam_step()  # (of the first file this rank reads: `read` checks each other one alike)
     global_steps, skipped = ck.meta.get("global_steps"), ck.meta.get("skipped_steps") or 0
     if type(global_steps) is not int or global_steps - skipped != adam:
         raise CheckpointError(f"{ck.dir}: the optimizer's step {adam} is not global_steps {global_steps} less "
@@ -146,14 +137,14 @@ def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
                               + describe_mismatch(only_mine, only_saved, reshaped))
 
 
-def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, step: int, keep_frozen: bool) -> torch.Tensor:
-    """One leaf of `like`, from the whole tensors by name (`whole(field, name)`)."""
+def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, count: int, keep_frozen: bool) -> torch.Tensor:
+    """One leaf of `like`, from the tensors by name (`whole(field, name[, a, b])`); `count`: Adam's."""
     t = leaf.tensor
     top, _, rest = leaf.path.partition("/")
     if leaf.per_rank:
         raise CheckpointError(f"{leaf.path!r} is per-rank state, which a DeepSpeed checkpoint does not hold")
     if leaf.path == "opt_state/count":
-        return torch.tensor(step, dtype=t.dtype, device=t.device)
+        return torch.tensor(count, dtype=t.dtype, device=t.device)
     if top == "frozen" and keep_frozen:
         return t
     if leaf.unit is None:  # a replicated tensor by its name: a buffer or a frozen parameter

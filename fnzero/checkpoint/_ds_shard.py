@@ -29,6 +29,8 @@ class ShardRead:
     """What this rank of `like` needs of checkpoint `ck` (computed at once, no file opened) and,
     after `read()`, those elements: `piece(field, name, a, b)`."""
 
+    extra_steps = 0  # Adam's count less the steps applied: none at ZeRO-1/2/3
+
     def __init__(self, ck: DsCheckpoint, like: TrainState):
         self.ck = ck
         self.shapes = shapes_of(ck.meta, ck.path(ck.model_files[(0, 0)]))
@@ -75,6 +77,11 @@ class ShardRead:
                 lo, hi = out[field].get(name, (a, b))
                 out[field][name] = (min(lo, a), max(hi, b))
         return out
+
+    def adam_step(self) -> int:
+        """The Adam step of the first file this rank reads (`read` checks the others against it)."""
+        osd, where = optim_of(self.ck, self.ranks[0] if self.ranks else 0, 0)
+        return adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where)
 
     def read(self) -> None:
         """Copy the needed elements out of the overlapping files, one file at a time."""

@@ -18,7 +18,7 @@ from ._ds_layout import DsCheckpoint, check_meta
 from ._ds_offsets import list_of as _list, optim_of as _optim, shapes_of as _shapes, zero12_offsets, zero3_offsets
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate"]
+__all__ = ["DsWeights", "consolidate", "ties"]
 
 
 @dataclass
@@ -222,7 +222,7 @@ def _stage0_masters(masters: list, params: list[tuple[str, torch.Tensor]], where
     return out
 
 
-def _ties(module: dict, skip: set) -> dict[str, str]:
+def ties(module: dict, skip: set) -> dict[str, str]:
     """alias -> first name, for module tensors that share storage (what `shared_params` says at ZeRO)."""
     seen, out = {}, {}
     for name, t in module.items():
@@ -321,7 +321,7 @@ def consolidate(ck: DsCheckpoint, trainable: bool = True) -> DsWeights:
         module, buffers, masters, known = _sources(ck, read=trainable)
         w.frozen_known = known is not None
     shared = ck.meta.get("shared_params")  # (ZeRO records ties; elsewhere they share storage)
-    shared = dict(shared) if isinstance(shared, dict) else _ties(module, buffers)
+    shared = dict(shared) if isinstance(shared, dict) else ties(module, buffers)
     w.master = bool(masters) and (ck.precision != "fp32" or ck.layout == "per_param")
     for name, t in module.items():
         if name in buffers:
