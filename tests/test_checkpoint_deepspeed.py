@@ -124,7 +124,7 @@ def _fixture_model():
 
 
 @pytest.mark.parametrize("name,stage", [("s1_fp32", 3), ("s2_bf16", 1), ("s3_bf16", 2), ("s3_fp32", 0),
-                                        ("s1_bf16", 3)])
+                                        ("s1_bf16", 3), ("s0_fp32", 2), ("s0_bf16", 3)])
 def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, stage):
     """`fnzero.checkpoint.load` reads DeepSpeed's files into a state of another stage and world
     size (1): the fp32 weights DeepSpeed's engine holds (the master of a bf16 run, its params
@@ -139,7 +139,8 @@ def test_load_resumes_the_checkpoint_into_a_train_state(ds_checkpoints, name, st
         cfg["bf16"] = {"enabled": True}
     sm = fnzero.shard(_fixture_model(), config=fnzero.load_config(cfg))
     state, client = load(root, like=sm.init_state())
-    assert (int(state.step), int(state.opt_state.count), client) == (2, 2, {})
+    # (DeepSpeed's stage-0 bf16 wrapper steps Adam once with zero gradients when built: its count is 3)
+    assert (int(state.step), int(state.opt_state.count), client) == (2, 3 if name == "s0_bf16" else 2, {})
     got = sm.state_dict(state)
     for n, want in expected.items():
         if n.startswith(("frozen.", "step_buf", "count")):
@@ -176,8 +177,7 @@ def test_load_resumes_the_fp16_loss_scaler(ds_checkpoints):
         assert int(state.step) == 2 - c["deepspeed"]["skipped_steps"]
 
 
-@pytest.mark.parametrize("name,match", [("s0_fp32", "ZeRO stage-0 checkpoint"),
-                                        ("pipe_fp32", "pipeline, tensor-parallel or MoE"),
+@pytest.mark.parametrize("name,match", [("pipe_fp32", "pipeline, tensor-parallel or MoE"),
                                         ("moe_fp32", "pipeline, tensor-parallel or MoE")])
 def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):
     from fnzero import CheckpointError
@@ -188,3 +188,55 @@ def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):
                                                                    "optimizer": {"type": "AdamW"}}))
     with pytest.raises(CheckpointError, match=match):
         load(os.path.join(ds_checkpoints, name), like=sm.init_state())
+
+
+@pytest.mark.parametrize("name,world", [("s3_fp32", 4), ("s3_bf16", 2)])
+def test_each_rank_reads_only_its_shard_of_a_zero3_checkpoint(ds_checkpoints, name, world, monkeypatch):
+    """Resumed at ZeRO-3 on `world` simulated ranks, each rank opens exactly the optimizer files that hold
+    slices of its shard (DeepSpeed's rank r holds slice r of each parameter padded to 2 x ceil(n/2)),
+    copies exactly its share of the fp32 weights and both moments out of them, and what it holds is
+    what DeepSpeed's engine held. (At world 2 each rank's shard overlaps both files; at 4 a rank's
+    quarter of a unit mostly lies in one.)"""
+    import copy
+    import threading
+
+    from test_checkpoint_ds_shard import record_reads
+
+    from fnzero.checkpoint import load
+    from fnzero.testing._threads import simulated_world
+    import fnzero
+
+    root = os.path.join(ds_checkpoints, name)
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if name.endswith("bf16"):
+        cfg["bf16"] = {"enabled": True}
+    model, opened_by, skipped = _fixture_model(), {}, 0
+    opened, copied = record_reads(monkeypatch)
+
+    def fn(comm):
+        opened_by[comm.rank] = threading.get_ident()
+        sm = fnzero.shard(copy.deepcopy(model), config=fnzero.load_config(cfg, world_size=world), comm=comm)
+        return load(root, like=sm.init_state())[0]
+
+    states = simulated_world(world).run(fn)
+    plan, prefix = states[0].sharding.plan, "bf16_" if name.endswith("bf16") else ""
+    for u in plan.units:
+        full = torch.cat([(s.master if s.master is not None else s.params)[u.name] for s in states])
+        for s in u.slots:
+            assert torch.equal(full[s.offset:s.offset + s.numel].view(s.shape), expected[s.name]), s.name
+    for rank, ident in opened_by.items():
+        mine, want = 0, set()  # (its share of elements, the DeepSpeed ranks holding them)
+        for u in plan.units:
+            lo, hi = u.real_range(rank)
+            for s in u.slots:
+                a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+                ps = -(-s.numel // 2)
+                want |= set(range(a // ps, (b - 1) // ps + 1)) if a < b else set()
+                mine += max(0, b - a)
+        assert sorted(set(opened[ident])) == [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                                              for r in sorted(want)], rank
+        assert copied[ident] == 3 * mine, rank  # (the fp32 weights and two moments of its share, nothing more)
+        skipped += len(want) < 2
+    assert (skipped > 0) == (world == 4)

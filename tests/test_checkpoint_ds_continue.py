@@ -3,7 +3,9 @@ from it (specs/checkpoint-format.md §DeepSpeed, "Resuming in fnzero"): float32 
 schedule, gradient accumulation 2 and clipping, ZeRO-2 on 2 gloo ranks, saved after 3 steps;
 DeepSpeed continues 2 steps at ZeRO-2 and at ZeRO-1 (its own stage-to-stage spread), and fnzero,
 loading the same files into 2 simulated ranks and into 1, at ZeRO-1, 2 and 3, takes the same 2 steps
-on the same batches. DeepSpeed runs in a subprocess (`_ds_universal_runner.py`, the interpreter
+on the same batches; and the same from a stage-0 checkpoint (Adam's state per parameter index in
+the model file), continued by DeepSpeed at stage 0 and by fnzero at ZeRO-2 on 2 ranks and stage 0
+on 1. DeepSpeed runs in a subprocess (`_ds_universal_runner.py`, the interpreter
 FNZERO_DEEPSPEED_PYTHON names or this one when it imports deepspeed); skipped with the reason
 otherwise."""
 
@@ -50,19 +52,28 @@ def _batches(n: int, seed: int = 11) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def deepspeed_run(tmp_path_factory, deepspeed_python):  # noqa: F811
     """DeepSpeed trains SAVED_STEPS at ZeRO-2 on 2 ranks and saves, then resumes it at ZeRO-2 and
     at ZeRO-1 and takes MORE_STEPS: (checkpoint root, {stage: losses, params, global_steps})."""
-    tmp = tmp_path_factory.mktemp("ds_continue")
+    return _deepspeed_runs(tmp_path_factory.mktemp("ds_continue"), deepspeed_python, 2, (2, 1))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_stage0_run(tmp_path_factory, deepspeed_python):  # noqa: F811
+    """The same at ZeRO stage 0 (the optimizer state in the model file), continued at stage 0."""
+    return _deepspeed_runs(tmp_path_factory.mktemp("ds_continue0"), deepspeed_python, 0, (0,))
+
+
+def _deepspeed_runs(tmp, deepspeed_python: str, saved: int, continued: tuple[int, ...]):
     batches = _batches(SAVED_STEPS + MORE_STEPS)
     torch.save(batches[:SAVED_STEPS], tmp / "first.pt")
     torch.save(batches[SAVED_STEPS:], tmp / "more.pt")
-    runs = [{"config": _config(s, 2), "out": str(tmp / f"ds{s}.pt")} for s in (2, 1)]
+    runs = [{"config": _config(s, 2), "out": str(tmp / f"ds{s}.pt")} for s in continued]
     spec = {"world": 2, "load": str(tmp / "ds"), "batches": str(tmp / "more.pt"), "runs": runs,
-            "train": {"config": _config(2, 2), "batches": str(tmp / "first.pt"), "save": str(tmp / "ds")}}
+            "train": {"config": _config(saved, 2), "batches": str(tmp / "first.pt"), "save": str(tmp / "ds")}}
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([deepspeed_python, os.path.join(HERE, "_ds_universal_runner.py"), str(tmp / "spec.json")],
                        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    return str(tmp / "ds"), {s: torch.load(run["out"]) for s, run in zip((2, 1), runs)}
+    return str(tmp / "ds"), {s: torch.load(run["out"]) for s, run in zip(continued, runs)}
 
 
 def _fnzero_continues(root: str, stage: int, world: int):
@@ -109,6 +120,21 @@ def test_fnzero_takes_the_steps_deepspeed_takes_from_its_checkpoint(deepspeed_ru
     loss_err, param_err = _spread(got, want)
     print(f"stage {stage} world {world}: fnzero vs DeepSpeed losses {loss_err:.1e} params {param_err:.1e}; "
           f"DeepSpeed ZeRO-1 vs ZeRO-2 {ds_loss_spread:.1e} {ds_param_spread:.1e}")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-6, atol=0)
+    for name, p in want["params"].items():
+        torch.testing.assert_close(params[name], p, rtol=0, atol=1e-6, msg=name)
+    assert min(float((p - before[n]).abs().max()) for n, p in params.items()) > 1e-3  # not vacuous
+
+
+@pytest.mark.parametrize("stage,world", [(2, 2), (0, 1)])
+def test_fnzero_takes_the_steps_deepspeed_takes_from_its_stage0_checkpoint(deepspeed_stage0_run, stage, world):
+    """As above from a stage-0 checkpoint (Adam's state per parameter index in the model file)."""
+    root, ds = deepspeed_stage0_run
+    want = ds[0]
+    losses, params, step, before = _fnzero_continues(root, stage, world)
+    assert step == SAVED_STEPS + MORE_STEPS == want["global_steps"]
+    loss_err, param_err = _spread({"losses": losses, "params": params}, want)
+    print(f"from stage 0, stage {stage} world {world}: fnzero vs DeepSpeed losses {loss_err:.1e} params {param_err:.1e}")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-6, atol=0)
     for name, p in want["params"].items():
         torch.testing.assert_close(params[name], p, rtol=0, atol=1e-6, msg=name)

@@ -14,9 +14,8 @@ import torch
 
 from .._errors import CheckpointError
 
-__all__ = ["FP32", "MOMENTS", "flat_moment", "zero3_moments", "adam_step"]
+__all__ = ["MOMENTS", "flat_moment", "zero3_moments", "adam_step", "states_step"]
 
-FP32 = "fp32"  # the weights; any other name is an Adam moment
 MOMENTS = ("exp_avg", "exp_avg_sq")  # what Adam and AdamW keep per parameter (torch's names)
 
 
@@ -79,7 +78,12 @@ def adam_step(osd: dict, n: int, zero3: bool, where: str) -> int:
         states = [osd["optimizer_state_dict"]["state"][i] for i in range(n)]
     else:
         states = _states(osd, n, where)
-    steps = {_as_int(s.get("step"), where, f"group {i}'s 'step'") for i, s in enumerate(states)}
+    return states_step(dict(enumerate(states)), where, "group")
+
+
+def states_step(states: dict, where: str, what: str) -> int:
+    """The one step count of torch optimizer states `states` (index -> state): all must agree."""
+    steps = {_as_int(s.get("step"), where, f"{what} {i}'s 'step'") for i, s in states.items()}
     if len(steps) != 1:
-        raise CheckpointError(f"{where}: the optimizer's groups are at different steps {sorted(steps)}")
+        raise CheckpointError(f"{where}: the optimizer's {what}s are at different steps {sorted(steps)}")
     return steps.pop()

@@ -2,13 +2,14 @@
 §DeepSpeed, "Resuming in fnzero"): the fp32 weights, Adam's moments and step, the step counts and
 the schedule's position, at any world size and stage of `like`.
 
-The checkpoint is consolidated by name first (`_ds_weights`: one walk of the partitions, for the
-weights and for each moment), then every leaf of `like` is cut from the whole tensors by its
-unit's slots; an fp16 checkpoint's loss scaler becomes the state's loss scale (`_ds_loss_scale`).
-Refused, one `CheckpointError` naming what: optimizers other than Adam/AdamW, a model whose
-parameter names or shapes differ, stage-0 checkpoints, step counts that disagree, a loss scaler
-whose policy is not the given config's, a `like` with tensor, pipeline or expert parallelism or its
-optimizer on NVMe.
+Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
+hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`);
+frozen parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable
+ones left unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkpoint's
+loss scaler becomes the state's loss scale (`_ds_loss_scale`). Refused, one `CheckpointError`
+naming what: optimizers other than Adam/AdamW, a model whose parameter names or shapes differ,
+step counts that disagree, a loss scaler whose policy is not the given config's, an fp16 stage-0
+checkpoint, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import describe
 from ._ds_loss_scale import ds_loss_scale
-from ._ds_optim import MOMENTS, adam_step
+from ._ds_optim import MOMENTS
 from ._ds_pickle import load_ds_file
+from ._ds_shard import ShardRead
+from ._ds_stage0 import Stage0Read
 from ._ds_trainer import check_trainer_dir
-from ._ds_weights import DsWeights, consolidate, moments
+from ._ds_weights import DsWeights, consolidate
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
 from ._tree import Leaf, units_by_key
@@ -48,20 +51,23 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     _check_like(like)
     ck = describe(path, tag)
     _check_checkpoint(ck)
-    where, osd = _optimizer_dict(ck)
-    step = _step(ck, where, osd)
-    loss_scale = ds_loss_scale(where, osd, like, config) if ck.precision == "fp16" else None
-    w = consolidate(ck)
+    shard = (Stage0Read if ck.layout == "whole" else ShardRead)(ck, like)  # (what this rank needs: nothing read yet)
+    step = _step(ck, shard)
+    loss_scale = ds_loss_scale(*_optimizer_dict(ck), like, config) if ck.precision == "fp16" else None
+    w = consolidate(ck, trainable=False)
     _check_model(w, like, keep_frozen)
-    sources = {"weights": w.tensors, **{m: moments(ck, m) for m in MOMENTS}}
+    shard.read()
     names = {a: first for first, aliases in w.aliases.items() for a in aliases}
     units = units_by_key(like.sharding.plan)
 
-    def whole(field: str, name: str) -> torch.Tensor:
-        return sources[field][names.get(name, name)]
+    def whole(field: str, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
+        if a is not None and (got := shard.piece(field, name, a, b)) is not None:
+            return got
+        t = w.tensors[names.get(name, name)]
+        return t if a is None else t.reshape(-1)[a:b]
 
     def fill(leaf: Leaf) -> torch.Tensor:
-        return _leaf(leaf, like, units, whole, step, keep_frozen)
+        return _leaf(leaf, like, units, whole, step + shard.extra_steps, keep_frozen)
 
     state = rebuild_into_constants(like, fill, step=torch.tensor(step, dtype=torch.int64))
     if loss_scale is not None:
@@ -96,13 +102,14 @@ def _check_checkpoint(ck) -> None:
     if ck.layer_files or ck.expert_files or ck.tp > 1:
         raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
                               "not implemented yet; its weights export with `fnzero export`")
-    if ck.layout == "whole":
-        raise CheckpointError(f"{ck.dir}: resuming from a ZeRO stage-0 checkpoint (the optimizer state in the "
+    if ck.precision == "fp16" and ck.layout == "whole":
+        raise CheckpointError(f"{ck.dir}: resuming from an fp16 ZeRO stage-0 checkpoint (its loss scaler in the "
                               "model file) is not implemented yet; its weights export with `fnzero export`")
 
 
 def _optimizer_dict(ck) -> tuple[str, dict]:
-    """(its path, the optimizer state dict) of data-parallel rank 0's optimizer-states file."""
+    """(its path, the optimizer state dict) of data-parallel rank 0's optimizer-states file, for its
+    loss scaler: mapped, so only the pickled fields are read, none of its tensors."""
     name = ck.optim_files[(0, 0)]
     sd = load_ds_file(ck.dir, name)
     osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
@@ -111,14 +118,13 @@ def _optimizer_dict(ck) -> tuple[str, dict]:
     return ck.path(name), osd
 
 
-def _step(ck, where: str, osd: dict) -> int:
+def _step(ck, shard) -> int:
     """Adam's step count, which is fnzero's `step` (applied steps): checked against DeepSpeed's
     global_steps less skipped_steps, and against its schedule's position: both kinds step with the
     optimizer, skipped steps excepted, from -1 for DeepSpeed's own (`last_batch_iteration`: one
     less) and from 0 for a torch scheduler the client passed (`last_epoch`: equal, as a Hugging Face
     Trainer's `LambdaLR`)."""
-    groups = len(ck.meta.get("param_shapes") or []) or 1
-    adam = adam_step(osd, groups, ck.layout == "per_param", where)
+    adam = shard.adam_step()  # (of the first file this rank reads: `read` checks each other one alike)
     global_steps, skipped = ck.meta.get("global_steps"), ck.meta.get("skipped_steps") or 0
     if type(global_steps) is not int or global_steps - skipped != adam:
         raise CheckpointError(f"{ck.dir}: the optimizer's step {adam} is not global_steps {global_steps} less "
@@ -156,14 +162,14 @@ def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
                               + describe_mismatch(only_mine, only_saved, reshaped))
 
 
-def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, step: int, keep_frozen: bool) -> torch.Tensor:
-    """One leaf of `like`, from the whole tensors by name (`whole(field, name)`)."""
+def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, count: int, keep_frozen: bool) -> torch.Tensor:
+    """One leaf of `like`, from the tensors by name (`whole(field, name[, a, b])`); `count`: Adam's."""
     t = leaf.tensor
     top, _, rest = leaf.path.partition("/")
     if leaf.per_rank:
         raise CheckpointError(f"{leaf.path!r} is per-rank state, which a DeepSpeed checkpoint does not hold")
     if leaf.path == "opt_state/count":
-        return torch.tensor(step, dtype=t.dtype, device=t.device)
+        return torch.tensor(count, dtype=t.dtype, device=t.device)
     if top == "frozen" and keep_frozen:
         return t
     if leaf.unit is None:  # a replicated tensor by its name: a buffer or a frozen parameter
@@ -177,5 +183,5 @@ def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, step: int, keep_froz
     for s in units[leaf.unit].slots:
         a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
         if a < b:
-            out[a - leaf.lo: b - leaf.lo] = whole(field, s.name).reshape(-1)[a - s.offset: b - s.offset]
+            out[a - leaf.lo: b - leaf.lo] = whole(field, s.name, a - s.offset, b - s.offset)
     return out.reshape(t.shape).to(t.device)

@@ -15,10 +15,10 @@ import torch
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint, check_meta
-from ._ds_optim import FP32, flat_moment, zero3_moments
+from ._ds_offsets import list_of as _list, optim_of as _optim, shapes_of as _shapes, zero12_offsets, zero3_offsets
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate", "moments"]
+__all__ = ["DsWeights", "consolidate", "ties"]
 
 
 @dataclass
@@ -32,29 +32,6 @@ class DsWeights:
     buffers: set[str] = field(default_factory=set)
     frozen_known: bool = True  # stage 0 does not record which parameters were frozen
     master: bool = False  # trainable weights came from an fp32 master copy
-
-
-def _shapes(meta: dict, where: str) -> list[list[tuple[str, tuple[int, ...]]]]:
-    groups = meta.get("param_shapes")
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise CheckpointError(f"{where}: 'param_shapes' is missing or not a list of name -> shape maps")
-    return [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in groups]
-
-
-def _optim(ck: DsCheckpoint, dp: int, mp: int) -> tuple[dict, str]:
-    name = ck.optim_files[(dp, mp)]
-    sd = load_ds_file(ck.dir, name)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
-    return osd, ck.path(name)
-
-
-def _list(osd: dict, key: str, n: int, where: str) -> list:
-    v = osd.get(key)
-    if not isinstance(v, list) or len(v) != n:
-        raise CheckpointError(f"{where}: '{key}' should be a list of {n} entries (one per group of param_shapes)")
-    return v
 
 
 def _fragment_shapes(ck: DsCheckpoint, mp: int, module: dict) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -90,11 +67,9 @@ def _replicas(ck: DsCheckpoint, osd: dict, n: int, where: str) -> list[int]:
     return [ck.dp // c for c in counts]
 
 
-def _partitions(ck: DsCheckpoint, mp: int, shapes: list, tensor: str = FP32
-                ) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
     """Each group's flat fp32 buffer (one per expert replica), filled from every rank's file in
-    rank order; the alignment paddings after each parameter. `tensor`: which one (`FP32`, the
-    weights, or an Adam moment, laid out as they are)."""
+    rank order; the alignment paddings after each parameter."""
     align: list[list[int]] = [[0] * len(g) for g in shapes]
     flats, filled, reps = [], [], []
     for r in range(ck.dp):
@@ -112,8 +87,6 @@ def _partitions(ck: DsCheckpoint, mp: int, shapes: list, tensor: str = FP32
                 raise CheckpointError(f"{where}: single_partition_of_fp32_groups[{g}] is not a flat tensor")
             # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
             content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
-            if tensor != FP32:
-                content = flat_moment(osd, g, len(shapes), tensor, content, int(pad), where)
             e = r % reps[g]
             flat, at = flats[g][e], filled[g][e]
             if at + content.numel() > flat.numel():
@@ -152,24 +125,25 @@ def _global_names(group: list[tuple[str, tuple]], replica: int) -> list[str]:
     return [rename(n) for n, _ in group]
 
 
-def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, tensor: str = FP32) -> dict[str, torch.Tensor]:
+def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, read: bool = True) -> dict[str, torch.Tensor]:
     """Stages 1-2 (and BF16_Optimizer): each group's flat fp32 buffer, cut into `dp` partitions,
     rank r holding partition r less the tail padding (`group_paddings`). `meta`: model-parallel
-    rank `mp`'s model-states file."""
+    rank `mp`'s model-states file. `read=False`: no optimizer file is opened, each parameter is a
+    meta tensor of its shape (what a resume reads itself, `_ds_shard.py`)."""
     if meta.get("param_shapes") is None and ck.meta.get("bf16_optimizer"):
         shapes = _fragment_shapes(ck, mp, module)
     else:
         shapes = _shapes(meta, ck.path(ck.model_files[(0, mp)]))
-    flats, align = _partitions(ck, mp, shapes, tensor)
+    if not read:
+        return {n: torch.empty(s, device="meta") for g in shapes for n, s in g}
+    flats, align = _partitions(ck, mp, shapes)
     out = {}
     for g, group in enumerate(shapes):
+        offsets = zero12_offsets(group, align[g])[0]
         for e, flat in enumerate(flats[g]):
             names = _global_names(group, e) if len(flats[g]) > 1 else [n for n, _ in group]
-            off = 0
-            for name, (_, shape), pad in zip(names, group, align[g]):
-                n = math.prod(shape)
+            for name, (_, shape), (_, off, n) in zip(names, group, offsets):
                 out[name] = flat[off: off + n].view(shape)
-                off += n + int(pad)
     return out
 
 
@@ -177,33 +151,33 @@ def _zero3_fill(out: dict, shapes_of: list[list[tuple[str, tuple]]], flats: list
                 where: str, what: str) -> None:
     for i, group in enumerate(shapes_of):
         flat = flats[i]
-        off = 0
-        for name, shape in group:
-            ps = -(-math.prod(shape) // w)
+        offsets = zero3_offsets(group, w)
+        for name, off, ps in offsets:
             if off + ps > flat.numel():
                 raise CheckpointError(f"{where}: {what}[{i}] holds {flat.numel()} elements, fewer than param_shapes "
                                       f"need (param_shapes disagree with the partition sizes at {name!r})")
             out[name][r * ps: (r + 1) * ps] = flat[off: off + ps]
-            off += ps
-        if off != flat.numel():
+        total = sum(ps for _, _, ps in offsets)
+        if total != flat.numel():
             raise CheckpointError(f"{where}: {what}[{i}] holds {flat.numel()} elements, param_shapes account for "
-                                  f"{off} (param_shapes disagree with the partition sizes)")
+                                  f"{total} (param_shapes disagree with the partition sizes)")
 
 
-def _zero3(ck: DsCheckpoint, w: DsWeights, tensor: str = FP32) -> dict[str, torch.Tensor]:
+def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True) -> dict[str, torch.Tensor]:
     """Stage 3: each parameter padded to a multiple of `dp`, rank r holding its r-th slice, the
-    slices of one sub-group concatenated (`fp32_flat_groups`, and each Adam moment alike, which
-    `tensor` picks); frozen ones alike, per model file (the weights only: they have no moments)."""
+    slices of one sub-group concatenated (`fp32_flat_groups`); frozen ones alike, per model file.
+    `read=False`: the trainable ones are meta tensors and no optimizer file is opened."""
     shapes = _shapes(ck.meta, ck.path(ck.model_files[(0, 0)]))
-    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) for g in shapes for n, s in g}
-    frozen_shapes = (ck.meta.get("frozen_param_shapes") or {}) if tensor == FP32 else {}
+    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) if read else
+           torch.empty(math.prod(s), device="meta") for g in shapes for n, s in g}
+    frozen_shapes = ck.meta.get("frozen_param_shapes") or {}
     frozen = [[(str(n), tuple(int(d) for d in s)) for n, s in frozen_shapes.items()]]
     for r in range(ck.dp):
-        osd, where = _optim(ck, r, 0)
-        flats = (_list(osd, "fp32_flat_groups", len(shapes), where) if tensor == FP32
-                 else zero3_moments(osd, len(shapes), tensor, where))
-        _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups" if tensor == FP32 else tensor)
-        del osd
+        if read:
+            osd, where = _optim(ck, r, 0)
+            flats = _list(osd, "fp32_flat_groups", len(shapes), where)
+            _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups")
+            del osd
         if frozen[0]:
             name = ck.model_files[(r, 0)]
             frags = load_ds_file(ck.dir, name).get("frozen_param_fragments") or {}
@@ -248,7 +222,7 @@ def _stage0_masters(masters: list, params: list[tuple[str, torch.Tensor]], where
     return out
 
 
-def _ties(module: dict, skip: set) -> dict[str, str]:
+def ties(module: dict, skip: set) -> dict[str, str]:
     """alias -> first name, for module tensors that share storage (what `shared_params` says at ZeRO)."""
     seen, out = {}, {}
     for name, t in module.items():
@@ -308,9 +282,9 @@ def _pipeline_module(ck: DsCheckpoint) -> dict:
     return module
 
 
-def _sources(ck: DsCheckpoint) -> tuple[dict, set, dict, set | None]:
+def _sources(ck: DsCheckpoint, read: bool = True) -> tuple[dict, set, dict, set | None]:
     """(module state dict, buffer names, masters by name, names with no master that are frozen
-    or None when the files do not say)."""
+    or None when the files do not say). `read=False`: the masters are meta tensors (`_zero12`)."""
     mps = sorted({mp for _, mp in ck.model_files})
     module = _pipeline_module(ck) if ck.layer_files else {}
     buffers, masters, stage0 = set(), {}, []
@@ -324,7 +298,7 @@ def _sources(ck: DsCheckpoint) -> tuple[dict, set, dict, set | None]:
             if mp == mps[0]:
                 module.update(_experts(ck))
         if ck.layout == "flat":
-            masters.update(_zero12(ck, mp, meta, module))
+            masters.update(_zero12(ck, mp, meta, module, read=read))
         else:
             stage0 += _stage0_list(state.get("optimizer"), ck.path(ck.model_files[(0, mp)]))
         del state
@@ -334,18 +308,20 @@ def _sources(ck: DsCheckpoint) -> tuple[dict, set, dict, set | None]:
     return module, buffers, masters, (None if ck.layout == "whole" and not stage0 else set())
 
 
-def consolidate(ck: DsCheckpoint) -> DsWeights:
-    """The full weights of checkpoint `ck` (`describe`), checked against its `param_shapes`."""
+def consolidate(ck: DsCheckpoint, trainable: bool = True) -> DsWeights:
+    """The full weights of checkpoint `ck` (`describe`), checked against its `param_shapes`.
+    `trainable=False`: the trainable weights of a ZeRO-1/2/3 checkpoint are meta tensors of their
+    shapes and no optimizer file is opened (a resume reads its shard of them, `_ds_shard.py`)."""
     _refuse_unread(ck)
     w = DsWeights()
     if ck.layout == "per_param":
         module = _module_of(ck, 0)[0].get("module") or {}
-        buffers, masters = set(ck.meta.get("buffer_names") or ()), _zero3(ck, w)
+        buffers, masters = set(ck.meta.get("buffer_names") or ()), _zero3(ck, w, read=trainable)
     else:
-        module, buffers, masters, known = _sources(ck)
+        module, buffers, masters, known = _sources(ck, read=trainable)
         w.frozen_known = known is not None
     shared = ck.meta.get("shared_params")  # (ZeRO records ties; elsewhere they share storage)
-    shared = dict(shared) if isinstance(shared, dict) else _ties(module, buffers)
+    shared = dict(shared) if isinstance(shared, dict) else ties(module, buffers)
     w.master = bool(masters) and (ck.precision != "fp32" or ck.layout == "per_param")
     for name, t in module.items():
         if name in buffers:
@@ -372,21 +348,3 @@ def consolidate(ck: DsCheckpoint) -> DsWeights:
         raise CheckpointError(f"{ck.dir}: shared_params tie names to {missing[:5]}, which hold no tensor")
     return w
 
-
-def moments(ck: DsCheckpoint, tensor: str) -> dict[str, torch.Tensor]:
-    """Adam moment `tensor` ("exp_avg", "exp_avg_sq") of every trainable parameter by its first
-    name, whole, walked as `consolidate` walks the fp32 weights (the same partitions, paddings and
-    names). ZeRO-1/2 (and BF16_Optimizer) and ZeRO-3 layouts; `_refuse_unread` already ran."""
-    if ck.layout == "per_param":
-        return _zero3(ck, DsWeights(), tensor)
-    if ck.layout != "flat":
-        raise CheckpointError(f"{ck.dir}: the optimizer moments of a stage-0 checkpoint are not read yet")
-    out: dict[str, torch.Tensor] = {}
-    module = _pipeline_module(ck) if ck.layer_files else {}
-    for mp in sorted({mp for _, mp in ck.model_files}):
-        state, meta = _module_of(ck, mp)
-        if not ck.layer_files:
-            module.update(state.get("module") or {})
-        out.update(_zero12(ck, mp, meta, module, tensor))
-        del state
-    return out

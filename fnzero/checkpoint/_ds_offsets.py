@@ -1,0 +1,105 @@
+"""Where each parameter's elements sit in a DeepSpeed ZeRO checkpoint's flat partitions
+(`specs/checkpoint-format.md` §DeepSpeed, "Weights"), computed from `param_shapes`, the alignment
+paddings and the world size alone: the arithmetic `consolidate` walks every file with and a resume
+reads one rank's shard with (`_ds_shard.py`), so the two cannot disagree.
+
+ZeRO-1/2 (and BF16_Optimizer): a group's parameters are laid end to end, each followed by its
+alignment padding; the group is padded to a multiple of 2 x world and cut into `world` equal
+partitions, rank r holding the r-th less the tail padding. ZeRO-3: each parameter is padded to a
+multiple of the world size, rank r holding slice r of each, the slices of a sub-group end to end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._errors import CheckpointError
+from ._ds_layout import DsCheckpoint
+from ._ds_pickle import load_ds_file
+
+__all__ = ["Run", "shapes_of", "optim_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs"]
+
+_ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 group is padded to 2 x world elements
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements [lo, hi) of one parameter sit at `pos`... of rank `rank`'s flat group `group`."""
+
+    rank: int
+    group: int
+    pos: int
+    lo: int
+    hi: int
+
+
+def shapes_of(meta: dict, where: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    groups = meta.get("param_shapes")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{where}: 'param_shapes' is missing or not a list of name -> shape maps")
+    return [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in groups]
+
+
+def optim_of(ck: DsCheckpoint, dp: int, mp: int) -> tuple[dict, str]:
+    """Rank `dp`'s (model-parallel rank `mp`'s) `optimizer_state_dict`, and its file's path."""
+    name = ck.optim_files[(dp, mp)]
+    sd = load_ds_file(ck.dir, name)
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
+    return osd, ck.path(name)
+
+
+def list_of(osd: dict, key: str, n: int, where: str) -> list:
+    v = osd.get(key)
+    if not isinstance(v, list) or len(v) != n:
+        raise CheckpointError(f"{where}: '{key}' should be a list of {n} entries (one per group of param_shapes)")
+    return v
+
+
+def zero12_offsets(group: list[tuple[str, tuple]], align: list) -> tuple[list[tuple[str, int, int]], int]:
+    """(each parameter's (name, offset, numel) in its ZeRO-1/2 flat group, the group's length
+    before its tail padding). `align`: the padding after each parameter."""
+    out, off = [], 0
+    for (name, shape), pad in zip(group, align):
+        n = math.prod(shape)
+        out.append((name, off, n))
+        off += n + int(pad)
+    return out, off - (int(align[-1]) if align else 0)
+
+
+def zero12_partition(length: int, world: int) -> int:
+    """The elements of each rank's ZeRO-1/2 partition of a group `length` long (before padding)."""
+    return -(-length // (_ALIGN * world)) * _ALIGN
+
+
+def zero3_offsets(group: list[tuple[str, tuple]], world: int) -> list[tuple[str, int, int]]:
+    """Each parameter's (name, offset in every rank's flat sub-group, slice length `ps`): rank r
+    holds its elements [r * ps, (r + 1) * ps), the tail past numel being padding."""
+    out, off = [], 0
+    for name, shape in group:
+        ps = -(-math.prod(shape) // world)
+        out.append((name, off, ps))
+        off += ps
+    return out
+
+
+def runs(ck: DsCheckpoint, shapes: list, align: list[list[int]]) -> dict[str, list[Run]]:
+    """Every trainable parameter's runs over the ranks' files (ZeRO-1/2 layout "flat" with its
+    alignment paddings `align`, ZeRO-3 "per_param"), from the arithmetic alone."""
+    out: dict[str, list[Run]] = {}
+    w = ck.dp
+    for g, group in enumerate(shapes):
+        if ck.layout == "per_param":
+            for (name, off, ps), (_, shape) in zip(zero3_offsets(group, w), group):
+                n = math.prod(shape)
+                out[name] = [Run(r, g, off, r * ps, min(n, (r + 1) * ps)) for r in range(w) if r * ps < n]
+            continue
+        offsets, length = zero12_offsets(group, align[g])
+        part = zero12_partition(length, w)
+        for name, off, n in offsets:
+            first, last = off // part, (off + n - 1) // part if n else off // part - 1
+            out[name] = [Run(r, g, max(off, r * part) - r * part, max(off, r * part) - off,
+                             min(off + n, (r + 1) * part) - off) for r in range(first, last + 1)]
+    return out

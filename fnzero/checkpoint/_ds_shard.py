@@ -1,0 +1,147 @@
+"""One rank's shard of a DeepSpeed ZeRO-1/2/3 checkpoint, read alone (`specs/checkpoint-format.md`
+§DeepSpeed, "Resuming in fnzero", "Memory and files").
+
+The element ranges each parameter's fp32 weights and Adam moments need on this rank follow from
+`like`'s leaves (its units' slots cut by its shard); `_ds_offsets.runs` says which rank's file holds
+each range, from `param_shapes` and the world size alone. Only the files that overlap are opened,
+one at a time, and only the overlapping slices are copied out: the files are mapped, so the pages
+of the other ranks' elements are never read. Every opened file's partition sizes are checked
+against the arithmetic, and its Adam step against the others'.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._errors import CheckpointError
+from .._state import TrainState
+from ._ds_layout import DsCheckpoint
+from ._ds_offsets import Run, list_of, optim_of, runs, shapes_of, zero12_offsets, zero12_partition, zero3_offsets
+from ._ds_optim import MOMENTS, adam_step, flat_moment, zero3_moments
+from ._tree import state_leaves, units_by_key
+
+__all__ = ["ShardRead", "WEIGHTS"]
+
+WEIGHTS = "weights"  # the fp32 weights; the other fields are Adam's moments, by torch's names
+
+
+class ShardRead:
+    """What this rank of `like` needs of checkpoint `ck` (computed at once, no file opened) and,
+    after `read()`, those elements: `piece(field, name, a, b)`."""
+
+    extra_steps = 0  # Adam's count less the steps applied: none at ZeRO-1/2/3
+
+    def __init__(self, ck: DsCheckpoint, like: TrainState):
+        self.ck = ck
+        self.shapes = shapes_of(ck.meta, ck.path(ck.model_files[(0, 0)]))
+        self.align = self._alignment()
+        self.runs = runs(ck, self.shapes, self.align)
+        self.needs = self._needs(like)
+        self.by_rank: dict[int, list[tuple[str, str, Run, int, int]]] = {}
+        for field, needs in self.needs.items():
+            for name, (a, b) in needs.items():
+                for run in self.runs[name]:
+                    lo, hi = max(a, run.lo), min(b, run.hi)
+                    if lo < hi:
+                        self.by_rank.setdefault(run.rank, []).append((field, name, run, lo, hi))
+        self.ranks = sorted(self.by_rank)  # the optimizer files this rank opens, by DeepSpeed rank
+        self.pieces: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
+        self.elements = 0  # how many elements `read` copied out of the files
+
+    def _alignment(self) -> list[list[int]]:
+        """ZeRO-1/2's padding after each parameter: none unless the run set `parameter_alignment`,
+        then as rank 0's file records it (`param_alignment_paddings`)."""
+        zeros = [[0] * len(g) for g in self.shapes]
+        zero_cfg = (self.ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+        if self.ck.layout != "flat" or not (isinstance(zero_cfg, dict) and zero_cfg.get("parameter_alignment")):
+            return zeros
+        osd, where = optim_of(self.ck, 0, 0)
+        return list_of({"a": osd.get("param_alignment_paddings") or zeros}, "a", len(self.shapes), where)
+
+    def _needs(self, like: TrainState) -> dict[str, dict[str, tuple[int, int]]]:
+        """field -> checkpoint name -> the element range [a, b) this rank's leaves hold of it."""
+        units = units_by_key(like.sharding.plan)
+        out: dict[str, dict[str, tuple[int, int]]] = {f: {} for f in (WEIGHTS, *MOMENTS)}
+        self.names: dict[str, str] = {}
+        for leaf in state_leaves(like):
+            top, _, rest = leaf.path.partition("/")
+            field = WEIGHTS if top in ("params", "master") else rest.partition("/")[0] if top == "opt_state" else ""
+            if leaf.unit is None or leaf.per_rank or field not in out:
+                continue
+            for s in units[leaf.unit].slots:
+                a, b = max(leaf.lo, s.offset) - s.offset, min(leaf.hi, s.offset + s.numel) - s.offset
+                name = next((n for n in (s.name, *s.aliases) if n in self.runs), None)
+                if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
+                    continue
+                self.names[s.name] = name
+                lo, hi = out[field].get(name, (a, b))
+                out[field][name] = (min(lo, a), max(hi, b))
+        return out
+
+    def adam_step(self) -> int:
+        """The Adam step of the first file this rank reads (`read` checks the others against it)."""
+        osd, where = optim_of(self.ck, self.ranks[0] if self.ranks else 0, 0)
+        return adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where)
+
+    def read(self) -> None:
+        """Copy the needed elements out of the overlapping files, one file at a time."""
+        for field, needs in self.needs.items():
+            self.pieces[field] = {n: (a, torch.empty(b - a, dtype=torch.float32)) for n, (a, b) in needs.items()}
+        steps: dict[int, str] = {}
+        for r in self.ranks:
+            osd, where = optim_of(self.ck, r, 0)
+            wanted = {f for f, *_ in self.by_rank[r]}  # (in the fields' order: the weights' lengths checked first)
+            flats = {f: self._flats(osd, f, r, where) for f in self.needs if f in wanted}
+            for field, name, run, lo, hi in self.by_rank[r]:
+                a, buf = self.pieces[field][name]
+                p = run.pos + lo - run.lo
+                buf[lo - a: hi - a] = flats[field][run.group][p: p + hi - lo]
+                self.elements += hi - lo
+            steps.setdefault(adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where), where)
+            del osd, flats
+        if len(steps) > 1:
+            raise CheckpointError(f"{self.ck.dir}: the ranks' optimizer files are at different steps "
+                                  f"({', '.join(f'{s} in {w}' for s, w in sorted(steps.items()))})")
+
+    def _flats(self, osd: dict, field: str, r: int, where: str) -> list[torch.Tensor]:
+        """Rank `r`'s flat groups of `field`, each checked to be as long as the arithmetic says."""
+        n = len(self.shapes)
+        if self.ck.layout == "per_param":
+            flats = list_of(osd, "fp32_flat_groups", n, where) if field == WEIGHTS else zero3_moments(osd, n, field,
+                                                                                                   where)
+            want = [sum(ps for *_, ps in zero3_offsets(g, self.ck.dp)) for g in self.shapes]
+        else:
+            counts = osd.get("partition_count")
+            if counts is not None and counts != [self.ck.dp] * n:
+                raise CheckpointError(f"{where}: 'partition_count' {counts} is not the world size {self.ck.dp} for "
+                                      "every group (a MoE checkpoint is not resumed yet)")
+            parts = list_of(osd, "single_partition_of_fp32_groups", n, where)
+            pads = list_of(osd, "group_paddings", n, where)
+            flats, want = [], []
+            for g, (part, pad) in enumerate(zip(parts, pads)):
+                if not isinstance(part, torch.Tensor) or part.dim() != 1:
+                    raise CheckpointError(f"{where}: single_partition_of_fp32_groups[{g}] is not a flat tensor")
+                # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
+                content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
+                flats.append(content if field == WEIGHTS else flat_moment(osd, g, n, field, content, int(pad), where))
+                length = zero12_offsets(self.shapes[g], self.align[g])[1]
+                part_len = zero12_partition(length, self.ck.dp)
+                want.append(max(0, min(part_len, length - r * part_len)))
+        for g, (flat, m) in enumerate(zip(flats, want)):
+            if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != m:
+                got = flat.numel() if isinstance(flat, torch.Tensor) else type(flat).__name__
+                raise CheckpointError(f"{where}: group {g}'s {field} holds {got} elements where param_shapes and the "
+                                      f"world size {self.ck.dp} put {m} (param_shapes disagree with the partitions)")
+        return flats
+
+    def piece(self, field: str, name: str, a: int, b: int) -> torch.Tensor | None:
+        """Elements [a, b) of parameter `name` (fnzero's slot name) of `field`, None where this
+        read holds none of it (a frozen parameter, read whole by `consolidate`)."""
+        name = self.names.get(name, name)
+        held = self.pieces.get(field, {}).get(name)
+        if held is None:
+            return None
+        lo, buf = held
+        if a < lo or b - lo > buf.numel():
+            raise CheckpointError(f"elements [{a}, {b}) of {name!r} ({field}) were not read for this rank's shard")
+        return buf[a - lo: b - lo]
