@@ -64,9 +64,11 @@ def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, wor
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
             params[name] = p.detach().clone().float()
-        masters[name] = deepspeed.utils.safe_get_full_fp32_param(p).detach().clone()  # collective
-    return {"losses": losses, "params": params, "global_steps": eng.global_steps, "skipped_steps": eng.skipped_steps, "lrs": lrs, "masters": masters,
-            "loss_scale": float(getattr(eng.optimizer, "loss_scale", 1.0))}
+        master = deepspeed.utils.safe_get_full_fp32_param(p)  # collective; None below ZeRO (stage 0)
+        assert master is not None or eng.zero_optimization_stage() == 0, (name, eng.zero_optimization_stage())
+        masters[name] = (master if master is not None else params[name]).detach().clone()
+    return {"losses": losses, "params": params, "global_steps": eng.global_steps, "skipped_steps": eng.skipped_steps,
+            "lrs": lrs, "masters": masters, "loss_scale": float(getattr(eng.optimizer, "loss_scale", 1.0))}
 
 
 def _global_step(eng, x, y, rank: int, world: int) -> float:
