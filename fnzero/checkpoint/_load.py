@@ -263,13 +263,8 @@ def load(
     restore_rng: bool = True,
     keep_frozen: bool = False,
 ) -> tuple[TrainState, Any]:
-    """Read checkpoint `path/tag` (default: `latest`) into a state laid out like `like`; returns
-    `(state, client_state)`. Any world size, stage and precision of the same model; every rank calls
-    it (no collectives). `verify` checks crc32 of every segment read. `restore_rng` sets torch's CPU
-    (and CUDA) generator to the state saved by rank `rank % saved_world_size`. `keep_frozen`: keep
-    `like`'s frozen parameters instead of reading them (a checkpoint saved with
-    `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
-    fnzero's own checkpoints; `fnzero.checkpoint.load` (`_resume.py`) takes DeepSpeed's too."""
+    """`fnzero.checkpoint.load` (`_resume.py`, which documents the arguments) for fnzero's own
+    checkpoints."""
     if not isinstance(like, TrainState):
         raise CheckpointError(f"load needs like= a fnzero.TrainState, got {type(like).__name__}")
     tp = like.sharding.tp if like.sharding.tp is not None and like.sharding.tp.size > 1 else None
