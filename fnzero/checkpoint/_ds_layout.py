@@ -195,6 +195,16 @@ def check_meta(state: dict, where: str) -> None:
             raise CheckpointError(f"{where}: '{key}' should be {what}")
 
 
+def optim_of(ck: DsCheckpoint, dp: int, mp: int) -> tuple[dict, str]:
+    """Rank `dp`'s (model-parallel rank `mp`'s) `optimizer_state_dict`, and its file's path."""
+    name = ck.optim_files[(dp, mp)]
+    sd = load_ds_file(ck.dir, name)
+    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
+    if not isinstance(osd, dict):
+        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
+    return osd, ck.path(name)
+
+
 def describe(path, tag: str | None = None) -> DsCheckpoint:
     """The DeepSpeed checkpoint `path` (and `tag`) names, with its layout checked."""
     root, tag = find_tag_dir(path, tag)
@@ -218,16 +228,13 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
     if ck.optim_files:
         _check_ranks(ck, ck.optim_files, "optimizer-states", range(ck.dp), range(mp_world))
         if not zero3:
-            opt = load_ds_file(ck.dir, ck.optim_files[(0, 0)])
-            osd = opt.get("optimizer_state_dict") if isinstance(opt, dict) else None
-            if not isinstance(osd, dict):
-                raise CheckpointError(f"{ck.path(ck.optim_files[(0, 0)])}: no 'optimizer_state_dict' entry")
+            osd, where = optim_of(ck, 0, 0)
             # BF16_Optimizer (a bf16 run at stage 0 or 1) writes no zero_stage, in ZeRO-1's layout.
             ck.meta["bf16_optimizer"] = "zero_stage" not in osd
             zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
             stage = osd["zero_stage"] if "zero_stage" in osd else zero.get("stage", 0) or 0
             if type(stage) is not int or stage not in (0, 1, 2, 3):
-                raise CheckpointError(f"{ck.path(ck.optim_files[(0, 0)])}: 'zero_stage' should be a ZeRO stage")
+                raise CheckpointError(f"{where}: 'zero_stage' should be a ZeRO stage")
             ck.stage = stage
             ck.layout = "flat"
     elif not zero3:  # the optimizer files left out: the module's own weights, at the config's stage

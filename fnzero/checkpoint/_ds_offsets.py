@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint
-from ._ds_pickle import load_ds_file
 
-__all__ = ["Run", "shapes_of", "optim_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs"]
+__all__ = ["Run", "shapes_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs"]
 
 _ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 group is padded to 2 x world elements
 
@@ -39,16 +38,6 @@ def shapes_of(meta: dict, where: str) -> list[list[tuple[str, tuple[int, ...]]]]
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         raise CheckpointError(f"{where}: 'param_shapes' is missing or not a list of name -> shape maps")
     return [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()] for g in groups]
-
-
-def optim_of(ck: DsCheckpoint, dp: int, mp: int) -> tuple[dict, str]:
-    """Rank `dp`'s (model-parallel rank `mp`'s) `optimizer_state_dict`, and its file's path."""
-    name = ck.optim_files[(dp, mp)]
-    sd = load_ds_file(ck.dir, name)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
-    return osd, ck.path(name)
 
 
 def list_of(osd: dict, key: str, n: int, where: str) -> list:

@@ -20,10 +20,9 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
-from ._ds_layout import describe
+from ._ds_layout import describe, optim_of
 from ._ds_loss_scale import ds_loss_scale
 from ._ds_optim import MOMENTS
-from ._ds_pickle import load_ds_file
 from ._ds_shard import ShardRead
 from ._ds_stage0 import Stage0Read
 from ._ds_trainer import check_trainer_dir
@@ -53,7 +52,7 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     _check_checkpoint(ck)
     shard = (Stage0Read if ck.layout == "whole" else ShardRead)(ck, like)  # (what this rank needs: nothing read yet)
     step = _step(ck, shard)
-    loss_scale = ds_loss_scale(*_optimizer_dict(ck), like, config) if ck.precision == "fp16" else None
+    loss_scale = _loss_scale(ck, like, config)
     w = consolidate(ck, trainable=False)
     _check_model(w, like, keep_frozen)
     shard.read()
@@ -107,15 +106,13 @@ def _check_checkpoint(ck) -> None:
                               "model file) is not implemented yet; its weights export with `fnzero export`")
 
 
-def _optimizer_dict(ck) -> tuple[str, dict]:
-    """(its path, the optimizer state dict) of data-parallel rank 0's optimizer-states file, for its
-    loss scaler: mapped, so only the pickled fields are read, none of its tensors."""
-    name = ck.optim_files[(0, 0)]
-    sd = load_ds_file(ck.dir, name)
-    osd = sd.get("optimizer_state_dict") if isinstance(sd, dict) else None
-    if not isinstance(osd, dict):
-        raise CheckpointError(f"{ck.path(name)}: no 'optimizer_state_dict' entry")
-    return ck.path(name), osd
+def _loss_scale(ck, like: TrainState, config):
+    """An fp16 run's loss scaler (data-parallel rank 0's copy) as the state's loss scale; None for
+    the others."""
+    if ck.precision != "fp16":
+        return None
+    osd, where = optim_of(ck, 0, 0)
+    return ds_loss_scale(where, osd, like, config)
 
 
 def _step(ck, shard) -> int:

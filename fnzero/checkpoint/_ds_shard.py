@@ -15,8 +15,8 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
-from ._ds_layout import DsCheckpoint
-from ._ds_offsets import Run, list_of, optim_of, runs, shapes_of, zero12_offsets, zero12_partition, zero3_offsets
+from ._ds_layout import DsCheckpoint, optim_of
+from ._ds_offsets import Run, list_of, runs, shapes_of, zero12_offsets, zero12_partition, zero3_offsets
 from ._ds_optim import MOMENTS, adam_step, flat_moment, zero3_moments
 from ._tree import state_leaves, units_by_key
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .._errors import CheckpointError
-from ._ds_layout import DsCheckpoint, check_meta
-from ._ds_offsets import list_of as _list, optim_of as _optim, shapes_of as _shapes, zero12_offsets, zero3_offsets
+from ._ds_layout import DsCheckpoint, check_meta, optim_of as _optim
+from ._ds_offsets import list_of as _list, shapes_of as _shapes, zero12_offsets, zero3_offsets
 from ._ds_pickle import load_ds_file
 
 __all__ = ["DsWeights", "consolidate", "ties"]
