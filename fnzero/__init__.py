@@ -39,7 +39,8 @@ pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: layer
 init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inference` (`specs/inference.md`).
 optim, schedules            optax-style optimizers and DeepSpeed-exact lr schedules.
 moe                         Mixture of Experts as DeepSpeed's `deepspeed.moe.layer.MoE` (`specs/moe.md`).
-checkpoint                  save/load at any world size and stage, export (`specs/checkpoint-format.md`).
+checkpoint                  save/load at any world size and stage, export (`specs/checkpoint-format.md`);
+    DeepSpeed's checkpoints load too, and `deepspeed_to_fnzero` rewrites one as fnzero's without the model.
 testing                     (import fnzero.testing) worlds, strategies and assertions for property tests.
 memory                      exact per-rank model-state bytes, the ZeRO formulas and the planner's estimates.
 Collectives, RecordingCollectives   the communication interface and its byte-counting wrapper;
@@ -74,7 +75,7 @@ _LAZY = {
         "init_distributed", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
         "BlockQuantizer", "CommQuantization", "IdentityCodec", "hf_auto_values", "load_config",
     ), ".sharding"),
-    "shard": ".state",
+    **dict.fromkeys(("shard", "deepspeed_to_fnzero"), ".state"),
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
     **dict.fromkeys((
         "CompileRecord", "JittedStep", "JitWarning", "TrainStep", "jit", "remat", "split_micro_batches", "train_step",
@@ -115,7 +116,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         init_distributed, make_mesh, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
         IdentityCodec, hf_auto_values, load_config,
     )
-    from .state import shard
+    from .state import deepspeed_to_fnzero, shard
     from .inference import InferenceEngine, generate, init_inference
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
@@ -128,6 +129,7 @@ __all__ = [
     "CheckpointError",
     "CompileRecord",
     "checkpoint",
+    "deepspeed_to_fnzero",
     "Collectives",
     "CollectivesBase",
     "Config",

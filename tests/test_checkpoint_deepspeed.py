@@ -240,3 +240,26 @@ def test_each_rank_reads_only_its_shard_of_a_zero3_checkpoint(ds_checkpoints, na
         assert copied[ident] == 3 * mine, rank  # (the fp32 weights and two moments of its share, nothing more)
         skipped += len(want) < 2
     assert (skipped > 0) == (world == 4)
+
+
+@pytest.mark.parametrize("name,stage", [("s0_fp32", 3), ("s0_bf16", 2), ("s1_bf16", 3), ("s2_fp16", 2),
+                                        ("s3_fp32", 1), ("s3_bf16", 3)])
+def test_convert_to_fnzero_keeps_what_load_reads(ds_checkpoints, name, stage, tmp_path):
+    """`fnzero.deepspeed_to_fnzero` (without the model: names, shapes, the tied head, the frozen
+    layer and the buffers from DeepSpeed's files) writes a checkpoint that loads into the model at
+    another stage exactly as DeepSpeed's own files load: every leaf bit for bit, and the step."""
+    import optree
+
+    import fnzero
+    from fnzero.checkpoint import load
+
+    root = os.path.join(ds_checkpoints, name)
+    out = fnzero.deepspeed_to_fnzero(root, str(tmp_path / "fz"))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}}
+    if name.endswith(("bf16", "fp16")):
+        cfg[name[-4:]] = {"enabled": True, **({"loss_scale_window": 2} if name.endswith("fp16") else {})}
+    like = fnzero.shard(_fixture_model(), config=fnzero.load_config(cfg)).init_state()
+    (conv, _), (direct, _) = load(out, like=like), load(root, like=like)
+    for a, b in zip(optree.tree_leaves(conv, none_is_leaf=True), optree.tree_leaves(direct, none_is_leaf=True)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    assert int(conv.step) == int(direct.step) > 0

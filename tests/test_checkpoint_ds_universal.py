@@ -178,8 +178,8 @@ def test_checkpoint_convert_command(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out / "moved")
     assert (out / "latest_universal").read_text() == "moved"
     assert (out / "moved" / "zero" / "2.weight" / "exp_avg.pt").is_file()
-    assert main(["checkpoint", "convert", str(tmp_path / "fz"), str(out), "--to", "fnzero"]) == 2
-    assert "--to fnzero is not supported yet" in capsys.readouterr().err
+    assert main(["checkpoint", "convert", str(tmp_path / "fz"), str(out), "--to", "fnzero"]) == 1
+    assert "is not a DeepSpeed checkpoint" in capsys.readouterr().err
     assert main(["checkpoint", "convert", str(tmp_path / "none"), str(out), "--to", "deepspeed-universal"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("fnzero checkpoint convert: ") and "no checkpoint directory" in err

@@ -22,6 +22,7 @@ export_live(sm, state, out, *, dtype, ..., hf_config)       the same from a runn
 export_adapters(sm, state, out, *, adapter, dtype)          a PEFT model's adapters as PEFT's own directory (collective)
 info(path, *, verify)                                       tags, world size, stage, sizes, health
 to_deepspeed_universal(path, out, *, tag, ds_tag, config)   a DeepSpeed universal checkpoint (load_universal)
+deepspeed_model(path, tag)                                  (a module of a DeepSpeed checkpoint's parameters, its description)
 list_tags(path)
 From the shell: `fnzero export CKPT OUT ...`, `fnzero checkpoint info CKPT` and
 `fnzero checkpoint convert CKPT OUT --to deepspeed-universal`.
@@ -29,6 +30,7 @@ From the shell: `fnzero export CKPT OUT ...`, `fnzero checkpoint info CKPT` and
 
 from ._export import export
 from ._ds_universal import to_deepspeed_universal
+from ._ds_standin import deepspeed_model
 from ._export_live import export_live
 from ._info import info
 from ._load import list_tags
@@ -40,9 +42,10 @@ from ._save import save
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
+from ._ds_layout import is_deepspeed
 from ._hf_renames import hf_renames
 from ._peft_adapters import load_adapters
 from ._pretrained import load_pretrained
 
 __all__ = ["save", "load", "export", "export_live", "export_adapters", "info", "list_tags", "SaveHandle",
-           "to_deepspeed_universal"]
+           "to_deepspeed_universal", "deepspeed_model"]

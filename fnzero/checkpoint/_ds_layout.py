@@ -19,7 +19,8 @@ from ._ds_pickle import load_ds_file
 from ._load import read_latest
 from ._safe import entry_kind, is_real_dir
 
-__all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags", "check_meta", "malformed"]
+__all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags", "check_meta", "malformed",
+           "check_resumable"]
 
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
@@ -248,3 +249,18 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
         module = load_ds_file(ck.dir, ck.layer_files[min(ck.layer_files)])
     ck.precision = _precision(ck, module)
     return ck
+
+
+def check_resumable(ck: DsCheckpoint) -> None:
+    """Refuse, naming the directory, a checkpoint `load` cannot resume (its weights may still export)."""
+    opt = (ck.meta.get("ds_config") or {}).get("optimizer")
+    kind = str(opt.get("type", "")) if isinstance(opt, dict) else None
+    if kind is not None and kind.lower() not in ("adam", "adamw"):
+        raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
+                              "(exp_avg, exp_avg_sq and step per parameter)")
+    if ck.layer_files or ck.expert_files or ck.tp > 1:
+        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
+                              "not implemented yet; its weights export with `fnzero export`")
+    if ck.precision == "fp16" and ck.layout == "whole":
+        raise CheckpointError(f"{ck.dir}: resuming from an fp16 ZeRO stage-0 checkpoint (its loss scaler in the "
+                              "model file) is not implemented yet; its weights export with `fnzero export`")

@@ -20,7 +20,7 @@ import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
-from ._ds_layout import describe, optim_of
+from ._ds_layout import check_resumable, describe, optim_of
 from ._ds_loss_scale import ds_loss_scale
 from ._ds_optim import MOMENTS
 from ._ds_shard import ShardRead
@@ -39,9 +39,6 @@ _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param
             "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
             "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
             "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer"}
-_ADAM_TYPES = ("adam", "adamw")
-
-
 def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_frozen: bool = False,
                    config=None) -> tuple[TrainState, dict]:
     """(state laid out as `like`, the client state `save_checkpoint` was given) from DeepSpeed
@@ -49,7 +46,7 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     (optional): the step's, whose fp16 block is checked against an fp16 checkpoint's loss scaler."""
     _check_like(like)
     ck = describe(path, tag)
-    _check_checkpoint(ck)
+    check_resumable(ck)
     shard = (Stage0Read if ck.layout == "whole" else ShardRead)(ck, like)  # (what this rank needs: nothing read yet)
     step = _step(ck, shard)
     loss_scale = _loss_scale(ck, like, config)
@@ -90,20 +87,6 @@ def _check_like(like: TrainState) -> None:
     if type(like.opt_state).__name__ != "AdamState":
         raise CheckpointError(f"a DeepSpeed checkpoint is read into an Adam or AdamW state only; the state you are "
                               f"loading into holds {type(like.opt_state).__name__}")
-
-
-def _check_checkpoint(ck) -> None:
-    opt = (ck.meta.get("ds_config") or {}).get("optimizer")
-    kind = str(opt.get("type", "")) if isinstance(opt, dict) else None
-    if kind is not None and kind.lower() not in _ADAM_TYPES:
-        raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
-                              "(exp_avg, exp_avg_sq and step per parameter)")
-    if ck.layer_files or ck.expert_files or ck.tp > 1:
-        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
-                              "not implemented yet; its weights export with `fnzero export`")
-    if ck.precision == "fp16" and ck.layout == "whole":
-        raise CheckpointError(f"{ck.dir}: resuming from an fp16 ZeRO stage-0 checkpoint (its loss scaler in the "
-                              "model file) is not implemented yet; its weights export with `fnzero export`")
 
 
 def _loss_scale(ck, like: TrainState, config):

@@ -21,7 +21,7 @@ from ._ds_optim import MOMENTS, states_step
 from ._ds_pickle import load_ds_file
 from ._ds_weights import ties
 
-__all__ = ["Stage0Read"]
+__all__ = ["Stage0Read", "stage0_frozen"]
 
 
 class Stage0Read:
@@ -36,20 +36,8 @@ class Stage0Read:
         self.pieces: dict[str, dict[str, torch.Tensor]] = {}
 
     def _optimizer(self) -> tuple[dict, dict, str]:
-        name = self.ck.model_files[(0, 0)]
-        where = self.ck.path(name)
-        sd = load_ds_file(self.ck.dir, name)
-        opt = sd.get("optimizer") if isinstance(sd, dict) else None
-        if isinstance(opt, dict) and "fp32_groups_flat" in opt:
-            raise CheckpointError(f"{where}: a stage-0 fused fp16/bf16 optimizer (fp32_groups_flat) is not resumed yet")
-        osd = opt.get("optimizer_state_dict") if isinstance(opt, dict) and "state" not in opt else opt
-        self._opt = opt
-        if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(
-                osd.get("param_groups"), list) or not all(isinstance(g, dict) for g in osd["param_groups"]):
-            raise CheckpointError(f"{where}: 'optimizer' holds no torch optimizer state_dict (state, param_groups)")
-        if not isinstance(sd.get("module"), dict):
-            raise CheckpointError(f"{where}: 'module' is not a state dict")
-        return osd, sd["module"], where
+        osd, self._opt, module, where = _stage0_optimizer(self.ck)
+        return osd, module, where
 
     def adam_step(self) -> int:
         """The optimizer steps applied: the step every parameter's state records (they must agree),
@@ -65,10 +53,7 @@ class Stage0Read:
 
     def read(self) -> None:
         osd, module, where = self._optimizer()
-        buffers = set(self.ck.meta.get("buffer_names") or ())
-        tied = ties(module, buffers)
-        params = [n for n, t in module.items() if n not in buffers and n not in tied and isinstance(t, torch.Tensor)]
-        indices = [i for g in osd["param_groups"] for i in (g.get("params") or [])]
+        params, tied, indices = _indexed(self.ck, osd, module)
         trainable = [n for n in params if n in self.trainable]
         order = params if len(indices) == len(params) else trainable if len(indices) == len(trainable) else None
         if order is None:
@@ -92,3 +77,42 @@ class Stage0Read:
         held = self.pieces.get(field, {})
         name = name if name in held else self.names.get(name, name)
         return held[name][a:b] if name in held else None
+
+
+def _stage0_optimizer(ck: DsCheckpoint) -> tuple[dict, dict, dict, str]:
+    """(Adam's torch state_dict, the model file's `optimizer` entry, its `module`, the file)."""
+    name = ck.model_files[(0, 0)]
+    where = ck.path(name)
+    sd = load_ds_file(ck.dir, name)
+    opt = sd.get("optimizer") if isinstance(sd, dict) else None
+    if isinstance(opt, dict) and "fp32_groups_flat" in opt:
+        raise CheckpointError(f"{where}: a stage-0 fused fp16/bf16 optimizer (fp32_groups_flat) is not resumed yet")
+    osd = opt.get("optimizer_state_dict") if isinstance(opt, dict) and "state" not in opt else opt
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(
+            osd.get("param_groups"), list) or not all(isinstance(g, dict) for g in osd["param_groups"]):
+        raise CheckpointError(f"{where}: 'optimizer' holds no torch optimizer state_dict (state, param_groups)")
+    if not isinstance(sd.get("module"), dict):
+        raise CheckpointError(f"{where}: 'module' is not a state dict")
+    return osd, opt, sd["module"], where
+
+
+def _indexed(ck: DsCheckpoint, osd: dict, module: dict) -> tuple[list[str], dict, list]:
+    """(the module's parameter names in order, ties once; the ties; the optimizer's indices in
+    param_groups order)."""
+    buffers = set(ck.meta.get("buffer_names") or ())
+    tied = ties(module, buffers)
+    params = [n for n, t in module.items() if n not in buffers and n not in tied and isinstance(t, torch.Tensor)]
+    return params, tied, [i for g in osd["param_groups"] for i in (g.get("params") or [])]
+
+
+def stage0_frozen(ck: DsCheckpoint) -> set[str]:
+    """The frozen parameters of a stage-0 checkpoint that records none (fp32: no `frozen_param_shapes`,
+    no masters): those the optimizer, given every parameter, holds no state for (they never had a
+    gradient). Where it holds fewer parameters than the module, which are which is not recorded."""
+    osd, _, module, where = _stage0_optimizer(ck)
+    params, _, indices = _indexed(ck, osd, module)
+    if len(indices) != len(params):
+        raise CheckpointError(f"{where}: the optimizer holds {len(indices)} of the module's {len(params)} parameters, "
+                              "and a stage-0 checkpoint does not record which are frozen; load it into the model "
+                              "(fnzero.checkpoint.load(path, like=state)) and save that state instead")
+    return {n for i, n in zip(indices, params) if osd["state"].get(i) is None}

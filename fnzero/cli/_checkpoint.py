@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 
 from .._errors import CheckpointError
 
@@ -75,14 +77,27 @@ CONVERT_TARGETS = ("deepspeed-universal", "fnzero")
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from ..checkpoint import to_deepspeed_universal
+    from ..checkpoint import is_deepspeed, to_deepspeed_universal
+    from ..state import deepspeed_to_fnzero
 
-    if args.to != "deepspeed-universal":
-        print(f"fnzero checkpoint convert: --to {args.to} is not supported yet; this fnzero converts an fnzero "
-              "checkpoint to a DeepSpeed universal one (--to deepspeed-universal)", file=sys.stderr)
-        return 2
+    from_deepspeed = is_deepspeed(args.checkpoint)
     try:
-        print(to_deepspeed_universal(args.checkpoint, args.out, tag=args.tag, ds_tag=args.ds_tag, config=args.config))
+        if args.to == "fnzero":
+            if not from_deepspeed:
+                raise CheckpointError(f"{args.checkpoint} is not a DeepSpeed checkpoint (no *model_states.pt under "
+                                      "it): --to fnzero converts DeepSpeed's; fnzero's own loads as it is")
+            print(deepspeed_to_fnzero(args.checkpoint, args.out, tag=args.tag, out_tag=args.out_tag,
+                                      config=args.config))
+        elif from_deepspeed:
+            # DeepSpeed's own checkpoint to universal (what its ds_to_universal does): through fnzero's
+            # format, written beside OUT and removed after.
+            os.makedirs(args.out, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=args.out, prefix=".fnzero-convert-") as tmp:
+                ckpt = deepspeed_to_fnzero(args.checkpoint, tmp, tag=args.tag, config=args.config)
+                print(to_deepspeed_universal(ckpt, args.out, ds_tag=args.out_tag))
+        else:
+            print(to_deepspeed_universal(args.checkpoint, args.out, tag=args.tag, ds_tag=args.out_tag,
+                                         config=args.config))
     except (CheckpointError, OSError) as e:
         print(f"fnzero checkpoint convert: {e}", file=sys.stderr)
         return 1
@@ -118,14 +133,18 @@ def register(sub) -> None:
     ip.add_argument("--config", action="store_true", help="print each checkpoint's config JSON")
     ip.add_argument("--json", action="store_true", help="machine-readable output")
     ip.set_defaults(func=_cmd_info)
-    cv = csub.add_parser("convert", help="write a checkpoint in another format (a DeepSpeed universal checkpoint)",
-                         description="Write an fnzero checkpoint as a DeepSpeed universal checkpoint, which DeepSpeed "
-                                     'resumes with {"checkpoint": {"load_universal": true}} at ZeRO stage 1-3.')
-    cv.add_argument("checkpoint", help="fnzero checkpoint root (uses 'latest') or one checkpoint directory")
-    cv.add_argument("out", help="DeepSpeed checkpoint root: gets DS_TAG/ and latest_universal")
-    cv.add_argument("--to", required=True, choices=CONVERT_TARGETS, help="the format to write (deepspeed-universal)")
-    cv.add_argument("--tag", default=None, help="fnzero checkpoint tag (default: latest)")
-    cv.add_argument("--ds-tag", default=None, help="the DeepSpeed tag directory to write (default: global_step<N>)")
+    cv = csub.add_parser("convert", help="write a checkpoint in another format (fnzero's, DeepSpeed universal)",
+                         description="Write a DeepSpeed checkpoint as an fnzero one (--to fnzero), or an fnzero or "
+                                     "DeepSpeed checkpoint as a DeepSpeed universal one, which DeepSpeed resumes with "
+                                     '{"checkpoint": {"load_universal": true}} at ZeRO stage 1-3 and any world size '
+                                     "(--to deepspeed-universal). DeepSpeed need not be installed.")
+    cv.add_argument("checkpoint", help="checkpoint root (uses 'latest') or one checkpoint directory: fnzero's, or "
+                                       "DeepSpeed's (a save directory, a global_stepN directory, a Trainer checkpoint-N)")
+    cv.add_argument("out", help="the root to write: gets TAG/ and latest (fnzero) or latest_universal (DeepSpeed)")
+    cv.add_argument("--to", required=True, choices=CONVERT_TARGETS, help="the format to write")
+    cv.add_argument("--tag", default=None, help="the checkpoint's tag to read (default: latest)")
+    cv.add_argument("--out-tag", "--ds-tag", dest="out_tag", default=None,
+                    help="the tag directory to write (default: the DeepSpeed tag, or global_step<N> for universal)")
     cv.add_argument("--config", default=None, metavar="JSON",
-                    help="the run's config, for a checkpoint saved without one")
+                    help="the run's config, for a checkpoint saved without one (or to use instead of its own)")
     cv.set_defaults(func=_cmd_convert)

@@ -11,10 +11,12 @@ sharding, offload and checkpoint, below `train` and `inference` (`specs/architec
                                    what a step and its state read from a config, once
     init_loss_scale, update_loss_scale
                                    fp16 dynamic loss scaling (`specs/loss-scaling.md`)
+    deepspeed_to_fnzero            a DeepSpeed checkpoint rewritten as fnzero's, without the model
 """
 
 from __future__ import annotations
 
+from ._from_deepspeed import deepspeed_to_fnzero
 from ._init import init_state, initial_params
 from ._loss_scale import init_loss_scale, update_loss_scale
 from ._optimizer import built_per_model, exchanging_optimizer_refused, optimizer_or_config
@@ -23,7 +25,7 @@ from ._policy import LossScalePolicy, StepPolicy, step_policy
 from ._shard import shard
 
 __all__ = [
-    "LossScalePolicy", "OwnerLayout", "StepPolicy", "built_per_model", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
+    "LossScalePolicy", "OwnerLayout", "deepspeed_to_fnzero", "StepPolicy", "built_per_model", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
     "initial_params", "optimizer_or_config", "owner_layout", "owner_tree", "owner_update", "step_policy",
     "shard", "update_loss_scale",
 ]
