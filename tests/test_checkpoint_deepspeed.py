@@ -196,7 +196,8 @@ def test_each_rank_reads_only_its_shard_of_a_zero3_checkpoint(ds_checkpoints, na
     slices of its shard (DeepSpeed's rank r holds slice r of each parameter padded to 2 x ceil(n/2)),
     copies exactly its share of the fp32 weights and both moments out of them, and what it holds is
     what DeepSpeed's engine held. (At world 2 each rank's shard overlaps both files; at 4 a rank's
-    quarter of a unit mostly lies in one.)"""
+    quarter of a unit mostly lies in one.) The frozen layer likewise: its share only, from the model
+    files (the fragments DeepSpeed's rank r holds)."""
     import copy
     import threading
 
@@ -226,8 +227,15 @@ def test_each_rank_reads_only_its_shard_of_a_zero3_checkpoint(ds_checkpoints, na
         full = torch.cat([(s.master if s.master is not None else s.params)[u.name] for s in states])
         for s in u.slots:
             assert torch.equal(full[s.offset:s.offset + s.numel].view(s.shape), expected[s.name]), s.name
+    for u in plan.frozen_units:
+        full = torch.cat([s.frozen[u.name] for s in states])
+        for s in u.slots:
+            assert torch.equal(full[s.offset:s.offset + s.numel].view(s.shape), expected[s.name].to(full.dtype)), s.name
+    assert plan.frozen_units
     for rank, ident in opened_by.items():
         mine, want = 0, set()  # (its share of elements, the DeepSpeed ranks holding them)
+        frozen = sum(max(0, min(hi, s.offset + s.numel) - max(lo, s.offset)) for u in plan.frozen_units
+                     for lo, hi in [u.real_range(rank)] for s in u.slots)
         for u in plan.units:
             lo, hi = u.real_range(rank)
             for s in u.slots:
@@ -237,7 +245,9 @@ def test_each_rank_reads_only_its_shard_of_a_zero3_checkpoint(ds_checkpoints, na
                 mine += max(0, b - a)
         assert sorted(set(opened[ident])) == [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
                                               for r in sorted(want)], rank
-        assert copied[ident] == 3 * mine, rank  # (the fp32 weights and two moments of its share, nothing more)
+        # The fp32 weights and two moments of its share, and its share of the frozen layer (from the
+        # model files' frozen_param_fragments), nothing more.
+        assert frozen > 0 and copied[ident] == 3 * mine + frozen, rank
         skipped += len(want) < 2
     assert (skipped > 0) == (world == 4)
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -114,3 +116,90 @@ def test_an_opened_file_that_disagrees_with_the_layout_is_refused_and_named(tmp_
                                                           "zero_optimization": {"stage": 2}})).init_state()
     with pytest.raises(CheckpointError, match=match):
         load(root, like=like)
+
+
+class FrozenNet(torch.nn.Module):
+    """A trainable layer and a frozen one (a LoRA base's part), and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 3)
+        self.b = torch.nn.Linear(7, 3, bias=False).requires_grad_(False)
+        self.register_buffer("buf", torch.zeros(3))
+        with torch.no_grad():  # the same initial weights on every simulated rank (threads share one RNG)
+            for i, p in enumerate(self.parameters()):
+                p.copy_(torch.linspace(-1, 1, p.numel()).view(p.shape) * (i + 1))
+
+
+def _zero3(root: str, world: int) -> dict[str, torch.Tensor]:
+    """A float32 ZeRO-3 checkpoint as DeepSpeed lays it out, frozen `b.weight` included: each
+    parameter padded to a multiple of `world`, rank r's files holding slice r of each (trainable
+    ones in its optimizer file, frozen ones in its model file's frozen_param_fragments). Returns
+    the whole tensors by "field/name"."""
+    g = torch.Generator().manual_seed(3)
+    trainable = {"a.weight": (3, 5), "a.bias": (3,)}
+    full = {f"{f}/{n}": torch.randn(s, generator=g) for f in ("fp32", "exp_avg", "exp_avg_sq")
+            for n, s in trainable.items()}
+    full["frozen/b.weight"] = torch.randn(3, 7, generator=g)
+
+    def piece(t: torch.Tensor, r: int) -> torch.Tensor:
+        ps = -(-t.numel() // world)
+        return torch.cat([t.reshape(-1), torch.zeros(ps * world - t.numel())])[r * ps: (r + 1) * ps]
+
+    d = os.path.join(root, "global_step4")
+    os.makedirs(d)
+    for r in range(world):
+        flat = {f: torch.cat([piece(full[f"{f}/{n}"], r) for n in trainable]) for f in ("fp32", "exp_avg", "exp_avg_sq")}
+        inner = {"state": {0: {"step": torch.tensor(4.0), "exp_avg": flat["exp_avg"], "exp_avg_sq": flat["exp_avg_sq"]}},
+                 "param_groups": [{"lr": 1e-3, "params": [0]}]}
+        torch.save({"optimizer_state_dict": {"zero_stage": 3, "fp32_flat_groups": [flat["fp32"]],
+                                             "optimizer_state_dict": inner}},
+                   os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        module = OrderedDict([("a.weight", torch.empty(0)), ("a.bias", torch.empty(0)), ("b.weight", torch.empty(0)),
+                              ("buf", torch.arange(3.0))])
+        torch.save({"module": module, "buffer_names": ["buf"], "optimizer": None,
+                    "param_shapes": [OrderedDict((n, torch.Size(s)) for n, s in trainable.items())],
+                    "frozen_param_shapes": OrderedDict([("b.weight", torch.Size([3, 7]))]),
+                    "frozen_param_fragments": {"b.weight": piece(full["frozen/b.weight"], r)},
+                    "shared_params": {}, "lr_scheduler": None, "skipped_steps": 0, "global_steps": 4,
+                    "global_samples": 8, "dp_world_size": world, "mp_world_size": 1, "ds_version": "0.19.8",
+                    "ds_config": {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                  "optimizer": {"type": "AdamW"}}},
+                   os.path.join(d, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"))
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step4")
+    return full
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_frozen_weights_of_a_zero3_checkpoint_are_read_by_share(tmp_path, monkeypatch, world):
+    """Resumed at ZeRO-3, each rank copies only its share of the frozen weights out of the model
+    files' frozen_param_fragments (with its share of the trainable weights and both moments), and
+    what every rank holds is the whole checkpoint: bit for bit, frozen, trainable and moments."""
+    root = str(tmp_path / "ds")
+    full = _zero3(root, world=3)  # (saved at 3: a rank's share at 2 spans two DeepSpeed ranks' slices)
+    opened, copied = record_reads(monkeypatch)
+    threads = {}
+
+    def fn(comm):
+        threads[comm.rank] = threading.get_ident()
+        cfg = fnzero.load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+                                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+                                 world_size=world)
+        like = fnzero.shard(FrozenNet(), config=cfg, comm=comm).init_state()
+        return load(root, like=like)[0]
+
+    states = simulated_world(world).run(fn)
+    plan = states[0].sharding.plan
+    [fu] = plan.frozen_units
+    frozen = torch.cat([s.frozen[fu.name] for s in states])
+    assert torch.equal(frozen[:21].view(3, 7), full["frozen/b.weight"])
+    for f, key in (("fp32", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+        for u in plan.units:
+            got = torch.cat([s.params[u.name] if key is None else getattr(s.opt_state, key)[u.name] for s in states])
+            for s in u.slots:
+                assert torch.equal(got[s.offset:s.offset + s.numel].view(s.shape), full[f"{f}/{s.name}"]), (f, s.name)
+    for rank, ident in threads.items():
+        share = sum(hi - lo for u in plan.units for lo, hi in [u.real_range(rank)])
+        frozen_share = (lambda lo, hi: hi - lo)(*fu.real_range(rank))
+        assert copied[ident] == 3 * share + frozen_share, rank

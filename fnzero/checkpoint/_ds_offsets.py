@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint
 
-__all__ = ["Run", "shapes_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs"]
+__all__ = ["Run", "FROZEN", "shapes_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs",
+           "frozen_shapes", "frozen_runs"]
 
+FROZEN = -1  # a Run's `group` for a frozen parameter's fragment in a ZeRO-3 model file
 _ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 group is padded to 2 x world elements
 
 
@@ -91,4 +93,20 @@ def runs(ck: DsCheckpoint, shapes: list, align: list[list[int]]) -> dict[str, li
             first, last = off // part, (off + n - 1) // part if n else off // part - 1
             out[name] = [Run(r, g, max(off, r * part) - r * part, max(off, r * part) - off,
                              min(off + n, (r + 1) * part) - off) for r in range(first, last + 1)]
+    return out
+
+
+def frozen_shapes(meta: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """ZeRO-3's frozen parameters (`frozen_param_shapes`), in order."""
+    return [(str(n), tuple(int(d) for d in s)) for n, s in (meta.get("frozen_param_shapes") or {}).items()]
+
+
+def frozen_runs(ck: DsCheckpoint) -> dict[str, list[Run]]:
+    """ZeRO-3's frozen parameters' runs: each padded to a multiple of the world size like a
+    trainable one, rank r's model file holding slice r (`frozen_param_fragments[name]`, group
+    `FROZEN`, from its position 0)."""
+    out = {}
+    for name, shape in frozen_shapes(ck.meta):
+        n, ps = math.prod(shape), -(-math.prod(shape) // ck.dp)
+        out[name] = [Run(r, FROZEN, 0, r * ps, min(n, (r + 1) * ps)) for r in range(ck.dp) if r * ps < n]
     return out

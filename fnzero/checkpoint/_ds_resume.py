@@ -3,9 +3,10 @@
 the schedule's position, at any world size and stage of `like`.
 
 Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
-hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`);
-frozen parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable
-ones left unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkpoint's
+hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`), and
+at ZeRO-3 of its frozen parameters from the model files that overlap them; below ZeRO-3 frozen
+parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable ones left
+unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkpoint's
 loss scaler becomes the state's loss scale (`_ds_loss_scale`). Refused, one `CheckpointError`
 naming what: optimizers other than Adam/AdamW, a model whose parameter names or shapes differ,
 step counts that disagree, a loss scaler whose policy is not the given config's, an fp16 stage-0
@@ -155,7 +156,7 @@ def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, count: int, keep_fro
     if leaf.unit is None:  # a replicated tensor by its name: a buffer or a frozen parameter
         if top not in ("frozen", "buffers"):
             raise CheckpointError(f"{leaf.path!r} of the state has no counterpart in a DeepSpeed checkpoint")
-        return whole("weights", rest).to(t.dtype).reshape(t.shape).to(t.device)
+        return whole("weights", rest, 0, t.numel()).to(t.dtype).reshape(t.shape).to(t.device)
     field = "weights" if top in ("params", "master", "frozen") else rest.partition("/")[0]
     if field not in ("weights", *MOMENTS):
         raise CheckpointError(f"{leaf.path!r} of the state has no counterpart in a DeepSpeed checkpoint")

@@ -16,8 +16,10 @@ import torch
 from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import DsCheckpoint, optim_of
-from ._ds_offsets import Run, list_of, runs, shapes_of, zero12_offsets, zero12_partition, zero3_offsets
+from ._ds_offsets import (FROZEN, Run, frozen_runs, list_of, runs, shapes_of, zero12_offsets, zero12_partition,
+                          zero3_offsets)
 from ._ds_optim import MOMENTS, adam_step, flat_moment, zero3_moments
+from ._ds_pickle import load_ds_file
 from ._tree import state_leaves, units_by_key
 
 __all__ = ["ShardRead", "WEIGHTS"]
@@ -36,6 +38,8 @@ class ShardRead:
         self.shapes = shapes_of(ck.meta, ck.path(ck.model_files[(0, 0)]))
         self.align = self._alignment()
         self.runs = runs(ck, self.shapes, self.align)
+        if ck.layout == "per_param":  # (ZeRO-1/2 keep frozen weights whole in the model file: read by name)
+            self.runs.update(frozen_runs(ck))
         self.needs = self._needs(like)
         self.by_rank: dict[int, list[tuple[str, str, Run, int, int]]] = {}
         for field, needs in self.needs.items():
@@ -44,7 +48,8 @@ class ShardRead:
                     lo, hi = max(a, run.lo), min(b, run.hi)
                     if lo < hi:
                         self.by_rank.setdefault(run.rank, []).append((field, name, run, lo, hi))
-        self.ranks = sorted(self.by_rank)  # the optimizer files this rank opens, by DeepSpeed rank
+        # The optimizer files this rank opens, by DeepSpeed rank (a frozen fragment is in the model file).
+        self.ranks = sorted(r for r, entries in self.by_rank.items() if any(e[2].group != FROZEN for e in entries))
         self.pieces: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
         self.elements = 0  # how many elements `read` copied out of the files
 
@@ -59,23 +64,33 @@ class ShardRead:
         return list_of({"a": osd.get("param_alignment_paddings") or zeros}, "a", len(self.shapes), where)
 
     def _needs(self, like: TrainState) -> dict[str, dict[str, tuple[int, int]]]:
-        """field -> checkpoint name -> the element range [a, b) this rank's leaves hold of it."""
+        """field -> checkpoint name -> the element range [a, b) this rank's leaves hold of it (a
+        frozen parameter's under the weights; one held whole, outside any unit, all of it)."""
         units = units_by_key(like.sharding.plan)
         out: dict[str, dict[str, tuple[int, int]]] = {f: {} for f in (WEIGHTS, *MOMENTS)}
         self.names: dict[str, str] = {}
+
+        def need(field: str, names, a: int, b: int) -> None:
+            name = next((n for n in names if n in self.runs), None)
+            if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
+                return
+            self.names[names[0]] = name
+            lo, hi = out[field].get(name, (a, b))
+            out[field][name] = (min(lo, a), max(hi, b))
+
         for leaf in state_leaves(like):
             top, _, rest = leaf.path.partition("/")
-            field = WEIGHTS if top in ("params", "master") else rest.partition("/")[0] if top == "opt_state" else ""
-            if leaf.unit is None or leaf.per_rank or field not in out:
+            field = WEIGHTS if top in ("params", "master", "frozen") else \
+                rest.partition("/")[0] if top == "opt_state" else ""
+            if leaf.per_rank or field not in out:
+                continue
+            if leaf.unit is None:
+                if top == "frozen":
+                    need(WEIGHTS, (rest,), 0, leaf.tensor.numel())
                 continue
             for s in units[leaf.unit].slots:
-                a, b = max(leaf.lo, s.offset) - s.offset, min(leaf.hi, s.offset + s.numel) - s.offset
-                name = next((n for n in (s.name, *s.aliases) if n in self.runs), None)
-                if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
-                    continue
-                self.names[s.name] = name
-                lo, hi = out[field].get(name, (a, b))
-                out[field][name] = (min(lo, a), max(hi, b))
+                need(field, (s.name, *s.aliases), max(leaf.lo, s.offset) - s.offset,
+                     min(leaf.hi, s.offset + s.numel) - s.offset)
         return out
 
     def adam_step(self) -> int:
@@ -88,20 +103,45 @@ class ShardRead:
         for field, needs in self.needs.items():
             self.pieces[field] = {n: (a, torch.empty(b - a, dtype=torch.float32)) for n, (a, b) in needs.items()}
         steps: dict[int, str] = {}
-        for r in self.ranks:
-            osd, where = optim_of(self.ck, r, 0)
-            wanted = {f for f, *_ in self.by_rank[r]}  # (in the fields' order: the weights' lengths checked first)
-            flats = {f: self._flats(osd, f, r, where) for f in self.needs if f in wanted}
-            for field, name, run, lo, hi in self.by_rank[r]:
+        for r in sorted(self.by_rank):
+            entries = self.by_rank[r]
+            flats: dict = {}
+            if r in self.ranks:
+                osd, where = optim_of(self.ck, r, 0)
+                wanted = {f for f, _, run, *_ in entries if run.group != FROZEN}  # (fields in order: weights first)
+                flats = {f: self._flats(osd, f, r, where) for f in self.needs if f in wanted}
+                steps.setdefault(adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where), where)
+                del osd
+            if any(run.group == FROZEN for _, _, run, *_ in entries):
+                flats[FROZEN] = self._fragments(r)
+            for field, name, run, lo, hi in entries:
                 a, buf = self.pieces[field][name]
                 p = run.pos + lo - run.lo
-                buf[lo - a: hi - a] = flats[field][run.group][p: p + hi - lo]
+                src = flats[FROZEN][name] if run.group == FROZEN else flats[field][run.group]
+                buf[lo - a: hi - a] = src[p: p + hi - lo]
                 self.elements += hi - lo
-            steps.setdefault(adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where), where)
-            del osd, flats
+            del flats
         if len(steps) > 1:
             raise CheckpointError(f"{self.ck.dir}: the ranks' optimizer files are at different steps "
                                   f"({', '.join(f'{s} in {w}' for s, w in sorted(steps.items()))})")
+
+    def _fragments(self, r: int) -> dict[str, torch.Tensor]:
+        """ZeRO-3 rank `r`'s frozen fragments by name (flat), each as long as the arithmetic says."""
+        name = self.ck.model_files[(r, 0)]
+        frags = load_ds_file(self.ck.dir, name).get("frozen_param_fragments") or {}
+        out = {}
+        for n, runs_of in self.runs.items():
+            mine = [run for run in runs_of if run.group == FROZEN and run.rank == r]
+            if not mine:
+                continue
+            t = frags.get(n)
+            want = mine[0].hi - mine[0].lo
+            if not isinstance(t, torch.Tensor) or t.numel() < want:
+                got = t.numel() if isinstance(t, torch.Tensor) else "none"
+                raise CheckpointError(f"{self.ck.path(name)}: frozen_param_fragments[{n!r}] holds {got} elements where "
+                                      f"frozen_param_shapes and the world size {self.ck.dp} put {want}")
+            out[n] = t.reshape(-1)
+        return out
 
     def _flats(self, osd: dict, field: str, r: int, where: str) -> list[torch.Tensor]:
         """Rank `r`'s flat groups of `field`, each checked to be as long as the arithmetic says."""

@@ -15,7 +15,7 @@ import torch
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint, check_meta, optim_of as _optim
-from ._ds_offsets import list_of as _list, shapes_of as _shapes, zero12_offsets, zero3_offsets
+from ._ds_offsets import frozen_shapes, list_of as _list, shapes_of as _shapes, zero12_offsets, zero3_offsets
 from ._ds_pickle import load_ds_file
 
 __all__ = ["DsWeights", "consolidate", "ties"]
@@ -166,18 +166,19 @@ def _zero3_fill(out: dict, shapes_of: list[list[tuple[str, tuple]]], flats: list
 def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True) -> dict[str, torch.Tensor]:
     """Stage 3: each parameter padded to a multiple of `dp`, rank r holding its r-th slice, the
     slices of one sub-group concatenated (`fp32_flat_groups`); frozen ones alike, per model file.
-    `read=False`: the trainable ones are meta tensors and no optimizer file is opened."""
+    `read=False`: every parameter, frozen ones too, is a meta tensor and no file is opened (a
+    resume reads its shard of them, `_ds_shard.py`)."""
     shapes = _shapes(ck.meta, ck.path(ck.model_files[(0, 0)]))
-    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) if read else
-           torch.empty(math.prod(s), device="meta") for g in shapes for n, s in g}
-    frozen_shapes = ck.meta.get("frozen_param_shapes") or {}
-    frozen = [[(str(n), tuple(int(d) for d in s)) for n, s in frozen_shapes.items()]]
+    frozen = [frozen_shapes(ck.meta)]
+    w.frozen |= {n for n, _ in frozen[0]}
+    if not read:
+        return {n: torch.empty(s, device="meta") for g in shapes + frozen for n, s in g}
+    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) for g in shapes for n, s in g}
     for r in range(ck.dp):
-        if read:
-            osd, where = _optim(ck, r, 0)
-            flats = _list(osd, "fp32_flat_groups", len(shapes), where)
-            _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups")
-            del osd
+        osd, where = _optim(ck, r, 0)
+        flats = _list(osd, "fp32_flat_groups", len(shapes), where)
+        _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups")
+        del osd
         if frozen[0]:
             name = ck.model_files[(r, 0)]
             frags = load_ds_file(ck.dir, name).get("frozen_param_fragments") or {}
@@ -187,7 +188,6 @@ def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True) -> dict[str, torch
                 out.setdefault(n, torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=frags[n].dtype))
             _zero3_fill(out, [[(n, s)] for n, s in frozen[0]], [frags[n].reshape(-1) for n, _ in frozen[0]], r,
                         ck.dp, ck.path(name), "frozen_param_fragments")
-    w.frozen |= {n for n, _ in frozen[0]}
     return {n: out[n][: math.prod(s)].view(s) for g in shapes + frozen for n, s in g}
 
 
