@@ -63,9 +63,7 @@ class ParamFiles:
 
     def load(self, name: str, file: str, required: bool = True):
         """What zero/<name>/<file>.pt holds; None for a file not `required` that is absent."""
-        where = os.path.join(self.root, name)
-        if name in ("", ".", "..") or "/" in name or "\0" in name:
-            raise CheckpointError(f"{self.ck.dir}: parameter name {name[:60]!r} cannot name a directory under zero/")
+        where = os.path.join(self.root, _dir_name(self.ck, name))
         try:
             fd = open_dir(name, self.fd, where)
         except FileNotFoundError:
@@ -79,6 +77,13 @@ class ParamFiles:
             return load_ds_file(where, f"{file}.pt", dir_fd=fd)
         finally:
             os.close(fd)
+
+
+def _dir_name(ck: DsCheckpoint, name: str) -> str:
+    """`name`, checked to be one directory's name (param_shapes is read from a file nobody vouches for)."""
+    if name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise CheckpointError(f"{ck.dir}: parameter name {name[:60]!r} cannot name a directory under zero/")
+    return name
 
 
 def universal_optimizer_state(ck: DsCheckpoint) -> tuple[dict, str]:
@@ -110,7 +115,8 @@ def param_tensor(obj, where: str, shape: tuple[int, ...]) -> torch.Tensor:
 def universal_shapes(ck: DsCheckpoint, files: ParamFiles | None = None) -> dict[str, tuple[int, ...]]:
     """Every trainable parameter's whole shape, in `param_shapes` order. A tensor-parallel run's
     `param_shapes` are each rank's slices; its universal files are whole, and say their shapes."""
-    shapes = {n: s for g in shapes_of(ck.meta, ck.path(ck.model_files[min(ck.model_files)])) for n, s in g}
+    shapes = {_dir_name(ck, n): s for g in shapes_of(ck.meta, ck.path(ck.model_files[min(ck.model_files)]))
+              for n, s in g}
     if ck.tp == 1:
         return shapes
     if files is None:
@@ -129,6 +135,26 @@ def universal_shapes(ck: DsCheckpoint, files: ParamFiles | None = None) -> dict[
 def _step_of(files: ParamFiles, name: str, required: bool) -> int | None:
     step = files.load(name, "step", required=required)
     return None if step is None else as_count(step, f"{files.root}/{name}/step.pt", "the step")
+
+
+def _adam_step(files: ParamFiles, first: str | None) -> int:
+    """Adam's step: a ZeRO-3 converter's (and fnzero's) in optimizer_state.pt, else parameter
+    `first`'s step.pt (each other step.pt read is checked against it: `_check_step`)."""
+    osd, where = files.optimizer_state()
+    inner = osd.get("optimizer_state_dict")
+    states = inner.get("state") if isinstance(inner, dict) else None
+    if isinstance(states, dict) and states:
+        return states_step(states, where, "group")
+    if first is None:
+        raise CheckpointError(f"{where}: no trainable parameter and no Adam step")
+    return _step_of(files, first, required=True)
+
+
+def _check_step(files: ParamFiles, name: str, step: int) -> None:
+    got = _step_of(files, name, required=False)
+    if got is not None and got != step:
+        raise CheckpointError(f"{files.root}/{name}/step.pt: Adam's step {got}, the checkpoint's is {step} (the "
+                              "parameters' files disagree on how far the run got)")
 
 
 class UniversalRead:
@@ -161,19 +187,10 @@ class UniversalRead:
         self._step: int | None = None
 
     def adam_step(self) -> int:
-        """Adam's step: a ZeRO-3 converter's (and fnzero's) in optimizer_state.pt, else the first
-        parameter's step.pt (`read` checks every other one it opens against it)."""
+        """Adam's step (of the first parameter this rank reads, where it is per parameter)."""
         if self._step is None:
             with ParamFiles(self.ck) as files:
-                osd, where = files.optimizer_state()
-                inner = osd.get("optimizer_state_dict")
-                states = inner.get("state") if isinstance(inner, dict) else None
-                if isinstance(states, dict) and states:
-                    self._step = states_step(states, where, "group")
-                elif not self.shapes:
-                    raise CheckpointError(f"{where}: no trainable parameter and no Adam step")
-                else:
-                    self._step = _step_of(files, (self.order or list(self.shapes))[0], required=True)
+                self._step = _adam_step(files, next(iter(self.order or self.shapes), None))
         return self._step
 
     def read(self) -> None:
@@ -191,10 +208,7 @@ class UniversalRead:
                     self.pieces[field][name] = (a, t[a:b].to(torch.float32, copy=True))
                     self.elements += b - a
                     del t
-                got = _step_of(files, name, required=False)
-                if got is not None and got != step:
-                    raise CheckpointError(f"{files.root}/{name}/step.pt: Adam's step {got}, the checkpoint's is {step} "
-                                          "(the parameters' files disagree on how far the run got)")
+                _check_step(files, name, step)
             self.opened = files.opened
         for field, held in self.pieces.items():  # a split parameter: this rank's slice of the whole
             for name, split in self.splits.items():
@@ -297,14 +311,10 @@ def check_universal(ck: DsCheckpoint) -> DsWeights:
     w = universal_weights(ck, trainable=True, frozen=False)
     shapes = universal_shapes(ck)
     with ParamFiles(ck) as files:
-        steps = {}
+        step = _adam_step(files, next(iter(shapes), None))
         for name, shape in shapes.items():
             for field in MOMENTS:
                 where = f"{files.root}/{name}/{FILES[field]}.pt"
                 param_tensor(files.load(name, FILES[field]), where, shape).clone()  # (the bytes read)
-            got = _step_of(files, name, required=False)
-            if got is not None:
-                steps.setdefault(got, name)
-    if len(steps) > 1:
-        raise CheckpointError(f"{ck.dir}: the parameters' step.pt disagree ({', '.join(f'{s} in {n}' for s, n in steps.items())})")
+            _check_step(files, name, step)
     return w
