@@ -81,6 +81,8 @@ def test_a_universal_checkpoint_resumes_the_state_it_was_written_from(tmp_path, 
     _assert_same(got, states, ("params", "exp_avg", "exp_avg_sq") + (("master",) if bf16 else ()))
     assert int(got[0].step) == 3
     assert torch.equal(sd["seen"], torch.arange(3.0)) and torch.equal(sd["0.bias"].float(), torch.full((6,), 5.0))
+    [c] = info(root)["checkpoints"]
+    assert (c["param_dtype"], c["master_dtype"]) == (("bfloat16", "float32") if bf16 else ("float32", None))
 
 
 def _as_deepspeed_writes(root, layout: str) -> None:

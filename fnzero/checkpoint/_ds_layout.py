@@ -161,14 +161,18 @@ def _precision(ck: DsCheckpoint, module) -> str:
     if ck.bf16_prefix:
         return "bf16"
     skip = set(ck.meta.get("buffer_names") or ())
-    for name, t in (module or {}).items():  # (ZeRO-3's empty placeholders and a universal one's say nothing)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0 and name not in skip:
+    for name, t in (module or {}).items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and name not in skip:
             return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(t.dtype, "fp32")
+    return _config_precision(ck) or "fp32"
+
+
+def _config_precision(ck: DsCheckpoint) -> str | None:
     cfg = ck.meta.get("ds_config") or {}
     for key in ("bf16", "fp16"):
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:
             return key
-    return "fp32"
+    return None
 
 
 @contextlib.contextmanager
@@ -233,7 +237,8 @@ def _universal(ck: DsCheckpoint, module) -> DsCheckpoint:
     zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
     ck.stage = stage if type(stage) is int and stage in (0, 1, 2, 3) else 0
-    ck.precision = _precision(ck, module)
+    # (the config first: fnzero's converter writes every parameter as a float32 placeholder)
+    ck.precision = _config_precision(ck) or _precision(ck, module)
     return ck
 
 
