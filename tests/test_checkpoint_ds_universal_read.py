@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -284,13 +286,28 @@ def test_latest_or_latest_universal_as_the_config_says(tmp_path):
     assert any(not torch.equal(other.params[k], first.params[k]) for k in want.params)
 
 
-def test_a_tensor_parallel_state_resumes_from_a_universal_checkpoint(tmp_path):
+def _subparam_shape(monkeypatch, **attrs):
+    """An object pickled as DeepSpeed's `SubparamShape` (importable under that name while saving)."""
+    module = "deepspeed.checkpoint.universal_checkpoint"
+    fake = types.ModuleType(module)
+    cls = type("SubparamShape", (), {"__module__": module, "__qualname__": "SubparamShape"})
+    fake.SubparamShape = cls
+    parts = module.split(".")
+    for i in range(1, len(parts)):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    monkeypatch.setitem(sys.modules, module, fake)
+    obj = cls()
+    obj.__dict__.update(attrs)
+    return obj
+
+
+def test_a_tensor_parallel_state_resumes_from_a_universal_checkpoint(tmp_path, monkeypatch):
     """A universal checkpoint holds whole tensors, so a tensor-parallel `like` reads each split
     parameter whole and keeps its slice, as fnzero's own tensor-parallel load does: a GPT trained at
     ZeRO-2 on 2 ranks, converted, loads at dp 2 x tp 2 (ZeRO-3) equal, consolidated over the mesh,
     to the saving state bit for bit; and the same files labelled as a tensor-parallel run's
-    (tp_degree 2, `param_shapes` each rank's slices; the files' own shapes are the whole ones) load
-    into one rank alike."""
+    (tp_degree 2, `param_shapes` each rank's slices; the files' own shapes are the whole ones; a fused
+    parameter's `sub_param_shape`, a pickled DeepSpeed SubparamShape) load into one rank alike."""
     # ~1.5 s.
     import _worlds as W
 
@@ -317,4 +334,9 @@ def test_a_tensor_parallel_state_resumes_from_a_universal_checkpoint(tmp_path):
     ms["param_shapes"] = [{n: torch.Size([-(-s[0] // 2), *s[1:]]) for n, s in ms["param_shapes"][0].items()}]
     for f in ("mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         torch.save(ms, os.path.join(d, f))
+    fused = next(n for n in ms["param_shapes"][0] if n.endswith("qkv.weight"))
+    for f in FIELDS:  # as ds_to_universal writes a fused parameter of a tensor-parallel run
+        p = os.path.join(d, "zero", fused, f"{f}.pt")
+        shape = _subparam_shape(monkeypatch, patterns=[r".*qkv\.weight$"], shape=(3, -1), partition_dim=0)
+        torch.save({**torch.load(p), "sub_param_shape": shape, "param_n_sub_params": 3}, p)
     _assert_same(simulated_world(1).run(lambda comm: resume(comm, 1, 1, 1)), saved)
