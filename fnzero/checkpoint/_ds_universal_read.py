@@ -25,7 +25,7 @@ from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import UNIVERSAL_DIR, UNIVERSAL_OPTIM, DsCheckpoint
 from ._ds_offsets import shapes_of
-from ._ds_optim import MOMENTS, as_count, states_step
+from ._ds_optim import as_count, states_step
 from ._ds_pickle import load_ds_file
 from ._ds_shard import WEIGHTS, leaf_needs
 from ._ds_weights import DsWeights, zero3_frozen
@@ -307,13 +307,13 @@ def _fill_frozen(ck: DsCheckpoint, w: DsWeights, missing: list[str]) -> None:
 
 def check_universal(ck: DsCheckpoint) -> DsWeights:
     """Every parameter's three files read whole and checked against its shape, every step.pt against
-    the checkpoint's step (`info(verify=True)`); the weights, frozen ones as meta tensors."""
-    w = universal_weights(ck, trainable=True, frozen=False)
+    the checkpoint's step (`info(verify=True)`); the weights as `universal_weights(trainable=False)`."""
+    w = universal_weights(ck, trainable=False, frozen=False)
     shapes = universal_shapes(ck)
     with ParamFiles(ck) as files:
         step = _adam_step(files, next(iter(shapes), None))
         for name, shape in shapes.items():
-            for field in MOMENTS:
+            for field in FILES:
                 where = f"{files.root}/{name}/{FILES[field]}.pt"
                 param_tensor(files.load(name, FILES[field]), where, shape).clone()  # (the bytes read)
             _check_step(files, name, step)
