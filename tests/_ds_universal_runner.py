@@ -3,7 +3,9 @@ with DeepSpeed and take the given steps. `python _ds_universal_runner.py SPEC.js
 checkpoint root, the world size, the batches file (a list of global (x, y)) and `runs`, each a
 config (one engine after another in the same process group) and where to write {"losses",
 "params", "global_steps"}. An optional `train` ({"config", "batches", "save"}) first trains a fresh
-engine on its batches and saves it with `save_checkpoint` (the checkpoint the runs then resume).
+engine on its batches and saves it with `save_checkpoint` (the checkpoint the runs then resume);
+with `"universal": true` rank 0 then converts it with DeepSpeed's own `ds_to_universal` into the tag
+`<tag>_universal` beside it (and `latest_universal`), as its command line does.
 Each global step is `gradient_accumulation_steps` micro-batches of this rank's rows. The test imports `build_model` from here too, so both
 sides train the same module; nothing here imports fnzero or, at import time, DeepSpeed.
 """
@@ -44,11 +46,32 @@ def _worker(rank: int, spec: dict, port: int) -> None:
         for x, y in torch.load(t["batches"]):
             _global_step(eng, x, y, rank, world)
         eng.save_checkpoint(t["save"])
+        if t.get("universal") and rank == 0:
+            _to_universal(t["save"])
+        torch.distributed.barrier()
     batches = torch.load(spec["batches"])
     for run in spec["runs"]:
         result = _resume_and_step(deepspeed, run["config"], spec["load"], batches, rank, world)
         if rank == 0:
             torch.save(result, run["out"])
+
+
+def _to_universal(root: str) -> None:
+    """`python -m deepspeed.checkpoint.ds_to_universal --input_folder ROOT/TAG --output_folder
+    ROOT/TAG_universal --inject_missing_state` (a plain model records no `universal_checkpoint_info`,
+    which the converter asks for at ZeRO-1/2 unless told to inject it), in this process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    with open(os.path.join(root, "latest")) as f:
+        tag = f.read().strip()
+    argv = sys.argv
+    sys.argv = ["ds_to_universal", "--input_folder", os.path.join(root, tag), "--output_folder",
+                os.path.join(root, f"{tag}_universal"), "--num_extract_workers", "1", "--num_merge_workers", "1",
+                "--inject_missing_state"]
+    try:
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+    finally:
+        sys.argv = argv
 
 
 def _resume_and_step(deepspeed, config: dict, load: str, batches, rank: int, world: int) -> dict:

@@ -75,6 +75,10 @@ def test_the_command_converts_to_fnzero_and_to_universal(ds_dir, tmp_path, capsy
             assert torch.equal(saved["param"], full[field][name]), (name, field)
     assert main(["checkpoint", "convert", fz, str(tmp_path / "again"), "--to", "fnzero"]) == 1
     assert "is not a DeepSpeed checkpoint" in capsys.readouterr().err
+    # And the universal checkpoint back to fnzero's: the same state as from DeepSpeed's own files.
+    back = fnzero.deepspeed_to_fnzero(uni, str(tmp_path / "back"))
+    like = fnzero.shard(Net(), config=_cfg(1, 2)).init_state()
+    _leaves_equal(load(back, like=like)[0], load(root, like=like)[0])
 
 
 def test_what_cannot_be_converted_is_refused_by_name(tmp_path):

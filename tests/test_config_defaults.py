@@ -383,7 +383,6 @@ NO_EFFECT = [
     ("aio.single_submit", {"aio": {"single_submit": True}}),
     ("aio.overlap_events", {"aio": {"overlap_events": False}}),
     ("checkpoint.tag_validation", {"checkpoint": {"tag_validation": "fail"}}),
-    ("checkpoint.load_universal", {"checkpoint": {"load_universal": True}}),
     ("optimizer.params.torch_adam", {"optimizer": {"type": "Muon", "params": {"torch_adam": True}}}),
     ("optimizer.params.cuda_aware", {"optimizer": {"type": "OneBitAdam", "params": {"cuda_aware": True}}}),
     ("optimizer.params.comm_backend_name", {"optimizer": {"type": "ZeroOneAdam", "params": {"comm_backend_name": "mpi"}}}),

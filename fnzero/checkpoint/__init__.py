@@ -15,7 +15,7 @@ A round trip in a world of one (every rank calls each function):
 Public API
 ----------
 save(path, state, *, tag, client_state, config, blocking)   -> SaveHandle (`.wait()`)
-load(path, like, *, tag, verify, restore_rng)               -> (state, client_state); fnzero's or DeepSpeed's (ZeRO 1-3)
+load(path, like, *, tag, verify, restore_rng)               -> (state, client_state); fnzero's or DeepSpeed's (ZeRO 1-3, universal)
 export(path, out, *, dtype, tag, max_shard_size, exclude_frozen, format, tied, hf_config)
                                                             consolidated weights from files (every rank, or no process group)
 export_live(sm, state, out, *, dtype, ..., hf_config)       the same from a running job's state (collective)
@@ -43,6 +43,7 @@ from ._save import save
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
 from ._ds_layout import is_deepspeed
+from ._ds_universal import recorded_world
 from ._hf_renames import hf_renames
 from ._peft_adapters import load_adapters
 from ._pretrained import load_pretrained

@@ -1,6 +1,6 @@
 """`export` and `info` of a DeepSpeed checkpoint directory (`specs/checkpoint-format.md`
 §DeepSpeed): the same writer, options and report as fnzero's own checkpoints, fed from
-`_ds_weights.consolidate`."""
+`_ds_weights.consolidate` (a universal checkpoint: `_ds_universal_read.universal_weights`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError
-from ._ds_layout import DsCheckpoint, describe, ds_tags, find_tag_dir, malformed
+from ._ds_layout import LATEST_UNIVERSAL, DsCheckpoint, describe, ds_tags, find_tag_dir, malformed
 from ._ds_pickle import load_ds_file
+from ._ds_universal_read import check_universal, universal_optimizer_state, universal_weights
 from ._ds_weights import DsWeights, consolidate
 from ._load import read_latest
 
@@ -25,7 +26,7 @@ def ds_weights(path, tag: str | None, exclude_frozen: bool) -> tuple[DsCheckpoin
     """The checkpoint and its full weights, frozen ones dropped with `exclude_frozen`."""
     with malformed(os.fspath(path)):
         ck = describe(path, tag)
-        w = consolidate(ck)
+        w = universal_weights(ck, frozen=not exclude_frozen) if ck.layout == "universal" else consolidate(ck)
     if exclude_frozen:
         if not w.frozen_known:
             raise CheckpointError(f"{ck.dir}: exclude_frozen: this stage-0 DeepSpeed checkpoint (an fp32 run, no "
@@ -38,6 +39,9 @@ def ds_weights(path, tag: str | None, exclude_frozen: bool) -> tuple[DsCheckpoin
 
 def _num_params(ck: DsCheckpoint) -> int:
     """Parameters (tied ones once, frozen ones too) from what `describe` read, without the data."""
+    if ck.layout == "universal":
+        w = universal_weights(ck, trainable=False, frozen=False)
+        return sum(t.numel() for n, t in w.tensors.items() if n not in w.buffers)
     shapes = [s for g in ck.meta.get("param_shapes") or [] for s in g.values()]
     shapes += list((ck.meta.get("frozen_param_shapes") or {}).values())
     if ck.layout == "per_param":
@@ -62,12 +66,22 @@ def _num_params(ck: DsCheckpoint) -> int:
     return n
 
 
+def _bytes(d: str) -> int:
+    """The bytes of the files under `d` (a universal checkpoint's zero/ too), links not followed."""
+    total = 0
+    for top, dirs, files in os.walk(d):
+        total += sum(os.stat(os.path.join(top, n), follow_symlinks=False).st_size for n in files)
+    return total
+
+
 def _entry(ck: DsCheckpoint, verify: bool) -> dict[str, Any]:
     meta, cfg = ck.meta, ck.meta.get("ds_config") or {}
-    w = consolidate(ck) if verify else None
+    universal = ck.layout == "universal"
+    w = (check_universal(ck) if universal else consolidate(ck)) if verify else None
     scaler = None
-    if ck.precision == "fp16" and ck.optim_files:
-        osd = load_ds_file(ck.dir, ck.optim_files[(0, 0)]).get("optimizer_state_dict") or {}
+    if ck.precision == "fp16" and (ck.optim_files or universal):
+        osd = (universal_optimizer_state(ck)[0] if universal else
+               load_ds_file(ck.dir, ck.optim_files[(0, 0)]).get("optimizer_state_dict") or {})
         scaler = getattr(osd.get("loss_scaler"), "get", lambda *_: None)("cur_scale")
     master = (w.master if w is not None else ck.precision != "fp32" or ck.layout == "per_param")
     return {
@@ -76,13 +90,13 @@ def _entry(ck: DsCheckpoint, verify: bool) -> dict[str, Any]:
         "param_dtype": _PRECISION[ck.precision], "master_dtype": "float32" if master else None,
         "master_weights": master, "optimizer": (cfg.get("optimizer") or {}).get("type"),
         "fp16_loss_scale": scaler, "num_params": _num_params(ck),
-        "bytes": sum(os.stat(ck.path(n), follow_symlinks=False).st_size for n in os.listdir(ck.dir)),
+        "bytes": _bytes(ck.dir),
         "created": None, "config": json.dumps(cfg, indent=2, default=str) if cfg else None,
         "deepspeed": {
             "tp_degree": ck.tp, "pp_degree": ck.pp, "skipped_steps": meta.get("skipped_steps"),
             "global_samples": meta.get("global_samples"), "lr_scheduler": meta.get("lr_scheduler"),
             "bf16_optimizer": bool(meta.get("bf16_optimizer")), "expert_files": len(ck.expert_files),
-            "layer_files": len(ck.layer_files),
+            "layer_files": len(ck.layer_files), "universal": universal,
         },
         "health": "ok (every tensor read and checked)" if verify else "ok",
     }
@@ -97,13 +111,15 @@ def ds_info(path, verify: bool) -> dict[str, Any]:
         only = only if os.path.abspath(os.fspath(path)) == os.path.join(root, only) else None
     except CheckpointError:
         pass
-    latest, problem = None, None
+    latest, universal, problem = None, None, None
     try:
         latest = read_latest(root)
+        universal = read_latest(root, name=LATEST_UNIVERSAL)
     except CheckpointError as e:
         problem = f"BROKEN: {e}"
     tags = [only] if only else ds_tags(root)
-    out: dict[str, Any] = {"path": root, "latest": latest, "format": "deepspeed", "checkpoints": []}
+    out: dict[str, Any] = {"path": root, "latest": latest, "latest_universal": universal, "format": "deepspeed",
+                           "checkpoints": []}
     for tag in tags:
         try:
             with malformed(os.path.join(root, tag)):
@@ -112,6 +128,8 @@ def ds_info(path, verify: bool) -> dict[str, Any]:
             out["checkpoints"].append({"tag": tag, "format": "deepspeed", "health": f"BROKEN: {e}"})
     if problem is not None:
         out["latest_health"] = problem
-    elif latest is not None and latest not in ds_tags(root):
-        out["latest_health"] = f"BROKEN: 'latest' names {latest!r}, which is not a DeepSpeed checkpoint here"
+    else:
+        for name, named in (("latest", latest), (LATEST_UNIVERSAL, universal)):
+            if named is not None and named not in ds_tags(root):
+                out["latest_health"] = f"BROKEN: '{name}' names {named!r}, which is not a DeepSpeed checkpoint here"
     return out

@@ -1,8 +1,9 @@
 """Which DeepSpeed checkpoint a directory holds, and what it is (`specs/checkpoint-format.md`
-§DeepSpeed, "Finding the checkpoint"): the save directory (with `latest`), one `global_stepN` tag
-directory, or a Hugging Face Trainer `checkpoint-N/` holding one. `describe` reads the first
-model-states file (its small fields; tensors stay mapped, unread) and checks that every rank's
-file is there.
+§DeepSpeed, "Finding the checkpoint"): the save directory (with `latest`, or `latest_universal`),
+one `global_stepN` tag directory, or a Hugging Face Trainer `checkpoint-N/` holding one; a tag
+directory with a `zero/` directory is a universal checkpoint (`ds_to_universal`'s, or
+`to_deepspeed_universal`'s). `describe` reads the first model-states file (its small fields;
+tensors stay mapped, unread) and checks that every rank's file is there.
 """
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ import torch
 
 from .._errors import CheckpointError
 from ._ds_pickle import load_ds_file
+from ._format import LATEST_NAME
 from ._load import read_latest
-from ._safe import entry_kind, is_real_dir
+from ._safe import entry_kind, is_real_dir, is_real_file
 
 __all__ = ["DsCheckpoint", "is_deepspeed", "find_tag_dir", "describe", "ds_tags", "check_meta", "malformed",
-           "check_resumable"]
+           "check_resumable", "LATEST_UNIVERSAL", "UNIVERSAL_DIR", "UNIVERSAL_OPTIM"]
 
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _EXPERT = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _EXPP = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+LATEST_UNIVERSAL = "latest_universal"  # what DeepSpeed's engine reads with `load_universal` (and `latest` without)
+UNIVERSAL_DIR = "zero"  # a universal checkpoint's per-parameter directories, beside its model-states files
+UNIVERSAL_OPTIM = "optimizer_state.pt"  # in UNIVERSAL_DIR: the optimizer's hyper-parameters, loss scaler, ...
 
 
 @dataclass
@@ -44,7 +49,8 @@ class DsCheckpoint:
     stage: int = 0  # as DeepSpeed's config names it, for reports; the reader goes by `layout`
     # where the trainable weights are: "whole" (the module, and the optimizer's masters in the model
     # file: stage 0), "flat" (flat fp32 partitions in the optimizer files: ZeRO-1/2, BF16_Optimizer),
-    # "per_param" (each parameter partitioned, the slices in the optimizer files: ZeRO-3)
+    # "per_param" (each parameter partitioned, the slices in the optimizer files: ZeRO-3), "universal"
+    # (each parameter whole in its own files under zero/: `_ds_universal_read.py`)
     layout: str = "whole"
     precision: str = "fp32"
     dp: int = 1
@@ -77,24 +83,38 @@ def ds_tags(root: str) -> list[str]:
 
 def is_deepspeed(path) -> bool:
     """Whether `path` is a DeepSpeed checkpoint: a tag directory, or a directory whose `latest`
-    names one or that holds one (fnzero's own checkpoints hold an index instead)."""
+    (else `latest_universal`) names one or that holds one (fnzero's own checkpoints hold an index
+    instead; a root whose `latest` names one of fnzero's is fnzero's, whatever else it holds)."""
     root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root):
         return False
     if _ds_files(root):
         return True
-    try:
-        latest = read_latest(root)
-    except CheckpointError:
-        latest = None
-    if latest is not None:
-        return _is_tag_dir(os.path.join(root, latest))
+    for name in (LATEST_NAME, LATEST_UNIVERSAL):
+        try:
+            latest = read_latest(root, name=name)
+        except CheckpointError:
+            latest = None
+        if latest is not None:
+            return _is_tag_dir(os.path.join(root, latest))
     return bool(ds_tags(root))
 
 
-def find_tag_dir(path, tag: str | None = None) -> tuple[str, str]:
+def _latest_tag(root: str, universal: bool) -> str:
+    """The tag `latest` names, else `latest_universal` (the other way round with `universal`, as
+    DeepSpeed's engine reads `latest_universal` when its config sets `load_universal`)."""
+    names = (LATEST_UNIVERSAL, LATEST_NAME) if universal else (LATEST_NAME, LATEST_UNIVERSAL)
+    for name in names:
+        tag = read_latest(root, name=name)
+        if tag is not None:
+            return tag
+    raise CheckpointError(f"{root!r} has no 'latest' or 'latest_universal' file; pass tag= (DeepSpeed tags here: "
+                          f"{ds_tags(root)})")
+
+
+def find_tag_dir(path, tag: str | None = None, universal: bool = False) -> tuple[str, str]:
     """(root, tag) of the DeepSpeed checkpoint `path` names: itself when it is a tag directory,
-    else `tag` under it, else the one its `latest` names."""
+    else `tag` under it, else the one its `latest` (or `latest_universal`) names."""
     root = os.path.abspath(os.fspath(path))
     if _ds_files(root):
         if tag is not None and tag != os.path.basename(root):
@@ -102,9 +122,7 @@ def find_tag_dir(path, tag: str | None = None) -> tuple[str, str]:
                                   "names another (give the directory above it)")
         return os.path.dirname(root), os.path.basename(root)
     if tag is None:
-        tag = read_latest(root)
-        if tag is None:
-            raise CheckpointError(f"{root!r} has no 'latest' file; pass tag= (DeepSpeed tags here: {ds_tags(root)})")
+        tag = _latest_tag(root, universal)
     if "/" in tag or tag in ("", ".", ".."):
         raise CheckpointError(f"tag {tag[:60]!r} is not a directory name")
     kind = entry_kind(os.path.join(root, tag))
@@ -127,8 +145,8 @@ def _classify(ck: DsCheckpoint, names: list[str]) -> None:
             ck.expert_files.append(n)
     if not ck.model_files:
         raise CheckpointError(f"{ck.dir}: no mp_rank_*_model_states.pt file; not a DeepSpeed checkpoint")
-    if "zero" in names and is_real_dir(ck.path("zero")):
-        raise CheckpointError(f"{ck.dir}: a DeepSpeed universal checkpoint (its zero/ directory) is not read yet")
+    if UNIVERSAL_DIR in names and is_real_dir(ck.path(UNIVERSAL_DIR)):
+        ck.layout = "universal"
 
 
 def _check_ranks(ck: DsCheckpoint, files: dict, what: str, dps: range, mps: range) -> None:
@@ -146,11 +164,15 @@ def _precision(ck: DsCheckpoint, module) -> str:
     for name, t in (module or {}).items():
         if isinstance(t, torch.Tensor) and t.is_floating_point() and name not in skip:
             return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(t.dtype, "fp32")
+    return _config_precision(ck) or "fp32"
+
+
+def _config_precision(ck: DsCheckpoint) -> str | None:
     cfg = ck.meta.get("ds_config") or {}
     for key in ("bf16", "fp16"):
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True:
             return key
-    return "fp32"
+    return None
 
 
 @contextlib.contextmanager
@@ -206,9 +228,24 @@ def optim_of(ck: DsCheckpoint, dp: int, mp: int) -> tuple[dict, str]:
     return osd, ck.path(name)
 
 
-def describe(path, tag: str | None = None) -> DsCheckpoint:
-    """The DeepSpeed checkpoint `path` (and `tag`) names, with its layout checked."""
-    root, tag = find_tag_dir(path, tag)
+def _universal(ck: DsCheckpoint, module) -> DsCheckpoint:
+    """A universal checkpoint: its stage the saving run's (its config's), its model-states files
+    whichever the converter copied (every rank's, or rank 0's: only one is read)."""
+    if not is_real_file(os.path.join(ck.dir, UNIVERSAL_DIR, UNIVERSAL_OPTIM)):
+        raise CheckpointError(f"{ck.path(os.path.join(UNIVERSAL_DIR, UNIVERSAL_OPTIM))}: missing (or not a regular "
+                              "file); a universal checkpoint keeps its optimizer's state there")
+    zero = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    ck.stage = stage if type(stage) is int and stage in (0, 1, 2, 3) else 0
+    # (the config first: fnzero's converter writes every parameter as a float32 placeholder)
+    ck.precision = _config_precision(ck) or _precision(ck, module)
+    return ck
+
+
+def describe(path, tag: str | None = None, universal: bool = False) -> DsCheckpoint:
+    """The DeepSpeed checkpoint `path` (and `tag`) names, with its layout checked. `universal`:
+    prefer `latest_universal` to `latest` where no tag is given."""
+    root, tag = find_tag_dir(path, tag, universal)
     ck = DsCheckpoint(dir=os.path.join(root, tag), tag=tag)
     _classify(ck, sorted(os.listdir(ck.dir)))
     first = ck.model_files[min(ck.model_files)]
@@ -222,6 +259,8 @@ def describe(path, tag: str | None = None) -> DsCheckpoint:
     ck.pp = int(dims.get("pp_degree", 1)) if ck.layer_files or dims else 1
     ck.tp = int(dims.get("tp_degree", mp_world // max(ck.pp, 1)))
     ck.dp = int(ck.meta.get("dp_world_size") or 1)
+    if ck.layout == "universal":
+        return _universal(ck, state["module"])
     zero3 = any(dp > 0 for dp, _ in ck.model_files) or _MODEL.match(first).group(1) is not None
     if zero3:
         ck.stage, ck.layout = 3, "per_param"
@@ -258,7 +297,11 @@ def check_resumable(ck: DsCheckpoint) -> None:
     if kind is not None and kind.lower() not in ("adam", "adamw"):
         raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
                               "(exp_avg, exp_avg_sq and step per parameter)")
-    if ck.layer_files or ck.expert_files or ck.tp > 1:
+    if ck.layout == "universal":  # whole tensors whatever the run's tensor parallelism
+        if ck.layer_files or ck.expert_files or ck.pp > 1 or ck.meta.get("num_experts"):
+            raise CheckpointError(f"{ck.dir}: resuming from a universal checkpoint of a pipeline or MoE run is not "
+                                  "implemented yet")
+    elif ck.layer_files or ck.expert_files or ck.tp > 1:
         raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
                               "not implemented yet; its weights export with `fnzero export`")
     if ck.precision == "fp16" and ck.layout == "whole":

@@ -14,7 +14,7 @@ import torch
 
 from .._errors import CheckpointError
 
-__all__ = ["MOMENTS", "flat_moment", "zero3_moments", "adam_step", "states_step"]
+__all__ = ["MOMENTS", "flat_moment", "zero3_moments", "adam_step", "states_step", "as_count"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # what Adam and AdamW keep per parameter (torch's names)
 
@@ -60,7 +60,7 @@ def zero3_moments(osd: dict, n: int, tensor: str, where: str) -> list[torch.Tens
     return [_moment(state[i], tensor, where, f"optimizer state of sub-group {i}") for i in range(n)]
 
 
-def _as_int(v, where: str, what: str) -> int:
+def as_count(v, where: str, what: str) -> int:
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
     if isinstance(v, float) and v.is_integer():
@@ -73,7 +73,7 @@ def _as_int(v, where: str, what: str) -> int:
 def adam_step(osd: dict, n: int, zero3: bool, where: str) -> int:
     """The Adam step count of this rank's optimizer state: every group's must agree."""
     if not zero3 and isinstance(osd.get("base_optimizer_state"), list):
-        return _as_int(osd.get("base_optimizer_state_step"), where, "'base_optimizer_state_step'")
+        return as_count(osd.get("base_optimizer_state_step"), where, "'base_optimizer_state_step'")
     if zero3:
         states = [osd["optimizer_state_dict"]["state"][i] for i in range(n)]
     else:
@@ -83,7 +83,7 @@ def adam_step(osd: dict, n: int, zero3: bool, where: str) -> int:
 
 def states_step(states: dict, where: str, what: str) -> int:
     """The one step count of torch optimizer states `states` (index -> state): all must agree."""
-    steps = {_as_int(s.get("step"), where, f"{what} {i}'s 'step'") for i, s in states.items()}
+    steps = {as_count(s.get("step"), where, f"{what} {i}'s 'step'") for i, s in states.items()}
     if len(steps) != 1:
         raise CheckpointError(f"{where}: the optimizer's {what}s are at different steps {sorted(steps)}")
     return steps.pop()

@@ -22,7 +22,7 @@ import torch
 from .._errors import CheckpointError
 from ._safe import open_file
 
-__all__ = ["load_ds_file", "LossScalerState", "FragmentAddress"]
+__all__ = ["load_ds_file", "LossScalerState", "FragmentAddress", "SubparamShapeData"]
 
 
 class _Data:
@@ -51,6 +51,12 @@ class FragmentAddress(_Data):
     """`deepspeed.utils.tensor_fragment.fragment_address`: `numel`, `start` in a rank's partition."""
 
 
+class SubparamShapeData(_Data):
+    """`deepspeed.checkpoint.universal_checkpoint.SubparamShape` (`patterns`, `shape`,
+    `partition_dim`): how DeepSpeed re-cuts a fused parameter of a universal checkpoint for tensor
+    parallelism. The tensor beside it is whole, which is all fnzero reads."""
+
+
 def _zero_stage(value):
     """`deepspeed.runtime.zero.config.ZeroStageEnum(value)` as the int it wraps."""
     if type(value) is not int or value not in (0, 1, 2, 3):
@@ -63,6 +69,7 @@ _DEEPSPEED_GLOBALS = [
     (LossScalerState, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (LossScalerState, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (SubparamShapeData, "deepspeed.checkpoint.universal_checkpoint.SubparamShape"),
 ]
 # torch's allowlist (`safe_globals`) is one set for the process, put back as it was on exit: ranks
 # that are threads of one process (`fnzero.testing.simulated_world`) load one file at a time, or
@@ -77,7 +84,8 @@ def _refusal(where: str, e: Exception) -> CheckpointError:
     if m:
         name = next(g for g in m.groups() if g)
         return CheckpointError(f"{where}: refuses to load the global {name!r} (fnzero admits tensors, plain "
-                               f"containers and DeepSpeed's loss scaler, ZeRO stage and fragment address only; "
+                               f"containers and DeepSpeed's loss scaler, ZeRO stage, fragment address and "
+                               f"sub-parameter shape only; "
                                f"nothing from the file was run)")
     first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
     return CheckpointError(f"{where}: not a readable torch.save file ({first})")

@@ -3,14 +3,16 @@
 the schedule's position, at any world size and stage of `like`.
 
 Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
-hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`), and
-at ZeRO-3 of its frozen parameters from the model files that overlap them; below ZeRO-3 frozen
+hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`; a
+universal checkpoint: the parameters' own files, `_ds_universal_read`, frozen ones kept `like`'s),
+and at ZeRO-3 of its frozen parameters from the model files that overlap them; below ZeRO-3 frozen
 parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable ones left
 unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkpoint's
 loss scaler becomes the state's loss scale (`_ds_loss_scale`). Refused, one `CheckpointError`
 naming what: optimizers other than Adam/AdamW, a model whose parameter names or shapes differ,
 step counts that disagree, a loss scaler whose policy is not the given config's, an fp16 stage-0
-checkpoint, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
+checkpoint, a `like` with pipeline or expert parallelism or its optimizer on NVMe, or with tensor
+parallelism unless the checkpoint is universal (whole tensors).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from ._ds_optim import MOMENTS
 from ._ds_shard import ShardRead
 from ._ds_stage0 import Stage0Read
 from ._ds_trainer import check_trainer_dir
+from ._ds_universal_read import UniversalRead, universal_optimizer_state, universal_weights
 from ._ds_weights import DsWeights, consolidate
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
+from ._tp import tp_check_view
 from ._tree import Leaf, units_by_key
 
 __all__ = ["load_deepspeed"]
@@ -39,20 +43,28 @@ __all__ = ["load_deepspeed"]
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
             "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
             "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer"}
+            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer",
+            "num_experts", "ds_autoep_layers"}
 def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_frozen: bool = False,
                    config=None) -> tuple[TrainState, dict]:
     """(state laid out as `like`, the client state `save_checkpoint` was given) from DeepSpeed
     checkpoint `path` (its save directory, `latest` naming the tag, or a tag directory). `config`
-    (optional): the step's, whose fp16 block is checked against an fp16 checkpoint's loss scaler."""
-    _check_like(like)
-    ck = describe(path, tag)
+    (optional): the step's, whose fp16 block is checked against an fp16 checkpoint's loss scaler,
+    and whose `checkpoint.load_universal` prefers `latest_universal` to `latest`."""
+    ck = describe(path, tag, universal=bool(config is not None and config.checkpoint.load_universal))
+    universal = ck.layout == "universal"
+    _check_like(like, universal)
     check_resumable(ck)
-    shard = (Stage0Read if ck.layout == "whole" else ShardRead)(ck, like)  # (what this rank needs: nothing read yet)
+    reader = UniversalRead if universal else Stage0Read if ck.layout == "whole" else ShardRead
+    shard = reader(ck, like)  # (what this rank needs: nothing read yet)
     step = _step(ck, shard)
     loss_scale = _loss_scale(ck, like, config)
-    w = consolidate(ck, trainable=False)
-    _check_model(w, like, keep_frozen)
+    w = universal_weights(ck, trainable=False, frozen=False) if universal else consolidate(ck, trainable=False)
+    tp = like.sharding.tp is not None and like.sharding.tp.size > 1
+    _check_model(w, tp_check_view(like) if tp else like, keep_frozen)
+    # A universal checkpoint holds no frozen parameters (DeepSpeed's universal load takes them from
+    # the model): they stay `like`'s own, as `keep_frozen` keeps them.
+    keep_frozen = keep_frozen or universal
     shard.read()
     names = {a: first for first, aliases in w.aliases.items() for a in aliases}
     units = units_by_key(like.sharding.plan)
@@ -72,16 +84,17 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     return state, {k: v for k, v in ck.meta.items() if k not in _DS_KEYS}
 
 
-def _check_like(like: TrainState) -> None:
+def _check_like(like: TrainState, universal: bool) -> None:
     from ..offload import is_nvme
 
     sh = like.sharding
-    what = ("tensor" if sh.tp is not None and sh.tp.size > 1 else
+    what = ("tensor" if sh.tp is not None and sh.tp.size > 1 and not universal else
             "pipeline" if sh.pp is not None and sh.pp.stages > 1 else
             "expert" if sh.ep is not None else None)
     if what is not None:
         raise CheckpointError(f"loading a DeepSpeed checkpoint into a state with {what} parallelism is not "
-                              "implemented yet (data-parallel states at any ZeRO stage are)")
+                              "implemented yet (data-parallel states at any ZeRO stage are, and tensor-parallel "
+                              "ones from a universal checkpoint)")
     if is_nvme(like):
         raise CheckpointError("loading a DeepSpeed checkpoint into a state with its optimizer on NVMe is not "
                               "implemented yet")
@@ -95,7 +108,7 @@ def _loss_scale(ck, like: TrainState, config):
     the others."""
     if ck.precision != "fp16":
         return None
-    osd, where = optim_of(ck, 0, 0)
+    osd, where = universal_optimizer_state(ck) if ck.layout == "universal" else optim_of(ck, 0, 0)
     return ds_loss_scale(where, osd, like, config)
 
 

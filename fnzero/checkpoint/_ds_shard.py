@@ -22,7 +22,7 @@ from ._ds_optim import MOMENTS, adam_step, flat_moment, zero3_moments
 from ._ds_pickle import load_ds_file
 from ._tree import state_leaves, units_by_key
 
-__all__ = ["ShardRead", "WEIGHTS"]
+__all__ = ["ShardRead", "WEIGHTS", "leaf_needs"]
 
 WEIGHTS = "weights"  # the fp32 weights; the other fields are Adam's moments, by torch's names
 
@@ -40,7 +40,7 @@ class ShardRead:
         self.runs = runs(ck, self.shapes, self.align)
         if ck.layout == "per_param":  # (ZeRO-1/2 keep frozen weights whole in the model file: read by name)
             self.runs.update(frozen_runs(ck))
-        self.needs = self._needs(like)
+        self.needs, self.names = leaf_needs(like, self.runs)
         self.by_rank: dict[int, list[tuple[str, str, Run, int, int]]] = {}
         for field, needs in self.needs.items():
             for name, (a, b) in needs.items():
@@ -62,36 +62,6 @@ class ShardRead:
             return zeros
         osd, where = optim_of(self.ck, 0, 0)
         return list_of({"a": osd.get("param_alignment_paddings") or zeros}, "a", len(self.shapes), where)
-
-    def _needs(self, like: TrainState) -> dict[str, dict[str, tuple[int, int]]]:
-        """field -> checkpoint name -> the element range [a, b) this rank's leaves hold of it (a
-        frozen parameter's under the weights; one held whole, outside any unit, all of it)."""
-        units = units_by_key(like.sharding.plan)
-        out: dict[str, dict[str, tuple[int, int]]] = {f: {} for f in (WEIGHTS, *MOMENTS)}
-        self.names: dict[str, str] = {}
-
-        def need(field: str, names, a: int, b: int) -> None:
-            name = next((n for n in names if n in self.runs), None)
-            if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
-                return
-            self.names[names[0]] = name
-            lo, hi = out[field].get(name, (a, b))
-            out[field][name] = (min(lo, a), max(hi, b))
-
-        for leaf in state_leaves(like):
-            top, _, rest = leaf.path.partition("/")
-            field = WEIGHTS if top in ("params", "master", "frozen") else \
-                rest.partition("/")[0] if top == "opt_state" else ""
-            if leaf.per_rank or field not in out:
-                continue
-            if leaf.unit is None:
-                if top == "frozen":
-                    need(WEIGHTS, (rest,), 0, leaf.tensor.numel())
-                continue
-            for s in units[leaf.unit].slots:
-                need(field, (s.name, *s.aliases), max(leaf.lo, s.offset) - s.offset,
-                     min(leaf.hi, s.offset + s.numel) - s.offset)
-        return out
 
     def adam_step(self) -> int:
         """The Adam step of the first file this rank reads (`read` checks the others against it)."""
@@ -185,3 +155,35 @@ class ShardRead:
         if a < lo or b - lo > buf.numel():
             raise CheckpointError(f"elements [{a}, {b}) of {name!r} ({field}) were not read for this rank's shard")
         return buf[a - lo: b - lo]
+
+
+def leaf_needs(like: TrainState, known) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
+    """(field -> checkpoint name -> the element range [a, b) this rank's leaves of `like` hold of
+    it, fnzero's slot name -> the checkpoint's name for it): the parameters' weights (`params`,
+    `master`, and `frozen`: a frozen unit's share, or all of a frozen parameter held whole) and
+    Adam's moments, each parameter under the first of its names (a tied one's aliases too) that
+    `known` holds."""
+    units = units_by_key(like.sharding.plan)
+    out: dict[str, dict[str, tuple[int, int]]] = {f: {} for f in (WEIGHTS, *MOMENTS)}
+    names: dict[str, str] = {}
+
+    def need(field: str, candidates: tuple, a: int, b: int) -> None:
+        name = next((n for n in candidates if n in known), None)
+        if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
+            return
+        names[candidates[0]] = name
+        lo, hi = out[field].get(name, (a, b))
+        out[field][name] = (min(lo, a), max(hi, b))
+
+    for leaf in state_leaves(like):
+        top, _, rest = leaf.path.partition("/")
+        field = WEIGHTS if top in ("params", "master", "frozen") else rest.partition("/")[0] if top == "opt_state" else ""
+        if leaf.per_rank or field not in out:
+            continue
+        if leaf.unit is None:
+            if top == "frozen":
+                need(WEIGHTS, (rest,), 0, leaf.tensor.numel())
+            continue
+        for s in units[leaf.unit].slots:
+            need(field, (s.name, *s.aliases), max(leaf.lo, s.offset) - s.offset, min(leaf.hi, s.offset + s.numel) - s.offset)
+    return out, names

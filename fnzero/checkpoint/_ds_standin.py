@@ -3,8 +3,9 @@
 checkpoint's names, shapes, ties and trainable flags, so that a state can be laid out for it and
 the checkpoint loaded into that state without the user's model at hand.
 
-The parameters hold zeros (a load writes them); the buffers hold the checkpoint's values, since a
-state keeps its buffers as the module gives them.
+The trainable parameters hold zeros (a load writes them); the buffers, and the frozen parameters
+where the files were read for them, hold the checkpoint's values (a universal checkpoint's load
+keeps the model's frozen weights, as DeepSpeed's does).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint, check_resumable, describe
 from ._ds_stage0 import stage0_frozen
+from ._ds_universal_read import universal_weights
 from ._ds_weights import consolidate
 
 __all__ = ["deepspeed_model"]
@@ -27,7 +29,8 @@ def deepspeed_model(path, tag: str | None = None) -> tuple[nn.Module, DsCheckpoi
     checkpoint `load` cannot resume (not Adam's, a pipeline's, ...) is refused here, named."""
     ck = describe(path, tag)
     check_resumable(ck)
-    w = consolidate(ck, trainable=False)
+    # (A universal checkpoint's frozen weights are read here: `load` keeps the model's own for it.)
+    w = universal_weights(ck, trainable=False) if ck.layout == "universal" else consolidate(ck, trainable=False)
     frozen = w.frozen if w.frozen_known else stage0_frozen(ck)
     root = nn.Module()
     params: dict[str, nn.Parameter] = {}
@@ -37,7 +40,8 @@ def deepspeed_model(path, tag: str | None = None) -> tuple[nn.Module, DsCheckpoi
             owner.register_buffer(leaf, t.detach().clone(), persistent=True)
             continue
         dtype = torch.float32 if t.is_floating_point() else t.dtype
-        p = params[name] = nn.Parameter(torch.zeros(t.shape, dtype=dtype), requires_grad=name not in frozen)
+        value = t.detach().to(dtype).clone() if t.device.type != "meta" and name in frozen else torch.zeros(t.shape, dtype=dtype)
+        p = params[name] = nn.Parameter(value, requires_grad=name not in frozen)
         owner.register_parameter(leaf, p)
     for first, aliases in w.aliases.items():
         for alias in aliases:

@@ -31,7 +31,7 @@ from . import _format as F
 from ._io import fsync_dir, write_atomic
 from ._load import Reader, resolve
 
-__all__ = ["to_deepspeed_universal", "DS_VERSION"]
+__all__ = ["to_deepspeed_universal", "DS_VERSION", "recorded_world"]
 
 # The DeepSpeed version whose loader this layout is checked against; its `_load_global_state`
 # asserts that the optimizer state names one (stage_1_and_2.py).
@@ -104,7 +104,7 @@ def _config(ix: dict, given: Any):
                 "the checkpoint was saved without its config (save(..., config=cfg)), and a DeepSpeed universal "
                 "checkpoint needs the optimizer's hyper-parameters and the schedule from it: pass config="
             )
-        world = _recorded_world(src, world)
+        world = recorded_world(src, world)
     try:
         with warnings.catch_warnings():
             # Its no-effect keys were warned about when the run loaded it; converting changes nothing.
@@ -114,13 +114,14 @@ def _config(ix: dict, given: Any):
         raise CheckpointError(f"the run's config cannot be read: {e}") from None
 
 
-def _recorded_world(text: str, default: int) -> int:
-    """The data-parallel size a recorded config was resolved at (train_batch_size / micro / gas):
-    under tensor parallelism or MiCS it is not the index's world size."""
+def recorded_world(config, default: int) -> int:
+    """The data-parallel size a recorded config (JSON text or dict) was resolved at: train_batch_size
+    / micro / gas. Under tensor parallelism or MiCS it is not the index's world size, and a converted
+    checkpoint's files may come from one process; `default` where the numbers do not say."""
     try:
-        d = json.loads(text)
-        return int(d["train_batch_size"]) // (int(d["train_micro_batch_size_per_gpu"]) *
-                                               int(d["gradient_accumulation_steps"]))
+        d = json.loads(config) if isinstance(config, str) else config
+        return max(1, int(d["train_batch_size"]) // (int(d["train_micro_batch_size_per_gpu"]) *
+                                                      int(d["gradient_accumulation_steps"])))
     except (ValueError, TypeError, KeyError, ZeroDivisionError):
         return default
 

@@ -18,7 +18,7 @@ from ._ds_layout import DsCheckpoint, check_meta, optim_of as _optim
 from ._ds_offsets import frozen_shapes, list_of as _list, shapes_of as _shapes, zero12_offsets, zero3_offsets
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate", "ties"]
+__all__ = ["DsWeights", "consolidate", "ties", "zero3_frozen"]
 
 
 @dataclass
@@ -189,6 +189,14 @@ def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True) -> dict[str, torch
             _zero3_fill(out, [[(n, s)] for n, s in frozen[0]], [frags[n].reshape(-1) for n, _ in frozen[0]], r,
                         ck.dp, ck.path(name), "frozen_param_fragments")
     return {n: out[n][: math.prod(s)].view(s) for g in shapes + frozen for n, s in g}
+
+
+def zero3_frozen(ck: DsCheckpoint) -> dict[str, torch.Tensor]:
+    """A ZeRO-3 checkpoint's frozen parameters, whole, from every rank's `frozen_param_fragments`
+    (no optimizer file opened)."""
+    w = DsWeights()
+    got = _zero3(ck, w, read=False)
+    return {n: got[n] for n in w.frozen}
 
 
 def _stage0_list(opt, where: str) -> list[torch.Tensor]:

@@ -44,14 +44,15 @@ def list_tags(root: str) -> list[str]:
     return [n for _, n in sorted(out)]
 
 
-def read_latest(root: str, root_fd: int | None = None) -> str | None:
+def read_latest(root: str, root_fd: int | None = None, name: str = F.LATEST_NAME) -> str | None:
     """The tag `root/latest` names (None when there is no `latest`), read as an untrusted file:
     a regular file of at most 1 KiB holding a valid tag. Messages never quote its contents.
-    `root_fd`: the root's open descriptor, when the caller holds one."""
-    lp = os.path.join(root, F.LATEST_NAME)
+    `root_fd`: the root's open descriptor, when the caller holds one. `name`: another file of the
+    same kind (DeepSpeed's `latest_universal`)."""
+    lp = os.path.join(root, name)
     fd = open_dir(root, None, root) if root_fd is None else root_fd
     try:
-        raw = read_small(F.LATEST_NAME, fd, lp, F.MAX_LATEST_BYTES)
+        raw = read_small(name, fd, lp, F.MAX_LATEST_BYTES)
     except FileNotFoundError:
         return None
     finally:

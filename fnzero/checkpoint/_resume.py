@@ -38,7 +38,10 @@ def load(
     it: `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
     and no RNG state (`restore_rng`). An fp16 run's loss scaler becomes the state's loss scale;
     `config`, the one the step will run (optional, DeepSpeed checkpoints only), has its fp16 block
-    checked against the scaler's policy, which DeepSpeed would resume."""
+    checked against the scaler's policy, which DeepSpeed would resume. A DeepSpeed universal checkpoint
+    (`ds_to_universal`'s or `to_deepspeed_universal`'s: its `latest_universal`, or read first where
+    `config.checkpoint.load_universal` is set) resumes at any world size, stage and tensor-parallel
+    mesh; its frozen parameters are `like`'s own, as DeepSpeed takes them from the model."""
     if isinstance(like, TrainState) and is_deepspeed(path):
         return load_deepspeed(path, like, tag=tag, keep_frozen=keep_frozen, config=config)
     return load_fnzero(path, like, tag=tag, verify=verify, restore_rng=restore_rng, keep_frozen=keep_frozen)

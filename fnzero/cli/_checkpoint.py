@@ -49,14 +49,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rep, indent=2, default=str))
         return 1 if broken else 0
-    print(f"{rep['path']}  (latest: {rep['latest']})")
+    universal = f", latest_universal: {rep['latest_universal']}" if rep.get("latest_universal") else ""
+    print(f"{rep['path']}  (latest: {rep['latest']}{universal})")
     if not rep["checkpoints"]:
         print("  no committed checkpoints")
     for c in rep["checkpoints"]:
-        mark = "*" if c["tag"] == rep["latest"] else " "
+        mark = "*" if c["tag"] in (rep["latest"], rep.get("latest_universal")) else " "
         if "step" in c:
             prec = f"{c['param_dtype']} params" + (f" + {c['master_dtype']} master" if c["master_dtype"] else "")
             fmt = c["version"] if c.get("format") == "deepspeed" else f"format v{c['version']}"
+            fmt += " universal" if c.get("deepspeed", {}).get("universal") else ""
             print(f"{mark} {c['tag']}: step {c['step']}, saved by {c['world_size']} rank(s) at ZeRO stage {c['stage']}, "
                   f"{c['num_params']:,} parameters ({prec}), {c['optimizer']}, {_human(c['bytes'])}, {fmt}: "
                   f"{c['health']}")
@@ -108,7 +110,9 @@ def register(sub) -> None:
     ep = sub.add_parser("export", help="consolidated weights (safetensors or torch) from a checkpoint",
                         description="Write a checkpoint's consolidated weights in model.state_dict() naming.")
     ep.add_argument("checkpoint", help="checkpoint root (uses 'latest') or one checkpoint directory; fnzero's or "
-                                       "DeepSpeed's (a save directory, a global_stepN directory, a Trainer checkpoint-N)")
+                                       "DeepSpeed's (a save directory, a global_stepN directory, a Trainer "
+                                       "checkpoint-N, a universal checkpoint: 'latest_universal' where there is "
+                                       "no 'latest')")
     ep.add_argument("out", help="output file, or a directory for model.safetensors / pytorch_model.bin")
     ep.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16 or fp64; integer buffers keep theirs")
     ep.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
@@ -128,7 +132,8 @@ def register(sub) -> None:
     cp = sub.add_parser("checkpoint", help="inspect and convert checkpoints")
     csub = cp.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
     ip = csub.add_parser("info", help="tags, world size, stage, sizes, config and health")
-    ip.add_argument("checkpoint", help="checkpoint root or one checkpoint directory (fnzero's or DeepSpeed's)")
+    ip.add_argument("checkpoint", help="checkpoint root or one checkpoint directory (fnzero's or DeepSpeed's, "
+                                       "universal ones too)")
     ip.add_argument("--verify", action="store_true", help="also read everything and check every checksum")
     ip.add_argument("--config", action="store_true", help="print each checkpoint's config JSON")
     ip.add_argument("--json", action="store_true", help="machine-readable output")

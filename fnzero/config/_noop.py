@@ -117,8 +117,6 @@ _TABLE: dict[str, str | NoEffect] = {
         "hpZ keeps a secondary partition of the parameters, which are sharded only at ZeRO stage 3 (as in "
         "DeepSpeed, which ignores it below)",
     ),
-    "checkpoint.load_universal": "fnzero.checkpoint.load reads fnzero checkpoints only, not DeepSpeed universal "
-                                 "checkpoints",
     **{f"optimizer.params.{key}": (_changed(f"optimizer.params.{key}", _onebit), why) for key, why in {
         "cuda_aware": "fnzero's compressed all-reduce runs over the data-parallel collectives (no MPI)",
         "comm_backend_name": "fnzero's compressed all-reduce runs over the data-parallel collectives, whatever "

@@ -166,7 +166,8 @@ class CheckpointConfig(Model):
     tag_validation: Literal["Ignore", "Warn", "Fail"] = Field(
         "Warn", description="What to do when ranks save under different tags (case-insensitive); no effect in fnzero."
     )
-    load_universal: Bool = Field(False, description="Load a DeepSpeed universal checkpoint; no effect in fnzero (warns when true).")
+    load_universal: Bool = Field(
+        False, description="`fnzero.checkpoint.load(config=)` reads the tag `latest_universal` names before `latest`'s.")
     use_node_local_storage: Bool = Field(
         False, description="Each node commits a whole checkpoint on its own disk (`save(config=)`, `node_local=`).")
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig, description="Parallel write options.")

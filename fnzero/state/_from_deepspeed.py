@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from .._errors import CheckpointError, ConfigError
-from ..checkpoint import deepspeed_model, load, save
+from ..checkpoint import deepspeed_model, load, recorded_world, save
 from ..config import ConfigWarning, load_config
 from ._shard import shard
 
@@ -57,6 +57,7 @@ def _config(ck, given: Any):
         with warnings.catch_warnings():
             # Its no-effect keys were warned about when the run loaded it; converting changes nothing.
             warnings.simplefilter("ignore", ConfigWarning)
-            return load_config(d, world_size=ck.dp)
+            return load_config(d, world_size=recorded_world(d, ck.dp))
     except ConfigError as e:
         raise CheckpointError(f"{ck.dir}: the run's config cannot be read: {e}") from None
+
