@@ -3,9 +3,10 @@ with DeepSpeed and take the given steps. `python _ds_universal_runner.py SPEC.js
 world size and `jobs`, each (or SPEC itself, as one job) naming the checkpoint root `load`, the
 batches file (a list of global (x, y)), the `model` ("mlp", the default, or "llama") and `runs`, each
 a config (one engine after another in the same process group) and where to write {"losses",
-"params", "masters", "global_steps", ...}. An optional `train` ({"config", "batches", "save"}) first
+"params", "masters", "global_steps", ...}. An optional `train` ({"config", "batches", "save", "out"?}) first
 trains a fresh engine on its batches and saves it with `save_checkpoint` (the checkpoint the runs
-then resume). Each global step is `gradient_accumulation_steps` micro-batches of this rank's rows.
+then resume), writing to `out` what the engine held when it saved ({name: {"param", "master",
+"exp_avg", "exp_avg_sq"}}, whole). Each global step is `gradient_accumulation_steps` micro-batches of this rank's rows.
 The test imports `build_model` and `loss_of` from here too, so both sides train the same module on
 the same loss; nothing here imports fnzero or, at import time, DeepSpeed.
 
@@ -35,7 +36,8 @@ def build_model(kind: str = "mlp") -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                          tie_word_embeddings=True)
         return LlamaForCausalLM(cfg)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
 
@@ -76,6 +78,9 @@ def _job(deepspeed, job: dict, rank: int, world: int) -> None:
         for x, y in torch.load(t["batches"]):
             _global_step(eng, kind, x, y, rank, world)
         eng.save_checkpoint(t["save"])
+        held = _held(deepspeed, eng)
+        if rank == 0 and "out" in t:
+            torch.save(held, t["out"])
     batches = torch.load(job["batches"])
     for run in job["runs"]:
         result = _resume_and_step(deepspeed, kind, run["config"], job["load"], batches, rank, world)
@@ -92,29 +97,39 @@ def _resume_and_step(deepspeed, kind: str, config: dict, load: str, batches, ran
     for x, y in batches:
         lrs.append(eng.get_lr()[0])  # the lr the step applies
         losses.append(_global_step(eng, kind, x, y, rank, world))
-    params, masters = {}, {}
+    held = _held(deepspeed, eng)
+    return {"losses": losses, "global_steps": eng.global_steps, "skipped_steps": eng.skipped_steps, "lrs": lrs,
+            "params": {n: h["param"].float() for n, h in held.items()},
+            "masters": {n: h["master"] for n, h in held.items()}, "loss_scale": float(getattr(eng.optimizer, "loss_scale", 1.0)), "optimizer": type(eng.optimizer).__name__}
+
+
+def _held(deepspeed, eng) -> dict:
+    """{name: {"param", "master", "exp_avg", "exp_avg_sq"}}: what the engine holds for each
+    parameter, whole: the parameter in its own dtype, the rest in fp32 (collectives at ZeRO-1..3:
+    every rank calls it)."""
+    out = {}
     for name, p in eng.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):  # a no-op below ZeRO-3
-            params[name] = p.detach().clone().float()
-        masters[name] = _master(deepspeed, eng, p, params[name])
-    return {"losses": losses, "params": params, "global_steps": eng.global_steps, "skipped_steps": eng.skipped_steps,
-            "lrs": lrs, "masters": masters, "loss_scale": float(getattr(eng.optimizer, "loss_scale", 1.0)),
-            "optimizer": type(eng.optimizer).__name__}
-
-
-def _master(deepspeed, eng, p, value: torch.Tensor) -> torch.Tensor:
-    """`p`'s fp32 master: ZeRO's and BF16_Optimizer's (a collective: every rank calls it); at stage 0
-    a 16-bit run's unfused optimizer's copy (`fp32_groups`), an fp32 run's parameter itself."""
-    master = deepspeed.utils.safe_get_full_fp32_param(p)
-    if master is not None:
-        return master.detach().clone()
-    assert eng.zero_optimization_stage() == 0, (eng.zero_optimization_stage(), type(eng.optimizer).__name__)
-    for lp_group, hp_group in zip(getattr(eng.optimizer, "fp16_groups", ()), getattr(eng.optimizer, "fp32_groups", ())):
-        for lp, hp in zip(lp_group, hp_group):
-            if lp is p:
-                return hp.detach().clone().float()
-    assert p.dtype == torch.float32, p.dtype  # no copy: an fp32 run's parameter is its master
-    return value
+            param = p.detach().clone()
+        master = deepspeed.utils.safe_get_full_fp32_param(p)
+        if master is not None:  # ZeRO-1..3 and BF16_Optimizer
+            out[name] = {"param": param, "master": master.detach().clone(),
+                         **{k: deepspeed.utils.safe_get_full_optimizer_state(p, k).detach().clone()
+                            for k in ("exp_avg", "exp_avg_sq")}}
+            continue
+        # Stage 0: a 16-bit run's unfused optimizer steps an fp32 copy of each parameter
+        # (`fp32_groups`); an fp32 run's optimizer is torch's own, stepping the parameter itself.
+        assert eng.zero_optimization_stage() == 0, (eng.zero_optimization_stage(), type(eng.optimizer).__name__)
+        opt = eng.optimizer
+        hp, base = p, opt
+        for lp_group, hp_group in zip(getattr(opt, "fp16_groups", ()), getattr(opt, "fp32_groups", ())):
+            for lp, fp32 in zip(lp_group, hp_group):
+                if lp is p:
+                    hp, base = fp32, opt.optimizer
+        assert hp.dtype == torch.float32, hp.dtype
+        out[name] = {"param": param, "master": hp.detach().clone(),
+                     **{k: base.state[hp][k].detach().clone() for k in ("exp_avg", "exp_avg_sq")}}
+    return out
 
 
 def _global_step(eng, kind: str, x, y, rank: int, world: int) -> float:
