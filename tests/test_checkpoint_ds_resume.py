@@ -114,6 +114,25 @@ def test_the_tag_directory_loads_too(tmp_path):
     assert torch.equal(_by_name([s], "exp_avg")["a.bias"], full["exp_avg"]["a.bias"])
 
 
+class WithRotary(Net):
+    """A buffer registered persistent=False (as a Llama's rotary `inv_freq`): DeepSpeed's files never
+    hold it (its `state_dict` and `buffer_names` leave it out), so the state keeps the model's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.linspace(1.0, 0.1, 4), persistent=False)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_non_persistent_buffer_keeps_the_models_value(tmp_path, stage):
+    full = _zero2(str(tmp_path / "ds"))
+    like = fnzero.shard(WithRotary(), stage=stage, config=_cfg()).init_state()
+    s, _ = load(str(tmp_path / "ds"), like=like)
+    assert torch.equal(s.buffers["inv_freq"], torch.linspace(1.0, 0.1, 4))
+    assert torch.equal(s.buffers["buf"], torch.arange(3.0))
+    assert torch.equal(_by_name([s], "exp_avg")["a.weight"], full["exp_avg"]["a.weight"])
+
+
 class Other(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_checkpoint_deepspeed import _fixture_model
-from test_checkpoint_ds_continue import MORE_STEPS, SAVED_STEPS, _batches, _config, _fnzero_continues, _spread
+from test_checkpoint_ds_continue import (MORE_STEPS, SAVED_STEPS, Saved, _batches, _config, _distance,
+                                        _fnzero_continues)
 from test_checkpoint_ds_universal import deepspeed_python  # noqa: F401  (the fixture)
 
 import fnzero
@@ -140,7 +141,7 @@ def continued(request, tmp_path_factory, deepspeed_python):  # noqa: F811
     tag directory, the stage, DeepSpeed's losses and parameters)."""
     # ~12 s each: two DeepSpeed subprocesses of 2 ranks.
     stage, tmp = request.param, tmp_path_factory.mktemp(f"ds_universal_continue{request.param}")
-    batches = _batches(SAVED_STEPS + MORE_STEPS)
+    batches = _batches("mlp")
     torch.save(batches[:SAVED_STEPS], tmp / "first.pt")
     torch.save(batches[SAVED_STEPS:], tmp / "more.pt")
     train = {"world": 2, "load": str(tmp / "ds"), "batches": str(tmp / "first.pt"), "runs": [],
@@ -166,9 +167,10 @@ def test_fnzero_takes_the_steps_deepspeed_takes_from_its_universal_checkpoint(co
     move the parameters by > 1e-3, so a wrong lr, Adam step or moment fails."""
     root, saved_stage, want = continued
     assert want["global_steps"] == SAVED_STEPS + MORE_STEPS
-    losses, params, step, before = _fnzero_continues(root, stage, world)
+    losses, params, step, loaded = _fnzero_continues(root, Saved("fp32", saved_stage, 2, (saved_stage,)), stage, world)
+    before = loaded["master"]
     assert step == SAVED_STEPS + MORE_STEPS
-    loss_err, param_err = _spread({"losses": losses, "params": params}, want)
+    loss_err, param_err = _distance({"losses": losses, "masters": params}, {**want, "masters": want["params"]})
     print(f"universal from ZeRO-{saved_stage}, fnzero at stage {stage} world {world}: losses {loss_err:.1e} "
           f"params {param_err:.1e}")
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), rtol=1e-6, atol=0)

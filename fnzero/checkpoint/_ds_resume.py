@@ -146,7 +146,8 @@ def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
         mine.update({n: tuple(t.shape) for n, t in like.frozen.items() if plan.frozen_unit(n) is None})
     else:
         saved = {n: s for n, s in saved.items() if n not in w.frozen}
-    mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in like.buffers.items()})
+    transient = set(plan.saved.non_persistent)  # DeepSpeed saves none of them: `like`'s are kept
+    mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in like.buffers.items() if n not in transient})
     saved.update({f"{n} (buffer)": tuple(w.tensors[n].shape) for n in w.buffers})
     only_mine = [n for n in mine if n not in saved]
     only_saved = [n for n in saved if n not in mine]
@@ -164,8 +165,8 @@ def _leaf(leaf: Leaf, like: TrainState, units: dict, whole, count: int, keep_fro
         raise CheckpointError(f"{leaf.path!r} is per-rank state, which a DeepSpeed checkpoint does not hold")
     if leaf.path == "opt_state/count":
         return torch.tensor(count, dtype=t.dtype, device=t.device)
-    if top == "frozen" and keep_frozen:
-        return t
+    if (top == "frozen" and keep_frozen) or (top == "buffers" and rest in like.sharding.plan.saved.non_persistent):
+        return t  # (a buffer registered persistent=False, as a Llama's rotary `inv_freq`: in no DeepSpeed file)
     if leaf.unit is None:  # a replicated tensor by its name: a buffer or a frozen parameter
         if top not in ("frozen", "buffers"):
             raise CheckpointError(f"{leaf.path!r} of the state has no counterpart in a DeepSpeed checkpoint")

@@ -163,39 +163,40 @@ def _zero3_fill(out: dict, shapes_of: list[list[tuple[str, tuple]]], flats: list
                                   f"{total} (param_shapes disagree with the partition sizes)")
 
 
-def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True) -> dict[str, torch.Tensor]:
+def _zero3(ck: DsCheckpoint, w: DsWeights, read: bool = True, frozen: bool = True) -> dict[str, torch.Tensor]:
     """Stage 3: each parameter padded to a multiple of `dp`, rank r holding its r-th slice, the
     slices of one sub-group concatenated (`fp32_flat_groups`); frozen ones alike, per model file.
-    `read=False`: every parameter, frozen ones too, is a meta tensor and no file is opened (a
-    resume reads its shard of them, `_ds_shard.py`)."""
+    `read=False`: the trainable ones are meta tensors and no optimizer file is opened; `frozen=False`:
+    the frozen ones too and no model file is opened (a resume reads its shard of both, `_ds_shard.py`)."""
     shapes = _shapes(ck.meta, ck.path(ck.model_files[(0, 0)]))
-    frozen = [frozen_shapes(ck.meta)]
-    w.frozen |= {n for n, _ in frozen[0]}
-    if not read:
-        return {n: torch.empty(s, device="meta") for g in shapes + frozen for n, s in g}
-    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) for g in shapes for n, s in g}
+    fshapes = frozen_shapes(ck.meta)
+    w.frozen |= {n for n, _ in fshapes}
+    out = {n: torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=torch.float32) if read else
+           torch.empty(math.prod(s), device="meta") for g in shapes for n, s in g}
+    out.update({} if frozen else {n: torch.empty(math.prod(s), device="meta") for n, s in fshapes})
     for r in range(ck.dp):
-        osd, where = _optim(ck, r, 0)
-        flats = _list(osd, "fp32_flat_groups", len(shapes), where)
-        _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups")
-        del osd
-        if frozen[0]:
+        if read:
+            osd, where = _optim(ck, r, 0)
+            flats = _list(osd, "fp32_flat_groups", len(shapes), where)
+            _zero3_fill(out, shapes, flats, r, ck.dp, where, "fp32_flat_groups")
+            del osd
+        if frozen and fshapes:
             name = ck.model_files[(r, 0)]
             frags = load_ds_file(ck.dir, name).get("frozen_param_fragments") or {}
-            for n, s in frozen[0]:
+            for n, s in fshapes:
                 if n not in frags:
                     raise CheckpointError(f"{ck.path(name)}: frozen_param_fragments has no {n!r}")
                 out.setdefault(n, torch.empty(-(-math.prod(s) // ck.dp) * ck.dp, dtype=frags[n].dtype))
-            _zero3_fill(out, [[(n, s)] for n, s in frozen[0]], [frags[n].reshape(-1) for n, _ in frozen[0]], r,
+            _zero3_fill(out, [[(n, s)] for n, s in fshapes], [frags[n].reshape(-1) for n, _ in fshapes], r,
                         ck.dp, ck.path(name), "frozen_param_fragments")
-    return {n: out[n][: math.prod(s)].view(s) for g in shapes + frozen for n, s in g}
+    return {n: out[n][: math.prod(s)].view(s) for g in [*shapes, fshapes] for n, s in g}
 
 
 def zero3_frozen(ck: DsCheckpoint) -> dict[str, torch.Tensor]:
     """A ZeRO-3 checkpoint's frozen parameters, whole, from every rank's `frozen_param_fragments`
     (no optimizer file opened)."""
     w = DsWeights()
-    got = _zero3(ck, w, read=False)
+    got = _zero3(ck, w, read=False, frozen=True)
     return {n: got[n] for n in w.frozen}
 
 
@@ -324,7 +325,7 @@ def consolidate(ck: DsCheckpoint, trainable: bool = True) -> DsWeights:
     w = DsWeights()
     if ck.layout == "per_param":
         module = _module_of(ck, 0)[0].get("module") or {}
-        buffers, masters = set(ck.meta.get("buffer_names") or ()), _zero3(ck, w, read=trainable)
+        buffers, masters = set(ck.meta.get("buffer_names") or ()), _zero3(ck, w, read=trainable, frozen=trainable)
     else:
         module, buffers, masters, known = _sources(ck, read=trainable)
         w.frozen_known = known is not None

@@ -15,18 +15,11 @@ for bit. `tests/test_checkpoint_deepspeed.py` runs this once per session.
 """
 
 import os
-import socket
+import shutil
 import sys
+import tempfile
 
 D = 8
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _mlp(torch):
@@ -192,9 +185,9 @@ def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
     dist.barrier()
 
 
-def _worker(rank: int, world: int, port: int, out: str, names: list) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
+def _worker(rank: int, world: int, store: str, out: str, names: list) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_SIZE=str(world), OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
@@ -204,7 +197,10 @@ def _worker(rank: int, world: int, port: int, out: str, names: list) -> None:
     # TorchBackend.__init__ would JIT-build a shared-memory C++ op (a minute of g++, and a wait
     # forever on a stale lock file); gloo does not need it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    # The ranks meet through a file store, not a TCP port: a port picked free (bind port 0, close)
+    # can be taken by another process before rank 0 binds it again ("address already in use").
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"file://{store}", rank=rank, world_size=world)
     import torch.distributed as dist
 
     for name in names:
@@ -215,7 +211,11 @@ def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, _free_port(), out, names), nprocs=2, join=True)
+    tmp = tempfile.mkdtemp(prefix="ds_store_")
+    try:  # the store file must not exist yet: the ranks create it
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), out, names), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
