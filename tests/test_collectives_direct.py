@@ -214,7 +214,7 @@ def test_a_gradient_shared_with_another_input_is_not_received_into(world):
 _GROUP_TIMEOUT = {"dies": 30.0, "stuck": 1.0}
 
 
-def _peer_fails(rank, port, how, q):
+def _peer_fails(rank, store, how, q):
     import datetime
     import os
     import time
@@ -223,8 +223,8 @@ def _peer_fails(rank, port, how, q):
 
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
     group = dist.new_group(timeout=datetime.timedelta(seconds=_GROUP_TIMEOUT[how]))
     dist.barrier()  # both here: the first exchange below does not wait on the other's start-up
     comm = ProcessGroupCollectives(group)
@@ -243,17 +243,16 @@ def _peer_fails(rank, port, how, q):
 
 
 @pytest.mark.parametrize("how,within", [("dies", 3.0), ("stuck", 10.0)])
-def test_a_failed_peer_raises_instead_of_hanging(how, within):
+def test_a_failed_peer_raises_instead_of_hanging(how, within, tmp_path):
     # A peer that dies closes its sockets: the exchange fails at once (well inside the group's
     # 30 s timeout). A peer that is alive but never joins: the group's 1 s timeout ends the wait.
     # Never a hang.
     import multiprocessing as mp
     import queue
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The pair meets through a fresh file store, not a port found free and released (which another
+    # process may take before rank 0 binds it again).
+    store = str(tmp_path / "store")
     # A fork server that has imported torch and fnzero once starts each pair in a fraction of a
     # second, where a spawned process spends seconds importing them (the rank's own module, this
     # one, is imported in the child: the server does not see the tests' sys.path).
@@ -261,7 +260,7 @@ def test_a_failed_peer_raises_instead_of_hanging(how, within):
     # (The same server as fnzero.testing's worlds: whichever starts it first sets what it preloads.)
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pytest", "fnzero", "fnzero.testing", "fnzero.sharding.comm._collectives"])
     q = ctx.Queue()
-    procs = [ctx.Process(target=_peer_fails, args=(r, port, how, q)) for r in range(2)]
+    procs = [ctx.Process(target=_peer_fails, args=(r, store, how, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
