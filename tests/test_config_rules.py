@@ -513,3 +513,13 @@ def test_config_is_frozen_and_defaults_match_deepspeed():
     # DeepSpeed 0.19.8: STEPS_PER_PRINT_DEFAULT None, GRADIENT_CLIPPING_DEFAULT 1.0 (every key: test_config_defaults.py).
     assert (c.aio.block_size, c.aio.queue_depth, c.steps_per_print, c.gradient_clipping) == (1_048_576, 8, None, 1.0)
     assert c.precision == "fp32" and c.zero_stage == 0 and c.checkpoint.tag_validation == "Warn"
+
+
+def test_steps_per_print_infinity_as_accelerate_writes_it_means_never():
+    """Accelerate (and so the Trainer) sets `steps_per_print` to float("inf") to silence DeepSpeed,
+    which accepts it; a DeepSpeed checkpoint's recorded ds_config carries it. In a dict it reads as
+    null (no periodic line); any other non-finite number is refused (and JSON text's Infinity, as
+    before: JSON has no such number)."""
+    assert load_config(cfg(steps_per_print=float("inf"))).steps_per_print is None
+    fails(cfg(steps_per_print=float("-inf")), "steps_per_print", "not a finite number")
+    fails(cfg(gradient_clipping=float("inf")), "gradient_clipping", "not a finite number")

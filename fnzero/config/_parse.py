@@ -242,9 +242,12 @@ def plain_tree(root: Mapping[str, Any], label: str | None = None) -> dict[str, A
             elif value is None or isinstance(value, (bool, int, str)):
                 child = value
             elif isinstance(value, float):
-                if not math.isfinite(value):
+                if sub == "steps_per_print" and value == math.inf:
+                    child = None  # (what Accelerate writes to silence DeepSpeed's progress line: never print)
+                elif not math.isfinite(value):
                     raise _fail(f"`{sub}`: {value!r} is not a finite number; use a finite value", label)
-                child = value
+                else:
+                    child = value
             else:
                 raise _fail(f"`{sub}`: {describe(value)} is not a JSON value; use numbers, strings, booleans, lists or objects", label)
             target[key] = child
