@@ -93,3 +93,18 @@ def test_what_cannot_be_converted_is_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match="its optimizer is Lion"):
         fnzero.deepspeed_to_fnzero(lion, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_a_buffer_registered_non_persistent_keeps_the_models_value(ds_dir, tmp_path):
+    """DeepSpeed writes no persistent=False buffer (a Llama's rotary inv_freq), so the converted
+    checkpoint holds none; loading it into the model keeps the model's own, as DeepSpeed's resume does."""
+    root, _ = ds_dir
+
+    class WithRotary(Net):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.arange(4.0) + 0.5, persistent=False)
+
+    out = fnzero.deepspeed_to_fnzero(root, str(tmp_path / "fz"))
+    state, _ = load(out, like=fnzero.shard(WithRotary(), config=_cfg(1, 3)).init_state())
+    assert torch.equal(state.buffers["inv_freq"], torch.arange(4.0) + 0.5) and int(state.step) == 5

@@ -292,6 +292,8 @@ def load(
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
             if leaf.per_rank:
                 return read_per_rank_leaf(leaf, ix, like, rd)
+            if leaf.path not in rd.tensors and leaf.path[len("buffers/"):] in like.sharding.plan.saved.non_persistent:
+                return t  # (a persistent=False buffer, as a Llama's rotary inv_freq, a converted checkpoint lacks)
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_by_name(leaf, like, rd, slots, out, tp, fplan, ep).reshape(t.shape).to(t.device)

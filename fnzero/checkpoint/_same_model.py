@@ -24,7 +24,8 @@ def _slot_shapes(units) -> dict[str, tuple]:
 
 def check_model(ix: dict, like: TrainState, subset: bool = False, keep_frozen: bool = False) -> None:
     """Same trainable parameters (names, shapes), same frozen parameters (unless kept from
-    `like`, or left out of the checkpoint) and buffers, else one `CheckpointError` listing the
+    `like`, or left out of the checkpoint) and buffers (but those registered `persistent=False`,
+    which a checkpoint converted from DeepSpeed's does not hold), else one `CheckpointError` listing the
     differences. `subset`: the state may hold fewer parameters (a pipeline stage), none of
     another shape."""
     saved, mine = _slot_shapes(ix["units"]), _slot_shapes(unit_meta(like.sharding.plan))
@@ -34,10 +35,13 @@ def check_model(ix: dict, like: TrainState, subset: bool = False, keep_frozen: b
     frozen_missing, frozen_reshaped = check_frozen(ix, like, keep_frozen)
     only_mine += frozen_missing
     reshaped += frozen_reshaped
+    transient = set(like.sharding.plan.saved.non_persistent)
     for n, t in like.buffers.items():
         e = ix["tensors"].get(f"buffers/{n}")
-        if e is None:
+        if e is None and n not in transient:  # (a persistent=False buffer the checkpoint lacks keeps `like`'s)
             only_mine.append(f"{n} (buffer)")
+        elif e is None:
+            continue
         elif _shape(e.get("shape")) != tuple(t.shape):
             reshaped.append((f"{n} (buffer)", tuple(t.shape), _shape(e.get("shape"))))
     if only_mine or only_saved or reshaped:
