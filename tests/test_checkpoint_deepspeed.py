@@ -177,17 +177,136 @@ def test_load_resumes_the_fp16_loss_scaler(ds_checkpoints):
         assert int(state.step) == 2 - c["deepspeed"]["skipped_steps"]
 
 
-@pytest.mark.parametrize("name,match", [("pipe_fp32", "pipeline, tensor-parallel or MoE"),
-                                        ("moe_fp32", "pipeline, tensor-parallel or MoE")])
-def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):
+def test_a_parameter_frozen_in_the_checkpoint_is_not_resumed_as_trainable(ds_checkpoints):
+    """The fixture's frozen layer has no Adam state in DeepSpeed's files: a state that trains it is
+    refused, naming it, rather than given moments from elsewhere."""
     from fnzero import CheckpointError
     from fnzero.checkpoint import load
     import fnzero
 
-    sm = fnzero.shard(_fixture_model(), config=fnzero.load_config({"train_micro_batch_size_per_gpu": 2,
-                                                                   "optimizer": {"type": "AdamW"}}))
-    with pytest.raises(CheckpointError, match=match):
-        load(os.path.join(ds_checkpoints, name), like=sm.init_state())
+    model = _fixture_model()
+    model.frozen.requires_grad_(True)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}
+    like = fnzero.shard(model, config=fnzero.load_config(cfg)).init_state()
+    with pytest.raises(CheckpointError, match=r"holds no optimizer state for 'frozen\.(weight|bias)' \(frozen when it "
+                                              r"was saved\)"):
+        load(os.path.join(ds_checkpoints, "s2_fp32"), like=like)
+
+
+def _by_saved_name(states, field: str) -> dict[str, torch.Tensor]:
+    """{name in DeepSpeed's files: whole fp32 tensor} of `field` ("master", "params", "exp_avg",
+    "exp_avg_sq") from every simulated rank's leaves: each rank's elements of its units' slots (a
+    pipeline stage's layers, its experts named by global id as the whole model names them)."""
+    from fnzero.checkpoint._tree import state_leaves, units_by_key
+
+    out, shapes = {}, {}
+    for st in states:
+        units, ep = units_by_key(st.sharding.plan), st.sharding.ep
+        for leaf in state_leaves(st):
+            top, _, rest = leaf.path.partition("/")
+            if leaf.unit is None or (top if top in ("master", "params") else rest.partition("/")[0]) != field:
+                continue
+            u = units[leaf.unit]
+            for s in u.slots:
+                a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
+                name = s.name if ep is None or not u.is_expert else \
+                    f"{u.module}.{ep.renames[u.module](s.name[len(u.module) + 1:], ep.rank)[0]}"
+                if a < b:
+                    buf = out.setdefault(name, torch.full((s.numel,), float("nan")))
+                    buf[a - s.offset:b - s.offset] = leaf.tensor.reshape(-1)[a - leaf.lo:b - leaf.lo].float()
+                    shapes[name] = s.shape
+    return {n: t.view(shapes[n]) for n, t in out.items()}
+
+
+def _resumed_as_deepspeed_held(root: str, states: list) -> None:
+    """The states hold, bit for bit, the fp32 weights DeepSpeed's engine held (the master of a bf16
+    run; its params rounded from it) and the full Adam moments it held, every one of them once."""
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    moments = torch.load(os.path.join(root, "moments.pt"), weights_only=True)
+    assert {(int(s.step), int(s.opt_state.count)) for s in states} == {(2, 2)}
+    fields = {"weights": "master" if states[0].master is not None else "params", "exp_avg": "exp_avg",
+              "exp_avg_sq": "exp_avg_sq"}
+    for what, field in fields.items():
+        got = _by_saved_name(states, field)
+        assert sorted(got) == sorted(moments), what
+        for n, t in got.items():
+            want = expected[n] if what == "weights" else moments[n][what]
+            assert torch.equal(t, want), (what, n)
+    if states[0].master is not None:
+        params = _by_saved_name(states, "params")
+        assert all(torch.equal(params[n], expected[n].to(torch.bfloat16).float()) for n in params)
+
+
+D = 8  # the fixture script's width
+_PIPE_LAYERS = [(D, D), None, (D, 5), (5, D)]  # the fixture's PipelineModule: Linear, ReLU, Linear, Linear
+
+
+@pytest.mark.parametrize("name,stages,dp,stage", [("pipe_fp32", 1, 1, 2), ("pipe_fp32", 2, 2, 1),
+                                                  ("pipe_bf16", 1, 2, 3), ("pipe_bf16", 2, 1, 0)])
+def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, stage):
+    """DeepSpeed's two-stage PipelineModule (stage 0 in fp32: each stage's Adam state in its model
+    file; BF16_Optimizer in bf16: each stage's optimizer files) resumes into fnzero's PipelineModule
+    of the same layers, whose parameters carry the same names (`2.weight`), in one stage on `dp`
+    ranks, or in two stages, each rank holding its stage's layers only."""
+    import copy
+
+    from fnzero.checkpoint import load
+    from fnzero.testing._threads import simulated_world
+    import fnzero
+
+    # (built once, copied by each rank: the simulated ranks are threads sharing one RNG)
+    layers = [torch.nn.Linear(*io) if io else torch.nn.ReLU() for io in _PIPE_LAYERS]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
+           "pipeline": {"stages": stages}, **({"bf16": {"enabled": True}} if name.endswith("bf16") else {})}
+
+    def fn(comm):
+        pipe = fnzero.PipelineModule(copy.deepcopy(layers), torch.nn.functional.mse_loss)
+        sm = fnzero.shard(pipe, config=fnzero.load_config(cfg, world_size=comm.world_size), comm=comm)
+        state, client = load(os.path.join(ds_checkpoints, name), like=sm.init_state())
+        assert client == {}
+        return state
+
+    states = simulated_world(stages * dp).run(fn)
+    _resumed_as_deepspeed_held(os.path.join(ds_checkpoints, name), states)
+    held = [sorted({s.name for u in st.sharding.plan.units for s in u.slots}) for st in states]
+    assert held[0] == (["0.bias", "0.weight"] if stages == 2 else ["0.bias", "0.weight", "2.bias", "2.weight",
+                                                                   "3.bias", "3.weight"])
+
+
+@pytest.mark.parametrize("name,stage,world,ep", [("moe_fp32", 1, 1, 1), ("moe_fp32", 3, 2, 2), ("moe_bf16", 2, 4, 2),
+                                                 ("moe_bf16", 0, 4, 4)])
+def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
+    """DeepSpeed's MoE layer at ZeRO-2 (4 experts over 2 expert-parallel ranks: the expert group
+    partitioned over the expert-data-parallel ranks, named locally in each rank's files) resumes
+    into fnzero's own MoE layer without expert parallelism (every expert, by its global id) and
+    with it (ep 2 and 4: each rank its experts), at any stage."""
+    import copy
+
+    from fnzero.checkpoint import load
+    from fnzero.moe import MoE
+    from fnzero.testing._threads import simulated_world
+    import fnzero
+
+    class Net(torch.nn.Module):  # the fixture's model, with fnzero's MoE layer
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(D, D)
+            self.moe = MoE(hidden_size=D, expert=torch.nn.Linear(D, D), num_experts=4, ep_size=ep, k=1,
+                           use_residual=False, min_capacity=1)
+            self.out = torch.nn.Linear(D, D)
+
+    model = Net()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
+           **({"bf16": {"enabled": True}} if name.endswith("bf16") else {})}
+
+    def fn(comm):
+        sm = fnzero.shard(copy.deepcopy(model), config=fnzero.load_config(cfg, world_size=world // ep), comm=comm,
+                          mesh=fnzero.make_mesh(comm, ep=ep))
+        state, client = load(os.path.join(ds_checkpoints, name), like=sm.init_state())
+        assert client == {} and (state.sharding.ep is not None) == (ep > 1)
+        return state
+
+    _resumed_as_deepspeed_held(os.path.join(ds_checkpoints, name), simulated_world(world).run(fn))
 
 
 @pytest.mark.parametrize("name,world", [("s3_fp32", 4), ("s3_bf16", 2)])

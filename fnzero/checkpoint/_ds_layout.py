@@ -258,9 +258,12 @@ def check_resumable(ck: DsCheckpoint) -> None:
     if kind is not None and kind.lower() not in ("adam", "adamw"):
         raise CheckpointError(f"{ck.dir}: its optimizer is {kind}; only Adam and AdamW state is read "
                               "(exp_avg, exp_avg_sq and step per parameter)")
-    if ck.layer_files or ck.expert_files or ck.tp > 1:
-        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
+    if ck.tp > 1:
+        raise CheckpointError(f"{ck.dir}: resuming from a tensor-parallel DeepSpeed checkpoint (tp degree {ck.tp}) is "
                               "not implemented yet; its weights export with `fnzero export`")
+    if ck.expert_files and (ck.layout != "flat" or ck.layer_files):
+        raise CheckpointError(f"{ck.dir}: resuming from a DeepSpeed MoE checkpoint is implemented at ZeRO-1/2 without "
+                              "a pipeline, not this one (stage 0, ZeRO-3 or a pipeline) yet")
     if ck.precision == "fp16" and ck.layout == "whole":
         raise CheckpointError(f"{ck.dir}: resuming from an fp16 ZeRO stage-0 checkpoint (its loss scaler in the "
                               "model file) is not implemented yet; its weights export with `fnzero export`")

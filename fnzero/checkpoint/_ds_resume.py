@@ -27,6 +27,7 @@ from ._ds_shard import ShardRead
 from ._ds_stage0 import Stage0Read
 from ._ds_trainer import check_trainer_dir
 from ._ds_weights import DsWeights, consolidate
+from ._ep import expert_places
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
 from ._tree import Leaf, units_by_key
@@ -38,7 +39,8 @@ __all__ = ["load_deepspeed"]
 _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
             "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
             "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer"}
+            "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info", "bf16_optimizer",
+            "num_experts", "ds_autoep_layers"}
 def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_frozen: bool = False,
                    config=None) -> tuple[TrainState, dict]:
     """(state laid out as `like`, the client state `save_checkpoint` was given) from DeepSpeed
@@ -59,6 +61,8 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     def whole(field: str, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
         if a is not None and (got := shard.piece(field, name, a, b)) is not None:
             return got
+        if field != "weights":  # (trainable here, frozen in the checkpoint: it holds no moments for it)
+            raise CheckpointError(f"{ck.dir}: holds no optimizer state for {name!r} (frozen when it was saved)")
         t = w.tensors[names.get(name, name)]
         return t if a is None else t.reshape(-1)[a:b]
 
@@ -75,12 +79,9 @@ def _check_like(like: TrainState) -> None:
     from ..offload import is_nvme
 
     sh = like.sharding
-    what = ("tensor" if sh.tp is not None and sh.tp.size > 1 else
-            "pipeline" if sh.pp is not None and sh.pp.stages > 1 else
-            "expert" if sh.ep is not None else None)
-    if what is not None:
-        raise CheckpointError(f"loading a DeepSpeed checkpoint into a state with {what} parallelism is not "
-                              "implemented yet (data-parallel states at any ZeRO stage are)")
+    if sh.tp is not None and sh.tp.size > 1:
+        raise CheckpointError("loading a DeepSpeed checkpoint into a state with tensor parallelism is not implemented "
+                              "yet (data-, pipeline- and expert-parallel states at any ZeRO stage are)")
     if is_nvme(like):
         raise CheckpointError("loading a DeepSpeed checkpoint into a state with its optimizer on NVMe is not "
                               "implemented yet")
@@ -123,7 +124,9 @@ def _step(ck, shard) -> int:
 def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
     """The checkpoint's trainable, frozen and buffer names and shapes are `like`'s, else one
     message naming every difference."""
-    plan = like.sharding.plan
+    places = expert_places(like.sharding)  # (every layer's experts, by their names in the whole model)
+    plan = places.whole if places is not None else like.sharding.plan
+    stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # (some of the model's layers)
     saved = {n: tuple(t.shape) for n, t in w.tensors.items() if n not in w.buffers}
     saved.update({a: saved[first] for first, aliases in w.aliases.items() for a in aliases})
     mine = {n: tuple(s.shape) for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
@@ -135,7 +138,7 @@ def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in like.buffers.items()})
     saved.update({f"{n} (buffer)": tuple(w.tensors[n].shape) for n in w.buffers})
     only_mine = [n for n in mine if n not in saved]
-    only_saved = [n for n in saved if n not in mine]
+    only_saved = [] if stage_only else [n for n in saved if n not in mine]
     reshaped = [(n, mine[n], saved[n]) for n in mine if n in saved and saved[n] != mine[n]]
     if only_mine or only_saved or reshaped:
         raise CheckpointError("the DeepSpeed checkpoint does not hold the model you are loading into: "
