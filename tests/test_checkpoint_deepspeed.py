@@ -241,13 +241,9 @@ D = 8  # the fixture script's width
 _PIPE_LAYERS = [(D, D), None, (D, 5), (5, D)]  # the fixture's PipelineModule: Linear, ReLU, Linear, Linear
 
 
-@pytest.mark.parametrize("name,stages,dp,stage", [("pipe_fp32", 1, 1, 2), ("pipe_fp32", 2, 2, 1),
-                                                  ("pipe_bf16", 1, 2, 3), ("pipe_bf16", 2, 1, 0)])
-def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, stage):
-    """DeepSpeed's two-stage PipelineModule (stage 0 in fp32: each stage's Adam state in its model
-    file; BF16_Optimizer in bf16: each stage's optimizer files) resumes into fnzero's PipelineModule
-    of the same layers, whose parameters carry the same names (`2.weight`), in one stage on `dp`
-    ranks, or in two stages, each rank holding its stage's layers only."""
+def _pipe_states(root: str, stages: int, dp: int, stage: int, bf16: bool) -> list:
+    """`root` loaded into fnzero's PipelineModule of the fixture's layers: `stages` stages of `dp`
+    simulated ranks each, at ZeRO `stage`; every rank's state."""
     import copy
 
     from fnzero.checkpoint import load
@@ -257,29 +253,21 @@ def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, st
     # (built once, copied by each rank: the simulated ranks are threads sharing one RNG)
     layers = [torch.nn.Linear(*io) if io else torch.nn.ReLU() for io in _PIPE_LAYERS]
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
-           "pipeline": {"stages": stages}, **({"bf16": {"enabled": True}} if name.endswith("bf16") else {})}
+           "pipeline": {"stages": stages}, **({"bf16": {"enabled": True}} if bf16 else {})}
 
     def fn(comm):
         pipe = fnzero.PipelineModule(copy.deepcopy(layers), torch.nn.functional.mse_loss)
         sm = fnzero.shard(pipe, config=fnzero.load_config(cfg, world_size=comm.world_size), comm=comm)
-        state, client = load(os.path.join(ds_checkpoints, name), like=sm.init_state())
-        assert client == {}
+        state, client = load(root, like=sm.init_state())
+        assert not client  # (DeepSpeed: {}, nothing passed to save_checkpoint; its conversion: None)
         return state
 
-    states = simulated_world(stages * dp).run(fn)
-    _resumed_as_deepspeed_held(os.path.join(ds_checkpoints, name), states)
-    held = [sorted({s.name for u in st.sharding.plan.units for s in u.slots}) for st in states]
-    assert held[0] == (["0.bias", "0.weight"] if stages == 2 else ["0.bias", "0.weight", "2.bias", "2.weight",
-                                                                   "3.bias", "3.weight"])
+    return simulated_world(stages * dp).run(fn)
 
 
-@pytest.mark.parametrize("name,stage,world,ep", [("moe_fp32", 1, 1, 1), ("moe_fp32", 3, 2, 2), ("moe_bf16", 2, 4, 2),
-                                                 ("moe_bf16", 0, 4, 4)])
-def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
-    """DeepSpeed's MoE layer at ZeRO-2 (4 experts over 2 expert-parallel ranks: the expert group
-    partitioned over the expert-data-parallel ranks, named locally in each rank's files) resumes
-    into fnzero's own MoE layer without expert parallelism (every expert, by its global id) and
-    with it (ep 2 and 4: each rank its experts), at any stage."""
+def _moe_states(root: str, stage: int, world: int, ep: int, bf16: bool) -> list:
+    """`root` loaded into the fixture's model built with fnzero's MoE layer, on `world` simulated
+    ranks at expert parallelism `ep` and ZeRO `stage`; every rank's state."""
     import copy
 
     from fnzero.checkpoint import load
@@ -297,16 +285,62 @@ def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
 
     model = Net()
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
-           **({"bf16": {"enabled": True}} if name.endswith("bf16") else {})}
+           **({"bf16": {"enabled": True}} if bf16 else {})}
 
     def fn(comm):
         sm = fnzero.shard(copy.deepcopy(model), config=fnzero.load_config(cfg, world_size=world // ep), comm=comm,
                           mesh=fnzero.make_mesh(comm, ep=ep))
-        state, client = load(os.path.join(ds_checkpoints, name), like=sm.init_state())
-        assert client == {} and (state.sharding.ep is not None) == (ep > 1)
+        state, client = load(root, like=sm.init_state())
+        assert not client and (state.sharding.ep is not None) == (ep > 1)
         return state
 
-    _resumed_as_deepspeed_held(os.path.join(ds_checkpoints, name), simulated_world(world).run(fn))
+    return simulated_world(world).run(fn)
+
+
+@pytest.mark.parametrize("name,stages,dp,stage", [("pipe_fp32", 1, 1, 2), ("pipe_fp32", 2, 2, 1),
+                                                  ("pipe_bf16", 1, 2, 3), ("pipe_bf16", 2, 1, 0)])
+def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, stage):
+    """DeepSpeed's two-stage PipelineModule (stage 0 in fp32: each stage's Adam state in its model
+    file; BF16_Optimizer in bf16: each stage's optimizer files) resumes into fnzero's PipelineModule
+    of the same layers, whose parameters carry the same names (`2.weight`), in one stage on `dp`
+    ranks, or in two stages, each rank holding its stage's layers only."""
+    root = os.path.join(ds_checkpoints, name)
+    states = _pipe_states(root, stages, dp, stage, name.endswith("bf16"))
+    _resumed_as_deepspeed_held(root, states)
+    held = [sorted({s.name for u in st.sharding.plan.units for s in u.slots}) for st in states]
+    assert held[0] == (["0.bias", "0.weight"] if stages == 2 else ["0.bias", "0.weight", "2.bias", "2.weight",
+                                                                   "3.bias", "3.weight"])
+
+
+@pytest.mark.parametrize("name,stage,world,ep", [("moe_fp32", 1, 1, 1), ("moe_fp32", 3, 2, 2), ("moe_bf16", 2, 4, 2),
+                                                 ("moe_bf16", 0, 4, 4)])
+def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
+    """DeepSpeed's MoE layer at ZeRO-2 (4 experts over 2 expert-parallel ranks: the expert group
+    partitioned over the expert-data-parallel ranks, named locally in each rank's files) resumes
+    into fnzero's own MoE layer without expert parallelism (every expert, by its global id) and
+    with it (ep 2 and 4: each rank its experts), at any stage."""
+    root = os.path.join(ds_checkpoints, name)
+    _resumed_as_deepspeed_held(root, _moe_states(root, stage, world, ep, name.endswith("bf16")))
+
+
+@pytest.mark.parametrize("name", ["pipe_fp32", "pipe_bf16", "moe_bf16"])
+def test_convert_to_fnzero_keeps_what_load_reads_of_pipelines_and_experts(ds_checkpoints, name, tmp_path):
+    """`deepspeed_to_fnzero` of a pipeline (the stand-in names its layers' parameters by index) or a
+    MoE checkpoint (its experts by global id) loads into a two-stage pipeline, or at ep 2, exactly
+    as DeepSpeed's own files load: every rank's every leaf bit for bit."""
+    import optree
+
+    import fnzero
+
+    root = os.path.join(ds_checkpoints, name)
+    out = fnzero.deepspeed_to_fnzero(root, str(tmp_path / "fz"))
+    bf16 = name.endswith("bf16")
+    states = (lambda r: _pipe_states(r, 2, 1, 1, bf16)) if name.startswith("pipe") else \
+        (lambda r: _moe_states(r, 2, 2, 2, bf16))
+    for conv, direct in zip(states(out), states(root)):
+        for a, b in zip(optree.tree_leaves(conv, none_is_leaf=True), optree.tree_leaves(direct, none_is_leaf=True)):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        assert int(conv.step) == int(direct.step) == 2
 
 
 @pytest.mark.parametrize("name,world", [("s3_fp32", 4), ("s3_bf16", 2)])

@@ -109,8 +109,11 @@ def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, read: bool = Tr
     rank `mp`'s model-states file. `read=False`: no optimizer file is opened, each parameter is a
     meta tensor of its shape (what a resume reads itself, `_ds_shard.py`)."""
     shapes = group_shapes(ck, mp, meta, module)
-    if not read:
-        return {n: torch.empty(s, device="meta") for g in shapes for n, s in g}
+    if not read:  # (a MoE expert group: every expert-parallel rank's experts, by global id)
+        osd, where = _optim(ck, 0, mp) if ck.expert_files else ({}, "")
+        reps = expert_replicas(ck, osd, len(shapes), where)
+        return {n: torch.empty(s, device="meta") for g, e_count in zip(shapes, reps) for e in range(e_count)
+                for n, (_, s) in zip(expert_names(g, e), g)}
     flats, align = _partitions(ck, mp, shapes)
     out = {}
     for g, group in enumerate(shapes):
