@@ -1,8 +1,8 @@
 """`fnzero export` / `fnzero checkpoint info` of checkpoints DeepSpeed 0.19.8 itself wrote
 (specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
 weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
-dynamic loss scaler (world 2), for a MoE model at ZeRO-2 (4 experts over 2 expert-parallel
-ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
+dynamic loss scaler (world 2), for a MoE model at ZeRO-2 and at stage 0 (4 experts over 2
+expert-parallel ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
 pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read), and for a tiny
 Hugging Face Llama at ZeRO-3, whose export with its config loads with `from_pretrained`.
 
@@ -27,7 +27,8 @@ from fnzero.checkpoint import export, info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
-         "llama_bf16", "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
+         "llama_bf16", "moe_fp32", "moe_bf16", "moe0_fp32", "pipe_fp32",
+         "pipe_bf16"]  # (pipelines last: their topology stays set up)
 
 
 def _deepspeed_python() -> str | None:
@@ -313,17 +314,18 @@ def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, st
 
 
 @pytest.mark.parametrize("name,stage,world,ep", [("moe_fp32", 1, 1, 1), ("moe_fp32", 3, 2, 2), ("moe_bf16", 2, 4, 2),
-                                                 ("moe_bf16", 0, 4, 4)])
+                                                 ("moe_bf16", 0, 4, 4), ("moe0_fp32", 3, 2, 2), ("moe0_fp32", 1, 1, 1)])
 def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
-    """DeepSpeed's MoE layer at ZeRO-2 (4 experts over 2 expert-parallel ranks: the expert group
-    partitioned over the expert-data-parallel ranks, named locally in each rank's files) resumes
-    into fnzero's own MoE layer without expert parallelism (every expert, by its global id) and
-    with it (ep 2 and 4: each rank its experts), at any stage."""
+    """DeepSpeed's MoE layer (4 experts over 2 expert-parallel ranks) at ZeRO-2, the expert group
+    partitioned over the expert-data-parallel ranks and named locally in each rank's files, and at
+    stage 0 in fp32, each expert-parallel rank's torch optimizer in its own `expp_rank_*` file,
+    resumes into fnzero's own MoE layer without expert parallelism (every expert, by its global
+    id) and with it (ep 2 and 4: each rank its experts), at any stage."""
     root = os.path.join(ds_checkpoints, name)
     _resumed_as_deepspeed_held(root, _moe_states(root, stage, world, ep, name.endswith("bf16")))
 
 
-@pytest.mark.parametrize("name", ["pipe_fp32", "pipe_bf16", "moe_bf16"])
+@pytest.mark.parametrize("name", ["pipe_fp32", "pipe_bf16", "moe_bf16", "moe0_fp32"])
 def test_convert_to_fnzero_keeps_what_load_reads_of_pipelines_and_experts(ds_checkpoints, name, tmp_path):
     """`deepspeed_to_fnzero` of a pipeline (the stand-in names its layers' parameters by index) or a
     MoE checkpoint (its experts by global id) loads into a two-stage pipeline, or at ep 2, exactly

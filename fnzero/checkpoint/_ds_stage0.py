@@ -17,6 +17,7 @@ which must add up to all of them; every state's shapes are checked against its p
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +27,11 @@ from .._state import TrainState
 from ._ds_layout import DsCheckpoint
 from ._ds_optim import MOMENTS, states_step
 from ._ds_pickle import load_ds_file
-from ._ds_weights import pipeline_module, ties
+from ._ds_weights import expert_files, pipeline_module, ties
 
 __all__ = ["Stage0Read", "stage0_frozen"]
+
+_EXPP = re.compile(r"^expp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
 class Stage0Read:
@@ -77,8 +80,8 @@ class Stage0Read:
                 raise CheckpointError(f"{st.where}: the optimizer holds {len(st.indices)} parameters, the module "
                                       f"{len(st.params)} of which {len(trainable)} trainable here; which is which "
                                       "cannot be told")
-            for i, name in zip(st.indices, order):
-                if name in self.trainable:
+            for i, name in zip(st.indices, order):  # (a MoE run's other parameters: the same in every file)
+                if name in self.trainable and name not in self.pieces[MOMENTS[0]]:
                     self._take(st, i, name)
             self.names.update(st.tied)
 
@@ -140,12 +143,14 @@ def _indices(osd: dict) -> list:
 
 def _stages(ck: DsCheckpoint) -> list[_Stage]:
     """Every model file's optimizer with the parameters it was given (a pipeline: the layer files'
-    parameters in layer order, cut by each stage's count)."""
+    parameters in layer order, cut by each stage's count; MoE: each expert-parallel rank's file)."""
     if not ck.layer_files:
         osd, opt, module, sd, where = _stage0_optimizer(ck)
         buffers = set(sd.get("buffer_names") or ())
         tied = ties(module, buffers)
         params = [n for n, t in module.items() if n not in buffers and n not in tied and isinstance(t, torch.Tensor)]
+        if ck.expert_files:
+            return _expert_stages(ck, module, params, tied)
         return [_Stage(osd, opt, module, params, _indices(osd), tied, where)]
     found = [_stage0_optimizer(ck, mp) for mp in sorted({mp for _, mp in ck.model_files})]
     buffers = {b for *_, sd, _ in found for b in (sd.get("buffer_names") or ())}
@@ -160,6 +165,39 @@ def _stages(ck: DsCheckpoint) -> list[_Stage]:
         raise CheckpointError(f"{ck.dir}: the pipeline stages' optimizers hold {at} parameters, the layer files "
                               f"{len(params)}; which stage held which (and which were frozen) is not recorded, so "
                               "this stage-0 pipeline checkpoint is not resumed")
+    return out
+
+
+def _expert_stages(ck: DsCheckpoint, module: dict, dense: list[str], tied: dict) -> list[_Stage]:
+    """A stage-0 MoE run: each expert-parallel rank e's torch optimizer in its own file
+    (`expp_rank_{e}_mp_rank_00_optim_states.pt`), its groups as `split_params_into_different_moe_groups_for_optimizer`
+    made them: the module's other parameters in order, and (`moe` groups) its experts, global ids
+    e * (experts per rank) ... in layer and id order."""
+    files = sorted((int(m[1]), n) for n in ck.expert_files if (m := _EXPP.match(n)))
+    experts = expert_files(ck)
+    tensors = {**module, **{n: t for *_, sd in experts for n, t in sd.items()}}
+    per_layer: dict[int, int] = {}
+    for layer, _, _ in experts:
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    if not files or [e for e, _ in files] != list(range(len(files))) or any(c % len(files) for c in per_layer.values()):
+        raise CheckpointError(f"{ck.dir}: the expert-parallel ranks' optimizer files (expp_rank_*) do not match the "
+                              f"expert files ({dict(per_layer)} experts per layer over {len(files)} ranks)")
+    out = []
+    for e, name in files:
+        where = ck.path(name)
+        opt = load_ds_file(ck.dir, name).get("optimizer")
+        osd = opt.get("optimizer_state_dict") if isinstance(opt, dict) and "state" not in opt else opt
+        if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(
+                osd.get("param_groups"), list) or not all(isinstance(g, dict) for g in osd["param_groups"]):
+            raise CheckpointError(f"{where}: 'optimizer' holds no torch optimizer state_dict (state, param_groups)")
+        mine = [n for layer, i, sd in experts if i // (per_layer[layer] // len(files)) == e for n in sd]
+        sources, params = {False: iter(dense), True: iter(mine)}, []
+        for g in osd["param_groups"]:
+            params += [n for _, n in zip(g.get("params") or [], sources[bool(g.get("moe"))])]
+        if len(params) != len(_indices(osd)) or len(params) != len(dense) + len(mine):
+            raise CheckpointError(f"{where}: the optimizer holds {len(_indices(osd))} parameters, the module "
+                                  f"{len(dense)} and expert-parallel rank {e}'s experts {len(mine)}")
+        out.append(_Stage(osd, opt, tensors, params, _indices(osd), tied, where))
     return out
 
 

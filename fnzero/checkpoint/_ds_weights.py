@@ -8,6 +8,7 @@ first from `param_shapes`: the peak is the output plus one (mapped) file.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from ._ds_offsets import (EXPERT_ID, expert_names, expert_replicas, list_of as _
                           zero12_offsets, zero3_offsets)
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate", "ties", "group_shapes", "pipeline_module"]
+__all__ = ["DsWeights", "consolidate", "ties", "group_shapes", "pipeline_module", "expert_files"]
 
 
 @dataclass
@@ -225,18 +226,28 @@ def _refuse_unread(ck: DsCheckpoint) -> None:
                               "one (ZeRO-3, pipeline, or a stage-0 low-precision optimizer) yet")
 
 
-def _experts(ck: DsCheckpoint) -> dict:
-    """The MoE expert files' tensors (the experts' own weights, under their global ids)."""
-    out = {}
-    for name in sorted(n for n in ck.expert_files if n.endswith("_model_states.pt")):
+_EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states\.pt$")
+
+
+def expert_files(ck: DsCheckpoint) -> list[tuple[int, int, dict]]:
+    """The MoE expert files as (layer, global expert id, the expert's own tensors under their
+    global names), in layer and id order."""
+    out = []
+    for name in (n for n in ck.expert_files if n.endswith("_model_states.pt")):
+        m = _EXPERT_FILE.match(name)
         sd = load_ds_file(ck.dir, name)
-        if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        if m is None or not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
             raise CheckpointError(f"{ck.path(name)}: not an expert state dict (name -> tensor)")
         for key in sd:
             if not EXPERT_ID.search(str(key)):
                 raise CheckpointError(f"{ck.path(name)}: {str(key)[:60]!r} is not a DeepSpeed expert's parameter")
-        out.update(sd)
-    return out
+        out.append((int(m[1] or 0), int(m[2]), sd))
+    return sorted(out, key=lambda f: f[:2])
+
+
+def _experts(ck: DsCheckpoint) -> dict:
+    """The MoE expert files' tensors (the experts' own weights, under their global ids)."""
+    return {n: t for *_, sd in expert_files(ck) for n, t in sd.items()}
 
 
 def _module_of(ck: DsCheckpoint, mp: int) -> tuple[dict, dict]:

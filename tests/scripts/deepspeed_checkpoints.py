@@ -4,8 +4,8 @@ Run with an interpreter that has DeepSpeed (CPU is enough; gloo, two processes):
 
     python tests/scripts/deepspeed_checkpoints.py OUT s0_fp32 s2_bf16 pipe_fp32 moe_fp32 ...
 
-Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*`, `llama_*`: a tiny Hugging Face Llama at
-ZeRO-3, its `config.json` in `NAME/hf/`) is one small model trained two steps by
+Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*` (ZeRO-2), `moe0_*` (stage 0), `llama_*`: a
+tiny Hugging Face Llama at ZeRO-3, its `config.json` in `NAME/hf/`) is one small model trained two steps by
 one engine, saved to `OUT/NAME/` with DeepSpeed's `save_checkpoint`; every engine runs in the same
 two processes (one `import deepspeed`, one process group). `OUT/NAME/expected.pt` holds the full
 fp32 weights DeepSpeed's engine holds after the save (`safe_get_full_fp32_param` of every trainable
@@ -185,7 +185,8 @@ def _moments(torch, eng, dist) -> dict:
 
 def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
     kind, prec = name.split("_")
-    stage = int(kind[1:]) if kind.startswith("s") else {"moe": 2, "llama": 3}.get(kind, 0)
+    stage = int(kind[1:]) if kind.startswith("s") else {"moe": 2, "llama": 3}.get(kind, 0)  # (moe0: MoE at stage 0)
+    kind = "moe" if kind == "moe0" else kind
     torch.manual_seed(0)
     model = {"pipe": _pipe, "moe": _moe, "llama": _llama}.get(kind, _mlp)(torch)
     params = [p for p in model.parameters()]
