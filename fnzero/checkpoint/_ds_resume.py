@@ -1,15 +1,17 @@
 """`load` of a DeepSpeed checkpoint into an fnzero `TrainState` (`specs/checkpoint-format.md`
 §DeepSpeed, "Resuming in fnzero"): the fp32 weights, Adam's moments and step, the step counts and
-the schedule's position, at any world size and stage of `like`.
+the schedule's position, at any world size and stage of `like`, pipeline and expert parallelism
+included (a pipeline stage's `like` holds some of the model's layers; an expert-parallel rank's,
+its experts, looked up under their names in the whole model).
 
 Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
-hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`);
+hold, from the optimizer files that overlap them (stage 0: the model files, `_ds_stage0`);
 frozen parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable
 ones left unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkpoint's
 loss scaler becomes the state's loss scale (`_ds_loss_scale`). Refused, one `CheckpointError`
 naming what: optimizers other than Adam/AdamW, a model whose parameter names or shapes differ,
 step counts that disagree, a loss scaler whose policy is not the given config's, an fp16 stage-0
-checkpoint, a `like` with tensor, pipeline or expert parallelism or its optimizer on NVMe.
+checkpoint, a `like` with tensor parallelism or its optimizer on NVMe.
 """
 
 from __future__ import annotations
