@@ -1,8 +1,8 @@
 """`fnzero export` / `fnzero checkpoint info` of checkpoints DeepSpeed 0.19.8 itself wrote
 (specs/checkpoint-format.md §DeepSpeed): the consolidated weights equal, bit for bit, the full fp32
 weights DeepSpeed's engine holds, at ZeRO stages 0-3 in fp32 and bf16 and stage 2 in fp16 with a
-dynamic loss scaler (world 2), for a MoE model at ZeRO-2 (4 experts over 2 expert-parallel
-ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
+dynamic loss scaler (world 2), for a MoE model at ZeRO-2 and at stage 0 (4 experts over 2
+expert-parallel ranks, named by global expert id as DeepSpeed's expert files name them), for a two-stage
 pipeline (`layer_*` files, which DeepSpeed's own zero_to_fp32 does not read), and for a tiny
 Hugging Face Llama at ZeRO-3, whose export with its config loads with `from_pretrained`.
 
@@ -27,7 +27,8 @@ from fnzero.checkpoint import export, info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ["s0_fp32", "s0_bf16", "s1_fp32", "s1_bf16", "s2_fp32", "s2_bf16", "s3_fp32", "s3_bf16", "s2_fp16",
-         "llama_bf16", "moe_fp32", "moe_bf16", "pipe_fp32", "pipe_bf16"]  # (pipelines last: their topology stays set up)
+         "llama_bf16", "moe_fp32", "moe_bf16", "moe0_fp32", "pipe_fp32",
+         "pipe_bf16"]  # (pipelines last: their topology stays set up)
 
 
 def _deepspeed_python() -> str | None:
@@ -177,17 +178,171 @@ def test_load_resumes_the_fp16_loss_scaler(ds_checkpoints):
         assert int(state.step) == 2 - c["deepspeed"]["skipped_steps"]
 
 
-@pytest.mark.parametrize("name,match", [("pipe_fp32", "pipeline, tensor-parallel or MoE"),
-                                        ("moe_fp32", "pipeline, tensor-parallel or MoE")])
-def test_load_refuses_what_it_does_not_resume_yet(ds_checkpoints, name, match):
+def test_a_parameter_frozen_in_the_checkpoint_is_not_resumed_as_trainable(ds_checkpoints):
+    """The fixture's frozen layer has no Adam state in DeepSpeed's files: a state that trains it is
+    refused, naming it, rather than given moments from elsewhere."""
     from fnzero import CheckpointError
     from fnzero.checkpoint import load
     import fnzero
 
-    sm = fnzero.shard(_fixture_model(), config=fnzero.load_config({"train_micro_batch_size_per_gpu": 2,
-                                                                   "optimizer": {"type": "AdamW"}}))
-    with pytest.raises(CheckpointError, match=match):
-        load(os.path.join(ds_checkpoints, name), like=sm.init_state())
+    model = _fixture_model()
+    model.frozen.requires_grad_(True)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}
+    like = fnzero.shard(model, config=fnzero.load_config(cfg)).init_state()
+    with pytest.raises(CheckpointError, match=r"holds no optimizer state for 'frozen\.(weight|bias)' \(frozen when it "
+                                              r"was saved\)"):
+        load(os.path.join(ds_checkpoints, "s2_fp32"), like=like)
+
+
+def _by_saved_name(states, field: str) -> dict[str, torch.Tensor]:
+    """{name in DeepSpeed's files: whole fp32 tensor} of `field` ("master", "params", "exp_avg",
+    "exp_avg_sq") from every simulated rank's leaves: each rank's elements of its units' slots (a
+    pipeline stage's layers, its experts named by global id as the whole model names them)."""
+    from fnzero.checkpoint._tree import state_leaves, units_by_key
+
+    out, shapes = {}, {}
+    for st in states:
+        units, ep = units_by_key(st.sharding.plan), st.sharding.ep
+        for leaf in state_leaves(st):
+            top, _, rest = leaf.path.partition("/")
+            if leaf.unit is None or (top if top in ("master", "params") else rest.partition("/")[0]) != field:
+                continue
+            u = units[leaf.unit]
+            for s in u.slots:
+                a, b = max(leaf.lo, s.offset), min(leaf.hi, s.offset + s.numel)
+                name = s.name if ep is None or not u.is_expert else \
+                    f"{u.module}.{ep.renames[u.module](s.name[len(u.module) + 1:], ep.rank)[0]}"
+                if a < b:
+                    buf = out.setdefault(name, torch.full((s.numel,), float("nan")))
+                    buf[a - s.offset:b - s.offset] = leaf.tensor.reshape(-1)[a - leaf.lo:b - leaf.lo].float()
+                    shapes[name] = s.shape
+    return {n: t.view(shapes[n]) for n, t in out.items()}
+
+
+def _resumed_as_deepspeed_held(root: str, states: list) -> None:
+    """The states hold, bit for bit, the fp32 weights DeepSpeed's engine held (the master of a bf16
+    run; its params rounded from it) and the full Adam moments it held, every one of them once."""
+    expected = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
+    moments = torch.load(os.path.join(root, "moments.pt"), weights_only=True)
+    assert {(int(s.step), int(s.opt_state.count)) for s in states} == {(2, 2)}
+    fields = {"weights": "master" if states[0].master is not None else "params", "exp_avg": "exp_avg",
+              "exp_avg_sq": "exp_avg_sq"}
+    for what, field in fields.items():
+        got = _by_saved_name(states, field)
+        assert sorted(got) == sorted(moments), what
+        for n, t in got.items():
+            want = expected[n] if what == "weights" else moments[n][what]
+            assert torch.equal(t, want), (what, n)
+    if states[0].master is not None:
+        params = _by_saved_name(states, "params")
+        assert all(torch.equal(params[n], expected[n].to(torch.bfloat16).float()) for n in params)
+
+
+D = 8  # the fixture script's width
+_PIPE_LAYERS = [(D, D), None, (D, 5), (5, D)]  # the fixture's PipelineModule: Linear, ReLU, Linear, Linear
+
+
+def _pipe_states(root: str, stages: int, dp: int, stage: int, bf16: bool) -> list:
+    """`root` loaded into fnzero's PipelineModule of the fixture's layers: `stages` stages of `dp`
+    simulated ranks each, at ZeRO `stage`; every rank's state."""
+    import copy
+
+    from fnzero.checkpoint import load
+    from fnzero.testing._threads import simulated_world
+    import fnzero
+
+    # (built once, copied by each rank: the simulated ranks are threads sharing one RNG)
+    layers = [torch.nn.Linear(*io) if io else torch.nn.ReLU() for io in _PIPE_LAYERS]
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
+           "pipeline": {"stages": stages}, **({"bf16": {"enabled": True}} if bf16 else {})}
+
+    def fn(comm):
+        pipe = fnzero.PipelineModule(copy.deepcopy(layers), torch.nn.functional.mse_loss)
+        sm = fnzero.shard(pipe, config=fnzero.load_config(cfg, world_size=comm.world_size), comm=comm)
+        state, client = load(root, like=sm.init_state())
+        assert not client  # (DeepSpeed: {}, nothing passed to save_checkpoint; its conversion: None)
+        return state
+
+    return simulated_world(stages * dp).run(fn)
+
+
+def _moe_states(root: str, stage: int, world: int, ep: int, bf16: bool) -> list:
+    """`root` loaded into the fixture's model built with fnzero's MoE layer, on `world` simulated
+    ranks at expert parallelism `ep` and ZeRO `stage`; every rank's state."""
+    import copy
+
+    from fnzero.checkpoint import load
+    from fnzero.moe import MoE
+    from fnzero.testing._threads import simulated_world
+    import fnzero
+
+    class Net(torch.nn.Module):  # the fixture's model, with fnzero's MoE layer
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(D, D)
+            self.moe = MoE(hidden_size=D, expert=torch.nn.Linear(D, D), num_experts=4, ep_size=ep, k=1,
+                           use_residual=False, min_capacity=1)
+            self.out = torch.nn.Linear(D, D)
+
+    model = Net()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage},
+           **({"bf16": {"enabled": True}} if bf16 else {})}
+
+    def fn(comm):
+        sm = fnzero.shard(copy.deepcopy(model), config=fnzero.load_config(cfg, world_size=world // ep), comm=comm,
+                          mesh=fnzero.make_mesh(comm, ep=ep))
+        state, client = load(root, like=sm.init_state())
+        assert not client and (state.sharding.ep is not None) == (ep > 1)
+        return state
+
+    return simulated_world(world).run(fn)
+
+
+@pytest.mark.parametrize("name,stages,dp,stage", [("pipe_fp32", 1, 1, 2), ("pipe_fp32", 2, 2, 1),
+                                                  ("pipe_bf16", 1, 2, 3), ("pipe_bf16", 2, 1, 0)])
+def test_load_resumes_a_pipeline_checkpoint(ds_checkpoints, name, stages, dp, stage):
+    """DeepSpeed's two-stage PipelineModule (stage 0 in fp32: each stage's Adam state in its model
+    file; BF16_Optimizer in bf16: each stage's optimizer files) resumes into fnzero's PipelineModule
+    of the same layers, whose parameters carry the same names (`2.weight`), in one stage on `dp`
+    ranks, or in two stages, each rank holding its stage's layers only."""
+    root = os.path.join(ds_checkpoints, name)
+    states = _pipe_states(root, stages, dp, stage, name.endswith("bf16"))
+    _resumed_as_deepspeed_held(root, states)
+    held = [sorted({s.name for u in st.sharding.plan.units for s in u.slots}) for st in states]
+    assert held[0] == (["0.bias", "0.weight"] if stages == 2 else ["0.bias", "0.weight", "2.bias", "2.weight",
+                                                                   "3.bias", "3.weight"])
+
+
+@pytest.mark.parametrize("name,stage,world,ep", [("moe_fp32", 1, 1, 1), ("moe_fp32", 3, 2, 2), ("moe_bf16", 2, 4, 2),
+                                                 ("moe_bf16", 0, 4, 4), ("moe0_fp32", 3, 2, 2), ("moe0_fp32", 1, 1, 1)])
+def test_load_resumes_a_moe_checkpoint(ds_checkpoints, name, stage, world, ep):
+    """DeepSpeed's MoE layer (4 experts over 2 expert-parallel ranks) at ZeRO-2, the expert group
+    partitioned over the expert-data-parallel ranks and named locally in each rank's files, and at
+    stage 0 in fp32, each expert-parallel rank's torch optimizer in its own `expp_rank_*` file,
+    resumes into fnzero's own MoE layer without expert parallelism (every expert, by its global
+    id) and with it (ep 2 and 4: each rank its experts), at any stage."""
+    root = os.path.join(ds_checkpoints, name)
+    _resumed_as_deepspeed_held(root, _moe_states(root, stage, world, ep, name.endswith("bf16")))
+
+
+@pytest.mark.parametrize("name", ["pipe_fp32", "pipe_bf16", "moe_bf16", "moe0_fp32"])
+def test_convert_to_fnzero_keeps_what_load_reads_of_pipelines_and_experts(ds_checkpoints, name, tmp_path):
+    """`deepspeed_to_fnzero` of a pipeline (the stand-in names its layers' parameters by index) or a
+    MoE checkpoint (its experts by global id) loads into a two-stage pipeline, or at ep 2, exactly
+    as DeepSpeed's own files load: every rank's every leaf bit for bit."""
+    import optree
+
+    import fnzero
+
+    root = os.path.join(ds_checkpoints, name)
+    out = fnzero.deepspeed_to_fnzero(root, str(tmp_path / "fz"))
+    bf16 = name.endswith("bf16")
+    states = (lambda r: _pipe_states(r, 2, 1, 1, bf16)) if name.startswith("pipe") else \
+        (lambda r: _moe_states(r, 2, 2, 2, bf16))
+    for conv, direct in zip(states(out), states(root)):
+        for a, b in zip(optree.tree_leaves(conv, none_is_leaf=True), optree.tree_leaves(direct, none_is_leaf=True)):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        assert int(conv.step) == int(direct.step) == 2
 
 
 @pytest.mark.parametrize("name,world", [("s3_fp32", 4), ("s3_bf16", 2)])

@@ -301,9 +301,14 @@ def check_resumable(ck: DsCheckpoint) -> None:
         if ck.layer_files or ck.expert_files or ck.pp > 1 or ck.meta.get("num_experts"):
             raise CheckpointError(f"{ck.dir}: resuming from a universal checkpoint of a pipeline or MoE run is not "
                                   "implemented yet")
-    elif ck.layer_files or ck.expert_files or ck.tp > 1:
-        raise CheckpointError(f"{ck.dir}: resuming from a pipeline, tensor-parallel or MoE DeepSpeed checkpoint is "
+    elif ck.tp > 1:
+        raise CheckpointError(f"{ck.dir}: resuming from a tensor-parallel DeepSpeed checkpoint (tp degree {ck.tp}) is "
                               "not implemented yet; its weights export with `fnzero export`")
+    low_precision_stage0 = ck.layout == "whole" and ck.precision != "fp32"
+    if ck.expert_files and (ck.layout == "per_param" or ck.layer_files or low_precision_stage0):
+        raise CheckpointError(f"{ck.dir}: resuming from a DeepSpeed MoE checkpoint is implemented at ZeRO-1/2 and at "
+                              "stage 0 in fp32, not this one (ZeRO-3, a pipeline, or a stage-0 low-precision "
+                              "optimizer) yet")
     if ck.precision == "fp16" and ck.layout == "whole":
         raise CheckpointError(f"{ck.dir}: resuming from an fp16 ZeRO stage-0 checkpoint (its loss scaler in the "
                               "model file) is not implemented yet; its weights export with `fnzero export`")

@@ -7,18 +7,25 @@ ZeRO-1/2 (and BF16_Optimizer): a group's parameters are laid end to end, each fo
 alignment padding; the group is padded to a multiple of 2 x world and cut into `world` equal
 partitions, rank r holding the r-th less the tail padding. ZeRO-3: each parameter is padded to a
 multiple of the world size, rank r holding slice r of each, the slices of a sub-group end to end.
+
+A MoE expert group is partitioned over the expert-data-parallel ranks only (`partition_count`
+= world / ep): rank r holds partition r // ep of expert-parallel rank e = r % ep's experts, which
+every rank names locally (`deepspeed_experts.0` ...); DeepSpeed's expert files, and these runs,
+name them by global id `e * (experts per rank) + local id`. A pipeline's stages (model-parallel
+ranks) each have their own groups and files: each stage's runs carry its `mp`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint
 
 __all__ = ["Run", "FROZEN", "shapes_of", "list_of", "zero12_offsets", "zero12_partition", "zero3_offsets", "runs",
-           "frozen_shapes", "frozen_runs"]
+           "frozen_shapes", "frozen_runs", "expert_names", "expert_replicas", "EXPERT_ID"]
 
 FROZEN = -1  # a Run's `group` for a frozen parameter's fragment in a ZeRO-3 model file
 _ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 group is padded to 2 x world elements
@@ -26,13 +33,15 @@ _ALIGN = 2  # DeepSpeed's nccl_start_alignment_factor: a ZeRO-1/2 group is padde
 
 @dataclass(frozen=True)
 class Run:
-    """Elements [lo, hi) of one parameter sit at `pos`... of rank `rank`'s flat group `group`."""
+    """Elements [lo, hi) of one parameter sit at `pos`... of flat group `group` in the file of
+    data-parallel rank `rank`, model-parallel rank (pipeline stage) `mp`."""
 
     rank: int
     group: int
     pos: int
     lo: int
     hi: int
+    mp: int = 0
 
 
 def shapes_of(meta: dict, where: str) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -76,23 +85,63 @@ def zero3_offsets(group: list[tuple[str, tuple]], world: int) -> list[tuple[str,
     return out
 
 
-def runs(ck: DsCheckpoint, shapes: list, align: list[list[int]]) -> dict[str, list[Run]]:
-    """Every trainable parameter's runs over the ranks' files (ZeRO-1/2 layout "flat" with its
-    alignment paddings `align`, ZeRO-3 "per_param"), from the arithmetic alone."""
+EXPERT_ID = re.compile(r"(deepspeed_experts\.)(\d+)(?=\.)")
+
+
+def expert_names(group: list[tuple[str, tuple]], replica: int) -> list[str]:
+    """A MoE group's local names (`...deepspeed_experts.1.weight` on every rank) renamed to the global
+    expert ids of expert-parallel rank `replica`, as DeepSpeed names them in its expert files."""
+    local: dict[str, set[int]] = {}
+    for name, _ in group:
+        if m := EXPERT_ID.search(name):
+            local.setdefault(name[: m.start()], set()).add(int(m[2]))
+    if replica == 0 and len(local) == 0:
+        return [n for n, _ in group]
+
+    def rename(name: str) -> str:
+        m = EXPERT_ID.search(name)
+        if m is None:
+            raise CheckpointError(f"parameter {name!r} of a MoE expert group is not named as a DeepSpeed expert")
+        return f"{name[: m.start()]}{m[1]}{replica * len(local[name[: m.start()]]) + int(m[2])}{name[m.end():]}"
+
+    return [rename(n) for n, _ in group]
+
+
+def expert_replicas(ck: DsCheckpoint, osd: dict, n: int, where: str) -> list[int]:
+    """Per group, how many different flat buffers the ranks hold (`osd`: a rank's optimizer state):
+    1, or for a MoE expert group (partitioned over the expert-data-parallel ranks only,
+    `partition_count`) the expert-parallel size."""
+    counts = osd.get("partition_count") or [ck.dp] * n
+    if not isinstance(counts, list) or len(counts) != n or any(type(c) is not int or c < 1 or ck.dp % c
+                                                                 for c in counts):
+        raise CheckpointError(f"{where}: 'partition_count' should be {n} divisors of the world size {ck.dp}")
+    if any(c != ck.dp for c in counts) and (ck.meta.get("ds_config") or {}).get("use_data_before_expert_parallelism"):
+        raise CheckpointError(f"{where}: use_data_before_expert_parallelism lays experts out in a way not read yet")
+    return [ck.dp // c for c in counts]
+
+
+def runs(ck: DsCheckpoint, shapes: list, align: list[list[int]], mp: int = 0,
+         replicas: list[int] | None = None) -> dict[str, list[Run]]:
+    """Every trainable parameter's runs over the files of model-parallel rank `mp` (ZeRO-1/2 layout
+    "flat" with its alignment paddings `align` and, per group, `replicas` (`expert_replicas`);
+    ZeRO-3 "per_param"), from the arithmetic alone; expert parameters under their global names."""
     out: dict[str, list[Run]] = {}
     w = ck.dp
     for g, group in enumerate(shapes):
         if ck.layout == "per_param":
             for (name, off, ps), (_, shape) in zip(zero3_offsets(group, w), group):
                 n = math.prod(shape)
-                out[name] = [Run(r, g, off, r * ps, min(n, (r + 1) * ps)) for r in range(w) if r * ps < n]
+                out[name] = [Run(r, g, off, r * ps, min(n, (r + 1) * ps), mp) for r in range(w) if r * ps < n]
             continue
+        ep = replicas[g] if replicas else 1
         offsets, length = zero12_offsets(group, align[g])
-        part = zero12_partition(length, w)
-        for name, off, n in offsets:
-            first, last = off // part, (off + n - 1) // part if n else off // part - 1
-            out[name] = [Run(r, g, max(off, r * part) - r * part, max(off, r * part) - off,
-                             min(off + n, (r + 1) * part) - off) for r in range(first, last + 1)]
+        part = zero12_partition(length, w // ep)
+        for e in range(ep):
+            names = expert_names(group, e) if ep > 1 else [n for n, _ in group]
+            for name, (_, off, n) in zip(names, offsets):
+                first, last = off // part, (off + n - 1) // part if n else off // part - 1
+                out[name] = [Run(p * ep + e, g, max(off, p * part) - p * part, max(off, p * part) - off,
+                                 min(off + n, (p + 1) * part) - off, mp) for p in range(first, last + 1)]
     return out
 
 

@@ -1,9 +1,11 @@
 """`load` of a DeepSpeed checkpoint into an fnzero `TrainState` (`specs/checkpoint-format.md`
 §DeepSpeed, "Resuming in fnzero"): the fp32 weights, Adam's moments and step, the step counts and
-the schedule's position, at any world size and stage of `like`.
+the schedule's position, at any world size and stage of `like`, pipeline and expert parallelism
+included (a pipeline stage's `like` holds some of the model's layers; an expert-parallel rank's,
+its experts, looked up under their names in the whole model).
 
 Each rank reads only its shard (`_ds_shard`): the element ranges of each parameter its leaves
-hold, from the optimizer files that overlap them (stage 0: the one model file, `_ds_stage0`; a
+hold, from the optimizer files that overlap them (stage 0: the model files, `_ds_stage0`; a
 universal checkpoint: the parameters' own files, `_ds_universal_read`, frozen ones kept `like`'s),
 and at ZeRO-3 of its frozen parameters from the model files that overlap them; below ZeRO-3 frozen
 parameters and buffers are read whole by name (`_ds_weights.consolidate`, the trainable ones left
@@ -11,8 +13,8 @@ unread); every leaf of `like` is then filled by its unit's slots. An fp16 checkp
 loss scaler becomes the state's loss scale (`_ds_loss_scale`). Refused, one `CheckpointError`
 naming what: optimizers other than Adam/AdamW, a model whose parameter names or shapes differ,
 step counts that disagree, a loss scaler whose policy is not the given config's, an fp16 stage-0
-checkpoint, a `like` with pipeline or expert parallelism or its optimizer on NVMe, or with tensor
-parallelism unless the checkpoint is universal (whole tensors).
+checkpoint, a `like` with its optimizer on NVMe, with tensor parallelism unless the checkpoint is
+universal (whole tensors), or with pipeline or expert parallelism from a universal checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ._ds_stage0 import Stage0Read
 from ._ds_trainer import check_trainer_dir
 from ._ds_universal_read import UniversalRead, universal_optimizer_state, universal_weights
 from ._ds_weights import DsWeights, consolidate
+from ._ep import expert_places
 from ._load import rebuild_into_constants
 from ._same_model import describe as describe_mismatch
 from ._tp import tp_check_view
@@ -72,6 +75,8 @@ def load_deepspeed(path, like: TrainState, *, tag: str | None = None, keep_froze
     def whole(field: str, name: str, a: int | None = None, b: int | None = None) -> torch.Tensor:
         if a is not None and (got := shard.piece(field, name, a, b)) is not None:
             return got
+        if field != "weights":  # (trainable here, frozen in the checkpoint: it holds no moments for it)
+            raise CheckpointError(f"{ck.dir}: holds no optimizer state for {name!r} (frozen when it was saved)")
         t = w.tensors[names.get(name, name)]
         return t if a is None else t.reshape(-1)[a:b]
 
@@ -88,13 +93,13 @@ def _check_like(like: TrainState, universal: bool) -> None:
     from ..offload import is_nvme
 
     sh = like.sharding
-    what = ("tensor" if sh.tp is not None and sh.tp.size > 1 and not universal else
-            "pipeline" if sh.pp is not None and sh.pp.stages > 1 else
-            "expert" if sh.ep is not None else None)
-    if what is not None:
-        raise CheckpointError(f"loading a DeepSpeed checkpoint into a state with {what} parallelism is not "
-                              "implemented yet (data-parallel states at any ZeRO stage are, and tensor-parallel "
-                              "ones from a universal checkpoint)")
+    if sh.tp is not None and sh.tp.size > 1 and not universal:
+        raise CheckpointError("loading a DeepSpeed checkpoint into a state with tensor parallelism is not implemented "
+                              "yet (data-, pipeline- and expert-parallel states at any ZeRO stage are, and "
+                              "tensor-parallel ones from a universal checkpoint)")
+    if universal and ((sh.pp is not None and sh.pp.stages > 1) or sh.ep is not None):
+        raise CheckpointError("loading a DeepSpeed universal checkpoint into a state with pipeline or expert "
+                              "parallelism is not implemented yet (its regular checkpoint loads into one)")
     if is_nvme(like):
         raise CheckpointError("loading a DeepSpeed checkpoint into a state with its optimizer on NVMe is not "
                               "implemented yet")
@@ -137,7 +142,9 @@ def _step(ck, shard) -> int:
 def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
     """The checkpoint's trainable, frozen and buffer names and shapes are `like`'s, else one
     message naming every difference."""
-    plan = like.sharding.plan
+    places = expert_places(like.sharding)  # (every layer's experts, by their names in the whole model)
+    plan = places.whole if places is not None else like.sharding.plan
+    stage_only = like.sharding.pp is not None and like.sharding.pp.stages > 1  # (some of the model's layers)
     saved = {n: tuple(t.shape) for n, t in w.tensors.items() if n not in w.buffers}
     saved.update({a: saved[first] for first, aliases in w.aliases.items() for a in aliases})
     mine = {n: tuple(s.shape) for u in plan.units for s in u.slots for n in (s.name, *s.aliases)}
@@ -150,7 +157,7 @@ def _check_model(w: DsWeights, like: TrainState, keep_frozen: bool) -> None:
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in like.buffers.items() if n not in transient})
     saved.update({f"{n} (buffer)": tuple(w.tensors[n].shape) for n in w.buffers})
     only_mine = [n for n in mine if n not in saved]
-    only_saved = [n for n in saved if n not in mine]
+    only_saved = [] if stage_only else [n for n in saved if n not in mine]
     reshaped = [(n, mine[n], saved[n]) for n in mine if n in saved and saved[n] != mine[n]]
     if only_mine or only_saved or reshaped:
         raise CheckpointError("the DeepSpeed checkpoint does not hold the model you are loading into: "

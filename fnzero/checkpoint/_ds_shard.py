@@ -7,19 +7,28 @@ each range, from `param_shapes` and the world size alone. Only the files that ov
 one at a time, and only the overlapping slices are copied out: the files are mapped, so the pages
 of the other ranks' elements are never read. Every opened file's partition sizes are checked
 against the arithmetic, and its Adam step against the others'.
+
+A pipeline's stages are model-parallel ranks with their own groups and files
+(`zero_pp_rank_{dp}_mp_rank_{stage}`); a parameter is found in the one stage whose groups name it,
+so a rank holding one fnzero stage opens only the files of the DeepSpeed stages holding its layers.
+A MoE expert group's parameters carry their global expert ids (`_ds_offsets.expert_names`); under
+fnzero's expert parallelism each rank's experts are looked up by their names in the whole model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .._errors import CheckpointError
 from .._state import TrainState
 from ._ds_layout import DsCheckpoint, optim_of
-from ._ds_offsets import (FROZEN, Run, frozen_runs, list_of, runs, shapes_of, zero12_offsets, zero12_partition,
-                          zero3_offsets)
+from ._ds_offsets import (FROZEN, Run, expert_replicas, frozen_runs, list_of, runs, shapes_of, zero12_offsets,
+                          zero12_partition, zero3_offsets)
 from ._ds_optim import MOMENTS, adam_step, flat_moment, zero3_moments
 from ._ds_pickle import load_ds_file
+from ._ds_weights import group_shapes
 from ._tree import state_leaves, units_by_key
 
 __all__ = ["ShardRead", "WEIGHTS", "leaf_needs"]
@@ -27,60 +36,88 @@ __all__ = ["ShardRead", "WEIGHTS", "leaf_needs"]
 WEIGHTS = "weights"  # the fp32 weights; the other fields are Adam's moments, by torch's names
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One model-parallel rank's optimizer groups: each group's (name, shape), the alignment padding
+    after each parameter, and how many expert-parallel replicas of it the ranks hold."""
+
+    shapes: list
+    align: list[list[int]]
+    replicas: list[int]
+
+
 class ShardRead:
-    """What this rank of `like` needs of checkpoint `ck` (computed at once, no file opened) and,
-    after `read()`, those elements: `piece(field, name, a, b)`."""
+    """What this rank of `like` needs of checkpoint `ck` (computed at once, no optimizer file
+    opened but for the small fields of rank 0's where the layout needs them) and, after `read()`,
+    those elements: `piece(field, name, a, b)`."""
 
     extra_steps = 0  # Adam's count less the steps applied: none at ZeRO-1/2/3
 
     def __init__(self, ck: DsCheckpoint, like: TrainState):
         self.ck = ck
-        self.shapes = shapes_of(ck.meta, ck.path(ck.model_files[(0, 0)]))
-        self.align = self._alignment()
-        self.runs = runs(ck, self.shapes, self.align)
+        self.stages = {mp: self._stage(mp) for mp in sorted({mp for _, mp in ck.model_files})}
+        self.runs: dict[str, list[Run]] = {}
+        for mp, st in self.stages.items():
+            for name, found in runs(ck, st.shapes, st.align, mp, st.replicas).items():
+                if name in self.runs:
+                    raise CheckpointError(f"{ck.dir}: parameter {name!r} is in the optimizer groups of two "
+                                          f"model-parallel ranks ({self.runs[name][0].mp} and {mp})")
+                self.runs[name] = found
         if ck.layout == "per_param":  # (ZeRO-1/2 keep frozen weights whole in the model file: read by name)
             self.runs.update(frozen_runs(ck))
         self.needs, self.names = leaf_needs(like, self.runs)
-        self.by_rank: dict[int, list[tuple[str, str, Run, int, int]]] = {}
+        self.by_file: dict[tuple[int, int], list[tuple[str, str, Run, int, int]]] = {}
         for field, needs in self.needs.items():
             for name, (a, b) in needs.items():
                 for run in self.runs[name]:
                     lo, hi = max(a, run.lo), min(b, run.hi)
                     if lo < hi:
-                        self.by_rank.setdefault(run.rank, []).append((field, name, run, lo, hi))
-        # The optimizer files this rank opens, by DeepSpeed rank (a frozen fragment is in the model file).
-        self.ranks = sorted(r for r, entries in self.by_rank.items() if any(e[2].group != FROZEN for e in entries))
+                        self.by_file.setdefault((run.rank, run.mp), []).append((field, name, run, lo, hi))
+        # The optimizer files this rank opens, (DeepSpeed dp rank, mp rank); a ZeRO-3 frozen
+        # parameter's fragment is in the model file of its dp rank instead.
+        self.files = sorted(f for f, entries in self.by_file.items() if any(e[2].group != FROZEN for e in entries))
         self.pieces: dict[str, dict[str, tuple[int, torch.Tensor]]] = {}
         self.elements = 0  # how many elements `read` copied out of the files
 
-    def _alignment(self) -> list[list[int]]:
-        """ZeRO-1/2's padding after each parameter: none unless the run set `parameter_alignment`,
-        then as rank 0's file records it (`param_alignment_paddings`)."""
-        zeros = [[0] * len(g) for g in self.shapes]
-        zero_cfg = (self.ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
-        if self.ck.layout != "flat" or not (isinstance(zero_cfg, dict) and zero_cfg.get("parameter_alignment")):
-            return zeros
-        osd, where = optim_of(self.ck, 0, 0)
-        return list_of({"a": osd.get("param_alignment_paddings") or zeros}, "a", len(self.shapes), where)
+    def _stage(self, mp: int) -> _Stage:
+        """Model-parallel rank `mp`'s groups (ZeRO-3: `param_shapes` of the one model file)."""
+        ck = self.ck
+        if ck.layout == "per_param":
+            shapes = shapes_of(ck.meta, ck.path(ck.model_files[(0, 0)]))
+            return _Stage(shapes, [[0] * len(g) for g in shapes], [1] * len(shapes))
+        shapes = group_shapes(ck, mp, ck.meta if (0, mp) == min(ck.model_files) else None)
+        zeros = [[0] * len(g) for g in shapes]
+        zero_cfg = (ck.meta.get("ds_config") or {}).get("zero_optimization") or {}
+        aligned = isinstance(zero_cfg, dict) and zero_cfg.get("parameter_alignment")
+        if not aligned and not ck.expert_files:
+            return _Stage(shapes, zeros, [1] * len(shapes))
+        # The alignment paddings (none unless the run set `parameter_alignment`) and a MoE run's
+        # partition counts are small fields of rank 0's file, the same in every rank's.
+        osd, where = optim_of(ck, 0, mp)
+        align = list_of({"a": osd.get("param_alignment_paddings") or zeros}, "a", len(shapes), where) if aligned \
+            else zeros
+        return _Stage(shapes, align, expert_replicas(ck, osd, len(shapes), where))
 
     def adam_step(self) -> int:
         """The Adam step of the first file this rank reads (`read` checks the others against it)."""
-        osd, where = optim_of(self.ck, self.ranks[0] if self.ranks else 0, 0)
-        return adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where)
+        dp, mp = self.files[0] if self.files else (0, min(self.stages))
+        osd, where = optim_of(self.ck, dp, mp)
+        return adam_step(osd, len(self.stages[mp].shapes), self.ck.layout == "per_param", where)
 
     def read(self) -> None:
         """Copy the needed elements out of the overlapping files, one file at a time."""
         for field, needs in self.needs.items():
             self.pieces[field] = {n: (a, torch.empty(b - a, dtype=torch.float32)) for n, (a, b) in needs.items()}
         steps: dict[int, str] = {}
-        for r in sorted(self.by_rank):
-            entries = self.by_rank[r]
+        for r, mp in sorted(self.by_file):
+            entries = self.by_file[(r, mp)]
             flats: dict = {}
-            if r in self.ranks:
-                osd, where = optim_of(self.ck, r, 0)
-                wanted = {f for f, _, run, *_ in entries if run.group != FROZEN}  # (fields in order: weights first)
-                flats = {f: self._flats(osd, f, r, where) for f in self.needs if f in wanted}
-                steps.setdefault(adam_step(osd, len(self.shapes), self.ck.layout == "per_param", where), where)
+            if (r, mp) in self.files:
+                osd, where = optim_of(self.ck, r, mp)
+                wanted = {f for f, _, run, *_ in entries if run.group != FROZEN}  # (in order: the weights' lengths first)
+                flats = {f: self._flats(osd, f, r, mp, where) for f in self.needs if f in wanted}
+                steps.setdefault(adam_step(osd, len(self.stages[mp].shapes), self.ck.layout == "per_param", where),
+                                 where)
                 del osd
             if any(run.group == FROZEN for _, _, run, *_ in entries):
                 flats[FROZEN] = self._fragments(r)
@@ -113,18 +150,20 @@ class ShardRead:
             out[n] = t.reshape(-1)
         return out
 
-    def _flats(self, osd: dict, field: str, r: int, where: str) -> list[torch.Tensor]:
+    def _flats(self, osd: dict, field: str, r: int, mp: int, where: str) -> list[torch.Tensor]:
         """Rank `r`'s flat groups of `field`, each checked to be as long as the arithmetic says."""
-        n = len(self.shapes)
+        st = self.stages[mp]
+        n = len(st.shapes)
         if self.ck.layout == "per_param":
             flats = list_of(osd, "fp32_flat_groups", n, where) if field == WEIGHTS else zero3_moments(osd, n, field,
                                                                                                    where)
-            want = [sum(ps for *_, ps in zero3_offsets(g, self.ck.dp)) for g in self.shapes]
+            want = [sum(ps for *_, ps in zero3_offsets(g, self.ck.dp)) for g in st.shapes]
         else:
+            worlds = [self.ck.dp // e for e in st.replicas]  # (an expert group: the expert-data-parallel size)
             counts = osd.get("partition_count")
-            if counts is not None and counts != [self.ck.dp] * n:
-                raise CheckpointError(f"{where}: 'partition_count' {counts} is not the world size {self.ck.dp} for "
-                                      "every group (a MoE checkpoint is not resumed yet)")
+            if counts is not None and counts != worlds:
+                raise CheckpointError(f"{where}: 'partition_count' {counts} is not {worlds}, what rank 0's file and "
+                                      f"the world size {self.ck.dp} say")
             parts = list_of(osd, "single_partition_of_fp32_groups", n, where)
             pads = list_of(osd, "group_paddings", n, where)
             flats, want = [], []
@@ -134,9 +173,9 @@ class ShardRead:
                 # ZeRO-1/2 store the partition without its padding; BF16_Optimizer (no zero_stage) with it.
                 content = part if "zero_stage" in osd else part[: max(0, part.numel() - int(pad))]
                 flats.append(content if field == WEIGHTS else flat_moment(osd, g, n, field, content, int(pad), where))
-                length = zero12_offsets(self.shapes[g], self.align[g])[1]
-                part_len = zero12_partition(length, self.ck.dp)
-                want.append(max(0, min(part_len, length - r * part_len)))
+                length = zero12_offsets(st.shapes[g], st.align[g])[1]
+                part_len = zero12_partition(length, worlds[g])
+                want.append(max(0, min(part_len, length - (r // st.replicas[g]) * part_len)))
         for g, (flat, m) in enumerate(zip(flats, want)):
             if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != m:
                 got = flat.numel() if isinstance(flat, torch.Tensor) else type(flat).__name__
@@ -157,21 +196,39 @@ class ShardRead:
         return buf[a - lo: b - lo]
 
 
+def _saved_names(like: TrainState, unit, slot) -> tuple[str, ...]:
+    """The names a slot of `like` may have in the checkpoint: its own and its aliases; an expert's
+    under fnzero's expert parallelism (named locally on every ep rank) as in the whole model, the
+    global expert ids DeepSpeed's files use."""
+    names = (slot.name, *slot.aliases)
+    ep = like.sharding.ep
+    if ep is None or not unit.is_expert:
+        return names
+    prefix, out = unit.module + ".", []
+    for n in names:
+        there, stacked = ep.renames[unit.module](n[len(prefix):], ep.rank)
+        if stacked:
+            raise CheckpointError(f"{slot.name!r}: experts stacked in one tensor are not in a DeepSpeed checkpoint, "
+                                  "which keeps each expert's parameters apart (deepspeed_experts.N...)")
+        out.append(prefix + there)
+    return tuple(out)
+
+
 def leaf_needs(like: TrainState, known) -> tuple[dict[str, dict[str, tuple[int, int]]], dict[str, str]]:
     """(field -> checkpoint name -> the element range [a, b) this rank's leaves of `like` hold of
     it, fnzero's slot name -> the checkpoint's name for it): the parameters' weights (`params`,
     `master`, and `frozen`: a frozen unit's share, or all of a frozen parameter held whole) and
-    Adam's moments, each parameter under the first of its names (a tied one's aliases too) that
-    `known` holds."""
+    Adam's moments, each parameter under the first of its names (a tied one's aliases, an expert's
+    global name: `_saved_names`) that `known` holds."""
     units = units_by_key(like.sharding.plan)
     out: dict[str, dict[str, tuple[int, int]]] = {f: {} for f in (WEIGHTS, *MOMENTS)}
     names: dict[str, str] = {}
 
-    def need(field: str, candidates: tuple, a: int, b: int) -> None:
+    def need(field: str, slot_name: str, candidates: tuple, a: int, b: int) -> None:
         name = next((n for n in candidates if n in known), None)
         if a >= b or name is None:  # (a name the checkpoint lacks is refused by the model check)
             return
-        names[candidates[0]] = name
+        names[slot_name] = name
         lo, hi = out[field].get(name, (a, b))
         out[field][name] = (min(lo, a), max(hi, b))
 
@@ -182,8 +239,10 @@ def leaf_needs(like: TrainState, known) -> tuple[dict[str, dict[str, tuple[int, 
             continue
         if leaf.unit is None:
             if top == "frozen":
-                need(WEIGHTS, (rest,), 0, leaf.tensor.numel())
+                need(WEIGHTS, rest, (rest,), 0, leaf.tensor.numel())
             continue
-        for s in units[leaf.unit].slots:
-            need(field, (s.name, *s.aliases), max(leaf.lo, s.offset) - s.offset, min(leaf.hi, s.offset + s.numel) - s.offset)
+        u = units[leaf.unit]
+        for s in u.slots:
+            need(field, s.name, _saved_names(like, u, s), max(leaf.lo, s.offset) - s.offset,
+                 min(leaf.hi, s.offset + s.numel) - s.offset)
     return out, names

@@ -15,10 +15,11 @@ import torch
 
 from .._errors import CheckpointError
 from ._ds_layout import DsCheckpoint, check_meta, optim_of as _optim
-from ._ds_offsets import frozen_shapes, list_of as _list, shapes_of as _shapes, zero12_offsets, zero3_offsets
+from ._ds_offsets import (EXPERT_ID, expert_names, expert_replicas, frozen_shapes, list_of as _list,
+                          shapes_of as _shapes, zero12_offsets, zero3_offsets)
 from ._ds_pickle import load_ds_file
 
-__all__ = ["DsWeights", "consolidate", "ties", "zero3_frozen"]
+__all__ = ["DsWeights", "consolidate", "ties", "zero3_frozen", "group_shapes", "pipeline_module", "expert_files"]
 
 
 @dataclass
@@ -54,19 +55,6 @@ def _fragment_shapes(ck: DsCheckpoint, mp: int, module: dict) -> list[list[tuple
     return [[(n, tuple(module[n].shape)) for n in g] for g in groups]
 
 
-def _replicas(ck: DsCheckpoint, osd: dict, n: int, where: str) -> list[int]:
-    """Per group, how many different flat buffers the ranks hold: 1, or for a MoE expert group
-    (partitioned over the expert-data-parallel ranks only, `partition_count`) the expert-parallel
-    size: rank r holds partition r // ep of expert-parallel rank r % ep's experts."""
-    counts = osd.get("partition_count") or [ck.dp] * n
-    if not isinstance(counts, list) or len(counts) != n or any(type(c) is not int or c < 1 or ck.dp % c
-                                                                 for c in counts):
-        raise CheckpointError(f"{where}: 'partition_count' should be {n} divisors of the world size {ck.dp}")
-    if any(c != ck.dp for c in counts) and (ck.meta.get("ds_config") or {}).get("use_data_before_expert_parallelism"):
-        raise CheckpointError(f"{where}: use_data_before_expert_parallelism lays experts out in a way not read yet")
-    return [ck.dp // c for c in counts]
-
-
 def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
     """Each group's flat fp32 buffer (one per expert replica), filled from every rank's file in
     rank order; the alignment paddings after each parameter."""
@@ -77,7 +65,7 @@ def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torc
         parts = _list(osd, "single_partition_of_fp32_groups", len(shapes), where)
         pads = _list(osd, "group_paddings", len(shapes), where)
         if r == 0:
-            reps = _replicas(ck, osd, len(shapes), where)
+            reps = expert_replicas(ck, osd, len(shapes), where)
             align = osd.get("param_alignment_paddings") or align  # (absent before DeepSpeed 0.19)
             flats = [[torch.empty(sum(math.prod(s) for _, s in g) + sum(a), dtype=torch.float32) for _ in range(e)]
                      for g, a, e in zip(shapes, _list({"a": align}, "a", len(shapes), where), reps)]
@@ -103,26 +91,17 @@ def _partitions(ck: DsCheckpoint, mp: int, shapes: list) -> tuple[list[list[torc
     return flats, align
 
 
-_EXPERT_ID = re.compile(r"(deepspeed_experts\.)(\d+)(?=\.)")
-
-
-def _global_names(group: list[tuple[str, tuple]], replica: int) -> list[str]:
-    """A MoE group's local names (`...deepspeed_experts.1.weight` on every rank) renamed to the global
-    expert ids of expert-parallel rank `replica`, as DeepSpeed names them in its expert files."""
-    local: dict[str, set[int]] = {}
-    for name, _ in group:
-        if m := _EXPERT_ID.search(name):
-            local.setdefault(name[: m.start()], set()).add(int(m[2]))
-    if replica == 0 and len(local) == 0:
-        return [n for n, _ in group]
-
-    def rename(name: str) -> str:
-        m = _EXPERT_ID.search(name)
-        if m is None:
-            raise CheckpointError(f"parameter {name!r} of a MoE expert group is not named as a DeepSpeed expert")
-        return f"{name[: m.start()]}{m[1]}{replica * len(local[name[: m.start()]]) + int(m[2])}{name[m.end():]}"
-
-    return [rename(n) for n, _ in group]
+def group_shapes(ck: DsCheckpoint, mp: int, meta: dict | None = None, module: dict | None = None) -> list:
+    """Model-parallel rank `mp`'s (a pipeline stage's) optimizer groups, each its parameters' (name,
+    shape) in order: the model file's `param_shapes`, else (BF16_Optimizer without ZeRO) the names
+    of its optimizer files' `param_slice_mappings`. `meta`, `module`: that model file's (a
+    pipeline's module: its layer files), read here when not given."""
+    meta = meta if meta is not None else _module_of(ck, mp)[1]
+    if meta.get("param_shapes") is None and ck.meta.get("bf16_optimizer"):
+        if module is None:
+            module = pipeline_module(ck) if ck.layer_files else _module_of(ck, mp)[0].get("module")
+        return _fragment_shapes(ck, mp, module if isinstance(module, dict) else {})
+    return _shapes(meta, ck.path(ck.model_files[(0, mp)]))
 
 
 def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, read: bool = True) -> dict[str, torch.Tensor]:
@@ -130,18 +109,18 @@ def _zero12(ck: DsCheckpoint, mp: int, meta: dict, module: dict, read: bool = Tr
     rank r holding partition r less the tail padding (`group_paddings`). `meta`: model-parallel
     rank `mp`'s model-states file. `read=False`: no optimizer file is opened, each parameter is a
     meta tensor of its shape (what a resume reads itself, `_ds_shard.py`)."""
-    if meta.get("param_shapes") is None and ck.meta.get("bf16_optimizer"):
-        shapes = _fragment_shapes(ck, mp, module)
-    else:
-        shapes = _shapes(meta, ck.path(ck.model_files[(0, mp)]))
-    if not read:
-        return {n: torch.empty(s, device="meta") for g in shapes for n, s in g}
+    shapes = group_shapes(ck, mp, meta, module)
+    if not read:  # (a MoE expert group: every expert-parallel rank's experts, by global id)
+        osd, where = _optim(ck, 0, mp) if ck.expert_files else ({}, "")
+        reps = expert_replicas(ck, osd, len(shapes), where)
+        return {n: torch.empty(s, device="meta") for g, e_count in zip(shapes, reps) for e in range(e_count)
+                for n, (_, s) in zip(expert_names(g, e), g)}
     flats, align = _partitions(ck, mp, shapes)
     out = {}
     for g, group in enumerate(shapes):
         offsets = zero12_offsets(group, align[g])[0]
         for e, flat in enumerate(flats[g]):
-            names = _global_names(group, e) if len(flats[g]) > 1 else [n for n, _ in group]
+            names = expert_names(group, e) if len(flats[g]) > 1 else [n for n, _ in group]
             for name, (_, shape), (_, off, n) in zip(names, group, offsets):
                 out[name] = flat[off: off + n].view(shape)
     return out
@@ -256,18 +235,28 @@ def _refuse_unread(ck: DsCheckpoint) -> None:
                               "one (ZeRO-3, pipeline, or a stage-0 low-precision optimizer) yet")
 
 
-def _experts(ck: DsCheckpoint) -> dict:
-    """The MoE expert files' tensors (the experts' own weights, under their global ids)."""
-    out = {}
-    for name in sorted(n for n in ck.expert_files if n.endswith("_model_states.pt")):
+_EXPERT_FILE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_\d+_model_states\.pt$")
+
+
+def expert_files(ck: DsCheckpoint) -> list[tuple[int, int, dict]]:
+    """The MoE expert files as (layer, global expert id, the expert's own tensors under their
+    global names), in layer and id order."""
+    out = []
+    for name in (n for n in ck.expert_files if n.endswith("_model_states.pt")):
+        m = _EXPERT_FILE.match(name)
         sd = load_ds_file(ck.dir, name)
-        if not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
+        if m is None or not isinstance(sd, dict) or not all(isinstance(t, torch.Tensor) for t in sd.values()):
             raise CheckpointError(f"{ck.path(name)}: not an expert state dict (name -> tensor)")
         for key in sd:
-            if not _EXPERT_ID.search(str(key)):
+            if not EXPERT_ID.search(str(key)):
                 raise CheckpointError(f"{ck.path(name)}: {str(key)[:60]!r} is not a DeepSpeed expert's parameter")
-        out.update(sd)
-    return out
+        out.append((int(m[1] or 0), int(m[2]), sd))
+    return sorted(out, key=lambda f: f[:2])
+
+
+def _experts(ck: DsCheckpoint) -> dict:
+    """The MoE expert files' tensors (the experts' own weights, under their global ids)."""
+    return {n: t for *_, sd in expert_files(ck) for n, t in sd.items()}
 
 
 def _module_of(ck: DsCheckpoint, mp: int) -> tuple[dict, dict]:
@@ -279,7 +268,7 @@ def _module_of(ck: DsCheckpoint, mp: int) -> tuple[dict, dict]:
     return state, {k: v for k, v in state.items() if k not in ("module", "optimizer")}
 
 
-def _pipeline_module(ck: DsCheckpoint) -> dict:
+def pipeline_module(ck: DsCheckpoint) -> dict:
     """The pipeline's layer files as one state dict, each layer's keys under its index (`3.weight`),
     as `PipelineModule` names its layers."""
     module = {}
@@ -295,7 +284,7 @@ def _sources(ck: DsCheckpoint, read: bool = True) -> tuple[dict, set, dict, set 
     """(module state dict, buffer names, masters by name, names with no master that are frozen
     or None when the files do not say). `read=False`: the masters are meta tensors (`_zero12`)."""
     mps = sorted({mp for _, mp in ck.model_files})
-    module = _pipeline_module(ck) if ck.layer_files else {}
+    module = pipeline_module(ck) if ck.layer_files else {}
     buffers, masters, stage0 = set(), {}, []
     for mp in mps:
         state, meta = _module_of(ck, mp)

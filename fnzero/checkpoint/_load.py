@@ -290,10 +290,8 @@ def load(
             if leaf.path.startswith("frozen/"):  # by parameter name, however it was stored (`_frozen.py`)
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_frozen(leaf, like, rd, out, keep_frozen, tp, fplan).reshape(t.shape).to(t.device)
-            if leaf.per_rank:
-                return read_per_rank_leaf(leaf, ix, like, rd)
-            if leaf.path not in rd.tensors and leaf.path[len("buffers/"):] in like.sharding.plan.saved.non_persistent:
-                return t  # (a persistent=False buffer, as a Llama's rotary inv_freq, a converted checkpoint lacks)
+            if leaf.per_rank or _kept_transient(leaf, rd, like):
+                return read_per_rank_leaf(leaf, ix, like, rd) if leaf.per_rank else t
             if slots is not None and leaf.unit is not None:
                 fplan = view.sharding.plan if tp is not None else None
                 return fill_by_name(leaf, like, rd, slots, out, tp, fplan, ep).reshape(t.shape).to(t.device)
@@ -327,6 +325,12 @@ def load(
             pp = like.sharding.pp  # a pipeline's ranks restore by their rank in the job
             _restore_rng(ix, pp.world.rank if pp is not None and pp.world is not None else like.sharding.rank)
         return state, ix.get("client_state")
+
+
+def _kept_transient(leaf: Leaf, rd, like: TrainState) -> bool:
+    """A persistent=False buffer (a Llama's rotary inv_freq) the checkpoint lacks, as one converted
+    from DeepSpeed's does: `like`'s value is kept."""
+    return leaf.path not in rd.tensors and leaf.path[len("buffers/"):] in like.sharding.plan.saved.non_persistent
 
 
 def _matched(ix: dict, like: TrainState, tp, keep_frozen: bool) -> tuple[TrainState, dict | None]:

@@ -34,8 +34,8 @@ def load(
     `exclude_frozen_parameters`, into a state whose frozen weights are the base model's).
 
     A DeepSpeed checkpoint directory (`global_stepN/`, or the directory whose `latest` names it) of
-    an Adam/AdamW run at ZeRO stage 0-3 in fp32, bf16 or fp16 is read too, as DeepSpeed would resume
-    it: `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
+    an Adam/AdamW run at ZeRO stage 0-3 in fp32, bf16 or fp16 (a PipelineModule's, a MoE model's too)
+    is read too, as DeepSpeed would resume it: `client_state` is what its `save_checkpoint` was given; its files hold no checksums (`verify`)
     and no RNG state (`restore_rng`). An fp16 run's loss scaler becomes the state's loss scale;
     `config`, the one the step will run (optional, DeepSpeed checkpoints only), has its fp16 block
     checked against the scaler's policy, which DeepSpeed would resume. A DeepSpeed universal checkpoint

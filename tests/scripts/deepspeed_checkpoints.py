@@ -4,14 +4,16 @@ Run with an interpreter that has DeepSpeed (CPU is enough; gloo, two processes):
 
     python tests/scripts/deepspeed_checkpoints.py OUT s0_fp32 s2_bf16 pipe_fp32 moe_fp32 ...
 
-Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*`, `llama_*`: a tiny Hugging Face Llama at
-ZeRO-3, its `config.json` in `NAME/hf/`) is one small model trained two steps by
+Each name `s{stage}_{fp32|bf16|fp16}` (or `pipe_*`, `moe_*` (ZeRO-2), `moe0_*` (stage 0), `llama_*`: a
+tiny Hugging Face Llama at ZeRO-3, its `config.json` in `NAME/hf/`) is one small model trained two steps by
 one engine, saved to `OUT/NAME/` with DeepSpeed's `save_checkpoint`; every engine runs in the same
 two processes (one `import deepspeed`, one process group). `OUT/NAME/expected.pt` holds the full
 fp32 weights DeepSpeed's engine holds after the save (`safe_get_full_fp32_param` of every trainable
 parameter, the fp32 master of the stage-0 optimizer, the gathered value of frozen ones, each under
 its `named_parameters()` name) and every buffer: the oracle the consolidated export must equal bit
-for bit. `tests/test_checkpoint_deepspeed.py` runs this once per session.
+for bit. For the pipelines and MoE models, `OUT/NAME/moments.pt` holds Adam's full fp32 moments the
+engine holds (`{name: {"exp_avg": ..., "exp_avg_sq": ...}}`), the oracle of a resume's.
+`tests/test_checkpoint_deepspeed.py` runs this once per session.
 """
 
 import os
@@ -152,9 +154,32 @@ def _expected(deepspeed, torch, eng, dist) -> dict:
     return merged
 
 
+def _moments(torch, eng, dist) -> dict:
+    """Adam's full fp32 moments of every trainable parameter as DeepSpeed's engine holds them
+    (`safe_get_full_optimizer_state`, a collective over the parameter's data-parallel group; the
+    torch optimizer's own state where DeepSpeed keeps no partitions), under the names `_expected` uses."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    renamed, out = _global_names(eng), {}
+    if hasattr(eng.optimizer, "_hp_optimizer_states_linked"):
+        # ZeRO-1/2 link each parameter to its moments once, after the first optimizer step; MoE
+        # groups step one at a time, so the expert group was linked before it had moments: link again.
+        eng.optimizer._hp_optimizer_states_linked = False
+        eng.optimizer._lazy_init_hp_params_optimizer_state()
+    for n, p in eng.module.named_parameters():
+        if p.requires_grad:
+            got = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
+            out[renamed.get(n, n)] = {k: (v if v is not None else eng.optimizer.state[p][k]).detach().clone().float()
+                                      for k, v in got.items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, out)
+    return {n: m for part in gathered for n, m in part.items()}
+
+
 def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
     kind, prec = name.split("_")
-    stage = int(kind[1:]) if kind.startswith("s") else {"moe": 2, "llama": 3}.get(kind, 0)
+    stage = int(kind[1:]) if kind.startswith("s") else {"moe": 2, "llama": 3}.get(kind, 0)  # (moe0: MoE at stage 0)
+    kind = "moe" if kind == "moe0" else kind
     torch.manual_seed(0)
     model = {"pipe": _pipe, "moe": _moe, "llama": _llama}.get(kind, _mlp)(torch)
     params = [p for p in model.parameters()]
@@ -180,8 +205,11 @@ def _one(name: str, out: str, rank: int, deepspeed, torch, dist) -> None:
     if kind == "llama" and rank == 0:  # what the Trainer's save_model writes beside it
         model.config.save_pretrained(os.path.join(out, name, "hf"))
     expected = _expected(deepspeed, torch, eng, dist)
+    moments = _moments(torch, eng, dist) if kind in ("pipe", "moe") else None
     if rank == 0:
         torch.save(expected, os.path.join(out, name, "expected.pt"))
+        if moments is not None:
+            torch.save(moments, os.path.join(out, name, "moments.pt"))
     dist.barrier()
 
 
