@@ -127,11 +127,13 @@ class BackwardBinding:
         stack.enter_context(swap_tensors(self.module, self.root_tensors))
         for b in self.binders:
             b.snapshot()
-        # A call of any module owning a stage-3 unit's parameters binds the unit first.
+        # A call of any module owning a stage-3 unit's parameters binds the unit first: before its
+        # other pre-hooks, so before a unit module's compile window opens (`_unit_hooks.py`), in
+        # which dynamo would compile this hook's frame.
         for b in self.binders:
             for owner in b.owners:
                 hook = functools.partial(self._bind_before_call, b)
-                stack.callback(owner.register_forward_pre_hook(hook).remove)
+                stack.callback(owner.register_forward_pre_hook(hook, prepend=True).remove)
         for b in self.binders:
             stack.callback(b.unbind)  # runs before the hooks are removed (LIFO)
         stack.callback(self.run.drop_regathered)  # frozen copies no unit input's backward freed
