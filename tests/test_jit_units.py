@@ -134,10 +134,10 @@ def test_offloaded_steps_match_eager(offload, scope, tmp_path):
     assert _max_param_diff(a, b) == 0.0
 
 
-def test_routing_leaves_other_scopes_and_eager_steps_as_they_were():
-    # The unit forwards of a module once run with scope="units" are routed for good; outside
-    # that scope the route is the unit's own forward: a whole-loss graph stays one graph, and
-    # the eager step compiles nothing.
+def test_unit_hooks_leave_other_scopes_and_eager_steps_as_they_were():
+    # The unit modules of a model once run with scope="units" keep their compile hooks; outside
+    # that scope they open no window, and inside a trace they are traced through: a whole-loss
+    # graph stays one graph, and the eager step compiles nothing.
     r = W.train_fnzero("gpt", 0, 1, fnzero.LocalCollectives(), jit=UNITS, return_state=True)
     sm, state = r["sm"], r["state"]
     cfg = W.config(0, 1, 2, 1, 1.0, "fp32", None)
@@ -176,21 +176,119 @@ def test_units_is_the_default_scope():
     assert fnzero.jit(fnzero.train_step(lambda p, b: b, W.config(0))).scope == "units"
 
 
-def test_recomputation_off_the_step_thread_uses_the_runs_compiled_forward():
+def test_recomputation_off_the_step_thread_uses_the_runs_compiler():
     # On CUDA autograd runs backward (and so a recomputation inside the model) on its device
     # thread, where the step's context variable is unset: the run's own compiler must serve, or
     # the recomputed forward would be eager while the first was compiled (dropout draws differ).
     from types import SimpleNamespace
 
-    from fnzero.sharding.zero._ambient import ambient
-    from fnzero.sharding.zero._unit_hooks import _forward_to_run
+    from fnzero.sharding.zero._ambient import ambient, within
+    from fnzero.sharding.zero._unit_hooks import unit_compiler
 
-    module, inner = torch.nn.Linear(2, 2), (lambda x: x)
-    compiled = lambda m, f: ("compiled", m, f)  # noqa: E731
+    compiler, other = (lambda: "window"), (lambda: "other")
     assert ambient().unit_compiler is None
-    assert _forward_to_run(module, inner) is inner
-    assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=None)) is inner
-    assert _forward_to_run(module, inner, SimpleNamespace(unit_compiler=compiled)) == ("compiled", module, inner)
+    assert unit_compiler(None) is None
+    assert unit_compiler(SimpleNamespace(unit_compiler=None)) is None
+    assert unit_compiler(SimpleNamespace(unit_compiler=compiler)) is compiler
+    with within(unit_compiler=other):  # the step's own thread: the ambient's
+        assert unit_compiler(SimpleNamespace(unit_compiler=compiler)) is other
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6).double()
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _ChecksItsBlocks(torch.nn.Module):
+    """Checkpoints each block's call from outside the block, as transformers' checkpointing layers
+    do: the recomputation in backward calls the unit module again, hooks and all."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.blocks, self.reentrant = torch.nn.ModuleList(_Block() for _ in range(2)), reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+class _ForwardRunCounter:
+    """A backend that counts how often its compiled forward graphs run (aot_eager underneath)."""
+
+    def __init__(self):
+        self.forward_runs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def forward_compiler(g, _):
+            boxed = make_boxed_func(g.forward)
+
+            def run(args):
+                self.forward_runs += 1
+                return boxed(args)
+
+            run._boxed_call = True
+            return run
+
+        return aot_autograd(fw_compiler=forward_compiler,
+                            bw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, example_inputs)
+
+
+@pytest.mark.parametrize("stage,reentrant", [(0, True), (3, False)])
+def test_recomputation_in_backward_runs_the_units_compiled_graph(stage, reentrant):
+    # specs/jit.md §Per unit: a unit recomputed in backward runs in its compile window again, so the
+    # recomputation is the compiled graph (two blocks: two forwards and two recomputations per step).
+    def run(jit):
+        torch.manual_seed(0)
+        cfg = W.config(stage, 1, 2)
+        sm = fnzero.shard(_ChecksItsBlocks(reentrant), config=cfg, wrap=[_Block])
+        step = fnzero.train_step(lambda p, b: sm.apply(p, b).square().mean(), cfg)
+        step = step if jit is None else fnzero.jit(step, backend=jit, fullgraph=True)
+        state, losses = sm.init_state(), []
+        for s in range(2):
+            x = torch.randn(2, 6, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+            state, m = step(state, x.requires_grad_(reentrant))  # (reentrant checkpointing wants an input that does)
+            losses.append(m["loss"])
+        return losses, sm.gather(state)
+
+    counter = _ForwardRunCounter()
+    (jit_losses, jit_params), (losses, params) = run(counter), run(None)
+    assert counter.forward_runs == 2 * 4
+    assert jit_losses == losses
+    W.assert_close_tree(jit_params, params, rtol=0, atol=0, what=f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_units_scope_leaves_every_module_as_built(stage):
+    # specs/jit.md §Per unit: hooks registered on the unit modules compile their forwards; after
+    # units-scope steps no module has a forward of its own, another class or another parameter
+    # table, and the results are the eager step's, bit for bit.
+    def run(jit):
+        cfg = W.config(stage, 2)
+        model = W.make_model("gpt")
+        built = {name: (type(m), id(m._parameters)) for name, m in model.named_modules()}
+        sm = fnzero.shard(model, config=cfg)
+        step = fnzero.train_step(lambda p, b: W.loss_of("gpt", sm.apply(p, b[0]), b[1]), cfg)
+        step = step if not jit else fnzero.jit(step, **UNITS, fullgraph=True)
+        state, losses = sm.init_state(), []
+        for s in range(2):
+            x, y = W.global_batch("gpt", s, 1, 2, 2, torch.float64)
+            state, m = step(state, (x[:, 0].flatten(0, 1), y[:, 0].flatten(0, 1)))
+            losses.append(m["loss"])
+        assert [name for name, m in model.named_modules() if "forward" in vars(m)] == []
+        assert {name: (type(m), id(m._parameters)) for name, m in model.named_modules()} == built
+        return losses, sm.gather(state)
+
+    (jit_losses, jit_params), (losses, params) = run(True), run(False)
+    assert jit_losses == losses
+    W.assert_close_tree(jit_params, params, rtol=0, atol=0, what=f"stage {stage}")
 
 
 class _Selector:

@@ -4,7 +4,6 @@ the rest stays eager: `specs/jit.md`."""
 
 from __future__ import annotations
 
-import functools
 import re
 import time
 import warnings
@@ -17,7 +16,7 @@ import torch
 from .._errors import FnzeroError
 from .._state import TrainState
 from ..pipeline import PipelineLoss
-from ._compile import compile_fn
+from ._compile import CompiledFrames, compile_fn
 from ._step import TrainStep
 
 __all__ = ["jit", "JittedStep", "JitWarning", "CompileRecord"]
@@ -210,42 +209,20 @@ class JittedStep:
 
 class _UnitsStep:
     """The eager step, with every unit module's forward (and through AOTAutograd its backward)
-    run as its own compiled graph. Units of one structure (a transformer's blocks) share one
-    compiled graph: torch.compile caches per code object, and the parameters are graph inputs."""
+    run as its own compiled graph. Each unit's hooks open a compile window around its forward while
+    this step runs (the ambient's `unit_compiler`, `sharding/zero/_unit_hooks.py`): dynamo compiles the
+    forward's frame and caches it on its code object, so units of one class share a graph (the
+    parameters are graph inputs) and each class has its own recompile limit."""
 
     def __init__(self, step: TrainStep, compile_kwargs: dict[str, Any]):
         self.step = step
-        self._kwargs = compile_kwargs
-        self._compiled: dict[Any, Any] = {}
-
-    def _compiled_forward(self, module, forward):
-        # A bound method is compiled as its function, called with the module: torch.compile then
-        # caches on the class's forward (one entry per distinct unit shape), not on one wrapper
-        # shared by every unit, whose recompile limit a model with many unit kinds would exhaust.
-        fn = getattr(forward, "__func__", forward)
-        hit = self._compiled.get(fn)
-        if hit is None:
-            hit = self._compiled[fn] = compile_fn(_own_frame(fn), self._kwargs)
-        owner = getattr(forward, "__self__", None)
-        return hit if owner is None else functools.partial(hit, owner)
+        self._frames = CompiledFrames(compile_kwargs)
 
     def __call__(self, state: TrainState, batch: Any):
         from ..sharding import within
 
-        with within(unit_compiler=self._compiled_forward):
+        with within(unit_compiler=self._frames):
             return self.step(state, batch)
-
-
-def _own_frame(fn):
-    """`fn` called from a frame with its own code object. torch.compile routes torch's own module
-    forwards (Linear, LayerNorm, ...) through one shared frame, so every kind of torch.nn unit
-    would count against a single recompile limit; this gives each its own cache."""
-
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    call.__code__ = call.__code__.replace(co_name=f"unit_forward_{getattr(fn, '__qualname__', 'fn')}"[:200])
-    return functools.wraps(fn)(call)
 
 
 def _recompile_limit() -> int:

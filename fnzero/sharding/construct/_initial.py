@@ -101,6 +101,8 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 
 def _release(owners, p: torch.Tensor) -> None:
+    # Construction: the entry of each owner's own table, not the table (`zero/_backward.py`'s `bind`,
+    # FSDP2's `unsafe_setattr_param`), so that later bindings find and restore the same dict.
     ph = placeholder_param(p)
     for mod, leaf in owners.get(id(p), ()):
         mod._parameters[leaf] = ph

@@ -155,6 +155,8 @@ class MetaInitializer:
         except Unreplayable:
             return None
         owners = {id(o): o for k in tensors for o, _, _ in self.owners[k]} | {id(m): m for m in modules}
+        # Construction only: stand-ins go into the owners' table entries and the entries come back
+        # after (contents restored, the dicts themselves kept, as `zero/_backward.py`'s `bind`).
         tables = [(m, dict(m._parameters), dict(m._buffers)) for m in owners.values()]
         stands = {k: recording.standins[self.names[k]] for k in tensors}
         for k, stand in stands.items():
@@ -180,7 +182,7 @@ class MetaInitializer:
         values by id of the meta tensor, put back on exit."""
         modules = self._modules(region, extra)
         out = Region()
-        swapped: list[tuple[dict, str, Any]] = []
+        swapped: list[tuple[dict, str, Any]] = []  # table entries replaced (construction only), put back on exit
         try:
             for m in modules:
                 for kind in ("_parameters", "_buffers"):

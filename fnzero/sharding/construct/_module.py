@@ -17,7 +17,7 @@ from ..comm import Collectives
 from ._initial import InitialValues, is_released
 from ..zero import (
     ShardSource, ShardSources, held, sources_of, ShardPolicy, ROOT_UNIT, ShardPlan, UnitPlan, comm_for,
-    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, route_unit_forward,
+    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls,
 )
 from ..tp import vocab_parallel_cross_entropy
 from ...optim import config_optimizer
@@ -58,7 +58,7 @@ class ShardedModule:
         self._frozen: dict[str, torch.Tensor] = dict(frozen or {})
         self._frozen_unit_names = frozenset(u.name for u in plan.frozen_units)  # keys of shards in `_frozen`
         self._buffers: dict[str, torch.Tensor] = dict(buffers or {})
-        self._units_routed = False  # see `_route_units`
+        self._units_hooked = False  # see `_hook_unit_compiles`
         self.pretrained_report = None  # set by `init_state(pretrained=...)`
         # The apply runs whose parameters are bound for a backward pass right now (`sharding/zero/_backward.py`).
         self._backward_runs: list[ApplyRun] = []
@@ -97,7 +97,7 @@ class ShardedModule:
         if not torch.compiler.is_compiling():
             plan.check_params(params, "the params given to apply")
         if not torch.compiler.is_compiling() and ambient().unit_compiler is not None:
-            self._route_units()
+            self._hook_unit_compiles()
         if torch.compiler.is_compiling() and not plan.any_sharded_params:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
             # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
@@ -105,16 +105,15 @@ class ShardedModule:
             return self._call(self._tensors(held), args, kwargs)
         return self._apply_gathering(params, args, kwargs)
 
-    def _route_units(self) -> None:
-        """Once, at the first `fnzero.jit(scope="units")` step: route unit forwards to the unit compiler."""
-        if self._units_routed:
+    def _hook_unit_compiles(self) -> None:
+        """Once, at the first `fnzero.jit(scope="units")` step: hook each unit module so that its forward
+        runs compiled while such a step runs (`sharding/zero/_unit_hooks.py`)."""
+        if self._units_hooked:
             return
-        units = (*self.plan.units, *self.plan.frozen_units)
-        sharded = {u.module: u.name for u in units if self.plan.params_sharded(u)}
-        for module in dict.fromkeys(u.module for u in units):
+        for module in dict.fromkeys(u.module for u in (*self.plan.units, *self.plan.frozen_units)):
             if module != "":
-                route_unit_forward(self.module.get_submodule(module), self._backward_runs, sharded.get(module))
-        self._units_routed = True
+                compile_unit_calls(self.module.get_submodule(module), self._backward_runs)
+        self._units_hooked = True
 
     def _tensors(self, fulls) -> dict[str, torch.Tensor]:
         """What the forward reads, by state_dict name: the views of each (unit, full[, runtime]) in

@@ -20,4 +20,4 @@ from ._policy import DTYPES, ShardPolicy, checked_quantization, config_precision
 from ._remat import remat
 from ._runtime import ApplyRun, GatherSchedule
 from ._saved_names import non_persistent_buffers
-from ._unit_hooks import hook_unit, route_unit_forward
+from ._unit_hooks import compile_unit_calls, hook_unit

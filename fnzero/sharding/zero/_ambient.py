@@ -26,8 +26,9 @@ class Ambient:
     # Inside the step (or a pipeline schedule, or generation): where every apply run the loss makes
     # is added, so that the caller releases them once their backward is done (`ApplyRun.release`).
     step_runs: list | None = None
-    # While `fnzero.jit(scope="units")` runs a step: `(module, forward) -> forward`, the compiled
-    # forward a unit module runs instead of its own (`specs/jit.md`).
+    # While `fnzero.jit(scope="units")` runs a step: `() -> window`, which opens a compile window
+    # (`train/_compile.py`'s `CompiledFrames`; `window.__exit__(None, None, None)` closes it) that
+    # each unit module's hooks put around its forward (`_unit_hooks.py`, `specs/jit.md` §Per unit).
     unit_compiler: Callable | None = None
 
 

@@ -1,4 +1,14 @@
-"""Parameters bound during backward, for recomputation that happens inside it.
+"""Binding tensors into a module's parameter tables (`bind`, the one rule), and parameters bound during
+backward, for recomputation that happens inside it.
+
+[Note: binding by table entry, as FSDP2 and functional_call]
+fnzero binds a parameter (a view of a gathered unit, or the placeholder back) by replacing its entry in
+the owning module's own `_parameters` (a buffer: `_buffers`) dict, the entry alone: the dict, the module's
+class and its `forward` stay the user's. FSDP2 registers its parameters the same way
+(`torch/distributed/fsdp/_fully_shard/_fsdp_param.py`, `unsafe_setattr_param`), as does
+`torch.func.functional_call` (`torch/nn/utils/_named_member_accessor.py`, `swap_tensor`); unlike FSDP2's
+slow path, never through `setattr`, which refuses a tensor that is not an `nn.Parameter` (a view).
+`fnzero.shard` installs the placeholders the same way, at construction (`construct/_initial.py`).
 
 [Note: gradient checkpointing inside a model]
 From backward reaching an apply's outputs until it ends (or the run is released), the apply's parameters
@@ -9,32 +19,49 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from ._plan import UnitPlan
 
-__all__ = ["UnitBinder", "BackwardBinding", "swap_tensors"]
+__all__ = ["UnitBinder", "BackwardBinding", "bind", "entries", "swap_tensors"]
+
+Entry = tuple[nn.Module, str]  # (owning module, the parameter's or buffer's name in it)
+
+
+def entries(module: nn.Module, names: Iterable[str]) -> list[Entry]:
+    """The table entry of each name (relative to `module`)."""
+    out = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        out.append((module.get_submodule(owner) if owner else module, leaf))
+    return out
+
+
+def bind(bound: Iterable[tuple[Entry, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
+    """Put each tensor in its entry (the first Note above): the parameter table's when the name is a
+    parameter, else the buffer table's. Returns (entry, what it held), last first, so that
+    `bind(returned)` puts everything back (a name bound twice ends as it began)."""
+    previous = []
+    for (owner, leaf), t in bound:
+        table = owner._parameters if leaf in owner._parameters else owner._buffers
+        previous.append(((owner, leaf), table[leaf]))
+        table[leaf] = t
+    previous.reverse()
+    return previous
 
 
 @contextlib.contextmanager
 def swap_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]):
-    """Temporarily make `module`'s parameters (relative names) be `tensors`; restores on exit. (A
-    unit's hooks use it inside the root's call, where functional_call would run the hooks again.)"""
-    saved = []
+    """Bind `tensors` (names relative to `module`) for the block; restores on exit. (A unit's hooks
+    use it inside the root's call, where functional_call would run the hooks again.)"""
+    restore = bind(zip(entries(module, tensors), tensors.values()))
     try:
-        for name, t in tensors.items():
-            owner_path, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_path) if owner_path else module
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
-            saved.append((table, leaf, table[leaf]))
-            table[leaf] = t
         yield
     finally:
-        for table, leaf, old in reversed(saved):
-            table[leaf] = old
+        bind(restore)
 
 
 class UnitBinder:
@@ -49,34 +76,29 @@ class UnitBinder:
         self.gather = gather
         self.bound = False
         self.fulls: dict[bool, torch.Tensor] = {}
-        self.tables: dict[str, tuple[nn.Module, str]] = {}  # state_dict name -> (owner, leaf)
-        for slot in (s for u in units for s in u.slots):
-            for name in (slot.name, *slot.aliases):
-                owner, _, leaf = name.rpartition(".")
-                self.tables[name] = (root.get_submodule(owner) if owner else root, leaf)
-        self._placeholders: dict[str, Any] = {}
+        self.names = [name for s in (s for u in units for s in u.slots) for name in (s.name, *s.aliases)]
+        self.entries = entries(root, self.names)  # where each of them is bound
+        self._placeholders: list[tuple[Entry, torch.Tensor]] = []
 
     def snapshot(self) -> None:
         """Remember what the tables hold when backward starts (the placeholders), to put back."""
-        self._placeholders = {name: owner._parameters[leaf] for name, (owner, leaf) in self.tables.items()}
+        self._placeholders = [((owner, leaf), owner._parameters[leaf]) for owner, leaf in self.entries]
 
     @property
     def owners(self) -> list[nn.Module]:
         """The modules holding the unit's parameters (each once)."""
-        return list({id(owner): owner for owner, _ in self.tables.values()}.values())
+        return list({id(owner): owner for owner, _ in self.entries}.values())
 
     def bind(self) -> None:
         self.fulls, views = self.gather()
         self.bound = True
-        for name, (owner, leaf) in self.tables.items():
-            owner._parameters[leaf] = views[name]
+        bind(zip(self.entries, (views[name] for name in self.names)))
 
     def unbind(self) -> None:
         if not self.bound:
             return
         self.bound, self.fulls = False, {}
-        for name, (owner, leaf) in self.tables.items():
-            owner._parameters[leaf] = self._placeholders[name]
+        bind(self._placeholders)
 
 
 class BackwardBinding:
@@ -105,11 +127,13 @@ class BackwardBinding:
         stack.enter_context(swap_tensors(self.module, self.root_tensors))
         for b in self.binders:
             b.snapshot()
-        # A call of any module owning a stage-3 unit's parameters binds the unit first.
+        # A call of any module owning a stage-3 unit's parameters binds the unit first: before its
+        # other pre-hooks, so before a unit module's compile window opens (`_unit_hooks.py`), in
+        # which dynamo would compile this hook's frame.
         for b in self.binders:
             for owner in b.owners:
                 hook = functools.partial(self._bind_before_call, b)
-                stack.callback(owner.register_forward_pre_hook(hook).remove)
+                stack.callback(owner.register_forward_pre_hook(hook, prepend=True).remove)
         for b in self.binders:
             stack.callback(b.unbind)  # runs before the hooks are removed (LIFO)
         stack.callback(self.run.drop_regathered)  # frozen copies no unit input's backward freed

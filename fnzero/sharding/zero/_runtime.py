@@ -59,7 +59,7 @@ class ApplyRun:
         # now, shared with the stage-3 units' hooks, which find their run there in a recomputation.
         self.backward: BackwardBinding | None = None
         self.backward_runs = backward_runs if backward_runs is not None else []
-        # For recomputations on a thread where the ambient context is unset (`_forward_to_run`).
+        # For recomputations on a thread where the ambient context is unset (`_unit_hooks.unit_compiler`).
         context = ambient()
         self.unit_compiler = context.unit_compiler
         if context.step_runs is not None:
