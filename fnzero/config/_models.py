@@ -50,7 +50,8 @@ class Config(Model):
     zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")
     communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")
     seq_parallel_communication_data_type: DType = Field(
-        "fp32", description="Dtype of sequence-parallel (Ulysses) all-to-alls; fnzero has no sequence parallelism."
+        "fp32", description="With sequence parallelism, DeepSpeed's gradient-reduction dtype (in place of "
+        "communication_data_type); fnzero has no sequence parallelism."
     )
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer; null = the caller supplies one.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")

@@ -76,8 +76,9 @@ _TABLE: dict[str, str | NoEffect] = {
         "DeepSpeed reduces those modules' gradients in the autocast dtype; fnzero reduces every gradient in "
         "the parameters' dtype (more precise, and the same for every module)",
     ),
-    "seq_parallel_communication_data_type": "fnzero has no sequence (Ulysses) parallelism, whose all-to-alls this "
-                                            "dtype is for",
+    "seq_parallel_communication_data_type": "fnzero has no sequence (Ulysses) parallelism, under which DeepSpeed "
+                                            "reduces gradients in this dtype (engine.py, in place of "
+                                            "communication_data_type)",
     "comms_logger.verbose": "the comms logger records collectives in `ShardedModule.comm.records` and prints nothing "
                             "as they run",
     "comms_logger.debug": "records do not name the calling function",
