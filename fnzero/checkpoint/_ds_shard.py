@@ -185,7 +185,7 @@ class ShardRead:
 
     def piece(self, field: str, name: str, a: int, b: int) -> torch.Tensor | None:
         """Elements [a, b) of parameter `name` (fnzero's slot name) of `field`, None where this
-        read holds none of it (a frozen parameter, read whole by `consolidate`)."""
+        read holds none of it (below ZeRO-3, a frozen parameter: read whole by `consolidate`)."""
         name = self.names.get(name, name)
         held = self.pieces.get(field, {}).get(name)
         if held is None:

@@ -27,7 +27,7 @@ from ._ds_layout import UNIVERSAL_DIR, UNIVERSAL_OPTIM, DsCheckpoint
 from ._ds_offsets import shapes_of
 from ._ds_optim import as_count, states_step
 from ._ds_pickle import load_ds_file
-from ._ds_shard import WEIGHTS, leaf_needs
+from ._ds_shard import WEIGHTS, ShardRead, leaf_needs
 from ._ds_weights import DsWeights, zero3_frozen
 from ._safe import entry_kind, open_dir
 
@@ -216,17 +216,9 @@ class UniversalRead:
                     full = held[name][1].view(split.full_shape)
                     held[name] = (0, split.local(full, self.tp.rank).reshape(-1))
 
-    def piece(self, field: str, name: str, a: int, b: int) -> torch.Tensor | None:
-        """Elements [a, b) of parameter `name` (fnzero's slot name) of `field` (a tensor-parallel
-        one's: of this rank's slice); None where this read holds none of it."""
-        name = self.names.get(name, name)
-        held = self.pieces.get(field, {}).get(name)
-        if held is None:
-            return None
-        lo, buf = held
-        if a < lo or b - lo > buf.numel():
-            raise CheckpointError(f"elements [{a}, {b}) of {name!r} ({field}) were not read for this rank's shard")
-        return buf[a - lo: b - lo]
+    # Elements [a, b) of a parameter (fnzero's slot name; a tensor-parallel one's: of this rank's
+    # slice) of `field`, None where this read holds none of it: the lookup ShardRead makes.
+    piece = ShardRead.piece
 
 
 def _module(ck: DsCheckpoint) -> dict:
