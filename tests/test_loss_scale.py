@@ -85,3 +85,48 @@ def test_static_scale_never_moves():
     for o in [True, False, True]:
         s = update_loss_scale(s, o, p)
     assert float(s.scale) == 128.0
+
+
+class FP16OptimizerScaler:
+    """DeepSpeed 0.19.8's FP16_Optimizer._update_scale (fused_optimizer.py; the unfused one is the
+    same), transcribed: the scaler of fp16 without ZeRO, which has no hysteresis."""
+
+    def __init__(self, scale, window, min_scale):
+        self.cur_scale, self.window, self.min_scale = scale, window, min_scale
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update(self, skip):
+        if skip:
+            self.cur_scale = max(self.cur_scale / 2.0, self.min_scale)
+            self.last_overflow_iter = self.cur_iter
+        else:
+            stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
+            if stable_interval > 0 and stable_interval % self.window == 0:
+                self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+
+@given(hysteresis=st.integers(1, 4), consecutive=st.booleans(), window=st.integers(1, 5),
+       overflows=st.lists(st.booleans(), max_size=40))
+def test_stage0_follows_fp16_optimizer_whatever_hysteresis_says(hysteresis, consecutive, window, overflows):
+    """At ZeRO stage 0 the config's hysteresis keys have no effect (and warn): the policy step_policy
+    reads scales as DeepSpeed's FP16_Optimizer does, halving on every overflow."""
+    import warnings
+
+    import fnzero
+    from fnzero.state import step_policy
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+           "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": window, "min_loss_scale": 2,
+                    "hysteresis": hysteresis, "consecutive_hysteresis": consecutive}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        policy = step_policy(fnzero.load_config(cfg)).loss_scale
+    noted = {str(w.message).split("`")[1] for w in caught if "stage 0" in str(w.message)}
+    assert noted == ({"fp16.hysteresis"} if hysteresis > 2 else set()) | (
+        {"fp16.consecutive_hysteresis"} if consecutive else set())
+    ref, state = FP16OptimizerScaler(2.0 ** 8, window, 2.0), init_loss_scale(policy)
+    for o in overflows:
+        ref.update(o)
+        state = update_loss_scale(state, o, policy)
+        assert float(state.scale) == ref.cur_scale
