@@ -112,13 +112,6 @@ _TABLE: dict[str, str | NoEffect] = {
         "at ZeRO stage 0 nothing is sharded, so there is nothing to shard within MiCS groups (fnzero runs MiCS at "
         "stages 1-3)",
     ),
-    **{f"fp16.{key}": (
-        # (hysteresis 1 is what stage 0 does anyway, so it is no surprise to be told about)
-        lambda c, key=key: getattr(c.fp16, key) if c.fp16.enabled and c.zero_optimization.stage == 0 and (
-            c.fp16.hysteresis > 2 if key == "hysteresis" else c.fp16.consecutive_hysteresis) else None,
-        "at ZeRO stage 0 DeepSpeed's FP16_Optimizer halves the scale on every overflow, without hysteresis "
-        "(fnzero follows it; specs/loss-scaling.md §Stage 0)",
-    ) for key in ("hysteresis", "consecutive_hysteresis")},
     "zero_optimization.zero_hpz_partition_size": (
         lambda c: c.zero_optimization.zero_hpz_partition_size
         if c.zero_optimization.zero_hpz_partition_size > 1 and c.zero_optimization.stage < 3 else None,

@@ -65,15 +65,12 @@ def step_policy(cfg) -> StepPolicy:
     ls = None
     if precision == "fp16":
         f = cfg.fp16
-        # Without ZeRO DeepSpeed scales with FP16_Optimizer's rule (its LossScaleConfig): every
-        # overflow halves, no hysteresis (`specs/loss-scaling.md` §Stage 0).
-        stage0 = cfg.zero_optimization.stage == 0
         ls = LossScalePolicy(
             static_scale=float(f.loss_scale),
             initial_scale_power=int(f.initial_scale_power),
             window=int(f.loss_scale_window),
-            hysteresis=1 if stage0 else int(f.hysteresis),
-            consecutive_hysteresis=False if stage0 else bool(f.consecutive_hysteresis),
+            hysteresis=int(f.hysteresis),
+            consecutive_hysteresis=bool(f.consecutive_hysteresis),
             min_scale=float(f.min_loss_scale),
         )
     return StepPolicy(
