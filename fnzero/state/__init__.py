@@ -7,8 +7,9 @@ sharding, offload and checkpoint, below `train` and `inference` (`specs/architec
                                    the optimizer a state runs: a given one or the config's
     owner_layout, owner_tree, owner_update
                                    the whole-tensor partition (`specs/optim.md` §Muon)
-    step_policy, StepPolicy, LossScalePolicy
-                                   what a step and its state read from a config, once
+    step_policy, StepPolicy, LossScalePolicy, scaler_for
+                                   what a step and its state read from a config, once (and the
+                                   fp16 scaler a state's placement runs)
     init_loss_scale, update_loss_scale
                                    fp16 dynamic loss scaling (`specs/loss-scaling.md`)
     deepspeed_to_fnzero            a DeepSpeed checkpoint rewritten as fnzero's, without the model
@@ -21,11 +22,11 @@ from ._init import init_state, initial_params
 from ._loss_scale import init_loss_scale, update_loss_scale
 from ._optimizer import built_per_model, exchanging_optimizer_refused, optimizer_or_config
 from ._owner_update import OwnerLayout, owner_layout, owner_tree, owner_update
-from ._policy import LossScalePolicy, StepPolicy, step_policy
+from ._policy import LossScalePolicy, StepPolicy, scaler_for, step_policy
 from ._shard import shard
 
 __all__ = [
     "LossScalePolicy", "OwnerLayout", "deepspeed_to_fnzero", "StepPolicy", "built_per_model", "exchanging_optimizer_refused", "init_loss_scale", "init_state",
-    "initial_params", "optimizer_or_config", "owner_layout", "owner_tree", "owner_update", "step_policy",
+    "initial_params", "optimizer_or_config", "owner_layout", "owner_tree", "owner_update", "step_policy", "scaler_for",
     "shard", "update_loss_scale",
 ]

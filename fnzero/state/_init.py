@@ -20,7 +20,7 @@ from ..sharding import (
 from ..offload import store_shards
 from ._loss_scale import init_loss_scale
 from ._owner_update import owner_layout, owner_tree
-from ._policy import step_policy
+from ._policy import scaler_for, step_policy
 from ._optimizer import exchanging_optimizer_refused, optimizer_or_config
 
 __all__ = ["init_state", "initial_params"]
@@ -61,7 +61,7 @@ def init_state(sm, pretrained: str | os.PathLike | None = None, *,
         frozen=frozen,
         buffers=buffers,
         step=torch.zeros((), dtype=torch.int64),
-        loss_scale=init_loss_scale(step_policy(sm.config).loss_scale),
+        loss_scale=init_loss_scale(scaler_for(step_policy(sm.config).loss_scale, sm.plan.placement)),
         sharding=sm.sharding,
     )
 

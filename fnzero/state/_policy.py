@@ -11,7 +11,7 @@ import torch
 
 from ..sharding import DTYPES, config_precision, offload_device
 
-__all__ = ["StepPolicy", "LossScalePolicy", "step_policy"]
+__all__ = ["StepPolicy", "LossScalePolicy", "step_policy", "scaler_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,17 @@ class LossScalePolicy:
     @property
     def dynamic(self) -> bool:
         return self.static_scale <= 0
+
+
+def scaler_for(policy: LossScalePolicy | None, placement) -> LossScalePolicy | None:
+    """The scaler DeepSpeed runs for a state laid out by `placement`: `policy` under ZeRO (its
+    DynamicLossScaler); without hysteresis where no optimizer state is sharded, as DeepSpeed's
+    FP16_Optimizer, which wraps the optimizer without ZeRO, halves on every overflow
+    (`specs/loss-scaling.md` §Stage 0). The state's placement, not the config's stage, decides:
+    `fnzero.shard(model, stage=N, config=cfg)` runs stage N."""
+    if policy is None or placement.optimizer:
+        return policy
+    return dataclasses.replace(policy, hysteresis=1, consecutive_hysteresis=False)
 
 
 @dataclasses.dataclass(frozen=True)

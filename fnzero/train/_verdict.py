@@ -11,7 +11,7 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..state import StepPolicy, update_loss_scale
+from ..state import StepPolicy, scaler_for, update_loss_scale
 from ._setup import StepSetup
 from ._tensor_phases import PhaseResult
 
@@ -57,7 +57,7 @@ def loss_scale_after(state: TrainState, policy: StepPolicy, overflow: bool, step
                 "the loss or the model produced inf/NaN"
             )
         return None
-    return update_loss_scale(state.loss_scale, overflow, policy.loss_scale)
+    return update_loss_scale(state.loss_scale, overflow, scaler_for(policy.loss_scale, state.sharding.plan.placement))
 
 
 def next_state(state: TrainState, updated: tuple | None, loss_scale) -> TrainState:
