@@ -28,7 +28,7 @@ from ._ds_offsets import shapes_of
 from ._ds_optim import as_count, states_step
 from ._ds_pickle import load_ds_file
 from ._ds_shard import WEIGHTS, ShardRead, leaf_needs
-from ._ds_weights import DsWeights, zero3_frozen
+from ._ds_weights import DsWeights, _module_of, zero3_frozen
 from ._safe import entry_kind, open_dir
 
 __all__ = ["UniversalRead", "universal_weights", "universal_optimizer_state", "check_universal"]
@@ -222,11 +222,10 @@ class UniversalRead:
 
 
 def _module(ck: DsCheckpoint) -> dict:
-    name = ck.model_files[min(ck.model_files)]
-    state = load_ds_file(ck.dir, name)
-    module = state.get("module") if isinstance(state, dict) else None
+    """The first model file's `module` (read and checked as every DeepSpeed model file is)."""
+    module = _module_of(ck, 0)[0].get("module")
     if not isinstance(module, dict):
-        raise CheckpointError(f"{ck.path(name)}: 'module' is not a state dict")
+        raise CheckpointError(f"{ck.path(ck.model_files[(0, 0)])}: 'module' is not a state dict")
     return module
 
 

@@ -76,7 +76,7 @@ class UnitBinder:
         self.gather = gather
         self.bound = False
         self.fulls: dict[bool, torch.Tensor] = {}
-        self.names = [name for s in (s for u in units for s in u.slots) for name in (s.name, *s.aliases)]
+        self.names = [name for u in units for s in u.slots for name in (s.name, *s.aliases)]
         self.entries = entries(root, self.names)  # where each of them is bound
         self._placeholders: list[tuple[Entry, torch.Tensor]] = []
 
