@@ -16,7 +16,7 @@ __all__ = ["TrainState", "LossScaleState", "Sharding", "StateMesh"]
 @dataclasses.dataclass(frozen=True, eq=False)
 class StateMesh:
     """The axes a state's tensors are laid out over, one value: `data`, `replicas` (MiCS), `hpz`, `tp`,
-    `pp`, `ep`, each its collectives or layout, None where the run does not use it (`specs/mesh.md`
+    `pp`, `ep`, `sp`, each its collectives or layout, None where the run does not use it (`specs/mesh.md`
     §The state's mesh, which says what each holds)."""
 
     data: Any
@@ -25,8 +25,9 @@ class StateMesh:
     tp: Any = None
     pp: Any = None
     ep: Any = None
+    sp: Any = None  # the sequence axis: ranks of `data` that share one sample's tokens (`SPLayout`)
 
-    AXES = ("data", "replicas", "hpz", "tp", "pp", "ep")
+    AXES = ("data", "replicas", "hpz", "tp", "pp", "ep", "sp")
 
     def axis(self, name: str) -> Any:
         """The axis `name`, which this state must have: a ShardingError says when it has none."""
@@ -53,8 +54,10 @@ class StateMesh:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: those sharing the batch (the data axis times the MiCS replicas)."""
-        return self.data.world_size * self.num_replicas
+        """Data-parallel ranks: those sharing the batch (the data axis times the MiCS replicas), each
+        sequence-parallel group counted once: its ranks hold one sample's tokens between them."""
+        sp = self.sp.size if self.sp is not None else 1
+        return self.data.world_size * self.num_replicas // sp
 
     @property
     def expert_data(self) -> Any:
@@ -66,7 +69,7 @@ class StateMesh:
         """Why a step over this mesh cannot run as one graph (`fnzero.jit(scope="step")`), or None:
         what each axis' layout declares, and MiCS's replica groups (hpZ's secondary partitions
         serve stage 3, which the plan already declares)."""
-        for layout in (self.tp, self.pp, self.ep):
+        for layout in (self.tp, self.pp, self.ep, self.sp):
             reason = getattr(layout, "not_traceable", None) if layout is not None else None
             if reason is not None:
                 return reason
@@ -78,7 +81,7 @@ class StateMesh:
     # and it keeps treespec comparison cheap) and equal layouts (equal on every rank of an axis).
     def __eq__(self, other):
         return (isinstance(other, StateMesh) and other.data is self.data and other.replicas is self.replicas
-                and other.hpz is self.hpz and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep)
+                and other.hpz is self.hpz and other.tp == self.tp and other.pp == self.pp and other.ep is self.ep and other.sp is self.sp)
 
     def __hash__(self):
         return id(self.data)

@@ -141,7 +141,7 @@ def test_a_layer_violation_is_caught(tmp_path):
 
 
 # specs/architecture.md §Inside sharding: its sub-packages, bottom to top (tp and pp side by side).
-SHARDING = {"comm": 0, "zero": 1, "tp": 2, "pp": 2, "ep": 2, "construct": 3}
+SHARDING = {"comm": 0, "zero": 1, "tp": 2, "pp": 2, "ep": 2, "sp": 2, "construct": 3}
 
 
 def _sharding_violations(root=ROOT) -> list[str]:

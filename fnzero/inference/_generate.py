@@ -41,6 +41,10 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     if sm.pp is not None:
         raise ShardingError("generate: this model is cut into pipeline stages; generation runs whole models "
                             "(ZeRO stages, tensor parallelism, offloaded parameters), not pipelines")
+    if sm.sp is not None:
+        raise ShardingError("generate: this model is sharded with a sequence axis (sequence_parallel_size "
+                            f"{sm.sp.size}); generation runs whole sequences on each rank: shard it without one, "
+                            "or load the state into a model sharded without sequence parallelism")
     module = sm.module
     if getattr(getattr(module, "config", None), "is_encoder_decoder", False):
         raise ShardingError(f"generate: {type(module).__name__} is an encoder-decoder model; fnzero.generate "

@@ -15,6 +15,9 @@
                                      with each axis' collectives
     ExpertGroup, EPLayout            expert parallelism: the base of modules holding a layer's experts
                                      (split over the ep ranks by `shard`), and where they are
+    CausalAttention, shard_sequence, SPLayout
+                                     sequence parallelism: attention a sequence axis reaches, a batch
+                                     cut along the sequence, and the axis (`specs/mesh.md` §Sequence)
     TPRule, TPLayout, ParamSplit     tensor parallelism: which modules are split, and how each
                                      parameter is (`specs/mesh.md`)
     vocab_parallel_cross_entropy     the cross-entropy of logits split over the vocabulary
@@ -41,6 +44,7 @@ from .construct import shard, PretrainedWarning, ShardedModule
 from .zero import Placement, placement_for_stage, ShardPlan, UnitPlan
 from .tp import TPRule, ParamSplit, TPLayout, vocab_parallel_cross_entropy
 from .ep import ExpertGroup, EPLayout
+from .sp import CausalAttention, SPLayout, shard_sequence
 
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
@@ -50,7 +54,7 @@ from .comm import (
     quantizing, resolve_splits,
 )
 from .construct import Cuts, GLOBAL_RNG_LOCK, default_device, frozen_checksum_key, full_unit, hf_auto_values, load_config
-from .ep import all_to_all_grad
+from .comm import all_to_all_grad
 from .pp import (
     LayerSpec, PipelineInfo, PipelineModule, PipelineStage, TiedWeight, partition_balanced, partition_uniform,
     stage_bounds,
@@ -71,7 +75,7 @@ __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
     "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
-    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout",
+    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout", "CausalAttention", "SPLayout", "shard_sequence",
     "BlockQuantizer", "CommQuantization", "IdentityCodec", "dequantize", "quantize", "QuantizedCollectives",
     "quantized_all_gather_async", "quantized_reduce_scatter_async",
     "CompressedAllReduce", "compressed_all_reduce", "compressed_bytes", "compressed_padded_numel",

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe import MoE
+from ..sharding import CausalAttention
 
 __all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "MLP", "gpt_layers"]
 
@@ -49,6 +50,7 @@ class _Block(nn.Module):
         self.ln1 = nn.LayerNorm(c.d_model)
         self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
         self.proj = nn.Linear(c.d_model, c.d_model)
+        self.attn = CausalAttention()  # no parameters: what a sequence axis reaches
         self.ln2 = nn.LayerNorm(c.d_model)
         if c.num_experts:
             self.moe = MoE(c.d_model, _ExpertMLP(c), c.num_experts, **c.moe[index])
@@ -62,7 +64,7 @@ class _Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         shape = (b, t, -1, self.head_dim)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attn(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         if hasattr(self, "moe"):  # the layer's l_aux stays on it (`deepspeed_moe.l_aux`)
             return x + self.moe(self.ln2(x))[0]
@@ -93,9 +95,8 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx):
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
+    def forward(self, idx, position_ids=None):
+        pos = position_ids if position_ids is not None else torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)

@@ -6,6 +6,7 @@ Layer 3 of `specs/architecture.md`; the order of the sub-packages is written the
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
 from ._all_to_all import check_agreement, resolve_splits
+from ._autograd import all_to_all_grad
 from ._collectives import (
     Collectives, CollectivesBase, LocalCollectives, PendingTensor, ProcessGroupCollectives, current_world_size,
     default_collectives, provided_collectives, providing_collectives,

@@ -1,5 +1,6 @@
 """The device mesh: the job's ranks as a grid of named axes, `pp` × `dp` × `tp`, each with its own
-collectives, the dp axis divided for `ep`/`edp`, MiCS and hpZ (`specs/mesh.md` §Mesh, §MiCS, §hpZ)."""
+collectives, the dp axis divided for `ep`/`edp`, `sp`, MiCS and hpZ (`specs/mesh.md` §Mesh, §Sequence,
+§MiCS, §hpZ)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ class MeshShape:
     ep: int = 1  # expert-parallel ranks per group: a division of dp (dp = edp x ep)
     mics: int = 0  # MiCS shard group size, a division of dp (0: off, ZeRO shards over the whole dp axis)
     hpz: int = 1  # hpZ secondary partition group size, a division of dp (1: off)
+    sp: int = 1  # sequence-parallel ranks per group, a division of dp: they share one sample's tokens
 
     AXES = ("pp", "dp", "tp")  # outermost first
-    SUB_AXES = ("ep", "edp", "mics", "mics_replica", "hpz")  # the divisions of dp
+    SUB_AXES = ("ep", "edp", "mics", "mics_replica", "hpz", "sp")  # the divisions of dp
 
     @property
     def edp(self) -> int:
@@ -38,6 +40,11 @@ class MeshShape:
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
 
+    @property
+    def batch_dp(self) -> int:
+        """Data-parallel ranks that read different samples: dp over the sequence-parallel ranks."""
+        return self.dp // self.sp
+
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
@@ -46,18 +53,20 @@ class MeshShape:
         rest, tp = divmod(rank, self.tp)
         pp, dp = divmod(rest, self.dp)
         edp, ep = divmod(dp, self.ep)
-        return {"pp": pp, "dp": dp, "tp": tp, "edp": edp, "ep": ep}
+        batch_dp, sp = divmod(dp, self.sp)
+        return {"pp": pp, "dp": dp, "tp": tp, "edp": edp, "ep": ep, "batch_dp": batch_dp, "sp": sp}
 
     def groups(self, axis: str) -> list[list[int]]:
         """The partition of the world's ranks into the groups of `axis` (ranks that differ only
-        along it), in rank order. The sub-axes divide each dp group: ep, mics and hpz groups are
+        along it), in rank order. The sub-axes divide each dp group: ep, mics, hpz and sp groups are
         runs of adjacent dp ranks, edp and mics_replica groups take every ep-th (mics-th)."""
         if axis in self.SUB_AXES:
-            size = {"ep": self.ep, "edp": self.ep, "mics": self.mics, "mics_replica": self.mics, "hpz": self.hpz}[axis]
+            size = {"ep": self.ep, "edp": self.ep, "mics": self.mics, "mics_replica": self.mics, "hpz": self.hpz,
+                    "sp": self.sp}[axis]
             out = []
             for group in self.groups("dp"):
                 runs = [group[i:i + size] for i in range(0, self.dp, size)]
-                out += runs if axis in ("ep", "mics", "hpz") else [list(g) for g in zip(*runs)]
+                out += runs if axis in ("ep", "mics", "hpz", "sp") else [list(g) for g in zip(*runs)]
             return sorted(out)
         if axis not in self.AXES:
             raise ValueError(f"mesh axes are {', '.join(self.AXES + self.SUB_AXES)}, not {axis!r}")
@@ -88,6 +97,7 @@ class Mesh:
     mics: Collectives | None = None  # its MiCS shard group, which ZeRO shards over (None: dp itself)
     mics_replicas: Collectives | None = None  # the ranks holding the same MiCS shard (None without MiCS)
     hpz: Collectives | None = None  # its hpZ group, which backward re-gathers parameters over (None: off)
+    sp: Collectives | None = None  # its sequence-parallel group, sharing one sample's tokens (None: off)
 
     @property
     def expert_dp(self) -> Collectives:
@@ -99,13 +109,16 @@ class Mesh:
         return self.shape.coords(self.rank)
 
 
-def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: int = 0, hpz: int = 1) -> Mesh:
+def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: int = 0, hpz: int = 1,
+              sp: int = 1) -> Mesh:
     """The mesh over `comm`'s ranks: `tp` tensor-parallel ranks per group, `pp` pipeline stages, the
-    rest data parallel, split by `ep`, `mics` (0: off) and `hpz` (1: off) (`specs/mesh.md` §Mesh,
-    §Expert parallelism, §MiCS, §hpZ). A ConfigError names a size that does not divide its ranks."""
+    rest data parallel, split by `ep`, `mics` (0: off), `hpz` (1: off) and `sp` (sequence-parallel
+    ranks, 1: off) (`specs/mesh.md` §Mesh, §Expert parallelism, §Sequence, §MiCS, §hpZ). A
+    ConfigError names a size that does not divide its ranks."""
     n = comm.world_size
     for what, v, low in (("tensor-parallel size", tp, 1), ("pipeline stage count", pp, 1),
-                         ("expert-parallel size", ep, 1), ("MiCS shard size", mics, 0), ("hpZ partition size", hpz, 1)):
+                         ("expert-parallel size", ep, 1), ("MiCS shard size", mics, 0), ("hpZ partition size", hpz, 1),
+                         ("sequence-parallel size", sp, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ConfigError(f"the {what} must be {'a positive' if low else 'a non-negative'} integer, got {v!r}")
     if n % (tp * pp):
@@ -117,8 +130,10 @@ def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: in
         raise ConfigError(f"expert-parallel size {ep} must divide the data-parallel world: this mesh has {dp} "
                           f"data-parallel rank(s) ({n} rank(s) / tensor-parallel {tp} / pipeline {pp})")
     _check_zero_groups(dp, tp, pp, ep, mics, hpz)
-    shape = MeshShape(dp=dp, tp=tp, pp=pp, ep=ep, mics=mics, hpz=hpz)
-    sub_axes = ("ep", "edp") * (ep > 1) + ("mics", "mics_replica") * (mics > 0) + ("hpz",) * (hpz > 1)
+    _check_sequence_axis(dp, n, tp, pp, ep, mics, hpz, sp)
+    shape = MeshShape(dp=dp, tp=tp, pp=pp, ep=ep, mics=mics, hpz=hpz, sp=sp)
+    sub_axes = (("ep", "edp") * (ep > 1) + ("mics", "mics_replica") * (mics > 0) + ("hpz",) * (hpz > 1)
+                + ("sp",) * (sp > 1))
     if tp == 1 and pp == 1 and not sub_axes:
         return Mesh(shape, comm.rank, comm, comm, LocalCollectives())
     if isinstance(comm, ProcessGroupCollectives) and comm.group is None:
@@ -140,7 +155,7 @@ def make_mesh(comm: Collectives, tp: int = 1, pp: int = 1, ep: int = 1, mics: in
 def _mesh(shape: MeshShape, comm: Collectives, axis: dict, sub: dict, device_mesh: Any = None) -> Mesh:
     return Mesh(shape, comm.rank, comm, axis["dp"], axis["tp"], device_mesh, pp=axis["pp"],
                 ep=sub.get("ep", LocalCollectives()), edp=sub.get("edp"), mics=sub.get("mics"),
-                mics_replicas=sub.get("mics_replica"), hpz=sub.get("hpz"))
+                mics_replicas=sub.get("mics_replica"), hpz=sub.get("hpz"), sp=sub.get("sp"))
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -170,6 +185,22 @@ def _check_zero_groups(dp: int, tp: int, pp: int, ep: int, mics: int, hpz: int) 
                           f"({local}, LOCAL_WORLD_SIZE): its groups of adjacent ranks must each sit on one node")
 
 
+def _check_sequence_axis(dp: int, n: int, tp: int, pp: int, ep: int, mics: int, hpz: int, sp: int) -> None:
+    """The sequence axis divides the data-parallel ranks and, so far, composes with data parallelism
+    and ZeRO alone: one ConfigError naming the sizes."""
+    if sp == 1:
+        return
+    if dp % sp:
+        raise ConfigError(f"sequence_parallel_size {sp} must divide the data-parallel ranks: this mesh has {dp} "
+                          f"({n} rank(s) / tensor-parallel {tp} / pipeline {pp})")
+    others = [f"{what} {v}" for what, v in (("tensor-parallel size", tp), ("pipeline stages", pp),
+                                            ("expert-parallel size", ep), ("MiCS shard size", mics),
+                                            ("hpZ partition size", hpz)) if v > 1]
+    if others:
+        raise ConfigError(f"sequence_parallel_size {sp} with {' and '.join(others)}: fnzero's sequence parallelism "
+                          "composes with data parallelism and ZeRO stages 0-3 only so far; remove one")
+
+
 def _process_group_of(partition: list[list[int]], rank: int) -> ProcessGroupCollectives:
     """This rank's group of `partition` as a process group (every rank creates every group, in one
     order: `new_group` is collective over the whole world)."""
@@ -189,7 +220,8 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: 
     stages = config.pipeline.size if config is not None else None  # None: "auto"
     if stages is not None and pp is not None and stages != pp:
         raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
-    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep, *zero_groups)
+    sp = getattr(config, "sequence_parallel_size", 1) if config is not None else 1
+    return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep, *zero_groups, sp=sp)
 
 
 def zero_groups_of(config: Any, optimizer_sharded: bool, params_sharded: bool) -> tuple[int, int]:

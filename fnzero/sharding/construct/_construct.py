@@ -19,6 +19,7 @@ from ..comm import (
     default_collectives, CheckedCollectives, RecordingCollectives,
 )
 from ..ep import EPLayout, replace_for_autoep, split_for_ep, wanted_ep_size
+from ..sp import split_for_sp
 from ..zero import checked_quantization, shard_policy, ShardPlan, make_plan, unit_predicate, ambient, hook_unit
 from ._initial import Cuts, InitialValues, initial_from_meta, initial_from_model, is_released
 from ._materialize import build_on_meta, is_meta_model
@@ -58,8 +59,8 @@ def shard(
     there; a meta model is initialised shard by shard from `init_seed` (default: torch's initial
     seed on rank 0), the same values at any world size (`specs/sharding.md` §Meta construction).
     `device`: where the shards go (default: the accelerator if any). `wrap`: the stage-3 units.
-    `mesh` (`fnzero.make_mesh`) or the config's `tensor_parallel`, `pipeline` and `expert_parallel`
-    add tensor, pipeline and expert parallelism (`specs/mesh.md`); `tp_plan`: `TPRule`s replacing
+    `mesh` (`fnzero.make_mesh`) or the config's `tensor_parallel`, `pipeline`, `expert_parallel` and
+    `sequence_parallel_size` add tensor, pipeline, expert and sequence parallelism (`specs/mesh.md`); `tp_plan`: `TPRule`s replacing
     the model's AutoTP plan; `model` may be a `fnzero.pipeline.PipelineModule`.
     `debug_collectives=True` (or FNZERO_DEBUG_COLLECTIVES=1) checks before each collective that
     every rank issues the same one. `comm_quantization`: ZeRO++'s quantized collectives, replacing
@@ -92,7 +93,9 @@ def shard(
                      ep=ep_layout.size if ep_layout else 1)
     initial, frozen, buffers = _initial_values(model, whole, plan, comm, world, device, policy, tp_layout, ep_layout,
                                                meta, init_seed)
-    sm = ShardedModule(model, plan, axes.replace(tp=tp_layout, pp=pipe, ep=ep_layout), policy, config, device, initial,
+    sp_layout = split_for_sp(model, _observed(mesh.sp, config, debug)) if mesh is not None and mesh.sp else None
+    sm = ShardedModule(model, plan, axes.replace(tp=tp_layout, pp=pipe, ep=ep_layout, sp=sp_layout), policy, config,
+                       device, initial,
                        frozen, buffers, watchdog=watchdog, quantization=checked_quantization(policy, comm_quantization),
                        build_state=build_state)
     _guard_and_route(model, plan, sm)
@@ -186,7 +189,8 @@ def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, 
     if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
         replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
     ep = wanted_ep_size(None if pipeline else model, config)
-    if mesh is None and (ep > 1 or zero_groups != (0, 1)) and not pipeline:
+    sp = getattr(config, "sequence_parallel_size", 1) if config is not None else 1
+    if mesh is None and (ep > 1 or zero_groups != (0, 1) or sp > 1) and not pipeline:
         mesh = mesh_from_config(comm, config, ep=ep, zero_groups=zero_groups)
     elif mesh is not None and zero_groups != (0, 1) and zero_groups != (mesh.shape.mics, mesh.shape.hpz):
         raise ConfigError(f"the config asks for zero_optimization.mics_shard_size {zero_groups[0]} and "

@@ -81,6 +81,11 @@ class ShardedModule:
     def ep(self):
         return self.sharding.mesh.ep
 
+    @property
+    def sp(self):
+        """The sequence axis (`SPLayout`: give it to `fnzero.shard_sequence`), None without one."""
+        return self.sharding.mesh.sp
+
     # ---------------------------------------------------------------------------------------------
     def apply(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward with `params` (one flat buffer or shard per unit: a TrainState's

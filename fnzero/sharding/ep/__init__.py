@@ -11,7 +11,7 @@ from ._autoep import (AUTOEP_KEYS_NO_EFFECT, AUTOEP_KEYS_READ, AUTOEP_PRESETS, A
                       resolve_autoep_preset)
 from ._group import ExpertGroup, check_expert_split, expert_range
 from ._hf_experts import HFExpertGroup
-from ._ops import all_to_all_grad
+from ..comm import all_to_all_grad
 
 
 # What fnzero's other packages use of this package: they import it from here, its face, and

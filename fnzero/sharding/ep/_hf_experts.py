@@ -13,7 +13,7 @@ from torch import nn
 
 from ..._errors import ConfigError
 from ._group import ExpertGroup
-from ._ops import all_to_all_grad
+from ..comm import all_to_all_grad
 
 __all__ = ["ExpertsLayout", "HFExpertGroup", "looks_like_experts", "read_experts_layout"]
 

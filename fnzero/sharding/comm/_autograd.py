@@ -1,5 +1,6 @@
-"""Expert parallelism's differentiable collective: all-to-all over the expert-parallel ranks, whose
-backward is the all-to-all with the split sizes swapped; every rank issues the same ones, in one order."""
+"""The differentiable all-to-all: its backward is the all-to-all with the split sizes swapped, so
+gradients go back the way the rows came; every rank issues the same ones, in one order. Expert
+parallelism dispatches tokens with it, sequence parallelism trades sequence shards for heads."""
 
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""Causal attention over a whole sequence for the heads a rank holds, with the masks transformers
+builds for sdpa: padding, a sliding window and packed documents (`specs/mesh.md` §Sequence)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["whole_sequence_attention"]
+
+
+def whole_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                             dropout: float = 0.0, padding: torch.Tensor | None = None,
+                             position_ids: torch.Tensor | None = None,
+                             sliding_window: int | None = None) -> torch.Tensor:
+    """(b, heads, s, d) of causal attention over q (b, heads, s, d) and k, v (b, kv heads, s, d),
+    kv heads shared by groups of q heads (grouped-query attention).
+
+    `padding` (b, s), true at tokens: keys at padding are masked. `position_ids` (b, s): where they
+    do not step by one a new document starts, and tokens attend only within theirs (as transformers
+    detects packed sequences: only without padding). `sliding_window`: a query sees the keys less
+    than that many positions back. Without any of them, torch's causal kernel runs unmasked."""
+    s = q.shape[-2]
+    mask = None
+    if sliding_window is not None and sliding_window < s:
+        i = torch.arange(s, device=q.device)
+        mask = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
+    if padding is not None and not bool(padding.all()):
+        mask = _and(mask, padding.bool()[:, None, None, :], s, q.device)
+    elif padding is None and position_ids is not None:
+        docs = _documents(position_ids)
+        if docs is not None:
+            mask = _and(mask, (docs[:, :, None] == docs[:, None, :])[:, None], s, q.device)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _and(mask: torch.Tensor | None, extra: torch.Tensor, s: int, device) -> torch.Tensor:
+    """`extra` and the causal mask (or `mask`, already causal)."""
+    if mask is None:
+        mask = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    return mask & extra
+
+
+def _documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Each token's document index from position ids that restart (transformers'
+    `find_packed_sequence_indices`), or None when every row is one document."""
+    if position_ids.ndim == 1:
+        position_ids = position_ids[None]
+    steps = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    docs = (steps != 1).cumsum(-1)
+    return None if bool((docs[:, -1] == 0).all()) else docs

@@ -1,0 +1,64 @@
+"""`split_for_sp`: a model's attention and loss routed over its sequence-parallel ranks, checked
+before any step runs (`specs/mesh.md` §Sequence)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..._errors import ShardingError
+from ._attention import ATTENTION_KEY, CausalAttention, hf_attention, hf_mask, route
+from ._layout import SPLayout
+from ._loss import causal_lm_loss_share
+from ._ulysses import check_heads_for_ulysses
+
+__all__ = ["split_for_sp"]
+
+
+def split_for_sp(model: nn.Module, comm: Any) -> SPLayout:
+    """The sequence axis over `comm`: `model`'s attention runs over the group's tokens (a transformers
+    model through its attention interface, fnzero's `CausalAttention` modules directly), its
+    transformers loss becomes this rank's share, and calls without `position_ids` are refused. A
+    ShardingError names a model whose attention cannot be reached or whose heads do not spread."""
+    layout = SPLayout(comm)
+    if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
+        _route_transformers(model, layout)
+    elif not any(isinstance(m, CausalAttention) for m in model.modules()):
+        raise ShardingError(f"sequence parallelism cannot reach {type(model).__name__}'s attention: it is neither a "
+                            "transformers model (whose attention goes through its attention interface) nor built "
+                            "with fnzero.CausalAttention modules; use one of those for its attention")
+    route(model, layout)
+    model.register_forward_pre_hook(_needs_position_ids(layout), with_kwargs=True)
+    return layout
+
+
+def _route_transformers(model: nn.Module, layout: SPLayout) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is not None:
+        check_heads_for_ulysses(heads, getattr(text, "num_key_value_heads", None) or heads, layout.size,
+                                f"{type(model).__name__}: ")
+    # Registering the same functions again is harmless: the tables map the key to them.
+    AttentionInterface.register(ATTENTION_KEY, hf_attention)
+    AttentionMaskInterface.register(ATTENTION_KEY, hf_mask)
+    was = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_KEY)
+    if model.config._attn_implementation != ATTENTION_KEY:
+        raise ShardingError(f"sequence parallelism cannot reach {type(model).__name__}'s attention: transformers "
+                            f"keeps it at {was!r} (the model does not call its attention through AttentionInterface)")
+    if hasattr(model, "loss_function"):  # transformers' own extension point for the loss
+        model.loss_function = causal_lm_loss_share(layout)
+
+
+def _needs_position_ids(layout: SPLayout):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("position_ids") is None:
+            raise ShardingError(f"{type(module).__name__} is sharded over {layout.size} sequence-parallel ranks: each "
+                                "holds a run of the tokens, so the call needs position_ids= (the tokens' places in the "
+                                "whole sequence; fnzero.shard_sequence adds them)")
+
+    return hook
