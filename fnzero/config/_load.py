@@ -140,10 +140,17 @@ def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems:
     return world, world // model_parallel
 
 
-def _size_key(raw: dict[str, Any], block: str, key: str) -> int:
-    """An axis size from the raw config (1 when absent, "auto", or a bad value its section reports)."""
-    v = raw.get(block, {}).get(key, 1) if isinstance(raw.get(block), dict) else 1
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 1 else 1
+def _size_key(raw: dict[str, Any], block: str | None, key: str) -> int:
+    """An axis size from the raw config, at `block.key` or (block None) the top level: 1 when absent, "auto",
+    or a bad value its field's validation reports. An integral float counts as its integer, as the field
+    reads it (§Types), so the triad divides by the size the mesh will have."""
+    node = raw if block is None else raw.get(block)
+    v = node.get(key, 1) if isinstance(node, dict) else 1
+    try:
+        size = _as_int(v)
+    except PydanticCustomError:
+        return 1
+    return size if size > 1 else 1
 
 
 def _world(world_size: Any) -> int:
