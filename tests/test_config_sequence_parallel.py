@@ -10,10 +10,99 @@ overwrites it). DeepSpeed is not imported here.
 
 from __future__ import annotations
 
+import json
 
+import pytest
+
+from fnzero._errors import ConfigError
 from fnzero.config import load_config
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
+
+
+def _refused(src: dict, *needles: str, world_size: int | None = 8) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(src, world_size=world_size)
+    errors = info.value.errors
+    assert len(errors) == 1, errors
+    for needle in needles:
+        assert needle in errors[0], f"{needle!r} not in {errors[0]!r}"
+    return errors
+
+
+# specs/config.md §Top level: sequence_parallel_size
+def test_absent_is_one_and_is_written_back():
+    cfg = load_config(BASE, world_size=8)
+    assert cfg.sequence_parallel_size == 1 and cfg.train_batch_size == 16
+    assert json.loads(cfg.to_json())["sequence_parallel_size"] == 1
+
+
+@pytest.mark.parametrize("key", ["sequence_parallel_size", "sp_size"])
+def test_key_and_accelerate_alias_resolve_alike(key):
+    cfg = load_config({**BASE, key: 2}, world_size=8)
+    assert cfg.sequence_parallel_size == 2
+    written = json.loads(cfg.to_json())
+    assert written["sequence_parallel_size"] == 2 and "sp_size" not in written
+    assert load_config(cfg.to_json(), world_size=cfg.world_ranks) == cfg
+
+
+def test_both_spellings_equal_are_one_key():
+    assert load_config({**BASE, "sp_size": 2, "sequence_parallel_size": 2}, world_size=8).sequence_parallel_size == 2
+
+
+def test_both_spellings_different_are_refused_naming_both():
+    _refused({**BASE, "sp_size": 2, "sequence_parallel_size": 4}, "`sp_size`", "`sequence_parallel_size`", "2", "4")
+
+
+@pytest.mark.parametrize("value,says", [
+    (0, "must be > 0, got 0"), (-1, "must be > 0, got -1"), (2.5, "must be an integer, got 2.5"),
+    (True, "must be an integer, got the boolean true"), ("2", 'must be an integer, got "2"'), (None, "null"),
+])
+@pytest.mark.parametrize("key", ["sequence_parallel_size", "sp_size"])
+def test_bad_values_are_one_line_naming_the_key(key, value, says):
+    # The alias is reported under the key it was renamed to; the message is about the one key either way.
+    _refused({**BASE, key: value}, "`sequence_parallel_size`", says)
+
+
+def test_integral_float_is_an_integer():
+    assert load_config({**BASE, "sequence_parallel_size": 2.0}, world_size=8).train_batch_size == 8
+
+
+# specs/config.md §Batch triad: world / (tensor-parallel x pipeline stages x sequence-parallel)
+def test_triad_counts_data_parallel_ranks():
+    cfg = load_config({**BASE, "gradient_accumulation_steps": 1, "sequence_parallel_size": 2}, world_size=8)
+    assert (cfg.train_batch_size, cfg.world_size, cfg.world_ranks) == (8, 4, 8)
+
+
+def test_triad_with_tensor_parallel_and_sequence_parallel():
+    cfg = load_config({**BASE, "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=8)
+    assert (cfg.world_size, cfg.train_batch_size) == (2, 4)
+
+
+def test_triad_derives_micro_from_train_batch_size():
+    cfg = load_config({"train_batch_size": 8, "sequence_parallel_size": 4}, world_size=8)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 1)
+
+
+def test_train_batch_size_counting_every_rank_is_refused_with_the_hint():
+    _refused({**BASE, "train_batch_size": 16, "gradient_accumulation_steps": 1, "sequence_parallel_size": 2},
+             "16 counts all 8 ranks", "sequence-parallel", "world_size=4")
+
+
+def test_world_not_divided_by_sequence_parallel_is_refused():
+    _refused({**BASE, "sequence_parallel_size": 4}, "`sequence_parallel_size` 4", "world size 6", "multiple of 4",
+             world_size=6)
+
+
+def test_world_not_divided_by_sequence_and_tensor_parallel_names_both():
+    _refused({**BASE, "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}},
+             "`tensor_parallel.autotp_size` 2", "`sequence_parallel_size` 2", "world size 6", "multiple of 4",
+             world_size=6)
+
+
+def test_without_a_world_one_data_parallel_rank():
+    cfg = load_config({**BASE, "sequence_parallel_size": 4})
+    assert (cfg.world_size, cfg.world_ranks, cfg.train_batch_size) == (1, 4, 2)
 
 
 def test_tensor_parallel_size_as_integral_float_counts_too():
