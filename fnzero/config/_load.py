@@ -135,9 +135,10 @@ def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems:
     if not given:
         return model_parallel, 1
     if world % model_parallel:
-        what = " x ".join(f"{key} {v}" for key, v in sizes if v > 1)
-        problems.add(f"{what} does not divide the world size {world}: each data-parallel rank of the mesh is "
-                     f"{model_parallel} ranks (their product), so the world must be a multiple of {model_parallel}")
+        on = [f"{key} {v}" for key, v in sizes if v > 1]
+        product = " (their product)" if len(on) > 1 else ""
+        problems.add(f"{' x '.join(on)} does not divide the world size {world}: each data-parallel rank of the mesh "
+                     f"is {model_parallel} ranks{product}, so the world must be a multiple of {model_parallel}")
         return world, world
     return world, world // model_parallel
 
