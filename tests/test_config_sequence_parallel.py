@@ -11,11 +11,14 @@ overwrites it). DeepSpeed is not imported here.
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
+import torch
 
 from fnzero._errors import ConfigError
-from fnzero.config import load_config
+from fnzero.config import ConfigWarning, load_config
+from fnzero.state import step_policy
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -28,6 +31,13 @@ def _refused(src: dict, *needles: str, world_size: int | None = 8) -> list[str]:
     for needle in needles:
         assert needle in errors[0], f"{needle!r} not in {errors[0]!r}"
     return errors
+
+
+def _warnings_of(src: dict, world_size: int = 8) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(src, world_size=world_size)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
 
 
 # specs/config.md §Top level: sequence_parallel_size
@@ -109,3 +119,37 @@ def test_tensor_parallel_size_as_integral_float_counts_too():
     # autotp_size 2.0 validates as 2, so the triad must divide by 2 as well.
     cfg = load_config({**BASE, "tensor_parallel": {"autotp_size": 2.0}}, world_size=8)
     assert (cfg.tensor_parallel.size, cfg.world_size) == (2, 4)
+
+
+# specs/config.md §Top level: seq_parallel_communication_data_type
+@pytest.mark.parametrize("top,want", [
+    ({}, torch.float32),  # DeepSpeed's default seq_parallel_communication_data_type
+    ({"seq_parallel_communication_data_type": "bf16"}, torch.bfloat16),
+    ({"communication_data_type": "fp16"}, torch.float32),  # replaced, not consulted
+    ({"communication_data_type": "fp16", "seq_parallel_communication_data_type": "bf16"}, torch.bfloat16),
+    # null: DeepSpeed's communication_data_type property then falls back to the precision's dtype
+    ({"communication_data_type": "fp16", "seq_parallel_communication_data_type": None}, None),
+])
+def test_sequence_parallel_reduces_gradients_in_its_dtype(top, want):
+    cfg = load_config({**BASE, "bf16": {"enabled": True}, "sequence_parallel_size": 2, **top}, world_size=8)
+    assert step_policy(cfg).comm_dtype == want
+
+
+@pytest.mark.parametrize("top,want", [
+    ({}, None),  # null: the training dtype
+    ({"seq_parallel_communication_data_type": "bf16"}, None),
+    ({"communication_data_type": "fp16", "seq_parallel_communication_data_type": "bf16"}, torch.float16),
+])
+def test_without_sequence_parallel_communication_data_type_decides(top, want):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)  # seq_parallel_communication_data_type has no effect here
+        cfg = load_config({**BASE, "sequence_parallel_size": 1, **top}, world_size=8)
+    assert step_policy(cfg).comm_dtype == want
+
+
+def test_seq_dtype_warns_only_without_sequence_parallel():
+    src = {**BASE, "seq_parallel_communication_data_type": "bf16"}
+    [message] = _warnings_of(src)
+    assert "`seq_parallel_communication_data_type`" in message and "sequence_parallel_size > 1" in message
+    assert _warnings_of({**src, "sequence_parallel_size": 2}) == []
+    assert _warnings_of({**BASE, "seq_parallel_communication_data_type": "fp32"}) == []

@@ -52,10 +52,14 @@ class Config(Model):
         1, description="Sequence-parallel (Ulysses) ranks, each holding a slice of every sequence (alias: sp_size); "
         "the batch triad counts world / (sequence_parallel_size x tensor-parallel x pipeline stages) ranks."
     )
-    communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")
-    seq_parallel_communication_data_type: DType = Field(
-        "fp32", description="With sequence parallelism, DeepSpeed's gradient-reduction dtype (in place of "
-        "communication_data_type); fnzero has no sequence parallelism."
+    communication_data_type: DType | None = Field(
+        None, description="Dtype of gradient collectives; null = training dtype. Not read when "
+        "sequence_parallel_size > 1 (seq_parallel_communication_data_type is)."
+    )
+    seq_parallel_communication_data_type: DType | None = Field(
+        "fp32", description="With sequence_parallel_size > 1, the dtype gradients are reduced in, in place of "
+        "communication_data_type (as DeepSpeed's engine does; null = training dtype); not the dtype of the "
+        "attention's all-to-alls."
     )
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer; null = the caller supplies one.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")
