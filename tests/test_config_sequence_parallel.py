@@ -5,7 +5,10 @@ DeepSpeed 0.19.8, read at its source (deepspeed/): runtime/config.py `DeepSpeedC
 `world / config["sequence_parallel_size"]` ranks in the triad when it has no mpu; runtime/engine.py, with a
 sequence-parallel world > 1, sets `self.communication_data_type = self._config.seq_parallel_communication_data_type`,
 the dtype its gradient all-reduce and ZeRO's reduce use, whatever `communication_data_type` says (the setter
-overwrites it). DeepSpeed is not imported here.
+overwrites it). DeepSpeed is not imported here; what it says was recorded by running its `DeepSpeedConfig` with
+`dist.get_world_size` giving 8: micro 2, gas 1, sequence_parallel_size 2 -> world 4.0, train_batch_size 8.0;
+train_batch_size 8, sequence_parallel_size 4 -> micro 4.0, gas 1 (fnzero's are the same, as integers). It
+accepts `seq_parallel_communication_data_type: null` and ignores `sp_size`.
 """
 
 from __future__ import annotations
