@@ -38,6 +38,8 @@ DEEPSPEED_0_19_8 = {
     "dump_state": False,  # runtime/constants.py DUMP_STATE_DEFAULT
     "zero_allow_untested_optimizer": False,  # runtime/constants.py ZERO_ALLOW_UNTESTED_OPTIMIZER_DEFAULT
     "zero_force_ds_cpu_optimizer": True,  # runtime/constants.py ZERO_FORCE_DS_CPU_OPTIMIZER_DEFAULT
+    # runtime/config.py DeepSpeedConfig.__init__: absent, the triad's world is not divided (as by 1)
+    "sequence_parallel_size": 1,
     "communication_data_type": None,  # runtime/constants.py COMMUNICATION_DATA_TYPE_DEFAULT
     "seq_parallel_communication_data_type": "fp32",  # runtime/constants.py SEQ_PARALLEL_COMMUNICATION_DATA_TYPE_DEFAULT
     "optimizer": None,  # runtime/constants.py OPTIMIZER_TYPE_DEFAULT

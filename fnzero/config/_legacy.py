@@ -101,9 +101,12 @@ MODEL_ALIASES = {
 }
 # Spellings DeepSpeed reads outside its models (it takes one of the two silently when both are
 # given); fnzero takes both when they agree and refuses them, naming both, when they differ.
+# `sp_size` is not DeepSpeed's (it ignores it): it is Hugging Face Accelerate's name for the same size
+# (`ParallelismConfig.sp_size`), taken here so that a config written with it means what it says.
 ALIASES = {
     "bfloat16": "bf16",
     "aio.intra_op_parallelism": "aio.thread_count",
+    "sp_size": "sequence_parallel_size",
 }
 
 

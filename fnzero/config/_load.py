@@ -7,6 +7,7 @@ mistake (specs/config.md §Errors).
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import warnings
 from collections.abc import Mapping
@@ -123,27 +124,36 @@ def _without_keys(raw: dict[str, Any], paths: set[str]) -> dict[str, Any]:
 
 def _data_parallel_world(raw: dict[str, Any], world: int, given: bool, problems: Problems) -> tuple[int, int]:
     """(the job's ranks, the data-parallel ranks among them, which the batch triad counts: specs/config.md
-    §Batch triad). No world size given: one tensor-parallel group times one pipeline."""
-    tp = _size_key(raw, "tensor_parallel", "autotp_size")
-    pp = _size_key(raw, "pipeline", "stages")
-    model_parallel = tp * pp
+    §Batch triad). No world size given: one tensor-parallel group times one sequence-parallel group times one
+    pipeline."""
+    sizes = (("`tensor_parallel.autotp_size`", _size_key(raw, "tensor_parallel", "autotp_size")),
+             ("`pipeline.stages`", _size_key(raw, "pipeline", "stages")),
+             ("`sequence_parallel_size`", _size_key(raw, None, "sequence_parallel_size")))
+    model_parallel = math.prod(v for _, v in sizes)
     if model_parallel == 1:
-        return world, world  # off, or a bad value the section's own validation reports
+        return world, world  # off, or a bad value the field's own validation reports
     if not given:
         return model_parallel, 1
     if world % model_parallel:
-        what = " x ".join(f"{key} {v}" for key, v in (("`tensor_parallel.autotp_size`", tp), ("`pipeline.stages`", pp))
-                          if v > 1)
-        problems.add(f"{what} does not divide the world size {world}: the mesh is pipeline stages x data-parallel x "
-                     f"tensor-parallel ranks, so the world must be a multiple of {model_parallel}")
+        on = [f"{key} {v}" for key, v in sizes if v > 1]
+        product = " (their product)" if len(on) > 1 else ""
+        problems.add(f"{' x '.join(on)} does not divide the world size {world}: each data-parallel rank of the mesh "
+                     f"is {model_parallel} ranks{product}, so the world must be a multiple of {model_parallel}")
         return world, world
     return world, world // model_parallel
 
 
-def _size_key(raw: dict[str, Any], block: str, key: str) -> int:
-    """An axis size from the raw config (1 when absent, "auto", or a bad value its section reports)."""
-    v = raw.get(block, {}).get(key, 1) if isinstance(raw.get(block), dict) else 1
-    return v if isinstance(v, int) and not isinstance(v, bool) and v > 1 else 1
+def _size_key(raw: dict[str, Any], block: str | None, key: str) -> int:
+    """An axis size from the raw config, at `block.key` or (block None) the top level: 1 when absent, "auto",
+    or a bad value its field's validation reports. An integral float counts as its integer, as the field
+    reads it (§Types), so the triad divides by the size the mesh will have."""
+    node = raw if block is None else raw.get(block)
+    v = node.get(key, 1) if isinstance(node, dict) else 1
+    try:
+        size = _as_int(v)
+    except PydanticCustomError:
+        return 1
+    return size if size > 1 else 1
 
 
 def _world(world_size: Any) -> int:
@@ -237,12 +247,13 @@ def _all_ranks_hint(tbs: int, per_rank: int, world: int, ranks: int) -> str:
     """Why a train_batch_size counted over every rank is wrong when tensor or pipeline parallelism is on."""
     if ranks == world or tbs != per_rank * ranks:
         return ""
-    # DeepSpeed's DeepSpeedConfig without an mpu (the Hugging Face Trainer's path) counts every rank, and so
-    # does hf_auto_values(world_size=<all ranks>); with an mpu (DeepSpeed's own AutoTP example) it counts the
-    # data-parallel ranks only, as fnzero does: the ranks of one model-parallel group see the same samples.
-    return (f" ({tbs} counts all {ranks} ranks, but the ranks of one tensor-parallel group or pipeline see the same "
-            f"samples, so the world here is the {world} data-parallel ranks; with hf_auto_values pass "
-            f"world_size={world})")
+    # DeepSpeed's DeepSpeedConfig without an mpu (the Hugging Face Trainer's path) counts every rank (but
+    # world / sequence_parallel_size when that key is given), and so does hf_auto_values(world_size=<all
+    # ranks>); with an mpu (DeepSpeed's own AutoTP example) it counts the data-parallel ranks only, as fnzero
+    # does: the ranks of one model-parallel group see the same samples.
+    return (f" ({tbs} counts all {ranks} ranks, but the ranks of one tensor-parallel or sequence-parallel group or "
+            f"pipeline see the same samples, so the world here is the {world} data-parallel ranks; with "
+            f"hf_auto_values pass world_size={world})")
 
 
 def _batch_triad(raw: dict[str, Any], world: int, problems: Problems, ranks: int) -> dict[str, int]:

@@ -48,10 +48,18 @@ class Config(Model):
     dump_state: Bool = Field(False, description="DeepSpeed prints its engine state; no effect in fnzero (warns when true).")
     zero_allow_untested_optimizer: Bool = Field(False, description="Accepted for compatibility; fnzero's optimizers are all supported.")
     zero_force_ds_cpu_optimizer: Bool = Field(True, description="Accepted for compatibility; no effect (fnzero has one CPU path).")
-    communication_data_type: DType | None = Field(None, description="Dtype of gradient collectives; null = training dtype.")
-    seq_parallel_communication_data_type: DType = Field(
-        "fp32", description="With sequence parallelism, DeepSpeed's gradient-reduction dtype (in place of "
-        "communication_data_type); fnzero has no sequence parallelism."
+    sequence_parallel_size: PosInt = Field(
+        1, description="Sequence-parallel (Ulysses) ranks, each holding a slice of every sequence (alias: sp_size); "
+        "the batch triad counts world / (sequence_parallel_size x tensor-parallel x pipeline stages) ranks."
+    )
+    communication_data_type: DType | None = Field(
+        None, description="Dtype of gradient collectives; null = training dtype. Not read when "
+        "sequence_parallel_size > 1 (seq_parallel_communication_data_type is)."
+    )
+    seq_parallel_communication_data_type: DType | None = Field(
+        "fp32", description="With sequence_parallel_size > 1, the dtype gradients are reduced in, in place of "
+        "communication_data_type (as DeepSpeed's engine does; null = training dtype); not the dtype of the "
+        "attention's all-to-alls."
     )
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer; null = the caller supplies one.")
     scheduler: SchedulerConfig | None = Field(None, description="Learning-rate schedule; null = constant lr.")

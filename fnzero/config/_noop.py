@@ -76,9 +76,11 @@ _TABLE: dict[str, str | NoEffect] = {
         "DeepSpeed reduces those modules' gradients in the autocast dtype; fnzero reduces every gradient in "
         "the parameters' dtype (more precise, and the same for every module)",
     ),
-    "seq_parallel_communication_data_type": "fnzero has no sequence (Ulysses) parallelism, under which DeepSpeed "
-                                            "reduces gradients in this dtype (engine.py, in place of "
-                                            "communication_data_type)",
+    "seq_parallel_communication_data_type": (
+        _changed("seq_parallel_communication_data_type", lambda c: c.sequence_parallel_size == 1),
+        "it is read only with sequence_parallel_size > 1, where gradients are reduced in this dtype in place of "
+        "communication_data_type (as in DeepSpeed, whose engine reads it only then)",
+    ),
     "comms_logger.verbose": "the comms logger records collectives in `ShardedModule.comm.records` and prints nothing "
                             "as they run",
     "comms_logger.debug": "records do not name the calling function",

@@ -71,6 +71,15 @@ class StepPolicy:
         return None
 
 
+def comm_dtype_of(cfg) -> str | None:
+    """The config's gradient-reduction dtype (None: the gradients' own). With sequence parallelism,
+    DeepSpeed 0.19.8's engine sets `communication_data_type` to `seq_parallel_communication_data_type`
+    (fp32 by default), so the former is then not consulted at all (specs/config.md §Top level)."""
+    if cfg.sequence_parallel_size > 1:
+        return cfg.seq_parallel_communication_data_type
+    return cfg.communication_data_type
+
+
 def step_policy(cfg) -> StepPolicy:
     precision = config_precision(cfg)
     ls = None
@@ -89,7 +98,7 @@ def step_policy(cfg) -> StepPolicy:
         clip=float(cfg.gradient_clipping or 0.0),
         loss_scale=ls,
         accum_dtype=DTYPES[cfg.data_types.grad_accum_dtype],
-        comm_dtype=DTYPES[cfg.communication_data_type],
+        comm_dtype=DTYPES[comm_dtype_of(cfg)],
         predivide_factor=float(cfg.gradient_predivide_factor),
         prescale_gradients=bool(cfg.prescale_gradients),
         offload_optimizer=offload_device(cfg),
