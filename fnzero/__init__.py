@@ -121,8 +121,13 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from .train import CompileRecord, JittedStep, JitWarning, TrainStep, jit, remat, split_micro_batches, train_step
 
 
-# The eager names, then every lazy one (`_LAZY` is the one list of those).
 __all__ = [
-    "AutoValues", "CheckpointError", "Config", "ConfigError", "ConfigWarning", "DistributedError", "FnzeroError",
-    "ShardingError", "tree_clone", *_LAZY,
+    "AutoValues", "BlockQuantizer", "CommQuantization", "IdentityCodec", "CheckpointError", "CompileRecord",
+    "checkpoint", "deepspeed_to_fnzero", "Collectives", "CollectivesBase", "Config", "ConfigError", "ConfigWarning",
+    "DistInfo", "DistributedError", "FnzeroError", "generate", "hf_auto_values", "InferenceEngine", "init_inference",
+    "JitWarning", "JittedStep", "LayerSpec", "LocalCollectives", "LossScaleState", "Mesh", "Placement",
+    "PretrainedWarning", "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "Sharding",
+    "ShardingError", "TrainState", "TrainStep", "TPLayout", "TPRule", "UnitPlan", "init_distributed", "jit",
+    "load_config", "make_mesh", "memory", "moe", "optim", "pipeline", "pipeline_loss", "PipelineModule", "remat",
+    "schedules", "shard", "split_micro_batches", "train_step", "tree_clone", "vocab_parallel_cross_entropy",
 ]
