@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from ._common import fail
+
 __all__ = ["add_parser", "OPS"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "pt2pt")
@@ -39,11 +41,6 @@ def add_parser(bench_sub) -> None:
     p.add_argument("--json", action="store_true", help="rank 0 prints the rows as JSON instead")
     p.add_argument("--raw", action="store_true", help="durations in microseconds without the unit (ds_bench's)")
     p.set_defaults(func=_run)
-
-
-def _fail(msg: str) -> int:
-    print(f"fnzero bench comm: {msg}", file=sys.stderr)
-    return 2
 
 
 def _choices(args) -> tuple[list[str], list[int], object] | str:
@@ -81,11 +78,11 @@ def _choices(args) -> tuple[list[str], list[int], object] | str:
 def _run(args: argparse.Namespace) -> int:
     chosen = _choices(args)
     if isinstance(chosen, str):
-        return _fail(chosen)
+        return fail("bench comm", chosen)
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if args.world is not None and not under_launcher:
         if args.world < 1:
-            return _fail(f"--world {args.world}: at least 1 rank")
+            return fail("bench comm", f"--world {args.world}: at least 1 rank")
         return _spawn(args.world, args, chosen)
     return _bench(args, *chosen)
 

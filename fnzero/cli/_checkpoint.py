@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
 from .._errors import CheckpointError
+from ._common import fail
 
 __all__ = ["register"]
 
@@ -22,8 +22,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                        exclude_frozen=args.exclude_frozen, format=args.format, tied=args.tied,
                        progress=None if not args.quiet else False, hf_config=args.hf_config)
     except (CheckpointError, OSError) as e:
-        print(f"fnzero export: {e}", file=sys.stderr)
-        return 1
+        return fail("export", str(e), 1)
     for p in paths:
         print(p)
     return 0
@@ -43,8 +42,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     try:
         rep = info(args.checkpoint, verify=args.verify)
     except (CheckpointError, OSError) as e:
-        print(f"fnzero checkpoint info: {e}", file=sys.stderr)
-        return 1
+        return fail("checkpoint info", str(e), 1)
     broken = [c for c in rep["checkpoints"] if not c["health"].startswith("ok")] or ("latest_health" in rep)
     if args.json:
         print(json.dumps(rep, indent=2, default=str))
@@ -101,8 +99,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             print(to_deepspeed_universal(args.checkpoint, args.out, tag=args.tag, ds_tag=args.out_tag,
                                          config=args.config))
     except (CheckpointError, OSError) as e:
-        print(f"fnzero checkpoint convert: {e}", file=sys.stderr)
-        return 1
+        return fail("checkpoint convert", str(e), 1)
     return 0
 
 

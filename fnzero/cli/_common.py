@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["load_config_or_report"]
+__all__ = ["load_config_or_report", "fail"]
 
 
 def load_config_or_report(path: str, world_size: int | None, prefix: str = "", auto: Any = None,
@@ -25,3 +25,9 @@ def load_config_or_report(path: str, world_size: int | None, prefix: str = "", a
         if auto_hint and any(' "auto"' in err for err in errors):
             print(f"  ({auto_hint})", file=sys.stderr)
         return None
+
+
+def fail(command: str, message: str, status: int = 2) -> int:
+    """Print `fnzero COMMAND: MESSAGE` to stderr; returns `status`, the command's exit status."""
+    print(f"fnzero {command}: {message}", file=sys.stderr)
+    return status

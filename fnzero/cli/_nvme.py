@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 
+from ._common import fail
+
 __all__ = ["add_io_parser", "register", "measure_io"]
 
 
@@ -122,14 +124,12 @@ def _run_io(args: argparse.Namespace) -> int:
         if args.loops < 1:
             raise ValueError(f"--loops {args.loops}: at least 1")
     except ValueError as e:
-        print(f"fnzero bench io: {e}", file=sys.stderr)
-        return 2
+        return fail("bench io", str(e))
     ops = ("read",) if args.read else ("write",) if args.write else ("write", "read")
     try:
         r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
     except OSError as e:
-        print(f"fnzero bench io: {folder}: {e}", file=sys.stderr)
-        return 1
+        return fail("bench io", f"{folder}: {e}", 1)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -196,13 +196,11 @@ def _sweep_lists(args) -> tuple[str, str, str]:
 
 def _run_tune(args: argparse.Namespace) -> int:
     if len(args.nvme_dir) > 1:
-        print("fnzero nvme-tune: --nvme_dir: give one folder; fnzero's NVMe offload writes to one (its nvme_path), "
-              "not striped over several", file=sys.stderr)
-        return 2
+        return fail("nvme-tune", "--nvme_dir: give one folder; fnzero's NVMe offload writes to one (its nvme_path), "
+                    "not striped over several")
     nvme_dir = args.nvme_dir[0]
     if not os.path.isdir(nvme_dir):
-        print(f"fnzero nvme-tune: --nvme_dir {nvme_dir}: no such directory", file=sys.stderr)
-        return 2
+        return fail("nvme-tune", f"--nvme_dir {nvme_dir}: no such directory")
     folder = _folder(nvme_dir, "nvme-tune")
     if folder is None:
         return 2
@@ -216,8 +214,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         if args.no_read and args.no_write:
             raise ValueError("--no_read and --no_write leave nothing to time")
     except ValueError as e:
-        print(f"fnzero nvme-tune: {e}", file=sys.stderr)
-        return 2
+        return fail("nvme-tune", str(e))
     ops = tuple(op for op, off in (("write", args.no_write), ("read", args.no_read)) if not off)
     print(f"Running fnzero AIO tuning on {folder}: {len(grid)} combinations of {size} bytes", flush=True)
     print(f"{'block_size':>12}{'queue_depth':>13}{'threads':>9}{'write GB/s':>12}{'read GB/s':>12}")
@@ -226,8 +223,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         try:
             r = measure_io(folder, size, bs, qd, threads, args.loops, ops)
         except OSError as e:
-            print(f"fnzero nvme-tune: block_size {bs}, queue_depth {qd}, threads {threads}: {e}", file=sys.stderr)
-            return 1
+            return fail("nvme-tune", f"block_size {bs}, queue_depth {qd}, threads {threads}: {e}", 1)
         rows.append(r)
         print(f"{bs:>12}{qd:>13}{threads:>9}" + "".join(f"{r[op]:>12.3f}" if op in r else f"{'-':>12}"
                                                          for op in ("write", "read")), flush=True)
@@ -245,6 +241,5 @@ def _run_tune(args: argparse.Namespace) -> int:
             with open(args.output, "w") as f:
                 f.write(text + "\n")
         except OSError as e:
-            print(f"fnzero nvme-tune: cannot write {args.output}: {e.strerror}", file=sys.stderr)
-            return 1
+            return fail("nvme-tune", f"cannot write {args.output}: {e.strerror}", 1)
     return 0

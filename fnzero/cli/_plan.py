@@ -16,7 +16,7 @@ import math
 import sys
 from fractions import Fraction
 
-from ._common import load_config_or_report
+from ._common import fail, load_config_or_report
 from ._plan_predict import add_predict_options, predict_rows, print_predictions
 
 __all__ = ["register", "plan_report"]
@@ -261,12 +261,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     args._config_choice, args._config_tp, args._config_pp, args._config_ep = None, 1, 1, 1
     problem = _count_model(args)
     if problem is not None:
-        print(f"fnzero plan: {problem}", file=sys.stderr)
-        return 2
+        return fail("plan", problem)
     if args.memory_per_device is not None and args.reserve >= args.memory_per_device:
-        print(f"fnzero plan: --reserve ({args.reserve:,} bytes) must be below --memory-per-device "
-              f"({args.memory_per_device:,} bytes)", file=sys.stderr)
-        return 2
+        return fail("plan", f"--reserve ({args.reserve:,} bytes) must be below --memory-per-device "
+                            f"({args.memory_per_device:,} bytes)")
     if args.config is not None:
         cfg = load_config_or_report(args.config, args.world_size, prefix="fnzero plan: ")
         if cfg is None:
@@ -289,13 +287,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if bad:
         t, p = bad[0]
         what = f"--tp {t} x --pp {p} = {t * p}" if p > 1 else f"--tp {t}"
-        print(f"fnzero plan: {what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
-              f"data-parallel x tensor-parallel ranks", file=sys.stderr)
-        return 2
+        return fail("plan", f"{what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
+                            f"data-parallel x tensor-parallel ranks")
     problem = _check_ep(args) or _check_mics(args)
     if problem is not None:
-        print(f"fnzero plan: {problem}", file=sys.stderr)
-        return 2
+        return fail("plan", problem)
     rep = plan_report(args)
     if args.predict:
         rep["predict"] = predict_rows(args)

@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+from ._common import fail
 from .launch import DEFAULT_HOSTFILE, HostfileError, pump, read_hostfile, select, ssh_command
 
 __all__ = ["register"]
@@ -30,13 +31,11 @@ def register(sub) -> None:
 def _run(args: argparse.Namespace) -> int:
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not words:
-        print("fnzero ssh: give the command to run, e.g. `fnzero ssh -H hosts nvidia-smi`", file=sys.stderr)
-        return 2
+        return fail("ssh", "give the command to run, e.g. `fnzero ssh -H hosts nvidia-smi`")
     try:
         hosts = list(select(read_hostfile(args.hostfile), args.include, args.exclude))
     except HostfileError as e:
-        print(f"fnzero ssh: {e}", file=sys.stderr)
-        return 2
+        return fail("ssh", str(e))
     # One word is a shell line as typed (`fnzero ssh 'cd /x && ls'`); several are joined as pdsh does.
     line = words[0] if len(words) == 1 else " ".join(words)
     procs, pumps = {}, []
@@ -45,8 +44,7 @@ def _run(args: argparse.Namespace) -> int:
             procs[host] = subprocess.Popen([*ssh_command(args.ssh_port), host, line], stdin=subprocess.DEVNULL,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except OSError as e:
-            print(f"fnzero ssh: cannot start {shlex.join(ssh_command(args.ssh_port))!r}: {e.strerror}", file=sys.stderr)
-            return 2
+            return fail("ssh", f"cannot start {shlex.join(ssh_command(args.ssh_port))!r}: {e.strerror}")
         pumps.append(pump(procs[host], host))
     codes = {h: p.wait() for h, p in procs.items()}
     for t in pumps:

@@ -333,9 +333,3 @@ class NvmeOptimizerStore(Updates):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:  # forgotten: free fds and threads, keep the files (`stale_stores` finds them)
-        try:
-            self.close(delete=False)
-        except Exception:
-            pass

@@ -43,13 +43,19 @@ class Updates:
     """How a store's files change, shared by both stores (`specs/offload.md` §Parameters, "Failing
     part-way"): inside `updating(what, step)` the manifest's `state` is `what` until the last byte
     is written; an update that raises part-way makes the store refuse every later use
-    (`refuse_if_broken`). Updates nest. The store provides `path` and `_manifest`."""
+    (`refuse_if_broken`). Updates nest. The store provides `path`, `_manifest` and `close(delete)`."""
 
     path: str
     _manifest: dict
     _broken: str | None = None  # why the files are of no one step
     _depth = 0  # updates open
     _outer: tuple[str, Any] = ("", None)  # the outermost one's (what, step)
+
+    def __del__(self) -> None:  # forgotten: free fds and threads, keep the files (`stale_stores` finds them)
+        try:
+            self.close(delete=False)
+        except Exception:
+            pass
 
     @contextlib.contextmanager
     def updating(self, what: str, step: Any) -> Iterator[None]:

@@ -175,12 +175,6 @@ class NvmeParamStore(Updates):
             if delete:
                 shutil.rmtree(self.path, ignore_errors=True)
 
-    def __del__(self) -> None:  # forgotten: free the fd and threads, keep the files (`stale_stores` finds them)
-        try:
-            self.close(delete=False)
-        except Exception:
-            pass
-
 
 def store_shards(sm, params: dict[str, torch.Tensor] | None = None, *,
                  where: str = "nvme") -> dict[str, torch.Tensor] | None:

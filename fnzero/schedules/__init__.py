@@ -17,12 +17,6 @@ from ._one_cycle import lr_range_test, one_cycle
 from ._warmup import warmup_cosine_lr, warmup_decay_lr, warmup_lr
 
 __all__ = [
-    "Schedule",
-    "constant",
-    "warmup_lr",
-    "warmup_decay_lr",
-    "warmup_cosine_lr",
-    "one_cycle",
-    "lr_range_test",
+    "Schedule", "constant", "warmup_lr", "warmup_decay_lr", "warmup_cosine_lr", "one_cycle", "lr_range_test",
     "from_config",
 ]

@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 
+from .._common import fail
 from ..launch import LaunchError, add_rank_flags, machine_slots, rank_log_folder, rank_program, too_few_ranks
 from ._jobs import config_arg_index, launch_flags
 from ._results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
@@ -143,11 +144,6 @@ def register(sub) -> None:
     p.set_defaults(func=autotune_main)
 
 
-def _fail(msg: str) -> int:
-    print(f"fnzero autotune: {msg}", file=sys.stderr)
-    return 2
-
-
 def autotune_main(args) -> int:
     """Validate, then tune; the command's exit status."""
     if args.world is None:  # as DeepSpeed's autotuner: every device of this machine
@@ -158,7 +154,7 @@ def autotune_main(args) -> int:
         problems.append("the script's arguments name no config: pass `--deepspeed_config ds.json` (or --deepspeed, "
                         "--config) after the script")
     for p in problems:  # every one, a line each
-        _fail(p)
+        fail("autotune", p)
     if problems:
         return 2
     path = args.script_args[i].split("=", 1)[1] if args.script_args[i].startswith("--") else args.script_args[i]
@@ -200,8 +196,7 @@ def autotune_from_launch(args: argparse.Namespace, rest: list[str]) -> int:
     world = next((n for n in (args.num_gpus, args.nproc_per_node) if n is not None), None)
     world = machine_slots() if world is None else world
     if world < 1:
-        print(f"fnzero launch: {too_few_ranks(args, world)}", file=sys.stderr)
-        return 2
+        return fail("launch", too_few_ranks(args, world))
     run = ["--run"] if args.autotuning == "run" else []
     tune = _parser().parse_args(["autotune", "--world", str(world), *run, *launch_flags(args), *rest])
     return int(tune.func(tune))

@@ -18,15 +18,8 @@ from ._failure import explain_failure
 from ._watchdog import process_watchdog
 
 __all__ = [
-    "Collectives",
-    "CollectivesBase",
-    "LocalCollectives",
-    "ProcessGroupCollectives",
-    "default_collectives",
-    "current_world_size",
-    "provided_collectives",
-    "providing_collectives",
-    "PendingTensor",
+    "Collectives", "CollectivesBase", "LocalCollectives", "ProcessGroupCollectives", "default_collectives",
+    "current_world_size", "provided_collectives", "providing_collectives", "PendingTensor",
 ]
 
 _AVG = "avg"
@@ -58,6 +51,12 @@ class Collectives(Protocol):
                    output_split_sizes: Sequence[int] | None = None, label: str = "") -> torch.Tensor: ...
     def all_to_all_async(self, tensor: torch.Tensor, *, input_split_sizes: Sequence[int] | None = None,
                          output_split_sizes: Sequence[int] | None = None, label: str = "") -> "PendingTensor": ...
+
+
+def waited_all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
+    """`all_to_all` as a class's `all_to_all_async`, waited for."""
+    return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes, output_split_sizes=output_split_sizes,
+                                 label=label).wait()
 
 
 class CollectivesBase:
@@ -278,9 +277,7 @@ class ProcessGroupCollectives:
     def barrier(self):
         self._start("barrier", lambda: PendingTensor(None, dist.barrier(group=self.group, async_op=True))).wait()
 
-    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
-        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
-                                     output_split_sizes=output_split_sizes, label=label).wait()
+    all_to_all = waited_all_to_all
 
     def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
         # Gloo and NCCL both have all_to_all_single, uneven splits included; it is one exchange

@@ -14,7 +14,7 @@ import torch
 
 from ..._errors import DistributedError
 from ._all_to_all import check_agreement, resolve_splits, sent_numel
-from ._collectives import Collectives, PendingTensor
+from ._collectives import Collectives, PendingTensor, waited_all_to_all
 from ._comms_summary import bus_factor, comms_summary, format_comms_summary
 
 __all__ = ["CollectiveRecord", "RecordingCollectives", "CheckedCollectives", "checksum"]
@@ -118,9 +118,7 @@ class RecordingCollectives:
     def barrier(self):
         return self.inner.barrier()
 
-    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
-        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
-                                     output_split_sizes=output_split_sizes, label=label).wait()
+    all_to_all = waited_all_to_all
 
     def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
         # Sizes resolved here, so that learning the output sizes is itself a recorded all-to-all.
@@ -207,9 +205,7 @@ class CheckedCollectives:
     broadcast = _checked("broadcast")
     barrier = _checked("barrier")
 
-    def all_to_all(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
-        return self.all_to_all_async(tensor, input_split_sizes=input_split_sizes,
-                                     output_split_sizes=output_split_sizes, label=label).wait()
+    all_to_all = waited_all_to_all
 
     def all_to_all_async(self, tensor, *, input_split_sizes=None, output_split_sizes=None, label: str = ""):
         # The fingerprint's element count is a row's (chunks differ in rows, never in row shape);
