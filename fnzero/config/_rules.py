@@ -180,8 +180,10 @@ def onebit_rules(cfg: Config) -> list[str]:
                    "(DeepSpeed asserts it); set loss_scale 0")
     for key, on in (("tensor_parallel.autotp_size", cfg.tensor_parallel.size > 1),
                     ("pipeline.stages", (cfg.pipeline.size or 1) > 1),
-                    ("expert_parallel.enabled", cfg.expert_parallel.enabled)):
+                    ("expert_parallel.enabled", cfg.expert_parallel.enabled),
+                    ("sequence_parallel_size", cfg.sequence_parallel_size > 1)):
         if on:
-            out.append(f"{head} with `{key}`: its compressed exchange runs over whole parameters held by every "
-                       "data-parallel rank, which tensor, pipeline and expert parallelism split; remove one of them")
+            out.append(f"{head} with `{key}`: its compressed exchange averages whole momenta over every data-parallel "
+                       "rank, which tensor, pipeline and expert parallelism split and sequence parallelism's ranks "
+                       "would each count as a sample; remove one of them")
     return out

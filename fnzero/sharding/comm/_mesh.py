@@ -220,7 +220,7 @@ def mesh_from_config(comm: Collectives, config: Any, pp: int | None = None, ep: 
     stages = config.pipeline.size if config is not None else None  # None: "auto"
     if stages is not None and pp is not None and stages != pp:
         raise ConfigError(f"pipeline.stages is {stages} but the pipeline model asks for {pp} stages (num_stages)")
-    sp = getattr(config, "sequence_parallel_size", 1) if config is not None else 1
+    sp = config.sequence_parallel_size if config is not None else 1
     return make_mesh(comm, tp_cfg.size if tp_cfg is not None else 1, stages or pp or 1, ep, *zero_groups, sp=sp)
 
 

@@ -84,6 +84,8 @@ def shard(
     watchdog = _job_watchdog(world, config)
     axes = _zero_axes(comm, mesh, policy, config, debug)
     comm = axes.data
+    # Before any storage is released: a model refused here is still the user's, whole.
+    sp_layout = split_for_sp(model, _observed(mesh.sp, config, debug)) if mesh is not None and mesh.sp else None
     device = _device_for(model, device, meta)
     _check_params_on_nvme(policy)
     # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
@@ -93,7 +95,6 @@ def shard(
                      ep=ep_layout.size if ep_layout else 1)
     initial, frozen, buffers = _initial_values(model, whole, plan, comm, world, device, policy, tp_layout, ep_layout,
                                                meta, init_seed)
-    sp_layout = split_for_sp(model, _observed(mesh.sp, config, debug)) if mesh is not None and mesh.sp else None
     sm = ShardedModule(model, plan, axes.replace(tp=tp_layout, pp=pipe, ep=ep_layout, sp=sp_layout), policy, config,
                        device, initial,
                        frozen, buffers, watchdog=watchdog, quantization=checked_quantization(policy, comm_quantization),
@@ -189,7 +190,7 @@ def _mesh_for_experts(model, comm: Collectives, mesh: Mesh | None, config: Any, 
     if not pipeline:  # Hugging Face MoE blocks' experts, split later (`specs/mesh.md §Expert parallelism`)
         replace_for_autoep(model, config, mesh.shape.ep if mesh is not None else 1)
     ep = wanted_ep_size(None if pipeline else model, config)
-    sp = getattr(config, "sequence_parallel_size", 1) if config is not None else 1
+    sp = config.sequence_parallel_size if config is not None else 1
     if mesh is None and (ep > 1 or zero_groups != (0, 1) or sp > 1) and not pipeline:
         mesh = mesh_from_config(comm, config, ep=ep, zero_groups=zero_groups)
     elif mesh is not None and zero_groups != (0, 1) and zero_groups != (mesh.shape.mics, mesh.shape.hpz):

@@ -34,7 +34,7 @@ def shard_sequence(batch: Any, layout: SPLayout | None, *, ignore_index: int = -
     some rank holds only padding."""
     size = layout.size if layout is not None else 1
     if isinstance(batch, (tuple, list)):
-        parts = [_checked(x, i) for i, x in enumerate(batch)]
+        parts = [_checked(x, f"item {i} of the {type(batch).__name__}") for i, x in enumerate(batch)]
         length = _one_length({str(i): x for i, x in enumerate(parts)})
         positions = torch.arange(length, device=parts[0].device).expand(parts[0].shape[0], -1)
         return type(batch)(_cut(x, layout) for x in (*parts, positions))
@@ -42,7 +42,7 @@ def shard_sequence(batch: Any, layout: SPLayout | None, *, ignore_index: int = -
         raise ShardingError(f"shard_sequence takes a dict with input_ids, or a tuple of (batch, tokens) tensors; got "
                             f"{type(batch).__name__}")
     out = {k: v for k, v in batch.items()}
-    tokens = {k: _checked(v, k) for k, v in out.items() if k in _TOKEN_KEYS and v is not None}
+    tokens = {k: _checked(v, repr(k)) for k, v in out.items() if k in _TOKEN_KEYS and v is not None}
     length = _one_length(tokens)
     if pad_to_multiple and length % size:
         extra = size - length % size
@@ -68,10 +68,10 @@ def _padded(x: torch.Tensor, extra: int, value: int, counting: bool) -> torch.Te
     return F.pad(x, (0, extra), value=value)
 
 
-def _checked(x: Any, key: str) -> torch.Tensor:
+def _checked(x: Any, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.ndim != 2:
         got = f"a {x.ndim}-D tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ShardingError(f"shard_sequence: {key!r} must be a (batch, tokens) tensor, got {got}")
+        raise ShardingError(f"shard_sequence: {what} must be a (batch, tokens) tensor, got {got}")
     return x
 
 

@@ -24,6 +24,9 @@ def check_heads_for_ulysses(heads: int, kv_heads: int, sp: int, where: str = "")
                             "sequence_parallel_size that fits the heads")
 
 
+# Not traced: its collectives are a thread world's or a process group's (as `all_to_all_grad`), and
+# one graph break around the whole exchange keeps the ranks' collectives in one order.
+@torch.compiler.disable
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
                       attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`attend` over the whole sequence, q (b, h, s/sp, d) and k, v (b, kv, s/sp, d) being this

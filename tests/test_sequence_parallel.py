@@ -1,0 +1,167 @@
+"""Sequence parallelism (Ulysses, `specs/mesh.md` §Sequence): sp x dp meshes at ZeRO stages 0-3
+equal plain single-process torch on the whole sequence in float64 (2 steps, AdamW, accumulation 2,
+clipping), on fnzero's GPT and on transformers' Llama, Qwen2, Mistral (sliding window), Gemma and
+GPT-NeoX, with grouped-query attention replicated when the kv heads are fewer than sp, padding,
+packed documents and gradient checkpointing; the attention core and exchange against torch's SDPA
+for drawn shapes; offload, jit and checkpoints at sp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import _sp_models as M
+import _worlds as W
+import fnzero
+from fnzero.sharding import make_mesh
+from fnzero.sharding.sp._core import whole_sequence_attention
+from fnzero.sharding.sp._ulysses import ulysses_attention
+from fnzero.testing import run_world, simulated_world
+
+RTOL = 1e-9
+
+
+@pytest.mark.parametrize("world,sp,stage,mesh", [(2, 2, 0, False), (4, 4, 3, True), (4, 2, 1, False), (4, 2, 3, True)],
+                         ids=lambda v: str(v))
+def test_gpt_at_sp_equals_the_unsharded_step(world, sp, stage, mesh):
+    """The config's sequence_parallel_size or make_mesh(sp=) alike: every rank's parameters and loss
+    are plain torch's on the whole sequence."""
+    ref = W.train_reference("gpt_tp", 2, world // sp, k=2, clip=0.5)
+    for params, losses in M.run_gpt(world, sp, stage, mesh=mesh):
+        W.assert_close_tree(params, ref["params"], rtol=RTOL, atol=1e-12, what=f"gpt w{world} sp{sp} z{stage}")
+        assert losses == pytest.approx(ref["losses"], rel=RTOL)
+
+
+@pytest.mark.parametrize("kind,world,sp,stage,kv", [
+    ("llama", 2, 2, 0, 2), ("llama", 4, 4, 3, 2), ("qwen2", 4, 4, 2, 1), ("qwen2", 2, 2, 3, 2),
+    ("mistral", 2, 2, 1, 2), ("gemma", 2, 2, 2, 1), ("neox", 4, 4, 0, 4),
+], ids=lambda v: str(v))
+def test_transformers_models_at_sp_equal_the_unsharded_step(kind, world, sp, stage, kv):
+    """Grouped-query attention with kv heads dividing sp or replicated up to it (kv 1 and 2 at sp 4),
+    Mistral's sliding window (5 of 16 tokens), a right-padded row: the model's own `labels=` loss,
+    made each rank's share, equals the whole sequence's. Gemma's RMSNorm multiplies by its weight in
+    float32, so that weight's gradient is a float32 sum over the tokens, split differently at sp:
+    float32-level agreement there (every other model's is float64)."""
+    rtol, atol = (1e-5, 1e-8) if kind == "gemma" else (RTOL, 1e-12)
+    ref, ref_losses = M.reference(kind, 2, 2, world // sp, 2, kv)
+    for params, losses in M.run_hf(kind, world, sp, stage, kv=kv):
+        W.assert_close_tree(params, ref, rtol=rtol, atol=atol, what=f"{kind} w{world} sp{sp} z{stage}")
+        assert losses == pytest.approx(ref_losses, rel=rtol)
+
+
+def test_sp_x_dp_at_zero3_with_gradient_checkpointing_and_left_padding():
+    """sp 2 x dp 2 at ZeRO-3, transformers' gradient checkpointing recomputing each layer's exchange
+    in backward, and a left-padded row (queries with no key to attend to, as transformers' mask)."""
+    ref, ref_losses = M.reference("llama", 2, 2, 2, 2, padding="left")
+    for params, losses in M.run_hf("llama", 4, 2, 3, padding="left", checkpointing=True):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what="llama sp2 dp2 z3 checkpointed")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_packed_documents_attend_within_their_own():
+    """Position ids that restart mark packed documents, kept apart as transformers keeps them
+    without a mask and a cache (`use_cache=False`, as in training): logits at sp 2 equal the whole
+    sequence's, which differ from the same positions in one document."""
+    model = M.hf_model("llama")
+    ids = torch.randint(1, M.V, (2, M.S), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(6), torch.arange(M.S - 6)]).expand(2, -1)
+    whole = model(input_ids=ids, position_ids=pos, use_cache=False).logits.detach()
+    assert not torch.allclose(whole, model(input_ids=ids, position_ids=pos).logits)  # with a cache: one document
+
+    def rank(comm):
+        sm = fnzero.shard(M.hf_model("llama"), config=M.sp_config(0, 2, 2, k=1), comm=comm)
+        batch = fnzero.shard_sequence({"input_ids": ids, "position_ids": pos}, sm.sp)
+        return sm.apply(sm.init_state().params, **batch).logits
+
+    for r, logits in enumerate(simulated_world(2).run(rank)):
+        torch.testing.assert_close(logits, whole[:, r * 8:(r + 1) * 8], rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(sp=st.sampled_from([2, 4]), group=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2, 4, 8]),
+       per=st.integers(1, 3), b=st.integers(1, 2), window=st.sampled_from([None, 2, 5]),
+       pad=st.integers(0, 2))
+def test_ulysses_attention_equals_sdpa_on_the_whole_sequence(sp, group, kv, per, b, window, pad):
+    """For drawn head counts (kv heads dividing sp or fewer than it), lengths, windows and right
+    padding, the exchange around the core equals torch's SDPA with transformers' mask on the whole
+    sequence, and so do q, k and v's gradients."""
+    if kv % sp and sp % kv:
+        kv = sp
+    h, s, d = kv * group if kv * group % sp == 0 else sp * group, sp * per * 2, 3
+    g = torch.Generator().manual_seed(sp * 100 + kv * 10 + per)
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, kv, kv))
+    padding = torch.ones(b, s, dtype=torch.bool)
+    padding[0, s - pad:] = False
+    dout = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    i = torch.arange(s)
+    mask = (i[:, None] >= i[None, :]) & padding[:, None, None, :]
+    if window is not None:
+        mask = mask & (i[:, None] - i[None, :] < window)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=h != kv)
+    want.backward(dout)
+
+    def rank(comm):
+        part = slice(comm.rank * s // sp, (comm.rank + 1) * s // sp)
+        mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)]
+        out = ulysses_attention(*mine, comm, lambda *t: whole_sequence_attention(*t, padding=padding,
+                                                                                  sliding_window=window))
+        out.backward(dout[:, :, part])
+        return out.detach(), [x.grad for x in mine]
+
+    for r, (out, grads) in enumerate(simulated_world(sp).run(rank)):
+        part = slice(r * s // sp, (r + 1) * s // sp)
+        torch.testing.assert_close(out, want[:, :, part].detach(), rtol=1e-12, atol=1e-12)
+        for got, leaf in zip(grads, leaves):
+            torch.testing.assert_close(got, leaf.grad[:, :, part], rtol=1e-12, atol=1e-12)
+
+
+def test_offload_at_sp():
+    """The CPU optimizer (the float32 host Adam: compared with sp 1's float32 run, to float32's
+    precision) takes sp 2's gradients as any others."""
+    off = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    (want, want_losses), = M.run_gpt(1, 1, 2, extra=off, dtype=torch.float32)
+    for params, losses in M.run_gpt(2, 2, 2, extra=off, dtype=torch.float32):
+        W.assert_close_tree(params, want, rtol=1e-4, atol=1e-5, what="offload sp2")
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_real_gloo_ranks_at_sp_2_x_dp_2_with_compiled_units():
+    """4 processes: the Llama at ZeRO-3 equals plain torch; fnzero's GPT at ZeRO-2 equals plain
+    torch eager and, with `fnzero.jit(scope="units")` (each attention's exchange a graph break),
+    bit for bit its eager run."""
+    ref, ref_losses = M.reference("llama", 2, 2, 2, 2)
+    gpt_ref = W.train_reference("gpt_tp", 2, 2, k=2, clip=0.5)
+    for (params, losses), ((eager, eager_losses), (jitted, jitted_losses)) in run_world(M.spawned_sp_cases, 4,
+                                                                                       timeout=600):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what="llama gloo sp2 dp2 z3")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+        W.assert_close_tree(eager, gpt_ref["params"], rtol=RTOL, atol=1e-12, what="gpt gloo sp2 dp2 z2")
+        W.assert_close_tree(jitted, eager, rtol=0, atol=0, what="gpt gloo sp2 dp2 z2 jit units")
+        assert jitted_losses == eager_losses
+
+
+def test_a_checkpoint_saved_at_sp_2_loads_without_sp(tmp_path):
+    """The state holds nothing of the sequence axis: sp 2 x dp 2's checkpoint is a 4-rank ZeRO-3 one
+    and loads into one rank without sp, equal to the gathered parameters."""
+    cfg = M.sp_config(3, 4, 2)
+
+    def save(comm):
+        sm = fnzero.shard(M.hf_model("llama"), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: sm.apply(p, **b).loss, cfg)
+        ids, mask, labels = M.token_batches(1, 2, 4)[0]
+        d = comm.rank // 2
+        micro = [fnzero.shard_sequence({"input_ids": ids[i, 2 * d:2 * d + 2], "labels": labels[i, 2 * d:2 * d + 2]},
+                                       sm.sp) for i in range(2)]
+        state, _ = step(state, micro)
+        fnzero.checkpoint.save(tmp_path, state, tag="t")
+        return sm.gather(state)
+
+    saved = simulated_world(4).run(save)[0]
+    sm = fnzero.shard(M.hf_model("llama"), config=M.sp_config(3, 1, 1, k=2, rows=4))
+    state, _ = fnzero.checkpoint.load(tmp_path, sm.init_state(), tag="t")
+    W.assert_close_tree(sm.gather(state), saved, rtol=0, atol=0, what="loaded without sp")
