@@ -15,10 +15,11 @@ from fnzero.testing import seeded, simulated_world
 V, S = 51, 16  # vocabulary; tokens per sample (divisible by 2 and 4)
 
 
-def hf_model(kind: str, kv: int = 2, checkpointing: bool = False):
-    """Llama, Qwen2, Mistral (sliding window 5 < S), Gemma or GPT-NeoX: 4 heads (NeoX: MHA), `kv` kv heads."""
-    common = dict(vocab_size=V, hidden_size=16, intermediate_size=22, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+def hf_model(kind: str, kv: int = 2, checkpointing: bool = False, heads: int = 4):
+    """Llama, Qwen2, Mistral (sliding window 5 < S), Gemma or GPT-NeoX: `heads` heads of 4 (NeoX: MHA),
+    `kv` kv heads."""
+    common = dict(vocab_size=V, hidden_size=4 * heads, intermediate_size=22, num_hidden_layers=2,
+                  num_attention_heads=heads, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, num_key_value_heads=kv),
         "qwen2": lambda: transformers.Qwen2Config(**common, num_key_value_heads=kv),
@@ -33,13 +34,13 @@ def hf_model(kind: str, kv: int = 2, checkpointing: bool = False):
     return model
 
 
-def token_batches(steps: int, k: int, rows: int, padding: str = "right"):
-    """Per step (ids, mask, labels), each (k, rows, S): row 0 padded on `padding`'s side by 3."""
+def token_batches(steps: int, k: int, rows: int, padding: str = "right", length: int = S):
+    """Per step (ids, mask, labels), each (k, rows, length): row 0 padded on `padding`'s side by 3."""
     g = torch.Generator().manual_seed(3)
     out = []
     for _ in range(steps):
-        ids = torch.randint(1, V, (k, rows, S), generator=g)
-        mask = torch.ones(k, rows, S, dtype=torch.long)
+        ids = torch.randint(1, V, (k, rows, length), generator=g)
+        mask = torch.ones(k, rows, length, dtype=torch.long)
         if padding == "right":
             mask[:, 0, -3:] = 0
         elif padding == "left":
@@ -55,12 +56,12 @@ def causal_lm_loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100)
 
 
-def reference(kind, steps, k, dp, rows, kv=2, padding="right"):
+def reference(kind, steps, k, dp, rows, kv=2, padding="right", heads=4, length=S):
     """Plain torch AdamW on the whole sequence (clip 0.5); the loss is the mean of each dp rank's mean."""
-    model = hf_model(kind, kv)
+    model = hf_model(kind, kv, heads=heads)
     opt = torch.optim.AdamW(model.parameters(), lr=W.LR, betas=W.BETAS, eps=W.EPS, weight_decay=W.WD)
     losses = []
-    for ids, mask, labels in token_batches(steps, k, dp * rows, padding):
+    for ids, mask, labels in token_batches(steps, k, dp * rows, padding, length):
         opt.zero_grad()
         total = 0.0
         for i in range(k):
@@ -86,9 +87,10 @@ def sp_config(stage, world, sp, k=2, rows=2, extra=None):
 
 
 def run_hf(kind, world, sp, stage, steps=2, k=2, kv=2, rows=2, padding="right", checkpointing=False, extra=None,
-           world_fn=simulated_world):
+           heads=4, length=S):
     """fnzero at sp x dp: each rank's gathered parameters and losses."""
-    return world_fn(world).run(_HFRank(kind, world, sp, stage, steps, k, kv, rows, padding, checkpointing, extra))
+    return simulated_world(world).run(_HFRank(kind, world, sp, stage, steps, k, kv, rows, padding, checkpointing, extra,
+                                              heads, length))
 
 
 class _HFRank:  # a class, not a closure, so that spawned (real gloo) worlds can pickle it
@@ -96,13 +98,13 @@ class _HFRank:  # a class, not a closure, so that spawned (real gloo) worlds can
         self.args = args
 
     def __call__(self, comm):
-        kind, world, sp, stage, steps, k, kv, rows, padding, checkpointing, extra = self.args
+        kind, world, sp, stage, steps, k, kv, rows, padding, checkpointing, extra, heads, length = self.args
         cfg = sp_config(stage, world, sp, k, rows, extra)
-        sm = fnzero.shard(hf_model(kind, kv, checkpointing), config=cfg, comm=comm)
+        sm = fnzero.shard(hf_model(kind, kv, checkpointing, heads), config=cfg, comm=comm)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: sm.apply(p, **b).loss, cfg)
         d, losses = comm.rank // sp, []
-        for ids, mask, labels in token_batches(steps, k, world // sp * rows, padding):
+        for ids, mask, labels in token_batches(steps, k, world // sp * rows, padding, length):
             mine = slice(d * rows, (d + 1) * rows)
             micro = [fnzero.shard_sequence({"input_ids": ids[i, mine], "attention_mask": mask[i, mine],
                                             "labels": labels[i, mine]}, sm.sp) for i in range(k)]
@@ -122,7 +124,7 @@ def spawned_sp_cases():
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
-    llama = _HFRank("llama", 4, 2, 3, 2, 2, 2, 2, "right", False, None)(comm)
+    llama = _HFRank("llama", 4, 2, 3, 2, 2, 2, 2, "right", False, None, 4, S)(comm)
     gpt = [_gpt_rank(comm, 4, 2, 2, jit) for jit in (None, {"backend": "aot_eager", "scope": "units"})]
     return llama, gpt
 

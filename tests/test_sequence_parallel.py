@@ -17,8 +17,8 @@ import _sp_models as M
 import _worlds as W
 import fnzero
 from fnzero.sharding import make_mesh
-from fnzero.sharding.sp._core import whole_sequence_attention
-from fnzero.sharding.sp._ulysses import ulysses_attention
+from fnzero.sharding import SPLayout
+from fnzero.sharding.sp._attention import sequence_attention
 from fnzero.testing import run_world, simulated_world
 
 RTOL = 1e-9
@@ -52,6 +52,18 @@ def test_transformers_models_at_sp_equal_the_unsharded_step(kind, world, sp, sta
         assert losses == pytest.approx(ref_losses, rel=rtol)
 
 
+@pytest.mark.parametrize("kind,world,sp,stage,heads,kv,length", [
+    ("llama", 3, 3, 1, 4, 2, 18), ("qwen2", 4, 4, 3, 6, 2, 16), ("mistral", 2, 2, 2, 3, 1, 16),
+], ids=lambda v: str(v))
+def test_heads_that_sp_does_not_divide_run_ring_attention(kind, world, sp, stage, heads, kv, length):
+    """4 heads at sp 3 (a ring of 3), 6 heads at sp 4 (Ulysses groups of 2, rings of 2), 3 heads at
+    sp 2 with Mistral's window: the whole sequence's step, with a right-padded row."""
+    ref, ref_losses = M.reference(kind, 2, 2, world // sp, 2, kv, heads=heads, length=length)
+    for params, losses in M.run_hf(kind, world, sp, stage, kv=kv, heads=heads, length=length):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what=f"{kind} {heads} heads sp{sp} z{stage}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
 def test_sp_x_dp_at_zero3_with_gradient_checkpointing_and_left_padding():
     """sp 2 x dp 2 at ZeRO-3, transformers' gradient checkpointing recomputing each layer's exchange
     in backward, and a left-padded row (queries with no key to attend to, as transformers' mask)."""
@@ -80,40 +92,48 @@ def test_packed_documents_attend_within_their_own():
         torch.testing.assert_close(logits, whole[:, r * 8:(r + 1) * 8], rtol=1e-12, atol=1e-12)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True)
-@given(sp=st.sampled_from([2, 4]), group=st.sampled_from([1, 2, 4]), kv=st.sampled_from([1, 2, 4, 8]),
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(sp=st.sampled_from([2, 3, 4, 6]), heads=st.sampled_from([1, 2, 3, 4, 6, 8]), group=st.sampled_from([1, 2, 3]),
        per=st.integers(1, 3), b=st.integers(1, 2), window=st.sampled_from([None, 2, 5]),
-       pad=st.integers(0, 2))
-def test_ulysses_attention_equals_sdpa_on_the_whole_sequence(sp, group, kv, per, b, window, pad):
-    """For drawn head counts (kv heads dividing sp or fewer than it), lengths, windows and right
-    padding, the exchange around the core equals torch's SDPA with transformers' mask on the whole
-    sequence, and so do q, k and v's gradients."""
-    if kv % sp and sp % kv:
-        kv = sp
-    h, s, d = kv * group if kv * group % sp == 0 else sp * group, sp * per * 2, 3
-    g = torch.Generator().manual_seed(sp * 100 + kv * 10 + per)
-    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (h, kv, kv))
-    padding = torch.ones(b, s, dtype=torch.bool)
-    padding[0, s - pad:] = False
-    dout = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+       masks=st.sampled_from(["causal", "padding", "documents"]))
+def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, per, b, window, masks):
+    """Drawn head counts (dividing sp: Ulysses; not: rings; partly: Ulysses groups whose rings pass
+    keys around; kv heads fewer than sp: repeated), lengths, windows, right padding and packed
+    documents: outputs and q, k, v gradients equal torch's SDPA with transformers' mask on the
+    whole sequence."""
+    kv = max(1, heads // group) if heads % max(1, heads // group) == 0 else heads
+    s, d = sp * per, 3
+    g = torch.Generator().manual_seed(sp * 1000 + heads * 10 + per)
+    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (heads, kv, kv))
     i = torch.arange(s)
-    mask = (i[:, None] >= i[None, :]) & padding[:, None, None, :]
+    mask = (i[:, None] >= i[None, :]).expand(b, 1, s, s)
+    padding = positions = None
+    if masks == "padding":
+        padding = torch.ones(b, s, dtype=torch.bool)
+        padding[0, s - min(2, per):] = False  # never a whole run
+        mask = mask & padding[:, None, None, :]
+    if masks == "documents":
+        positions = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).expand(b, -1)
+        docs = (i >= s // 2).long()
+        mask = mask & (docs[:, None] == docs[None, :])
     if window is not None:
         mask = mask & (i[:, None] - i[None, :] < window)
+    dout = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=h != kv)
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=heads != kv)
     want.backward(dout)
 
     def rank(comm):
-        part = slice(comm.rank * s // sp, (comm.rank + 1) * s // sp)
+        part = slice(comm.rank * per, (comm.rank + 1) * per)
         mine = [x[:, :, part].clone().requires_grad_() for x in (q, k, v)]
-        out = ulysses_attention(*mine, comm, lambda *t: whole_sequence_attention(*t, padding=padding,
-                                                                                  sliding_window=window))
+        local = lambda t: t[:, part] if t is not None else None  # noqa: E731
+        out = sequence_attention(*mine, SPLayout(comm), padding=local(padding), position_ids=local(positions),
+                                 sliding_window=window)
         out.backward(dout[:, :, part])
         return out.detach(), [x.grad for x in mine]
 
     for r, (out, grads) in enumerate(simulated_world(sp).run(rank)):
-        part = slice(r * s // sp, (r + 1) * s // sp)
+        part = slice(r * per, (r + 1) * per)
         torch.testing.assert_close(out, want[:, :, part].detach(), rtol=1e-12, atol=1e-12)
         for got, leaf in zip(grads, leaves):
             torch.testing.assert_close(got, leaf.grad[:, :, part], rtol=1e-12, atol=1e-12)

@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..._errors import ShardingError
-from ._core import whole_sequence_attention
+from ._core import block_masks, whole_sequence_attention
 from ._layout import SPLayout
-from ._ulysses import ulysses_attention
+from ._ring import Ring, ring_attention
+from ._ulysses import ulysses_attention, ulysses_size
 
-__all__ = ["CausalAttention", "ATTENTION_KEY", "route", "layout_of", "hf_attention", "hf_mask"]
+__all__ = ["CausalAttention", "ATTENTION_KEY", "route", "layout_of", "hf_attention", "hf_mask", "sequence_attention"]
 
 # The name fnzero's functions are registered under with transformers' AttentionInterface and
 # AttentionMaskInterface; a model routed to them has it as its `attn_implementation`.
@@ -48,7 +49,37 @@ class CausalAttention(nn.Module):
         layout = _ROUTED.get(self)
         if layout is None or layout.size == 1:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return ulysses_attention(q, k, v, layout.comm, whole_sequence_attention)
+        return sequence_attention(q, k, v, layout)
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SPLayout, *,
+                       scale: float | None = None, dropout: float = 0.0, padding: torch.Tensor | None = None,
+                       position_ids: torch.Tensor | None = None, sliding_window: int | None = None,
+                       where: str = "attention") -> torch.Tensor:
+    """Causal attention over the whole sequence of q (b, h, s/sp, d) and k, v (b, kv, s/sp, d), this
+    rank's run of the tokens; `padding` and `position_ids` (b, s/sp) are this rank's too. The sp
+    ranks split into Ulysses groups of U adjacent ranks (U: `ulysses_size` of the heads) and rings
+    of sp/U: each group trades its runs for heads, and each ring passes keys and values around for
+    the group's share of the heads (`specs/mesh.md` §Sequence)."""
+    n, rank = layout.size, layout.rank
+    u = ulysses_size(n, q.shape[1], k.shape[1])
+    padding = layout.gather_sequence(padding) if padding is not None else None
+    position_ids = layout.gather_sequence(position_ids.expand(q.shape[0], -1)) if position_ids is not None else None
+    if u == n:
+        attend = functools.partial(whole_sequence_attention, scale=scale, dropout=dropout, padding=padding,
+                                   position_ids=position_ids, sliding_window=sliding_window)
+        return ulysses_attention(q, k, v, layout.comm, attend)
+    if dropout:
+        raise ShardingError(f"{where} has attention dropout {dropout}, which fnzero's ring attention does not draw "
+                            f"({q.shape[1]} heads over {n} sequence-parallel ranks need the ring); set it to 0 for "
+                            "training with sequence parallelism")
+    rings = n // u
+    ring = Ring(tuple(g * u + rank % u for g in range(rings)), rank // u)
+    masks = block_masks(padding, position_ids, sliding_window, q.shape[2] * u, q.device)
+    attend = functools.partial(ring_attention, comm=layout.comm, ring=ring, block_mask=masks, scale=scale)
+    if u == 1:
+        return attend(q, k, v)
+    return ulysses_attention(q, k, v, layout.comm, attend, group=(rank - rank % u, u))
 
 
 def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -71,16 +102,9 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ShardingError(f"{type(module).__name__} got a {attention_mask.ndim}-D attention mask; with sequence "
                             "parallelism give the 2-D padding mask (batch, tokens) and fnzero builds the rest")
-    position_ids = kwargs.get("position_ids")
-    attend = functools.partial(
-        whole_sequence_attention, scale=scaling, dropout=dropout, sliding_window=sliding_window,
-        padding=layout.gather_sequence(attention_mask) if attention_mask is not None else None,
-        position_ids=layout.gather_sequence(position_ids.expand(query.shape[0], -1))
-        if position_ids is not None else None)
-    if layout.size == 1:
-        out = attend(query, key, value)
-    else:
-        out = ulysses_attention(query, key, value, layout.comm, attend)
+    out = sequence_attention(query, key, value, layout, scale=scaling, dropout=dropout, padding=attention_mask,
+                             position_ids=kwargs.get("position_ids"), sliding_window=sliding_window,
+                             where=type(module).__name__)
     return out.transpose(1, 2).contiguous(), None
 
 

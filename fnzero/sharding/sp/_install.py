@@ -11,7 +11,6 @@ from ..._errors import ShardingError
 from ._attention import ATTENTION_KEY, CausalAttention, hf_attention, hf_mask, route
 from ._layout import SPLayout
 from ._loss import causal_lm_loss_share
-from ._ulysses import check_heads_for_ulysses
 
 __all__ = ["split_for_sp"]
 
@@ -20,7 +19,7 @@ def split_for_sp(model: nn.Module, comm: Any) -> SPLayout:
     """The sequence axis over `comm`: `model`'s attention runs over the group's tokens (a transformers
     model through its attention interface, fnzero's `CausalAttention` modules directly), its
     transformers loss becomes this rank's share, and calls without `position_ids` are refused. A
-    ShardingError names a model whose attention cannot be reached or whose heads do not spread."""
+    ShardingError names a model whose attention cannot be reached."""
     layout = SPLayout(comm)
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
         _route_transformers(model, layout)
@@ -37,11 +36,6 @@ def _route_transformers(model: nn.Module, layout: SPLayout) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(text, "num_attention_heads", None)
-    if heads is not None:
-        check_heads_for_ulysses(heads, getattr(text, "num_key_value_heads", None) or heads, layout.size,
-                                f"{type(model).__name__}: ")
     # Registering the same functions again is harmless: the tables map the key to them.
     AttentionInterface.register(ATTENTION_KEY, hf_attention)
     AttentionMaskInterface.register(ATTENTION_KEY, hf_mask)

@@ -1,0 +1,118 @@
+"""Ring attention: each rank keeps its run of the queries and passes its run of the keys and values
+to the next rank of the ring, merging each block's attention by its log-sum-exp, so that no rank
+ever holds more than two runs of keys and values (`specs/mesh.md` §Sequence, Ring)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+__all__ = ["Ring", "ring_attention"]
+
+# A block's mask: (b, 1, c, c) bool (true: attend), None (all of it), or False (none: skipped).
+BlockMask = Callable[[int, int], "torch.Tensor | None | bool"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """This rank's ring: the ranks of `comm` in ring order (`members`, each holding the next run of the
+    sequence) and its place among them."""
+
+    members: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+def _shift(x: torch.Tensor, comm, ring: Ring, label: str) -> torch.Tensor:
+    """`x` (rows along dim 0) sent to the next rank of the ring; the previous rank's returned. An
+    all-to-all with one destination, so every backend (threads, process groups) runs it."""
+    n = comm.world_size
+    send, recv = [0] * n, [0] * n
+    send[ring.members[(ring.index + 1) % ring.size]] = x.shape[0]
+    recv[ring.members[(ring.index - 1) % ring.size]] = x.shape[0]
+    return comm.all_to_all(x.contiguous(), input_split_sizes=send, output_split_sizes=recv, label=label)
+
+
+def _scores(q, kb, scale, mask):
+    s = (q @ kb.transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """`lse` with -inf (rows that see no key) as 0, so that exp(score - lse) is 0 there, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _grouped(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv heads repeated for the query heads that share each (grouped-query attention)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _summed(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """The gradient of `_grouped`: each kv head's query heads summed."""
+    b, h, c, d = x.shape
+    return x if h == kv else x.reshape(b, kv, h // kv, c, d).sum(2)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm, ring: Ring, scale: float, block_mask: BlockMask):
+        h = q.shape[1]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])
+        for t in range(ring.size):
+            j = (ring.index - t) % ring.size  # the source of the keys and values held at step t
+            mask = block_mask(ring.index, j)
+            if mask is not False:
+                s = _scores(q, _grouped(kv[0], h), scale, mask)
+                lse_b = torch.logsumexp(s, -1)
+                o_b = torch.exp(s - _finite(lse_b)[..., None]) @ _grouped(kv[1], h)
+                new = torch.logaddexp(lse, lse_b)
+                out = out * torch.exp(lse - _finite(new))[..., None] + o_b * torch.exp(lse_b - _finite(new))[..., None]
+                lse = new
+            if t + 1 < ring.size:
+                kv = _shift(kv, comm, ring, "ring attention k|v")
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.ring, ctx.scale, ctx.block_mask = comm, ring, scale, block_mask
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, ring, scale, h = ctx.comm, ctx.ring, ctx.scale, q.shape[1]
+        delta = (dout * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(q)
+        # The keys and values travel with their gradients, which come home after a last shift.
+        travel = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        for t in range(ring.size):
+            j = (ring.index - t) % ring.size
+            mask = ctx.block_mask(ring.index, j)
+            if mask is not False:
+                kb, vb = _grouped(travel[0], h), _grouped(travel[1], h)
+                p = torch.exp(_scores(q, kb, scale, mask) - _finite(lse)[..., None])
+                ds = p * (dout @ vb.transpose(-1, -2) - delta)
+                dq = dq + (ds @ kb) * scale
+                travel = torch.stack([travel[0], travel[1], travel[2] + _summed(ds.transpose(-1, -2) @ q * scale, k.shape[1]),
+                                      travel[3] + _summed(p.transpose(-1, -2) @ dout, k.shape[1])])
+            if t + 1 < ring.size:
+                travel = _shift(travel, comm, ring, "ring attention k|v|dk|dv")
+        home = _shift(travel[2:], comm, ring, "ring attention dk|dv")  # each run's gradients back to its rank
+        return dq, home[0], home[1], None, None, None, None
+
+
+@torch.compiler.disable  # collectives of a thread world or process group: not traced
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm, ring: Ring, block_mask: BlockMask,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention of this rank's run of queries q (b, h, c, d) over every run of keys and values of
+    the ring (k, v (b, kv, c, d) here, this rank's): `block_mask(i, j)` masks run i's queries against
+    run j's keys (False: skipped, no compute). Exact: the blocks merge by their log-sum-exp, and
+    backward recomputes each block's probabilities from the saved log-sum-exp. Rows that see no key
+    come out 0, with 0 gradients, as torch's SDPA."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    return _RingAttention.apply(q, k, v, comm, ring, scale, block_mask)
