@@ -26,9 +26,16 @@ def hf_model(kind: str, kv: int = 2, checkpointing: bool = False, heads: int = 4
         "mistral": lambda: transformers.MistralConfig(**common, num_key_value_heads=kv, sliding_window=5),
         "gemma": lambda: transformers.GemmaConfig(**common, num_key_value_heads=kv, head_dim=4),
         "neox": lambda: transformers.GPTNeoXConfig(**common),
+        "mixtral": lambda: transformers.MixtralConfig(**common, num_key_value_heads=kv, num_local_experts=4,
+                                                      num_experts_per_tok=2),
     }
     with W._INIT_LOCK, seeded(0):  # simulated ranks are threads: one builds at a time
         model = transformers.AutoModelForCausalLM.from_config(configs[kind](), attn_implementation="sdpa").double()
+        if kind == "mixtral":
+            model.set_experts_implementation("eager")
+            for name, m in model.named_modules():
+                if name.endswith("mlp.gate"):
+                    m.weight.data.normal_(0.0, 1.0)  # routers wide enough that tokens pick different experts
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -103,8 +110,9 @@ class _HFRank:  # a class, not a closure, so that spawned (real gloo) worlds can
         sm = fnzero.shard(hf_model(kind, kv, checkpointing, heads), config=cfg, comm=comm)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: sm.apply(p, **b).loss, cfg)
-        d, losses = comm.rank // sp, []
-        for ids, mask, labels in token_batches(steps, k, world // sp * rows, padding, length):
+        tp = cfg.tensor_parallel.size  # the ranks of a tensor-parallel group share their tokens
+        d, losses = comm.rank // (tp * sp), []
+        for ids, mask, labels in token_batches(steps, k, world // (tp * sp) * rows, padding, length):
             mine = slice(d * rows, (d + 1) * rows)
             micro = [fnzero.shard_sequence({"input_ids": ids[i, mine], "attention_mask": mask[i, mine],
                                             "labels": labels[i, mine]}, sm.sp) for i in range(k)]

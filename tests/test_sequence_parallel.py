@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 import _sp_models as M
 import _worlds as W
 import fnzero
-from fnzero.sharding import make_mesh
 from fnzero.sharding import SPLayout
 from fnzero.sharding.sp._attention import sequence_attention
 from fnzero.testing import run_world, simulated_world
@@ -61,6 +60,28 @@ def test_heads_that_sp_does_not_divide_run_ring_attention(kind, world, sp, stage
     ref, ref_losses = M.reference(kind, 2, 2, world // sp, 2, kv, heads=heads, length=length)
     for params, losses in M.run_hf(kind, world, sp, stage, kv=kv, heads=heads, length=length):
         W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what=f"{kind} {heads} heads sp{sp} z{stage}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+@pytest.mark.parametrize("stage,vocab", [(1, True), (3, None)], ids=lambda v: str(v))
+def test_sp_x_tp(stage, vocab):
+    """sp 2 x tp 2: each tensor-parallel group holds one run of the tokens for its heads (2 heads and
+    1 kv head per rank, repeated for Ulysses); with a vocabulary-split head the loss share is the
+    vocabulary-parallel cross-entropy's sum."""
+    ref, ref_losses = M.reference("llama", 2, 2, 1, 2)
+    tp = {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": vocab}}
+    for params, losses in M.run_hf("llama", 4, 2, stage, extra=tp):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what=f"llama sp2 tp2 z{stage}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+
+
+def test_sp_x_ep_on_mixtral():
+    """sp 2 x ep 2 (world 4, dp 4: the expert groups are the sequence groups): each rank routes its
+    run of the tokens to its experts (dropless, as transformers' MoE), at ZeRO-2."""
+    ref, ref_losses = M.reference("mixtral", 2, 2, 2, 2)
+    ep = {"expert_parallel": {"enabled": True, "autoep_size": 2}}
+    for params, losses in M.run_hf("mixtral", 4, 2, 2, extra=ep):
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what="mixtral sp2 ep2 z2")
         assert losses == pytest.approx(ref_losses, rel=RTOL)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..._errors import ConfigError, ShardingError
 from ..._state import StateMesh
 from ..pp import PipelineInfo, PipelineModule
-from ..tp import PLANS, TPRule, parallelize, rules_from_config, TPLayout
+from ..tp import PLANS, TPRule, parallelize, rules_from_config, TPLayout, vocab_parallel_cross_entropy
 from ..comm import (
     Mesh, mesh_from_config, zero_groups_of, CommQuantization, Collectives, ProcessGroupCollectives,
     default_collectives, CheckedCollectives, RecordingCollectives,
@@ -85,7 +85,8 @@ def shard(
     axes = _zero_axes(comm, mesh, policy, config, debug)
     comm = axes.data
     # Before any storage is released: a model refused here is still the user's, whole.
-    sp_layout = split_for_sp(model, _observed(mesh.sp, config, debug)) if mesh is not None and mesh.sp else None
+    sp_layout = (split_for_sp(model, _observed(mesh.sp, config, debug), _summed_cross_entropy(tp_layout))
+                 if mesh is not None and mesh.sp else None)
     device = _device_for(model, device, meta)
     _check_params_on_nvme(policy)
     # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
@@ -129,6 +130,16 @@ def _split_for_parallelism(model: nn.Module, comm: Collectives, mesh: Mesh | Non
         whole = copy.deepcopy(model)
     comm, tp_layout = _split_for_tp(model, comm, mesh, config, tp_plan, debug, pipe)
     return whole, comm, tp_layout, _split_for_ep(model, mesh, ep, config, debug, meta)
+
+
+def _summed_cross_entropy(tp_layout: TPLayout | None):
+    """The summed cross-entropy of a vocabulary-split LM head's logits, for the sequence axis' loss; None
+    (torch's) without one."""
+    if tp_layout is None or tp_layout.vocab_head is None:
+        return None
+    start, comm = tp_layout.vocab_start(), tp_layout.comm
+    return lambda logits, targets, ignore_index: vocab_parallel_cross_entropy(logits, targets, start, comm,
+                                                                              ignore_index, "sum")
 
 
 def _device_for(model: nn.Module, device: torch.device | str | None, meta: bool) -> torch.device:

@@ -15,14 +15,15 @@ from ._loss import causal_lm_loss_share
 __all__ = ["split_for_sp"]
 
 
-def split_for_sp(model: nn.Module, comm: Any) -> SPLayout:
+def split_for_sp(model: nn.Module, comm: Any, cross_entropy=None) -> SPLayout:
     """The sequence axis over `comm`: `model`'s attention runs over the group's tokens (a transformers
     model through its attention interface, fnzero's `CausalAttention` modules directly), its
-    transformers loss becomes this rank's share, and calls without `position_ids` are refused. A
-    ShardingError names a model whose attention cannot be reached."""
+    transformers loss becomes this rank's share (summed by `cross_entropy(logits, targets,
+    ignore_index)` where given: a vocabulary-split head's), and calls without `position_ids` are
+    refused. A ShardingError names a model whose attention cannot be reached."""
     layout = SPLayout(comm)
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
-        _route_transformers(model, layout)
+        _route_transformers(model, layout, cross_entropy)
     elif not any(isinstance(m, CausalAttention) for m in model.modules()):
         raise ShardingError(f"sequence parallelism cannot reach {type(model).__name__}'s attention: it is neither a "
                             "transformers model (whose attention goes through its attention interface) nor built "
@@ -32,7 +33,7 @@ def split_for_sp(model: nn.Module, comm: Any) -> SPLayout:
     return layout
 
 
-def _route_transformers(model: nn.Module, layout: SPLayout) -> None:
+def _route_transformers(model: nn.Module, layout: SPLayout, cross_entropy) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -45,7 +46,7 @@ def _route_transformers(model: nn.Module, layout: SPLayout) -> None:
         raise ShardingError(f"sequence parallelism cannot reach {type(model).__name__}'s attention: transformers "
                             f"keeps it at {was!r} (the model does not call its attention through AttentionInterface)")
     if hasattr(model, "loss_function"):  # transformers' own extension point for the loss
-        model.loss_function = causal_lm_loss_share(layout)
+        model.loss_function = causal_lm_loss_share(layout, cross_entropy)
 
 
 def _needs_position_ids(layout: SPLayout):
