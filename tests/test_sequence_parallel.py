@@ -18,7 +18,7 @@ import _worlds as W
 import fnzero
 from fnzero.sharding import SPLayout
 from fnzero.sharding.sp._attention import sequence_attention
-from fnzero.testing import run_world, simulated_world
+from fnzero.testing import GPT, run_world, seeded, simulated_world
 
 RTOL = 1e-9
 
@@ -206,3 +206,29 @@ def test_a_checkpoint_saved_at_sp_2_loads_without_sp(tmp_path):
     sm = fnzero.shard(M.hf_model("llama"), config=M.sp_config(3, 1, 1, k=2, rows=4))
     state, _ = fnzero.checkpoint.load(tmp_path, sm.init_state(), tag="t")
     W.assert_close_tree(sm.gather(state), saved, rtol=0, atol=0, what="loaded without sp")
+
+
+# t = 8 tokens on a rank, d = 4, 2 layers, sp 2; forward and backward alike for Ulysses.
+ULYSSES = 2 * 2 * (8 * 4 * (4 + 2 * 4) // 2 + 8 * 4 * 4 // 2)  # q|k|v out t·d·(h+2kv)/2, output t·d·h/2
+RING = 2 * ((2 - 1) * 2 * 3 * 4 * 8 + (2 - 1) * 4 * 3 * 4 * 8 + 2 * 3 * 4 * 8)  # k|v; k|v|dk|dv; dk|dv home
+
+
+@pytest.mark.parametrize("heads,want", [(4, ULYSSES), (3, RING)], ids=["ulysses", "ring"])
+def test_exchange_traffic_is_the_formula(heads, want):
+    """Elements each rank sends by all-to-all in one step of fnzero's GPT (2 rows of 8 tokens, 2
+    layers, head size 4) at sp 2, as `specs/mesh.md` §Sequence, Traffic counts them: 4 heads run
+    Ulysses, 3 a ring of 2."""
+    def rank(comm):
+        cfg = W.config(0, k=1, micro=2, world=2, clip=0.5, extra={"sequence_parallel_size": 2, **M.SP_WIRE,
+                                                                  "comms_logger": {"enabled": True}})
+        with seeded(0):
+            model = GPT(vocab_size=37, seq_len=8, d_model=4 * heads, n_layer=2, n_head=heads).double()
+        sm = fnzero.shard(model, config=cfg, comm=comm)
+        step = fnzero.train_step(lambda p, b: sm.sp.loss_share(
+            F.cross_entropy(sm.apply(p, b[0], position_ids=b[2]).flatten(0, 1), b[1].flatten(), reduction="sum"),
+            b[1].numel()), cfg)
+        x = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(0))
+        step(sm.init_state(), fnzero.shard_sequence((x, x), sm.sp))
+        return sum(r.numel for r in sm.sp.comm.records if r.op == "all_to_all")
+
+    assert simulated_world(2).run(rank) == [want, want]
