@@ -116,16 +116,16 @@ def test_packed_documents_attend_within_their_own():
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(sp=st.sampled_from([2, 3, 4, 6]), heads=st.sampled_from([1, 2, 3, 4, 6, 8]), group=st.sampled_from([1, 2, 3]),
        per=st.integers(1, 3), b=st.integers(1, 2), window=st.sampled_from([None, 2, 5]),
-       masks=st.sampled_from(["causal", "padding", "documents"]))
-def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, per, b, window, masks):
+       masks=st.sampled_from(["causal", "padding", "documents"]), dv=st.sampled_from([3, 5]))
+def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, per, b, window, masks, dv):
     """Drawn head counts (dividing sp: Ulysses; not: rings; partly: Ulysses groups whose rings pass
     keys around; kv heads fewer than sp: repeated), lengths, windows, right padding and packed
-    documents: outputs and q, k, v gradients equal torch's SDPA with transformers' mask on the
-    whole sequence."""
+    documents; values' head size apart from the keys' (as multi-head latent attention's): outputs and
+    q, k, v gradients equal torch's SDPA with transformers' mask on the whole sequence."""
     kv = max(1, heads // group) if heads % max(1, heads // group) == 0 else heads
     s, d = sp * per, 3
     g = torch.Generator().manual_seed(sp * 1000 + heads * 10 + per)
-    q, k, v = (torch.randn(b, n, s, d, generator=g, dtype=torch.float64) for n in (heads, kv, kv))
+    q, k, v = (torch.randn(b, n, s, e, generator=g, dtype=torch.float64) for n, e in ((heads, d), (kv, d), (kv, dv)))
     i = torch.arange(s)
     mask = (i[:, None] >= i[None, :]).expand(b, 1, s, s)
     padding = positions = None
@@ -139,7 +139,7 @@ def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, 
         mask = mask & (docs[:, None] == docs[None, :])
     if window is not None:
         mask = mask & (i[:, None] - i[None, :] < window)
-    dout = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, heads, s, dv, generator=g, dtype=torch.float64)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     want = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=heads != kv)
     want.backward(dout)

@@ -38,6 +38,17 @@ def _shift(x: torch.Tensor, comm, ring: Ring, label: str) -> torch.Tensor:
     return comm.all_to_all(x.contiguous(), input_split_sizes=send, output_split_sizes=recv, label=label)
 
 
+def _packed(*xs: torch.Tensor) -> torch.Tensor:
+    """(b, heads, c, e) tensors side by side as one (b, heads, c·e...) buffer, to travel in one call
+    (keys' and values' head sizes may differ)."""
+    return torch.cat([x.flatten(2) for x in xs], dim=2)
+
+
+def _unpacked(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    pieces = flat.split([x.shape[2] * x.shape[3] for x in like], dim=2)
+    return [p.reshape(x.shape) for p, x in zip(pieces, like)]
+
+
 def _scores(q, kb, scale, mask):
     s = (q @ kb.transpose(-1, -2)) * scale
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
@@ -63,21 +74,21 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, ring: Ring, scale: float, block_mask: BlockMask):
         h = q.shape[1]
-        out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-        kv = torch.stack([k, v])
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        kb, vb = k, v
         for t in range(ring.size):
             j = (ring.index - t) % ring.size  # the source of the keys and values held at step t
             mask = block_mask(ring.index, j)
             if mask is not False:
-                s = _scores(q, _grouped(kv[0], h), scale, mask)
+                s = _scores(q, _grouped(kb, h), scale, mask)
                 lse_b = torch.logsumexp(s, -1)
-                o_b = torch.exp(s - _finite(lse_b)[..., None]) @ _grouped(kv[1], h)
+                o_b = torch.exp(s - _finite(lse_b)[..., None]) @ _grouped(vb, h)
                 new = torch.logaddexp(lse, lse_b)
                 out = out * torch.exp(lse - _finite(new))[..., None] + o_b * torch.exp(lse_b - _finite(new))[..., None]
                 lse = new
             if t + 1 < ring.size:
-                kv = _shift(kv, comm, ring, "ring attention k|v")
+                kb, vb = _unpacked(_shift(_packed(kb, vb), comm, ring, "ring attention k|v"), [k, v])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.ring, ctx.scale, ctx.block_mask = comm, ring, scale, block_mask
         return out
@@ -89,21 +100,22 @@ class _RingAttention(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
         # The keys and values travel with their gradients, which come home after a last shift.
-        travel = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        kb, vb, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
         for t in range(ring.size):
             j = (ring.index - t) % ring.size
             mask = ctx.block_mask(ring.index, j)
             if mask is not False:
-                kb, vb = _grouped(travel[0], h), _grouped(travel[1], h)
-                p = torch.exp(_scores(q, kb, scale, mask) - _finite(lse)[..., None])
-                ds = p * (dout @ vb.transpose(-1, -2) - delta)
-                dq = dq + (ds @ kb) * scale
-                travel = torch.stack([travel[0], travel[1], travel[2] + _summed(ds.transpose(-1, -2) @ q * scale, k.shape[1]),
-                                      travel[3] + _summed(p.transpose(-1, -2) @ dout, k.shape[1])])
+                kg, vg = _grouped(kb, h), _grouped(vb, h)
+                p = torch.exp(_scores(q, kg, scale, mask) - _finite(lse)[..., None])
+                ds = p * (dout @ vg.transpose(-1, -2) - delta)
+                dq = dq + (ds @ kg) * scale
+                dk = dk + _summed(ds.transpose(-1, -2) @ q * scale, k.shape[1])
+                dv = dv + _summed(p.transpose(-1, -2) @ dout, k.shape[1])
             if t + 1 < ring.size:
-                travel = _shift(travel, comm, ring, "ring attention k|v|dk|dv")
-        home = _shift(travel[2:], comm, ring, "ring attention dk|dv")  # each run's gradients back to its rank
-        return dq, home[0], home[1], None, None, None, None
+                kb, vb, dk, dv = _unpacked(_shift(_packed(kb, vb, dk, dv), comm, ring, "ring attention k|v|dk|dv"),
+                                           [k, v, k, v])
+        dk, dv = _unpacked(_shift(_packed(dk, dv), comm, ring, "ring attention dk|dv"), [k, v])  # home
+        return dq, dk, dv, None, None, None, None
 
 
 @torch.compiler.disable  # collectives of a thread world or process group: not traced

@@ -33,17 +33,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm,
     all-to-all (packed per destination), the output in a second; both are differentiable. kv heads
     fewer than the group are first repeated, so each rank gets the one its query heads use."""
     first, n = group if group is not None else (0, comm.world_size)
-    b, h, s_local, d = q.shape
+    b, h, s_local = q.shape[:3]
     if k.shape[1] < n:  # rank r's query heads all use kv head r // (n / kv): repeated, it is the r-th
         k, v = (x.repeat_interleave(n // x.shape[1], dim=1) for x in (k, v))
-    hq, hkv = h // n, k.shape[1] // n
     splits = None if n == comm.world_size else [int(first <= r < first + n) for r in range(comm.world_size)]
-    packed = torch.cat([x.reshape(b, n, per, s_local, d) for x, per in ((q, hq), (k, hkv), (v, hkv))], dim=2)
-    got = all_to_all_grad(packed.transpose(0, 1).contiguous(), comm, splits, splits, label="sequence-parallel q|k|v")
+    # Per destination, its heads of q, k and v flattened side by side (v's head size may differ).
+    parts = [(x, x.shape[1] // n, x.shape[-1]) for x in (q, k, v)]
+    packed = torch.cat([x.reshape(b, n, per, s_local * e).transpose(0, 1).reshape(n, b, -1) for x, per, e in parts], 2)
+    got = all_to_all_grad(packed.contiguous(), comm, splits, splits, label="sequence-parallel q|k|v")
     # got[j]: the group's j-th rank's run of tokens for this rank's heads, in sequence order.
-    whole = got.permute(1, 2, 0, 3, 4).reshape(b, hq + 2 * hkv, n * s_local, d)
-    out = attend(*whole.split([hq, hkv, hkv], dim=1))
-    back = out.reshape(b, hq, n, s_local, d).permute(2, 0, 1, 3, 4).contiguous()
+    pieces = got.split([per * s_local * e for _, per, e in parts], dim=2)
+    whole = [p.reshape(n, b, per, s_local, e).permute(1, 2, 0, 3, 4).reshape(b, per, n * s_local, e)
+             for p, (_, per, e) in zip(pieces, parts)]
+    out = attend(*whole)
+    e = out.shape[-1]
+    back = out.reshape(b, h // n, n, s_local, e).permute(2, 0, 1, 3, 4).contiguous()
     mine = all_to_all_grad(back, comm, splits, splits, label="sequence-parallel output")
     # mine[j]: the group's j-th rank's heads for this rank's tokens.
-    return mine.transpose(0, 1).reshape(b, h, s_local, d)
+    return mine.transpose(0, 1).reshape(b, h, s_local, e)
