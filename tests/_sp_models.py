@@ -134,15 +134,17 @@ def spawned_sp_cases():
     comm = ProcessGroupCollectives()
     llama = _HFRank("llama", 4, 2, 3, 2, 2, 2, 2, "right", False, None, 4, S)(comm)
     gpt = [_gpt_rank(comm, 4, 2, 2, jit) for jit in (None, {"backend": "aot_eager", "scope": "units"})]
-    return llama, gpt
+    return llama, gpt, _gpt_rank(comm, 4, 2, 1, kind="gpt")
 
 
-def _gpt_rank(comm, world, sp, stage, jit=None, steps=2, k=2, extra=None, mesh=False, dtype=torch.float64):
-    """One rank of `run_gpt`: its gathered parameters and losses."""
+def _gpt_rank(comm, world, sp, stage, jit=None, steps=2, k=2, extra=None, mesh=False, dtype=torch.float64,
+              kind="gpt_tp"):
+    """One rank of `run_gpt` (fnzero's GPT of tests/_worlds.py: "gpt_tp" 4 heads, "gpt" 3): its gathered
+    parameters and losses."""
     dp = world // sp
     cfg = W.config(stage, k=k, micro=2, world=world, clip=0.5,
                    extra={**({} if mesh else {"sequence_parallel_size": sp, **SP_WIRE}), **(extra or {})})
-    sm = fnzero.shard(W.make_model("gpt_tp", dtype), config=cfg, comm=comm, mesh=make_mesh(comm, sp=sp) if mesh else None)
+    sm = fnzero.shard(W.make_model(kind, dtype), config=cfg, comm=comm, mesh=make_mesh(comm, sp=sp) if mesh else None)
     state = sm.init_state()
 
     def loss_fn(params, b):
@@ -156,7 +158,7 @@ def _gpt_rank(comm, world, sp, stage, jit=None, steps=2, k=2, extra=None, mesh=F
         step = fnzero.jit(step, **jit)
     d, losses = comm.rank // sp, []
     for s in range(steps):
-        x, y = W.global_batch("gpt_tp", s, dp, k, 2, torch.float64)
+        x, y = W.global_batch(kind, s, dp, k, 2, torch.float64)
         state, m = step(state, [fnzero.shard_sequence((x[i, d], y[i, d]), sm.sp) for i in range(k)])
         losses.append(m["loss"])
     return sm.gather(state), losses

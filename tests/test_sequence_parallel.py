@@ -116,11 +116,11 @@ def test_packed_documents_attend_within_their_own():
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(sp=st.sampled_from([2, 3, 4, 6]), heads=st.sampled_from([1, 2, 3, 4, 6, 8]), group=st.sampled_from([1, 2, 3]),
        per=st.integers(1, 3), b=st.integers(1, 2), window=st.sampled_from([None, 2, 5]),
-       masks=st.sampled_from(["causal", "padding", "documents"]), dv=st.sampled_from([3, 5]))
+       masks=st.sampled_from(["causal", "padding", "left", "documents"]), dv=st.sampled_from([3, 5]))
 def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, per, b, window, masks, dv):
     """Drawn head counts (dividing sp: Ulysses; not: rings; partly: Ulysses groups whose rings pass
     keys around; kv heads fewer than sp: repeated), lengths, windows, right padding and packed
-    documents; values' head size apart from the keys' (as multi-head latent attention's): outputs and
+    documents, left padding (queries with no key: 0, as SDPA gives them); values' head size apart from the keys' (as multi-head latent attention's): outputs and
     q, k, v gradients equal torch's SDPA with transformers' mask on the whole sequence."""
     kv = max(1, heads // group) if heads % max(1, heads // group) == 0 else heads
     s, d = sp * per, 3
@@ -129,9 +129,11 @@ def test_sequence_attention_equals_sdpa_on_the_whole_sequence(sp, heads, group, 
     i = torch.arange(s)
     mask = (i[:, None] >= i[None, :]).expand(b, 1, s, s)
     padding = positions = None
-    if masks == "padding":
+    if masks in ("padding", "left"):
         padding = torch.ones(b, s, dtype=torch.bool)
-        padding[0, s - min(2, per):] = False  # never a whole run
+        cut = min(2, per)  # never a whole run
+        padding[0, s - cut:] = False if masks == "padding" else True
+        padding[0, :cut] = True if masks == "padding" else False  # left: queries with no key at all
         mask = mask & padding[:, None, None, :]
     if masks == "documents":
         positions = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).expand(b, -1)
@@ -173,11 +175,14 @@ def test_offload_at_sp():
 def test_real_gloo_ranks_at_sp_2_x_dp_2_with_compiled_units():
     """4 processes: the Llama at ZeRO-3 equals plain torch; fnzero's GPT at ZeRO-2 equals plain
     torch eager and, with `fnzero.jit(scope="units")` (each attention's exchange a graph break),
-    bit for bit its eager run."""
+    bit for bit its eager run; with 3 heads (a ring of 2, gloo's all-to-all with empty splits) at
+    ZeRO-1, plain torch."""
     ref, ref_losses = M.reference("llama", 2, 2, 2, 2)
     gpt_ref = W.train_reference("gpt_tp", 2, 2, k=2, clip=0.5)
-    for (params, losses), ((eager, eager_losses), (jitted, jitted_losses)) in run_world(M.spawned_sp_cases, 4,
-                                                                                       timeout=600):
+    ring_ref = W.train_reference("gpt", 2, 2, k=2, clip=0.5)
+    for (params, losses), ((eager, eager_losses), (jitted, jitted_losses)), (ring, _) in run_world(
+            M.spawned_sp_cases, 4, timeout=600):
+        W.assert_close_tree(ring, ring_ref["params"], rtol=RTOL, atol=1e-12, what="gpt ring gloo sp2 dp2 z1")
         W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what="llama gloo sp2 dp2 z3")
         assert losses == pytest.approx(ref_losses, rel=RTOL)
         W.assert_close_tree(eager, gpt_ref["params"], rtol=RTOL, atol=1e-12, what="gpt gloo sp2 dp2 z2")
