@@ -12,6 +12,8 @@ Run (from the repository root, after the README's setup):
     fnzero launch --nproc-per-node 4 examples/train_gpt.py --config examples/configs/tp2_zero1.json
     # pipeline parallelism: the layers cut into 2 stages, 1F1B over 4 micro-batches (specs/mesh.md)
     fnzero launch --nproc-per-node 2 examples/train_gpt.py --config examples/configs/pp2_zero1.json
+    # sequence parallelism: each pair of ranks shares every sample's tokens (Ulysses; specs/mesh.md)
+    fnzero launch --nproc-per-node 2 examples/train_gpt.py --config examples/configs/sp2_zero3.json
 
 The training step is a pure function `step(state, batch) -> (state, metrics)`; logging happens
 outside it. At the end the run saves a checkpoint under --checkpoint-dir and exports the weights as
@@ -80,7 +82,13 @@ else:
     sm = fnzero.shard(model, config=cfg, device=dist.device)
 
     def loss_fn(params, batch):
-        return lm_loss(sm.apply(params, batch[0]), batch[1])
+        if sm.sp is None:
+            return lm_loss(sm.apply(params, batch[0]), batch[1])
+        # sequence parallelism: this rank's run of the tokens (the group reads the same batch), and its
+        # share of the group's mean loss (specs/mesh.md §Sequence)
+        x, y, positions = fnzero.shard_sequence(batch, sm.sp)
+        logits = sm.apply(params, x, position_ids=positions)
+        return sm.sp.loss_share(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"), y.numel())
 
 state = sm.init_state()
 mem0 = peak_rss_bytes()
@@ -102,9 +110,11 @@ if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "lat
         print(f"resumed from {args.checkpoint_dir} at step {start}")
 
 # -- data: each data-parallel rank reads its own stream of windows (where the previous run stopped);
-# the ranks of one tensor-parallel group, and the stages of one pipeline, read the same one ---------
+# the ranks of one tensor-parallel group, of one sequence-parallel group, and the stages of one
+# pipeline read the same one --------------------------------------------------------------------
 per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
-dp_rank = MeshShape(dp=cfg.world_size, tp=cfg.tensor_parallel.size, pp=stages).coords(dist.rank)["dp"]
+sp = cfg.sequence_parallel_size
+dp_rank = MeshShape(dp=cfg.world_size * sp, tp=cfg.tensor_parallel.size, pp=stages, sp=sp).coords(dist.rank)["batch_dp"]
 batches = token_batches(per_rank, args.seq_len, seed=args.seed * 1000 + dp_rank)
 for _ in range(start):
     next(batches)
@@ -112,6 +122,7 @@ for _ in range(start):
 if dist.rank == 0:
     tp = f" x tensor-parallel {cfg.tensor_parallel.size}" if cfg.tensor_parallel.size > 1 else ""
     tp += f" x {stages} pipeline stages" if stages > 1 else ""
+    tp += f" x sequence-parallel {sp}" if sp > 1 else ""
     print(f"fnzero {fnzero.__version__}: GPT {num_params / 1e6:.2f}M params, "
           f"ZeRO stage {sm.plan.stage}, {cfg.precision}, {dist.world_size} rank(s){tp} on {dist.device}, "
           f"{len(sm.plan.units)} units")

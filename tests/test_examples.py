@@ -71,7 +71,8 @@ def _header(path):
 @pytest.mark.multiprocess
 def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_and_exports(tmp_path):
     """The README's runs of examples/train_gpt.py resume each other's checkpoints: one process
-    (ZeRO-0) -> 2 tensor-parallel ranks -> 2 pipeline stages -> 2 ranks at ZeRO-3, each going on
+    (ZeRO-0) -> 2 tensor-parallel ranks -> 2 pipeline stages -> 2 ranks at ZeRO-3 -> 2
+    sequence-parallel ranks at ZeRO-3, each going on
     from the step the one before saved, each exporting whole weights. (A pipeline's checkpoint
     into tensor-parallel ranks reads by name with the tp cut, as into a pipeline at tp 2:
     tests/test_pipeline.py; a fifth run here would cost more than it proves.)"""
@@ -87,7 +88,8 @@ def test_train_gpt_resumes_across_the_plain_pipeline_and_tensor_parallel_runs_an
     more = ["--steps", "5", *small]
     chain = [(readme_argv("examples/train_gpt.py", "examples/configs/tp2_zero1.json", nproc=2, extra=more), "tensor-parallel 2"),
              (readme_argv("examples/train_gpt.py", "examples/configs/pp2_zero1.json", extra=more), "x 2 pipeline stages"),
-             (readme_argv("examples/train_gpt.py", "examples/configs/zero3.json", extra=more), "ZeRO stage 3")]
+             (readme_argv("examples/train_gpt.py", "examples/configs/zero3.json", extra=more), "ZeRO stage 3"),
+             (readme_argv("examples/train_gpt.py", "examples/configs/sp2_zero3.json", extra=more), "sequence-parallel 2")]
     for i, (argv, shows) in enumerate(chain):
         out = _run(argv)
         config = argv[argv.index("--config") + 1]
