@@ -36,11 +36,12 @@ def _runs_in_test_examples() -> set[tuple[str, str | None]]:
 
 def test_each_readme_command_that_runs_an_example_is_run_by_test_examples():
     readme = {(script, config) for _, script, config in _readme.example_runs(TEXT)}
-    # The headline run, the fine-tune, LoRA with generation, tensor and pipeline parallelism.
+    # The headline run, the fine-tune, LoRA with generation, tensor, pipeline and sequence parallelism.
     assert readme == {("examples/train_gpt.py", "examples/configs/zero3.json"), ("examples/finetune_hf.py", None),
                       ("examples/lora_generate.py", None),
                       ("examples/train_gpt.py", "examples/configs/tp2_zero1.json"),
-                      ("examples/train_gpt.py", "examples/configs/pp2_zero1.json")}
+                      ("examples/train_gpt.py", "examples/configs/pp2_zero1.json"),
+                      ("examples/train_gpt.py", "examples/configs/sp2_zero3.json")}
     assert _runs_in_test_examples() == readme
 
 
