@@ -81,6 +81,14 @@ def test_saved_bytes_are_the_formula(kind, sp, checkpointing):
         assert sent == shape.layers * ulysses_bytes(shape, seq_len=S, micro_batch=B, sp=sp, dtype="fp64")
 
 
+def test_the_module_examples_run():
+    import doctest
+
+    from fnzero.memory import _activations
+
+    assert doctest.testmod(_activations).failed == 0
+
+
 def test_the_shapes_read_from_configs():
     gpt = TransformerShape.from_config(GPTConfig(vocab_size=V, d_model=16, n_layer=2, n_head=4))
     assert gpt == TransformerShape(16, 2, 4, 4, 4, 64, V, "gpt")
