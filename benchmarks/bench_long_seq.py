@@ -141,7 +141,8 @@ def _run_sp(sp: int, memory: int, base_len: int | None, steps: int, warmup: int)
         saved, _ = _saved_and_sent(comm, sp, longest)
         _, sent = _saved_and_sent(comm, sp, longest, backward=True)
         own = _step_times(comm, sp, longest, steps, warmup)
-        same = _step_times(comm, sp, base_len, steps, warmup) if base_len and base_len != longest else own
+        base = base_len // sp * sp if base_len else longest  # sp 1's length, cut to a multiple of sp
+        same = _step_times(comm, sp, base, steps, warmup) if base != longest else own
         return longest, saved, sent, own, same
 
     results = simulated_world(sp, timeout=600).run(rank)
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     print(f"  longest: measured saved bytes (forward + loss) <= budget; goal: >= 0.9 x sp x sp 1's "
           f"({'met' if not missed else 'missed at sp ' + ', '.join(map(str, missed))}). a2a: bytes one rank sends "
           f"by all-to-all in one forward and backward; step: the slowest rank's median at its own longest length, "
-          f"'@sp1 len' at sp 1's. Process peak RSS (all ranks together): {format_bytes(peak_rss_bytes())}; "
+          f"'@sp1 len' at sp 1's (down to a multiple of sp). Process peak RSS (all ranks together): {format_bytes(peak_rss_bytes())}; "
           f"other load on this machine during the run: {cpu.other_cores:.2f} cores")
     if args.json:
         with open(args.json, "w") as f:
