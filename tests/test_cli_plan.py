@@ -299,3 +299,68 @@ def test_moe_model_rows_split_the_experts_over_ep(tmp_path):
     assert rc == 2 and "--ep 8 does not divide the model's 4 experts per MoE layer" in err
     rc, _, err = run_cli("plan", "--params", "7B", "--world-size", 8, "--ep", "2")
     assert rc == 2 and "no expert parameters" in err
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama")
+    LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2).save_pretrained(path)
+    return path
+
+
+def test_sp_rows_are_the_activation_formula(llama_dir):
+    """specs/cli.md --sp: per sp, fnzero.memory.activation_bytes of the --model at --seq-len x --micro-batch,
+    the all-to-all bytes of forward and backward (+ recomputation), and the longest sequence whose peak
+    fits beside ZeRO-3's model state; the model-state rows are those without --sp."""
+    from fnzero.memory import TransformerShape, activation_bytes, longest_sequence, ulysses_bytes
+    from transformers import LlamaConfig
+
+    shape = TransformerShape.from_config(LlamaConfig.from_pretrained(llama_dir))
+    args = ("plan", "--model", llama_dir, "--world-size", 8, "--precision", "bf16", "--memory-per-device", "1GB",
+            "--seq-len", 4096, "--micro-batch", 2)
+    rc, plain, err = run_cli(*args, "--json")
+    assert rc == 0 and "sequence" not in json.loads(plain), err
+    for ckpt in ((), ("--checkpointing",)):
+        rc, out, err = run_cli(*args, "--sp", "1,2,8", *ckpt, "--json")
+        assert rc == 0, err
+        rep = json.loads(out)
+        assert rep["rows"] == json.loads(plain)["rows"]
+        state = _one(rep, stage=3, offload_optimizer="none", offload_param="none")["device_bytes"]
+        for sp, row in zip((1, 2, 8), rep["sequence"], strict=True):
+            a = activation_bytes(shape, seq_len=4096, micro_batch=2, sp=sp, dtype="bf16", checkpointing=bool(ckpt))
+            assert (row["sp"], row["saved_bytes"], row["peak_bytes"]) == (sp, a.saved, a.peak)
+            assert row["all_to_all_bytes"] == 2 * (3 if ckpt else 2) * ulysses_bytes(
+                shape, seq_len=4096, micro_batch=2, sp=sp, dtype="bf16")
+            assert row["longest_seq_len"] == longest_sequence(shape, 10**9 - state, micro_batch=2, sp=sp,
+                                                              dtype="bf16", checkpointing=bool(ckpt))
+        assert rep["sequence"][2]["longest_seq_len"] > 7 * rep["sequence"][0]["longest_seq_len"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--sp", "3"), "--sp 3 does not divide --world-size 8"),
+    (("--sp", "0"), "give sequence-parallel sizes of at least 1"),
+    (("--sp", "two"), "'two' is not a comma-separated list"),
+    (("--sp", "2", "--tp", "2"), "--sp plans data- and sequence-parallel runs only"),
+    (("--seq-len", "0", "--checkpointing"), "--seq-len 0 and --micro-batch 1 must be at least 1"),
+    (("--sp", "2"), "--sp and --checkpointing need --model"),
+])
+def test_bad_sp_options_exit_2_with_one_line(extra, message):
+    rc, out, err = run_cli("plan", "--params", "7B", "--world-size", 8, *extra)
+    # One error line (argparse's, for a malformed value, after its usage lines).
+    errors = [line for line in err.splitlines() if line.startswith("fnzero plan:")]
+    assert rc == 2 and out == "" and len(errors) == 1 and message in errors[0], err
+
+
+def test_sp_with_a_model_prints_the_table_or_names_what_does_not_spread(llama_dir):
+    rc, out, err = run_cli("plan", "--model", llama_dir, "--world-size", 8, "--sp", "1,2", "--memory-per-device", "1GB")
+    assert rc == 0 and "activations per rank" in out and "longest seq" in out, err
+    for extra, message in ((("--world-size", 16, "--sp", "16"), "--sp 16 with --seq-len 4096: 8 attention heads and "
+                            "2 key/value heads do not spread"),
+                           (("--world-size", 8, "--sp", "8", "--seq-len", "100"),
+                            "--sp 8 with --seq-len 100: a sequence of 100 tokens does not divide over 8")):
+        rc, out, err = run_cli("plan", "--model", llama_dir, *extra)
+        assert rc == 2 and out == "" and err.startswith(f"fnzero plan: {message}"), err
+        assert len(err.strip().splitlines()) == 1

@@ -6,6 +6,7 @@ largest model that fits a device. The arithmetic is `fnzero.memory._estimate`; t
     fnzero plan --params 70B --world-size 64 --tp 1,2,4,8 --memory-per-device 80GB   # dp x tp meshes
     fnzero plan --model ./mixtral_config_dir --world-size 64 --ep 1,8                 # experts over ep ranks
     fnzero plan --params 7B --world-size 64 --mics 8                                  # MiCS: shard groups of 8
+    fnzero plan --model ./llama_config_dir --world-size 8 --sp 1,2,4,8 --seq-len 32768  # activations per sp
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fractions import Fraction
 
 from ._common import fail, load_config_or_report
 from ._plan_predict import add_predict_options, predict_rows, print_predictions
+from ._plan_sequence import add_sequence_options, check_sequence, print_sequence, sequence_rows
 
 __all__ = ["register", "plan_report"]
 
@@ -289,16 +291,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         what = f"--tp {t} x --pp {p} = {t * p}" if p > 1 else f"--tp {t}"
         return fail("plan", f"{what} does not divide --world-size {args.world_size}: a mesh is pipeline stages x "
                             f"data-parallel x tensor-parallel ranks")
-    problem = _check_ep(args) or _check_mics(args)
+    problem = _check_ep(args) or _check_mics(args) or check_sequence(args)
     if problem is not None:
         return fail("plan", problem)
     rep = plan_report(args)
+    if args.sp is not None:
+        rep["sequence"] = sequence_rows(args, rep)
     if args.predict:
         rep["predict"] = predict_rows(args)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         _print_table(rep, sys.stdout)
+        if args.sp is not None:
+            print_sequence(args, rep["sequence"], sys.stdout, _plan.format_bytes)
         if args.predict:
             print_predictions(args, rep["predict"], sys.stdout)
     return 0
@@ -346,5 +352,6 @@ def register(sub) -> None:
                    help="MiCS shard size: stages 1-3 shard over groups of S ranks, replicated across them (default: "
                    "the config's zero_optimization.mics_shard_size when on); must divide the world size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON (bytes as whole numbers)")
+    add_sequence_options(p)
     add_predict_options(p)
     p.set_defaults(func=_cmd_plan)

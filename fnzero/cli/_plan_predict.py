@@ -36,7 +36,7 @@ def add_predict_options(p: argparse.ArgumentParser) -> None:
                       ("nvlink_latency", "seconds per ring hop inside a node"),
                       ("ib_latency", "seconds per ring hop between nodes"),
                       ("hbm_bandwidth", "device memory bytes/s (the optimizer's update is memory-bound)"),
-                      ("seq_len", "tokens per sample"), ("micro_batch", "samples per rank per step"),
+                      ("seq_len", "tokens per sample (also --sp's)"), ("micro_batch", "samples per rank per step (also --sp's)"),
                       ("units", "ZeRO units (transformer layers): collectives per stage")):
         kind = int if key in ("seq_len", "micro_batch", "units") else float
         g.add_argument("--" + key.replace("_", "-"), type=kind, default=DEFAULTS[key], metavar="X",

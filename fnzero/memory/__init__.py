@@ -11,6 +11,14 @@ Measured, from a live `TrainState` (`specs/sharding.md` §Memory):
                                  partition at stages 1-3 (`specs/optim.md` §Muon at ZeRO stages 1-3)
     peak_rss_bytes()             this process's peak resident set size
 
+Activations, from a model's shape (`specs/mesh.md` §Sequence memory):
+    TransformerShape(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, family)
+    TransformerShape.from_config(cfg)   from fnzero's GPTConfig or a transformers config
+    activation_bytes(shape, seq_len=, micro_batch=, sp=, dtype=, checkpointing=)   one rank's bytes
+                                 saved for backward (`ActivationBytes`: layer, outside, loss, peak)
+    longest_sequence(shape, memory, sp=, ...)   the longest sequence whose activations fit
+    ulysses_bytes(shape, seq_len=, micro_batch=, sp=, dtype=)   one layer's forward all-to-all bytes
+
 Predicted, from numbers alone (`fnzero plan`, `specs/cli.md`):
     estimate(Ψ, stage=, world_size=, precision=, offload_optimizer=, offload_param=, ratio=)
     largest_model(memory, stage=, world_size=, ...)
@@ -24,6 +32,7 @@ The host allocator (glibc; a no-op elsewhere):
 from __future__ import annotations
 
 from .._ext import allocator_env, return_freed_memory, trim_freed_memory
+from ._activations import ActivationBytes, TransformerShape, activation_bytes, longest_sequence, ulysses_bytes
 from ._estimate import Breakdown, Estimate, estimate, largest_model
 from ._experts import expert_param_counts
 from ._muon import muon_state_bytes
@@ -36,6 +45,6 @@ from ._estimate import format_bytes, parse_bytes
 from ._predict import Link, PASS_KINDS, StepPrediction, predict_step, ring_link
 
 __all__ = [
-    "Breakdown", "Estimate", "ModelStateBytes", "allocator_env", "ep_zero_formula", "estimate", "expert_param_counts",
+    "ActivationBytes", "Breakdown", "Estimate", "TransformerShape", "activation_bytes", "longest_sequence", "ulysses_bytes", "ModelStateBytes", "allocator_env", "ep_zero_formula", "estimate", "expert_param_counts",
     "largest_model", "model_state_bytes", "muon_state_bytes", "peak_rss_bytes", "return_freed_memory", "trim_freed_memory", "zero_formula",
 ]

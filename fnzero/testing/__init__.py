@@ -31,6 +31,7 @@ assert_stage_equivalent(model_factory, loss_fn, cfg, batch, world_size, steps)  
                                     NoiseFloorWarning, NOISE_FACTOR)
 assert_reshard_roundtrip(model_factory, cfg, save_world, load_world, ...)
 count_collectives(sm) -> CollectiveCounter (`.calls(op)`, `.bytes(op)`, `.ring_bytes()`)
+count_saved_bytes(exclude=params) -> SavedBytes (`.bytes`, `.tensors`): what autograd saves, each storage once
 
 Building blocks
 ---------------
@@ -54,6 +55,7 @@ from ._models import GPT, MLP, GPTConfig, GPTEmbedding, GPTHead, gpt_layers
 from ._purity import assert_pure
 from ._reshard import assert_reshard_roundtrip, consolidate
 from ._runs import step_loss
+from ._saved import SavedBytes, count_saved_bytes
 from ._spawn import SpawnedWorld, WorldError, free_port, run_world, spawned_world
 from ._threads import SimulatedWorld, ThreadCollectives, simulated_world
 from ._trees import assert_trees_close, assert_trees_equal, tree_snapshot
@@ -73,8 +75,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "GPT", "CollectiveCounter", "GPTConfig", "GPTEmbedding", "GPTHead", "gpt_layers", "MLP", "ModelFactory",
-    "NOISE_FACTOR", "NoiseFloorWarning", "SimulatedWorld", "SpawnedWorld", "ThreadCollectives", "WorldError",
+    "NOISE_FACTOR", "NoiseFloorWarning", "SavedBytes", "SimulatedWorld", "SpawnedWorld", "ThreadCollectives", "WorldError",
     "assert_pure", "assert_reshard_roundtrip", "assert_stage_equivalent", "assert_trees_close", "assert_trees_equal",
-    "consolidate", "count_collectives", "default_tolerances", "free_port", "run_world", "seeded", "simulated_world",
+    "consolidate", "count_collectives", "count_saved_bytes", "default_tolerances", "free_port", "run_world", "seeded", "simulated_world",
     "spawned_world", "step_loss", "text_corpus", "token_batches", "tree_snapshot", *_STRATEGIES,
 ]
