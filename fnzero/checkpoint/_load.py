@@ -100,7 +100,7 @@ def resolve(path: str | os.PathLike, tag: str | None = None) -> str:
         os.close(root_fd)
 
 
-class Reader:
+class Reader(contextlib.AbstractContextManager):
     """A validated index plus range reads (checksummed) from the rank data files. Every file is
     opened relative to the checkpoint directory's descriptor, as a regular file, never through a
     link (`_safe.py`); sizes are checked against the index before anything is read."""
@@ -148,9 +148,6 @@ class Reader:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
