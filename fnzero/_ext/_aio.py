@@ -6,6 +6,7 @@ is complete when submitted), so callers never need two code paths.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
@@ -81,7 +82,7 @@ def _sync_io(fd: int, write: bool, ptr: int, nbytes: int, offset: int) -> int:
     return done
 
 
-class AioEngine:
+class AioEngine(contextlib.AbstractContextManager):
     """The I/O workers (thread_count * queue_depth threads, block_size chunks), shareable by files;
     parameters are DeepSpeed's ``aio`` block, which ``from_config`` takes (mapping or object)."""
 
@@ -117,9 +118,6 @@ class AioEngine:
             self._finalizer()
             self._ptr = None
 
-    def __enter__(self) -> AioEngine:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -154,7 +152,7 @@ class AioRequest:
 _MODES = {"r": 1, "r+": 1 | 2, "w": 1 | 2 | 4 | 8, "a+": 1 | 2 | 4}  # FNZ_AIO_READ/WRITE/CREATE/TRUNC
 
 
-class AioHandle:
+class AioHandle(contextlib.AbstractContextManager):
     """A file for offload I/O. ``mode``: "r" (read, must exist), "r+" (read/write, must exist),
     "w" (create or truncate, read/write), "a+" (create if missing, keep contents, read/write).
 
@@ -300,9 +298,6 @@ class AioHandle:
                 os.close(self._fd)
                 self._fd = -1
             self._close_engine()
-
-    def __enter__(self) -> AioHandle:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -22,7 +22,7 @@ from ._tp import fill_tp_leaf, tp_check_view
 from ._by_name import fill_by_name, same_units, saved_slots, stored_key
 from ._frozen import fill_frozen
 from ._ep import check_ep_supported, ep_check_view, expert_places
-from ._same_model import check_model, mismatch
+from ._same_model import check_model, mismatch, shape_of
 from ._per_rank import read_per_rank_leaf
 from ._tree import Leaf, rebuild_state, unit_meta
 
@@ -100,7 +100,7 @@ def resolve(path: str | os.PathLike, tag: str | None = None) -> str:
         os.close(root_fd)
 
 
-class Reader:
+class Reader(contextlib.AbstractContextManager):
     """A validated index plus range reads (checksummed) from the rank data files. Every file is
     opened relative to the checkpoint directory's descriptor, as a regular file, never through a
     link (`_safe.py`); sizes are checked against the index before anything is read."""
@@ -148,9 +148,6 @@ class Reader:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
@@ -223,10 +220,6 @@ class Reader:
 
 
 # -- matching the new run against the checkpoint (`_same_model.py`) -------------------------------
-def _shape(s) -> tuple:
-    return tuple(s) if s is not None else None
-
-
 def source_key(reader: Reader, leaf: Leaf, like: TrainState) -> str:
     """Which stored tensor fills `leaf` (`stored_key`: master and params stand in for each other)."""
     whole = leaf.unit is None and leaf.key.partition("/")[0] == "params"  # no stand-in for replicated params
@@ -300,8 +293,8 @@ def load(
             if tp is not None:  # whole parameters on disk, this rank's slices in like
                 return fill_tp_leaf(leaf, like, view.sharding.plan, rd.read, key, out).reshape(t.shape).to(t.device)
             if leaf.unit is None:
-                if _shape(entry.get("shape")) != tuple(t.shape):
-                    raise mismatch(leaf.path, tuple(t.shape), _shape(entry.get("shape")))
+                if shape_of(entry.get("shape")) != tuple(t.shape):
+                    raise mismatch(leaf.path, tuple(t.shape), shape_of(entry.get("shape")))
                 rd.read(key, 0, t.numel(), out)
             else:
                 numel = next(u["numel"] for u in ix["units"] if u["name"] == leaf.unit)

@@ -9,17 +9,18 @@ from .._state import TrainState
 from ._frozen import check_frozen
 from ._tree import unit_meta
 
-__all__ = ["check_model", "mismatch"]
+__all__ = ["check_model", "mismatch", "shape_of"]
 
 _SHOWN = 4  # names quoted per kind of difference; the rest are counted
 
 
-def _shape(s) -> tuple | None:
+def shape_of(s) -> tuple | None:
+    """A stored shape (a list, or None where none is stored) as a tuple to compare with a tensor's."""
     return tuple(s) if s is not None else None
 
 
 def _slot_shapes(units) -> dict[str, tuple]:
-    return {n: _shape(s["shape"]) for u in units for s in u["slots"] for n in (s["name"], *s["aliases"])}
+    return {n: shape_of(s["shape"]) for u in units for s in u["slots"] for n in (s["name"], *s["aliases"])}
 
 
 def check_model(ix: dict, like: TrainState, subset: bool = False, keep_frozen: bool = False) -> None:
@@ -42,8 +43,8 @@ def check_model(ix: dict, like: TrainState, subset: bool = False, keep_frozen: b
             only_mine.append(f"{n} (buffer)")
         elif e is None:
             continue
-        elif _shape(e.get("shape")) != tuple(t.shape):
-            reshaped.append((f"{n} (buffer)", tuple(t.shape), _shape(e.get("shape"))))
+        elif shape_of(e.get("shape")) != tuple(t.shape):
+            reshaped.append((f"{n} (buffer)", tuple(t.shape), shape_of(e.get("shape"))))
     if only_mine or only_saved or reshaped:
         raise CheckpointError(describe(only_mine, only_saved, reshaped))
 

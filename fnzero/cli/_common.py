@@ -1,11 +1,13 @@
-"""What several commands share: loading a config and reporting every error in it."""
+"""What several commands share: loading a config and reporting every error in it, failing with one
+line, and parsing an option's value."""
 
 from __future__ import annotations
 
+import argparse
 import sys
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["load_config_or_report", "fail"]
+__all__ = ["load_config_or_report", "fail", "arg_type", "whole_numbers"]
 
 
 def load_config_or_report(path: str, world_size: int | None, prefix: str = "", auto: Any = None,
@@ -31,3 +33,28 @@ def fail(command: str, message: str, status: int = 2) -> int:
     """Print `fnzero COMMAND: MESSAGE` to stderr; returns `status`, the command's exit status."""
     print(f"fnzero {command}: {message}", file=sys.stderr)
     return status
+
+
+def arg_type(parse: Callable[..., Any], **kw: Any) -> Callable[[str], Any]:
+    """`parse(text, **kw)` as an argparse `type`: argparse turns its ValueError, as
+    ArgumentTypeError, into `fnzero COMMAND: error: ...` on stderr and exit status 2."""
+
+    def conv(text: str) -> Any:
+        try:
+            return parse(text, **kw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return conv
+
+
+def whole_numbers(text: str, too_small: str | None = None) -> list[int]:
+    """The comma-separated whole numbers in `text` (`1,2, 4`); with `too_small`, the ValueError
+    `'TEXT': TOO_SMALL` unless there is one at least and each is at least 1."""
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if too_small is not None and (not out or min(out) < 1):
+        raise ValueError(f"{text!r}: {too_small}")
+    return out

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from ._common import fail
+from ._common import fail, whole_numbers
 
 __all__ = ["add_io_parser", "register", "measure_io"]
 
@@ -40,12 +40,9 @@ def _sizes(text: str, what: str) -> list[int]:
 
 def _ints(text: str, what: str) -> list[int]:
     try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a comma-separated list of whole numbers") from None
-    if not out or min(out) < 1:
-        raise ValueError(f"{what}: {text!r}: each value must be at least 1")
-    return out
+        return whole_numbers(text, "each value must be at least 1")
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def measure_io(folder: str, io_size: int, block_size: int, queue_depth: int, threads: int, loops: int = 1,

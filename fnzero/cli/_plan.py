@@ -17,7 +17,7 @@ import math
 import sys
 from fractions import Fraction
 
-from ._common import fail, load_config_or_report
+from ._common import arg_type, fail, load_config_or_report
 from ._plan_predict import add_predict_options, predict_rows, print_predictions
 from ._plan_sequence import add_sequence_options, check_sequence, print_sequence, sequence_rows
 
@@ -44,14 +44,7 @@ _plan = _Estimator()
 
 
 def _arg(parse: str, **kw):
-    # argparse turns ArgumentTypeError into `fnzero plan: error: ...` on stderr and exit 2.
-    def conv(text):
-        try:
-            return getattr(_plan, parse)(text, **kw)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    conv.__name__ = parse.replace("parse_", "")
-    return conv
+    return arg_type(lambda text: getattr(_plan, parse)(text, **kw))
 
 
 def _pos_int(text: str) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import arg_type, whole_numbers
+
 __all__ = ["add_predict_options", "predict_rows", "print_predictions"]
 
 # Stated defaults (specs/autotune.md §Clusters on paper): an H100 SXM node of 8 GPUs.
@@ -15,20 +17,10 @@ DEFAULTS = {"flops_per_device": 400e12, "nvlink_bandwidth": 300e9, "ib_bandwidth
             "ib_latency": 10e-6, "hbm_bandwidth": 3.35e12, "seq_len": 4096, "micro_batch": 1, "units": 32}
 
 
-def _sizes(text: str) -> list[int]:
-    try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give world sizes of at least 1")
-    return out
-
-
 def add_predict_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("step-time prediction (--predict; the autotuner's model_based tuner uses the same model)")
     g.add_argument("--predict", action="store_true", help="also print each stage's predicted step time")
-    g.add_argument("--predict-world-sizes", type=_sizes, default=None, metavar="N[,N...]",
+    g.add_argument("--predict-world-sizes", type=arg_type(whole_numbers, too_small="give world sizes of at least 1"), default=None, metavar="N[,N...]",
                    help="world sizes to predict for (default: --world-size)")
     for key, what in (("flops_per_device", "achieved FLOP/s per device (6 FLOPs per parameter and token)"),
                       ("nvlink_bandwidth", "bytes/s per GPU inside a node"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from ._autotuning import AutotuningConfig
 from ._expert import ExpertParallelConfig
@@ -21,7 +21,7 @@ from ._sections import (
     CsvMonitorConfig, DataTypesConfig, DType, FlopsProfilerConfig, FP16Config, TensorboardConfig, TimersConfig,
     TorchAutocastConfig, WatchdogConfig, canonical_dtype,
 )
-from ._types import Bool, Float, Model, PosInt
+from ._types import Bool, Float, Model, PosInt, before
 from ._zero import ZeroConfig
 
 __all__ = ["Config"]
@@ -94,13 +94,9 @@ class Config(Model):
     # Not a DeepSpeed key: every rank of the job (pipeline x data-parallel x tensor-parallel), as given to load_config.
     world_ranks: PosInt = Field(1, exclude=True, description="The job's ranks the config was loaded for.")
 
-    _dt = field_validator("communication_data_type", "seq_parallel_communication_data_type", mode="before")(
-        classmethod(lambda cls, v: canonical_dtype(v))
-    )
+    _dt = before(canonical_dtype, "communication_data_type", "seq_parallel_communication_data_type")
     # DeepSpeed 0.19.8's parse_autoep_config: `if not param_dict: return AutoEPConfig()` (null, false: the defaults).
-    _ep = field_validator("expert_parallel", mode="before")(
-        classmethod(lambda cls, v: {} if v is None or v is False else v)
-    )
+    _ep = before(lambda v: {} if v is None or v is False else v, "expert_parallel")
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from ._types import Bool, Int, Model, NonNegFloat, NonNegInt, PosInt
+from ._types import Bool, Int, Model, NonNegFloat, NonNegInt, PosInt, before, lowered
 
 __all__ = [
     "SchedulerConfig", "SchedulerParams", "SCHEDULER_PARAMS", "SCHEDULER_TYPES",
@@ -21,10 +21,6 @@ LastIter = Annotated[Int, Field(ge=-1)]
 WarmupType = Literal["log", "linear"]
 
 
-def _lower(value: object) -> object:
-    return value.lower() if isinstance(value, str) else value
-
-
 class _WarmupBase(Model):
     # Shared fields; not itself a union member, so the two subclasses never shadow each other.
     warmup_min_lr: NonNegFloat = Field(0.0, description="Learning rate at step 0.")
@@ -32,7 +28,7 @@ class _WarmupBase(Model):
     warmup_type: WarmupType = Field("log", description="Shape of the warmup ramp: log or linear.")
     last_batch_iteration: LastIter = Field(-1, description="Step to resume from; -1 starts fresh.")
 
-    _wt = field_validator("warmup_type", mode="before")(classmethod(lambda cls, v: _lower(v)))
+    _wt = before(lowered, "warmup_type")
 
 
 class WarmupLRParams(_WarmupBase):
@@ -72,7 +68,7 @@ class WarmupCosineLRParams(_WarmupWithinTotal):
     warmup_type: WarmupType = Field("log", description="Shape of the warmup ramp: log or linear.")
     last_batch_iteration: LastIter = Field(-1, description="Step to resume from; -1 starts fresh.")
 
-    _wt = field_validator("warmup_type", mode="before")(classmethod(lambda cls, v: _lower(v)))
+    _wt = before(lowered, "warmup_type")
 
 
 class OneCycleParams(Model):

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from ._types import Bool, Float, Int, Model, PosInt, Str, StrList
+from ._types import Bool, Float, Int, Model, PosInt, Str, StrList, before
 
 __all__ = [
     "FP16Config", "BF16Config", "TorchAutocastConfig", "AioConfig", "ActivationCheckpointingConfig",
@@ -74,7 +74,7 @@ class TorchAutocastConfig(Model):
         "null = torch.nn.Linear and Conv1d/2d/3d (DeepSpeed's LOWER_PRECISION_SAFE_MODULES).",
     )
 
-    _dt = field_validator("dtype", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+    _dt = before(canonical_dtype, "dtype")
 
 
 class AioConfig(Model):
@@ -123,7 +123,7 @@ class DataTypesConfig(Model):
 
     grad_accum_dtype: DType | None = Field(None, description="Gradient accumulation dtype; null = the training dtype.")
 
-    _dt = field_validator("grad_accum_dtype", mode="before")(classmethod(lambda cls, v: canonical_dtype(v)))
+    _dt = before(canonical_dtype, "grad_accum_dtype")
 
 
 class FlopsProfilerConfig(Model):
@@ -205,8 +205,7 @@ class CompileConfig(Model):
     passes: tuple[Literal["z1", "z3", "autosp", "autotp"], ...] | None = Field(
         None, description="DeepCompile passes; no effect.")
 
-    _passes = field_validator("passes", mode="before")(
-        classmethod(lambda cls, v: tuple(v) if isinstance(v, list) else v))
+    _passes = before(lambda v: tuple(v) if isinstance(v, list) else v, "passes")
 
 
 class ThroughputTimerConfig(Model):

@@ -7,13 +7,13 @@ file such a value is almost always a mistake the user wants to hear about.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 __all__ = ["Model", "Int", "Float", "Bool", "Str", "Pair", "StrList", "PosInt", "NonNegInt", "NonNegFloat", "INT64_MAX",
-           "describe"]
+           "describe", "before", "lowered"]
 
 INT64_MAX = 2**63 - 1
 
@@ -22,6 +22,16 @@ class Model(BaseModel):
     """Base of every config model: frozen, strict, unknown keys rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, validate_default=False)
+
+
+def before(fn: Callable[[Any], Any], *fields: str) -> Any:
+    """A model's validator passing the values given for `fields` through `fn` before their types check them."""
+    return field_validator(*fields, mode="before")(classmethod(lambda cls, v: fn(v)))
+
+
+def lowered(value: Any) -> Any:
+    """A string lower-cased (DeepSpeed lower-cases these keys' values); anything else as it is."""
+    return value.lower() if isinstance(value, str) else value
 
 
 def describe(value: Any) -> str:

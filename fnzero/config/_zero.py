@@ -10,17 +10,13 @@ from __future__ import annotations
 import sys
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from ._types import Bool, Float, Int, Model, NonNegInt, Str, StrList
+from ._types import Bool, Float, Int, Model, NonNegInt, Str, StrList, before, lowered
 
 __all__ = ["ZeroConfig", "OffloadOptimizerConfig", "OffloadParamConfig", "LeafModuleConfig"]
 
 Device = Literal["none", "cpu", "nvme"]
-
-
-def _lower(value: object) -> object:
-    return value.lower() if isinstance(value, str) else value
 
 
 class OffloadOptimizerConfig(Model):
@@ -42,7 +38,7 @@ class OffloadOptimizerConfig(Model):
     cpuadam_cores_perc: Annotated[Float, Field(ge=0.0, le=1.0)] = Field(
         0.8, description="Share of CPU cores DeepSpeed's super_offload Adam uses; no effect in fnzero.")
 
-    _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
+    _device = before(lowered, "device")
 
 
 class OffloadParamConfig(Model):
@@ -58,7 +54,7 @@ class OffloadParamConfig(Model):
     buffer_size: NonNegInt = Field(100_000_000, description="Elements per NVMe swap buffer; no effect in fnzero.")
     max_in_cpu: NonNegInt = Field(1_000_000_000, description="Parameter elements kept in host memory with NVMe; no effect in fnzero.")
 
-    _device = field_validator("device", mode="before")(classmethod(lambda cls, v: _lower(v)))
+    _device = before(lowered, "device")
 
 
 # DeepSpeed 0.19.8's DEFAULT_LEAF_MODULE_CLASSES (runtime/zero/leaf_module_config.py).
@@ -81,8 +77,7 @@ class LeafModuleConfig(Model):
     names: StrList = Field((), description="Module names (as in named_modules) of leaf modules.")
     name_suffixes: StrList = Field((), description="Suffixes of module names of leaf modules.")
 
-    _lists = field_validator("classes", "names", "name_suffixes", mode="before")(
-        classmethod(lambda cls, v: _one_or_list(v)))
+    _lists = before(_one_or_list, "classes", "names", "name_suffixes")
 
 
 class ZeroConfig(Model):

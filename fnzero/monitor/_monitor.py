@@ -5,6 +5,7 @@ FLOP counting) happens here, after the step, on rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -44,7 +45,7 @@ def _mesh_share(sh) -> str:
     return f" of {sh.plan.num_params:,} parameters ({'; '.join(where)}), sharded over {sh.world_size} dp rank(s)"
 
 
-class Monitor:
+class Monitor(contextlib.AbstractContextManager):
     """Prints progress, writes scalars and profiles FLOPs for a training loop. Build it with
     `Monitor.from_config`; call `log` after every step; `close` at the end (or use `with`).
 
@@ -193,9 +194,6 @@ class Monitor:
             w.close()
         if self._bar is not None:
             self._bar.close()
-
-    def __enter__(self) -> "Monitor":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -4,6 +4,7 @@ NVMe drive, streamed through a few bounded buffers `sub_group_size` elements at 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -32,7 +33,7 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
 }
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
 
-class NvmeOptimizerStore(Updates):
+class NvmeOptimizerStore(Updates, contextlib.AbstractContextManager):
     """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit): `create` makes new
     scratch files, `open` inspects files left behind (read-only). Not thread-safe; one per directory."""
 
@@ -327,9 +328,6 @@ class NvmeOptimizerStore(Updates):
                 self._lock_fd = -1
             if delete and self._writable:
                 shutil.rmtree(self.path, ignore_errors=True)
-
-    def __enter__(self) -> NvmeOptimizerStore:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -5,6 +5,7 @@ reduce in rank order; inside `run(fn)` each thread is its rank for `fnzero.init_
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import queue
 import threading
@@ -179,7 +180,7 @@ def wants_comm(fn: Callable[..., Any]) -> bool:
     )
 
 
-class World:
+class World(contextlib.AbstractContextManager):
     """What the simulated and the spawned world share: n >= 1 ranks, and a context manager whose
     exit does nothing (each `run` starts and ends its own ranks)."""
 
@@ -191,9 +192,6 @@ class World:
     @property
     def world_size(self) -> int:
         return self.n
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc) -> bool:
         return False

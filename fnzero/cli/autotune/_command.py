@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-from .._common import fail
+from .._common import arg_type, fail, whole_numbers
 from ..launch import LaunchError, add_rank_flags, machine_slots, rank_log_folder, rank_program, too_few_ranks
 from ._jobs import config_arg_index, launch_flags
 from ._results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
@@ -20,11 +20,7 @@ from ._results import DEFAULT_TRIAL_S as _DEFAULT_TRIAL_S
 __all__ = ["register", "autotune_main", "autotune_from_launch", "add_tuning_options"]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+_ints = arg_type(whole_numbers)
 
 
 def _choices(allowed):
@@ -38,12 +34,9 @@ def _choices(allowed):
 
 
 def _bytes(text: str) -> int:
-    from ...memory import parse_bytes
+    from ...memory import parse_bytes  # imports torch: not while building the parser
 
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return parse_bytes(text)
 
 
 def add_tuning_options(p: argparse.ArgumentParser) -> None:
@@ -51,7 +44,7 @@ def add_tuning_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("autotuning (the config's `autotuning` block sets the rest)")
     g.add_argument("--time-budget", type=float, default=None, metavar="S",
                    help=f"seconds for all trials (default {_DEFAULT_TRIAL_S:g} per planned trial); printed up front")
-    g.add_argument("--memory-limit", type=_bytes, default=None, metavar="BYTES",
+    g.add_argument("--memory-limit", type=arg_type(_bytes), default=None, metavar="BYTES",
                    help="bytes one rank may hold (default: the GPU's memory; on CPU, this machine's memory over "
                    "the trial's ranks)")
     g.add_argument("--params", type=int, default=None, metavar="N",
