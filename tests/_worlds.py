@@ -151,13 +151,15 @@ def train_reference(kind, steps, world, *, k=1, micro=2, clip=1.0, dtype=torch.f
 MUON = {"optimizer": {"type": "Muon", "params": {"muon_lr": 0.05, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1}}}
 
 
-def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muon_stages=(), group_cases=()):
+def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muon_stages=(), group_cases=(),
+                        sp=False):
     """World function: run every (kind, stage, k, clip) case on this rank, then every (kind,
     stage, tp) tensor-parallel case (float64, k=2, clip 0.5: its mesh is a torch DeviceMesh over
     these processes), then every (stages, stage, schedule) pipeline case on fnzero's GPT as layers
     (float64, k=4), then every (kind, stage, ep) expert-parallel case (the MoE GPT of
     tests/test_moe_sharded.py, or a Hugging Face family of tests/test_moe_hf.py); return rank 0's view, and every rank's results of the tp, pp and ep
-    cases; then Muon (float64, k=2, clip 0.5) at each of `muon_stages` (rank 0's view)."""
+    cases; then Muon (float64, k=2, clip 0.5) at each of `muon_stages` (rank 0's view); with `sp`,
+    tests/_sp_models.py's sequence-parallel cases last (every rank's)."""
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
@@ -193,9 +195,13 @@ def spawned_equivalence(cases, steps, tp_cases=(), pp_cases=(), ep_cases=(), muo
             warnings.filterwarnings("ignore", "`zero_optimization.mics_shard_size` turns on MiCS")
             r = train_fnzero(kind, stage, steps, comm, k=2, clip=0.5, extra={"zero_optimization": zero})
         out[f"zg|{kind}|{stage}|{key}|{size}"] = {"params": r["params"]}
+    if sp:  # last: it compiles units (jit), which nothing before it should share a dynamo cache with
+        import _sp_models
+
+        out[f"sp|rank{comm.rank}"] = _sp_models.spawned_sp_cases()
     if comm.rank == 0:
         return out
-    return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|"))}
+    return {key: v for key, v in out.items() if key.startswith(("tp|", "pp|", "ep|", "sp|"))}
 
 
 def without_key_bias(params: dict) -> dict:

@@ -38,6 +38,8 @@ MUON_STAGES = {1: [], 2: [0, 3], 4: [0, 1]}
 
 # MiCS and hpZ (specs/mesh.md §MiCS, specs/mesh.md §hpZ): (model, ZeRO stage, zero_optimization key, size) per world size.
 GROUP_CASES = {1: [], 2: [], 4: [("gpt", 3, "mics_shard_size", 2), ("gpt", 3, "zero_hpz_partition_size", 2)]}
+# Sequence parallelism (specs/mesh.md §Sequence): tests/_sp_models.py's cases at sp 2 x dp 2.
+SP_WORLDS = {4}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
@@ -45,7 +47,7 @@ def world_results(request):
     world = request.param
     cases = F64_CASES + F32_CASES + MIXED_CASES
     (out, *rest) = run_world(W.spawned_equivalence, world, cases, STEPS, TP_CASES[world], PP_CASES[world],
-                             EP_CASES[world], MUON_STAGES[world], GROUP_CASES[world], timeout=600)
+                             EP_CASES[world], MUON_STAGES[world], GROUP_CASES[world], world in SP_WORLDS, timeout=600)
     for other in rest:
         out.update(other)
     return world, out
@@ -182,3 +184,25 @@ def test_donated_step_equals_pure_step_on_real_ranks():
     """Stages 1-2 with donate=True all-gather straight into the input state's buffers."""
     for rank_result in run_world(W.spawned_donate_matches_pure, 2, timeout=300):
         assert all(diff == 0.0 for diff in rank_result.values()), rank_result
+
+
+def test_sequence_parallel_on_real_ranks(world_results):
+    """sp 2 x dp 2 over 4 processes: the Llama at ZeRO-3 equals plain torch; fnzero's GPT at ZeRO-2
+    equals plain torch eager and, with `fnzero.jit(scope="units")` (each attention's exchange a graph
+    break), bit for bit its eager run; with 3 heads (a ring of 2: gloo's all-to-all with empty
+    splits) at ZeRO-1, plain torch."""
+    import _sp_models as M
+
+    world, out = world_results
+    if world not in SP_WORLDS:
+        pytest.skip("sequence parallelism is checked on the world of 4")
+    ref, ref_losses = M.reference("llama", 2, 2, 2, 2)
+    gpt_ref = W.train_reference("gpt_tp", 2, 2, k=2, clip=0.5)
+    ring_ref = W.train_reference("gpt", 2, 2, k=2, clip=0.5)
+    for rank in range(world):
+        (params, losses), ((eager, _), (jitted, jitted_losses)), (ring, _) = out[f"sp|rank{rank}"]
+        W.assert_close_tree(params, ref, rtol=RTOL_F64, atol=1e-12, what=f"llama gloo sp2 dp2 z3 rank {rank}")
+        assert losses == pytest.approx(ref_losses, rel=RTOL_F64)
+        W.assert_close_tree(eager, gpt_ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"gpt gloo sp2 dp2 z2 rank {rank}")
+        W.assert_close_tree(jitted, eager, rtol=0, atol=0, what=f"gpt gloo sp2 dp2 z2 jit units rank {rank}")
+        W.assert_close_tree(ring, ring_ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"gpt ring gloo rank {rank}")

@@ -20,6 +20,7 @@ from ..zero import (
     non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls,
 )
 from ..tp import vocab_parallel_cross_entropy
+from ..sp import tiled_causal_lm_loss
 from ...optim import config_optimizer
 
 __all__ = ["ShardedModule", "full_unit"]
@@ -91,6 +92,28 @@ class ShardedModule:
         """Run the model's forward with `params` (one flat buffer or shard per unit: a TrainState's
         `params`, or the aliases `train_step` hands the loss). Pure: nothing in `params` is modified.
         Floating-point arguments are cast to the compute dtype (as FSDP's `cast_forward_inputs`)."""
+        return self._run(params, None, args, kwargs)
+
+    def call(self, params: dict[str, torch.Tensor], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(model, *args, **kwargs)` with `params` bound, as `apply` runs the forward (flax's
+        `apply(..., method=)`): for a computation that is not the model's forward, such as its
+        decoder and then its head a few tokens at a time (`causal_lm_loss`)."""
+        return self._run(params, fn, args, kwargs)
+
+    def causal_lm_loss(self, params: dict[str, torch.Tensor], batch: dict[str, Any], *, tiles: int | str = "auto",
+                       ignore_index: int = -100) -> torch.Tensor:
+        """A transformers causal LM's loss on `batch` (`input_ids`, `labels` or `shift_labels`, and the
+        model's other inputs) with the logits computed `tiles` runs of tokens at a time, each
+        recomputed in backward: never whole, as DeepSpeed's `TiledFusedLogitsLoss` (`"auto"`: the
+        vocabulary over the hidden size, so a tile's logits are about the hidden states' size). The
+        mean over the valid labels, exactly; with a sequence axis, this rank's share of its group's
+        mean; the vocabulary-parallel cross-entropy for a split head (`specs/mesh.md` §Sequence)."""
+        return self._run(params, tiled_causal_lm_loss, (), {
+            **batch, "tiles": tiles, "layout": self.sp, "ignore_index": ignore_index,
+            "cross_entropy": lambda logits, y: self.cross_entropy(logits, y, ignore_index=ignore_index,
+                                                                   reduction="sum")})
+
+    def _run(self, params: dict[str, torch.Tensor], fn, args: tuple, kwargs: dict) -> Any:
         plan = self.plan
         cd = self.policy.compute_dtype
         if cd is not None:
@@ -107,8 +130,8 @@ class ShardedModule:
             # Under torch.compile (`fnzero.jit`) with no stage-3 units there is nothing to gather and
             # no saved tensor to re-gather: bind the views and let the whole forward be one graph.
             held = [(u, params[u.name]) for u in plan.units] + [(u, self._frozen[u.name]) for u in plan.frozen_units]
-            return self._call(self._tensors(held), args, kwargs)
-        return self._apply_gathering(params, args, kwargs)
+            return self._call(self._tensors(held), args, kwargs, fn)
+        return self._apply_gathering(params, args, kwargs, fn)
 
     def _hook_unit_compiles(self) -> None:
         """Once, at the first `fnzero.jit(scope="units")` step: hook each unit module so that its forward
@@ -134,20 +157,24 @@ class ShardedModule:
         tensors.update(self._buffers)
         return tensors
 
-    def _call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def _call(self, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict, fn=None) -> Any:
+        module = self.module
+        if fn is not None:  # functional_call binds a module's tensors around its forward: one that calls fn
+            module, args = _Calling(module), (fn, *args)
+            tensors = {f"model.{n}": t for n, t in tensors.items()}
         ac = self.policy.autocast_dtype
         if ac is None:
-            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
         # `torch_autocast` (DeepSpeed's engine does the same around forward): the parameters stay
         # in their dtype, autocast-eligible ops compute in the autocast dtype.
         device_type = self.sharding.device.type
         with torch.autocast(device_type, dtype=None if ac == "default" else ac):
-            return torch.func.functional_call(self.module, tensors, args, kwargs, tie_weights=False, strict=False)
+            return torch.func.functional_call(module, tensors, args, kwargs, tie_weights=False, strict=False)
 
-    def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    def _apply_gathering(self, params: dict[str, torch.Tensor], args: tuple, kwargs: dict, fn=None) -> Any:
         run, tensors, stack = self._begin_run(params)
         try:
-            out = self._call(tensors, args, kwargs)
+            out = self._call(tensors, args, kwargs, fn)
         finally:
             self._end_run(run, stack)
         run.bind_in_backward(self.module, tensors, out)
@@ -345,3 +372,14 @@ class ShardedModule:
         model.load_state_dict({k: full[k] for k in target if k in full}, strict=False)
         return model
 
+
+class _Calling(nn.Module):
+    """`fn(model, ...)` as a forward, so that `torch.func.functional_call` binds the model's tensors
+    (named `model.<name>` here) around any function, not only the model's own forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)

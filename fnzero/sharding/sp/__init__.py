@@ -14,5 +14,6 @@ from ._layout import SPLayout
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
 from ._install import split_for_sp
+from ._tiled import tiled_causal_lm_loss
 
 __all__ = ["CausalAttention", "SPLayout", "shard_sequence"]
