@@ -34,8 +34,9 @@ make_mesh, Mesh             the ranks as a pipeline x data x tensor-parallel gri
     groups on the dp axis (`specs/mesh.md`); the config's keys build one inside `shard`.
 TPRule, TPLayout            tensor parallelism (AutoTP): which modules are split and how each parameter is.
 vocab_parallel_cross_entropy  cross-entropy of logits split over the vocabulary, never gathered.
-CausalAttention, shard_sequence, SPLayout   sequence parallelism (Ulysses, `sequence_parallel_size`):
-    attention a sequence axis reaches, a batch cut along the sequence for this rank, the axis.
+CausalAttention, shard_sequence, SPLayout, tile_mlp   sequence parallelism (Ulysses and ring,
+    `sequence_parallel_size`): attention a sequence axis reaches, a batch cut along the sequence for
+    this rank, the axis; MLPs run a few tokens at a time (`ShardedModule.causal_lm_loss`: the loss).
 pipeline, PipelineModule, LayerSpec, pipeline_loss   pipeline parallelism: layers cut into stages, run by
     a GPipe or 1F1B schedule inside `train_step`.
 init_inference, InferenceEngine   DeepSpeed-Inference's `deepspeed.init_inference` (`specs/inference.md`).
@@ -76,7 +77,7 @@ _LAZY = {
         "ProcessGroupCollectives", "RecordingCollectives", "ShardedModule", "ShardPlan", "UnitPlan",
         "init_distributed", "Mesh", "make_mesh", "TPRule", "TPLayout", "vocab_parallel_cross_entropy",
         "BlockQuantizer", "CommQuantization", "IdentityCodec", "hf_auto_values", "load_config",
-        "CausalAttention", "SPLayout", "shard_sequence",
+        "CausalAttention", "SPLayout", "shard_sequence", "tile_mlp",
     ), ".sharding"),
     **dict.fromkeys(("shard", "deepspeed_to_fnzero"), ".state"),
     **dict.fromkeys(("InferenceEngine", "generate", "init_inference"), ".inference"),
@@ -117,7 +118,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
         Collectives, CollectivesBase, DistInfo, LocalCollectives, Placement, PretrainedWarning,
         Mesh, ProcessGroupCollectives, RecordingCollectives, ShardedModule, ShardPlan, TPLayout, TPRule, UnitPlan,
         init_distributed, make_mesh, vocab_parallel_cross_entropy, BlockQuantizer, CommQuantization,
-        IdentityCodec, hf_auto_values, load_config, CausalAttention, SPLayout, shard_sequence,
+        IdentityCodec, hf_auto_values, load_config, CausalAttention, SPLayout, shard_sequence, tile_mlp,
     )
     from .state import deepspeed_to_fnzero, shard
     from .inference import InferenceEngine, generate, init_inference
@@ -125,8 +126,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
 
 
 __all__ = [
-    "AutoValues", "BlockQuantizer", "CausalAttention", "SPLayout", "shard_sequence", "CommQuantization",
-    "IdentityCodec", "CheckpointError", "CompileRecord",
+    "AutoValues", "BlockQuantizer", "CausalAttention", "SPLayout", "shard_sequence", "tile_mlp",
+    "CommQuantization", "IdentityCodec", "CheckpointError", "CompileRecord",
     "checkpoint", "deepspeed_to_fnzero", "Collectives", "CollectivesBase", "Config", "ConfigError", "ConfigWarning",
     "DistInfo", "DistributedError", "FnzeroError", "generate", "hf_auto_values", "InferenceEngine", "init_inference",
     "JitWarning", "JittedStep", "LayerSpec", "LocalCollectives", "LossScaleState", "Mesh", "Placement",

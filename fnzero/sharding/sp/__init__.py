@@ -5,15 +5,17 @@ of `specs/architecture.md`).
     CausalAttention      causal attention as a module, which a sequence axis reaches
     shard_sequence       a batch cut along the sequence for this rank (labels shifted first)
     SPLayout             the sequence axis of a state's mesh: its ranks, `loss_share`
+    tile_mlp             a model's MLPs run a few tokens at a time, recomputed in backward
 """
 
 from ._attention import CausalAttention
 from ._data import shard_sequence
 from ._layout import SPLayout
+from ._tiled_mlp import tile_mlp
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
 # never from its private modules (`specs/architecture.md` §Package faces).
 from ._install import split_for_sp
 from ._tiled import tiled_causal_lm_loss
 
-__all__ = ["CausalAttention", "SPLayout", "shard_sequence"]
+__all__ = ["CausalAttention", "SPLayout", "shard_sequence", "tile_mlp"]
