@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from _ds_gloo import init_deepspeed_gloo
+
 STAGES = 2
 
 
@@ -42,16 +44,8 @@ def _step(eng, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _worker(rank: int, spec: dict, port: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(spec["world"]), LOCAL_RANK=str(rank), LOCAL_SIZE=str(spec["world"]))
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
-
-    # On CPU, DeepSpeed's TorchBackend JIT-builds a shared-memory op on init (a minute, or a hang on
-    # a stale build lock); gloo needs none of it.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed = init_deepspeed_gloo(rank, spec["world"])
     eng = _engine(deepspeed, spec["config"])
     for x, y in torch.load(spec["first"]):
         _step(eng, x, y)

@@ -36,6 +36,8 @@ import types
 
 import torch
 
+from _ds_gloo import init_deepspeed_gloo
+
 V, S = 51, 16  # vocabulary; tokens per sample
 
 
@@ -65,16 +67,7 @@ def rank_samples(samples: dict, rank: int, sp: int) -> list[dict]:
 
 def _worker(rank: int, spec: dict, store: str) -> None:
     world = spec["world"]
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_SIZE=str(world))
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
-
-    # On CPU, DeepSpeed's TorchBackend JIT-builds a shared-memory op on init; gloo needs none of it.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=f"file://{store}", rank=rank, world_size=world)
+    deepspeed = init_deepspeed_gloo(rank, world, store)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]

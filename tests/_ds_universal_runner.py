@@ -29,6 +29,8 @@ import tempfile
 
 import torch
 
+from _ds_gloo import init_deepspeed_gloo
+
 IN, HIDDEN, OUT = 8, 6, 4
 VOCAB, SEQ = 64, 8  # the Llama's
 
@@ -57,17 +59,7 @@ def loss_of(kind: str, call, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, spec: dict, store: str) -> None:
     world = spec["world"]
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_SIZE=str(world))
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
-
-    # On CPU, DeepSpeed's TorchBackend JIT-builds a shared-memory op on init (a minute, or a hang on
-    # a stale build lock); gloo needs none of it.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                               init_method=f"file://{store}", rank=rank, world_size=world)
+    deepspeed = init_deepspeed_gloo(rank, world, store)
     for job in spec.get("jobs") or [spec]:
         _job(deepspeed, job, rank, world)
 

@@ -1,7 +1,9 @@
 """A strict test environment: warnings are errors (pyproject), deterministic torch, one thread
 per process (the CI machine has two cores and multi-rank tests share them), hypothesis profiles."""
 
+import importlib.util
 import os
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +142,18 @@ def pytest_sessionfinish(session, exitstatus):
             f"\nthe suite left {new} in {_ROOT}: a test must write under tmp_path", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
+# DeepSpeed itself, for the tests that run it (tests/_ds_*_runner.py): once per session.
+@pytest.fixture(scope="session")
+def deepspeed_python() -> str:
+    """An interpreter that imports DeepSpeed: FNZERO_DEEPSPEED_PYTHON, else this one."""
+    exe = os.environ.get("FNZERO_DEEPSPEED_PYTHON")
+    if not exe:
+        if importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("DeepSpeed is not importable here; set FNZERO_DEEPSPEED_PYTHON to an interpreter that has it")
+        exe = sys.executable
+    r = subprocess.run([exe, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True, text=True,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
+    if r.returncode != 0:
+        pytest.skip(f"{exe} cannot import deepspeed: {r.stderr.strip().splitlines()[-1:]}")
+    return exe

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 from _ds_universal_runner import SEQ, VOCAB, build_model, loss_of
-from test_checkpoint_ds_universal import deepspeed_python  # noqa: F401  (the fixture)
 
 import fnzero
 from fnzero.checkpoint import load

@@ -22,7 +22,6 @@ import subprocess
 import pytest
 import torch
 from _ds_universal_runner import build_model
-from test_checkpoint_ds_universal import deepspeed_python  # noqa: F401  (the fixture)
 
 import fnzero
 from fnzero.checkpoint import load

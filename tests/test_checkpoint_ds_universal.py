@@ -9,11 +9,9 @@ skipped with the reason otherwise).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -186,21 +184,6 @@ def test_checkpoint_convert_command(tmp_path, capsys):
 
 
 # -- DeepSpeed itself resumes it ------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def deepspeed_python() -> str:
-    """An interpreter that imports DeepSpeed: FNZERO_DEEPSPEED_PYTHON, else this one."""
-    exe = os.environ.get("FNZERO_DEEPSPEED_PYTHON")
-    if not exe:
-        if importlib.util.find_spec("deepspeed") is None:
-            pytest.skip("DeepSpeed is not importable here; set FNZERO_DEEPSPEED_PYTHON to an interpreter that has it")
-        exe = sys.executable
-    r = subprocess.run([exe, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True, text=True,
-                       env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"{exe} cannot import deepspeed: {r.stderr.strip().splitlines()[-1:]}")
-    return exe
-
-
 def _deepspeed_runs(exe: str, tmp, world: int, stages) -> dict[int, dict]:
     """DeepSpeed resumes `tmp/ds` at each stage on `world` gloo ranks (one subprocess, one engine
     per stage) and takes MORE_STEPS on the continuation batches; {stage: losses, params}."""

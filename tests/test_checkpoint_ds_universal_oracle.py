@@ -26,7 +26,6 @@ from safetensors.torch import load_file
 from test_checkpoint_deepspeed import _fixture_model
 from test_checkpoint_ds_continue import (MORE_STEPS, SAVED_STEPS, Saved, _batches, _config, _distance,
                                         _fnzero_continues)
-from test_checkpoint_ds_universal import deepspeed_python  # noqa: F401  (the fixture)
 
 import fnzero
 from fnzero.checkpoint import export, info, load

@@ -24,11 +24,9 @@ unequal numbers of valid labels, which the token-weighted loss must account for.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -74,21 +72,6 @@ def _engine_config(stage: int) -> dict:
 
 
 # -- DeepSpeed, one launch per world size -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def deepspeed_python() -> str:
-    """An interpreter that imports DeepSpeed: FNZERO_DEEPSPEED_PYTHON, else this one."""
-    exe = os.environ.get("FNZERO_DEEPSPEED_PYTHON")
-    if not exe:
-        if importlib.util.find_spec("deepspeed") is None:
-            pytest.skip("DeepSpeed is not importable here; set FNZERO_DEEPSPEED_PYTHON to an interpreter that has it")
-        exe = sys.executable
-    r = subprocess.run([exe, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True, text=True,
-                       env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
-    if r.returncode != 0:
-        pytest.skip(f"{exe} cannot import deepspeed: {r.stderr.strip().splitlines()[-1:]}")
-    return exe
-
-
 def _launch(exe: str, tmp, world: int, jobs: list[dict]) -> None:
     (tmp / "spec.json").write_text(json.dumps({"world": world, "jobs": jobs}))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
