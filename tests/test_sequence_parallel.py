@@ -219,3 +219,38 @@ def test_exchange_traffic_is_the_formula(heads, want):
         return sum(r.numel for r in sm.sp.comm.records if r.op == "all_to_all")
 
     assert simulated_world(2).run(rank) == [want, want]
+
+
+@pytest.mark.parametrize("kind", ["gpt_tp", "gpt"], ids=["ulysses", "ring"])
+def test_bf16_at_sp_follows_sp_1(kind):
+    """bf16 compute (fp32 master weights): Ulysses (4 heads) and the ring (3 heads) follow sp 1's bf16
+    losses to bf16's precision (parameters are not compared: Adam turns bf16's rounding of
+    near-zero gradients into whole steps of lr)."""
+    bf16 = {"bf16": {"enabled": True}, "seq_parallel_communication_data_type": "fp32"}
+
+    def run(world, sp):
+        def rank(comm):
+            return M._gpt_rank(comm, world, sp, 2, extra=bf16, dtype=torch.float32, kind=kind, mesh=sp == 1)
+        return simulated_world(world).run(rank)
+
+    (_, want_losses), = run(1, 1)
+    for _, losses in run(2, 2):
+        assert losses == pytest.approx(want_losses, rel=3e-2)
+
+
+def test_a_bf16_ring_is_as_accurate_as_bf16_sdpa():
+    """The ring's blocks run in float32 (as SDPA's kernels accumulate): on bf16 inputs its output is
+    no further from float64's than torch's bf16 SDPA on the whole sequence."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    sdpa = F.scaled_dot_product_attention(*(x.bfloat16() for x in (q, k, v)), is_causal=True)
+
+    def rank(comm):
+        part = slice(comm.rank * 32, (comm.rank + 1) * 32)
+        return sequence_attention(*(x[:, :, part].bfloat16() for x in (q, k, v)), SPLayout(comm))
+
+    ring = torch.cat(simulated_world(2).run(rank), dim=2)
+    assert ring.dtype == torch.bfloat16
+    err = lambda x: (x.double() - exact).abs().max().item()  # noqa: E731
+    assert err(ring) <= err(sdpa) * 1.01, (err(ring), err(sdpa))

@@ -55,5 +55,6 @@ class SPLayout:
         if self.size == 1:
             return x
         b, s_local = x.shape
-        flat = self.comm.all_gather(x.contiguous().reshape(-1))
+        wire = x.to(torch.uint8) if x.dtype == torch.bool else x  # NCCL gathers bytes, not bools
+        flat = self.comm.all_gather(wire.contiguous().reshape(-1)).to(x.dtype)
         return flat.reshape(self.size, b, s_local).permute(1, 0, 2).reshape(b, self.size * s_local)

@@ -70,9 +70,16 @@ def _summed(x: torch.Tensor, kv: int) -> torch.Tensor:
     return x if h == kv else x.reshape(b, kv, h // kv, c, d).sum(2)
 
 
+def _working(x: torch.Tensor) -> torch.Tensor:
+    """16-bit blocks computed in float32, as SDPA's kernels accumulate (the log-sum-exp merge would
+    lose the small blocks' weight in bf16); wider dtypes as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, ring: Ring, scale: float, block_mask: BlockMask):
+        dtype, q = q.dtype, _working(q)
         h = q.shape[1]
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
@@ -81,41 +88,47 @@ class _RingAttention(torch.autograd.Function):
             j = (ring.index - t) % ring.size  # the source of the keys and values held at step t
             mask = block_mask(ring.index, j)
             if mask is not False:
-                s = _scores(q, _grouped(kb, h), scale, mask)
+                s = _scores(q, _grouped(_working(kb), h), scale, mask)
                 lse_b = torch.logsumexp(s, -1)
-                o_b = torch.exp(s - _finite(lse_b)[..., None]) @ _grouped(vb, h)
+                o_b = torch.exp(s - _finite(lse_b)[..., None]) @ _grouped(_working(vb), h)
                 new = torch.logaddexp(lse, lse_b)
                 out = out * torch.exp(lse - _finite(new))[..., None] + o_b * torch.exp(lse_b - _finite(new))[..., None]
                 lse = new
             if t + 1 < ring.size:
                 kb, vb = _unpacked(_shift(_packed(kb, vb), comm, ring, "ring attention k|v"), [k, v])
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.ring, ctx.scale, ctx.block_mask = comm, ring, scale, block_mask
-        return out
+        ctx.comm, ctx.ring, ctx.scale, ctx.block_mask, ctx.dtype = comm, ring, scale, block_mask, dtype
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors  # q, out and lse in the working dtype
         comm, ring, scale, h = ctx.comm, ctx.ring, ctx.scale, q.shape[1]
+        dout = dout.to(out.dtype)
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(q)
-        # The keys and values travel with their gradients, which come home after a last shift.
-        kb, vb, dk, dv = k, v, torch.zeros_like(k), torch.zeros_like(v)
+        # The keys and values travel with their gradients (in the working dtype), which come home
+        # after a last shift.
+        kb, vb = k, v
+        dk, dv = (torch.zeros(x.shape, dtype=q.dtype, device=x.device) for x in (k, v))
         for t in range(ring.size):
             j = (ring.index - t) % ring.size
             mask = ctx.block_mask(ring.index, j)
             if mask is not False:
-                kg, vg = _grouped(kb, h), _grouped(vb, h)
+                kg, vg = _grouped(_working(kb), h), _grouped(_working(vb), h)
                 p = torch.exp(_scores(q, kg, scale, mask) - _finite(lse)[..., None])
                 ds = p * (dout @ vg.transpose(-1, -2) - delta)
                 dq = dq + (ds @ kg) * scale
                 dk = dk + _summed(ds.transpose(-1, -2) @ q * scale, k.shape[1])
                 dv = dv + _summed(p.transpose(-1, -2) @ dout, k.shape[1])
-            if t + 1 < ring.size:
+            if t + 1 < ring.size and k.dtype == dk.dtype:  # one call where the dtypes allow
                 kb, vb, dk, dv = _unpacked(_shift(_packed(kb, vb, dk, dv), comm, ring, "ring attention k|v|dk|dv"),
-                                           [k, v, k, v])
-        dk, dv = _unpacked(_shift(_packed(dk, dv), comm, ring, "ring attention dk|dv"), [k, v])  # home
-        return dq, dk, dv, None, None, None, None
+                                           [k, v, dk, dv])
+            elif t + 1 < ring.size:
+                kb, vb = _unpacked(_shift(_packed(kb, vb), comm, ring, "ring attention k|v"), [k, v])
+                dk, dv = _unpacked(_shift(_packed(dk, dv), comm, ring, "ring attention dk|dv"), [dk, dv])
+        dk, dv = _unpacked(_shift(_packed(dk, dv), comm, ring, "ring attention dk|dv"), [dk, dv])  # home
+        return dq.to(ctx.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 @torch.compiler.disable  # collectives of a thread world or process group: not traced
