@@ -254,3 +254,74 @@ def test_a_bf16_ring_is_as_accurate_as_bf16_sdpa():
     assert ring.dtype == torch.bfloat16
     err = lambda x: (x.double() - exact).abs().max().item()  # noqa: E731
     assert err(ring) <= err(sdpa) * 1.01, (err(ring), err(sdpa))
+
+
+def _pipe_sp_run(make_pipe, batches, to_batch, stage=1, k=4):
+    """sp 2 x pp 2 (world 4, one data-parallel replica): each rank's stage parameters and losses."""
+    def rank(comm):
+        cfg = fnzero.load_config({
+            "train_micro_batch_size_per_gpu": 8 // k, "gradient_accumulation_steps": k, "gradient_clipping": 0.5,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage}, "pipeline": {"stages": 2}, "sequence_parallel_size": 2,
+            **M.SP_WIRE}, world_size=4)
+        sm = fnzero.shard(make_pipe(), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(fnzero.pipeline_loss(sm, "1f1b"), cfg)
+        losses = []
+        for batch in batches:
+            state, m = step(state, to_batch(batch, sm.sp))
+            losses.append(m["loss"])
+        return sm.gather(state), losses
+
+    return simulated_world(4).run(rank)
+
+
+def test_sp_x_pp_on_fnzeros_gpt_layers():
+    """fnzero's GPT as pipeline layers at sp 2 x pp 2, 1F1B over 4 micro-batches: the embedding
+    counts positions from the rank's run, the loss_fn's mean becomes the rank's share; each stage
+    equals plain torch on the whole model and sequence."""
+    import copy
+
+    from fnzero.pipeline import PipelineModule
+
+    batches = W.pipe_gpt_batches(2)
+    ref, ref_losses = W.train_pipe_reference(W.pipe_gpt_layers(), W.lm_loss, batches, 4)
+    cut = lambda b, sp: tuple(fnzero.shard_sequence(b, sp)[:2])  # noqa: E731  (inputs, labels)
+    results = _pipe_sp_run(lambda: PipelineModule(copy.deepcopy(W.pipe_gpt_layers()), W.lm_loss), batches, cut)
+    for params, losses in results:
+        W.assert_close_tree(params, ref, rtol=RTOL, atol=1e-12, what="gpt layers sp2 pp2")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)
+    assert {n for p, _ in results for n in p} == set(ref)  # both stages' layers
+
+
+def test_sp_x_pp_on_a_transformers_llama():
+    """hf_causal_lm's Llama at sp 2 x pp 2 with labels shifted before the cut
+    (`shifted_causal_lm_loss`): the stages' layers route their attention over the sequence axis
+    through their config, and equal plain torch on the whole sequence."""
+    from fnzero.pipeline import hf_causal_lm, shifted_causal_lm_loss
+
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randint(1, M.V, (8, M.S), generator=g) for _ in range(2)]
+    model = M.hf_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_losses = []
+    for ids in batches:
+        opt.zero_grad()
+        total = 0.0
+        for part in ids.chunk(4):
+            loss = M.causal_lm_loss(model(input_ids=part).logits, part) / 4
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        ref_losses.append(total)
+
+    def cut(ids, sp):
+        d = fnzero.shard_sequence({"input_ids": ids, "labels": ids}, sp)
+        return d["input_ids"], d["shift_labels"]
+
+    results = _pipe_sp_run(lambda: hf_causal_lm(M.hf_model("llama"), loss_fn=shifted_causal_lm_loss), batches, cut)
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for params, losses in results:
+        W.assert_close_tree(params, want, rtol=RTOL, atol=1e-12, what="llama pipeline sp2 pp2")
+        assert losses == pytest.approx(ref_losses, rel=RTOL)

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import ShardingError
-from ..sharding import PipelineModule
+from ..sharding import PipelineModule, token_positions
 
-__all__ = ["causal_lm_loss", "hf_causal_lm", "hf_pipeline_layers"]
+__all__ = ["causal_lm_loss", "hf_causal_lm", "hf_pipeline_layers", "shifted_causal_lm_loss"]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -22,8 +22,19 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+def shifted_causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """`causal_lm_loss` of labels already shifted (position t's label is token t+1): what a pipeline
+    with a sequence axis takes, its labels shifted before the sequence was cut (`shard_sequence`'s
+    `shift_labels`)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100)
+
+
+def _positions(inner: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # From this rank's run of the tokens under sequence parallelism (`token_positions`), else 0, 1, ...;
+    # asked of the model's own module the layer wraps, which the stage holds under the model's name.
+    return token_positions(inner, x).unsqueeze(0)
 
 
 def _causal_mask(config, x: torch.Tensor, pos: torch.Tensor):
@@ -38,7 +49,7 @@ class _GPT2Embeddings(nn.Module):
         self.wte, self.wpe, self.drop = tr.wte, tr.wpe, tr.drop
 
     def forward(self, input_ids):
-        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+        return self.drop(self.wte(input_ids) + self.wpe(_positions(self.wpe, input_ids)))
 
 
 class _GPT2Layer(nn.Module):
@@ -47,7 +58,7 @@ class _GPT2Layer(nn.Module):
         self.block, self._config = block, config
 
     def forward(self, x):
-        pos = _positions(x)
+        pos = _positions(self.block, x)
         out = self.block(x, None, _causal_mask(self._config, x, pos), position_ids=pos)
         return out[0] if isinstance(out, tuple) else out
 
@@ -67,7 +78,7 @@ class _LlamaLayer(nn.Module):
         self.layer, self.rotary, self._config = layer, rotary, config
 
     def forward(self, x):
-        pos = _positions(x)
+        pos = _positions(self.layer, x)
         out = self.layer(x, attention_mask=_causal_mask(self._config, x, pos), position_ids=pos,
                          position_embeddings=self.rotary(x, pos))
         return out[0] if isinstance(out, tuple) else out
@@ -99,10 +110,11 @@ def hf_pipeline_layers(model: nn.Module) -> list[nn.Module]:
         "fnzero.PipelineModule a list of layers, each taking the previous one's output")
 
 
-def hf_causal_lm(model: nn.Module, **kwargs) -> PipelineModule:
-    """A PipelineModule of a Hugging Face causal LM with its loss (`causal_lm_loss`), its
-    parameters under the model's own names; a batch is `(input_ids, labels)`, usually `(ids, ids)`. `kwargs` go to PipelineModule (num_stages,
+def hf_causal_lm(model: nn.Module, loss_fn=causal_lm_loss, **kwargs) -> PipelineModule:
+    """A PipelineModule of a Hugging Face causal LM with its loss (`causal_lm_loss`; with a
+    sequence axis, `shifted_causal_lm_loss`), its parameters under the model's own names; a batch
+    is `(input_ids, labels)`, usually `(ids, ids)`. `kwargs` go to PipelineModule (num_stages,
     partition_method, activation_checkpoint_interval)."""
     if getattr(getattr(model, "config", None), "use_cache", False):
         model.config.use_cache = False  # no KV cache in training
-    return PipelineModule(hf_pipeline_layers(model), causal_lm_loss, names_from=model, **kwargs)
+    return PipelineModule(hf_pipeline_layers(model), loss_fn, names_from=model, **kwargs)

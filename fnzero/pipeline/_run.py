@@ -104,6 +104,8 @@ class _Run:
             if info.last(c):
                 out = info.loss_fn(out, labels)
                 _check_loss(out)
+                if self.sm.sp is not None:
+                    out = _share(out, labels, self.sm.sp)
                 self.loss_sum += out.detach().to(torch.float64).cpu()
         if not info.last(c):
             self.sends += send_activation(info.comm, out, self.next, info.stage_index, f"act{j}.{c}")
@@ -141,6 +143,17 @@ def _pair(mb: Any, j: int) -> tuple[Any, Any]:
         return None, None
     raise ShardingError(f"micro-batch {j} of a pipeline step is a {type(mb).__name__}; a pipeline batch is the tuple "
                         "(inputs, labels) (DeepSpeed's train_batch convention)")
+
+
+def _share(mean: torch.Tensor, labels: Any, sp) -> torch.Tensor:
+    """With a sequence axis, the loss_fn's mean over this rank's labels (those not -100, for token
+    ids) made its share of the group's mean (`SPLayout.loss_share`)."""
+    if not isinstance(labels, torch.Tensor):
+        raise ShardingError("with sequence parallelism a pipeline's labels are a tensor of this rank's run of the "
+                            f"tokens (fnzero.shard_sequence), not {type(labels).__name__}")
+    count = (labels != -100).sum() if not labels.is_floating_point() else torch.tensor(labels.numel())
+    total = torch.where(count > 0, mean * count.to(mean.device, mean.dtype), torch.zeros_like(mean))
+    return sp.loss_share(total, count)
 
 
 def _check_loss(loss: Any) -> None:

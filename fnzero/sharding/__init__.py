@@ -44,7 +44,7 @@ from .construct import shard, PretrainedWarning, ShardedModule
 from .zero import Placement, placement_for_stage, ShardPlan, UnitPlan
 from .tp import TPRule, ParamSplit, TPLayout, vocab_parallel_cross_entropy
 from .ep import ExpertGroup, EPLayout
-from .sp import CausalAttention, SPLayout, shard_sequence, tile_mlp
+from .sp import CausalAttention, SPLayout, shard_sequence, tile_mlp, token_positions
 
 
 # What fnzero's other packages use of this package: they import it from here, its face, and
@@ -75,7 +75,7 @@ __all__ = [
     "Collectives", "CollectivesBase", "DistInfo", "LocalCollectives", "Placement", "PretrainedWarning",
     "ProcessGroupCollectives", "RecordingCollectives", "ShardPlan", "ShardedModule", "UnitPlan", "current_world_size", "default_collectives",
     "init_distributed", "placement_for_stage", "providing_collectives", "shard", "Mesh", "MeshShape", "make_mesh",
-    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout", "CausalAttention", "SPLayout", "shard_sequence", "tile_mlp",
+    "ParamSplit", "TPLayout", "TPRule", "vocab_parallel_cross_entropy", "ExpertGroup", "EPLayout", "CausalAttention", "SPLayout", "shard_sequence", "tile_mlp", "token_positions",
     "BlockQuantizer", "CommQuantization", "IdentityCodec", "dequantize", "quantize", "QuantizedCollectives",
     "quantized_all_gather_async", "quantized_reduce_scatter_async",
     "CompressedAllReduce", "compressed_all_reduce", "compressed_bytes", "compressed_padded_numel",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..moe import MoE
-from ..sharding import CausalAttention
+from ..sharding import CausalAttention, token_positions
 
 __all__ = ["GPT", "GPTConfig", "GPTEmbedding", "GPTHead", "MLP", "gpt_layers"]
 
@@ -116,7 +116,8 @@ class GPTEmbedding(nn.Module):
         self.apply(GPT._init_weights)
 
     def forward(self, idx):
-        return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        # From this rank's run under sequence parallelism (`token_positions`), else 0, 1, ...
+        return self.wte(idx) + self.wpe(token_positions(self.wpe, idx))
 
 
 class GPTHead(nn.Module):

@@ -186,18 +186,17 @@ def _check_zero_groups(dp: int, tp: int, pp: int, ep: int, mics: int, hpz: int) 
 
 
 def _check_sequence_axis(dp: int, n: int, tp: int, pp: int, ep: int, mics: int, hpz: int, sp: int) -> None:
-    """The sequence axis divides the data-parallel ranks and composes with ZeRO, tensor and expert
-    parallelism, not yet with pipelines, MiCS or hpZ: one ConfigError naming the sizes."""
+    """The sequence axis divides the data-parallel ranks and composes with ZeRO, tensor, pipeline and
+    expert parallelism, not yet with MiCS or hpZ: one ConfigError naming the sizes."""
     if sp == 1:
         return
     if dp % sp:
         raise ConfigError(f"sequence_parallel_size {sp} must divide the data-parallel ranks: this mesh has {dp} "
                           f"({n} rank(s) / tensor-parallel {tp} / pipeline {pp})")
-    others = [f"{what} {v}" for what, v in (("pipeline stages", pp), ("MiCS shard size", mics),
-                                            ("hpZ partition size", hpz)) if v > 1]
+    others = [f"{what} {v}" for what, v in (("MiCS shard size", mics), ("hpZ partition size", hpz)) if v > 1]
     if others:
         raise ConfigError(f"sequence_parallel_size {sp} with {' and '.join(others)}: fnzero's sequence parallelism "
-                          "composes with ZeRO stages 0-3, tensor and expert parallelism, not yet with pipelines, MiCS "
+                          "composes with ZeRO stages 0-3, tensor, pipeline and expert parallelism, not yet with MiCS "
                           "or hpZ; remove one")
 
 

@@ -85,8 +85,8 @@ def shard(
     axes = _zero_axes(comm, mesh, policy, config, debug)
     comm = axes.data
     # Before any storage is released: a model refused here is still the user's, whole.
-    sp_layout = (split_for_sp(model, _observed(mesh.sp, config, debug), _summed_cross_entropy(tp_layout))
-                 if mesh is not None and mesh.sp else None)
+    sp_layout = (split_for_sp(model, _observed(mesh.sp, config, debug), _summed_cross_entropy(tp_layout),
+                              pipeline=pipe is not None) if mesh is not None and mesh.sp else None)
     device = _device_for(model, device, meta)
     _check_params_on_nvme(policy)
     # Frozen parameters are sharded with the trainable ones at stage 3 (`specs/sharding.md` §Frozen
@@ -242,9 +242,10 @@ def _stage_for_pp(pipe: PipelineModule, comm: Collectives, mesh: Mesh | None, co
             "with pipeline parallelism (as in DeepSpeed: every micro-batch's backward would reduce-scatter its "
             "gradients); use stage 0 or 1")
     dp_cfg = config.world_size if config is not None else None
-    if config is not None and config.world_ranks == mesh.shape.world_size and dp_cfg != mesh.shape.dp:
+    if config is not None and config.world_ranks == mesh.shape.world_size and dp_cfg != mesh.shape.batch_dp:
         raise ConfigError(
-            f"the config's batch sizes were resolved for {dp_cfg} data-parallel ranks but this mesh has {mesh.shape.dp} "
+            f"the config's batch sizes were resolved for {dp_cfg} data-parallel ranks but this mesh has "
+            f"{mesh.shape.batch_dp} "
             f"({stages} pipeline stages); set pipeline.stages to {stages} in the config so the batch triad counts "
             "data-parallel ranks only")
     interval = (config.pipeline.activation_checkpoint_interval or None) if config is not None else None

@@ -16,7 +16,8 @@ from ._layout import SPLayout
 from ._ring import Ring, ring_attention
 from ._ulysses import ulysses_attention, ulysses_size
 
-__all__ = ["CausalAttention", "ATTENTION_KEY", "route", "layout_of", "hf_attention", "hf_mask", "sequence_attention"]
+__all__ = ["CausalAttention", "ATTENTION_KEY", "route", "layout_of", "hf_attention", "hf_mask", "sequence_attention",
+           "token_positions"]
 
 # The name fnzero's functions are registered under with transformers' AttentionInterface and
 # AttentionMaskInterface; a model routed to them has it as its `attn_implementation`.
@@ -38,6 +39,14 @@ def route(model: nn.Module, layout: SPLayout) -> None:
 
 def layout_of(module: nn.Module) -> SPLayout | None:
     return _ROUTED.get(module)
+
+
+def token_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The places 0, 1, ... of `x`'s tokens (dim 1) in the whole sequence: from this rank's run
+    when `module` is routed over a sequence axis (a pipeline's layers, which pass no position ids)."""
+    layout = _ROUTED.get(module)
+    start = layout.rank * x.shape[1] if layout is not None else 0
+    return torch.arange(start, start + x.shape[1], device=x.device)
 
 
 class CausalAttention(nn.Module):
