@@ -52,7 +52,8 @@ def token_positions(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class CausalAttention(nn.Module):
     """Causal scaled-dot-product attention of q (b, heads, s, d) and k, v (b, kv heads, s, d), no
     parameters: in a model sharded with a sequence axis each rank holds a run of the tokens and
-    attention spans them all (Ulysses); otherwise torch's causal SDPA."""
+    attention spans them all (Ulysses, ring, or both: `sequence_attention`); otherwise torch's causal
+    SDPA."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         layout = _ROUTED.get(self)
