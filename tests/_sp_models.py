@@ -128,13 +128,14 @@ def run_gpt(world, sp, stage, steps=2, k=2, extra=None, mesh=False, dtype=torch.
 
 def spawned_sp_cases():
     """World function for 4 real gloo ranks: each rank's results of the Llama at sp 2 x dp 2, ZeRO-3,
-    and of fnzero's GPT at sp 2 x dp 2, ZeRO-2, eager and with compiled units (aot_eager)."""
+    of fnzero's GPT at sp 2 x dp 2, ZeRO-2, with compiled units (aot_eager), and of its 3-head
+    variant (a ring of 2) at ZeRO-1."""
     from fnzero.sharding.comm._collectives import ProcessGroupCollectives
 
     comm = ProcessGroupCollectives()
     llama = _HFRank("llama", 4, 2, 3, 2, 2, 2, 2, "right", False, None, 4, S)(comm)
-    gpt = [_gpt_rank(comm, 4, 2, 2, jit) for jit in (None, {"backend": "aot_eager", "scope": "units"})]
-    return llama, gpt, _gpt_rank(comm, 4, 2, 1, kind="gpt")
+    jitted = _gpt_rank(comm, 4, 2, 2, {"backend": "aot_eager", "scope": "units"})
+    return llama, jitted, _gpt_rank(comm, 4, 2, 1, kind="gpt")
 
 
 def _gpt_rank(comm, world, sp, stage, jit=None, steps=2, k=2, extra=None, mesh=False, dtype=torch.float64,

@@ -187,10 +187,10 @@ def test_donated_step_equals_pure_step_on_real_ranks():
 
 
 def test_sequence_parallel_on_real_ranks(world_results):
-    """sp 2 x dp 2 over 4 processes: the Llama at ZeRO-3 equals plain torch; fnzero's GPT at ZeRO-2
-    equals plain torch eager and, with `fnzero.jit(scope="units")` (each attention's exchange a graph
-    break), bit for bit its eager run; with 3 heads (a ring of 2: gloo's all-to-all with empty
-    splits) at ZeRO-1, plain torch."""
+    """sp 2 x dp 2 over 4 processes: the Llama at ZeRO-3, fnzero's GPT at ZeRO-2 under
+    `fnzero.jit(scope="units")` (each attention's exchange a graph break; eager is the simulated
+    worlds' test), and with 3 heads (a ring of 2: gloo's all-to-all with empty splits) at ZeRO-1:
+    each equals plain torch."""
     import _sp_models as M
 
     world, out = world_results
@@ -200,9 +200,9 @@ def test_sequence_parallel_on_real_ranks(world_results):
     gpt_ref = W.train_reference("gpt_tp", 2, 2, k=2, clip=0.5)
     ring_ref = W.train_reference("gpt", 2, 2, k=2, clip=0.5)
     for rank in range(world):
-        (params, losses), ((eager, _), (jitted, jitted_losses)), (ring, _) = out[f"sp|rank{rank}"]
+        (params, losses), (jitted, jitted_losses), (ring, _) = out[f"sp|rank{rank}"]
         W.assert_close_tree(params, ref, rtol=RTOL_F64, atol=1e-12, what=f"llama gloo sp2 dp2 z3 rank {rank}")
         assert losses == pytest.approx(ref_losses, rel=RTOL_F64)
-        W.assert_close_tree(eager, gpt_ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"gpt gloo sp2 dp2 z2 rank {rank}")
-        W.assert_close_tree(jitted, eager, rtol=0, atol=0, what=f"gpt gloo sp2 dp2 z2 jit units rank {rank}")
+        W.assert_close_tree(jitted, gpt_ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"gpt gloo sp2 dp2 jit rank {rank}")
+        assert jitted_losses == pytest.approx(gpt_ref["losses"], rel=RTOL_F64)
         W.assert_close_tree(ring, ring_ref["params"], rtol=RTOL_F64, atol=1e-12, what=f"gpt ring gloo rank {rank}")
