@@ -22,8 +22,9 @@ Public API
 load_config, Config         DeepSpeed JSON configs, validated strictly (`specs/config.md`).
 hf_auto_values, AutoValues  fill a Hugging Face-style config's "auto" keys from the Trainer's numbers.
 ConfigWarning               a config key fnzero accepts but does not act on (warned once at load).
-shard, ShardedModule        a model laid out by a ShardPlan; `.apply`, `.init_state` (`pretrained=`,
-    `adapters=`: `specs/peft.md`), `.gather`; `PretrainedWarning`: tensors missing.
+shard, ShardedModule        a model laid out by a ShardPlan; `.apply` (`.call`: any function of the
+    model), `.init_state` (`pretrained=`, `adapters=`: `specs/peft.md`), `.gather`, `.causal_lm_loss`
+    (tiled); `PretrainedWarning`: tensors missing.
 ShardPlan, UnitPlan         the sharding as data (`specs/sharding.md`).
 Placement                   what of a unit is sharded; a ZeRO stage names one of four presets.
 train_step, TrainStep       the pure training step.

@@ -117,7 +117,9 @@ def _check(shape: TransformerShape, seq_len: int, micro_batch: int, sp: int) -> 
         raise ValueError(f"a sequence of {seq_len} tokens does not divide over {sp} sequence-parallel ranks")
     if shape.heads % sp or (shape.kv_heads % sp and sp % shape.kv_heads):
         raise ValueError(f"{shape.heads} attention heads and {shape.kv_heads} key/value heads do not spread over {sp} "
-                         "sequence-parallel ranks (Ulysses: heads divisible by sp, kv heads dividing or divided by it)")
+                         "sequence-parallel ranks by Ulysses alone (heads divisible by sp, kv heads dividing or divided "
+                         "by it); training runs them with ring attention, whose activations this estimate does not "
+                         "model yet")
 
 
 def _norm(shape: TransformerShape, t: int, p: int, acc: int) -> int:
