@@ -27,3 +27,26 @@ def init_deepspeed_gloo(rank: int, world: int, store: str | None = None):
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
                                    init_method=f"file://{store}", rank=rank, world_size=world)
     return deepspeed
+
+
+def run_ranks(worker) -> None:
+    """A runner's main: the spec (JSON) named on the command line, run by `worker(rank, spec, store)`
+    on each of its `world` ranks (spawned; one in this process), meeting through a file store that
+    is removed afterwards."""
+    import json
+    import shutil
+    import tempfile
+
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    tmp = tempfile.mkdtemp(prefix="ds_store_")
+    store = os.path.join(tmp, "store")  # must not exist yet: the ranks create it
+    try:
+        if spec["world"] == 1:
+            worker(0, spec, store)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(worker, args=(spec, store), nprocs=spec["world"], join=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

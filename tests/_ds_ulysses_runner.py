@@ -27,16 +27,11 @@ time, DeepSpeed.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import sys
-import tempfile
 import types
 
 import torch
 
-from _ds_gloo import init_deepspeed_gloo
+from _ds_gloo import init_deepspeed_gloo, run_ranks
 
 V, S = 51, 16  # vocabulary; tokens per sample
 
@@ -179,18 +174,5 @@ def _engine_job(deepspeed, job: dict, rank: int) -> None:
         torch.save({"losses": (total / torch.distributed.get_world_size()).tolist(), "params": params}, job["out"])
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    tmp = tempfile.mkdtemp(prefix="ds_store_")
-    store = os.path.join(tmp, "store")  # must not exist yet: the ranks create it
-    try:
-        import torch.multiprocessing as mp
-
-        mp.spawn(_worker, args=(spec, store), nprocs=spec["world"], join=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_ranks(_worker)

@@ -21,15 +21,12 @@ then bind ports the kernel assigns, which cannot race.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 
-from _ds_gloo import init_deepspeed_gloo
+from _ds_gloo import init_deepspeed_gloo, run_ranks
 
 IN, HIDDEN, OUT = 8, 6, 4
 VOCAB, SEQ = 64, 8  # the Llama's
@@ -166,21 +163,5 @@ def _global_step(eng, kind: str, x, y, rank: int, world: int) -> float:
     return float(total) / world
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    tmp = tempfile.mkdtemp(prefix="ds_store_")
-    store = os.path.join(tmp, "store")  # must not exist yet: the ranks create it
-    try:
-        if spec["world"] == 1:
-            _worker(0, spec, store)
-        else:
-            import torch.multiprocessing as mp
-
-            mp.spawn(_worker, args=(spec, store), nprocs=spec["world"], join=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    main()
+    run_ranks(_worker)
