@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import arg_type, whole_numbers
+
 __all__ = ["add_sequence_options", "check_sequence", "sequence_rows", "print_sequence"]
 
 _DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
-def _sp_sizes(text: str) -> list[int]:
-    try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give sequence-parallel sizes of at least 1")
-    return out
-
-
 def add_sequence_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("activations at sequence-parallel sizes (--sp; needs --model for the model's shape; "
                              "--seq-len and --micro-batch, below, give the step's tokens)")
-    g.add_argument("--sp", type=_sp_sizes, default=None, metavar="S[,S...]",
+    g.add_argument("--sp", type=arg_type(whole_numbers, too_small="give sequence-parallel sizes of at least 1"),
+                   default=None, metavar="S[,S...]",
                    help="sequence-parallel (Ulysses) sizes: adds each one's activation bytes per rank and, with "
                    "--memory-per-device, the longest sequence that fits; each must divide the world size")
     g.add_argument("--checkpointing", action="store_true",
@@ -52,10 +45,10 @@ def check_sequence(args: argparse.Namespace) -> str | None:
     if args.model is None:
         return ("--sp and --checkpointing need --model (a Hugging Face config.json): activation bytes depend on "
                 "its hidden size, layers, heads and vocabulary")
-    from ..memory import TransformerShape, activation_bytes
+    from ..memory import TransformerShape, activation_bytes, hf_config
 
     try:
-        args._shape = TransformerShape.from_config(_hf_config(args.model))
+        args._shape = TransformerShape.from_config(hf_config(args.model))
     except (OSError, ValueError) as e:
         return f"--model {args.model}: {e}"
     for sp in args.sp:
@@ -64,14 +57,6 @@ def check_sequence(args: argparse.Namespace) -> str | None:
         except ValueError as e:
             return f"--sp {sp} with --seq-len {args.seq_len}: {e}"
     return None
-
-
-def _hf_config(path: str):
-    import os
-
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(os.path.dirname(path) if os.path.isfile(path) else path)
 
 
 def _state_row(rep: dict, precision: str) -> dict:

@@ -42,6 +42,7 @@ from ._state_bytes import ModelStateBytes, ep_zero_formula, model_state_bytes, p
 # What fnzero's other packages use of this one, beyond the documented surface above: they import
 # it from here, not from the private modules (`specs/architecture.md` §Package faces).
 from ._estimate import format_bytes, parse_bytes
+from ._experts import hf_config
 from ._predict import Link, PASS_KINDS, StepPrediction, predict_step, ring_link
 
 __all__ = [

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..sharding import ExpertGroup
 
-__all__ = ["expert_param_counts", "experts_per_layer", "hf_expert_param_counts"]
+__all__ = ["expert_param_counts", "experts_per_layer", "hf_config", "hf_expert_param_counts"]
 
 # Hugging Face configs name a layer's routed expert count one of these ways.
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -49,17 +49,23 @@ def experts_per_layer(hf_config: Any) -> int | None:
     return None
 
 
+def hf_config(path: str):
+    """The transformers config whose `config.json` is `path` (or lies in the folder `path`)."""
+    import os
+
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.path.dirname(path) if os.path.isfile(path) else path)
+
+
 def hf_expert_param_counts(path: str) -> tuple[int, int, int | None, str]:
     """(dense, expert, experts per layer, model type) of the Hugging Face model whose `config.json`
     is `path` (or lies in the folder `path`), built on the meta device: nothing is allocated or read
     but the config."""
-    import os
-
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    folder = os.path.dirname(path) if os.path.isfile(path) else path
-    config = AutoConfig.from_pretrained(folder)
+    config = hf_config(path)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..._errors import ShardingError
 from ._layout import SPLayout
 
-__all__ = ["shard_sequence"]
+__all__ = ["shard_sequence", "shifted_labels"]
 
 _TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels", "token_type_ids")
 
@@ -54,11 +54,16 @@ def shard_sequence(batch: Any, layout: SPLayout | None, *, ignore_index: int = -
     ids = tokens["input_ids"]
     tokens.setdefault("position_ids", torch.arange(length, device=ids.device).expand(ids.shape[0], -1))
     if "labels" in tokens and "shift_labels" not in tokens:
-        tokens["shift_labels"] = F.pad(tokens["labels"], (0, 1), value=ignore_index)[:, 1:]
+        tokens["shift_labels"] = shifted_labels(tokens["labels"], ignore_index)
     if "attention_mask" in tokens and layout is not None:
         _check_no_empty_run(tokens["attention_mask"], layout)
     out.update({k: _cut(v, layout) for k, v in tokens.items()})
     return out
+
+
+def shifted_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Position t's target is label t+1 (the next token's); the last has none (`ignore_index`)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
 
 
 def _padded(x: torch.Tensor, extra: int, value: int, counting: bool) -> torch.Tensor:

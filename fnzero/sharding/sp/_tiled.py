@@ -8,11 +8,11 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..._errors import ShardingError
 from ..zero import remat
+from ._data import shifted_labels
 from ._layout import SPLayout
 
 __all__ = ["tiled_causal_lm_loss"]
@@ -68,7 +68,7 @@ def _shifted(labels, shift_labels, layout, ignore_index):
     if layout is not None:
         raise ShardingError("with sequence parallelism the labels are shifted before the sequence is cut: pass "
                             "shift_labels= too, as fnzero.shard_sequence makes them")
-    return F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+    return shifted_labels(labels, ignore_index)
 
 
 def _tile_count(tiles: int | str, tokens: int, head: nn.Module) -> int:
