@@ -23,7 +23,7 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
              max_new_tokens: int | None = None, do_sample: bool | None = None, temperature: float | None = None,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True,
-             generation_config: Any = None) -> torch.LongTensor:  # fmt: skip
+             generation_config: Any = None, max_live_parameters: int | None = None) -> torch.LongTensor:  # fmt: skip
     """Continue each row of `input_ids` (batch, prompt) with the model of `sm` and `params`
     (`state.params`, or a `TrainState`); returns (batch, prompt + new) token ids, the same on
     every rank. Collective: every rank calls it with the same prompt.
@@ -32,6 +32,11 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     `generation_config`, then the model's, then transformers' defaults; sampling draws on rank 0
     only (from `generator`, else torch's global one); `attention_mask` marks left padding. Runs under
     `torch.no_grad()` and leaves `params` and the model untouched.
+
+    At ZeRO stage 3 the units gathered in the first forward are held for the whole call, as many as
+    fit `max_live_parameters` elements gathered at once (default: the config's
+    `stage3_max_live_parameters`; 0 gathers every unit for every token), the rest streamed with the
+    next one fetched ahead (`ShardedModule.holding`, `specs/generation.md` §Residency).
 
         state = sm.init_state()
         ids = fnzero.generate(sm, state, prompt_ids, attention_mask=mask, max_new_tokens=32)
@@ -63,8 +68,8 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     ids = ids.to(device)
     mask = mask.to(device) if mask is not None else None
     agree_on_prompt(_groups(sm), ids, mask, settings.max_new_tokens)
-    with torch.no_grad():
-        out = _decode(sm, params, ids, mask, settings, calls, generator)
+    with torch.no_grad(), sm.holding(max_live_parameters) as held:
+        out = _decode(sm, params, ids, mask, settings, calls, generator, held)
     return out.to(input_ids.device)
 
 
@@ -83,7 +88,7 @@ def _groups(sm) -> list:
 
 
 def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, settings: GenerationSettings,
-            calls: ModelCalls, generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
+            calls: ModelCalls, generator: torch.Generator | None, held) -> torch.Tensor:  # fmt: skip
     cache = calls.new_cache(sm.module) if settings.use_cache and calls.cache_key is not None else None
     positions = None
     if calls.position_ids:  # as transformers: counted over the unmasked tokens, 0 on padding
@@ -97,6 +102,7 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
     seq = ids
     for step in range(settings.max_new_tokens):
         feed = seq if cache is None or step == 0 else seq[:, -1:]
+        held.last_forward = step == settings.max_new_tokens - 1  # nothing to fetch ahead for a next token
         with _runs_released():
             if calls.keywords:
                 out = sm.apply(params, **calls.inputs(feed, step_mask, positions, cache))

@@ -17,7 +17,8 @@ from ..comm import Collectives
 from ._initial import InitialValues, is_released
 from ..zero import (
     ShardSource, ShardSources, held, sources_of, ShardPolicy, ROOT_UNIT, ShardPlan, UnitPlan, comm_for,
-    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls,
+    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls, HeldUnits,
+    residency_sizes,
 )
 from ..tp import vocab_parallel_cross_entropy
 from ..sp import tiled_causal_lm_loss
@@ -112,6 +113,20 @@ class ShardedModule:
             **batch, "tiles": tiles, "layout": self.sp, "ignore_index": ignore_index,
             "cross_entropy": lambda logits, y: self.cross_entropy(logits, y, ignore_index=ignore_index,
                                                                    reduction="sum")})
+
+    @contextlib.contextmanager
+    def holding(self, max_live_parameters: int | None = None):
+        """Keep stage-3 units gathered across the `torch.no_grad()` applies inside the block (a decode
+        loop: `fnzero.generate` runs in one), as many as fit `max_live_parameters` elements gathered at
+        once (DeepSpeed's `stage3_max_live_parameters`; default the config's, 1e9 without a config),
+        the others gathered per forward with the next one fetched ahead; freed when the block ends
+        (`specs/generation.md` §Residency). Yields the `HeldUnits`."""
+        held = HeldUnits.for_plan(self.plan, self._schedule.forward_order, self.config, max_live_parameters)
+        try:
+            with within(held=held):
+                yield held
+        finally:
+            held.release()
 
     def _run(self, params: dict[str, torch.Tensor], fn, args: tuple, kwargs: dict) -> Any:
         plan = self.plan

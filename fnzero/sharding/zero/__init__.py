@@ -18,6 +18,7 @@ from ._plan import (
 )
 from ._policy import DTYPES, ShardPolicy, checked_quantization, config_precision, offload_device, shard_policy
 from ._remat import remat
+from ._residency import HeldUnits, plan_residency, residency_sizes
 from ._runtime import ApplyRun, GatherSchedule
 from ._saved_names import non_persistent_buffers
 from ._unit_hooks import compile_unit_calls, hook_unit

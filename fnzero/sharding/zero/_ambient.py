@@ -30,6 +30,9 @@ class Ambient:
     # (`train/_compile.py`'s `CompiledFrames`; `window.__exit__(None, None, None)` closes it) that
     # each unit module's hooks put around its forward (`_unit_hooks.py`, `specs/jit.md` §Per unit).
     unit_compiler: Callable | None = None
+    # While a block decodes with gathered units held across its forwards (`ShardedModule.holding`,
+    # `fnzero.generate`): the `_residency.HeldUnits` the no-grad apply runs read and fill.
+    held: Any = None
 
 
 _AMBIENT: contextvars.ContextVar[Ambient] = contextvars.ContextVar("fnzero_ambient", default=Ambient())
@@ -43,7 +46,7 @@ def ambient() -> Ambient:
 @contextlib.contextmanager
 def within(**changes: Any) -> Iterator[Ambient]:
     """Run the block with the ambient fields in `changes` replaced (`run`, `step_runs`,
-    `unit_compiler`); the previous context is back on exit."""
+    `unit_compiler`, `held`); the previous context is back on exit."""
     token = _AMBIENT.set(dataclasses.replace(_AMBIENT.get(), **changes))
     try:
         yield _AMBIENT.get()

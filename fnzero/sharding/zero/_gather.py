@@ -12,8 +12,9 @@ import torch
 from ._param_store import ShardSource, held
 from ._plan import UnitPlan
 
-if TYPE_CHECKING:  # an annotation only: the binder holds these runtimes, not the reverse
+if TYPE_CHECKING:  # annotations only: the binder holds these runtimes, not the reverse
     from ._backward import UnitBinder
+    from ._residency import HeldUnits
 
 __all__ = ["GatherSchedule", "GatherUnit", "Regather", "RunOfUnits", "UnitRuntime", "unit_views"]
 
@@ -25,6 +26,7 @@ class RunOfUnits(Protocol):
     keep: frozenset[str]  # units kept gathered from forward to backward (not re-gathered)
     deferred_regather: str | None  # the unit whose re-gather waits for the output's gradient
     num_replicas: int  # MiCS: copies of each shard
+    held: "HeldUnits | None"  # gathered buffers kept across no-grad forwards (`_residency.py`)
 
     def prefetch_backward(self, name: str) -> None: ...
 
@@ -50,12 +52,13 @@ class UnitRuntime:
     re-gathered for backward; with hpZ (`hpz`, `specs/mesh.md §hpZ`) from the secondary shard the
     forward's gather kept."""
 
-    __slots__ = ("unit", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source", "binder",
-                 "hpz", "secondary")
+    __slots__ = ("unit", "key", "shard", "comm", "run", "pending", "bwd_full", "bwd_pending", "packed", "source",
+                 "binder", "hpz", "secondary")
 
     def __init__(self, unit: UnitPlan, shard: torch.Tensor, comm, run: RunOfUnits, source: ShardSource | None = None,
-                 hpz=None):
+                 hpz=None, frozen: bool = False):
         self.unit = unit
+        self.key = (unit.name, frozen)  # names the unit's part in `run.held`
         self.shard = shard
         self.comm = comm
         self.run = run
@@ -72,11 +75,24 @@ class UnitRuntime:
         """What this rank contributes to a gather: the shard, or its values read from NVMe."""
         return held(self.shard, self.source, self.unit.name)
 
+    def start_gather(self):
+        """This unit's forward gather, started (waited by `gather`, in this forward or the next)."""
+        return self.comm.all_gather_async(self.shard_values(), label=self.unit.name)
+
     def gather(self) -> torch.Tensor:
+        held = self.run.held
+        if held is not None:  # a no-grad forward under a holder: no backward comes, nothing re-gathers
+            full = held.get(self.key)
+            if full is None:
+                pending = self.pending if self.pending is not None else held.take_pending(self.key)
+                self.pending = None
+                full = (pending if pending is not None else self.start_gather()).wait()
+                held.offer(self.key, full)
+            return full
         if self.pending is not None:
             full, self.pending = self.pending.wait(), None
         else:
-            full = self.comm.all_gather_async(self.shard_values(), label=self.unit.name).wait()
+            full = self.start_gather().wait()
         if self.hpz is not None and self.unit.name not in self.run.keep:  # a kept unit is not re-gathered
             per = self.unit.padded_numel // self.hpz.world_size
             self.secondary = full[self.hpz.rank * per:(self.hpz.rank + 1) * per].clone()
@@ -86,7 +102,7 @@ class UnitRuntime:
         """The re-gather for backward, started: from the hpZ secondary shards if kept, else the shards."""
         if self.secondary is not None:
             return self.hpz.all_gather_async(self.secondary, label=self.unit.name)
-        return self.comm.all_gather_async(self.shard_values(), label=self.unit.name)
+        return self.start_gather()
 
     def release_regathered(self, grad_outputs):
         self.bwd_full = None

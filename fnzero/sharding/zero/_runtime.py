@@ -20,6 +20,7 @@ from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_vie
 from ..comm import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
+from ._residency import next_to_prefetch
 
 __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors"]
 
@@ -62,6 +63,8 @@ class ApplyRun:
         # For recomputations on a thread where the ambient context is unset (`_unit_hooks.unit_compiler`).
         context = ambient()
         self.unit_compiler = context.unit_compiler
+        # Units held gathered across the forwards of a decode (`_residency.py`): no-grad runs only.
+        self.held = context.held if not torch.is_grad_enabled() else None
         if context.step_runs is not None:
             context.step_runs.append(self)
 
@@ -92,7 +95,7 @@ class ApplyRun:
         rt = table.get(unit.name)
         if rt is None:
             comm, hpz = self._unit_comms(unit, frozen)
-            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm, self, self.sources.of(frozen), hpz)
+            rt = table[unit.name] = UnitRuntime(unit, held[unit.name], comm, self, self.sources.of(frozen), hpz, frozen)
         return rt
 
     def _unit_comms(self, unit: UnitPlan, frozen: bool):
@@ -118,8 +121,14 @@ class ApplyRun:
 
     # -- prefetch ---------------------------------------------------------------------------------
     def prefetch_forward(self, name: str) -> None:
-        """Start gathering the unit that followed `name` in the last forward (both its parts)."""
-        nxt = self.schedule.next_unit(name) if self.schedule is not None else None
+        """Start gathering the unit that followed `name` in the last forward (both its parts); under
+        a holder, the next one not held, into the next forward past the last unit."""
+        if self.schedule is None:
+            return
+        if self.held is not None:
+            self._prefetch_held(name)
+            return
+        nxt = self.schedule.next_unit(name)
         if nxt is None or nxt in self.rts or nxt in self.frts:
             return
         n = self._numel(nxt)
@@ -127,7 +136,29 @@ class ApplyRun:
             return
         for unit, frozen in self.sharded_parts(nxt):
             rt = self._runtime(unit, frozen)
-            rt.pending = rt.comm.all_gather_async(rt.shard_values(), label=unit.name)
+            rt.pending = rt.start_gather()
+
+    def _prefetch_held(self, name: str) -> None:
+        """`prefetch_forward` under a holder: held + the unit computing + the one fetched ahead stay
+        within the holder's budget (`stage3_max_live_parameters`' meaning)."""
+        held, order = self.held, self.schedule.forward_order
+
+        def skip(unit: str, wrapped: bool) -> bool:
+            keys = [(u.name, f) for u, f in self.sharded_parts(unit)]
+            return all(held.holds(k) for k in keys) or (not wrapped and (unit in self.rts or unit in self.frts))
+        first = order[0] if order and not held.last_forward else None  # None: no wrapping into a next forward
+        nxt, wrapped = next_to_prefetch(self.schedule.next_unit, first, name, len(order), skip)
+        if nxt is None or any(held.is_pending((u.name, f)) for u, f in self.sharded_parts(nxt)):
+            return
+        n, streaming = self._numel(nxt), not all(held.holds((u.name, f)) for u, f in self.sharded_parts(name))
+        if n > self.schedule.prefetch_numel or held.numel + (self._numel(name) if streaming else 0) + n > held.budget:
+            return
+        for unit, frozen in self.sharded_parts(nxt):
+            rt = self._runtime(unit, frozen)
+            if wrapped:  # the next forward's run takes it (`UnitRuntime.gather`)
+                held.start(rt.key, rt.start_gather())
+            else:
+                rt.pending = rt.start_gather()
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the

@@ -1,0 +1,128 @@
+"""Gathered units held from one forward to the next: what generation decodes from
+(`specs/generation.md` §Residency).
+
+[Note: why hold]
+Decoding runs the same forward once per token over parameters that do not change, so a stage-3 unit
+gathered for token t is the unit token t+1 needs. Without a holder every token moves (N-1)/N of the
+model to every rank (300 MB per token on 2 ranks for a 150M model); with one, the units that fit the
+budget move once per `generate` call and only the others stream. The budget keeps DeepSpeed's meaning
+of `stage3_max_live_parameters`: elements gathered at once, here held plus the one streamed unit
+being computed (and its prefetch, when that fits too)."""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from ..._errors import ShardingError
+from ._plan import ROOT_UNIT
+
+__all__ = ["HeldUnits", "next_to_prefetch", "plan_residency", "residency_sizes"]
+
+
+def plan_residency(sizes: Sequence[tuple[Hashable, int]], budget: int) -> frozenset:
+    """Which units to hold, from `sizes` ((key, elements) in forward order) and `budget` elements.
+
+    Every unit when they all fit. Otherwise units in forward order, each held if the held ones, it,
+    and the largest unit left to stream still fit: so held + the unit being streamed never exceeds
+    the budget. Pure and deterministic: every rank plans the same residency (their collectives match).
+    """
+    if sum(n for _, n in sizes) <= budget:
+        return frozenset(k for k, _ in sizes)
+    held: set = set()
+    used = 0
+    for key, n in sizes:
+        largest_left = max((m for k, m in sizes if k != key and k not in held), default=0)
+        if used + n + largest_left <= budget:
+            held.add(key)
+            used += n
+    return frozenset(held)
+
+
+class HeldUnits:
+    """The gathered buffers of the planned units, kept across the applies of one block (a
+    `generate` call), and a gather started for the next forward. Used by `ApplyRun` under
+    `torch.no_grad()` only: a held buffer has no autograd history to share between forwards."""
+
+    def __init__(self, sizes: Sequence[tuple[Hashable, int]], budget: int):
+        self.budget = int(budget)
+        self.planned = plan_residency(sizes, self.budget)
+        self._full: dict[Hashable, torch.Tensor] = {}
+        self._pending: dict[Hashable, object] = {}  # key -> a started gather (`Collectives.all_gather_async`)
+        self.numel = 0  # elements held now
+        # Set by the decode loop before a forward known to be the last: no gather for a next one.
+        self.last_forward = False
+        self.started = 0  # gathers started for a next forward (a count, for tests and benchmarks)
+
+    @classmethod
+    def for_plan(cls, plan, order: Sequence[str], config, budget: int | None) -> "HeldUnits":
+        """A holder for `plan`'s units (`order`: the last forward's) within `budget` elements, by
+        default the `config`'s `stage3_max_live_parameters` (DeepSpeed's 1e9 without a config)."""
+        if budget is None:
+            budget = config.zero_optimization.stage3_max_live_parameters if config is not None else 1_000_000_000
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ShardingError(f"max_live_parameters must be a whole number of elements >= 0, got {budget!r}")
+        return cls(residency_sizes(plan, order), budget)
+
+    def get(self, key: Hashable) -> torch.Tensor | None:
+        return self._full.get(key)
+
+    def holds(self, key: Hashable) -> bool:
+        return key in self._full
+
+    def offer(self, key: Hashable, full: torch.Tensor) -> None:
+        """Keep `full` if `key` is planned (the first forward gathers, the next ones read it)."""
+        if key in self.planned and key not in self._full:
+            self._full[key] = full
+            self.numel += full.numel()
+
+    def start(self, key: Hashable, pending: object) -> None:
+        """A gather started for the next forward, taken by `take_pending` there."""
+        self._pending[key] = pending
+        self.started += 1
+
+    def take_pending(self, key: Hashable):
+        return self._pending.pop(key, None)
+
+    def is_pending(self, key: Hashable) -> bool:
+        return key in self._pending
+
+    def release(self) -> None:
+        """Drop the held buffers; a gather started for a forward that never came is waited (every
+        rank started it, so its collective completes) and dropped."""
+        pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.wait()
+        self._full.clear()
+        self.numel = 0
+
+
+def next_to_prefetch(order_next, first: str | None, name: str, steps: int, skip) -> tuple[str | None, bool]:
+    """The unit to gather ahead after `name` under a holder, and whether it belongs to the next
+    forward: the units after `name` in the last forward's order (`order_next(n)`, None after the
+    last), wrapping to `first` (decoding repeats the forward, and the next token's weights do not
+    depend on this token's output), passing the units `skip(unit, wrapped)` says need no gather.
+    None when every unit of a whole turn (`steps` units) is skipped."""
+    nxt, wrapped = order_next(name), False
+    for _ in range(steps):
+        if nxt is None:
+            if wrapped or first is None:
+                return None, False
+            nxt, wrapped = first, True
+        if not skip(nxt, wrapped):
+            return nxt, wrapped
+        nxt = order_next(nxt)
+    return None, False
+
+
+def residency_sizes(plan, order: Sequence[str]) -> list[tuple[tuple[str, bool], int]]:
+    """((unit name, is frozen), elements) of every part a stage-3 forward gathers: in `order` (the
+    last forward's), then the rest in the plan's, the root first (it serves the whole forward)."""
+    names = dict.fromkeys([ROOT_UNIT, *order, *(u.name for u in (*plan.units, *plan.frozen_units))])
+    out = []
+    for name in names:
+        for unit, frozen in ((plan.trainable_unit(name), False), (plan.frozen_unit(name), True)):
+            if unit is not None and plan.params_sharded(unit):
+                out.append(((name, frozen), unit.padded_numel))
+    return out
