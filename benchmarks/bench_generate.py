@@ -11,7 +11,13 @@ gloo on loopback, 1 thread per process, glibc's mmap threshold fixed at 1 MiB so
 leave the process):
 
   hf       transformers' model.generate() in one process: from_pretrained(dir) (the baseline)
-  z3_2     fnzero.generate at ZeRO-3 on 2 ranks    z3_4  the same on 4 ranks
+  z3_2     fnzero.generate at ZeRO-3 on 2 ranks    z3_4  the same on 4 ranks (the default
+           max_live_parameters, DeepSpeed's 1e9: the whole model fits, gathered once per call)
+  z3_2_q   z3_2 with max_live_parameters a quarter of the model: the units that fit held, the others
+           gathered for every token; its floor is the larger of hf's time per token (compute: each
+           rank decodes the whole batch) and the time of bare all-gathers of the streamed units'
+           shards, timed on the same ranks after the call (transfer)
+  z3_2_stream  z3_2 with max_live_parameters 0: every unit gathered for every token
   z3_2_root  z3_2 with the embeddings and the LM head in the root unit, gathered for the whole of
            each forward (shard(wrap=) with the decoder layers only: the default before they
            became units of their own)
@@ -53,6 +59,8 @@ ROWS = {  # row: (processes, label)
     "hf": (1, "transformers generate(), 1 process"),
     "z3_2": (2, "fnzero ZeRO-3, 2 ranks"),
     "z3_4": (4, "fnzero ZeRO-3, 4 ranks"),
+    "z3_2_q": (2, "fnzero ZeRO-3, 2 ranks, max_live_parameters a quarter of the model"),
+    "z3_2_stream": (2, "fnzero ZeRO-3, 2 ranks, max_live_parameters 0 (every unit gathered per token)"),
     "z3_2_root": (2, "fnzero ZeRO-3, 2 ranks, embeddings and LM head in the root unit (wrap=)"),
     "tp2": (2, "fnzero tensor parallel 2 (ZeRO-0)"),
     "z3_cpu": (2, "fnzero ZeRO-3, offload_param cpu, 2 ranks"),
@@ -136,7 +144,7 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
     if row == "hf":
         model = transformers.LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
         out.update(share=sum(p.numel() * p.element_size() for p in model.parameters()), largest_unit=0, root_unit=0,
-                   largest_layer=0)
+                   largest_layer=0, held=0, streamed_unit=0)
 
         def gen(n):
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
@@ -152,8 +160,13 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
                    root_unit=sum(u.numel for u in sm.plan.units if u.module == "") * 4 if gathered else 0,
                    largest_layer=max((u.numel for u in sm.plan.units if u.module), default=0) * 4 if gathered else 0)
 
+        budget = row_budget(row, sm)
+        out.update(held=held_bytes(sm, budget), streamed_unit=4 * max(_held_and_streamed(sm, budget)[1], default=0)
+                   if gathered else 0)
+
         def gen(n):
-            return fnzero.generate(sm, state, ids, mask, max_new_tokens=n, do_sample=False)
+            return fnzero.generate(sm, state, ids, mask, max_new_tokens=n, do_sample=False,
+                                   max_live_parameters=budget)
     out.update(build_s=time.perf_counter() - t0, build_peak=_status("VmHWM") - base, built=_status("VmRSS") - base)
     gen(new_tokens)  # warm-up: first-call costs (kernels' caches, lazy imports) stay resident after it
     dist.barrier()
@@ -162,9 +175,50 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
     tokens = gen(new_tokens)
     out.update(wall=time.perf_counter() - t, peak=_status("VmHWM") - base, tokens=tokens)
     dist.barrier()
+    if row == "z3_2_q":
+        out["transfer_s"] = streamed_gather_s(sm, budget)
     cpu = os.times()
     out["cpu_s"] = cpu.user + cpu.system  # this process's, since it was forked
     return out
+
+
+def row_budget(row: str, sm) -> int | None:
+    """The row's max_live_parameters: a quarter of the gathered elements, 0, or the config's (None)."""
+    from fnzero.sharding.zero import residency_sizes
+
+    if row == "z3_2_q":
+        return sum(n for _, n in residency_sizes(sm.plan, [])) // 4
+    return 0 if row == "z3_2_stream" else None
+
+
+def _held_and_streamed(sm, budget: int | None) -> tuple[list, list]:
+    from fnzero.sharding.zero import plan_residency, residency_sizes
+
+    if budget is None:
+        budget = sm.config.zero_optimization.stage3_max_live_parameters
+    sizes = residency_sizes(sm.plan, [])
+    held = plan_residency(sizes, budget)
+    return [n for k, n in sizes if k in held], [n for k, n in sizes if k not in held]
+
+
+def held_bytes(sm, budget: int | None) -> int:
+    """Bytes of the units a generate call holds gathered (fp32), from the residency plan."""
+    return 4 * sum(_held_and_streamed(sm, budget)[0]) if sm.plan.any_sharded_params else 0
+
+
+def streamed_gather_s(sm, budget: int | None, repeats: int = 3) -> float:
+    """Seconds of one token's transfers alone: a bare all-gather of each streamed unit's shard (the
+    fastest of `repeats`), on this row's ranks and collectives."""
+    import torch
+
+    shards = [torch.zeros(n // sm.comm.world_size) for n in _held_and_streamed(sm, budget)[1]]
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for s in shards:
+            sm.comm.all_gather_async(s).wait()
+        best = min(best, time.perf_counter() - t)
+    return best
 
 
 def _nothing() -> None:
@@ -206,29 +260,44 @@ def same_tokens(r: dict, hf: dict | None) -> bool | None:
 def print_table(results: dict) -> None:
     hf = results.get("hf")
     print("\n| row | tokens/s | vs hf | tokens == hf | other cores | rank | peak RSS | formula | within | share "
-          "| 2 units | root unit | largest other unit | KV cache | resident - share | peak - resident "
-          "| call within 2 units + KV | peak building |")
-    print("|" + "---|" * 18)
+          "| held | 2 streamed units | root unit | largest other unit | KV cache | resident - share | peak - resident "
+          "| call within held + 2 units + KV | peak building |")
+    print("|" + "---|" * 19)
     for row, r in results.items():
         same = {None: "n/a", True: "yes", False: "NO"}[same_tokens(r, hf)] if row != "hf" else "baseline"
         head = [row, f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}" if hf else "n/a",
                 same, f"{r['other_cores']:.2f}"]
         for k, x in enumerate(r["ranks"]):
-            units, call = 2 * x["largest_unit"], x["peak"] - x["resident"]
-            formula = x["share"] + units + r["kv"]
+            units, call = 2 * x["streamed_unit"], x["peak"] - x["resident"]
+            formula = x["share"] + x["held"] + units + r["kv"]
             cells = (head if k == 0 else [""] * len(head)) + [str(k), f"{x['peak'] / MIB:.0f}", f"{formula / MIB:.0f}",
                                                               "ok" if x["peak"] <= formula else "OVER"]
-            cells += [f"{v / MIB:.1f}" for v in (x["share"], units, x["root_unit"], x["largest_layer"], r["kv"],
-                                                 x["resident"] - x["share"], call)]
-            check = ("ok" if call <= units + r["kv"] else "OVER") if units else "-"  # ZeRO-3 rows only
+            cells += [f"{v / MIB:.1f}" for v in (x["share"], x["held"], units, x["root_unit"], x["largest_layer"],
+                                                 r["kv"], x["resident"] - x["share"], call)]
+            gathered = x["held"] + units
+            check = ("ok" if call <= gathered + r["kv"] else "OVER") if gathered else "-"  # ZeRO-3 rows only
             cells += [check, f"{x['build_peak'] / MIB:.0f}"]
             print("| " + " | ".join(cells) + " |")
-    print("\nMiB. peak RSS: of the timed call, above the process's RSS after its imports. formula = share + 2 units "
-          "+ KV cache: share, the model state this rank holds in memory (hf: the whole model); 2 units, twice the "
-          "largest unit (ZeRO-3 rows; the root unit holds the final norm, and the embeddings and LM head in z3_2_root, and "
-          "stays gathered for the whole of each forward, any other unit only for its own); KV cache / tp. resident: after building and "
+    print("\nMiB. peak RSS: of the timed call, above the process's RSS after its imports. formula = share + held "
+          "+ 2 streamed units + KV cache: share, the model state this rank holds in memory (hf: the whole model); "
+          "held, the units the call keeps gathered (max_live_parameters; ZeRO-3 rows); 2 streamed units, twice the "
+          "largest unit gathered per token (the root unit holds the final norm, and the embeddings and LM head in "
+          "z3_2_root); KV cache / tp. resident: after building and "
           "the warm-up call (resident - share: first-call costs that stay, such as kernels' caches; hf's row shows "
           "them too). peak building: from_pretrained, or shard + init_state(pretrained=).")
+
+
+def print_floors(results: dict, new_tokens: int) -> None:
+    """Streaming rows: seconds per token against the larger of compute (hf's per token) and transfer."""
+    hf = results.get("hf")
+    for row, r in results.items():
+        xfer = [x.get("transfer_s") for x in r["ranks"] if x.get("transfer_s") is not None]
+        if not xfer or hf is None:
+            continue
+        compute, transfer, tok = hf["wall"] / new_tokens, max(xfer), r["wall"] / new_tokens
+        floor = max(compute, transfer)
+        print(f"{row}: {tok * 1e3:.1f} ms per token; compute (hf) {compute * 1e3:.1f} ms, transfer (bare all-gathers "
+              f"of the streamed shards) {transfer * 1e3:.1f} ms: {tok / floor:.2f}x their larger")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -241,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=32, help="prompt length, padding included")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--rows", default="hf,z3_2,z3_4,z3_2_root,tp2,z3_cpu,z3_nvme")
+    p.add_argument("--rows", default="hf,z3_2,z3_4,z3_2_q,z3_2_stream,z3_2_root,tp2,z3_cpu,z3_nvme")
     p.add_argument("--dir", default=None, help="where the weight files go (default: a temp dir, removed)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where z3_nvme keeps its scratch files")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -273,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{' / '.join(str(round(x['peak'] / MIB)) for x in r['ranks'])} MiB  "
                   f"(other cores {r['other_cores']:.2f})", flush=True)
     print_table(results)
+    print_floors(results, args.new_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "args": vars(args), "psi": psi, "rows": {

@@ -44,9 +44,10 @@ def _unit_gathers(counter) -> list[int]:
 
 @pytest.mark.parametrize("kind,world", [("llama", 2), ("gpt2", 4)])
 def test_units_move_once_per_call_when_they_fit_and_per_token_when_streamed(kind, world):
-    """Default budget (the config's 1e9): every unit's shard all-gathered exactly once in a call of
-    call (it was once per token); budget 0: once per token, as before holding; 3/4 of the model: the
-    held units once, the others per token. Greedy tokens equal transformers' in all three."""
+    """Default budget (the config's 1e9): every unit all-gathered exactly once in a call (it was
+    once per token); budget 0: once per token, as before holding; 3/4 of the model: the
+    held units once, the others per token. Greedy tokens equal transformers' in all three; with
+    every unit held, the ranks that do not choose the tokens skip the forwards after the prompt's."""
     eos, want, _ = reference(kind)
     cfg = config(world)
 
@@ -55,20 +56,24 @@ def test_units_move_once_per_call_when_they_fit_and_per_token_when_streamed(kind
         state = sm.init_state()
         sizes = residency_sizes(sm.plan, [])
         total = sum(n for _, n in sizes)
-        out = {}
+        out, forwards = {}, []
+        sm.module.register_forward_pre_hook(lambda *_: forwards.append(1))
         for budget in (None, 0, 3 * total // 4):
+            forwards.clear()
             with count_collectives(sm) as c:
                 tokens = fnzero.generate(sm, state, IDS, MASK, max_new_tokens=NEW, eos_token_id=eos,
                                          max_live_parameters=budget)  # fmt: skip
-            out[budget] = (tokens, _unit_gathers(c))
+            out[budget] = (tokens, _unit_gathers(c), len(forwards))
         return sizes, out, sm.plan
 
     for r, (sizes, out, plan) in enumerate(simulated_world(world).run(rank)):
         shards = dict(sizes)  # a gather is recorded by its result: the unit's padded elements
-        for budget, (tokens, gathers) in out.items():
-            assert torch.equal(tokens, want), f"rank {r}, budget {budget}"
-        assert sorted(out[None][1]) == sorted(shards.values())
         forwards = want.shape[1] - IDS.shape[1]  # one forward per new token
+        for budget, (tokens, gathers, ran) in out.items():
+            assert torch.equal(tokens, want), f"rank {r}, budget {budget}"
+            # With every unit held, only rank 0 (the chooser) runs the forwards after the prompt's.
+            assert ran == (1 if budget is None and r > 0 else forwards), (r, budget, ran)
+        assert sorted(out[None][1]) == sorted(shards.values())
         assert len(out[0][1]) == forwards * len(shards)
         part = 3 * sum(n for _, n in sizes) // 4
         held = plan_residency(sizes, part)

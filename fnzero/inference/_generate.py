@@ -99,18 +99,23 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
     step_mask = None if mask is None or bool((mask == 1).all()) else mask
     eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=ids.device)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-    seq = ids
+    seq, idle = ids, False
     for step in range(settings.max_new_tokens):
         feed = seq if cache is None or step == 0 else seq[:, -1:]
         held.last_forward = step == settings.max_new_tokens - 1  # nothing to fetch ahead for a next token
-        with _runs_released():
-            if calls.keywords:
-                out = sm.apply(params, **calls.inputs(feed, step_mask, positions, cache))
-            else:
-                out = sm.apply(params, feed)
-        logits = _full_vocab(sm, calls.last_logits(out))
-        del out  # the prefill's whole-sequence logits are not kept into the next token
-        tokens = _agreed_tokens(sm, logits, settings, generator)
+        logits = None
+        if not idle:
+            with _runs_released():
+                if calls.keywords:
+                    out = sm.apply(params, **calls.inputs(feed, step_mask, positions, cache))
+                else:
+                    out = sm.apply(params, feed)
+            logits = _full_vocab(sm, calls.last_logits(out))
+            del out  # the prefill's whole-sequence logits are not kept into the next token
+        tokens = _agreed_tokens(sm, logits, ids.shape[0], ids.device, settings, generator)
+        if step == 0 and _may_idle(sm, held):
+            idle, cache = True, None
+            held.release()
         if len(eos):
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, settings.pad_token_id))
         seq = torch.cat([seq, tokens[:, None]], dim=-1)
@@ -150,17 +155,27 @@ def _full_vocab(sm, logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tp(logits.contiguous(), tp.comm, tp.splits[tp.vocab_head].pieces())
 
 
-def _agreed_tokens(sm, logits: torch.Tensor, settings: GenerationSettings,
+def _may_idle(sm, held) -> bool:
+    """Whether this rank may skip the forwards after the prompt's: it does not choose the tokens,
+    and the chooser's forwards need no collective (every unit held, no tensor or expert
+    parallelism), so its forward would only repeat the chooser's work. On a shared memory bus
+    (processes on one host) a second reader of the whole model per token slows the chooser's."""
+    if all(g.rank == 0 for g in _groups(sm)) or not held.complete:
+        return False
+    return (sm.tp is None or sm.tp.size == 1) and not any(u.is_expert for u in sm.plan.units)
+
+
+def _agreed_tokens(sm, logits: torch.Tensor | None, batch: int, device: torch.device, settings: GenerationSettings,
                    generator: torch.Generator | None) -> torch.Tensor:  # fmt: skip
     """The next tokens rank 0 chooses, on every rank: only rank 0 draws (so a sampled run uses one
     generator, once per token), and a sum where the other ranks add zeros hands its choice on
-    through each group (a broadcast's source is a global rank; a sum needs none)."""
+    through each group (a broadcast's source is a global rank; a sum needs none). `logits`: None on
+    a rank that skipped the forward (`_may_idle`)."""
     groups = _groups(sm)
-    chooser = all(g.rank == 0 for g in groups)
-    if chooser:
+    if all(g.rank == 0 for g in groups):
         tokens = choose_tokens(logits, settings, generator)
     else:
-        tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        tokens = torch.zeros(batch, dtype=torch.long, device=device)
     for g in groups:
         if g.world_size > 1:
             tokens = g.all_reduce(tokens if g.rank == 0 else torch.zeros_like(tokens))

@@ -48,6 +48,7 @@ class HeldUnits:
     def __init__(self, sizes: Sequence[tuple[Hashable, int]], budget: int):
         self.budget = int(budget)
         self.planned = plan_residency(sizes, self.budget)
+        self._all = frozenset(k for k, _ in sizes)
         self._full: dict[Hashable, torch.Tensor] = {}
         self._pending: dict[Hashable, object] = {}  # key -> a started gather (`Collectives.all_gather_async`)
         self.numel = 0  # elements held now
@@ -64,6 +65,11 @@ class HeldUnits:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ShardingError(f"max_live_parameters must be a whole number of elements >= 0, got {budget!r}")
         return cls(residency_sizes(plan, order), budget)
+
+    @property
+    def complete(self) -> bool:
+        """Every sharded unit is held: a forward under this holder moves nothing."""
+        return self.planned == self._all and len(self._full) == len(self._all)
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         return self._full.get(key)
