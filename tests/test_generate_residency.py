@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import fnzero
 from fnzero.sharding.zero import plan_residency, residency_sizes
 from fnzero.testing import GPT, count_collectives, seeded, simulated_world
-from test_generate import IDS, MASK, NEW, build, config, reference
+from test_generate import IDS, MASK, NEW, VOCAB, build, config, reference
 
 
 @settings(max_examples=200, deadline=None)
@@ -145,3 +145,32 @@ def test_streamed_units_are_fetched_ahead_across_forwards_and_give_the_same_logi
         assert len(streamed) >= 3 and planned
         assert started >= 2  # one wrapped gather per forward after the first that had an order to follow
         assert sorted(gathers) == sorted([sizes[k] for k in planned] + streamed * 3 + streamed[:1])
+
+
+def test_an_enclosing_holding_serves_every_call_until_the_params_change():
+    """Two generate calls inside one `sm.holding()`: the second moves no unit; after a training step
+    (new shards) the third gathers every unit again and gives the tokens of the stepped state."""
+    cfg = config(2)
+    data = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def rank(comm):
+        sm = fnzero.shard(build("llama"), config=cfg, comm=comm)
+        state = sm.init_state()
+        step = fnzero.train_step(lambda p, b: sm.apply(p, b[:, :-1]).logits.float().logsumexp(-1).mean(), cfg)
+        units = len(residency_sizes(sm.plan, []))
+        counts, tokens = [], []
+        with sm.holding():
+            for i in range(3):
+                if i == 2:
+                    state, _ = step(state, data[comm.rank:comm.rank + 1])
+                with count_collectives(sm) as c:
+                    tokens.append(fnzero.generate(sm, state, IDS, MASK, max_new_tokens=4))
+                counts.append(len(_unit_gathers(c)))
+            with pytest.raises(fnzero.ShardingError, match="give it to sm.holding"):
+                fnzero.generate(sm, state, IDS, max_new_tokens=2, max_live_parameters=0)
+        fresh = fnzero.generate(sm, state, IDS, MASK, max_new_tokens=4)
+        return counts, tokens, fresh, units
+
+    for counts, tokens, fresh, units in simulated_world(2).run(rank):
+        assert counts == [units, 0, units]
+        assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[2], fresh)

@@ -10,7 +10,7 @@ import torch
 
 from .._errors import ShardingError
 from .._state import TrainState
-from ..sharding import gather_from_tp, within
+from ..sharding import ambient, gather_from_tp, within
 from ._model_calls import ModelCalls, max_positions, model_calls
 from ._prompt import agree_on_prompt, attention_mask_for, check_length
 from ._sampling import choose_tokens
@@ -68,8 +68,8 @@ def generate(sm, params, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     ids = ids.to(device)
     mask = mask.to(device) if mask is not None else None
     agree_on_prompt(_groups(sm), ids, mask, settings.max_new_tokens)
-    with torch.no_grad(), sm.holding(max_live_parameters) as held:
-        out = _decode(sm, params, ids, mask, settings, calls, generator, held)
+    with torch.no_grad(), _holder(sm, max_live_parameters) as (held, own):
+        out = _decode(sm, params, ids, mask, settings, calls, generator, held, own)
     return out.to(input_ids.device)
 
 
@@ -88,7 +88,7 @@ def _groups(sm) -> list:
 
 
 def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, settings: GenerationSettings,
-            calls: ModelCalls, generator: torch.Generator | None, held) -> torch.Tensor:  # fmt: skip
+            calls: ModelCalls, generator: torch.Generator | None, held, own: bool) -> torch.Tensor:  # fmt: skip
     cache = calls.new_cache(sm.module) if settings.use_cache and calls.cache_key is not None else None
     positions = None
     if calls.position_ids:  # as transformers: counted over the unmasked tokens, 0 on padding
@@ -115,7 +115,8 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
         tokens = _agreed_tokens(sm, logits, ids.shape[0], ids.device, settings, generator)
         if step == 0 and _may_idle(sm, held):
             idle, cache = True, None
-            held.release()
+            if own:  # an enclosing `sm.holding()` keeps them: every rank must hold alike for the next call
+                held.release()
         if len(eos):
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, settings.pad_token_id))
         seq = torch.cat([seq, tokens[:, None]], dim=-1)
@@ -128,6 +129,21 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
         if positions is not None:
             positions = torch.cat([positions, positions[:, -1:] + 1], dim=-1)
     return seq
+
+
+@contextlib.contextmanager
+def _holder(sm, max_live_parameters: int | None):
+    """(the holder this call decodes under, whether it is the call's own): an enclosing
+    `sm.holding()`'s, whose units stay held from one call to the next, else a new one."""
+    outer = ambient().held
+    if outer is None:
+        with sm.holding(max_live_parameters) as held:
+            yield held, True
+        return
+    if max_live_parameters is not None:
+        raise ShardingError("generate: max_live_parameters was given inside sm.holding(...), whose budget "
+                            "applies to every call in its block; give it to sm.holding instead")
+    yield outer, False
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ from .pp import (
 )
 from .tp import ColumnParallelLinear, RowParallelLinear, check_heads, copy_to_tp, gather_from_tp, reduce_from_tp
 from .zero import (
-    DTYPES, ParamSlot, ShardSource, WholeTensorPartition, comm_for, config_precision, from_owners, held,
+    DTYPES, ParamSlot, ShardSource, WholeTensorPartition, ambient, comm_for, config_precision, from_owners, held,
     is_placeholder, offload_device, optimizer_view, padded_size, param_pieces, placeholder, read_placeholders, remat,
     sources_of, stepped_in_place, stored_bytes, to_owners, unit_views, whole_tensor_partition, within,
 )

@@ -82,12 +82,12 @@ class UnitRuntime:
     def gather(self) -> torch.Tensor:
         held = self.run.held
         if held is not None:  # a no-grad forward under a holder: no backward comes, nothing re-gathers
-            full = held.get(self.key)
+            full = held.get(self.key, self.shard)
             if full is None:
-                pending = self.pending if self.pending is not None else held.take_pending(self.key)
+                pending = self.pending if self.pending is not None else held.take_pending(self.key, self.shard)
                 self.pending = None
                 full = (pending if pending is not None else self.start_gather()).wait()
-                held.offer(self.key, full)
+                held.offer(self.key, full, self.shard)
             return full
         if self.pending is not None:
             full, self.pending = self.pending.wait(), None

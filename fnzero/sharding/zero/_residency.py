@@ -49,8 +49,10 @@ class HeldUnits:
         self.budget = int(budget)
         self.planned = plan_residency(sizes, self.budget)
         self._all = frozenset(k for k, _ in sizes)
-        self._full: dict[Hashable, torch.Tensor] = {}
-        self._pending: dict[Hashable, object] = {}  # key -> a started gather (`Collectives.all_gather_async`)
+        # key -> (full buffer, the shard it was gathered from, that shard's version then)
+        self._full: dict[Hashable, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # key -> (a started gather (`Collectives.all_gather_async`), its shard, the shard's version)
+        self._pending: dict[Hashable, tuple[object, torch.Tensor, int]] = {}
         self.numel = 0  # elements held now
         # Set by the decode loop before a forward known to be the last: no gather for a next one.
         self.last_forward = False
@@ -71,25 +73,44 @@ class HeldUnits:
         """Every sharded unit is held: a forward under this holder moves nothing."""
         return self.planned == self._all and len(self._full) == len(self._all)
 
-    def get(self, key: Hashable) -> torch.Tensor | None:
-        return self._full.get(key)
+    def get(self, key: Hashable, shard: torch.Tensor) -> torch.Tensor | None:
+        """The held buffer of `key` if it was gathered from `shard` as it is now (the same tensor, not
+        modified since: a step makes new shards, or bumps their version in place); a stale one is
+        dropped."""
+        entry = self._full.get(key)
+        if entry is None:
+            return None
+        if entry[1] is shard and entry[2] == shard._version:
+            return entry[0]
+        del self._full[key]
+        self.numel -= entry[0].numel()
+        return None
 
     def holds(self, key: Hashable) -> bool:
         return key in self._full
 
-    def offer(self, key: Hashable, full: torch.Tensor) -> None:
-        """Keep `full` if `key` is planned (the first forward gathers, the next ones read it)."""
+    def offer(self, key: Hashable, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Keep `full`, gathered from `shard`, if `key` is planned (the first forward gathers, the
+        next ones read it)."""
         if key in self.planned and key not in self._full:
-            self._full[key] = full
+            self._full[key] = (full, shard, shard._version)
             self.numel += full.numel()
 
-    def start(self, key: Hashable, pending: object) -> None:
-        """A gather started for the next forward, taken by `take_pending` there."""
-        self._pending[key] = pending
+    def start(self, key: Hashable, pending: object, shard: torch.Tensor) -> None:
+        """A gather of `shard` started for the next forward, taken by `take_pending` there."""
+        self._pending[key] = (pending, shard, shard._version)
         self.started += 1
 
-    def take_pending(self, key: Hashable):
-        return self._pending.pop(key, None)
+    def take_pending(self, key: Hashable, shard: torch.Tensor):
+        """The gather started for `key` from `shard` as it is now, else None (a stale one is waited:
+        every rank started it)."""
+        entry = self._pending.pop(key, None)
+        if entry is None:
+            return None
+        if entry[1] is shard and entry[2] == shard._version:
+            return entry[0]
+        entry[0].wait()
+        return None
 
     def is_pending(self, key: Hashable) -> bool:
         return key in self._pending
@@ -98,7 +119,7 @@ class HeldUnits:
         """Drop the held buffers; a gather started for a forward that never came is waited (every
         rank started it, so its collective completes) and dropped."""
         pending, self._pending = list(self._pending.values()), {}
-        for p in pending:
+        for p, *_ in pending:
             p.wait()
         self._full.clear()
         self.numel = 0

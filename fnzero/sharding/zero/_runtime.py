@@ -156,7 +156,7 @@ class ApplyRun:
         for unit, frozen in self.sharded_parts(nxt):
             rt = self._runtime(unit, frozen)
             if wrapped:  # the next forward's run takes it (`UnitRuntime.gather`)
-                held.start(rt.key, rt.start_gather())
+                held.start(rt.key, rt.start_gather(), rt.shard)
             else:
                 rt.pending = rt.start_gather()
 
