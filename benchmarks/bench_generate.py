@@ -11,6 +11,9 @@ gloo on loopback, 1 thread per process, glibc's mmap threshold fixed at 1 MiB so
 leave the process):
 
   hf       transformers' model.generate() in one process: from_pretrained(dir) (the baseline)
+  hf_2     the same in two processes at once, each the whole model and batch: what two readers of the
+           weights per token cost on this machine's shared memory bus (tensor parallelism's ceiling
+           is twice hf_2's tokens/s: each rank reads half the weights while the other reads the rest)
   z3_2     fnzero.generate at ZeRO-3 on 2 ranks    z3_4  the same on 4 ranks (the default
            max_live_parameters, DeepSpeed's 1e9: the whole model fits, gathered once per call)
   z3_2_q   z3_2 with max_live_parameters a quarter of the model: the units that fit held, the others
@@ -57,6 +60,7 @@ from _common import CpuMonitor, machine, proc_status as _status  # noqa: E402
 
 ROWS = {  # row: (processes, label)
     "hf": (1, "transformers generate(), 1 process"),
+    "hf_2": (2, "transformers generate() in 2 processes at once (the memory bus shared)"),
     "z3_2": (2, "fnzero ZeRO-3, 2 ranks"),
     "z3_4": (4, "fnzero ZeRO-3, 4 ranks"),
     "z3_2_q": (2, "fnzero ZeRO-3, 2 ranks, max_live_parameters a quarter of the model"),
@@ -141,7 +145,7 @@ def rank_main(row: str, pretrained: str, hf_dict: dict, ids, mask, new_tokens: i
     dist.barrier()
     base, t0 = _reset_peak(), time.perf_counter()
     out: dict = {}
-    if row == "hf":
+    if row in ("hf", "hf_2"):
         model = transformers.LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
         out.update(share=sum(p.numel() * p.element_size() for p in model.parameters()), largest_unit=0, root_unit=0,
                    largest_layer=0, held=0, streamed_unit=0)
@@ -289,7 +293,11 @@ def print_table(results: dict) -> None:
 
 def print_floors(results: dict, new_tokens: int) -> None:
     """Streaming rows: seconds per token against the larger of compute (hf's per token) and transfer."""
-    hf = results.get("hf")
+    hf, hf_2 = results.get("hf"), results.get("hf_2")
+    if hf is not None and hf_2 is not None:
+        print(f"two processes reading the whole model at once: {hf_2['tokens_per_s']:.1f} tokens/s each against "
+              f"{hf['tokens_per_s']:.1f} alone ({hf_2['tokens_per_s'] / hf['tokens_per_s']:.2f}x): tensor parallel 2's "
+              f"ceiling here is {2 * hf_2['tokens_per_s'] / hf['tokens_per_s']:.2f}x hf")
     for row, r in results.items():
         xfer = [x.get("transfer_s") for x in r["ranks"] if x.get("transfer_s") is not None]
         if not xfer or hf is None:
@@ -310,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--prompt", type=int, default=32, help="prompt length, padding included")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--rows", default="hf,z3_2,z3_4,z3_2_q,z3_2_stream,z3_2_root,tp2,z3_cpu,z3_nvme")
+    p.add_argument("--rows", default="hf,hf_2,z3_2,z3_4,z3_2_q,z3_2_stream,z3_2_root,tp2,z3_cpu,z3_nvme")
     p.add_argument("--dir", default=None, help="where the weight files go (default: a temp dir, removed)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="where z3_nvme keeps its scratch files")
     p.add_argument("--json", default=None, help="also write the rows to this file")
