@@ -48,7 +48,9 @@ class HeldUnits:
     def __init__(self, sizes: Sequence[tuple[Hashable, int]], budget: int):
         self.budget = int(budget)
         self.planned = plan_residency(sizes, self.budget)
+        self.order = [k for k, _ in sizes if k in self.planned]  # the planned keys in forward order
         self._all = frozenset(k for k, _ in sizes)
+        self._plans_all = self.planned == self._all
         # key -> (full buffer, the shard it was gathered from, that shard's version then)
         self._full: dict[Hashable, tuple[torch.Tensor, torch.Tensor, int]] = {}
         # key -> (a started gather (`Collectives.all_gather_async`), its shard, the shard's version)
@@ -56,7 +58,7 @@ class HeldUnits:
         self.numel = 0  # elements held now
         # Set by the decode loop before a forward known to be the last: no gather for a next one.
         self.last_forward = False
-        self.started = 0  # gathers started for a next forward (a count, for tests and benchmarks)
+        self.started = 0  # gathers started ahead of their forward (a count, for tests and benchmarks)
 
     @classmethod
     def for_plan(cls, plan, order: Sequence[str], config, budget: int | None) -> "HeldUnits":
@@ -71,7 +73,7 @@ class HeldUnits:
     @property
     def complete(self) -> bool:
         """Every sharded unit is held: a forward under this holder moves nothing."""
-        return self.planned == self._all and len(self._full) == len(self._all)
+        return self._plans_all and len(self._full) == len(self._all)
 
     def get(self, key: Hashable, shard: torch.Tensor) -> torch.Tensor | None:
         """The held buffer of `key` if it was gathered from `shard` as it is now (the same tensor, not

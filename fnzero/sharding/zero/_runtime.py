@@ -65,6 +65,8 @@ class ApplyRun:
         self.unit_compiler = context.unit_compiler
         # Units held gathered across the forwards of a decode (`_residency.py`): no-grad runs only.
         self.held = context.held if not torch.is_grad_enabled() else None
+        if self.held is not None:
+            self._start_planned()
         if context.step_runs is not None:
             context.step_runs.append(self)
 
@@ -120,6 +122,17 @@ class ApplyRun:
         return any(rt.packed for rt in (self.rts.get(name), self.frts.get(name)) if rt is not None)
 
     # -- prefetch ---------------------------------------------------------------------------------
+    def _start_planned(self) -> None:
+        """Under a holder, start at once the gathers of the planned units it does not hold yet, in
+        forward order: they fit the budget together, and the forward computes while the later
+        ones arrive (the first forward of a decode, or one after the shards changed)."""
+        held = self.held
+        for key in held.order:
+            name, frozen = key
+            if held.get(key, (self.frozen if frozen else self.params)[name]) is None and not held.is_pending(key):
+                rt = self._runtime(self.plan.frozen_unit(name) if frozen else self.plan.trainable_unit(name), frozen)
+                held.start(key, rt.start_gather(), rt.shard)
+
     def prefetch_forward(self, name: str) -> None:
         """Start gathering the unit that followed `name` in the last forward (both its parts); under
         a holder, the next one not held, into the next forward past the last unit."""
@@ -142,6 +155,8 @@ class ApplyRun:
         """`prefetch_forward` under a holder: held + the unit computing + the one fetched ahead stay
         within the holder's budget (`stage3_max_live_parameters`' meaning)."""
         held, order = self.held, self.schedule.forward_order
+        if held.complete:  # nothing left to fetch
+            return
 
         def skip(unit: str, wrapped: bool) -> bool:
             keys = [(u.name, f) for u, f in self.sharded_parts(unit)]
