@@ -18,7 +18,7 @@ import torch
 from ..._errors import ShardingError
 from ._plan import ROOT_UNIT
 
-__all__ = ["HeldUnits", "next_to_prefetch", "plan_residency", "residency_sizes"]
+__all__ = ["HeldUnits", "next_to_prefetch", "plan_residency", "prefetch_held", "residency_sizes", "start_planned"]
 
 
 def plan_residency(sizes: Sequence[tuple[Hashable, int]], budget: int) -> frozenset:
@@ -155,3 +155,44 @@ def residency_sizes(plan, order: Sequence[str]) -> list[tuple[tuple[str, bool], 
             if unit is not None and plan.params_sharded(unit):
                 out.append(((name, frozen), unit.padded_numel))
     return out
+
+
+# -- what an apply run does under a holder (`_runtime.ApplyRun`, which calls these with itself) --------
+def start_planned(run) -> None:
+    """Start at once the gathers of the planned units the run's holder does not hold yet, in forward
+    order: they fit the budget together, and the forward computes while the later ones arrive (the
+    first forward of a decode, or one after the shards changed)."""
+    held = run.held
+    for key in held.order:
+        name, frozen = key
+        if held.get(key, (run.frozen if frozen else run.params)[name]) is None and not held.is_pending(key):
+            rt = run._runtime(run.plan.frozen_unit(name) if frozen else run.plan.trainable_unit(name), frozen)
+            held.start(key, rt.start_gather(), rt.shard)
+
+
+def prefetch_held(run, name: str) -> None:
+    """`ApplyRun.prefetch_forward` under a holder: the next unit not held, past the last unit into the
+    next forward; held + the unit computing + the one fetched ahead stay within the budget."""
+    held, schedule = run.held, run.schedule
+    order = schedule.forward_order
+    if held.complete:  # nothing left to fetch
+        return
+
+    def keys(unit: str) -> list:
+        return [(u.name, f) for u, f in run.sharded_parts(unit)]
+
+    def skip(unit: str, wrapped: bool) -> bool:
+        return all(held.holds(k) for k in keys(unit)) or (not wrapped and (unit in run.rts or unit in run.frts))
+    first = order[0] if order and not held.last_forward else None  # None: no wrapping into a next forward
+    nxt, wrapped = next_to_prefetch(schedule.next_unit, first, name, len(order), skip)
+    if nxt is None or any(held.is_pending(k) for k in keys(nxt)):
+        return
+    n, streaming = run._numel(nxt), not all(held.holds(k) for k in keys(name))
+    if n > schedule.prefetch_numel or held.numel + (run._numel(name) if streaming else 0) + n > held.budget:
+        return
+    for unit, frozen in run.sharded_parts(nxt):
+        rt = run._runtime(unit, frozen)
+        if wrapped:  # the next forward's run takes it (`UnitRuntime.gather`)
+            held.start(rt.key, rt.start_gather(), rt.shard)
+        else:
+            rt.pending = rt.start_gather()

@@ -20,7 +20,7 @@ from ._gather import GatherSchedule, GatherUnit, Regather, UnitRuntime, unit_vie
 from ..comm import quantizing
 from ._param_store import NO_SOURCES, ShardSources
 from ._plan import ShardPlan, UnitPlan, comm_for
-from ._residency import next_to_prefetch
+from ._residency import prefetch_held, start_planned
 
 __all__ = ["ApplyRun", "GatherSchedule", "unit_views", "swap_tensors"]
 
@@ -66,7 +66,7 @@ class ApplyRun:
         # Units held gathered across the forwards of a decode (`_residency.py`): no-grad runs only.
         self.held = context.held if not torch.is_grad_enabled() else None
         if self.held is not None:
-            self._start_planned()
+            start_planned(self)
         if context.step_runs is not None:
             context.step_runs.append(self)
 
@@ -122,24 +122,13 @@ class ApplyRun:
         return any(rt.packed for rt in (self.rts.get(name), self.frts.get(name)) if rt is not None)
 
     # -- prefetch ---------------------------------------------------------------------------------
-    def _start_planned(self) -> None:
-        """Under a holder, start at once the gathers of the planned units it does not hold yet, in
-        forward order: they fit the budget together, and the forward computes while the later
-        ones arrive (the first forward of a decode, or one after the shards changed)."""
-        held = self.held
-        for key in held.order:
-            name, frozen = key
-            if held.get(key, (self.frozen if frozen else self.params)[name]) is None and not held.is_pending(key):
-                rt = self._runtime(self.plan.frozen_unit(name) if frozen else self.plan.trainable_unit(name), frozen)
-                held.start(key, rt.start_gather(), rt.shard)
-
     def prefetch_forward(self, name: str) -> None:
         """Start gathering the unit that followed `name` in the last forward (both its parts); under
         a holder, the next one not held, into the next forward past the last unit."""
         if self.schedule is None:
             return
         if self.held is not None:
-            self._prefetch_held(name)
+            prefetch_held(self, name)
             return
         nxt = self.schedule.next_unit(name)
         if nxt is None or nxt in self.rts or nxt in self.frts:
@@ -150,30 +139,6 @@ class ApplyRun:
         for unit, frozen in self.sharded_parts(nxt):
             rt = self._runtime(unit, frozen)
             rt.pending = rt.start_gather()
-
-    def _prefetch_held(self, name: str) -> None:
-        """`prefetch_forward` under a holder: held + the unit computing + the one fetched ahead stay
-        within the holder's budget (`stage3_max_live_parameters`' meaning)."""
-        held, order = self.held, self.schedule.forward_order
-        if held.complete:  # nothing left to fetch
-            return
-
-        def skip(unit: str, wrapped: bool) -> bool:
-            keys = [(u.name, f) for u, f in self.sharded_parts(unit)]
-            return all(held.holds(k) for k in keys) or (not wrapped and (unit in self.rts or unit in self.frts))
-        first = order[0] if order and not held.last_forward else None  # None: no wrapping into a next forward
-        nxt, wrapped = next_to_prefetch(self.schedule.next_unit, first, name, len(order), skip)
-        if nxt is None or any(held.is_pending((u.name, f)) for u, f in self.sharded_parts(nxt)):
-            return
-        n, streaming = self._numel(nxt), not all(held.holds((u.name, f)) for u, f in self.sharded_parts(name))
-        if n > self.schedule.prefetch_numel or held.numel + (self._numel(name) if streaming else 0) + n > held.budget:
-            return
-        for unit, frozen in self.sharded_parts(nxt):
-            rt = self._runtime(unit, frozen)
-            if wrapped:  # the next forward's run takes it (`UnitRuntime.gather`)
-                held.start(rt.key, rt.start_gather(), rt.shard)
-            else:
-                rt.pending = rt.start_gather()
 
     def prefetch_backward(self, name: str) -> None:
         """Start re-gathering the unit whose backward comes next: the one before `name` among the
