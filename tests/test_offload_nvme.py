@@ -18,6 +18,7 @@ import fnzero
 from fnzero import _ext
 from fnzero.offload import NvmeOptimizerStore, NvmeStoreError, stale_stores
 from fnzero.offload import _nvme
+from fnzero.offload._nvme_optimizer import StoreOptions
 
 NATIVE = [True, False] if _ext.available() else [False]
 BACKENDS = [pytest.param(True, id="native", marks=pytest.mark.skipif(not _ext.available(), reason="no C extension")),
@@ -337,3 +338,22 @@ def test_step_memory_is_bounded_by_the_buffers_not_the_shards(tmp_path):
     print(f"peak extra RSS {extra / 2**20:.1f} MiB, buffers {bound / 2**20:.1f} MiB, state {state_bytes / 2**20:.0f} MiB")
     assert extra < bound + (16 << 20), f"peak extra RSS {extra >> 20} MiB, buffers {bound >> 20} MiB"
     assert extra < state_bytes / 3, f"peak extra RSS {extra >> 20} MiB vs {state_bytes >> 20} MiB of state"
+
+
+def test_a_large_sub_group_size_stages_a_bounded_chunk_with_the_same_bits(tmp_path, monkeypatch):
+    """DeepSpeed's default sub_group_size (1e9) no longer stages whole units: a step streams chunks
+    of at most MAX_CHUNK elements (lowered to 1024 here to keep the test small; 4Mi in use), the
+    staging buffers hold that many per kind, and the results equal whole-unit updates bit for bit.
+    An optimizer whose state does not start at zero writes it at init a chunk at a time."""
+    monkeypatch.setattr(_nvme, "MAX_CHUNK", 1024)
+    run_both(str(tmp_path / "a"), "adam", [5000, 3, 2049], 10**9, 3, NATIVE[0], out_dtype=torch.bfloat16)
+    master = {"u": torch.randn(5000)}
+    with NvmeOptimizerStore.create(tmp_path / "b", master, sub_group_size=10**9, buffer_count=3) as s:
+        s.step({"u": torch.randn(5000)}, step=1, **ADAM)
+        assert s.chunk_elems == 1024 and {b.numel() for bufs in s._bufs for b in bufs.values()} == {1024}
+    opt = fnzero.offload.nvme_optimizer(fnzero.optim.adagrad(lr=0.1, initial_accumulator_value=0.25),
+                                        StoreOptions(directory=str(tmp_path / "c")))
+    state = opt.init({"u": torch.randn(5000)})
+    starts = [state.store.read("u", k) for k in state.store.kinds if k != "master"]
+    assert any(torch.equal(v, torch.full((5000,), 0.25)) for v in starts), starts
+    state.store.close()

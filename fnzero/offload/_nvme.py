@@ -32,6 +32,9 @@ OPTIMIZERS: dict[str, tuple[Callable[..., None], tuple[str, ...]]] = {
     "lion": (_ext.lion_step_, ("exp_avg",)),
 }
 _TAKES_STEP = {"adam", "adagrad"}  # lion's update does not depend on the step count
+# Elements per streamed chunk at most (16 MiB of fp32 per kind; a multiple of 1024, so transfers
+# stay O_DIRECT): DeepSpeed's default sub_group_size of 1e9 would stage whole units otherwise.
+MAX_CHUNK = 1 << 22
 
 class NvmeOptimizerStore(Updates, contextlib.AbstractContextManager):
     """Per-rank, file-backed optimizer state over flat fp32 shards (one per unit): `create` makes new
@@ -169,11 +172,17 @@ class NvmeOptimizerStore(Updates, contextlib.AbstractContextManager):
             self._pipeline(grads, outs, kw)
             self._manifest["step"] = int(step)
 
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per chunk a step streams: `sub_group_size`, at most `MAX_CHUNK` (the staging is
+        then bounded by the chunk, not by the largest unit; results do not depend on the chunking)."""
+        return min(self.sub_group_size, MAX_CHUNK)
+
     def _pipeline(self, grads: dict[str, torch.Tensor], outs: dict[str, torch.Tensor], kw: dict) -> None:
         """Chunk i lives in slot i % B from its read until its write completes, so at most B chunks
         are held: while chunk i computes, the reads of up to B-2 (B-1 once i-1's write lands) later
         chunks and the write of chunk i-1 are in flight."""
-        sg, nb = self.sub_group_size, self.buffer_count
+        sg, nb = self.chunk_elems, self.buffer_count
         chunks = [(name, s, min(sg, numel - s)) for name, (numel, _) in self._units.items() for s in range(0, numel, sg)]
         if not chunks:
             return
@@ -222,7 +231,7 @@ class NvmeOptimizerStore(Updates, contextlib.AbstractContextManager):
         # Kept between steps (like DeepSpeed's pinned swap buffers): B x cap x 4 bytes per state kind.
         if self._bufs is None:
             biggest = max((numel for numel, _ in self._units.values()), default=0)
-            cap = _round_up(max(1, min(self.sub_group_size, biggest)), _PAGE_ELEMS)
+            cap = _round_up(max(1, min(self.chunk_elems, biggest)), _PAGE_ELEMS)
             self._bufs = [{k: _ext.aligned_empty(cap) for k in self.kinds} for _ in range(self.buffer_count)]
             self._gbuf = torch.empty(cap, dtype=torch.float32)
         return self._bufs
@@ -245,17 +254,21 @@ class NvmeOptimizerStore(Updates, contextlib.AbstractContextManager):
             self._handles[which].pread(flat_cpu(unit, "out", out), off)
         return out
 
-    def write(self, unit: str, which: str, value: torch.Tensor) -> None:
-        """Replace the unit's `which` with `value` (any float dtype and shape, `numel` elements)."""
+    def write(self, unit: str, which: str, value: torch.Tensor, start: int | None = None) -> None:
+        """Replace the unit's `which` with `value` (any float dtype and shape, `numel` elements), or,
+        with `start`, its `value.numel()` elements from element `start` on."""
         self._check_usable("write", write=True)
         numel, off = self._where(unit, which)
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != numel:
-            raise ValueError(f"NvmeOptimizerStore.write: value must be a float tensor of {numel} elements")
+        ok = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if not ok or (value.numel() != numel if start is None else start < 0 or start + value.numel() > numel):
+            want = f"{numel} elements" if start is None else f"at most {numel} - start elements"
+            raise ValueError(f"NvmeOptimizerStore.write: value must be a float tensor of {want}")
+        off += (start or 0) * _ELEM
         value = value.detach().to("cpu", torch.float32).contiguous().reshape(-1)
         self._check_files()
         with self.updating("write", self._manifest["step"]):
             try:
-                if numel:
+                if value.numel():
                     self._handles[which].pwrite(value, off)
             finally:
                 self._drain()

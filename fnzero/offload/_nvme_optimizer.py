@@ -91,11 +91,12 @@ def nvme_optimizer(inner: Optimizer, store: StoreOptions | None = None, label: s
         # Scratch files of this run: removed when the process ends (a killed process leaves them;
         # fnzero.offload.stale_stores finds and removes those).
         atexit.register(s.close)
-        for unit, t in flat.items():  # a state that does not start at zero (the files do), one unit at a time
-            chunks, _ = layout.chunk_parts(inner.init({CHUNK: t}))
-            for kind, value in chunks.items():
-                if value.any():
-                    s.write(unit, kind, value)
+        for unit, t in flat.items():  # a state that does not start at zero (the files do), a chunk at a time
+            for start in range(0, t.numel(), s.chunk_elems):
+                chunks, _ = layout.chunk_parts(inner.init({CHUNK: t[start:start + s.chunk_elems]}))
+                for kind, value in chunks.items():
+                    if value.any():
+                        s.write(unit, kind, value, start=start)
         return NvmeOptState(count=torch.zeros((), dtype=torch.int64), store=s, resident=resident, layout=layout)
 
     def update_(grads, opt_state: NvmeOptState, params, lr=None, *, momentum=None, **extras):

@@ -156,26 +156,28 @@ def _params_and_optimizer(sm, initial: dict[str, torch.Tensor], opt):
     the optimizer state over what this rank updates (`optimizer_view`)."""
     plan, rank = sm.plan, sm.comm.rank
     cd = sm.policy.compute_dtype or plan.param_dtype
-    params = {name: t.to(cd) for name, t in initial.items()}
     offload, params_on_nvme = sm.policy.offload_optimizer, sm.policy.offload_param == "nvme"
     if offload == "nvme":
         opt_state = opt.init(optimizer_view(plan, rank, initial, elementwise=True))  # files under nvme_path
         if params_on_nvme:
             # The store's master file holds every trainable shard already (fp32), so the shards are
             # read from it when gathered (`sharding/zero/_param_store.py`): one copy on disk, and no copy-out in
-            # the step; the frozen ones, which no optimizer holds, go to a parameter store.
+            # the step; the frozen ones, which no optimizer holds, go to a parameter store. No
+            # compute-dtype copy is made of a shard that lives on disk (2Ψ/N bytes at 16 bits).
             params = {
-                u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params else params[u.name]
-                for u in plan.units
+                u.name: placeholder(u.shard_numel, cd, sm.sharding.device) if u.placement.params
+                else initial[u.name].to(cd) for u in plan.units
             }
             opt_state = dataclasses.replace(opt_state, holds_params=True)
             sm.read_shards_from(params=ShardSource(opt_state.store, "master"))
             store_shards(sm)
-        return params, None, opt_state  # the master is on disk, with the moments
+            return params, None, opt_state
+        return {name: t.to(cd) for name, t in initial.items()}, None, opt_state  # the master is on disk
     # A separate fp32 master copy exists for 16-bit training, for offload when the parameters live
     # on an accelerator (the master then stays on the host), and when the parameters live in files
     # (`offload_param: nvme`: the optimizer updates its own copy, and the step writes the new
     # parameters into their files).
+    params = {name: t.to(cd) for name, t in initial.items()}
     separate_master = cd != plan.param_dtype or cd in (torch.float16, torch.bfloat16) or params_on_nvme
     separate_master = separate_master or (offload is not None and sm.sharding.device.type != "cpu")
     if not separate_master:
