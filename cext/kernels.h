@@ -8,6 +8,10 @@
 
 #include <stdint.h>
 
+/* Elements per tile from which the AVX-512 Adam loop writes its 16-bit copy-out with non-temporal
+ * stores (2 MiB of output: past what a core's caches would keep for the next reader anyway). */
+#define FNZ_NT_MIN ((int64_t)1 << 20)
+
 enum { FNZ_K_ADAM = 0, FNZ_K_ADAGRAD = 1, FNZ_K_LION = 2, FNZ_K_TO16 = 3, FNZ_K_COUNT = 4 };
 
 typedef struct fnz_coef {

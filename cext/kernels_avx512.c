@@ -2,6 +2,8 @@
  * reference has no FMA and every level must match it bit for bit). Compiled for the baseline
  * ISA with a per-file target pragma, and only called after cpuid said the CPU has AVX-512F, so the
  * shipped library runs anywhere (no -march=native). Tails go to the scalar loop. */
+#include <stdint.h>
+
 #include "cpu_adam.h"
 #include "kernels.h"
 
@@ -14,10 +16,16 @@
 #endif
 #include <immintrin.h>
 
-static inline void store16(uint16_t *o, __m512 x, int kind) {
+/* 16 results to 16-bit at o. `nt`: a non-temporal store (o 32-byte aligned), which skips reading
+ * the destination line in before writing it: 2 of the fused pass's 32 bytes per element. */
+static inline __attribute__((always_inline)) void put16(uint16_t *o, __m256i h, int nt) {
+    if (nt) _mm256_stream_si256((__m256i *)o, h);
+    else _mm256_storeu_si256((__m256i *)o, h);
+}
+
+static inline __attribute__((always_inline)) void store16(uint16_t *o, __m512 x, int kind, int nt) {
     if (kind == FNZ_OUT_FP16) {
-        _mm256_storeu_si256((__m256i *)o,
-                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        put16(o, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nt);
     } else { /* bf16: u + 0x7FFF + lsb, >> 16, NaN -> 0x7FC0, as fnz_f32_to_bf16 */
         __m512i u = _mm512_castps_si512(x);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -25,7 +33,7 @@ static inline void store16(uint16_t *o, __m512 x, int kind) {
         r = _mm512_srli_epi32(r, 16);
         __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-        _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(r)); /* lanes <= 0xFFFF */
+        put16(o, _mm512_cvtepi32_epi16(r), nt); /* lanes <= 0xFFFF */
     }
 }
 
@@ -38,7 +46,7 @@ typedef struct adam_v {
  * memory requests outstanding (measured ~7-20% on 2 threads, where the loop is memory-bound). */
 static inline __attribute__((always_inline)) void adam16(const adam_v *k, int l2, int out_kind, float *p,
                                                           const float *g, float *m, float *v,
-                                                          uint16_t *o, int64_t i) {
+                                                          uint16_t *o, int64_t i, int nt) {
     __m512 pi = _mm512_loadu_ps(p + i);
     __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), k->gs);
     if (l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(k->wd, pi));
@@ -52,7 +60,20 @@ static inline __attribute__((always_inline)) void adam16(const adam_v *k, int l2
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
     _mm512_storeu_ps(p + i, pi);
-    if (o) store16(o + i, pi, out_kind);
+    if (o) store16(o + i, pi, out_kind, nt);
+}
+
+static inline __attribute__((always_inline)) int64_t adam_loop(const adam_v *k, int l2, int kind, float *p,
+                                                                const float *g, float *m, float *v,
+                                                                uint16_t *o, int64_t i, int64_t n, int nt) {
+    for (; i + 64 <= n; i += 64) {
+        adam16(k, l2, kind, p, g, m, v, o, i, nt);
+        adam16(k, l2, kind, p, g, m, v, o, i + 16, nt);
+        adam16(k, l2, kind, p, g, m, v, o, i + 32, nt);
+        adam16(k, l2, kind, p, g, m, v, o, i + 48, nt);
+    }
+    for (; i + 16 <= n; i += 16) adam16(k, l2, kind, p, g, m, v, o, i, nt);
+    return i;
 }
 
 static int64_t adam(const fnz_coef *c, float *p, const float *g, float *m, float *v,
@@ -61,15 +82,17 @@ static int64_t adam(const fnz_coef *c, float *p, const float *g, float *m, float
                       _mm512_set1_ps(c->omb1), _mm512_set1_ps(c->b2), _mm512_set1_ps(c->omb2),
                       _mm512_set1_ps(c->inv_bc2s), _mm512_set1_ps(c->eps), _mm512_set1_ps(c->neg_lr)};
     const int l2 = c->l2, kind = c->out_kind;
-    int64_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        adam16(&k, l2, kind, p, g, m, v, o, i);
-        adam16(&k, l2, kind, p, g, m, v, o, i + 16);
-        adam16(&k, l2, kind, p, g, m, v, o, i + 32);
-        adam16(&k, l2, kind, p, g, m, v, o, i + 48);
+    /* A 16-bit copy-out larger than the caches is written with non-temporal stores after a scalar
+     * head that aligns it to a cache line (the same bits: every level computes each element alike);
+     * a small one is better left in cache for whoever reads it next. */
+    if (o && n >= FNZ_NT_MIN && ((uintptr_t)o & 1) == 0) {
+        int64_t head = (int64_t)((64 - ((uintptr_t)o & 63)) & 63) / 2;
+        fnz_loop_scalar(FNZ_K_ADAM, c, p, g, m, v, o, head);
+        int64_t i = adam_loop(&k, l2, kind, p, g, m, v, o, head, n, 1);
+        _mm_sfence(); /* the streamed lines are visible before this tile is reported done */
+        return i;
     }
-    for (; i + 16 <= n; i += 16) adam16(&k, l2, kind, p, g, m, v, o, i);
-    return i;
+    return adam_loop(&k, l2, kind, p, g, m, v, o, 0, n, 0);
 }
 
 static int64_t adagrad(const fnz_coef *c, float *p, const float *g, float *s, uint16_t *o,
@@ -86,7 +109,7 @@ static int64_t adagrad(const fnz_coef *c, float *p, const float *g, float *s, ui
         pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nlr, gi), denom));
         _mm512_storeu_ps(s + i, si);
         _mm512_storeu_ps(p + i, pi);
-        if (o) store16(o + i, pi, c->out_kind);
+        if (o) store16(o + i, pi, c->out_kind, 0);
     }
     return i;
 }
@@ -110,7 +133,7 @@ static int64_t lion(const fnz_coef *c, float *p, const float *g, float *m, uint1
         __m512 pi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), decay), _mm512_mul_ps(nlr, u));
         _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_mul_ps(mi, b2), _mm512_mul_ps(gi, omb2)));
         _mm512_storeu_ps(p + i, pi);
-        if (o) store16(o + i, pi, c->out_kind);
+        if (o) store16(o + i, pi, c->out_kind, 0);
     }
     return i;
 }
@@ -136,7 +159,7 @@ void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, floa
     case FNZ_K_ADAGRAD: i = adagrad(c, p, g, s1, o, n); break;
     case FNZ_K_LION: i = lion(c, p, g, s1, o, n); break;
     case FNZ_K_TO16:
-        for (; i + 16 <= n; i += 16) store16(o + i, _mm512_loadu_ps(p + i), c->out_kind);
+        for (; i + 16 <= n; i += 16) store16(o + i, _mm512_loadu_ps(p + i), c->out_kind, 0);
         break;
     default: return;
     }

@@ -120,6 +120,30 @@ def test_out16_equals_torch_conversion(level, dtype):
     assert torch.equal(out, p.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shift", [0, 1, 13])
+def test_a_large_copy_out_streamed_past_the_cache_has_every_levels_bits(dtype, shift):
+    """From 2^20 elements per tile the AVX-512 loop writes the 16-bit copy-out with non-temporal
+    stores after a scalar head that aligns it to a cache line: the copy-out still equals torch's
+    conversion of the new parameters, and parameters and moments every level's, for an output
+    `shift` elements past an aligned address, on one thread and two (two tiles)."""
+    n = (2 << 20) + 37
+    for threads in (1, 2):
+        results = []
+        for level in LEVELS:
+            gen = torch.Generator().manual_seed(5)
+            p, g = torch.randn(n, generator=gen) * 10, torch.randn(n, generator=gen)
+            m, v = torch.zeros(n), torch.zeros(n)
+            buf = torch.empty(n + 64, dtype=dtype)
+            out = buf[shift:shift + n]
+            with level_ctx(level):
+                _ext.adam_step_(p, g, m, v, step=1, lr=1e-3, out16=out, num_threads=threads)
+            assert torch.equal(out, p.to(dtype)), (level, threads)
+            results.append((p, m, v))
+        for level, got in zip(LEVELS, results):
+            assert all(torch.equal(a, b) for a, b in zip(got, results[0])), (level, threads)
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_conversion_edge_values(level, dtype):

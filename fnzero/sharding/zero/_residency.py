@@ -16,6 +16,7 @@ from typing import Hashable, Sequence
 import torch
 
 from ..._errors import ShardingError
+from ._param_store import is_placeholder
 from ._plan import ROOT_UNIT
 
 __all__ = ["HeldUnits", "next_to_prefetch", "plan_residency", "prefetch_held", "residency_sizes", "start_planned"]
@@ -165,7 +166,12 @@ def start_planned(run) -> None:
     held = run.held
     for key in held.order:
         name, frozen = key
-        if held.get(key, (run.frozen if frozen else run.params)[name]) is None and not held.is_pending(key):
+        shard = (run.frozen if frozen else run.params)[name]
+        # A shard read from a store (`offload_param: nvme`) is read when its gather starts and kept by
+        # it until it completes: started together, every shard would be in memory at once.
+        if is_placeholder(shard):
+            continue
+        if held.get(key, shard) is None and not held.is_pending(key):
             rt = run._runtime(run.plan.frozen_unit(name) if frozen else run.plan.trainable_unit(name), frozen)
             held.start(key, rt.start_gather(), rt.shard)
 
