@@ -23,7 +23,7 @@
 #include "cpu_adam.h"
 #include "kernels.h"
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 #define MIN_TILE 65536 /* elements per thread at least: below this threads cost more than they give */
 #define MAX_THREADS 256
 
@@ -71,9 +71,9 @@ typedef struct tile {
 static void run_tile(const tile *t) {
     if (t->n <= 0) return;
     if (t->kind < 0) { /* the STREAM reference */
-        if (t->simd == FNZ_SIMD_AVX512) fnz_stream_avx512(t->p, t->g, t->s1, t->s2, t->n);
-        else if (t->simd == FNZ_SIMD_AVX2) fnz_stream_avx2(t->p, t->g, t->s1, t->s2, t->n);
-        else fnz_loop_stream(t->p, t->g, t->s1, t->s2, t->n);
+        if (t->simd == FNZ_SIMD_AVX512) fnz_stream_avx512(t->p, t->g, t->s1, t->s2, t->o, t->n);
+        else if (t->simd == FNZ_SIMD_AVX2) fnz_stream_avx2(t->p, t->g, t->s1, t->s2, t->o, t->n);
+        else fnz_loop_stream(t->p, t->g, t->s1, t->s2, t->o, t->n);
     } else if (t->simd == FNZ_SIMD_AVX512) {
         fnz_loop_avx512(t->kind, t->c, t->p, t->g, t->s1, t->s2, t->o, t->n);
     } else if (t->simd == FNZ_SIMD_AVX2) {
@@ -272,5 +272,12 @@ int fnz_stream_adam_shape(float *a, const float *b, float *c, float *d, int64_t 
                           int num_threads, int thread_pool) {
     if (n < 0 || (n > 0 && (!a || !b || !c || !d))) return FNZ_EINVAL;
     run_split(-1, fnz_simd_best(), NULL, a, b, c, d, NULL, n, num_threads, thread_pool);
+    return FNZ_OK;
+}
+
+int fnz_stream_adam_shape16(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n,
+                            int num_threads, int thread_pool) {
+    if (n < 0 || (n > 0 && (!a || !b || !c || !d || !o))) return FNZ_EINVAL;
+    run_split(-1, fnz_simd_best(), NULL, a, b, c, d, o, n, num_threads, thread_pool);
     return FNZ_OK;
 }

@@ -106,5 +106,9 @@ uint32_t fnz_crc32(uint32_t crc, const void *buf, int64_t n, int simd);
  * 28 bytes per element) with trivial arithmetic: the bandwidth ceiling for the benchmark. */
 int fnz_stream_adam_shape(float *a, const float *b, float *c, float *d, int64_t n,
                           int num_threads, int thread_pool);
+/* The same with a 16-bit copy of each new a into o (30 bytes per element), written as the fused
+ * Adam pass writes its copy-out: the reference for that pass (since ABI 4). */
+int fnz_stream_adam_shape16(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n,
+                            int num_threads, int thread_pool);
 
 #endif

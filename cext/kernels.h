@@ -36,10 +36,11 @@ void fnz_loop_avx2(int kind, const fnz_coef *c, float *p, const float *g, float 
                    float *s2, uint16_t *o, int64_t n);
 void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
                      float *s2, uint16_t *o, int64_t n);
-/* The benchmark's STREAM-like reference (cpu_adam.h: fnz_stream_adam_shape), per level. */
-void fnz_loop_stream(float *a, const float *b, float *c, float *d, int64_t n);
-void fnz_stream_avx2(float *a, const float *b, float *c, float *d, int64_t n);
-void fnz_stream_avx512(float *a, const float *b, float *c, float *d, int64_t n);
+/* The benchmark's STREAM-like reference (cpu_adam.h: fnz_stream_adam_shape), per level; o, when
+ * not NULL, takes the top 16 bits of each new a (fnz_stream_adam_shape16: 30 bytes per element). */
+void fnz_loop_stream(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n);
+void fnz_stream_avx2(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n);
+void fnz_stream_avx512(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n);
 
 /* Scalar conversions (shared by every ISA for tails). */
 uint16_t fnz_f32_to_bf16(float f);

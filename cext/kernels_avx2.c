@@ -100,16 +100,22 @@ static int64_t lion(const fnz_coef *c, float *p, const float *g, float *m, uint1
 }
 
 /* The STREAM-like reference (see fnz_loop_stream), vectorised at this level. */
-void fnz_stream_avx2(float *a, const float *b, float *c, float *d, int64_t n) {
+void fnz_stream_avx2(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n) {
     const __m256 k1 = _mm256_set1_ps(0.5f), k2 = _mm256_set1_ps(0.9f), k3 = _mm256_set1_ps(0.99f);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 bi = _mm256_loadu_ps(b + i);
-        _mm256_storeu_ps(a + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_mul_ps(k1, bi)));
+        __m256 ai = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_mul_ps(k1, bi));
+        _mm256_storeu_ps(a + i, ai);
+        if (o) { /* top halves, packed (each <= 0xFFFF, so the unsigned saturation is exact) */
+            __m256i r = _mm256_srli_epi32(_mm256_castps_si256(ai), 16);
+            __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+            _mm_storeu_si128((__m128i *)(o + i), h);
+        }
         _mm256_storeu_ps(c + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(c + i), k2), bi));
         _mm256_storeu_ps(d + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(d + i), k3), bi));
     }
-    fnz_loop_stream(a + i, b + i, c + i, d + i, n - i);
+    fnz_loop_stream(a + i, b + i, c + i, d + i, o ? o + i : 0, n - i);
 }
 
 void fnz_loop_avx2(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
@@ -136,8 +142,8 @@ void fnz_loop_avx2(int kind, const fnz_coef *c, float *p, const float *g, float 
 #endif
 
 #else /* not x86: never dispatched to (fnz_simd_supported says no) */
-void fnz_stream_avx2(float *a, const float *b, float *c, float *d, int64_t n) {
-    fnz_loop_stream(a, b, c, d, n);
+void fnz_stream_avx2(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n) {
+    fnz_loop_stream(a, b, c, d, o, n);
 }
 void fnz_loop_avx2(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
                    float *s2, uint16_t *o, int64_t n) {

@@ -139,16 +139,31 @@ static int64_t lion(const fnz_coef *c, float *p, const float *g, float *m, uint1
 }
 
 /* The STREAM-like reference (see fnz_loop_stream), vectorised at this level. */
-void fnz_stream_avx512(float *a, const float *b, float *c, float *d, int64_t n) {
+static inline __attribute__((always_inline)) int64_t stream_loop(float *a, const float *b, float *c, float *d,
+                                                                   uint16_t *o, int64_t i, int64_t n, int nt) {
     const __m512 k1 = _mm512_set1_ps(0.5f), k2 = _mm512_set1_ps(0.9f), k3 = _mm512_set1_ps(0.99f);
-    int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         __m512 bi = _mm512_loadu_ps(b + i);
-        _mm512_storeu_ps(a + i, _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_mul_ps(k1, bi)));
+        __m512 ai = _mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_mul_ps(k1, bi));
+        _mm512_storeu_ps(a + i, ai);
+        if (o) put16(o + i, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(ai), 16)), nt);
         _mm512_storeu_ps(c + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(c + i), k2), bi));
         _mm512_storeu_ps(d + i, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(d + i), k3), bi));
     }
-    fnz_loop_stream(a + i, b + i, c + i, d + i, n - i);
+    return i;
+}
+
+void fnz_stream_avx512(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n) {
+    int64_t i;
+    if (o && n >= FNZ_NT_MIN && ((uintptr_t)o & 1) == 0) { /* the 16-bit stream as the Adam loop writes it */
+        int64_t head = (int64_t)((64 - ((uintptr_t)o & 63)) & 63) / 2;
+        fnz_loop_stream(a, b, c, d, o, head);
+        i = stream_loop(a, b, c, d, o, head, n, 1);
+        _mm_sfence();
+    } else {
+        i = stream_loop(a, b, c, d, o, 0, n, 0);
+    }
+    fnz_loop_stream(a + i, b + i, c + i, d + i, o ? o + i : 0, n - i);
 }
 
 void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
@@ -175,8 +190,8 @@ void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, floa
 #endif
 
 #else /* not x86: never dispatched to (fnz_simd_supported says no) */
-void fnz_stream_avx512(float *a, const float *b, float *c, float *d, int64_t n) {
-    fnz_loop_stream(a, b, c, d, n);
+void fnz_stream_avx512(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n) {
+    fnz_loop_stream(a, b, c, d, o, n);
 }
 void fnz_loop_avx512(int kind, const fnz_coef *c, float *p, const float *g, float *s1,
                    float *s2, uint16_t *o, int64_t n) {

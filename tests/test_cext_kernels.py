@@ -144,6 +144,20 @@ def test_a_large_copy_out_streamed_past_the_cache_has_every_levels_bits(dtype, s
             assert all(torch.equal(a, b) for a, b in zip(got, results[0])), (level, threads)
 
 
+@pytest.mark.skipif(not _ext.available(), reason="no C extension")
+def test_the_stream_reference_with_a_16bit_copy_moves_what_it_says():
+    """bench_cpu_adam's reference for the fused pass: a += b/2 (and c, d), and the top half of each
+    new a in the 16-bit output, past the streamed-store threshold and misaligned, on two tiles."""
+    n = (2 << 20) + 5
+    gen = torch.Generator().manual_seed(0)
+    a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
+    want = a + 0.5 * b
+    out = torch.empty(n + 8, dtype=torch.bfloat16)[3:n + 3]
+    _ext.stream_adam_shape_(a, b, c, d, out16=out, num_threads=2)
+    assert torch.equal(a, want)
+    assert torch.equal(out.view(torch.int16), (want.view(torch.int32) >> 16).to(torch.int16))
+
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_conversion_edge_values(level, dtype):

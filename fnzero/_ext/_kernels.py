@@ -202,13 +202,20 @@ def to_16bit(src: torch.Tensor, out16: torch.Tensor, *, use_cext: bool | None = 
     return out16
 
 
-def stream_adam_shape_(a, b, c, d, *, num_threads: int = 1, thread_pool: bool = True) -> None:
-    """The benchmark's bandwidth reference: Adam-shaped traffic (28 bytes/element), trivial math."""
-    n = _check("stream_adam_shape_", {"a": a, "b": b, "c": c, "d": d}, None)
+def stream_adam_shape_(a, b, c, d, *, out16=None, num_threads: int = 1, thread_pool: bool = True) -> None:
+    """The benchmark's bandwidth reference: Adam-shaped traffic (28 bytes/element), trivial math; with
+    `out16` (a 16-bit tensor), also the top half of each new `a` into it (30 bytes/element), written
+    as the fused Adam pass writes its copy-out."""
+    n = _check("stream_adam_shape_", {"a": a, "b": b, "c": c, "d": d}, out16)
     if not _lib.available():
         raise ValueError(f"stream_adam_shape_: the C extension is unavailable: {_lib.reason}")
-    _raise("stream_adam_shape_", _lib.lib.fnz_stream_adam_shape(_fp(a), _fp(b), _fp(c), _fp(d), n, num_threads,
-                                                                        int(bool(thread_pool))))
+    threads, pool = num_threads, int(bool(thread_pool))
+    if out16 is None:
+        rc = _lib.lib.fnz_stream_adam_shape(_fp(a), _fp(b), _fp(c), _fp(d), n, threads, pool)
+    else:
+        o = _lib.ffi.cast("uint16_t *", out16.data_ptr())
+        rc = _lib.lib.fnz_stream_adam_shape16(_fp(a), _fp(b), _fp(c), _fp(d), o, n, threads, pool)
+    _raise("stream_adam_shape_", rc)
 
 
 def crc32(buf, crc: int = 0) -> int:

@@ -26,7 +26,7 @@ else:
     except ImportError as e:  # not built (no compiler at install) or built for another Python
         reason = f"not built ({e}); reinstall with a C compiler to get it"
 
-ABI_VERSION = 3  # 2: fnz_fused.thread_pool, fnz_cpu_thread_pool; 3: fnz_crc32
+ABI_VERSION = 4  # 2: fnz_fused.thread_pool, fnz_cpu_thread_pool; 3: fnz_crc32; 4: fnz_stream_adam_shape16
 if lib is not None and lib.fnz_cpu_abi_version() != ABI_VERSION:
     reason = f"ABI version {lib.fnz_cpu_abi_version()} != {ABI_VERSION} expected; rebuild it"
     ffi = lib = None
