@@ -174,3 +174,23 @@ def test_an_enclosing_holding_serves_every_call_until_the_params_change():
     for counts, tokens, fresh, units in simulated_world(2).run(rank):
         assert counts == [units, 0, units]
         assert torch.equal(tokens[0], tokens[1]) and torch.equal(tokens[2], fresh)
+
+
+def test_with_tensor_parallelism_the_other_data_parallel_groups_idle():
+    """dp2 x tp2 at stage 3: the tensor-parallel group of data-parallel rank 0 decodes (its tp ranks
+    hold different slices, so both compute); the other group runs the prompt's forward only and
+    takes the tokens. transformers' tokens on every rank."""
+    eos, want, _ = reference("llama")
+    cfg = config(4, tp=2)
+
+    def rank(comm):
+        sm = fnzero.shard(build("llama"), config=cfg, comm=comm)
+        state = sm.init_state()
+        forwards = []
+        sm.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+        tokens = fnzero.generate(sm, state, IDS, MASK, max_new_tokens=NEW, eos_token_id=eos)
+        return tokens, len(forwards), sm.comm.rank
+
+    for r, (tokens, ran, dp_rank) in enumerate(simulated_world(4).run(rank)):
+        assert torch.equal(tokens, want), r
+        assert ran == (want.shape[1] - IDS.shape[1] if dp_rank == 0 else 1), (r, dp_rank, ran)

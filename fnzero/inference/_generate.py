@@ -172,13 +172,14 @@ def _full_vocab(sm, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _may_idle(sm, held) -> bool:
-    """Whether this rank may skip the forwards after the prompt's: it does not choose the tokens,
-    and the chooser's forwards need no collective (every unit held, no tensor or expert
-    parallelism), so its forward would only repeat the chooser's work. On a shared memory bus
-    (processes on one host) a second reader of the whole model per token slows the chooser's."""
-    if all(g.rank == 0 for g in _groups(sm)) or not held.complete:
+    """Whether this rank may skip the forwards after the prompt's: it is not on the data-parallel
+    rank that chooses the tokens, and the forwards need no data-parallel collective (every unit
+    held, no expert-parallel units), so its forward would only repeat that rank's work (with tensor
+    parallelism, its whole tensor-parallel group idles alike). On a shared memory bus a second
+    reader of the whole model per token slows the chooser's."""
+    if sm.comm.rank == 0 or not held.complete:
         return False
-    return (sm.tp is None or sm.tp.size == 1) and not any(u.is_expert for u in sm.plan.units)
+    return not any(u.is_expert for u in sm.plan.units)
 
 
 def _agreed_tokens(sm, logits: torch.Tensor | None, batch: int, device: torch.device, settings: GenerationSettings,
