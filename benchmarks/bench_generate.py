@@ -199,7 +199,7 @@ def row_budget(row: str, sm) -> int | None:
     from fnzero.sharding.zero import residency_sizes
 
     if row == "z3_2_q":
-        return sum(n for _, n in residency_sizes(sm.plan, [])) // 4
+        return sum(n for _, n in residency_sizes(sm.plan)) // 4
     return 0 if row == "z3_2_stream" else None
 
 
@@ -208,7 +208,7 @@ def _held_and_streamed(sm, budget: int | None) -> tuple[list, list]:
 
     if budget is None:
         budget = sm.config.zero_optimization.stage3_max_live_parameters
-    sizes = residency_sizes(sm.plan, [])
+    sizes = residency_sizes(sm.plan)
     held = plan_residency(sizes, budget)
     return [n for k, n in sizes if k in held], [n for k, n in sizes if k not in held]
 

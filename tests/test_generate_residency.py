@@ -47,14 +47,14 @@ def test_units_move_once_per_call_when_they_fit_and_per_token_when_streamed(kind
     """Default budget (the config's 1e9): every unit all-gathered exactly once in a call (it was
     once per token); budget 0: once per token, as before holding; 3/4 of the model: the
     held units once, the others per token. Greedy tokens equal transformers' in all three; with
-    every unit held, the ranks that do not choose the tokens skip the forwards after the prompt's."""
+    every unit held, the ranks that do not choose the tokens run no forward."""
     eos, want, _ = reference(kind)
     cfg = config(world)
 
     def rank(comm):
         sm = fnzero.shard(build(kind), config=cfg, comm=comm)
         state = sm.init_state()
-        sizes = residency_sizes(sm.plan, [])
+        sizes = residency_sizes(sm.plan)
         total = sum(n for _, n in sizes)
         out, forwards = {}, []
         sm.module.register_forward_pre_hook(lambda *_: forwards.append(1))
@@ -71,8 +71,9 @@ def test_units_move_once_per_call_when_they_fit_and_per_token_when_streamed(kind
         forwards = want.shape[1] - IDS.shape[1]  # one forward per new token
         for budget, (tokens, gathers, ran) in out.items():
             assert torch.equal(tokens, want), f"rank {r}, budget {budget}"
-            # With every unit held, only rank 0 (the chooser) runs the forwards after the prompt's.
-            assert ran == (1 if budget is None and r > 0 else forwards), (r, budget, ran)
+            # With every unit held, only rank 0 (the chooser) runs forwards: the others make the
+            # prompt's gathers without one.
+            assert ran == (0 if budget is None and r > 0 else forwards), (r, budget, ran)
         assert sorted(out[None][1]) == sorted(shards.values())
         assert len(out[0][1]) == forwards * len(shards)
         part = 3 * sum(n for _, n in sizes) // 4
@@ -91,12 +92,12 @@ def test_holding_frees_on_exit_and_on_error_and_holds_nothing_with_grad():
     def rank(comm):
         sm = fnzero.shard(build("llama"), config=cfg, comm=comm)
         params = sm.init_state().params
-        units = len(residency_sizes(sm.plan, []))
+        units = len(residency_sizes(sm.plan))
         with sm.holding() as held, count_collectives(sm) as c:
             with torch.no_grad():
                 a = sm.apply(params, x).logits
                 b = sm.apply(params, x).logits
-            assert held.numel == sum(n for _, n in residency_sizes(sm.plan, []))
+            assert held.numel == sum(n for _, n in residency_sizes(sm.plan))
             sm.apply(params, x).logits.sum()  # with grad: gathered again
         no_grad_then_grad = len(_unit_gathers(c))
         assert held.numel == 0
@@ -127,7 +128,7 @@ def test_streamed_units_are_fetched_ahead_across_forwards_and_give_the_same_logi
     def rank(comm):
         sm = fnzero.shard(make(), config=cfg, comm=comm)
         params = sm.init_state().params
-        sizes = residency_sizes(sm.plan, [])
+        sizes = residency_sizes(sm.plan)
         budget = sum(n for _, n in sizes) - 5 * max(n for _, n in sizes) // 2
         outs = []
         with torch.no_grad(), count_collectives(sm) as c, sm.holding(budget) as held:
@@ -157,7 +158,7 @@ def test_an_enclosing_holding_serves_every_call_until_the_params_change():
         sm = fnzero.shard(build("llama"), config=cfg, comm=comm)
         state = sm.init_state()
         step = fnzero.train_step(lambda p, b: sm.apply(p, b[:, :-1]).logits.float().logsumexp(-1).mean(), cfg)
-        units = len(residency_sizes(sm.plan, []))
+        units = len(residency_sizes(sm.plan))
         counts, tokens = [], []
         with sm.holding():
             for i in range(3):
@@ -178,8 +179,8 @@ def test_an_enclosing_holding_serves_every_call_until_the_params_change():
 
 def test_with_tensor_parallelism_the_other_data_parallel_groups_idle():
     """dp2 x tp2 at stage 3: the tensor-parallel group of data-parallel rank 0 decodes (its tp ranks
-    hold different slices, so both compute); the other group runs the prompt's forward only and
-    takes the tokens. transformers' tokens on every rank."""
+    hold different slices, so both compute); the other group makes the prompt's gathers without a
+    forward and takes the tokens. transformers' tokens on every rank."""
     eos, want, _ = reference("llama")
     cfg = config(4, tp=2)
 
@@ -193,4 +194,4 @@ def test_with_tensor_parallelism_the_other_data_parallel_groups_idle():
 
     for r, (tokens, ran, dp_rank) in enumerate(simulated_world(4).run(rank)):
         assert torch.equal(tokens, want), r
-        assert ran == (want.shape[1] - IDS.shape[1] if dp_rank == 0 else 1), (r, dp_rank, ran)
+        assert ran == (want.shape[1] - IDS.shape[1] if dp_rank == 0 else 0), (r, dp_rank, ran)

@@ -99,7 +99,13 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
     step_mask = None if mask is None or bool((mask == 1).all()) else mask
     eos = torch.tensor(settings.eos_token_ids, dtype=torch.long, device=ids.device)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
-    seq, idle = ids, False
+    # A rank that will not decode makes the gathers of the prompt's forward without running it, when
+    # those are all it takes (on a shared machine its compute slowed the chooser's gathers).
+    seq, idle = ids, sm.comm.rank != 0 and _no_forward_collective(sm) and sm.gather_held(params)
+    if idle:
+        cache = None
+        if own:  # an enclosing `sm.holding()` keeps them: every rank must hold alike for the next call
+            held.release()
     for step in range(settings.max_new_tokens):
         feed = seq if cache is None or step == 0 else seq[:, -1:]
         held.last_forward = step == settings.max_new_tokens - 1  # nothing to fetch ahead for a next token
@@ -113,7 +119,7 @@ def _decode(sm, params: dict, ids: torch.Tensor, mask: torch.Tensor | None, sett
             logits = _full_vocab(sm, calls.last_logits(out))
             del out  # the prefill's whole-sequence logits are not kept into the next token
         tokens = _agreed_tokens(sm, logits, ids.shape[0], ids.device, settings, generator)
-        if step == 0 and _may_idle(sm, held):
+        if step == 0 and not idle and _may_idle(sm, held):
             idle, cache = True, None
             if own:  # an enclosing `sm.holding()` keeps them: every rank must hold alike for the next call
                 held.release()
@@ -177,8 +183,12 @@ def _may_idle(sm, held) -> bool:
     held, no expert-parallel units), so its forward would only repeat that rank's work (with tensor
     parallelism, its whole tensor-parallel group idles alike). On a shared memory bus a second
     reader of the whole model per token slows the chooser's."""
-    if sm.comm.rank == 0 or not held.complete:
-        return False
+    return sm.comm.rank != 0 and held.complete and _no_forward_collective(sm)
+
+
+def _no_forward_collective(sm) -> bool:
+    """Whether a forward whose units are all held makes no data-parallel collective: no
+    expert-parallel units (their all-to-alls span the data-parallel ranks)."""
     return not any(u.is_expert for u in sm.plan.units)
 
 

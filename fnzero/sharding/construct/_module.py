@@ -17,9 +17,9 @@ from ..comm import Collectives
 from ._initial import InitialValues, is_released
 from ..zero import (
     ShardSource, ShardSources, held, sources_of, ShardPolicy, ROOT_UNIT, ShardPlan, UnitPlan, comm_for,
-    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls, HeldUnits,
-    residency_sizes,
+    non_persistent_buffers, ambient, within, ApplyRun, GatherSchedule, unit_views, compile_unit_calls,
 )
+from ._holding import HoldsGatheredUnits
 from ..tp import vocab_parallel_cross_entropy
 from ..sp import tiled_causal_lm_loss
 from ...optim import config_optimizer
@@ -39,7 +39,7 @@ def full_unit(unit: UnitPlan, t: torch.Tensor, comm) -> torch.Tensor:
     )
 
 
-class ShardedModule:
+class ShardedModule(HoldsGatheredUnits):
     """A model whose trainable parameters are laid out by a ShardPlan (made by `fnzero.shard`, which
     releases the model's parameter storage: `specs/sharding.md` §Apply): `apply` runs the forward with
     `params`, `init_state` builds this rank's initial TrainState, `gather` consolidates parameters."""
@@ -114,20 +114,6 @@ class ShardedModule:
             "cross_entropy": lambda logits, y: self.cross_entropy(logits, y, ignore_index=ignore_index,
                                                                    reduction="sum")})
 
-    @contextlib.contextmanager
-    def holding(self, max_live_parameters: int | None = None):
-        """Keep stage-3 units gathered across the `torch.no_grad()` applies inside the block (a decode
-        loop: `fnzero.generate` runs in one), as many as fit `max_live_parameters` elements gathered at
-        once (DeepSpeed's `stage3_max_live_parameters`; default the config's, 1e9 without a config),
-        the others gathered per forward with the next one fetched ahead; freed when the block ends
-        (`specs/generation.md` §Residency). Yields the `HeldUnits`."""
-        held = HeldUnits.for_plan(self.plan, self._schedule.forward_order, self.config, max_live_parameters)
-        try:
-            with within(held=held):
-                yield held
-        finally:
-            held.release()
-
     def _run(self, params: dict[str, torch.Tensor], fn, args: tuple, kwargs: dict) -> Any:
         plan = self.plan
         cd = self.policy.compute_dtype
@@ -200,10 +186,7 @@ class ShardedModule:
     def _begin_run(self, params: dict[str, torch.Tensor]) -> tuple[ApplyRun, dict[str, torch.Tensor], Any]:
         """Gather what the root needs, make the run current, enter its saved-tensor hooks."""
         plan = self.plan
-        run = ApplyRun(plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
-                       sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
-                       expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization,
-                       mesh=self.sharding.mesh)  # its MiCS replicas and hpZ group
+        run = self._new_run(params)
         # Units kept gathered (persistent, or stages 0-2) as they are held; the root's sharded
         # parts gathered for the whole forward; the other sharded units when their forward runs.
         fulls = [(u, params[u.name], None) for u in plan.units if not plan.params_sharded(u)]
@@ -223,6 +206,12 @@ class ShardedModule:
             stack.close()
             raise
         return run, tensors, stack
+
+    def _new_run(self, params: dict[str, torch.Tensor]) -> ApplyRun:
+        return ApplyRun(self.plan, self.comm, params, self._schedule if self.policy.prefetch_numel > 0 else None,
+                        sources=sources_of(self.sharding), backward_runs=self._backward_runs, frozen=self._frozen,
+                        expert_comm=self.sharding.expert_comm, quantization=self.sharding.quantization,
+                        mesh=self.sharding.mesh)  # its MiCS replicas and hpZ group
 
     @torch.compiler.disable
     def _end_run(self, run: ApplyRun, stack: Any) -> None:

@@ -51,7 +51,7 @@ class HeldUnits:
         self.planned = plan_residency(sizes, self.budget)
         self.order = [k for k, _ in sizes if k in self.planned]  # the planned keys in forward order
         self._all = frozenset(k for k, _ in sizes)
-        self._plans_all = self.planned == self._all
+        self.plans_all = self.planned == self._all  # every unit planned: the same answer on every rank
         # key -> (full buffer, the shard it was gathered from, that shard's version then)
         self._full: dict[Hashable, tuple[torch.Tensor, torch.Tensor, int]] = {}
         # key -> (a started gather (`Collectives.all_gather_async`), its shard, the shard's version)
@@ -62,19 +62,30 @@ class HeldUnits:
         self.started = 0  # gathers started ahead of their forward (a count, for tests and benchmarks)
 
     @classmethod
-    def for_plan(cls, plan, order: Sequence[str], config, budget: int | None) -> "HeldUnits":
-        """A holder for `plan`'s units (`order`: the last forward's) within `budget` elements, by
-        default the `config`'s `stage3_max_live_parameters` (DeepSpeed's 1e9 without a config)."""
+    def for_plan(cls, plan, config, budget: int | None) -> "HeldUnits":
+        """A holder for `plan`'s units within `budget` elements, by default the `config`'s
+        `stage3_max_live_parameters` (DeepSpeed's 1e9 without a config)."""
         if budget is None:
             budget = config.zero_optimization.stage3_max_live_parameters if config is not None else 1_000_000_000
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise ShardingError(f"max_live_parameters must be a whole number of elements >= 0, got {budget!r}")
-        return cls(residency_sizes(plan, order), budget)
+        return cls(residency_sizes(plan), budget)
 
     @property
     def complete(self) -> bool:
         """Every sharded unit is held: a forward under this holder moves nothing."""
-        return self._plans_all and len(self._full) == len(self._all)
+        return self.plans_all and len(self._full) == len(self._all)
+
+    def gathers_alone(self, params: dict, frozen: dict) -> bool:
+        """Whether `start_planned` alone issues every gather a forward would: every unit planned and
+        its shard in memory (a shard in a store is gathered in the forward's order instead)."""
+        return self.plans_all and not any(is_placeholder((frozen if f else params)[name]) for name, f in self.order)
+
+    def settle(self) -> None:
+        """Wait every gather started ahead and hold what it brought (the planned units)."""
+        pending, self._pending = self._pending, {}
+        for key, (p, shard, _) in pending.items():
+            self.offer(key, p.wait(), shard)
 
     def get(self, key: Hashable, shard: torch.Tensor) -> torch.Tensor | None:
         """The held buffer of `key` if it was gathered from `shard` as it is now (the same tensor, not
@@ -146,10 +157,11 @@ def next_to_prefetch(order_next, first: str | None, name: str, steps: int, skip)
     return None, False
 
 
-def residency_sizes(plan, order: Sequence[str]) -> list[tuple[tuple[str, bool], int]]:
-    """((unit name, is frozen), elements) of every part a stage-3 forward gathers: in `order` (the
-    last forward's), then the rest in the plan's, the root first (it serves the whole forward)."""
-    names = dict.fromkeys([ROOT_UNIT, *order, *(u.name for u in (*plan.units, *plan.frozen_units))])
+def residency_sizes(plan) -> list[tuple[tuple[str, bool], int]]:
+    """((unit name, is frozen), elements) of every part a stage-3 forward gathers, the root first (it
+    serves the whole forward), then in the plan's order: the same on every rank, whatever forwards
+    each ran (a rank that does not decode records none), so their gathers match."""
+    names = dict.fromkeys([ROOT_UNIT, *(u.name for u in (*plan.units, *plan.frozen_units))])
     out = []
     for name in names:
         for unit, frozen in ((plan.trainable_unit(name), False), (plan.frozen_unit(name), True)):

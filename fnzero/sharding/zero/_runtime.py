@@ -205,6 +205,10 @@ class ApplyRun:
 
     @torch.compiler.disable
     def finish_forward(self, out: Any) -> None:
+        if self.held is not None and self.held.plans_all:
+            # No order recorded: under a holder of every unit some ranks run no forward (`fnzero.generate`),
+            # and a recorded order decides later gathers (prefetch, units kept): every rank keeps its own alike.
+            return
         if self.schedule is not None and self.order:
             self.schedule.record_forward(self.order)
             # The first re-gather starts with the output's gradient, not during the loss (the
