@@ -23,9 +23,10 @@ __all__ = ["HeldUnits", "next_to_prefetch", "plan_residency", "prefetch_held", "
 
 
 def plan_residency(sizes: Sequence[tuple[Hashable, int]], budget: int) -> frozenset:
-    """Which units to hold, from `sizes` ((key, elements) in forward order) and `budget` elements.
+    """Which units to hold, from `sizes` ((key, elements), in the order of `residency_sizes`) and
+    `budget` elements.
 
-    Every unit when they all fit. Otherwise units in forward order, each held if the held ones, it,
+    Every unit when they all fit. Otherwise units in that order, each held if the held ones, it,
     and the largest unit left to stream still fit: so held + the unit being streamed never exceeds
     the budget. Pure and deterministic: every rank plans the same residency (their collectives match).
     """
@@ -49,7 +50,7 @@ class HeldUnits:
     def __init__(self, sizes: Sequence[tuple[Hashable, int]], budget: int):
         self.budget = int(budget)
         self.planned = plan_residency(sizes, self.budget)
-        self.order = [k for k, _ in sizes if k in self.planned]  # the planned keys in forward order
+        self.order = [k for k, _ in sizes if k in self.planned]  # the planned keys, in `sizes`' order
         self._all = frozenset(k for k, _ in sizes)
         self.plans_all = self.planned == self._all  # every unit planned: the same answer on every rank
         # key -> (full buffer, the shard it was gathered from, that shard's version then)
@@ -172,8 +173,8 @@ def residency_sizes(plan) -> list[tuple[tuple[str, bool], int]]:
 
 # -- what an apply run does under a holder (`_runtime.ApplyRun`, which calls these with itself) --------
 def start_planned(run) -> None:
-    """Start at once the gathers of the planned units the run's holder does not hold yet, in forward
-    order: they fit the budget together, and the forward computes while the later ones arrive (the
+    """Start at once the gathers of the planned units the run's holder does not hold yet, in the
+    plan's order (the root first): they fit the budget together, and the forward computes while the later ones arrive (the
     first forward of a decode, or one after the shards changed)."""
     held = run.held
     for key in held.order:
