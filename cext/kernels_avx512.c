@@ -63,6 +63,13 @@ static inline __attribute__((always_inline)) void adam16(const adam_v *k, int l2
     if (o) store16(o + i, pi, out_kind, nt);
 }
 
+/* Elements of scalar head before a 16-bit output streamed with non-temporal stores is cache-line
+ * aligned, or -1 where it is not streamed (under FNZ_NT_MIN elements, or not 2-byte aligned). */
+static inline int64_t nt_head(const uint16_t *o, int64_t n) {
+    if (!o || n < FNZ_NT_MIN || ((uintptr_t)o & 1)) return -1;
+    return (int64_t)((64 - ((uintptr_t)o & 63)) & 63) / 2;
+}
+
 static inline __attribute__((always_inline)) int64_t adam_loop(const adam_v *k, int l2, int kind, float *p,
                                                                 const float *g, float *m, float *v,
                                                                 uint16_t *o, int64_t i, int64_t n, int nt) {
@@ -85,8 +92,8 @@ static int64_t adam(const fnz_coef *c, float *p, const float *g, float *m, float
     /* A 16-bit copy-out larger than the caches is written with non-temporal stores after a scalar
      * head that aligns it to a cache line (the same bits: every level computes each element alike);
      * a small one is better left in cache for whoever reads it next. */
-    if (o && n >= FNZ_NT_MIN && ((uintptr_t)o & 1) == 0) {
-        int64_t head = (int64_t)((64 - ((uintptr_t)o & 63)) & 63) / 2;
+    const int64_t head = nt_head(o, n);
+    if (head >= 0) {
         fnz_loop_scalar(FNZ_K_ADAM, c, p, g, m, v, o, head);
         int64_t i = adam_loop(&k, l2, kind, p, g, m, v, o, head, n, 1);
         _mm_sfence(); /* the streamed lines are visible before this tile is reported done */
@@ -155,8 +162,8 @@ static inline __attribute__((always_inline)) int64_t stream_loop(float *a, const
 
 void fnz_stream_avx512(float *a, const float *b, float *c, float *d, uint16_t *o, int64_t n) {
     int64_t i;
-    if (o && n >= FNZ_NT_MIN && ((uintptr_t)o & 1) == 0) { /* the 16-bit stream as the Adam loop writes it */
-        int64_t head = (int64_t)((64 - ((uintptr_t)o & 63)) & 63) / 2;
+    const int64_t head = nt_head(o, n);
+    if (head >= 0) { /* the 16-bit stream as the Adam loop writes it */
         fnz_loop_stream(a, b, c, d, o, head);
         i = stream_loop(a, b, c, d, o, head, n, 1);
         _mm_sfence();

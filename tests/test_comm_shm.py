@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fnzero
-from fnzero.sharding.comm._shm import SharedMemoryAllReduce, shared_memory_enabled
+from fnzero.sharding.comm._shm import SharedSegment, shared_memory_enabled
 from fnzero.testing import run_world
 
 pytestmark = pytest.mark.skipif(not shared_memory_enabled(), reason="the shared-memory path is x86-64 with /dev/shm")
@@ -79,13 +79,13 @@ def test_small_collectives_go_through_shared_memory_with_the_rank_order_sum(worl
 
 def _segment(tmp_path, world: int) -> torch.Tensor:
     return torch.from_file(str(tmp_path / "segment"), shared=True, dtype=torch.uint8,
-                           size=SharedMemoryAllReduce.segment_bytes(world, 4096))  # fmt: skip
+                           size=SharedSegment.segment_bytes(world, 4096))  # fmt: skip
 
 
 def test_a_peer_that_exited_is_named_within_a_second_or_two(tmp_path):
     """Rank 0 of a two-rank segment whose rank 1 is a process that has ended: its all-reduce raises
     a DistributedError naming rank 1 (the fault), not a hang."""
-    shm = SharedMemoryAllReduce(_segment(tmp_path, 2), 0, 2, capacity=4096)
+    shm = SharedSegment(_segment(tmp_path, 2), 0, 2, capacity=4096)
     gone = subprocess.Popen(["true"])
     gone.wait()
     shm.pids[1] = gone.pid
@@ -99,12 +99,12 @@ def test_a_late_peer_is_named_at_the_timeout_and_a_punctual_one_is_summed(tmp_pa
     """Rank 1 alive but absent: named after `timeout_s`. Then rank 1 publishes (a second mapping of
     the same segment, as another process would): rank 0's next call sums both."""
     seg = _segment(tmp_path, 2)
-    rank0 = SharedMemoryAllReduce(seg, 0, 2, capacity=4096, timeout_s=0.3)
+    rank0 = SharedSegment(seg, 0, 2, capacity=4096, timeout_s=0.3)
     rank0.pids[1] = os.getpid()
     with pytest.raises(fnzero.DistributedError, match=r"rank\(s\) \[1\] did not arrive within") as e:
         rank0.start(torch.ones(3)).wait()
     assert e.value.ranks == (1,)
-    rank1 = SharedMemoryAllReduce(_segment(tmp_path, 2), 1, 2, capacity=4096)
+    rank1 = SharedSegment(_segment(tmp_path, 2), 1, 2, capacity=4096)
     rank1.start(torch.full((3,), 5.0))  # call 1 (late)
     pending1 = rank1.start(torch.full((3,), 2.0))  # call 2, parity 0
     assert torch.equal(rank0.start(torch.ones(3)).wait(), torch.full((3,), 3.0))

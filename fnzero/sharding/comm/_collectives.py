@@ -15,7 +15,7 @@ from ..._errors import DistributedError
 from ._all_to_all import gathered_all_to_all, resolve_splits
 from ._direct import start_direct_all_gather, start_direct_reduce_scatter
 from ._failure import explain_failure
-from ._shm import CAPACITY as _SHM_CAPACITY, SharedMemoryAllReduce
+from ._shm import CAPACITY as _SHM_CAPACITY, SharedSegment
 from ._watchdog import process_watchdog
 
 __all__ = [
@@ -216,7 +216,7 @@ class ProcessGroupCollectives:
         )
         # Small all-reduces among one host's gloo ranks go through shared memory (`_shm.py`):
         # None until the first one decides, False where the ranks cannot share a segment.
-        self._shm: SharedMemoryAllReduce | None | bool = None if self._direct else False
+        self._shm: SharedSegment | None | bool = None if self._direct else False
 
     def _use_direct(self, t: torch.Tensor) -> bool:
         return self._direct and t.device.type == "cpu"
@@ -265,7 +265,7 @@ class ProcessGroupCollectives:
         return self._start("reduce_scatter", lambda: PendingTensor(out, _KeepAlive(
             dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True), full)), label)
 
-    def _shared_memory(self, t: torch.Tensor) -> SharedMemoryAllReduce | None:
+    def _shared_memory(self, t: torch.Tensor) -> SharedSegment | None:
         """The group's shared segment for this blocking all-reduce or all-gather, if it may take it: a
         CPU tensor of at most 1 MiB (the same answer on every rank: their tensors match); made at the
         first such call."""
@@ -273,22 +273,20 @@ class ProcessGroupCollectives:
                 or t.is_complex():  # fmt: skip
             return None
         if self._shm is None:
-            self._shm = SharedMemoryAllReduce.open(self) or False
+            self._shm = SharedSegment.open(self) or False
         return self._shm or None
 
-    def _gloo_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """A sum over the group through gloo itself (the shared segment's own agreement)."""
+    def _gloo_all_reduce(self, t: torch.Tensor, op: str = _SUM) -> torch.Tensor:
+        """`all_reduce` through gloo itself (also the shared segment's own agreement)."""
         out = t.clone()
         return self._start("all_reduce", lambda: PendingTensor(
-            out, dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True))).wait()
+            out, dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group, async_op=True))).wait()
 
     def all_reduce(self, t, op=_SUM):
         shm = self._shared_memory(t) if op == _SUM else None
         if shm is not None:
             return self._start("all_reduce", lambda: shm.start(t)).wait()
-        out = t.clone()
-        return self._start("all_reduce", lambda: PendingTensor(
-            out, dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.group, async_op=True))).wait()
+        return self._gloo_all_reduce(t, op)
 
     def all_reduce_async(self, t, donate: bool = False, label: str = ""):
         # donate=True: the caller gives `t` up, so it is reduced in place (no copy of the gradient).

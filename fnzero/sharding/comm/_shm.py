@@ -28,7 +28,7 @@ import torch
 
 from ..._errors import DistributedError
 
-__all__ = ["SharedMemoryAllReduce", "shared_memory_enabled"]
+__all__ = ["SharedSegment", "shared_memory_enabled"]
 
 LINE = 64  # bytes: each rank's flags on a cache line of their own
 CAPACITY = 1 << 20  # bytes per slot: larger all-reduces go to gloo (its bandwidth, not its latency)
@@ -41,8 +41,9 @@ def shared_memory_enabled() -> bool:
             and os.environ.get("FNZERO_GLOO_SHM", "1") != "0")
 
 
-class SharedMemoryAllReduce:
-    """The segment of one group, mapped on this rank; `all_reduce(t)` is the blocking sum."""
+class SharedSegment:
+    """One group's segment, mapped on this rank: `start(t)` publishes this rank's part of a call,
+    whose `wait()` is the sum (or the concatenation) once every rank has published."""
 
     def __init__(self, segment: torch.Tensor, rank: int, world_size: int, capacity: int = CAPACITY,
                  timeout_s: float = 1800.0):
@@ -51,7 +52,7 @@ class SharedMemoryAllReduce:
         flags = segment[: LINE * world_size].view(torch.int64).view(world_size, LINE // 8)
         self.count, self.pids = flags[:, 0], flags[:, 1]
         self.slots = segment[LINE * world_size:].view(2, world_size, capacity)
-        self.calls = 0  # this rank's all-reduces through the segment
+        self.calls = 0  # this rank's calls through the segment
         self.pids[rank] = os.getpid()
 
     @staticmethod
@@ -59,7 +60,7 @@ class SharedMemoryAllReduce:
         return LINE * world_size + 2 * world_size * capacity
 
     @classmethod
-    def open(cls, comm, capacity: int = CAPACITY) -> "SharedMemoryAllReduce | None":
+    def open(cls, comm, capacity: int = CAPACITY) -> "SharedSegment | None":
         """The group's segment, made by every rank of `comm` (a collective over its gloo group); None
         on every rank when some rank cannot map it (another host, another /dev/shm, the path off)."""
         ok = shared_memory_enabled()
@@ -117,9 +118,9 @@ class SharedMemoryAllReduce:
             time.sleep(5e-5 if now - start < 0.1 else 1e-3)
             if now - checked > min(1.0, self.timeout_s):
                 checked = now
-                self._check_peers(seq, now - start, self.timeout_s)
+                self._check_peers(seq, now - start)
 
-    def _check_peers(self, seq: int, waited: float, timeout_s: float) -> None:
+    def _check_peers(self, seq: int, waited: float) -> None:
         late = [r for r in range(self.world_size) if int(self.count[r]) < seq]
         for r in late:
             pid = int(self.pids[r])
@@ -131,10 +132,9 @@ class SharedMemoryAllReduce:
                     "first, see its own error", ranks=[r]) from None
             except PermissionError:
                 pass
-        if waited > timeout_s:
+        if waited > self.timeout_s:
             raise DistributedError(f"shared-memory all_reduce #{seq}: rank(s) {late} did not arrive within "
-                                   f"{timeout_s:.0f} s", ranks=late)
-
+                                   f"{self.timeout_s:.0f} s", ranks=late)
 
 
 class _Published:
@@ -143,7 +143,7 @@ class _Published:
 
     __slots__ = ("_shm", "_seq", "_parts", "_shape")
 
-    def __init__(self, shm: SharedMemoryAllReduce, seq: int, parts: list, shape):
+    def __init__(self, shm: SharedSegment, seq: int, parts: list, shape):
         self._shm, self._seq, self._parts, self._shape = shm, seq, parts, shape
 
     def wait(self) -> torch.Tensor:

@@ -95,7 +95,7 @@ class HeldUnits:
         entry = self._full.get(key)
         if entry is None:
             return None
-        if entry[1] is shard and entry[2] == shard._version:
+        if _current(entry, shard):
             return entry[0]
         del self._full[key]
         self.numel -= entry[0].numel()
@@ -122,7 +122,7 @@ class HeldUnits:
         entry = self._pending.pop(key, None)
         if entry is None:
             return None
-        if entry[1] is shard and entry[2] == shard._version:
+        if _current(entry, shard):
             return entry[0]
         entry[0].wait()
         return None
@@ -138,6 +138,12 @@ class HeldUnits:
             p.wait()
         self._full.clear()
         self.numel = 0
+
+
+def _current(entry: tuple, shard: torch.Tensor) -> bool:
+    """Whether a held or pending `entry` (value, its shard, that shard's version) came from `shard`
+    as it is now."""
+    return entry[1] is shard and entry[2] == shard._version
 
 
 def next_to_prefetch(order_next, first: str | None, name: str, steps: int, skip) -> tuple[str | None, bool]:
@@ -174,8 +180,8 @@ def residency_sizes(plan) -> list[tuple[tuple[str, bool], int]]:
 # -- what an apply run does under a holder (`_runtime.ApplyRun`, which calls these with itself) --------
 def start_planned(run) -> None:
     """Start at once the gathers of the planned units the run's holder does not hold yet, in the
-    plan's order (the root first): they fit the budget together, and the forward computes while the later ones arrive (the
-    first forward of a decode, or one after the shards changed)."""
+    plan's order (the root first): they fit the budget together, and the forward computes while the
+    later ones arrive (the first forward of a decode, or one after the shards changed)."""
     held = run.held
     for key in held.order:
         name, frozen = key
